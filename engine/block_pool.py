@@ -1,0 +1,216 @@
+"""Physical KV blocks: reference counts, the free queue, and the prefix-cache map.
+
+BlockPool is the only owner of a block's ref_cnt, hash and place in the free queue.
+The free queue is in eviction order: the head is taken first. A freed block without a
+hash goes to the head (nothing is lost by reusing it); a freed cached block goes to the
+tail, so cached blocks are evicted least-recently-freed first. A cached block stays in
+the hash map at ref_cnt 0 until its slot is taken for something else (lazy eviction),
+and a prefix hit takes it back out of the middle of the queue in O(1).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+from engine.block_hash import BlockHash, short
+from engine.events import EventLog
+
+
+@dataclass(slots=True, eq=False)
+class KVBlock:
+    block_id: int
+    ref_cnt: int = 0  # holders: block tables plus one for a pin
+    block_hash: BlockHash | None = None  # set while the block is in the prefix-cache map
+    pinned: bool = False  # a pin holds one reference; pinned blocks are never evicted
+    # Free-queue links, owned by FreeBlockQueue; None when not in the queue.
+    prev_free: KVBlock | None = None
+    next_free: KVBlock | None = None
+
+
+class FreeBlockQueue:
+    """Doubly linked list of free blocks with O(1) removal from anywhere."""
+
+    def __init__(self, blocks: Iterable[KVBlock]) -> None:
+        self._head = KVBlock(-1)  # sentinels: never handed out
+        self._tail = KVBlock(-1)
+        self._head.next_free = self._tail
+        self._tail.prev_free = self._head
+        self._len = 0
+        for b in blocks:
+            self.append(b)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self) -> Iterator[KVBlock]:
+        node = self._head.next_free
+        while node is not self._tail:
+            yield node
+            node = node.next_free
+
+    def contains(self, block: KVBlock) -> bool:
+        return block.prev_free is not None
+
+    def popleft(self) -> KVBlock:
+        if self._len == 0:
+            raise IndexError("free queue is empty")
+        block = self._head.next_free
+        self.remove(block)
+        return block
+
+    def append(self, block: KVBlock) -> None:
+        self._link(block, self._tail.prev_free, self._tail)
+
+    def appendleft(self, block: KVBlock) -> None:
+        self._link(block, self._head, self._head.next_free)
+
+    def remove(self, block: KVBlock) -> None:
+        if block.prev_free is None:
+            raise RuntimeError(f"invariant: block {block.block_id} is not in the free queue")
+        block.prev_free.next_free = block.next_free
+        block.next_free.prev_free = block.prev_free
+        block.prev_free = block.next_free = None
+        self._len -= 1
+
+    def _link(self, block: KVBlock, before: KVBlock, after: KVBlock) -> None:
+        if block.prev_free is not None:
+            raise RuntimeError(f"invariant: block {block.block_id} is already in the free queue")
+        block.prev_free, block.next_free = before, after
+        before.next_free = block
+        after.prev_free = block
+        self._len += 1
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_caching: bool, events: EventLog,
+                 pool: str = "gpu") -> None:
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.pool = pool  # "gpu" or "cpu", for events
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached: dict[BlockHash, KVBlock] = {}  # hash -> the one block holding it
+        self._events = events
+
+    # --- queries -------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        """Blocks that can be handed out now (free, including cached at ref 0)."""
+        return len(self.free_queue)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free / self.num_blocks if self.num_blocks else 0.0
+
+    def get_cached(self, block_hash: BlockHash) -> KVBlock | None:
+        return self.cached.get(block_hash)
+
+    def eviction_order(self, k: int) -> list[int]:
+        """Ids of the next k blocks to be taken (cached ones among them lose their data)."""
+        out = []
+        for block in self.free_queue:
+            if len(out) == k:
+                break
+            out.append(block.block_id)
+        return out
+
+    # --- allocation ------------------------------------------------------------------
+    def take_new(self, n: int) -> list[KVBlock]:
+        """Take n blocks from the head of the free queue, evicting cached data lazily.
+
+        The caller checks num_free first; asking for too many is a broken invariant.
+        """
+        if n > self.num_free:
+            raise RuntimeError(f"invariant: asked {self.pool} pool for {n} blocks, {self.num_free} free")
+        taken, evicted = [], []
+        for _ in range(n):
+            block = self.free_queue.popleft()
+            if block.block_hash is not None:
+                evicted.append((block.block_id, block.block_hash))
+                self._drop_hash(block)
+            block.ref_cnt = 1
+            taken.append(block)
+        if evicted:
+            self._events.emit("BlockEvicted", pool=self.pool, detail="reuse",
+                              block_ids=[b for b, _ in evicted],
+                              block_hashes=[short(h) for _, h in evicted],
+                              ref_cnts=[0] * len(evicted))
+        return taken
+
+    def touch(self, blocks: Iterable[KVBlock]) -> None:
+        """Add a reference to each block (a prefix hit), reviving ref-0 cached blocks."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
+
+    def free(self, blocks: Iterable[KVBlock]) -> None:
+        """Drop one reference from each block, in the order given."""
+        for block in blocks:
+            if block.ref_cnt <= 0:
+                raise RuntimeError(f"invariant: {self.pool} block {block.block_id} freed twice")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                if block.block_hash is None:
+                    self.free_queue.appendleft(block)
+                else:
+                    self.free_queue.append(block)
+
+    # --- prefix cache ----------------------------------------------------------------
+    def cache(self, block: KVBlock, block_hash: BlockHash) -> bool:
+        """Register a full block under its hash. False if the hash is already cached
+        (the block then stays uncached: one block per hash) or caching is off."""
+        if not self.enable_caching or block_hash in self.cached or block.block_hash is not None:
+            return False
+        block.block_hash = block_hash
+        self.cached[block_hash] = block
+        return True
+
+    def evict(self, n: int | None = None) -> list[KVBlock]:
+        """Drop the data of up to n ref-0 cached blocks (all if None), LRU first.
+
+        The blocks move to the head of the free queue, as any uncached free block.
+        """
+        victims = []
+        for block in self.free_queue:
+            if n is not None and len(victims) == n:
+                break
+            if block.block_hash is not None:
+                victims.append(block)
+        for block in victims:
+            self._drop_hash(block)
+            self.free_queue.remove(block)
+            self.free_queue.appendleft(block)
+        return victims
+
+    def forget_all_hashes(self) -> int:
+        """Reset: no block is findable by hash any more. Returns how many were cached."""
+        n = len(self.cached)
+        for block in list(self.cached.values()):
+            self._drop_hash(block)
+            if block.ref_cnt == 0:  # now an uncached free block: reuse it first
+                self.free_queue.remove(block)
+                self.free_queue.appendleft(block)
+        return n
+
+    def _drop_hash(self, block: KVBlock) -> None:
+        if self.cached.get(block.block_hash) is not block:
+            raise RuntimeError(f"invariant: block {block.block_id} hash not in the map")
+        del self.cached[block.block_hash]
+        block.block_hash = None
+
+    # --- pins ------------------------------------------------------------------------
+    def pin(self, block: KVBlock) -> bool:
+        """Hold one reference for a pin. False if the block was pinned already."""
+        if block.pinned:
+            return False
+        self.touch([block])
+        block.pinned = True
+        return True
+
+    def unpin(self, block: KVBlock) -> bool:
+        if not block.pinned:
+            return False
+        block.pinned = False
+        self.free([block])
+        return True

@@ -1,0 +1,71 @@
+"""Engine configuration (the public contract in DESIGN.md)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.errors import EngineError
+
+PREEMPTION_MODES = ("recompute", "swap")
+SCHEDULING_POLICIES = ("fcfs", "priority")
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
+
+class ConfigError(EngineError, ValueError):
+    """An EngineConfig field has a value the engine cannot use."""
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str | None = None  # HF folder; None: the converted default model (unless simulate)
+    block_size: int = 16  # tokens per KV block
+    num_gpu_blocks: int | None = None  # None: sized from memory (real model) or 4096 (simulate)
+    num_cpu_blocks: int | None = None  # swap pool; None: half the GPU pool
+    max_num_seqs: int = 256  # most requests in one batch
+    max_num_batched_tokens: int = 2048  # token budget of one step
+    max_model_len: int | None = None  # None: the model's own limit (simulate: 4096)
+    enable_prefix_caching: bool = True
+    preemption_mode: str = "recompute"  # what the scheduler does when blocks run out
+    scheduling_policy: str = "fcfs"  # "priority": lower value runs first
+    device: str = "auto"
+    dtype: str = "auto"
+    attention_backend: str = "auto"
+    seed: int = 0
+    simulate: bool = False  # run the real scheduler/KV manager with a stand-in model
+    vocab_size: int = 32000  # simulate only: the stand-in model's vocabulary
+    gpu_memory_utilization: float = 0.9  # CUDA: fraction of device memory the engine may use
+    kv_cache_memory_bytes: int | None = None  # CPU: bytes for the KV pool (None: 512 MiB)
+    name: str = "default"  # engine name, shown in snapshots
+    max_pending_events: int = 100_000  # KV events kept for take_events(); oldest dropped
+
+    def __post_init__(self) -> None:
+        _check(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0
+               and self.block_size <= 128,
+               f"block_size must be a power of two in [1, 128], got {self.block_size}")
+        _check(self.num_gpu_blocks is None or self.num_gpu_blocks >= 1,
+               f"num_gpu_blocks must be >= 1 or None, got {self.num_gpu_blocks}")
+        _check(self.num_cpu_blocks is None or self.num_cpu_blocks >= 0,
+               f"num_cpu_blocks must be >= 0 or None, got {self.num_cpu_blocks}")
+        _check(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
+        _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1")
+        _check(self.max_model_len is None or self.max_model_len >= 2,
+               "max_model_len must be >= 2 or None")
+        _check(self.preemption_mode in PREEMPTION_MODES,
+               f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        _check(self.scheduling_policy in SCHEDULING_POLICIES,
+               f"scheduling_policy must be one of {SCHEDULING_POLICIES}")
+        _check(self.device in DEVICES, f"device must be one of {DEVICES}, got {self.device!r}")
+        _check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        _check(self.attention_backend in ATTENTION_BACKENDS,
+               f"attention_backend must be one of {ATTENTION_BACKENDS}")
+        _check(self.vocab_size >= 2, "vocab_size must be >= 2")
+        _check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]")
+        _check(self.max_pending_events >= 0, "max_pending_events must be >= 0")
+        if self.preemption_mode == "swap" and self.num_cpu_blocks == 0:
+            raise ConfigError("preemption_mode='swap' needs num_cpu_blocks > 0")
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)

@@ -1,0 +1,60 @@
+"""KV events: what happened to blocks and requests, for the dashboard's event log
+and for a router that mirrors an engine's prefix cache."""
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import asdict, dataclass, field
+
+EVENT_TYPES = (
+    "BlockStored",  # blocks registered in the prefix cache (hashes now findable)
+    "BlockRemoved",  # a request released blocks (ref counts after the release)
+    "BlockEvicted",  # cached hashes left the cache (slot reused, operator evict)
+    "PrefixHit",  # a request found cached blocks at admission or swap-in
+    "Preempted",  # a request lost its GPU blocks and will recompute
+    "SwappedOut",  # GPU blocks copied to the CPU pool and freed
+    "SwappedIn",  # CPU blocks copied back to the GPU pool
+    "AllBlocksCleared",  # the prefix cache was reset
+    "Pinned",  # blocks pinned (one reference held by the pin)
+    "Unpinned",
+    "Finished",  # a request ended (finish reason in detail)
+)
+
+
+@dataclass(slots=True)
+class KVEvent:
+    type: str  # one of EVENT_TYPES
+    step: int  # engine step during or after which it happened
+    ts: float  # wall-clock seconds
+    request_id: str | None = None
+    pool: str = "gpu"  # "gpu" or "cpu": which pool block_ids refer to
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[str] = field(default_factory=list)  # short hex, same order as block_ids
+    ref_cnts: list[int] = field(default_factory=list)  # after the event, same order
+    num_tokens: int | None = None  # tokens covered (hits, stored prefix)
+    detail: str | None = None  # reason or extra words (e.g. finish reason, "operator")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class EventLog:
+    """Bounded buffer of events; the engine drains it with take()."""
+
+    def __init__(self, maxlen: int) -> None:
+        self.step = 0  # owned by LLMEngine: the step now running
+        self._events: collections.deque[KVEvent] = collections.deque(maxlen=maxlen or None)
+        self._enabled = maxlen > 0
+        self.num_dropped = 0  # events pushed out by the bound before anyone took them
+
+    def emit(self, type: str, **fields) -> None:
+        if not self._enabled:
+            return
+        if len(self._events) == self._events.maxlen:
+            self.num_dropped += 1
+        self._events.append(KVEvent(type=type, step=self.step, ts=time.time(), **fields))
+
+    def take(self) -> list[KVEvent]:
+        out = list(self._events)
+        self._events.clear()
+        return out

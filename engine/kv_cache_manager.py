@@ -1,0 +1,281 @@
+"""Per-request block tables on the GPU pool and the CPU swap pool.
+
+KVCacheManager answers "can this request get slots for n more tokens?" with blocks or
+None. It never chooses a victim: the Scheduler does. It owns the block tables and the
+prefix-cache bookkeeping (which of a request's blocks were offered to the cache, and
+the hit/query counters).
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from engine.block_hash import BlockHash, short
+from engine.block_pool import BlockPool, KVBlock
+from engine.events import EventLog
+from engine.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(slots=True)
+class PrefixMatch:
+    """Cached blocks found for a request about to be admitted."""
+    blocks: list[KVBlock]  # leading cached blocks, in table order
+    num_computed_tokens: int  # tokens they cover, capped so the last token is computed
+    cow: bool  # the last matched block will be written (copy it first)
+
+
+@dataclass(slots=True)
+class Allocation:
+    """What allocate_slots did, for the model runner."""
+    new_blocks: list[KVBlock] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) copy-on-write
+
+
+@dataclass(slots=True)
+class SwapResult:
+    mapping: list[tuple[int, int]]  # (src block, dst block) to copy, src pool -> dst pool
+    num_hit_blocks: int = 0  # swap-in only: blocks found in the prefix cache, not copied
+
+
+class KVCacheManager:
+    def __init__(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int,
+                 enable_caching: bool, events: EventLog) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.gpu = BlockPool(num_gpu_blocks, enable_caching, events, "gpu")
+        self.cpu = BlockPool(num_cpu_blocks, False, events, "cpu")
+        self.req_to_blocks: dict[str, list[KVBlock]] = {}  # GPU block table
+        self.req_to_cpu_blocks: dict[str, list[KVBlock]] = {}  # CPU table while swapped
+        self._num_offered: dict[str, int] = {}  # leading blocks already offered to the cache
+        self.prefix_cache_queries = 0  # prompt tokens looked up (tokens)
+        self.prefix_cache_hits = 0  # of which found cached (tokens)
+        self._events = events
+
+    # --- admission -------------------------------------------------------------------
+    def find_prefix(self, request: Request) -> PrefixMatch:
+        """Longest run of cached blocks for the request's tokens (not yet referenced)."""
+        if not self.enable_caching:
+            return PrefixMatch([], 0, False)
+        blocks = []
+        for block_hash in request.block_hashes:
+            block = self.gpu.get_cached(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        covered = len(blocks) * self.block_size
+        # A hit always leaves the last token to compute (its logits are needed). When the
+        # hit covers every token, that token is rewritten in the last matched block.
+        num_computed = min(covered, request.num_tokens - 1)
+        return PrefixMatch(blocks, num_computed, cow=covered > num_computed)
+
+    def record_prefix_query(self, request: Request, match: PrefixMatch) -> None:
+        self.prefix_cache_queries += request.num_tokens
+        self.prefix_cache_hits += match.num_computed_tokens
+        if match.num_computed_tokens:
+            self._events.emit("PrefixHit", request_id=request.request_id,
+                              block_ids=[b.block_id for b in match.blocks],
+                              block_hashes=[short(b.block_hash) for b in match.blocks],
+                              ref_cnts=[b.ref_cnt for b in match.blocks],
+                              num_tokens=match.num_computed_tokens)
+
+    # --- allocation ------------------------------------------------------------------
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       match: PrefixMatch | None = None) -> Allocation | None:
+        """Give the request room for num_new_tokens more tokens after its computed ones.
+
+        On admission, `match` (from find_prefix) holds the cached blocks to reuse and
+        request.num_computed_tokens must already count them. Returns None, changing
+        nothing, when the GPU pool has too few free blocks.
+        """
+        rid = request.request_id
+        table = self.req_to_blocks.get(rid, [])
+        reuse: list[KVBlock] = []
+        cow_src: KVBlock | None = None
+        if match is not None and match.blocks:
+            if table:
+                raise RuntimeError(f"invariant: prefix match for {rid}, which holds blocks")
+            reuse = list(match.blocks)
+            if match.cow:
+                cow_src = reuse.pop()
+        total_tokens = request.num_computed_tokens + num_new_tokens
+        num_new_blocks = cdiv(total_tokens, self.block_size) - len(table) - len(reuse)
+        num_revived = sum(1 for b in reuse if b.ref_cnt == 0)
+        if num_new_blocks + num_revived > self.gpu.num_free:
+            return None
+
+        self.gpu.touch(reuse)
+        new_blocks = self.gpu.take_new(max(num_new_blocks, 0))
+        table = self.req_to_blocks.setdefault(rid, table)
+        table.extend(reuse)
+        table.extend(new_blocks)
+        if rid not in self._num_offered:
+            self._num_offered[rid] = len(reuse)
+        result = Allocation(new_blocks=new_blocks)
+        if cow_src is not None and cow_src is not new_blocks[0]:
+            result.copies.append((cow_src.block_id, new_blocks[0].block_id))
+        self._offer_to_cache(request, total_tokens)
+        return result
+
+    def _offer_to_cache(self, request: Request, num_tokens: int) -> None:
+        """Register the request's blocks that will be full after num_tokens are computed."""
+        if not self.enable_caching:
+            return
+        rid = request.request_id
+        table = self.req_to_blocks[rid]
+        start = self._num_offered[rid]
+        end = min(num_tokens // self.block_size, len(request.block_hashes))
+        stored = []
+        for i in range(start, end):
+            if self.gpu.cache(table[i], request.block_hashes[i]):
+                stored.append(table[i])
+        self._num_offered[rid] = max(start, end)
+        if stored:
+            self._events.emit("BlockStored", request_id=rid,
+                              block_ids=[b.block_id for b in stored],
+                              block_hashes=[short(b.block_hash) for b in stored],
+                              ref_cnts=[b.ref_cnt for b in stored],
+                              num_tokens=end * self.block_size)
+
+    def free(self, request: Request) -> None:
+        """Release the request's GPU blocks, last block first (so a chain's tail is
+        evicted before its head), and any CPU blocks it holds."""
+        rid = request.request_id
+        self._num_offered.pop(rid, None)
+        table = self.req_to_blocks.pop(rid, [])
+        if table:
+            self.gpu.free(reversed(table))
+            self._events.emit("BlockRemoved", request_id=rid,
+                              block_ids=[b.block_id for b in table],
+                              ref_cnts=[b.ref_cnt for b in table])
+        cpu_table = self.req_to_cpu_blocks.pop(rid, [])
+        if cpu_table:
+            self.cpu.free(reversed(cpu_table))
+            self._events.emit("BlockRemoved", request_id=rid, pool="cpu",
+                              block_ids=[b.block_id for b in cpu_table],
+                              ref_cnts=[b.ref_cnt for b in cpu_table])
+
+    # --- swap --------------------------------------------------------------------------
+    def swap_out(self, request: Request) -> SwapResult | None:
+        """Move the request's GPU blocks to new CPU blocks. None if the CPU pool is short."""
+        rid = request.request_id
+        table = self.req_to_blocks.get(rid, [])
+        if rid in self.req_to_cpu_blocks:
+            raise RuntimeError(f"invariant: {rid} is already swapped out")
+        if len(table) > self.cpu.num_free:
+            return None
+        cpu_blocks = self.cpu.take_new(len(table))
+        mapping = [(g.block_id, c.block_id) for g, c in zip(table, cpu_blocks)]
+        self.req_to_cpu_blocks[rid] = cpu_blocks
+        self._num_offered.pop(rid, None)
+        del self.req_to_blocks[rid]
+        self.gpu.free(reversed(table))  # cached ones stay findable until reused
+        return SwapResult(mapping)
+
+    def swap_in(self, request: Request) -> SwapResult | None:
+        """Bring a swapped request's blocks back to the GPU pool. Leading blocks still in
+        the prefix cache are reused instead of copied. None if the GPU pool is short."""
+        rid = request.request_id
+        cpu_table = self.req_to_cpu_blocks.get(rid)
+        if cpu_table is None:
+            raise RuntimeError(f"invariant: {rid} holds no CPU blocks")
+        hits: list[KVBlock] = []
+        if self.enable_caching:
+            num_full = request.num_computed_tokens // self.block_size
+            for block_hash in request.block_hashes[:num_full]:
+                block = self.gpu.get_cached(block_hash)
+                if block is None:
+                    break
+                hits.append(block)
+        num_new = len(cpu_table) - len(hits)
+        if num_new + sum(1 for b in hits if b.ref_cnt == 0) > self.gpu.num_free:
+            return None
+        self.gpu.touch(hits)
+        new_blocks = self.gpu.take_new(num_new)
+        self.req_to_blocks[rid] = hits + new_blocks
+        mapping = [(c.block_id, g.block_id) for c, g in zip(cpu_table[len(hits):], new_blocks)]
+        del self.req_to_cpu_blocks[rid]
+        self.cpu.free(reversed(cpu_table))
+        self._num_offered[rid] = len(hits)
+        self._offer_to_cache(request, request.num_computed_tokens)
+        return SwapResult(mapping, num_hit_blocks=len(hits))
+
+    # --- operator: evict, reset, pin ------------------------------------------------------
+    def evict(self, n: int | None) -> int:
+        victims = self.gpu.evict(n)
+        if victims:
+            self._events.emit("BlockEvicted", detail="operator",
+                              block_ids=[b.block_id for b in victims],
+                              ref_cnts=[0] * len(victims))
+        return len(victims)
+
+    def reset_prefix_cache(self) -> dict:
+        unpinned = [b for b in self.gpu.blocks if b.pinned]
+        for block in unpinned:
+            self.gpu.unpin(block)
+        n = self.gpu.forget_all_hashes()
+        self._events.emit("AllBlocksCleared", num_tokens=n * self.block_size,
+                          detail=f"{n} cached blocks forgotten, {len(unpinned)} unpinned")
+        return {"num_blocks_forgotten": n, "num_blocks_unpinned": len(unpinned)}
+
+    def cached_chain(self, hashes: list[BlockHash]) -> list[KVBlock]:
+        """Leading blocks of this hash chain that are cached now."""
+        out = []
+        for block_hash in hashes:
+            block = self.gpu.get_cached(block_hash)
+            if block is None:
+                break
+            out.append(block)
+        return out
+
+    def pin(self, blocks: list[KVBlock]) -> list[KVBlock]:
+        newly = [b for b in blocks if self.gpu.pin(b)]
+        if newly:
+            self._events.emit("Pinned", block_ids=[b.block_id for b in newly],
+                              block_hashes=[short(b.block_hash) for b in newly],
+                              ref_cnts=[b.ref_cnt for b in newly])
+        return newly
+
+    def unpin(self, blocks: list[KVBlock]) -> list[KVBlock]:
+        released = [b for b in blocks if self.gpu.unpin(b)]
+        if released:
+            self._events.emit("Unpinned", block_ids=[b.block_id for b in released],
+                              block_hashes=[short(b.block_hash) for b in released],
+                              ref_cnts=[b.ref_cnt for b in released])
+        return released
+
+    # --- introspection ---------------------------------------------------------------
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+
+    def cpu_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_cpu_blocks.get(request_id, ())]
+
+    def check_invariants(self) -> None:
+        """Raise if any bookkeeping invariant is broken (used by tests and debug runs)."""
+        for pool, tables in ((self.gpu, self.req_to_blocks), (self.cpu, self.req_to_cpu_blocks)):
+            holders = Counter(b.block_id for table in tables.values() for b in table)
+            for table in tables.values():
+                if len({b.block_id for b in table}) != len(table):
+                    raise AssertionError(f"invariant: a {pool.pool} block table repeats a block")
+            in_queue = {b.block_id for b in pool.free_queue}
+            if len(in_queue) != len(pool.free_queue):
+                raise AssertionError(f"invariant: {pool.pool} free queue length is wrong")
+            for block in pool.blocks:
+                expected = holders[block.block_id] + (1 if block.pinned else 0)
+                if block.ref_cnt != expected:
+                    raise AssertionError(
+                        f"invariant: {pool.pool} block {block.block_id} ref_cnt {block.ref_cnt} "
+                        f"!= {expected} holders")
+                if (block.ref_cnt == 0) != (block.block_id in in_queue):
+                    raise AssertionError(
+                        f"invariant: {pool.pool} block {block.block_id} is free iff ref_cnt 0")
+            if len(in_queue) + sum(1 for b in pool.blocks if b.ref_cnt > 0) != pool.num_blocks:
+                raise AssertionError(f"invariant: {pool.pool} free + held != total")
+            for block_hash, block in pool.cached.items():
+                if block.block_hash != block_hash:
+                    raise AssertionError(f"invariant: hash map points at block {block.block_id} "
+                                         "holding another hash")

@@ -1,0 +1,268 @@
+"""LLMEngine: the public face of the engine (DESIGN.md's contract).
+
+One thread drives it. step() is schedule -> run -> update -> outputs; operator commands
+act immediately and must be called between steps from the same thread (the service
+queues them and applies them between steps).
+"""
+from __future__ import annotations
+
+import itertools
+import time
+
+from engine.block_hash import root_hash
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer, SimTokenizer
+from engine.errors import InvalidRequestError, PrefixNotCachedError
+from engine.events import EventLog, KVEvent
+from engine.kv_cache_manager import KVCacheManager, cdiv
+from engine.outputs import RequestOutput
+from engine.rate_meter import RateMeter
+from engine.request import Request, RequestStatus
+from engine.runner import Runner
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.snapshot import build_snapshot
+
+SIMULATED_MAX_MODEL_LEN = 4096
+SIMULATED_NUM_GPU_BLOCKS = 4096
+
+
+def build_runner(config: EngineConfig) -> Runner:
+    if config.simulate:
+        from engine.simulated_runner import SimulatedRunner
+        num_gpu = config.num_gpu_blocks or SIMULATED_NUM_GPU_BLOCKS
+        num_cpu = num_gpu // 2 if config.num_cpu_blocks is None else config.num_cpu_blocks
+        runner = SimulatedRunner(num_gpu, num_cpu, config.block_size, config.vocab_size,
+                                 config.max_model_len or SIMULATED_MAX_MODEL_LEN)
+        runner.tokenizer = SimTokenizer()
+        return runner
+    from engine.model_runner import ModelRunner  # imports torch: only for real models
+    return ModelRunner(config)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, runner: Runner | None = None) -> None:
+        self.config = config
+        self.runner = runner or build_runner(config)
+        self.tokenizer = self.runner.tokenizer
+        self.max_model_len = self.runner.max_model_len
+        self.events = EventLog(config.max_pending_events)
+        self.kv = KVCacheManager(config.block_size, self.runner.num_gpu_blocks,
+                                 self.runner.num_cpu_blocks, config.enable_prefix_caching,
+                                 self.events)
+        self.scheduler = Scheduler(config, self.kv, self.max_model_len, self.events)
+        self.step_count = 0
+        self._indices = itertools.count(1)  # request index 0 means "no owner" in snapshots
+        self._snapshot_seq = itertools.count(1)
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._pending: list[RequestOutput] = []  # outputs of aborts, reported by step()
+        self._prompt_rate = RateMeter()
+        self._gen_rate = RateMeter()
+
+    # --- requests ------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    priority: int = 0, job_id: str | None = None,
+                    cache_salt: str | None = None, arrival_time: float | None = None) -> None:
+        """Queue a request. Raises InvalidRequestError for a bad prompt or id."""
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidRequestError("request_id must be a non-empty string")
+        if request_id in self.scheduler.requests:
+            raise InvalidRequestError(f"request {request_id!r} already exists")
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError("params must be a SamplingParams")
+        token_ids = self._prompt_ids(prompt)
+        need_tokens = min(len(token_ids) + params.max_tokens, self.max_model_len)
+        if cdiv(need_tokens, self.config.block_size) > self.kv.gpu.num_blocks:
+            raise InvalidRequestError(
+                f"request needs {cdiv(need_tokens, self.config.block_size)} KV blocks for "
+                f"{need_tokens} tokens; the pool has {self.kv.gpu.num_blocks}: lower max_tokens")
+        request = Request(
+            request_id=request_id, prompt_token_ids=token_ids, sampling_params=params,
+            arrival_time=time.time() if arrival_time is None else arrival_time,
+            index=next(self._indices), root_hash=root_hash(self.runner.model_id, cache_salt),
+            block_size=self.config.block_size, priority=priority, job_id=job_id,
+            eos_token_id=self.tokenizer.eos_token_id)
+        self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
+        self.scheduler.add(request)
+
+    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            token_ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)):
+            token_ids = list(prompt)
+            vocab = self.runner.vocab_size
+            if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+                       for t in token_ids):
+                raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})")
+        else:
+            raise InvalidRequestError("prompt must be a string or a list of token ids")
+        if not token_ids:
+            raise InvalidRequestError("prompt is empty")
+        if len(token_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {len(token_ids)} tokens; the model's limit is {self.max_model_len} "
+                "including at least one generated token")
+        return token_ids
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._pending)
+
+    # --- the step --------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one batch. Returns outputs of requests that made progress or ended."""
+        self.events.step = self.step_count + 1
+        out = self.scheduler.schedule()
+        outputs, self._pending = self._pending, []
+        if not out.has_work:
+            return outputs
+        self.step_count += 1
+        sampled = self.runner.execute(out)
+        progressed = self.scheduler.update_from_output(out, sampled)
+        for request in progressed:
+            outputs.append(self._output(request, [request.output_token_ids[-1]]))
+        now = time.time()
+        self._prompt_rate.record(now, self.scheduler.counters.num_prompt_tokens)
+        self._gen_rate.record(now, self.scheduler.counters.num_generation_tokens)
+        return outputs
+
+    def _output(self, request: Request, new_tokens: list[int]) -> RequestOutput:
+        detok = self._detok[request.request_id]
+        detok.add(new_tokens)
+        if detok.stopped and not request.status.is_finished:
+            self.scheduler.finish(request, RequestStatus.FINISHED, "stop")
+        finished = request.status.is_finished
+        if finished:
+            del self._detok[request.request_id]
+        return RequestOutput(
+            request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=list(request.output_token_ids), text=detok.text,
+            finished=finished, finish_reason=request.finish_reason,
+            num_cached_tokens=request.num_cached_tokens or 0,
+            num_preemptions=request.num_preemptions, text_delta=detok.take_delta(finished))
+
+    def generate(self, prompts: list[str | list[int]],
+                 params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Run prompts to completion; outputs in input order."""
+        if params is None:
+            params = SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise InvalidRequestError("give one SamplingParams, or one per prompt")
+        base = f"gen-{next(self._snapshot_seq)}-"
+        ids = [f"{base}{i}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, params):
+            self.add_request(rid, prompt, p)
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(ids):
+            for o in self.step():
+                if o.finished:
+                    final[o.request_id] = o
+        return [final[rid] for rid in ids]
+
+    # --- operator commands -------------------------------------------------------------
+    def abort(self, request_id: str) -> RequestOutput:
+        request = self.scheduler.abort(request_id)
+        output = self._output(request, [])
+        self._pending.append(output)
+        return output
+
+    def preempt(self, request_id: str) -> dict:
+        request = self.scheduler.preempt(request_id)
+        return {"request_id": request_id, "status": request.status.value,
+                "num_preemptions": request.num_preemptions}
+
+    def swap_out(self, request_id: str) -> dict:
+        mapping = self.scheduler.swap_out(request_id)
+        self.runner.swap_out(mapping)
+        return {"request_id": request_id, "status": "swapped", "num_blocks": len(mapping),
+                "cpu_block_table": self.kv.cpu_block_ids(request_id)}
+
+    def swap_in(self, request_id: str) -> dict:
+        mapping = self.scheduler.swap_in(request_id)
+        self.runner.swap_in(mapping)
+        table = self.kv.block_ids(request_id)
+        return {"request_id": request_id, "status": "running", "num_blocks": len(table),
+                "num_blocks_copied": len(mapping), "block_table": table}
+
+    def evict_cached_blocks(self, n: int | None = None) -> int:
+        """Drop up to n refcount-0 cached blocks (all if None), LRU first."""
+        if n is not None and (not isinstance(n, int) or n < 0):
+            raise InvalidRequestError("n must be a non-negative integer or None")
+        return self.kv.evict(n)
+
+    def reset_prefix_cache(self) -> dict:
+        return self.kv.reset_prefix_cache()
+
+    def pin_prefix(self, prompt: str | list[int], cache_salt: str | None = None) -> dict:
+        """Pin the cached blocks of this prefix so they are never evicted."""
+        blocks = self._prefix_blocks(prompt, cache_salt)
+        newly = self.kv.pin(blocks)
+        return {"block_ids": [b.block_id for b in blocks], "num_newly_pinned": len(newly),
+                "num_tokens": len(blocks) * self.config.block_size}
+
+    def unpin_prefix(self, prompt: str | list[int], cache_salt: str | None = None) -> dict:
+        blocks = self._prefix_blocks(prompt, cache_salt)
+        released = self.kv.unpin(blocks)
+        return {"block_ids": [b.block_id for b in blocks], "num_unpinned": len(released),
+                "num_tokens": len(blocks) * self.config.block_size}
+
+    unpin = unpin_prefix
+
+    def _prefix_blocks(self, prompt: str | list[int], cache_salt: str | None) -> list:
+        from engine.block_hash import hash_blocks
+        token_ids = self._prompt_ids(prompt)
+        bs = self.config.block_size
+        if len(token_ids) < bs:
+            raise InvalidRequestError(
+                f"a prefix needs at least one full block ({bs} tokens); got {len(token_ids)}")
+        hashes = hash_blocks(root_hash(self.runner.model_id, cache_salt), token_ids, bs)
+        blocks = self.kv.cached_chain(hashes)
+        if not blocks:
+            raise PrefixNotCachedError(
+                "no block of this prefix is cached; run a request with it first")
+        return blocks
+
+    # --- observation ---------------------------------------------------------------
+    def snapshot(self, compact: bool = False) -> dict:
+        """JSON-serialisable KV state; compact=True encodes per-block arrays in base64."""
+        return build_snapshot(self, compact)
+
+    def next_snapshot_seq(self) -> int:
+        return next(self._snapshot_seq)
+
+    def take_events(self) -> list[KVEvent]:
+        return self.events.take()
+
+    def describe_config(self) -> dict:
+        return {"block_size": self.config.block_size, "num_gpu_blocks": self.kv.gpu.num_blocks,
+                "num_cpu_blocks": self.kv.cpu.num_blocks, "model": self.runner.model_id,
+                "dtype": self.runner.dtype, "device": self.runner.device,
+                "max_model_len": self.max_model_len, "max_num_seqs": self.config.max_num_seqs,
+                "max_num_batched_tokens": self.config.max_num_batched_tokens,
+                "preemption_mode": self.config.preemption_mode,
+                "scheduling_policy": self.config.scheduling_policy,
+                "enable_prefix_caching": self.config.enable_prefix_caching}
+
+    def metrics(self) -> dict:
+        now = time.time()
+        sched = self.scheduler
+        c = sched.counters
+        return {
+            "kv_usage": self.kv.gpu.usage,
+            "cpu_kv_usage": self.kv.cpu.usage,
+            "prefix_cache_queries": self.kv.prefix_cache_queries,
+            "prefix_cache_hits": self.kv.prefix_cache_hits,
+            "num_cached_blocks": len(self.kv.gpu.cached),
+            "num_preemptions": c.num_preemptions,
+            "num_swaps_out": c.num_swaps_out,
+            "num_swaps_in": c.num_swaps_in,
+            "running": len(sched.running),
+            "waiting": len(sched.waiting),
+            "swapped": len(sched.swapped),
+            "num_prompt_tokens": c.num_prompt_tokens,
+            "num_generation_tokens": c.num_generation_tokens,
+            "prompt_tokens_per_s": self._prompt_rate.rate(now),
+            "generation_tokens_per_s": self._gen_rate.rate(now),
+            "num_steps": self.step_count,
+        }

@@ -1,0 +1,69 @@
+"""A request's life inside the engine: tokens, progress, and status."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from engine.block_hash import BlockHash, hash_blocks
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(str, enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (RequestStatus.FINISHED, RequestStatus.ABORTED)
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    index: int  # small engine-wide number; snapshots use it as the block owner id (>= 1)
+    root_hash: BlockHash  # parent hash of block 0 (model identity + cache salt)
+    block_size: int
+    priority: int = 0  # lower runs first under the priority policy
+    job_id: str | None = None  # the service's job, for the dashboard
+    eos_token_id: int | None = None
+    # Everything below is owned by the Scheduler (the engine's output path appends tokens).
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(default_factory=list)  # prompt + output, kept in step
+    num_computed_tokens: int = 0  # tokens whose K/V is in the cache
+    num_cached_tokens: int | None = None  # prefix-cache hit at first admission
+    num_preemptions: int = 0  # times it lost its GPU blocks (recompute or swap)
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    parked: bool = False  # swapped out by an operator: waits for swap_in/abort
+    block_hashes: list[BlockHash] = field(default_factory=list)  # of the full blocks
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+        self.block_hashes = hash_blocks(self.root_hash, self.all_token_ids, self.block_size)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        if self.num_tokens % self.block_size == 0:
+            parent = self.block_hashes[-1] if self.block_hashes else self.root_hash
+            start = self.num_tokens // self.block_size - 1
+            self.block_hashes.extend(hash_blocks(
+                self.root_hash, self.all_token_ids, self.block_size, start=start, parent=parent))

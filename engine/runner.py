@@ -1,0 +1,43 @@
+"""What the engine needs from whatever computes tokens: the real model runner
+(engine/model_runner.py) or the stand-in used by the simulator."""
+from __future__ import annotations
+
+import abc
+
+from engine.scheduler import SchedulerOutput
+
+
+class Runner(abc.ABC):
+    model_id: str  # identity for prefix-cache hashing
+    num_gpu_blocks: int  # size of the device KV pool, fixed at start-up
+    num_cpu_blocks: int  # size of the host swap pool
+    max_model_len: int
+    vocab_size: int
+    device: str  # "cpu" | "cuda" | "simulated"
+    dtype: str
+
+    def execute(self, out: SchedulerOutput) -> dict[str, int]:
+        """Run one step: block copies in order (swap out, swap in, copy-on-write), then the
+        forward pass. Returns the sampled token of every scheduled request that samples."""
+        self.swap_out(out.swap_out)
+        self.swap_in(out.swap_in)
+        self.copy_blocks(out.copies)
+        if not out.scheduled:
+            return {}
+        return self.forward(out)
+
+    @abc.abstractmethod
+    def forward(self, out: SchedulerOutput) -> dict[str, int]:
+        """Write the new tokens' K/V through the block tables and sample."""
+
+    @abc.abstractmethod
+    def swap_out(self, mapping: list[tuple[int, int]]) -> None:
+        """Copy (gpu block, cpu block) pairs from the device pool to the host pool."""
+
+    @abc.abstractmethod
+    def swap_in(self, mapping: list[tuple[int, int]]) -> None:
+        """Copy (cpu block, gpu block) pairs from the host pool to the device pool."""
+
+    @abc.abstractmethod
+    def copy_blocks(self, mapping: list[tuple[int, int]]) -> None:
+        """Copy (src, dst) pairs inside the device pool (copy-on-write)."""

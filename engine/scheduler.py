@@ -1,0 +1,316 @@
+"""Policy: who runs this step, how many tokens each, and who is preempted.
+
+Every step is one batch mixing decodes and (chunks of) prefills under a token budget,
+vLLM-v1 style: a request simply has tokens whose K/V is not yet computed, and the
+scheduler gives it as many as the budget allows. Running requests go first; when one
+cannot get blocks, the least important running request not yet scheduled this step is
+preempted (recompute: free and requeue; swap: copy to the CPU pool). New requests are
+admitted only in steps that preempted nobody, so a block freed by preemption is never
+fought over in the same step.
+"""
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+
+from engine.config import EngineConfig
+from engine.errors import InvalidStateError, NotEnoughBlocksError, UnknownRequestError
+from engine.events import EventLog
+from engine.kv_cache_manager import KVCacheManager
+from engine.request import Request, RequestStatus
+from engine.request_queue import WaitingQueue, priority_key
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int  # tokens computed for it this step
+    start: int  # position of its first new token (= num_computed_tokens before the step)
+    block_ids: list[int]  # its GPU block table for this step
+    samples: bool  # the chunk reaches its last known token, so a next token is sampled
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)  # batch order
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu, cpu), before the step
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, gpu), after swap_out
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) GPU, after swap_in
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.scheduled or self.swap_out or self.swap_in or self.copies)
+
+
+@dataclass(slots=True)
+class SchedulerCounters:
+    num_preemptions: int = 0  # recompute preemptions, whoever caused them
+    num_swaps_out: int = 0
+    num_swaps_in: int = 0
+    num_prompt_tokens: int = 0  # prefill tokens computed (prompts, recomputed outputs)
+    num_generation_tokens: int = 0  # tokens sampled
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, max_model_len: int,
+                 events: EventLog) -> None:
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.events = events
+        self.requests: dict[str, Request] = {}  # live: waiting, running, swapped
+        self.waiting = WaitingQueue(config.scheduling_policy)
+        self.running: list[Request] = []  # scheduling order
+        self.swapped: collections.deque[Request] = collections.deque()
+        self.recently_finished: collections.deque[Request] = collections.deque(maxlen=64)
+        self.counters = SchedulerCounters()
+
+    # --- queue management ----------------------------------------------------------
+    def add(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.push(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # --- one step ------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        if self.config.scheduling_policy == "priority":
+            self.running.sort(key=priority_key)
+        budget = self._schedule_running(out, budget)
+        if not out.preempted:
+            budget = self._resume_swapped(out, budget)
+            self._admit_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            alloc = self.kv.allocate_slots(request, num_new)
+            while alloc is None:
+                # Preempt the least important request not yet scheduled (the last one);
+                # if that is this request, it gives way itself.
+                victim = self.running[-1]
+                self._preempt(victim, out, by_operator=False)
+                if victim is request:
+                    break
+                alloc = self.kv.allocate_slots(request, num_new)
+            if alloc is None:
+                continue  # `request` was removed from running; index i now holds the next
+            out.copies.extend(alloc.copies)
+            self._add_scheduled(out, request, num_new)
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _resume_swapped(self, out: SchedulerOutput, budget: int) -> int:
+        for request in list(self.swapped):
+            if request.parked:
+                continue
+            if len(self.running) >= self.config.max_num_seqs:
+                break
+            if not self._swap_in(request, out.swap_in):
+                break
+            if budget > 0:
+                num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+                alloc = self.kv.allocate_slots(request, num_new)
+                if alloc is not None:
+                    self._add_scheduled(out, request, num_new)
+                    budget -= num_new
+        return budget
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.peek()
+            match = self.kv.find_prefix(request)
+            request.num_computed_tokens = match.num_computed_tokens
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            alloc = self.kv.allocate_slots(request, num_new, match)
+            if alloc is None:
+                request.num_computed_tokens = 0
+                break  # head-of-line: later requests wait their turn
+            self.waiting.pop()
+            self.kv.record_prefix_query(request, match)
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = match.num_computed_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.copies.extend(alloc.copies)
+            self._add_scheduled(out, request, num_new)
+            budget -= num_new
+
+    def _add_scheduled(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
+        start = request.num_computed_tokens
+        out.scheduled.append(ScheduledRequest(
+            request=request, num_new_tokens=num_new, start=start,
+            block_ids=self.kv.block_ids(request.request_id),
+            samples=start + num_new == request.num_tokens))
+
+    # --- after the model ran ---------------------------------------------------------
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance progress, append sampled tokens, finish requests that hit a stop.
+        Returns the requests that made progress, in batch order."""
+        progressed, finished = [], []
+        for s in out.scheduled:
+            request = s.request
+            if request.status != RequestStatus.RUNNING:
+                continue
+            is_decode = s.samples and s.num_new_tokens == 1 and request.num_output_tokens > 0
+            if not is_decode:
+                self.counters.num_prompt_tokens += s.num_new_tokens
+            request.num_computed_tokens += s.num_new_tokens
+            if not s.samples:
+                continue
+            token = sampled[request.request_id]
+            request.append_output_token(token)
+            self.counters.num_generation_tokens += 1
+            progressed.append(request)
+            reason = self._stop_reason(request, token)
+            if reason is not None:
+                finished.append((request, reason))
+        for request, reason in finished:
+            self.finish(request, RequestStatus.FINISHED, reason)
+        return progressed
+
+    def _stop_reason(self, request: Request, token: int) -> str | None:
+        params = request.sampling_params
+        if token in params.stop_token_ids:
+            return "stop"
+        if not params.ignore_eos and request.eos_token_id is not None \
+                and token == request.eos_token_id:
+            return "stop"
+        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def finish(self, request: Request, status: RequestStatus, reason: str) -> None:
+        """End a live request (finished or aborted) and release all its blocks."""
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status == RequestStatus.WAITING:
+            self.waiting.remove(request)
+        elif request.status == RequestStatus.SWAPPED:
+            self.swapped.remove(request)
+        self.kv.free(request)
+        request.status = status
+        request.finish_reason = reason
+        request.num_computed_tokens = 0
+        del self.requests[request.request_id]
+        self.recently_finished.append(request)
+        self.events.emit("Finished", request_id=request.request_id, detail=reason,
+                         num_tokens=request.num_tokens)
+
+    # --- preemption and swap -------------------------------------------------------------
+    def _preempt(self, victim: Request, out: SchedulerOutput, by_operator: bool) -> None:
+        self.running.remove(victim)
+        out.preempted.append(victim.request_id)
+        if self.config.preemption_mode == "swap" and not by_operator:
+            result = self.kv.swap_out(victim)
+            if result is not None:
+                out.swap_out.extend(result.mapping)
+                self._mark_swapped(victim, result.mapping, parked=False)
+                return
+        self._preempt_recompute(victim, detail="operator" if by_operator else "out of blocks")
+
+    def _preempt_recompute(self, victim: Request, detail: str) -> None:
+        num_blocks = len(self.kv.block_ids(victim.request_id))
+        self.kv.free(victim)
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        victim.status = RequestStatus.WAITING
+        self.waiting.push_front(victim)
+        self.counters.num_preemptions += 1
+        self.events.emit("Preempted", request_id=victim.request_id, detail=detail,
+                         num_tokens=victim.num_tokens, ref_cnts=[num_blocks])
+
+    def _mark_swapped(self, request: Request, mapping: list[tuple[int, int]], parked: bool) -> None:
+        request.status = RequestStatus.SWAPPED
+        request.parked = parked
+        request.num_preemptions += 1
+        self.swapped.append(request)
+        self.counters.num_swaps_out += 1
+        self.events.emit("SwappedOut", request_id=request.request_id,
+                         block_ids=[g for g, _ in mapping], pool="gpu",
+                         detail="operator" if parked else "out of blocks",
+                         num_tokens=request.num_computed_tokens)
+
+    def _swap_in(self, request: Request, mapping_out: list[tuple[int, int]]) -> bool:
+        result = self.kv.swap_in(request)
+        if result is None:
+            return False
+        mapping_out.extend(result.mapping)
+        self.swapped.remove(request)
+        request.status = RequestStatus.RUNNING
+        request.parked = False
+        self.running.append(request)
+        self.counters.num_swaps_in += 1
+        self.events.emit("SwappedIn", request_id=request.request_id,
+                         block_ids=self.kv.block_ids(request.request_id),
+                         num_tokens=request.num_computed_tokens,
+                         detail=f"{result.num_hit_blocks} blocks from the prefix cache")
+        return True
+
+    # --- operator commands (between steps) ------------------------------------------------
+    def get_live(self, request_id: str) -> Request:
+        request = self.requests.get(request_id)
+        if request is None:
+            if any(r.request_id == request_id for r in self.recently_finished):
+                raise InvalidStateError(f"request {request_id!r} has already finished")
+            raise UnknownRequestError(f"no request {request_id!r} on this engine")
+        return request
+
+    def _require(self, request: Request, status: RequestStatus, action: str) -> None:
+        if request.status != status:
+            raise InvalidStateError(
+                f"cannot {action} request {request.request_id!r}: it is {request.status.value}, "
+                f"not {status.value}")
+
+    def abort(self, request_id: str) -> Request:
+        request = self.get_live(request_id)
+        self.finish(request, RequestStatus.ABORTED, "abort")
+        return request
+
+    def preempt(self, request_id: str) -> Request:
+        request = self.get_live(request_id)
+        self._require(request, RequestStatus.RUNNING, "preempt")
+        self.running.remove(request)
+        self._preempt_recompute(request, detail="operator")
+        return request
+
+    def swap_out(self, request_id: str) -> list[tuple[int, int]]:
+        """Park a running request in the CPU pool; the caller copies the blocks now."""
+        request = self.get_live(request_id)
+        self._require(request, RequestStatus.RUNNING, "swap out")
+        if self.kv.cpu.num_blocks == 0:
+            raise NotEnoughBlocksError("swap space is disabled (num_cpu_blocks=0)")
+        result = self.kv.swap_out(request)
+        if result is None:
+            need = len(self.kv.block_ids(request_id))
+            raise NotEnoughBlocksError(
+                f"request {request_id!r} needs {need} CPU blocks, {self.kv.cpu.num_free} free")
+        self.running.remove(request)
+        self._mark_swapped(request, result.mapping, parked=True)
+        return result.mapping
+
+    def swap_in(self, request_id: str) -> list[tuple[int, int]]:
+        """Bring a swapped request back now; the caller copies the blocks now."""
+        request = self.get_live(request_id)
+        self._require(request, RequestStatus.SWAPPED, "swap in")
+        if len(self.running) >= self.config.max_num_seqs:
+            raise InvalidStateError(
+                f"the running batch is full ({self.config.max_num_seqs} requests); try later")
+        mapping: list[tuple[int, int]] = []
+        if not self._swap_in(request, mapping):
+            need = len(self.kv.cpu_block_ids(request_id))
+            raise NotEnoughBlocksError(
+                f"request {request_id!r} needs up to {need} GPU blocks, {self.kv.gpu.num_free} free")
+        return mapping

@@ -1,0 +1,96 @@
+"""A stand-in model that keeps its state in the KV cache.
+
+Slot p of a request holds digest(slot p-1, token p); the next token is a function of
+the last slot, read back through the block table. So the output depends on every block
+the request's table points at: a wrong table, a stale prefix hit, or a swap or
+copy-on-write that copies nothing all change the tokens, which is what the tests of the
+KV core need. It never emits EOS and ignores sampling settings.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from engine.runner import Runner
+from engine.scheduler import SchedulerOutput
+
+_MASK = (1 << 64) - 1
+_SEED = 0x9E3779B97F4A7C15
+
+
+def digest(prev: int, token: int) -> int:
+    """splitmix64 of (prev, token): 64 well-mixed bits."""
+    z = (prev ^ (token * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB)) & _MASK
+    z = (z + 0x9E3779B97F4A7C15) & _MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return z ^ (z >> 31)
+
+
+def next_token(slot_value: int, vocab_size: int) -> int:
+    return slot_value % vocab_size
+
+
+def reference_generate(token_ids: list[int], max_tokens: int, vocab_size: int) -> list[int]:
+    """What the stand-in model must produce, computed without any cache."""
+    state = _SEED
+    for t in token_ids:
+        state = digest(state, t)
+    out = []
+    for _ in range(max_tokens):
+        t = next_token(state, vocab_size)
+        out.append(t)
+        state = digest(state, t)
+    return out
+
+
+class SimulatedRunner(Runner):
+    def __init__(self, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int,
+                 vocab_size: int, max_model_len: int) -> None:
+        self.model_id = f"simulated-v1:vocab={vocab_size}"
+        self.num_gpu_blocks = num_gpu_blocks
+        self.num_cpu_blocks = num_cpu_blocks
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.device = "simulated"
+        self.dtype = "uint64"
+        # One 64-bit state per token slot: [num_blocks * block_size].
+        self.gpu_cache = np.zeros(num_gpu_blocks * block_size, dtype=np.uint64)
+        self.cpu_cache = np.zeros(num_cpu_blocks * block_size, dtype=np.uint64)
+
+    def _slot(self, block_ids: list[int], position: int) -> int:
+        return block_ids[position // self.block_size] * self.block_size + position % self.block_size
+
+    def forward(self, out: SchedulerOutput) -> dict[str, int]:
+        cache = self.gpu_cache
+        sampled = {}
+        # Batch order matters: a request may hit blocks another one fills in this step,
+        # and it was scheduled after it (as a layer writes all K/V before attending).
+        for s in out.scheduled:
+            tokens = s.request.all_token_ids
+            prev = _SEED if s.start == 0 else int(cache[self._slot(s.block_ids, s.start - 1)])
+            for p in range(s.start, s.start + s.num_new_tokens):
+                prev = digest(prev, tokens[p])
+                cache[self._slot(s.block_ids, p)] = prev
+            if s.samples:
+                last = int(cache[self._slot(s.block_ids, s.start + s.num_new_tokens - 1)])
+                sampled[s.request.request_id] = next_token(last, self.vocab_size)
+        return sampled
+
+    def _copy(self, src: np.ndarray, dst: np.ndarray, mapping: list[tuple[int, int]]) -> None:
+        if not mapping:
+            return
+        bs = self.block_size
+        src_idx = (np.array([a for a, _ in mapping])[:, None] * bs + np.arange(bs)).ravel()
+        dst_idx = (np.array([b for _, b in mapping])[:, None] * bs + np.arange(bs)).ravel()
+        dst[dst_idx] = src[src_idx]
+
+    def swap_out(self, mapping: list[tuple[int, int]]) -> None:
+        self._copy(self.gpu_cache, self.cpu_cache, mapping)
+
+    def swap_in(self, mapping: list[tuple[int, int]]) -> None:
+        self._copy(self.cpu_cache, self.gpu_cache, mapping)
+
+    def copy_blocks(self, mapping: list[tuple[int, int]]) -> None:
+        # Fancy indexing reads every source before writing any destination.
+        self._copy(self.gpu_cache, self.gpu_cache, mapping)
