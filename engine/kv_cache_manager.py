@@ -53,6 +53,10 @@ class KVCacheManager:
         self._num_offered: dict[str, int] = {}  # leading blocks already offered to the cache
         self.prefix_cache_queries = 0  # prompt tokens looked up (tokens)
         self.prefix_cache_hits = 0  # of which found cached (tokens)
+        # Blocks registered in the cache during this schedule, whose K/V the coming
+        # forward pass writes. A same-step hit may read them (each layer writes all K/V
+        # before attending) but not copy them: copies run before the forward pass.
+        self.uncomputed: set[int] = set()
         self._events = events
 
     # --- admission -------------------------------------------------------------------
@@ -67,8 +71,11 @@ class KVCacheManager:
                 break
             blocks.append(block)
         covered = len(blocks) * self.block_size
+        if covered >= request.num_tokens and blocks[-1].block_id in self.uncomputed:
+            blocks.pop()  # it would need a copy of data not written yet: recompute it
+            covered -= self.block_size
         # A hit always leaves the last token to compute (its logits are needed). When the
-        # hit covers every token, that token is rewritten in the last matched block.
+        # hit covers every token, that token is rewritten in a copy of the last block.
         num_computed = min(covered, request.num_tokens - 1)
         return PrefixMatch(blocks, num_computed, cow=covered > num_computed)
 
@@ -132,6 +139,7 @@ class KVCacheManager:
         for i in range(start, end):
             if self.gpu.cache(table[i], request.block_hashes[i]):
                 stored.append(table[i])
+                self.uncomputed.add(table[i].block_id)
         self._num_offered[rid] = max(start, end)
         if stored:
             self._events.emit("BlockStored", request_id=rid,

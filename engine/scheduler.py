@@ -160,6 +160,7 @@ class Scheduler:
         """Advance progress, append sampled tokens, finish requests that hit a stop.
         Returns the requests that made progress, in batch order."""
         progressed, finished = [], []
+        self.kv.uncomputed.clear()
         for s in out.scheduled:
             request = s.request
             if request.status != RequestStatus.RUNNING:

@@ -1,0 +1,129 @@
+import hashlib
+import struct
+
+import pytest
+
+from engine.block_hash import hash_block, hash_blocks, root_hash
+from engine.block_pool import BlockPool, FreeBlockQueue, KVBlock
+from engine.events import EventLog
+
+
+def make_pool(n: int = 8) -> BlockPool:
+    return BlockPool(n, enable_caching=True, events=EventLog(1000))
+
+
+def test_free_queue_removes_from_the_middle_and_keeps_order():
+    blocks = [KVBlock(i) for i in range(5)]
+    q = FreeBlockQueue(blocks)
+    q.remove(blocks[2])
+    assert [b.block_id for b in q] == [0, 1, 3, 4]
+    q.appendleft(blocks[2])
+    assert [b.block_id for b in q] == [2, 0, 1, 3, 4]
+    assert q.popleft() is blocks[2]
+    assert len(q) == 4
+    with pytest.raises(RuntimeError, match="already in the free queue"):
+        q.append(blocks[0])
+    with pytest.raises(RuntimeError, match="not in the free queue"):
+        q.remove(blocks[2])
+
+
+def test_freed_uncached_blocks_are_reused_first_and_cached_ones_last():
+    pool = make_pool(4)
+    a, b, c, d = pool.take_new(4)
+    pool.cache(a, b"h" * 32)
+    pool.free([a])  # cached -> tail
+    pool.free([b])  # uncached -> head
+    assert pool.eviction_order(4) == [b.block_id, a.block_id]
+    taken = pool.take_new(1)
+    assert taken == [b]
+
+
+def test_lazy_eviction_drops_hash_only_when_slot_is_reused():
+    events = EventLog(100)
+    pool = BlockPool(2, True, events)
+    a, b = pool.take_new(2)
+    pool.cache(a, b"x" * 32)
+    pool.free([a])
+    assert pool.get_cached(b"x" * 32) is a  # still findable at ref 0
+    events.take()
+    assert pool.take_new(1) == [a]
+    assert pool.get_cached(b"x" * 32) is None
+    evicted = [e for e in events.take() if e.type == "BlockEvicted"]
+    assert evicted and evicted[0].block_ids == [a.block_id]
+
+
+def test_prefix_hit_revives_a_cached_block_from_the_middle():
+    pool = make_pool(4)
+    blocks = pool.take_new(4)
+    for i, blk in enumerate(blocks):
+        pool.cache(blk, bytes([i]) * 32)
+    pool.free(blocks)
+    hit = pool.get_cached(bytes([2]) * 32)
+    pool.touch([hit])
+    assert hit.ref_cnt == 1
+    assert [b.block_id for b in pool.free_queue] == [0, 1, 3]
+
+
+def test_double_free_is_an_invariant_error():
+    pool = make_pool(2)
+    (a,) = pool.take_new(1)
+    pool.free([a])
+    with pytest.raises(RuntimeError, match="freed twice"):
+        pool.free([a])
+
+
+def test_taking_more_than_free_is_an_invariant_error():
+    pool = make_pool(2)
+    with pytest.raises(RuntimeError, match="asked gpu pool for 3"):
+        pool.take_new(3)
+
+
+def test_one_block_per_hash():
+    pool = make_pool(2)
+    a, b = pool.take_new(2)
+    assert pool.cache(a, b"y" * 32)
+    assert not pool.cache(b, b"y" * 32)
+    assert b.block_hash is None
+
+
+def test_pinned_block_is_never_in_the_free_queue():
+    pool = make_pool(2)
+    (a,) = pool.take_new(1)
+    pool.cache(a, b"p" * 32)
+    assert pool.pin(a)
+    assert not pool.pin(a)  # idempotent: one reference per pin
+    pool.free([a])
+    assert a.ref_cnt == 1 and not pool.free_queue.contains(a)
+    pool.evict(None)
+    assert pool.get_cached(b"p" * 32) is a
+    assert pool.unpin(a)
+    assert a.ref_cnt == 0 and pool.free_queue.contains(a)
+
+
+def test_evict_takes_lru_cached_blocks_and_moves_them_to_the_head():
+    pool = make_pool(4)
+    blocks = pool.take_new(3)
+    for i, blk in enumerate(blocks):
+        pool.cache(blk, bytes([i]) * 32)
+    pool.free(blocks)  # LRU order: 0, 1, 2 after the one never-used block 3
+    victims = pool.evict(2)
+    assert [v.block_id for v in victims] == [0, 1]
+    assert pool.get_cached(bytes([2]) * 32) is blocks[2]
+    assert pool.eviction_order(2) == [1, 0]
+
+
+def test_block_hash_is_chained_stable_and_salted():
+    root = root_hash("model-a")
+    assert root == root_hash("model-a")
+    assert root != root_hash("model-b")
+    assert root != root_hash("model-a", cache_salt="tenant-1")
+    tokens = list(range(10))
+    hashes = hash_blocks(root, tokens, 4)
+    assert len(hashes) == 2  # only full blocks
+    assert hashes[1] == hash_block(hashes[0], tokens[4:8])
+    # The same block content after a different prefix hashes differently.
+    other = hash_blocks(root, [99] * 4 + tokens[4:8], 4)
+    assert other[1] != hashes[1]
+    # The wire format is fixed (other processes compare hashes): sha256(parent || int64 LE ids).
+    expected = hashlib.sha256(b"\0" * 32 + struct.pack("<3q", 1, 2, 3)).digest()
+    assert hash_block(b"\0" * 32, [1, 2, 3]) == expected

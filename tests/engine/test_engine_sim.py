@@ -1,0 +1,306 @@
+"""The engine with the simulated model: every path must give the cache-free answer."""
+import json
+import random
+
+import pytest
+
+from engine import (InvalidRequestError, InvalidStateError, NotEnoughBlocksError,
+                    PrefixNotCachedError, SamplingParams, UnknownRequestError)
+from engine.snapshot import decode_array
+
+from .sim import expected, greedy, run_all, sim_engine
+
+
+def prompts(n, lo=1, hi=40, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(1000) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def test_plain_batch_matches_reference_and_frees_everything():
+    engine = sim_engine()
+    ps = prompts(6)
+    outs = engine.generate(ps, greedy(12))
+    for p, o in zip(ps, outs):
+        assert o.output_token_ids == expected(p, 12)
+        assert o.finished and o.finish_reason == "length"
+    engine.kv.check_invariants()
+    assert engine.kv.gpu.num_free == engine.kv.gpu.num_blocks
+
+
+def test_shared_prefix_hits_the_cache():
+    engine = sim_engine()
+    prefix = list(range(100, 120))  # 5 full blocks of 4
+    a, b = prefix + [1, 2], prefix + [3]
+    engine.generate([a], greedy(3))
+    (out,) = engine.generate([b], greedy(5))
+    assert out.num_cached_tokens == 20
+    assert out.output_token_ids == expected(b, 5)
+    m = engine.metrics()
+    assert m["prefix_cache_hits"] == 20 and m["prefix_cache_queries"] == len(a) + len(b)
+
+
+def test_whole_prompt_hit_copies_the_last_block_before_writing_it():
+    engine = sim_engine()
+    p = list(range(200, 216))  # exactly 4 blocks
+    engine.generate([p], greedy(2))
+    (out,) = engine.generate([p], greedy(6))
+    assert out.num_cached_tokens == 15  # the last token is recomputed, in a copy
+    assert out.output_token_ids == expected(p, 6)
+
+
+def test_copy_on_write_is_load_bearing():
+    """Without the copy the recomputed last slot reads garbage: the test above can fail."""
+    engine = sim_engine()
+    engine.runner.copy_blocks = lambda mapping: None
+    p = list(range(200, 216))
+    engine.generate([p], greedy(2))
+    (out,) = engine.generate([p], greedy(6))
+    assert out.output_token_ids != expected(p, 6)
+
+
+def test_chunked_prefill_under_a_small_token_budget():
+    engine = sim_engine(max_num_batched_tokens=5)
+    ps = [list(range(1, 38)), [7, 8, 9]]
+    outs = engine.generate(ps, greedy(4))
+    for p, o in zip(ps, outs):
+        assert o.output_token_ids == expected(p, 4)
+    assert engine.step_count >= 37 // 5
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_under_block_pressure_keeps_outputs_exact(mode):
+    engine = sim_engine(num_gpu_blocks=24, preemption_mode=mode, enable_prefix_caching=False)
+    ps = prompts(8, lo=5, hi=20, seed=1)
+    for i, p in enumerate(ps):
+        engine.add_request(f"r{i}", p, greedy(30))
+    final = run_all(engine)
+    for i, p in enumerate(ps):
+        assert final[f"r{i}"].output_token_ids == expected(p, 30)
+    m = engine.metrics()
+    if mode == "recompute":
+        assert m["num_preemptions"] > 0 and m["num_swaps_out"] == 0
+    else:
+        assert m["num_swaps_out"] > 0 and m["num_swaps_in"] == m["num_swaps_out"]
+    assert sum(final[f"r{i}"].num_preemptions for i in range(8)) > 0
+
+
+def test_swap_that_copies_nothing_changes_the_output():
+    engine = sim_engine()
+    engine.runner.swap_in = lambda mapping: None
+    p = list(range(300, 311))
+    engine.add_request("x", p, greedy(10))
+    for _ in range(4):
+        engine.step()
+    engine.swap_out("x")
+    engine.runner.gpu_cache[:] = 0  # whatever was left on the device is gone
+    engine.swap_in("x")
+    out = run_all(engine)["x"]
+    assert out.output_token_ids != expected(p, 10)
+
+
+def test_operator_commands_mid_decode():
+    engine = sim_engine(enable_prefix_caching=False)
+    p = list(range(1, 14))
+    engine.add_request("a", p, greedy(20))
+    engine.add_request("b", p[::-1], greedy(20))
+    for _ in range(5):
+        engine.step()
+    res = engine.swap_out("a")
+    assert res["status"] == "swapped" and res["num_blocks"] > 0
+    assert engine.scheduler.requests["a"].status.value == "swapped"
+    for _ in range(3):  # parked: stays swapped while others run
+        engine.step()
+        assert engine.scheduler.requests["a"].status.value == "swapped"
+    engine.runner.gpu_cache[:] = 0  # swap-in must restore every byte it needs
+    engine.swap_in("a")
+    engine.preempt("b")
+    assert engine.scheduler.requests["b"].status.value == "waiting"
+    final = run_all(engine)
+    assert final["a"].output_token_ids == expected(p, 20)
+    assert final["b"].output_token_ids == expected(p[::-1], 20)
+    assert final["a"].num_preemptions == 1 and final["b"].num_preemptions == 1
+    m = engine.metrics()
+    assert (m["num_swaps_out"], m["num_swaps_in"], m["num_preemptions"]) == (1, 1, 1)
+
+
+def test_operator_errors_are_typed():
+    engine = sim_engine(num_cpu_blocks=0)
+    engine.add_request("a", [1, 2, 3], greedy(5))
+    with pytest.raises(UnknownRequestError):
+        engine.preempt("nope")
+    with pytest.raises(InvalidStateError, match="waiting"):
+        engine.swap_out("a")
+    engine.step()
+    with pytest.raises(InvalidStateError, match="running"):
+        engine.swap_in("a")
+    with pytest.raises(NotEnoughBlocksError, match="disabled"):
+        engine.swap_out("a")
+    run_all(engine)
+    with pytest.raises(InvalidStateError, match="finished"):
+        engine.abort("a")
+
+
+def test_swap_out_refused_when_cpu_pool_is_full():
+    engine = sim_engine(num_cpu_blocks=2)
+    engine.add_request("a", list(range(1, 20)), greedy(5))
+    engine.step()
+    with pytest.raises(NotEnoughBlocksError, match="CPU blocks"):
+        engine.swap_out("a")
+    assert engine.scheduler.requests["a"].status.value == "running"
+    engine.kv.check_invariants()
+
+
+def test_abort_anywhere_releases_blocks_and_reports():
+    engine = sim_engine()
+    for rid in "abc":
+        engine.add_request(rid, list(range(1, 10)), greedy(50))
+    engine.step()
+    engine.swap_out("b")
+    out = engine.abort("b")
+    assert out.finished and out.finish_reason == "abort"
+    engine.abort("a")
+    assert engine.kv.cpu.num_free == engine.kv.cpu.num_blocks
+    reported = [o.request_id for o in engine.step() if o.finished]
+    assert set(reported) >= {"a", "b"}
+    engine.abort("c")
+    run_all(engine)
+    engine.kv.check_invariants()
+    assert engine.kv.gpu.num_free == engine.kv.gpu.num_blocks
+
+
+def test_priority_policy_admits_the_most_important_first():
+    engine = sim_engine(scheduling_policy="priority", max_num_seqs=1)
+    engine.add_request("low", [1, 2], greedy(2), priority=5)
+    engine.add_request("high", [3, 4], greedy(2), priority=0)
+    engine.step()
+    assert [r.request_id for r in engine.scheduler.running] == ["high"]
+
+
+def test_max_num_seqs_bounds_the_batch():
+    engine = sim_engine(max_num_seqs=2)
+    for i in range(5):
+        engine.add_request(f"r{i}", [i + 1, 2, 3], greedy(10))
+    engine.step()
+    assert len(engine.scheduler.running) == 2 and len(engine.scheduler.waiting) == 3
+
+
+def test_stop_token_ids_end_the_request():
+    engine = sim_engine()
+    p = [5, 6, 7]
+    want = expected(p, 10)
+    (out,) = engine.generate([p], SamplingParams(max_tokens=10, stop_token_ids=[want[3]]))
+    assert out.output_token_ids == want[:want.index(want[3]) + 1]
+    assert out.finish_reason == "stop"
+
+
+def test_pin_survives_eviction_and_pressure():
+    engine = sim_engine(num_gpu_blocks=16)
+    prefix = list(range(500, 512))  # 3 blocks
+    engine.generate([prefix + [1]], greedy(1))
+    res = engine.pin_prefix(prefix)
+    assert len(res["block_ids"]) == 3 and res["num_newly_pinned"] == 3
+    assert engine.evict_cached_blocks() >= 0
+    engine.generate(prompts(3, lo=20, hi=40, seed=3), greedy(8))  # pressure
+    (out,) = engine.generate([prefix + [9]], greedy(2))
+    assert out.num_cached_tokens == 12
+    snap = engine.snapshot()
+    states = decode_array(snap["gpu"]["state"])
+    assert sum(states == 3) == 3
+    engine.unpin_prefix(prefix)
+    engine.evict_cached_blocks()
+    with pytest.raises(PrefixNotCachedError):
+        engine.pin_prefix(prefix)
+    engine.kv.check_invariants()
+
+
+def test_evict_and_reset_drop_cached_blocks():
+    engine = sim_engine()
+    engine.generate([list(range(40))], greedy(1))
+    cached = len(engine.kv.gpu.cached)
+    assert cached == 10
+    assert engine.evict_cached_blocks(3) == 3
+    assert len(engine.kv.gpu.cached) == 7
+    res = engine.reset_prefix_cache()
+    assert res["num_blocks_forgotten"] == 7 and not engine.kv.gpu.cached
+    (out,) = engine.generate([list(range(40))], greedy(1))
+    assert out.num_cached_tokens == 0
+    with pytest.raises(InvalidRequestError):
+        engine.evict_cached_blocks(-1)
+
+
+@pytest.mark.parametrize("prompt, message", [
+    ([], "empty"), ([1, 2, 10_000], r"\[0, 1000\)"), ("", "empty"), (None, "string or a list"),
+    (list(range(1, 300)), "limit"),
+])
+def test_bad_prompts_are_refused(prompt, message):
+    engine = sim_engine(max_model_len=256, num_gpu_blocks=128)
+    with pytest.raises(InvalidRequestError, match=message):
+        engine.add_request("x", prompt, greedy(1))
+    assert not engine.has_unfinished_requests()
+
+
+def test_duplicate_id_and_oversized_request_are_refused():
+    engine = sim_engine(num_gpu_blocks=8)
+    engine.add_request("x", [1], greedy(1))
+    with pytest.raises(InvalidRequestError, match="already exists"):
+        engine.add_request("x", [1], greedy(1))
+    with pytest.raises(InvalidRequestError, match="KV blocks"):
+        engine.add_request("y", [1] * 20, greedy(30))
+
+
+def test_snapshot_format():
+    engine = sim_engine()
+    engine.add_request("a", list(range(1, 11)), greedy(5), job_id="job-1")
+    engine.add_request("b", list(range(1, 9)), greedy(5))
+    engine.step()
+    snap = engine.snapshot()
+    json.dumps(snap)
+    assert snap["config"]["num_gpu_blocks"] == 64 and snap["config"]["block_size"] == 4
+    for key in ("state", "ref_cnt", "owner"):
+        assert len(snap["gpu"][key]) == 64 and len(snap["cpu"][key]) == 64
+    by_id = {r["request_id"]: r for r in snap["requests"]}
+    a = by_id["a"]
+    assert a["status"] == "running" and a["job_id"] == "job-1"
+    assert len(a["block_table"]) == 3 and a["cpu_block_table"] == []
+    owner = snap["gpu"]["owner"]
+    assert all(owner[blk] == a["index"] for blk in a["block_table"])
+    # b's 8 tokens are a's first two blocks, cached by a in this same step: b shares the
+    # first; the second would need a copy of data not written yet, so b recomputes it.
+    ref = snap["gpu"]["ref_cnt"]
+    b = by_id["b"]
+    assert b["num_cached_tokens"] == 4
+    assert b["block_table"][0] == a["block_table"][0] and ref[a["block_table"][0]] == 2
+    assert b["block_table"][1] != a["block_table"][1] and ref[a["block_table"][1]] == 1
+    compact = engine.snapshot(compact=True)
+    for key in ("state", "ref_cnt", "owner", "hash32"):
+        assert list(decode_array(compact["gpu"][key])) == list(decode_array(snap["gpu"][key]))
+    assert set(snap["metrics"]) >= {
+        "kv_usage", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions",
+        "num_swaps_out", "num_swaps_in", "running", "waiting", "swapped",
+        "prompt_tokens_per_s", "generation_tokens_per_s"}
+    assert compact["seq"] > snap["seq"]
+
+
+def test_finished_requests_show_with_empty_tables():
+    engine = sim_engine()
+    engine.generate([[1, 2, 3]], greedy(2))
+    snap = engine.snapshot()
+    (entry,) = snap["requests"]
+    assert entry["status"] == "finished" and entry["block_table"] == []
+
+
+def test_events_describe_what_happened():
+    engine = sim_engine()
+    p = list(range(1, 13))
+    engine.generate([p], greedy(1))
+    engine.generate([p + [5]], greedy(1))
+    types = [e.type for e in engine.take_events()]
+    for t in ("BlockStored", "BlockRemoved", "PrefixHit", "Finished"):
+        assert t in types
+    assert engine.take_events() == []
+
+
+def test_step_with_nothing_to_do_returns_empty():
+    engine = sim_engine()
+    assert engine.step() == []
+    assert engine.step_count == 0
