@@ -100,6 +100,12 @@ class KVCacheManager:
         """
         rid = request.request_id
         table = self.req_to_blocks.get(rid, [])
+        total_tokens = request.num_computed_tokens + num_new_tokens
+        if match is None and table and cdiv(total_tokens, self.block_size) <= len(table):
+            # Decode fast path: the last block still has room.
+            if total_tokens // self.block_size > self._num_offered[rid]:
+                self._offer_to_cache(request, total_tokens)
+            return Allocation()
         reuse: list[KVBlock] = []
         cow_src: KVBlock | None = None
         if match is not None and match.blocks:
@@ -108,7 +114,6 @@ class KVCacheManager:
             reuse = list(match.blocks)
             if match.cow:
                 cow_src = reuse.pop()
-        total_tokens = request.num_computed_tokens + num_new_tokens
         num_new_blocks = cdiv(total_tokens, self.block_size) - len(table) - len(reuse)
         num_revived = sum(1 for b in reuse if b.ref_cnt == 0)
         if num_new_blocks + num_revived > self.gpu.num_free:

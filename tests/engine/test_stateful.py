@@ -139,7 +139,7 @@ class SwapEngineMachine(EngineMachine):
     mode = "swap"
 
 
-_settings = settings(max_examples=40, stateful_step_count=30, deadline=None,
+_settings = settings(max_examples=200, stateful_step_count=50, deadline=None,
                      suppress_health_check=[HealthCheck.too_slow])
 TestRecompute = EngineMachine.TestCase
 TestRecompute.settings = _settings

@@ -1,0 +1,154 @@
+"""Replay a trace through the real scheduler and KV manager (simulated model), and
+through a contiguous max-length reservation allocator for comparison."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from engine.trace import TraceRequest, prompt_tokens
+
+
+@dataclass(slots=True)
+class StepCost:
+    """Simulated time of one step: fixed overhead plus a cost per batched token."""
+    base_ms: float = 10.0
+    per_token_ms: float = 0.05
+
+    def seconds(self, num_tokens: int) -> float:
+        return (self.base_ms + self.per_token_ms * num_tokens) / 1000.0
+
+
+@dataclass(slots=True)
+class ReplayResult:
+    name: str
+    num_requests: int
+    sim_seconds: float  # simulated time until the last request finished
+    steps: int
+    utilisation: float  # token slots holding K/V / slots allocated, averaged over steps
+    peak_concurrency: int  # most requests holding memory at once
+    mean_concurrency: float
+    preemptions: int = 0
+    swaps_out: int = 0
+    prefix_hit_rate: float = 0.0  # prompt tokens served from the cache / prompt tokens looked up
+    wall_seconds: float = 0.0  # real time the replay took
+    extra: dict = field(default_factory=dict)
+
+    def row(self) -> list[str]:
+        return [self.name, str(self.num_requests), f"{self.sim_seconds:.1f}", str(self.steps),
+                f"{100 * self.utilisation:.1f}%", str(self.peak_concurrency),
+                f"{self.mean_concurrency:.1f}", str(self.preemptions), str(self.swaps_out),
+                f"{100 * self.prefix_hit_rate:.1f}%"]
+
+
+HEADER = ["allocator", "requests", "sim s", "steps", "KV util", "peak conc", "mean conc",
+          "preempt", "swaps", "prefix hit"]
+
+
+def slot_usage(engine: LLMEngine) -> tuple[int, int]:
+    """(token slots holding K/V, slots in blocks held by requests); a shared block once."""
+    bs = engine.config.block_size
+    fill: dict[int, int] = {}
+    for rid, table in engine.kv.req_to_blocks.items():
+        computed = engine.scheduler.requests[rid].num_computed_tokens
+        for i, block in enumerate(table):
+            fill[block.block_id] = max(fill.get(block.block_id, 0),
+                                       min(bs, max(computed - i * bs, 0)))
+    return sum(fill.values()), len(fill) * bs
+
+
+def replay_paged(trace: list[TraceRequest], config: EngineConfig,
+                 cost: StepCost = StepCost(), name: str = "paged") -> ReplayResult:
+    engine = LLMEngine(config)
+    vocab = config.vocab_size
+    pending = list(enumerate(trace))
+    now, used_sum, alloc_sum, conc_sum, peak, steps = 0.0, 0, 0, 0, 0, 0
+    wall = time.perf_counter()
+    while pending or engine.has_unfinished_requests():
+        while pending and pending[0][1].arrival_s <= now:
+            i, req = pending.pop(0)
+            engine.add_request(f"t{i}", prompt_tokens(req, i, vocab),
+                               SamplingParams(max_tokens=req.output_len, ignore_eos=True),
+                               arrival_time=req.arrival_s)
+        if not engine.has_unfinished_requests():
+            now = pending[0][1].arrival_s
+            continue
+        tokens_before = engine.scheduler.counters.num_prompt_tokens \
+            + engine.scheduler.counters.num_generation_tokens
+        engine.step()
+        steps += 1
+        batched = engine.scheduler.counters.num_prompt_tokens \
+            + engine.scheduler.counters.num_generation_tokens - tokens_before
+        now += cost.seconds(batched)
+        used, allocated = slot_usage(engine)
+        used_sum += used
+        alloc_sum += allocated
+        holding = len(engine.kv.req_to_blocks)
+        conc_sum += holding
+        peak = max(peak, holding)
+    m = engine.metrics()
+    return ReplayResult(
+        name=name, num_requests=len(trace), sim_seconds=now, steps=steps,
+        utilisation=used_sum / alloc_sum if alloc_sum else 0.0, peak_concurrency=peak,
+        mean_concurrency=conc_sum / max(steps, 1), preemptions=m["num_preemptions"],
+        swaps_out=m["num_swaps_out"],
+        prefix_hit_rate=m["prefix_cache_hits"] / max(m["prefix_cache_queries"], 1),
+        wall_seconds=time.perf_counter() - wall)
+
+
+def replay_contiguous(trace: list[TraceRequest], total_slots: int, max_model_len: int,
+                      max_num_seqs: int, max_num_batched_tokens: int,
+                      cost: StepCost = StepCost()) -> ReplayResult:
+    """Each admitted request reserves max_model_len contiguous slots until it ends, as a
+    server without paging must (it cannot know the output length in advance)."""
+    pending = list(trace)
+    waiting: list[list[int]] = []  # [prompt_left, output_left, stored]
+    running: list[list[int]] = []
+    now, steps, used_sum, alloc_sum, conc_sum, peak = 0.0, 0, 0, 0, 0, 0
+    capacity = total_slots // max_model_len
+    if capacity == 0:
+        raise ValueError("the pool cannot hold one max-length request")
+    while pending or waiting or running:
+        while pending and pending[0].arrival_s <= now:
+            r = pending.pop(0)
+            waiting.append([r.prompt_len, min(r.output_len, max_model_len - r.prompt_len), 0])
+        while waiting and len(running) < min(capacity, max_num_seqs):
+            running.append(waiting.pop(0))
+        if not running:
+            now = pending[0].arrival_s
+            continue
+        budget = max_num_batched_tokens
+        batched = 0
+        for r in running:
+            n = min(r[0], budget) if r[0] else (1 if budget else 0)
+            if r[0]:
+                r[0] -= n
+                r[2] += n
+                if r[0] == 0:
+                    r[1] -= 1  # the prefill's last token samples the first output
+            elif n:
+                r[1] -= 1
+                r[2] += 1
+            budget -= n
+            batched += n
+        running = [r for r in running if r[1] > 0]
+        steps += 1
+        now += cost.seconds(batched)
+        used_sum += sum(r[2] for r in running)
+        alloc_sum += len(running) * max_model_len
+        conc_sum += len(running)
+        peak = max(peak, len(running))
+    return ReplayResult(
+        name="contiguous", num_requests=len(trace), sim_seconds=now, steps=steps,
+        utilisation=used_sum / alloc_sum if alloc_sum else 0.0, peak_concurrency=peak,
+        mean_concurrency=conc_sum / max(steps, 1))
+
+
+def format_table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths)),
+             "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    return "\n".join(lines)
