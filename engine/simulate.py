@@ -27,6 +27,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     src.add_argument("--synthetic", type=int, metavar="N", help="N synthetic requests")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rate", type=float, default=20.0, help="synthetic arrivals per second")
+    p.add_argument("--prefix-groups", type=int, default=4,
+                   help="synthetic: number of shared system prompts (half the requests use one)")
+    p.add_argument("--prefix-len", type=int, default=256, help="synthetic: shared prompt tokens")
     p.add_argument("--num-gpu-blocks", type=int, default=4096)
     p.add_argument("--num-cpu-blocks", type=int, default=1024)
     p.add_argument("--block-size", type=int, default=16)
@@ -46,7 +49,9 @@ def main(argv: list[str] | None = None) -> int:
         trace = load_trace(args.trace) if args.trace else synthetic_trace(
             args.synthetic, seed=args.seed, rate_per_s=args.rate,
             prompt_range=(16, args.max_model_len // 2),
-            output_range=(16, args.max_model_len // 4))
+            output_range=(16, args.max_model_len // 4),
+            num_prefix_groups=args.prefix_groups,
+            prefix_len=min(args.prefix_len, args.max_model_len // 4))
         too_long = [r for r in trace if r.prompt_len >= args.max_model_len]
         if too_long:
             raise ValueError(f"{len(too_long)} requests have prompts of max_model_len "

@@ -7,7 +7,9 @@ from engine.trace import TraceRequest, load_trace, prompt_tokens, synthetic_trac
 
 
 def test_paged_beats_contiguous_reservation_on_utilisation_and_concurrency():
-    trace = synthetic_trace(60, seed=3, prompt_range=(16, 300), output_range=(8, 100))
+    # Everyone arrives at once, so the pool's capacity decides the concurrency.
+    trace = synthetic_trace(60, seed=3, rate_per_s=1000.0, prompt_range=(16, 300),
+                            output_range=(8, 100), prefix_len=64)
     cfg = EngineConfig(simulate=True, vocab_size=32000, block_size=16, num_gpu_blocks=512,
                        num_cpu_blocks=0, max_model_len=512, max_pending_events=0)
     paged = replay_paged(trace, cfg)
