@@ -183,14 +183,21 @@ class BlockPool:
             self.free_queue.appendleft(block)
         return victims
 
+    def forget(self, block: KVBlock) -> bool:
+        """Make one block unfindable by hash (its data is not what the hash says)."""
+        if block.block_hash is None:
+            return False
+        self._drop_hash(block)
+        if block.ref_cnt == 0:
+            self.free_queue.remove(block)
+            self.free_queue.appendleft(block)
+        return True
+
     def forget_all_hashes(self) -> int:
         """Reset: no block is findable by hash any more. Returns how many were cached."""
         n = len(self.cached)
         for block in list(self.cached.values()):
-            self._drop_hash(block)
-            if block.ref_cnt == 0:  # now an uncached free block: reuse it first
-                self.free_queue.remove(block)
-                self.free_queue.appendleft(block)
+            self.forget(block)
         return n
 
     def _drop_hash(self, block: KVBlock) -> None:

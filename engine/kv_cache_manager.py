@@ -216,6 +216,15 @@ class KVCacheManager:
         self._offer_to_cache(request, request.num_computed_tokens)
         return SwapResult(mapping, num_hit_blocks=len(hits))
 
+    def forget_uncomputed(self) -> int:
+        """A step failed: the blocks registered for it hold no valid K/V. Drop their hashes."""
+        n = 0
+        for block_id in self.uncomputed:
+            if self.gpu.forget(self.gpu.blocks[block_id]):
+                n += 1
+        self.uncomputed.clear()
+        return n
+
     # --- operator: evict, reset, pin ------------------------------------------------------
     def evict(self, n: int | None) -> int:
         victims = self.gpu.evict(n)

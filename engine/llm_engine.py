@@ -56,6 +56,7 @@ class LLMEngine:
         self._snapshot_seq = itertools.count(1)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._pending: list[RequestOutput] = []  # outputs of aborts, reported by step()
+        self._inflight = None  # the SchedulerOutput being run, until its update is done
         self._prompt_rate = RateMeter()
         self._gen_rate = RateMeter()
 
@@ -116,8 +117,10 @@ class LLMEngine:
         if not out.has_work:
             return outputs
         self.step_count += 1
+        self._inflight = out
         sampled = self.runner.execute(out)
         progressed = self.scheduler.update_from_output(out, sampled)
+        self._inflight = None
         for request in progressed:
             outputs.append(self._output(request, [request.output_token_ids[-1]]))
         now = time.time()
@@ -159,6 +162,22 @@ class LLMEngine:
                 if o.finished:
                     final[o.request_id] = o
         return [final[rid] for rid in ids]
+
+    def recover_from_failed_step(self) -> list[str]:
+        """After step() raised: end the requests of the failed batch (their K/V may be
+        half-written), forget cache entries the batch was to fill, and leave every other
+        request as it was. Returns the ids of the ended requests."""
+        out, self._inflight = self._inflight, None
+        self.kv.forget_uncomputed()
+        victims = [s.request for s in out.scheduled] if out is not None else []
+        ended = []
+        for request in victims:
+            if request.status.is_finished:
+                continue
+            self.scheduler.finish(request, RequestStatus.ABORTED, "abort")
+            self._detok.pop(request.request_id, None)
+            ended.append(request.request_id)
+        return ended
 
     # --- operator commands -------------------------------------------------------------
     def abort(self, request_id: str) -> RequestOutput:

@@ -304,3 +304,26 @@ def test_step_with_nothing_to_do_returns_empty():
     engine = sim_engine()
     assert engine.step() == []
     assert engine.step_count == 0
+
+
+def test_a_failed_step_ends_its_batch_and_leaks_nothing():
+    engine = sim_engine()
+    engine.add_request("a", list(range(1, 30)), greedy(10))
+    engine.step()
+    real_forward = engine.runner.forward
+
+    def broken(out):
+        raise RuntimeError("injected")
+
+    engine.runner.forward = broken
+    engine.add_request("b", list(range(1, 30)), greedy(10))  # would hit a's blocks
+    with pytest.raises(RuntimeError):
+        engine.step()
+    ended = engine.recover_from_failed_step()
+    assert sorted(ended) == ["a", "b"]
+    engine.kv.check_invariants()
+    assert engine.kv.gpu.num_free == engine.kv.gpu.num_blocks
+    engine.runner.forward = real_forward
+    p = list(range(1, 30))
+    (out,) = engine.generate([p], greedy(5))
+    assert out.output_token_ids == expected(p, 5)  # nothing stale was left in the cache
