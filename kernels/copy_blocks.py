@@ -1,0 +1,89 @@
+"""copy_blocks: copy-on-write inside one KV pool.
+
+For each (src, dst) pair, every layer's K and V block src is copied to block dst, in
+one launch: program (pair, layer * 2 + kv) copies one block of one plane.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import _checks as checks
+from kernels._triton import lazy_jit, tl
+
+_OP = "copy_blocks"
+_KV_CACHE_LAYOUT = "[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]"
+_CHUNK = 1024  # elements moved per inner iteration
+
+
+@lazy_jit
+def _copy_blocks_kernel(
+    cache_ptr,  # kv_cache viewed as integers of the same width, contiguous
+    block_mapping_ptr,  # [num_pairs, 2] int64, contiguous
+    plane_numel,  # num_blocks * block_numel: one layer's K (or V)
+    block_numel,  # block_size * num_kv_heads * head_dim
+    CHUNK: tl.constexpr,
+):
+    pair = tl.program_id(0)
+    plane = tl.program_id(1).to(tl.int64)  # layer * 2 + (0 for K, 1 for V)
+    src = tl.load(block_mapping_ptr + 2 * pair).to(tl.int64)
+    dst = tl.load(block_mapping_ptr + 2 * pair + 1).to(tl.int64)
+    src_base = cache_ptr + plane * plane_numel + src * block_numel
+    dst_base = cache_ptr + plane * plane_numel + dst * block_numel
+    for start in range(0, block_numel, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        mask = offs < block_numel
+        tl.store(dst_base + offs, tl.load(src_base + offs, mask=mask), mask=mask)
+
+
+def copy_blocks(kv_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
+    """Copy blocks src -> dst for every layer's K and V of `kv_cache`, in place.
+
+    kv_cache: contiguous [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim],
+        any dtype.
+    block_mapping: [n, 2] int64 (or int32) of (src, dst) block ids, on any device.
+        Checked on the host (one small device-to-host copy): ids in range, no dst
+        repeated, and no block both a source and a destination, since pairs run in
+        parallel and their order is not defined.
+    """
+    checks.check_ndim(_OP, "kv_cache", kv_cache, 6, _KV_CACHE_LAYOUT)
+    checks.check_dim_size(_OP, "kv_cache", kv_cache, 1, 2, "2 (K and V)")
+    checks.check_contiguous(_OP, "kv_cache", kv_cache, _KV_CACHE_LAYOUT)
+    checks.check_triton_device(_OP, kv_cache)
+    num_blocks = kv_cache.shape[2]
+    mapping = check_block_mapping(_OP, block_mapping, num_blocks, num_blocks)
+    if mapping.shape[0] == 0:
+        return
+    pairs = mapping.tolist()
+    sources, dests = {p[0] for p in pairs}, [p[1] for p in pairs]
+    if len(set(dests)) != len(dests):
+        raise ValueError(f"{_OP}: a destination block appears twice in block_mapping: {pairs}")
+    if sources & set(dests):
+        raise ValueError(
+            f"{_OP}: blocks {sorted(sources & set(dests))} are both a source and a destination; "
+            "split the mapping into two calls"
+        )
+    mapping = mapping.to(device=kv_cache.device, dtype=torch.int64).contiguous()
+    num_layers = kv_cache.shape[0]
+    block_numel = kv_cache[0, 0, 0].numel()
+    _copy_blocks_kernel[(mapping.shape[0], num_layers * 2)](
+        checks.as_bits(kv_cache), mapping, num_blocks * block_numel, block_numel, CHUNK=_CHUNK,
+    )
+
+
+def check_block_mapping(op: str, block_mapping: torch.Tensor, num_src_blocks: int,
+                        num_dst_blocks: int) -> torch.Tensor:
+    """Validate an [n, 2] (src, dst) mapping on the host; returns it on the CPU."""
+    checks.check_ndim(op, "block_mapping", block_mapping, 2, "[n, 2] of (src, dst) block ids")
+    checks.check_dim_size(op, "block_mapping", block_mapping, 1, 2, "2 (src, dst)")
+    checks.check_dtype(op, "block_mapping", block_mapping, checks.INDEX_DTYPES)
+    mapping = block_mapping.cpu()
+    if mapping.shape[0] == 0:
+        return mapping
+    for column, name, limit in ((0, "src", num_src_blocks), (1, "dst", num_dst_blocks)):
+        ids = mapping[:, column]
+        if int(ids.min()) < 0 or int(ids.max()) >= limit:
+            raise ValueError(
+                f"{op}: {name} block ids must be in 0..{limit - 1}, got {ids.tolist()}"
+            )
+    return mapping

@@ -1,0 +1,102 @@
+"""Pure-torch references for every kernel op.
+
+Written for obviousness, not speed: plain loops over tokens, sequences and blocks,
+fp32 math. Tests compare the Triton kernels against these; nothing here shares code
+with the kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def reshape_and_cache_ref(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens]; slot < 0 is padding
+) -> None:
+    """Write token i to cache[slot // block_size, slot % block_size], in place."""
+    num_blocks, block_size = key_cache.shape[:2]
+    for i, slot in enumerate(slot_mapping.tolist()):
+        if slot < 0:
+            continue
+        if slot >= num_blocks * block_size:
+            raise ValueError(f"slot {slot} of token {i} is past the cache ({num_blocks} x {block_size})")
+        block, offset = divmod(slot, block_size)
+        key_cache[block, offset] = key[i]
+        value_cache[block, offset] = value[i]
+
+
+def gather_sequence_kv(
+    cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_table: torch.Tensor,  # [max_blocks_per_seq], only the first cdiv(seq_len, block_size) used
+    seq_len: int,
+) -> torch.Tensor:
+    """One sequence's keys (or values) in position order: [seq_len, num_kv_heads, head_dim]."""
+    block_size = cache.shape[1]
+    pos = torch.arange(seq_len, device=cache.device)
+    blocks = block_table.to(cache.device)[pos // block_size].long()
+    return cache[blocks, pos % block_size]
+
+
+def paged_attention_ref(
+    q: torch.Tensor,  # [num_tokens, num_q_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq]
+    seq_lens: torch.Tensor,  # [num_seqs], context length including the new tokens
+    query_start_loc: torch.Tensor,  # [num_seqs + 1]
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its whole paged context.
+
+    Query row j of sequence s sits at position seq_lens[s] - q_len_s + j and sees keys
+    at positions 0..that position. Rows not owned by any sequence are left zero.
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = key_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    out = torch.zeros(num_tokens, num_q_heads, head_dim, dtype=torch.float32, device=q.device)
+    starts = query_start_loc.tolist()
+    for s, seq_len in enumerate(seq_lens.tolist()):
+        q_start, q_end = starts[s], starts[s + 1]
+        q_len = q_end - q_start
+        if q_len == 0:
+            continue
+        if q_len > seq_len:
+            raise ValueError(f"sequence {s}: {q_len} new tokens but seq_len {seq_len}")
+        k = gather_sequence_kv(key_cache, block_tables[s], seq_len).float()
+        v = gather_sequence_kv(value_cache, block_tables[s], seq_len).float()
+        # q head h reads kv head h // group
+        k = k.repeat_interleave(group, dim=1)  # [seq_len, num_q_heads, head_dim]
+        v = v.repeat_interleave(group, dim=1)
+        qs = q[q_start:q_end].float()  # [q_len, num_q_heads, head_dim]
+        scores = torch.einsum("qhd,khd->hqk", qs, k) * scale
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+        k_pos = torch.arange(seq_len, device=q.device)
+        visible = k_pos[None, :] <= q_pos[:, None]  # [q_len, seq_len]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, v)
+    return out.to(q.dtype)
+
+
+def copy_blocks_ref(
+    kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+    block_mapping: torch.Tensor,  # [n, 2] of (src, dst)
+) -> None:
+    """For every layer, K and V: block dst = block src, in place."""
+    for src, dst in block_mapping.tolist():
+        kv_cache[:, :, dst] = kv_cache[:, :, src]
+
+
+def swap_blocks_ref(
+    src_cache: torch.Tensor,  # [num_layers, 2, num_src_blocks, block_size, num_kv_heads, head_dim]
+    dst_cache: torch.Tensor,  # [num_layers, 2, num_dst_blocks, block_size, num_kv_heads, head_dim]
+    block_mapping: torch.Tensor,  # [n, 2] of (src block in src_cache, dst block in dst_cache)
+) -> None:
+    """Copy every layer's K and V block src (in src_cache) -> dst (in dst_cache), one at a time."""
+    for src, dst in block_mapping.tolist():
+        dst_cache[:, :, dst] = src_cache[:, :, src].to(dst_cache.device)

@@ -1,0 +1,133 @@
+"""reshape_and_cache: write the new tokens' K and V into the paged cache.
+
+Token i goes to slot `slot_mapping[i]` = block_id * block_size + offset, i.e. to
+`key_cache[slot // block_size, slot % block_size]`. A negative slot marks a padding
+token and is skipped. One program per token copies all of its heads.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import _checks as checks
+from kernels._triton import lazy_jit, next_power_of_2, tl
+
+_OP = "reshape_and_cache"
+_KV_LAYOUT = "[num_tokens, num_kv_heads, head_dim]"
+_CACHE_LAYOUT = "[num_blocks, block_size, num_kv_heads, head_dim]"
+
+
+@lazy_jit
+def _reshape_and_cache_kernel(
+    key_ptr,  # [num_tokens, num_kv_heads, head_dim], last dim contiguous
+    value_ptr,  # [num_tokens, num_kv_heads, head_dim], last dim contiguous
+    key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], contiguous
+    value_cache_ptr,  # same shape as key_cache
+    slot_mapping_ptr,  # [num_tokens], int32 or int64
+    num_slots,  # num_blocks * block_size
+    stride_key_tok,
+    stride_key_head,
+    stride_value_tok,
+    stride_value_head,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEADS_PAD: tl.constexpr,  # next power of two >= NUM_KV_HEADS
+    DIM_PAD: tl.constexpr,  # next power of two >= HEAD_DIM
+):
+    tok = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
+    # Padding (slot < 0) is skipped. A slot past the cache end is skipped too, so a
+    # bad slot mapping cannot write outside the cache; the reference raises on it.
+    slot_ok = (slot >= 0) & (slot < num_slots)
+
+    heads = tl.arange(0, HEADS_PAD)
+    dims = tl.arange(0, DIM_PAD)
+    mask = (heads[:, None] < NUM_KV_HEADS) & (dims[None, :] < HEAD_DIM) & slot_ok
+
+    key_offs = tok * stride_key_tok + heads[:, None] * stride_key_head + dims[None, :]
+    value_offs = tok * stride_value_tok + heads[:, None] * stride_value_head + dims[None, :]
+    # The cache is contiguous, so a slot's rows start at slot * heads * dim.
+    cache_offs = slot * (NUM_KV_HEADS * HEAD_DIM) + heads[:, None] * HEAD_DIM + dims[None, :]
+
+    k = tl.load(key_ptr + key_offs, mask=mask)
+    tl.store(key_cache_ptr + cache_offs, k, mask=mask)
+    v = tl.load(value_ptr + value_offs, mask=mask)
+    tl.store(value_cache_ptr + cache_offs, v, mask=mask)
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write `key`/`value` rows into `key_cache`/`value_cache` at `slot_mapping`, in place.
+
+    key, value: [num_tokens, num_kv_heads, head_dim], last dimension contiguous (views
+        into a fused qkv tensor are fine).
+    key_cache, value_cache: contiguous [num_blocks, block_size, num_kv_heads, head_dim],
+        same dtype as key/value (any dtype: the kernel copies bits).
+    slot_mapping: [num_tokens] int32/int64; slot = block_id * block_size + offset;
+        slot < 0 is padding and is skipped. Slots >= num_blocks * block_size are also
+        skipped (never written out of bounds); the torch reference raises on them.
+    """
+    _check_args(key, value, key_cache, value_cache, slot_mapping)
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    num_slots = key_cache.shape[0] * key_cache.shape[1]
+    key_bits, value_bits = checks.as_bits(key), checks.as_bits(value)
+    _reshape_and_cache_kernel[(num_tokens,)](
+        key_bits,
+        value_bits,
+        checks.as_bits(key_cache),
+        checks.as_bits(value_cache),
+        slot_mapping,
+        num_slots,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        HEADS_PAD=next_power_of_2(num_kv_heads),
+        DIM_PAD=next_power_of_2(head_dim),
+    )
+
+
+def _check_args(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    checks.check_ndim(_OP, "key", key, 3, _KV_LAYOUT)
+    checks.check_ndim(_OP, "value", value, 3, _KV_LAYOUT)
+    checks.check_ndim(_OP, "key_cache", key_cache, 4, _CACHE_LAYOUT)
+    checks.check_ndim(_OP, "value_cache", value_cache, 4, _CACHE_LAYOUT)
+    checks.check_ndim(_OP, "slot_mapping", slot_mapping, 1, "[num_tokens]")
+    if value.shape != key.shape:
+        raise ValueError(f"{_OP}: value shape {tuple(value.shape)} != key shape {tuple(key.shape)}")
+    if value_cache.shape != key_cache.shape:
+        raise ValueError(
+            f"{_OP}: value_cache shape {tuple(value_cache.shape)} != "
+            f"key_cache shape {tuple(key_cache.shape)}"
+        )
+    num_tokens, num_kv_heads, head_dim = key.shape
+    checks.check_dim_size(_OP, "key_cache", key_cache, 2, num_kv_heads, "key.shape[1] (num_kv_heads)")
+    checks.check_dim_size(_OP, "key_cache", key_cache, 3, head_dim, "key.shape[2] (head_dim)")
+    checks.check_dim_size(_OP, "slot_mapping", slot_mapping, 0, num_tokens, "key.shape[0] (num_tokens)")
+    checks.check_same_dtype(_OP, ("key", "value", "key_cache", "value_cache"),
+                            (key, value, key_cache, value_cache))
+    checks.check_dtype(_OP, "slot_mapping", slot_mapping, checks.INDEX_DTYPES)
+    checks.check_last_dim_contiguous(_OP, "key", key)
+    checks.check_last_dim_contiguous(_OP, "value", value)
+    checks.check_contiguous(_OP, "key_cache", key_cache, _CACHE_LAYOUT)
+    checks.check_contiguous(_OP, "value_cache", value_cache, _CACHE_LAYOUT)
+    checks.check_contiguous(_OP, "slot_mapping", slot_mapping, "[num_tokens]")
+    names = ("key", "value", "key_cache", "value_cache", "slot_mapping")
+    tensors = (key, value, key_cache, value_cache, slot_mapping)
+    checks.check_same_device(_OP, names, tensors)
+    checks.check_triton_device(_OP, key)
