@@ -38,11 +38,12 @@ def _reshape_and_cache_kernel(
     slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
     # Padding (slot < 0) is skipped. A slot past the cache end is skipped too, so a
     # bad slot mapping cannot write outside the cache; the reference raises on it.
-    slot_ok = (slot >= 0) & (slot < num_slots)
+    if (slot < 0) | (slot >= num_slots):
+        return
 
     heads = tl.arange(0, HEADS_PAD)
     dims = tl.arange(0, DIM_PAD)
-    mask = (heads[:, None] < NUM_KV_HEADS) & (dims[None, :] < HEAD_DIM) & slot_ok
+    mask = (heads[:, None] < NUM_KV_HEADS) & (dims[None, :] < HEAD_DIM)
 
     key_offs = tok * stride_key_tok + heads[:, None] * stride_key_head + dims[None, :]
     value_offs = tok * stride_value_tok + heads[:, None] * stride_value_head + dims[None, :]

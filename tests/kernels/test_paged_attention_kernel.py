@@ -186,3 +186,58 @@ def test_block_sizes_and_head_dims_on_gpu(block_size: int, head_dim: int) -> Non
     batch = build(seqs, 9, 3, head_dim, block_size, torch.bfloat16, "cuda", seed=10)
     check_against_reference(batch)
     check_against_reference(batch, num_splits=4)
+
+
+def valid_args() -> dict[str, object]:
+    batch = build([(9, 2), (5, 1)], 4, 2, 16, 4, torch.float32, "cpu", seed=11)
+    return {"q": batch.q, "key_cache": batch.key_cache, "value_cache": batch.value_cache,
+            "block_tables": batch.block_tables, "seq_lens": batch.seq_lens,
+            "query_start_loc": batch.query_start_loc, "scale": batch.scale}
+
+
+def same_wrong_cache(make):
+    def mutate(args: dict) -> None:
+        args["key_cache"] = make(args["key_cache"])
+        args["value_cache"] = make(args["value_cache"])
+    return mutate
+
+
+@pytest.mark.parametrize("mutate,message", [
+    (lambda a: a.update(q=a["q"][0]), "q must be 3-D"),
+    (lambda a: a.update(q=a["q"].half()), "must have the same dtype"),
+    (same_wrong_cache(lambda c: c.double()), "must have the same dtype"),
+    (lambda a: a.update(q=a["q"].double(), key_cache=a["key_cache"].double(),
+                        value_cache=a["value_cache"].double()), "q must have dtype"),
+    (lambda a: a.update(value_cache=a["value_cache"][:, :2]), "value_cache shape"),
+    (same_wrong_cache(lambda c: c[..., :8].contiguous()), r"key_cache.shape\[3\] must equal"),
+    (same_wrong_cache(lambda c: torch.zeros(*c.shape[:2], 3, c.shape[3])), r"num_q_heads \(4\) must be a multiple"),
+    (lambda a: a.update(q=torch.zeros(3, 5, 16)), r"must be a multiple of num_kv_heads \(2\)"),
+    (same_wrong_cache(lambda c: torch.zeros(c.shape[0], 3, *c.shape[2:])), "block_size .* power of two"),
+    (same_wrong_cache(lambda c: c.transpose(0, 1).contiguous().transpose(0, 1)), "must be contiguous"),
+    (lambda a: a.update(q=a["q"].transpose(1, 2).contiguous().transpose(1, 2)), "contiguous last dimension"),
+    (lambda a: a.update(block_tables=a["block_tables"].long()), "block_tables must have dtype"),
+    (lambda a: a.update(seq_lens=a["seq_lens"].long()), "seq_lens must have dtype"),
+    (lambda a: a.update(seq_lens=a["seq_lens"][:1]), r"seq_lens.shape\[0\] must equal"),
+    (lambda a: a.update(query_start_loc=a["query_start_loc"][:2]), r"query_start_loc.shape\[0\] must equal"),
+    (lambda a: a.update(block_tables=a["block_tables"][0]), "block_tables must be 2-D"),
+    (lambda a: a.update(out=torch.empty(2, 4, 16)), "out must be a contiguous"),
+    (lambda a: a.update(num_splits=0), "num_splits must be in"),
+])
+def test_launcher_rejects_bad_arguments(mutate, message: str) -> None:
+    args = valid_args()
+    mutate(args)
+    with pytest.raises(ValueError, match=message):
+        paged_attention(**args)
+
+
+def test_head_dim_over_256_is_refused() -> None:
+    batch = make_paged_batch([3], [1], 2, 2, 272, 4, torch.float32, seed=12)
+    with pytest.raises(ValueError, match="head_dim must be in 1..256"):
+        paged_attention(batch.q, batch.key_cache, batch.value_cache, batch.block_tables,
+                        batch.seq_lens, batch.query_start_loc, batch.scale)
+
+
+def test_cpu_tensors_without_interpreter_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="need CUDA tensors"):
+        paged_attention(**valid_args())
