@@ -1,0 +1,167 @@
+"""Validation of what clients send, and the shape of what they get back."""
+from __future__ import annotations
+
+from rest_framework import serializers
+
+from kvops import limits
+from kvops.models import Engine, Job, OperatorAction
+
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
+                   "stop_token_ids", "ignore_eos")
+
+
+class StrictMixin:
+    """Unknown fields are an error, not silently ignored (a typo must not pass)."""
+
+    def to_internal_value(self, data):
+        if not isinstance(data, dict):
+            raise serializers.ValidationError({"non_field_errors": ["expected a JSON object"]})
+        unknown = sorted(set(data) - set(self.fields))
+        if unknown:
+            raise serializers.ValidationError(
+                {name: ["unknown field"] for name in unknown})
+        return super().to_internal_value(data)
+
+
+class TextField(serializers.CharField):
+    """A CharField that refuses numbers and booleans instead of turning them into text."""
+
+    def to_internal_value(self, data):
+        if not isinstance(data, str):
+            raise serializers.ValidationError("must be a string")
+        return super().to_internal_value(data)
+
+
+class ChatMessageSerializer(StrictMixin, serializers.Serializer):
+    role = serializers.ChoiceField(choices=["system", "user", "assistant"])
+    content = TextField(allow_blank=True, max_length=limits.MAX_PROMPT_CHARS,
+                                    trim_whitespace=False)
+
+
+class StopField(serializers.Field):
+    """A string or a list of up to 8 non-empty strings."""
+
+    def to_internal_value(self, data):
+        if isinstance(data, str):
+            data = [data]
+        if not isinstance(data, list) or not all(isinstance(s, str) and s for s in data):
+            raise serializers.ValidationError("must be a string or a list of non-empty strings")
+        if len(data) > 8 or any(len(s) > 256 for s in data):
+            raise serializers.ValidationError("at most 8 stop strings of at most 256 characters")
+        return data
+
+    def to_representation(self, value):
+        return value
+
+
+class JobCreateSerializer(StrictMixin, serializers.Serializer):
+    prompt = TextField(required=False, max_length=limits.MAX_PROMPT_CHARS,
+                                   trim_whitespace=False)
+    messages = ChatMessageSerializer(many=True, required=False, allow_empty=False)
+    max_tokens = serializers.IntegerField(required=False, default=128, min_value=1,
+                                          max_value=limits.MAX_TOKENS)
+    temperature = serializers.FloatField(required=False, default=0.0, min_value=0.0,
+                                         max_value=2.0)
+    top_p = serializers.FloatField(required=False, default=1.0, min_value=0.0, max_value=1.0)
+    top_k = serializers.IntegerField(required=False, allow_null=True, default=None, min_value=1,
+                                     max_value=1_000_000)
+    seed = serializers.IntegerField(required=False, allow_null=True, default=None,
+                                    min_value=0, max_value=2**63 - 1)
+    stop = StopField(required=False, default=list)
+    stop_token_ids = serializers.ListField(child=serializers.IntegerField(min_value=0,
+                                                                          max_value=2**31 - 1),
+                                           required=False, default=list, max_length=64)
+    ignore_eos = serializers.BooleanField(required=False, default=False)
+    priority = serializers.IntegerField(required=False, default=0, min_value=-1000,
+                                        max_value=1000)
+    engine = TextField(required=False, default="", allow_blank=True, max_length=64)
+
+    def validate_top_p(self, value):
+        if value <= 0.0:
+            raise serializers.ValidationError("must be greater than 0")
+        return value
+
+    def validate(self, attrs):
+        has_prompt = bool(attrs.get("prompt"))
+        has_messages = bool(attrs.get("messages"))
+        if has_prompt == has_messages:
+            raise serializers.ValidationError(
+                {"prompt": ["give exactly one of `prompt` (non-empty text) or `messages`"]})
+        return attrs
+
+    def job_kwargs(self) -> dict:
+        data = self.validated_data
+        return {
+            "prompt": data.get("prompt", ""),
+            "messages": [dict(m) for m in data["messages"]] if data.get("messages") else None,
+            "params": {k: data[k] for k in SAMPLING_FIELDS},
+            "priority": data["priority"],
+            "engine": data["engine"],
+        }
+
+
+class JobSerializer(serializers.ModelSerializer):
+    owner = serializers.CharField(source="owner.username", read_only=True)
+
+    class Meta:
+        model = Job
+        fields = ["id", "status", "owner", "source", "engine", "requested_engine", "routing",
+                  "request_id", "prompt", "messages", "params", "priority", "output_text",
+                  "output_token_ids", "finish_reason", "num_prompt_tokens", "num_cached_tokens",
+                  "num_output_tokens", "num_preemptions", "attempts", "error", "queued_at",
+                  "started_at", "first_token_at", "finished_at"]
+        read_only_fields = fields
+
+
+class EngineSerializer(serializers.ModelSerializer):
+    alive = serializers.SerializerMethodField()
+    heartbeat_age_s = serializers.SerializerMethodField()
+
+    class Meta:
+        model = Engine
+        fields = ["name", "worker", "host", "status", "alive", "heartbeat_age_s", "config",
+                  "metrics", "started_at", "last_heartbeat"]
+        read_only_fields = fields
+
+    def get_alive(self, engine: Engine) -> bool:
+        from kvops.selectors import engine_alive
+        return engine_alive(engine)
+
+    def get_heartbeat_age_s(self, engine: Engine) -> float | None:
+        from kvops.selectors import heartbeat_age_s
+        return heartbeat_age_s(engine)
+
+
+class OperatorActionSerializer(serializers.ModelSerializer):
+    user = serializers.CharField(source="user.username", read_only=True, default=None)
+
+    class Meta:
+        model = OperatorAction
+        fields = ["id", "created_at", "user", "engine", "action", "target", "params", "ok",
+                  "status_code", "result"]
+        read_only_fields = fields
+
+
+class EvictSerializer(StrictMixin, serializers.Serializer):
+    num_blocks = serializers.IntegerField(required=False, allow_null=True, default=None,
+                                          min_value=0, max_value=1 << 31)
+
+
+class EmptySerializer(StrictMixin, serializers.Serializer):
+    pass
+
+
+class PrefixSerializer(StrictMixin, serializers.Serializer):
+    prompt = TextField(required=False, max_length=limits.MAX_PROMPT_CHARS,
+                                   trim_whitespace=False)
+    token_ids = serializers.ListField(child=serializers.IntegerField(min_value=0,
+                                                                     max_value=2**31 - 1),
+                                      required=False, max_length=1_000_000)
+    cache_salt = TextField(required=False, allow_null=True, default=None,
+                                       max_length=256)
+
+    def validate(self, attrs):
+        if bool(attrs.get("prompt")) == bool(attrs.get("token_ids")):
+            raise serializers.ValidationError(
+                {"prompt": ["give exactly one of `prompt` (non-empty text) or `token_ids`"]})
+        return attrs

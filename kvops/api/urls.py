@@ -1,0 +1,20 @@
+from django.urls import path
+from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
+from rest_framework.routers import DefaultRouter
+
+from kvops.api import views
+
+router = DefaultRouter()
+router.register("jobs", views.JobViewSet, basename="job")
+router.register("engines", views.EngineViewSet, basename="engine")
+router.register("actions", views.OperatorActionViewSet, basename="action")
+
+urlpatterns = [
+    path("schema/", SpectacularAPIView.as_view(), name="schema"),
+    path("docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),
+    path("engines/<str:name>/requests/<str:request_id>/<str:action>/",
+         views.RequestActionView.as_view(), name="request-action"),
+    path("engines/<str:name>/prefix-cache/<str:action>/",
+         views.PrefixCacheActionView.as_view(), name="prefix-cache-action"),
+    *router.urls,
+]

@@ -1,0 +1,242 @@
+"""The service's one way into the engine (DESIGN.md: kvops/ reaches the engine only
+through this module).
+
+EngineService owns an LLMEngine and the thread that drives it. Everything that touches
+the engine runs on that thread: job tasks submit requests and operator commands as
+callables, the loop applies them between two steps, and outputs go back to each
+request's handle. Hooks run on the loop thread after every step (live publishing).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from typing import Any
+
+from engine import (EngineConfig, EngineError, InvalidRequestError, LLMEngine, RequestOutput,
+                    SamplingParams)
+
+log = logging.getLogger(__name__)
+
+__all__ = ["EngineService", "RequestHandle", "EngineError", "InvalidRequestError",
+           "config_from_env", "OPERATOR_COMMANDS", "StepFailed"]
+
+
+class StepFailed(EngineError):
+    """The engine step that was computing this request raised; the request was ended."""
+
+
+class RequestHandle:
+    """Outputs of one request, handed from the loop thread to the waiting task."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self._queue: queue.Queue[RequestOutput | BaseException] = queue.Queue()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self._queue.put(item)
+
+    def outputs(self, timeout_s: float) -> Iterator[RequestOutput]:
+        """Yield outputs until the finished one; raise what the engine reported."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"request {self.request_id} ran past {timeout_s:.0f} s")
+            try:
+                item = self._queue.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                continue
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            if item.finished:
+                return
+
+
+def _int_or_none(value: Any, name: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidRequestError(f"{name} must be a non-negative integer")
+    return value
+
+
+def _prompt_arg(arguments: dict) -> str | list[int]:
+    if "token_ids" in arguments and arguments["token_ids"] is not None:
+        return arguments["token_ids"]
+    if "prompt" in arguments and arguments["prompt"] is not None:
+        return arguments["prompt"]
+    raise InvalidRequestError("give `prompt` (text) or `token_ids`")
+
+
+# Operator commands: name -> function(engine, arguments) -> JSON-able result.
+OPERATOR_COMMANDS: dict[str, Callable[[LLMEngine, dict], Any]] = {
+    "preempt": lambda e, a: e.preempt(a["request_id"]),
+    "swap-out": lambda e, a: e.swap_out(a["request_id"]),
+    "swap-in": lambda e, a: e.swap_in(a["request_id"]),
+    "abort": lambda e, a: _abort_result(e.abort(a["request_id"])),
+    "evict": lambda e, a: {"num_evicted": e.evict_cached_blocks(
+        _int_or_none(a.get("num_blocks"), "num_blocks"))},
+    "reset": lambda e, a: e.reset_prefix_cache(),
+    "pin": lambda e, a: e.pin_prefix(_prompt_arg(a), a.get("cache_salt")),
+    "unpin": lambda e, a: e.unpin_prefix(_prompt_arg(a), a.get("cache_salt")),
+    "snapshot": lambda e, a: e.snapshot(compact=bool(a.get("compact", True))),
+    "metrics": lambda e, a: e.metrics(),
+}
+
+
+def _abort_result(output: RequestOutput) -> dict:
+    return {"request_id": output.request_id, "status": "aborted",
+            "num_output_tokens": len(output.output_token_ids)}
+
+
+def config_from_env(environ: dict[str, str]) -> EngineConfig:
+    """EngineConfig from KVOPS_ENGINE_<FIELD> variables (e.g. KVOPS_ENGINE_BLOCK_SIZE=32)."""
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(EngineConfig):
+        raw = environ.get(f"KVOPS_ENGINE_{f.name.upper()}")
+        if raw is None or raw == "":
+            continue
+        kwargs[f.name] = _parse_field(f.name, str(f.type), raw)
+    return EngineConfig(**kwargs)
+
+
+def _parse_field(name: str, type_name: str, raw: str) -> Any:
+    try:
+        if type_name.startswith("bool"):
+            if raw.lower() not in ("1", "0", "true", "false", "yes", "no"):
+                raise ValueError(raw)
+            return raw.lower() in ("1", "true", "yes")
+        if type_name.startswith("int"):
+            return int(raw)
+        if type_name.startswith("float"):
+            return float(raw)
+        return raw
+    except ValueError:
+        raise InvalidRequestError(
+            f"KVOPS_ENGINE_{name.upper()}={raw!r} is not a valid {type_name}") from None
+
+
+class EngineService:
+    def __init__(self, config: EngineConfig, engine: LLMEngine | None = None) -> None:
+        self.name = config.name
+        self.engine = engine or LLMEngine(config)
+        self.latest_metrics: dict = self.engine.metrics()  # refreshed by the loop thread
+        self._commands: queue.Queue[tuple[Callable[[], Any], Future]] = queue.Queue()
+        self._handles: dict[str, RequestHandle] = {}  # loop thread only
+        self._hooks: list[Callable[[LLMEngine], None]] = []
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"engine-{self.name}",
+                                        daemon=True)
+
+    # --- lifecycle ---------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout_s)
+
+    def add_hook(self, hook: Callable[[LLMEngine], None]) -> None:
+        """Run hook(engine) on the loop thread after each step and each idle tick."""
+        self._hooks.append(hook)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # --- calls from other threads -------------------------------------------------------
+    def call(self, fn: Callable[[LLMEngine], Any], timeout_s: float = 30.0) -> Any:
+        """Run fn(engine) on the loop thread between two steps and return its result."""
+        if not self.alive:
+            raise EngineError(f"engine {self.name} is not running")
+        future: Future = Future()
+        self._commands.put((lambda: fn(self.engine), future))
+        self._wake.set()
+        return future.result(timeout=timeout_s)
+
+    def command(self, name: str, arguments: dict, timeout_s: float = 30.0) -> Any:
+        """An operator command by name (see OPERATOR_COMMANDS)."""
+        op = OPERATOR_COMMANDS.get(name)
+        if op is None:
+            raise InvalidRequestError(f"unknown command {name!r}")
+        return self.call(lambda engine: op(engine, arguments), timeout_s)
+
+    def submit(self, request_id: str, prompt: str | list[int], params: dict,
+               priority: int = 0, job_id: str | None = None) -> RequestHandle:
+        """Add a request; raises InvalidRequestError (bad prompt/params) synchronously."""
+        sampling = SamplingParams(**params) if isinstance(params, dict) else params
+        handle = RequestHandle(request_id)
+
+        def add(engine: LLMEngine) -> None:
+            engine.add_request(request_id, prompt, sampling, priority=priority, job_id=job_id)
+            self._handles[request_id] = handle
+
+        self.call(add)
+        return handle
+
+    def render_chat(self, messages: list[dict]) -> str:
+        """The model's chat template applied to messages, ready for generation."""
+        tokenizer = self.engine.tokenizer
+        if hasattr(tokenizer, "apply_chat_template"):
+            return tokenizer.apply_chat_template(messages)
+        return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+
+    # --- the loop thread -----------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._apply_commands()
+            if self.engine.has_unfinished_requests():
+                self._step()
+            else:
+                self._wake.wait(0.05)
+                self._wake.clear()
+            self.latest_metrics = self.engine.metrics()
+            for hook in self._hooks:
+                try:
+                    hook(self.engine)
+                except Exception:  # a broken publisher must not stop inference
+                    log.exception("engine hook failed")
+
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                fn, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn())
+            except BaseException as e:  # delivered to the caller, who decides
+                future.set_exception(e)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            log.exception("engine step failed")
+            self._fail_running(e)
+            return
+        for out in outputs:
+            handle = self._handles.get(out.request_id)
+            if handle is None:
+                continue
+            handle.put(out)
+            if out.finished:
+                del self._handles[out.request_id]
+
+    def _fail_running(self, error: Exception) -> None:
+        """A step raised: end the requests it was computing, keep serving the rest."""
+        failed = self.engine.recover_from_failed_step()
+        for request_id in failed:
+            handle = self._handles.pop(request_id, None)
+            if handle is not None:
+                handle.put(StepFailed(f"engine step failed: {type(error).__name__}: {error}"))

@@ -1,0 +1,54 @@
+"""Job latency histograms kept in Redis, so every web process exports the same counts."""
+from __future__ import annotations
+
+import logging
+
+from kvops import live
+
+log = logging.getLogger(__name__)
+
+# Bucket upper bounds in seconds (vLLM uses similar ones for TTFT and e2e latency).
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+HIST_KEY = "kvops:hist:{name}:{engine}"
+HISTOGRAMS = {"time_to_first_token_seconds": TTFT_BUCKETS,
+              "e2e_request_latency_seconds": E2E_BUCKETS}
+
+
+def _observe(name: str, engine: str, value: float) -> None:
+    key = HIST_KEY.format(name=name, engine=engine)
+    pipe = live.redis_client().pipeline()
+    for bound in HISTOGRAMS[name]:
+        if value <= bound:
+            pipe.hincrby(key, repr(bound), 1)
+    pipe.hincrby(key, "+Inf", 1)
+    pipe.hincrbyfloat(key, "sum", value)
+    pipe.sadd("kvops:hist:engines", engine)
+    pipe.execute()
+
+
+def observe_job(job) -> None:
+    """Record a finished job's TTFT and end-to-end latency (best effort)."""
+    try:
+        if job.first_token_at and job.started_at:
+            _observe("time_to_first_token_seconds", job.engine,
+                     (job.first_token_at - job.queued_at).total_seconds())
+        if job.finished_at:
+            _observe("e2e_request_latency_seconds", job.engine,
+                     (job.finished_at - job.queued_at).total_seconds())
+    except Exception as e:
+        log.warning("could not record latency of job %s: %s", job.pk, e)
+
+
+def read_histograms() -> dict[str, dict[str, dict[str, float]]]:
+    """{histogram name: {engine: {bucket bound or 'sum': value}}}."""
+    client = live.redis_client()
+    engines = sorted(e.decode() for e in client.smembers("kvops:hist:engines"))
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for name in HISTOGRAMS:
+        out[name] = {}
+        for engine in engines:
+            raw = client.hgetall(HIST_KEY.format(name=name, engine=engine))
+            if raw:
+                out[name][engine] = {k.decode(): float(v) for k, v in raw.items()}
+    return out

@@ -1,0 +1,66 @@
+"""GET /metrics: Prometheus text with vLLM-style names, labelled by engine."""
+from __future__ import annotations
+
+from django.http import HttpRequest, HttpResponse
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
+                                    HistogramMetricFamily)
+
+from kvops import metrics_store, selectors
+from kvops.models import Job
+
+# (metric, engine metrics key, help, kind)
+ENGINE_METRICS = [
+    ("kvops:kv_cache_usage_perc", "kv_usage", "Fraction of GPU KV blocks in use (0-1).", "gauge"),
+    ("kvops:cpu_kv_cache_usage_perc", "cpu_kv_usage", "Fraction of CPU swap blocks in use.", "gauge"),
+    ("kvops:num_requests_running", "running", "Requests in the running batch.", "gauge"),
+    ("kvops:num_requests_waiting", "waiting", "Requests waiting for admission.", "gauge"),
+    ("kvops:num_requests_swapped", "swapped", "Requests swapped out to CPU memory.", "gauge"),
+    ("kvops:prefix_cache_queries", "prefix_cache_queries",
+     "Prompt tokens looked up in the prefix cache.", "counter"),
+    ("kvops:prefix_cache_hits", "prefix_cache_hits",
+     "Prompt tokens found in the prefix cache.", "counter"),
+    ("kvops:num_preemptions", "num_preemptions", "Preemptions by recompute.", "counter"),
+    ("kvops:num_swaps_out", "num_swaps_out", "Requests swapped out to CPU memory.", "counter"),
+    ("kvops:num_swaps_in", "num_swaps_in", "Requests swapped back in.", "counter"),
+    ("kvops:prompt_tokens", "num_prompt_tokens", "Prefill tokens computed.", "counter"),
+    ("kvops:generation_tokens", "num_generation_tokens", "Tokens generated.", "counter"),
+]
+
+
+class _Collector:
+    def collect(self):
+        engines = list(selectors.engines())
+        for name, key, help_text, kind in ENGINE_METRICS:
+            family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(
+                name, help_text, labels=["engine"])
+            for engine in engines:
+                if key in engine.metrics:
+                    family.add_metric([engine.name], float(engine.metrics[key]))
+            yield family
+        up = GaugeMetricFamily("kvops:engine_up", "1 if the engine's heartbeat is fresh.",
+                               labels=["engine"])
+        for engine in engines:
+            up.add_metric([engine.name], 1.0 if selectors.engine_alive(engine) else 0.0)
+        yield up
+        jobs = GaugeMetricFamily("kvops:jobs", "Jobs by status.", labels=["status"])
+        for status in Job.Status.values:
+            jobs.add_metric([status], Job.objects.filter(status=status).count())
+        yield jobs
+        for hist_name, per_engine in metrics_store.read_histograms().items():
+            bounds = metrics_store.HISTOGRAMS[hist_name]
+            family = HistogramMetricFamily(f"kvops:{hist_name}",
+                                           hist_name.replace("_", " ").capitalize() + ".",
+                                           labels=["engine"])
+            for engine, counts in per_engine.items():
+                buckets = [(repr(b), counts.get(repr(b), 0.0)) for b in bounds]
+                buckets.append(("+Inf", counts.get("+Inf", 0.0)))
+                family.add_metric([engine], buckets, sum_value=counts.get("sum", 0.0))
+            yield family
+
+
+def metrics(request: HttpRequest) -> HttpResponse:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Collector())
+    return HttpResponse(generate_latest(registry),
+                        content_type="text/plain; version=0.0.4; charset=utf-8")

@@ -1,0 +1,99 @@
+"""Jobs, engines and the operator log."""
+from django.conf import settings
+from django.db import models
+
+
+class Engine(models.Model):
+    class Status(models.TextChoices):
+        STARTING = "starting"
+        READY = "ready"
+        STOPPED = "stopped"  # shut down cleanly
+        DEAD = "dead"  # heartbeat stopped
+
+    name = models.CharField(max_length=64, unique=True)
+    worker = models.CharField(max_length=255, help_text="Celery hostname, e.g. engine-a@host")
+    host = models.CharField(max_length=255, blank=True)
+    config = models.JSONField(default=dict, blank=True)
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.STARTING)
+    metrics = models.JSONField(default=dict, blank=True, help_text="latest engine metrics")
+    started_at = models.DateTimeField(null=True, blank=True)
+    last_heartbeat = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class Job(models.Model):
+    class Status(models.TextChoices):
+        QUEUED = "queued"
+        RUNNING = "running"
+        FINISHED = "finished"
+        FAILED = "failed"
+        CANCELLED = "cancelled"
+
+    TERMINAL = (Status.FINISHED, Status.FAILED, Status.CANCELLED)
+
+    class Source(models.TextChoices):
+        API = "api"
+        OPENAI = "openai"
+        WEB = "web"
+
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE,
+                              related_name="jobs")
+    source = models.CharField(max_length=8, choices=Source.choices, default=Source.API)
+    prompt = models.TextField(blank=True)
+    messages = models.JSONField(null=True, blank=True, help_text="chat messages, if a chat job")
+    params = models.JSONField(default=dict, help_text="sampling parameters")
+    priority = models.IntegerField(default=0)
+    requested_engine = models.CharField(max_length=64, blank=True)
+    engine = models.CharField(max_length=64, blank=True, help_text="engine that ran it")
+    routing = models.JSONField(default=dict, blank=True, help_text="why it went where it went")
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.QUEUED,
+                              db_index=True)
+    request_id = models.CharField(max_length=64, blank=True)
+    celery_task_id = models.CharField(max_length=64, blank=True)
+    attempts = models.PositiveIntegerField(default=0)
+    cancel_requested = models.BooleanField(default=False)
+    output_text = models.TextField(blank=True)
+    output_token_ids = models.JSONField(default=list, blank=True)
+    finish_reason = models.CharField(max_length=16, blank=True)
+    error = models.TextField(blank=True)
+    num_prompt_tokens = models.PositiveIntegerField(default=0)
+    num_cached_tokens = models.PositiveIntegerField(default=0)
+    num_output_tokens = models.PositiveIntegerField(default=0)
+    num_preemptions = models.PositiveIntegerField(default=0)
+    queued_at = models.DateTimeField(auto_now_add=True, db_index=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    first_token_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-id"]
+
+    def __str__(self) -> str:
+        return f"job {self.pk} ({self.status})"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self.status in self.TERMINAL
+
+
+class OperatorAction(models.Model):
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL)
+    created_at = models.DateTimeField(auto_now_add=True, db_index=True)
+    engine = models.CharField(max_length=64)
+    action = models.CharField(max_length=32)
+    target = models.CharField(max_length=128, blank=True, help_text="request id, if any")
+    params = models.JSONField(default=dict, blank=True)
+    ok = models.BooleanField(default=False)
+    status_code = models.PositiveSmallIntegerField(default=0, help_text="HTTP status answered")
+    result = models.JSONField(default=dict, blank=True, help_text="the engine's answer")
+
+    class Meta:
+        ordering = ["-id"]
+
+    def __str__(self) -> str:
+        return f"{self.action} {self.target} on {self.engine}"

@@ -1,0 +1,55 @@
+"""Reads: what the API and pages show."""
+from __future__ import annotations
+
+from django.conf import settings
+from django.db.models import QuerySet
+from django.utils import timezone
+
+from kvops import live
+from kvops.models import Engine, Job, OperatorAction
+
+
+def jobs_visible_to(user) -> QuerySet[Job]:
+    """Staff see every job; other users their own."""
+    qs = Job.objects.select_related("owner")
+    return qs if user.is_staff else qs.filter(owner=user)
+
+
+def heartbeat_age_s(engine: Engine) -> float | None:
+    if engine.last_heartbeat is None:
+        return None
+    return (timezone.now() - engine.last_heartbeat).total_seconds()
+
+
+def engine_alive(engine: Engine) -> bool:
+    age = heartbeat_age_s(engine)
+    return (engine.status == Engine.Status.READY and age is not None
+            and age < settings.KVOPS_ENGINE_DEAD_AFTER_S)
+
+
+def engines() -> QuerySet[Engine]:
+    return Engine.objects.all()
+
+
+def engine_snapshot(name: str) -> dict | None:
+    """The latest KV snapshot the engine stored (compact per-block arrays)."""
+    return live.load_snapshot(name)
+
+
+def operator_actions() -> QuerySet[OperatorAction]:
+    return OperatorAction.objects.select_related("user")
+
+
+def served_models() -> dict[str, list[str]]:
+    """Model name -> engines serving it (live ones)."""
+    out: dict[str, list[str]] = {}
+    for engine in Engine.objects.all():
+        if engine_alive(engine):
+            out.setdefault(model_name(engine), []).append(engine.name)
+    return out
+
+
+def model_name(engine: Engine) -> str:
+    """The name clients use for an engine's model: its folder name."""
+    model = str(engine.config.get("model") or "unknown")
+    return model.rstrip("/").split("/")[-1].split(":")[0]

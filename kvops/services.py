@@ -1,0 +1,236 @@
+"""Writes: every change to jobs, engines and the operator log goes through here."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import timedelta
+
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from kvops import control, live, metrics_store
+from kvops.models import Engine, Job, OperatorAction
+
+log = logging.getLogger(__name__)
+
+SHARED_QUEUE = "jobs"
+
+
+def engine_queue(name: str) -> str:
+    return f"engine.{name}"
+
+
+class Conflict(Exception):
+    """The object is in a state where the change makes no sense (HTTP 409)."""
+
+
+# --- jobs, web side -----------------------------------------------------------------------
+def create_job(owner, *, params: dict, prompt: str = "", messages: list | None = None,
+               priority: int = 0, engine: str = "", source: str = Job.Source.API) -> Job:
+    """Store a job and enqueue it once the transaction commits (never before: the
+    worker must find the row)."""
+    job = Job.objects.create(owner=owner, prompt=prompt, messages=messages, params=params,
+                             priority=priority, requested_engine=engine, source=source)
+    transaction.on_commit(lambda: dispatch_job(job.pk))
+    return job
+
+
+def dispatch_job(job_id: int) -> None:
+    from kvops.routing import choose_queue
+    from kvops.tasks import run_job
+
+    job = Job.objects.get(pk=job_id)
+    queue, routing = choose_queue(job)
+    result = run_job.apply_async(args=[job.pk], queue=queue)
+    Job.objects.filter(pk=job.pk).update(celery_task_id=result.id, routing=routing)
+
+
+def cancel_job(job: Job) -> Job:
+    """Cancel a queued job at once; ask the engine to abort a running one."""
+    with transaction.atomic():
+        job = Job.objects.select_for_update().get(pk=job.pk)
+        if job.is_terminal:
+            raise Conflict(f"job {job.pk} is already {job.status}")
+        job.cancel_requested = True
+        if job.status == Job.Status.QUEUED:
+            _end(job, Job.Status.CANCELLED, error="cancelled before it started")
+        job.save()
+    if job.status == Job.Status.RUNNING and job.engine:
+        engine = Engine.objects.filter(name=job.engine).first()
+        if engine is not None:
+            # The task sees the abort output and records the cancellation.
+            control.send_engine_command(engine.worker, "abort", {"request_id": job.request_id})
+    else:
+        _publish_job(job)
+    return job
+
+
+def _end(job: Job, status: str, error: str = "") -> None:
+    job.status = status
+    job.error = error
+    job.finished_at = timezone.now()
+
+
+def _publish_job(job: Job) -> None:
+    live.publish_job_update(job.pk, job_payload(job))
+
+
+def job_payload(job: Job) -> dict:
+    """What a job's websocket and SSE listeners receive: cumulative, so a missed message
+    costs nothing."""
+    return {"status": job.status, "text": job.output_text,
+            "num_output_tokens": job.num_output_tokens, "finish_reason": job.finish_reason,
+            "finished": job.is_terminal, "error": job.error, "engine": job.engine,
+            "request_id": job.request_id, "num_cached_tokens": job.num_cached_tokens,
+            "num_preemptions": job.num_preemptions}
+
+
+# --- jobs, worker side ------------------------------------------------------------------
+def claim_job(job_id: int, engine: str, task_id: str) -> Job | None:
+    """Mark a job running on this engine. None if it must not run (ended, cancelled).
+    A job whose worker died is claimed again and runs again from its prompt."""
+    with transaction.atomic():
+        job = Job.objects.select_for_update().filter(pk=job_id).first()
+        if job is None or job.is_terminal:
+            return None
+        if job.cancel_requested:
+            _end(job, Job.Status.CANCELLED, error="cancelled before it started")
+            job.save()
+            _publish_job(job)
+            return None
+        job.attempts += 1
+        job.status = Job.Status.RUNNING
+        job.engine = engine
+        job.celery_task_id = task_id or job.celery_task_id
+        job.request_id = f"job-{job.pk}-{job.attempts}"
+        job.started_at = timezone.now()
+        job.first_token_at = None
+        job.output_text, job.output_token_ids, job.finish_reason, job.error = "", [], "", ""
+        job.num_output_tokens = job.num_cached_tokens = job.num_preemptions = 0
+        job.save()
+    _publish_job(job)
+    return job
+
+
+@dataclass(slots=True)
+class Progress:
+    """A request's latest output, as the task hands it to the database."""
+    text: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_preemptions: int
+    finished: bool = False
+    finish_reason: str | None = None
+
+
+def record_progress(job: Job, progress: Progress, first_token: bool) -> None:
+    """Save what the request has produced so far (the task calls this coalesced)."""
+    now = timezone.now()
+    job.output_text = progress.text
+    job.output_token_ids = progress.token_ids
+    job.num_output_tokens = len(progress.token_ids)
+    job.num_prompt_tokens = progress.num_prompt_tokens
+    job.num_cached_tokens = progress.num_cached_tokens
+    job.num_preemptions = progress.num_preemptions
+    fields = ["output_text", "output_token_ids", "num_output_tokens", "num_prompt_tokens",
+              "num_cached_tokens", "num_preemptions"]
+    if first_token and job.first_token_at is None:
+        job.first_token_at = now
+        fields.append("first_token_at")
+    Job.objects.filter(pk=job.pk, status=Job.Status.RUNNING).update(
+        **{f: getattr(job, f) for f in fields})
+    _publish_job(job)
+
+
+def finish_job(job: Job, progress: Progress) -> Job:
+    """The request ended: finished, or aborted (cancelled by its owner or an operator)."""
+    record_progress(job, progress, first_token=bool(progress.token_ids))
+    with transaction.atomic():
+        fresh = Job.objects.select_for_update().get(pk=job.pk)
+        if fresh.is_terminal:
+            return fresh
+        job.cancel_requested = fresh.cancel_requested
+        job.finish_reason = progress.finish_reason or ""
+        if progress.finish_reason == "abort":
+            reason = "cancelled by its owner" if job.cancel_requested \
+                else f"aborted by an operator on engine {job.engine}"
+            _end(job, Job.Status.CANCELLED, error=reason)
+        else:
+            _end(job, Job.Status.FINISHED)
+        job.save()
+    metrics_store.observe_job(job)
+    _publish_job(job)
+    return job
+
+
+def fail_job(job_id: int, error: str) -> None:
+    with transaction.atomic():
+        job = Job.objects.select_for_update().filter(pk=job_id).first()
+        if job is None or job.is_terminal:
+            return
+        _end(job, Job.Status.FAILED, error=error[:4000])
+        job.save()
+    _publish_job(job)
+
+
+def reap_jobs_of_dead_engines() -> list[int]:
+    """Jobs still `running` on an engine whose heartbeat stopped: put them back in the
+    queue if they may run again, else fail them. Returns the ids touched."""
+    dead_after = timedelta(seconds=settings.KVOPS_ENGINE_DEAD_AFTER_S)
+    cutoff = timezone.now() - dead_after
+    dead = list(Engine.objects.filter(last_heartbeat__lt=cutoff)
+                .exclude(status=Engine.Status.DEAD).values_list("name", flat=True))
+    Engine.objects.filter(name__in=dead).update(status=Engine.Status.DEAD)
+    dead_names = set(Engine.objects.filter(status=Engine.Status.DEAD).values_list("name", flat=True))
+    touched = []
+    for job in Job.objects.filter(status=Job.Status.RUNNING, engine__in=dead_names):
+        fail_job(job.pk, f"engine {job.engine} stopped answering (no heartbeat for "
+                         f"{settings.KVOPS_ENGINE_DEAD_AFTER_S:.0f} s)")
+        touched.append(job.pk)
+    return touched
+
+
+# --- engines --------------------------------------------------------------------------------
+def register_engine(name: str, worker: str, host: str, config: dict) -> Engine:
+    now = timezone.now()
+    engine, _ = Engine.objects.update_or_create(name=name, defaults={
+        "worker": worker, "host": host, "config": config, "status": Engine.Status.READY,
+        "started_at": now, "last_heartbeat": now})
+    return engine
+
+
+def heartbeat(name: str, metrics: dict) -> None:
+    Engine.objects.filter(name=name).update(last_heartbeat=timezone.now(), metrics=metrics,
+                                            status=Engine.Status.READY)
+
+
+def mark_engine_stopped(name: str) -> None:
+    Engine.objects.filter(name=name).update(status=Engine.Status.STOPPED)
+
+
+# --- operator actions --------------------------------------------------------------------
+ERROR_STATUS = {"UnknownRequestError": 404, "InvalidStateError": 409,
+                "NotEnoughBlocksError": 409, "PrefixNotCachedError": 409,
+                "InvalidRequestError": 400}
+
+
+def operator_action(user, engine: Engine, action: str, target: str,
+                    arguments: dict) -> tuple[int, dict]:
+    """Send one operator command to the engine's worker, record it, and answer with
+    (HTTP status, body)."""
+    reply = control.send_engine_command(engine.worker, action, arguments)
+    if reply is None:
+        status, body = 504, {"ok": False, "error": "Timeout",
+                             "message": f"engine {engine.name} ({engine.worker}) did not answer "
+                                        f"within {settings.KVOPS_CONTROL_TIMEOUT_S:g} s"}
+    elif reply.get("ok"):
+        status, body = 200, reply
+    else:
+        status, body = ERROR_STATUS.get(reply.get("error"), 500), reply
+    OperatorAction.objects.create(
+        user=user, engine=engine.name, action=action, target=target,
+        params={k: v for k, v in arguments.items() if k != "request_id"},
+        ok=status == 200, status_code=status, result=body)
+    return status, body

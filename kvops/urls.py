@@ -1,0 +1,22 @@
+from django.contrib import admin
+from django.contrib.auth import views as auth_views
+from django.urls import include, path
+
+from kvops import health, metrics_view, openai_api, views
+
+urlpatterns = [
+    path("", views.overview, name="overview"),
+    path("engines/<str:name>/", views.engine_page, name="engine"),
+    path("jobs/", views.jobs_page, name="jobs"),
+    path("jobs/<int:job_id>/", views.job_page, name="job"),
+    path("actions/", views.actions_page, name="actions"),
+    path("accounts/login/", auth_views.LoginView.as_view(), name="login"),
+    path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
+    path("admin/", admin.site.urls),
+    path("api/", include("kvops.api.urls")),
+    path("v1/completions", openai_api.completions),
+    path("v1/chat/completions", openai_api.chat_completions),
+    path("v1/models", openai_api.models),
+    path("metrics", metrics_view.metrics, name="metrics"),
+    path("healthz", health.healthz, name="healthz"),
+]

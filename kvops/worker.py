@@ -1,0 +1,99 @@
+"""Engine worker bootstrap: one LLMEngine per Celery worker process.
+
+A worker started with KVOPS_ENGINE_WORKER=1 builds its engine when Celery initialises
+(configuration from KVOPS_ENGINE_* variables), registers an Engine row, beats its heart,
+keeps the latest KV snapshot in Redis, and answers the `kvops_engine` control command.
+Start one with `python manage.py engine_worker --name NAME`.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+
+from celery import signals
+from celery.worker.control import control_command
+
+log = logging.getLogger(__name__)
+
+_service = None  # the EngineService of this process, if it is an engine worker
+_stop = threading.Event()
+
+
+def get_engine_service():
+    if _service is None:
+        raise RuntimeError("this process is not an engine worker (KVOPS_ENGINE_WORKER=1)")
+    return _service
+
+
+@signals.worker_init.connect
+def _start_engine(sender=None, **kwargs) -> None:
+    global _service
+    if os.environ.get("KVOPS_ENGINE_WORKER") != "1":
+        return
+    import django
+    django.setup()
+    from kvops import services
+    from kvops.engine_service import EngineService, config_from_env
+
+    config = config_from_env(os.environ)
+    log.info("starting engine %s", config.name)
+    _service = EngineService(config)
+    _service.start()
+    from kvops.publisher import SnapshotPublisher
+    _service.add_hook(SnapshotPublisher(config.name))
+    hostname = getattr(sender, "hostname", None) or f"engine-{config.name}@{socket.gethostname()}"
+    describe = _service.call(lambda engine: engine.describe_config())
+    services.register_engine(config.name, hostname, socket.gethostname(), describe)
+    threading.Thread(target=_heartbeat, args=(config.name,), name="kvops-heartbeat",
+                     daemon=True).start()
+
+
+def _heartbeat(name: str) -> None:
+    from django.conf import settings
+    from django.db import connection
+
+    from kvops import services
+
+    while not _stop.wait(settings.KVOPS_HEARTBEAT_S):
+        try:
+            if _service is not None and _service.alive:
+                services.heartbeat(name, _service.latest_metrics)
+        except Exception as e:  # database briefly away: try again next beat
+            log.warning("heartbeat failed: %s", e)
+        finally:
+            connection.close()
+
+
+@signals.worker_shutdown.connect
+def _stop_engine(**kwargs) -> None:
+    _stop.set()
+    if _service is None:
+        return
+    from kvops import services
+    try:
+        services.mark_engine_stopped(_service.name)
+    except Exception as e:
+        log.warning("could not mark engine stopped: %s", e)
+    _service.stop()
+
+
+@control_command(args=[("command", str), ("arguments", dict)],
+                 signature="<command> [arguments]")
+def kvops_engine(state, command: str, arguments: dict | None = None) -> dict:
+    """Apply an operator command to this worker's engine between two steps."""
+    from kvops.engine_service import EngineError
+
+    started = time.monotonic()
+    try:
+        result = get_engine_service().command(command, dict(arguments or {}), timeout_s=30)
+        return {"ok": True, "result": result, "ms": round(1000 * (time.monotonic() - started))}
+    except EngineError as e:
+        return {"ok": False, "error": type(e).__name__, "message": str(e)}
+    except (KeyError, TypeError) as e:
+        return {"ok": False, "error": "InvalidRequestError", "message": f"bad arguments: {e}"}
+    except Exception as e:
+        log.exception("control command %s failed", command)
+        return {"ok": False, "error": type(e).__name__, "message": str(e)}

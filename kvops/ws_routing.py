@@ -1,0 +1,2 @@
+"""Websocket URLs (consumers in kvops/consumers.py)."""
+websocket_urlpatterns: list = []

@@ -1,0 +1,46 @@
+"""Test session setup: a private Redis server and data directory for the whole run, so
+tests never touch a developer's Redis or database. Set here, at import time, because
+Django reads REDIS_URL and KVOPS_DATA_DIR when its settings load."""
+import atexit
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_redis(port: int, workdir: str) -> subprocess.Popen:
+    """A throwaway redis-server on 127.0.0.1:port (no persistence)."""
+    exe = shutil.which("redis-server")
+    if exe is None:
+        raise RuntimeError("redis-server is not installed (make setup installs it)")
+    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", "--dir", workdir],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return proc
+        except OSError:
+            time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError(f"redis-server did not start on port {port}")
+
+
+_workdir = tempfile.mkdtemp(prefix="kvops-test-")
+_redis_port = free_port()
+_redis = start_redis(_redis_port, _workdir)
+atexit.register(_redis.kill)
+atexit.register(shutil.rmtree, _workdir, True)
+os.environ["REDIS_URL"] = f"redis://127.0.0.1:{_redis_port}/0"
+os.environ["KVOPS_TEST_WORKDIR"] = _workdir
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -1,0 +1,115 @@
+"""Jobs over REST against a real web server, Redis and engine worker."""
+import time
+
+import pytest
+
+from engine.detokenizer import SimTokenizer
+from engine.simulated_runner import reference_generate
+
+pytestmark = pytest.mark.django_db(transaction=False, databases=[])
+
+
+def expected_text(prompt: str, n: int) -> str:
+    ids = reference_generate(SimTokenizer().encode(prompt), n, 32000)
+    return SimTokenizer().decode(ids)
+
+
+def test_submit_and_finish(stack):
+    r = stack.api("POST", "/api/jobs/", json={"prompt": "hello kvops", "max_tokens": 12})
+    assert r.status_code == 201, r.text
+    job = r.json()
+    assert job["status"] == "queued" and job["id"]
+    done = stack.wait_job(job["id"])
+    assert done["status"] == "finished", done
+    assert done["engine"] == "sim" and done["finish_reason"] == "length"
+    assert done["num_output_tokens"] == 12 and len(done["output_token_ids"]) == 12
+    assert done["output_text"] == expected_text("hello kvops", 12)
+    assert done["started_at"] and done["first_token_at"] and done["finished_at"]
+
+
+def test_shared_prefix_is_reported_as_cached(stack):
+    system = "You are a terse assistant. " * 4
+    first = stack.api("POST", "/api/jobs/", json={"prompt": system + "one", "max_tokens": 2})
+    stack.wait_job(first.json()["id"])
+    second = stack.api("POST", "/api/jobs/", json={"prompt": system + "two", "max_tokens": 2})
+    done = stack.wait_job(second.json()["id"])
+    assert done["num_cached_tokens"] >= 96  # six full blocks of the shared 108 bytes
+
+
+def test_chat_job(stack):
+    r = stack.api("POST", "/api/jobs/", json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+    assert r.status_code == 201, r.text
+    assert stack.wait_job(r.json()["id"])["status"] == "finished"
+
+
+def test_job_naming_an_engine_and_an_unknown_one(stack):
+    r = stack.api("POST", "/api/jobs/", json={"prompt": "x", "max_tokens": 1, "engine": "sim"})
+    assert stack.wait_job(r.json()["id"])["engine"] == "sim"
+    r = stack.api("POST", "/api/jobs/", json={"prompt": "x", "engine": "nope"})
+    assert r.status_code == 404 and "nope" in r.json()["error"]
+
+
+def test_cancel_a_running_job(stack):
+    r = stack.api("POST", "/api/jobs/", json={"prompt": "long one", "max_tokens": 3000})
+    job_id = r.json()["id"]
+    stack.wait(lambda: stack.api("GET", f"/api/jobs/{job_id}/").json()["status"] == "running",
+               "job running", 30)
+    r = stack.api("POST", f"/api/jobs/{job_id}/cancel/")
+    assert r.status_code == 200, r.text
+    done = stack.wait_job(job_id)
+    assert done["status"] == "cancelled" and done["finish_reason"] == "abort"
+    assert "owner" in done["error"]
+    r = stack.api("POST", f"/api/jobs/{job_id}/cancel/")
+    assert r.status_code == 409
+
+
+def test_jobs_are_private_to_their_owner(stack):
+    r = stack.api("POST", "/api/jobs/", user="alice", json={"prompt": "mine", "max_tokens": 1})
+    assert r.status_code == 201
+    alice_job = r.json()["id"]
+    admin_job = stack.api("POST", "/api/jobs/", json={"prompt": "x", "max_tokens": 1}).json()["id"]
+    assert stack.api("GET", f"/api/jobs/{admin_job}/", user="alice").status_code == 404
+    assert stack.api("GET", f"/api/jobs/{alice_job}/").status_code == 200  # staff see all
+    ids = [j["id"] for j in stack.api("GET", "/api/jobs/", user="alice").json()["results"]]
+    assert alice_job in ids and admin_job not in ids
+
+
+def test_anonymous_is_refused(stack):
+    assert stack.api("GET", "/api/jobs/", user=None).status_code in (401, 403)
+    assert stack.api("POST", "/api/jobs/", user=None, json={"prompt": "x"}).status_code in (401, 403)
+
+
+@pytest.mark.parametrize("body, field", [
+    ({}, "prompt"),
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": "x", "messages": [{"role": "user", "content": "y"}]}, "prompt"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 10**9}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": "ten"}, "max_tokens"),
+    ({"prompt": "x", "temperature": -1}, "temperature"),
+    ({"prompt": "x", "top_p": 0}, "top_p"),
+    ({"prompt": "x", "top_k": 0}, "top_k"),
+    ({"prompt": "x", "stop": [""]}, "stop"),
+    ({"prompt": "x", "bogus": 1}, "bogus"),
+    ({"prompt": 42}, "prompt"),
+    ({"messages": [{"role": "wizard", "content": "y"}]}, "messages"),
+    ({"messages": "hi"}, "messages"),
+])
+def test_bad_input_is_a_clear_400(stack, body, field):
+    r = stack.api("POST", "/api/jobs/", json=body)
+    assert r.status_code == 400, r.text
+    assert field in r.json()["error"]
+
+
+def test_malformed_json_is_a_400(stack):
+    r = stack.api("POST", "/api/jobs/", data=b"{not json", headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and "JSON" in r.json()["error"]
+
+
+def test_prompt_over_the_model_limit_fails_with_the_reason(stack):
+    r = stack.api("POST", "/api/jobs/", json={"prompt": "y" * 5000, "max_tokens": 1})
+    assert r.status_code in (201, 400)
+    if r.status_code == 201:
+        done = stack.wait_job(r.json()["id"])
+        assert done["status"] == "failed" and "limit" in done["error"]
