@@ -33,7 +33,8 @@ def build_runner(config: EngineConfig) -> Runner:
         num_gpu = config.num_gpu_blocks or SIMULATED_NUM_GPU_BLOCKS
         num_cpu = num_gpu // 2 if config.num_cpu_blocks is None else config.num_cpu_blocks
         runner = SimulatedRunner(num_gpu, num_cpu, config.block_size, config.vocab_size,
-                                 config.max_model_len or SIMULATED_MAX_MODEL_LEN)
+                                 config.max_model_len or SIMULATED_MAX_MODEL_LEN,
+                                 step_ms=config.simulate_step_ms)
         runner.tokenizer = SimTokenizer()
         return runner
     from engine.model_runner import ModelRunner  # imports torch: only for real models
@@ -52,6 +53,7 @@ class LLMEngine:
                                  self.events)
         self.scheduler = Scheduler(config, self.kv, self.max_model_len, self.events)
         self.step_count = 0
+        self.version = 0  # grows with every change to requests or blocks (for publishers)
         self._indices = itertools.count(1)  # request index 0 means "no owner" in snapshots
         self._snapshot_seq = itertools.count(1)
         self._detok: dict[str, IncrementalDetokenizer] = {}
@@ -85,6 +87,7 @@ class LLMEngine:
             eos_token_id=self.tokenizer.eos_token_id)
         self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
         self.scheduler.add(request)
+        self.version += 1
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -117,6 +120,7 @@ class LLMEngine:
         if not out.has_work:
             return outputs
         self.step_count += 1
+        self.version += 1
         self._inflight = out
         sampled = self.runner.execute(out)
         progressed = self.scheduler.update_from_output(out, sampled)
@@ -167,6 +171,7 @@ class LLMEngine:
         """After step() raised: end the requests of the failed batch (their K/V may be
         half-written), forget cache entries the batch was to fill, and leave every other
         request as it was. Returns the ids of the ended requests."""
+        self.version += 1
         out, self._inflight = self._inflight, None
         self.kv.forget_uncomputed()
         victims = [s.request for s in out.scheduled] if out is not None else []
@@ -181,23 +186,27 @@ class LLMEngine:
 
     # --- operator commands -------------------------------------------------------------
     def abort(self, request_id: str) -> RequestOutput:
+        self.version += 1
         request = self.scheduler.abort(request_id)
         output = self._output(request, [])
         self._pending.append(output)
         return output
 
     def preempt(self, request_id: str) -> dict:
+        self.version += 1
         request = self.scheduler.preempt(request_id)
         return {"request_id": request_id, "status": request.status.value,
                 "num_preemptions": request.num_preemptions}
 
     def swap_out(self, request_id: str) -> dict:
+        self.version += 1
         mapping = self.scheduler.swap_out(request_id)
         self.runner.swap_out(mapping)
         return {"request_id": request_id, "status": "swapped", "num_blocks": len(mapping),
                 "cpu_block_table": self.kv.cpu_block_ids(request_id)}
 
     def swap_in(self, request_id: str) -> dict:
+        self.version += 1
         mapping = self.scheduler.swap_in(request_id)
         self.runner.swap_in(mapping)
         table = self.kv.block_ids(request_id)
@@ -206,21 +215,25 @@ class LLMEngine:
 
     def evict_cached_blocks(self, n: int | None = None) -> int:
         """Drop up to n refcount-0 cached blocks (all if None), LRU first."""
+        self.version += 1
         if n is not None and (not isinstance(n, int) or n < 0):
             raise InvalidRequestError("n must be a non-negative integer or None")
         return self.kv.evict(n)
 
     def reset_prefix_cache(self) -> dict:
+        self.version += 1
         return self.kv.reset_prefix_cache()
 
     def pin_prefix(self, prompt: str | list[int], cache_salt: str | None = None) -> dict:
         """Pin the cached blocks of this prefix so they are never evicted."""
+        self.version += 1
         blocks = self._prefix_blocks(prompt, cache_salt)
         newly = self.kv.pin(blocks)
         return {"block_ids": [b.block_id for b in blocks], "num_newly_pinned": len(newly),
                 "num_tokens": len(blocks) * self.config.block_size}
 
     def unpin_prefix(self, prompt: str | list[int], cache_salt: str | None = None) -> dict:
+        self.version += 1
         blocks = self._prefix_blocks(prompt, cache_salt)
         released = self.kv.unpin(blocks)
         return {"block_ids": [b.block_id for b in blocks], "num_unpinned": len(released),

@@ -8,6 +8,8 @@ KV core need. It never emits EOS and ignores sampling settings.
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from engine.runner import Runner
@@ -45,7 +47,8 @@ def reference_generate(token_ids: list[int], max_tokens: int, vocab_size: int) -
 
 class SimulatedRunner(Runner):
     def __init__(self, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int,
-                 vocab_size: int, max_model_len: int) -> None:
+                 vocab_size: int, max_model_len: int, step_ms: float = 0.0) -> None:
+        self.step_s = step_ms / 1000.0  # pacing: a step takes at least this long
         self.model_id = f"simulated-v1:vocab={vocab_size}"
         self.num_gpu_blocks = num_gpu_blocks
         self.num_cpu_blocks = num_cpu_blocks
@@ -62,6 +65,13 @@ class SimulatedRunner(Runner):
         return block_ids[position // self.block_size] * self.block_size + position % self.block_size
 
     def forward(self, out: SchedulerOutput) -> dict[str, int]:
+        started = time.monotonic()
+        sampled = self._forward(out)
+        if self.step_s:
+            time.sleep(max(0.0, self.step_s - (time.monotonic() - started)))
+        return sampled
+
+    def _forward(self, out: SchedulerOutput) -> dict[str, int]:
         cache = self.gpu_cache
         sampled = {}
         # Batch order matters: a request may hit blocks another one fills in this step,

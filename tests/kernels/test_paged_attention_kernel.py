@@ -14,7 +14,7 @@ import torch
 pytest.importorskip("triton")
 
 from kernels import paged_attention, paged_attention_ref  # noqa: E402
-from kernels.paged_attention import choose_launch_config, choose_num_splits  # noqa: E402
+from kernels.paged_attention_plan import choose_launch_plan, choose_num_splits  # noqa: E402
 from kernels.testing import PagedBatch, make_paged_batch  # noqa: E402
 
 TOLERANCES = {
@@ -141,12 +141,12 @@ def test_auto_split_choice() -> None:
 
 
 def test_launch_config_groups_query_heads_and_respects_forced_splits() -> None:
-    decode = choose_launch_config(4, 4, 32, 8, 128, torch.bfloat16, 8192, 1, 132, None)
-    assert decode.group_pad == 4 and decode.block_q * decode.group_pad == 16
+    decode = choose_launch_plan(4, 4, 32, 8, 128, torch.bfloat16, 8192, 1, 132, None)
+    assert decode.group_pad == 4 and decode.block_m == 16
     assert decode.num_splits > 1
-    prefill = choose_launch_config(4096, 2, 32, 8, 128, torch.bfloat16, 8192, 4000, 132, None)
-    assert prefill.block_q * prefill.group_pad == 64 and prefill.num_splits == 1
-    forced = choose_launch_config(4, 4, 9, 3, 64, torch.float32, 100, 1, 132, 7)
+    prefill = choose_launch_plan(4096, 2, 32, 8, 128, torch.bfloat16, 8192, 4000, 132, None)
+    assert prefill.block_m == 64 and prefill.num_splits == 1
+    forced = choose_launch_plan(4, 4, 9, 3, 64, torch.float32, 100, 1, 132, 7)
     assert forced.num_splits == 7 and forced.group_pad == 4
 
 

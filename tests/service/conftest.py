@@ -13,7 +13,8 @@ def stack(tmp_path_factory):
     try:
         s.start_web()
         s.start_engine("sim", simulate=1, vocab_size=32000, num_gpu_blocks=512,
-                       num_cpu_blocks=256, block_size=16, max_num_seqs=16)
+                       num_cpu_blocks=256, block_size=16, max_num_seqs=16,
+                       simulate_step_ms=20)
         yield s
     finally:
         s.stop()

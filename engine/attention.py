@@ -1,0 +1,139 @@
+"""Attention backends: how a layer stores its new K/V and attends through the block
+tables. The model calls `backend.forward(q, k, v, kv_layer, plan, scale)` once per
+layer; the runner calls `backend.plan(batch)` once per step.
+
+* "torch": kernels/cpu_attention.py (vectorised torch). The CPU path and the fallback.
+* "triton": kernels.reshape_and_cache + kernels.paged_attention (CUDA, or the Triton
+  interpreter under TRITON_INTERPRET=1).
+* "auto": triton on CUDA, torch on CPU.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.errors import EngineError
+
+
+class AttentionBackendError(EngineError):
+    """The requested attention backend cannot run here."""
+
+
+@dataclass(slots=True)
+class AttentionBatch:
+    """One step's varlen batch, as both host lists (for planning without a device sync)
+    and device tensors (for kernels)."""
+    block_size: int
+    block_tables: list[list[int]]  # per sequence, the blocks its context occupies
+    seq_lens: list[int]  # context length per sequence, including its new tokens
+    query_start_loc: list[int]  # [num_seqs + 1]: sequence s owns rows [qsl[s], qsl[s+1])
+    slot_mapping: torch.Tensor  # [num_tokens] int64 on the device: where each new K/V goes
+
+
+class TorchAttention:
+    name = "torch"
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def plan(self, batch: AttentionBatch) -> "TorchPlan":
+        from kernels.cpu_attention import plan_attention
+
+        return TorchPlan(batch.slot_mapping, plan_attention(
+            batch.block_tables, batch.seq_lens, batch.query_start_loc, batch.block_size,
+            self.device))
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
+                plan: "TorchPlan", scale: float) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, Hkv, D]; kv_layer: [2, num_blocks, block_size, Hkv, D]."""
+        from kernels.cpu_attention import paged_attention
+
+        num_blocks, block_size = kv_layer.shape[1], kv_layer.shape[2]
+        # One scatter for K and V: [2, num_slots, Hkv * D] <- [2, T, Hkv * D]
+        slots = kv_layer.view(2, num_blocks * block_size, -1)
+        slots.index_copy_(1, plan.slot_mapping, torch.stack((k, v)).view(2, k.shape[0], -1))
+        return paged_attention(q, kv_layer[0], kv_layer[1], plan.cpu, scale,
+                               new_key=k, new_value=v)
+
+
+@dataclass(slots=True)
+class TorchPlan:
+    slot_mapping: torch.Tensor  # [T] int64
+    cpu: object  # kernels.cpu_attention.CpuAttentionPlan
+
+
+class TritonAttention:
+    name = "triton"
+
+    def __init__(self, device: torch.device) -> None:
+        import kernels
+
+        self.device = device
+        self._reshape_and_cache = kernels.reshape_and_cache
+        self._paged_attention = kernels.paged_attention
+
+    def plan(self, batch: AttentionBatch) -> "TritonPlan":
+        max_blocks = max(len(t) for t in batch.block_tables)
+        tables = torch.zeros(len(batch.block_tables), max_blocks, dtype=torch.int32)
+        for i, t in enumerate(batch.block_tables):
+            tables[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+        query_lens = [b - a for a, b in zip(batch.query_start_loc, batch.query_start_loc[1:])]
+        return TritonPlan(
+            slot_mapping=batch.slot_mapping,
+            block_tables=tables.to(self.device, non_blocking=True),
+            seq_lens=torch.tensor(batch.seq_lens, dtype=torch.int32).to(self.device, non_blocking=True),
+            query_start_loc=torch.tensor(batch.query_start_loc, dtype=torch.int32).to(
+                self.device, non_blocking=True),
+            max_seq_len=max(batch.seq_lens), max_query_len=max(query_lens))
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
+                plan: "TritonPlan", scale: float) -> torch.Tensor:
+        self._reshape_and_cache(k, v, kv_layer[0], kv_layer[1], plan.slot_mapping)
+        return self._paged_attention(q, kv_layer[0], kv_layer[1], plan.block_tables,
+                                     plan.seq_lens, plan.query_start_loc, scale,
+                                     max_seq_len=plan.max_seq_len,
+                                     max_query_len=plan.max_query_len)
+
+
+@dataclass(slots=True)
+class TritonPlan:
+    slot_mapping: torch.Tensor  # [T] int64
+    block_tables: torch.Tensor  # [S, max_blocks] int32
+    seq_lens: torch.Tensor  # [S] int32
+    query_start_loc: torch.Tensor  # [S + 1] int32
+    max_seq_len: int
+    max_query_len: int
+
+
+def make_attention_backend(name: str, device: torch.device) -> TorchAttention | TritonAttention:
+    """name: "auto" | "torch" | "triton"."""
+    if name == "auto":
+        name = "triton" if device.type == "cuda" and _triton_available() else "torch"
+    if name == "torch":
+        return TorchAttention(device)
+    if name == "triton":
+        if not _triton_available():
+            raise AttentionBackendError(
+                "attention_backend='triton' needs the triton package; install it or use "
+                "attention_backend='torch'")
+        if device.type != "cuda" and not _triton_interpreting():
+            raise AttentionBackendError(
+                "attention_backend='triton' needs a CUDA device (or TRITON_INTERPRET=1 for "
+                "the slow CPU interpreter); use attention_backend='torch' on CPU")
+        return TritonAttention(device)
+    raise AttentionBackendError(f"unknown attention backend {name!r}")
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _triton_interpreting() -> bool:
+    from kernels._triton import interpreting
+
+    return interpreting()

@@ -1,0 +1,195 @@
+"""A Llama-family decoder (Llama, Mistral, Qwen2) over the paged KV cache.
+
+gpt-fast style, top-down: Transformer -> Block -> Attention / FeedForward -> RMSNorm,
+rotary helpers. The batch is "varlen": the new tokens of every scheduled request are
+concatenated into one [num_tokens] row (prefill chunks and decodes together, no
+padding). Each layer writes its new K/V through the slot mapping and attends through
+the block tables; that is the attention backend's job (engine/attention.py), the
+model only computes q/k/v and hands them over.
+
+Weights follow HF names through engine/loader.py, with q/k/v fused into one matrix
+and gate/up into another, so a layer is five matmuls.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelArgs:
+    vocab_size: int
+    dim: int  # hidden size
+    intermediate_size: int
+    n_layers: int
+    n_heads: int  # query heads
+    n_kv_heads: int  # key/value heads (GQA when < n_heads)
+    head_dim: int
+    norm_eps: float
+    rope_theta: float
+    rope_type: str  # one of SUPPORTED_ROPE_TYPES
+    rope_params: tuple[tuple[str, float], ...]  # the scaling fields of that rope type
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool  # Qwen2, or Llama with attention_bias
+    o_bias: bool  # Llama with attention_bias (Qwen2 has none on o_proj)
+    mlp_bias: bool
+
+    def __post_init__(self) -> None:
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of "
+                             f"n_kv_heads ({self.n_kv_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(f"unsupported rope type {self.rope_type!r} "
+                             f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+
+
+@dataclass(slots=True)
+class StepContext:
+    """What every layer of one forward pass shares."""
+    cos: torch.Tensor  # [num_tokens, 1, head_dim]
+    sin: torch.Tensor  # [num_tokens, 1, head_dim]
+    kv_cache: torch.Tensor  # [n_layers, 2, num_blocks, block_size, n_kv_heads, head_dim]
+    attention: object  # the backend (engine.attention), with .forward(q, k, v, kv, plan, scale)
+    plan: object  # the backend's per-step plan (gather indices, masks, ...)
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rope_cos: torch.Tensor | None = None  # [max_positions, head_dim], float32
+        self.rope_sin: torch.Tensor | None = None
+
+    def setup_rope(self, max_positions: int) -> None:
+        """Precompute cos/sin for positions [0, max_positions) on the weights' device."""
+        device = self.embed_tokens.weight.device
+        inv_freq = rope_inv_freq(self.args).to(device)  # [head_dim // 2]
+        pos = torch.arange(max_positions, device=device, dtype=torch.float32)
+        freqs = pos[:, None] * inv_freq[None, :]  # [max_positions, head_dim // 2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # HF layout: the two halves rotate together
+        self.rope_cos, self.rope_sin = emb.cos(), emb.sin()
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                attention: object, plan: object, logits_indices: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: [num_tokens]; logits_indices: [num_sampled] rows whose
+        next-token logits are wanted. Returns float32 logits [num_sampled, vocab_size]."""
+        dtype = self.embed_tokens.weight.dtype
+        ctx = StepContext(
+            cos=self.rope_cos[positions].to(dtype)[:, None, :],
+            sin=self.rope_sin[positions].to(dtype)[:, None, :],
+            kv_cache=kv_cache, attention=attention, plan=plan)
+        h = self.embed_tokens(input_ids)  # [num_tokens, dim]
+        for i, layer in enumerate(self.layers):
+            h = layer(h, ctx, i)
+        h = self.norm(h[logits_indices])  # [num_sampled, dim]: the other rows need no logits
+        return self.lm_head(h).float()  # [num_sampled, vocab_size]
+
+
+class Block(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args)
+
+    def forward(self, h: torch.Tensor, ctx: StepContext, layer_idx: int) -> torch.Tensor:
+        h = h + self.attention(self.attention_norm(h), ctx, layer_idx)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        q_size, kv_size = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+        self.wqkv = nn.Linear(args.dim, q_size + 2 * kv_size, bias=args.qkv_bias)
+        self.wo = nn.Linear(q_size, args.dim, bias=args.o_bias)
+        self.scale = args.head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, ctx: StepContext, layer_idx: int) -> torch.Tensor:
+        T, H, Hkv, D = x.shape[0], self.n_heads, self.n_kv_heads, self.head_dim
+        qkv = self.wqkv(x)  # [T, (H + 2 * Hkv) * D]
+        # RoPE on q and k together: they are adjacent in qkv.
+        qk = apply_rope(qkv[:, :(H + Hkv) * D].view(T, H + Hkv, D), ctx.cos, ctx.sin)
+        q, k = qk[:, :H], qk[:, H:]  # [T, H, D], [T, Hkv, D]
+        v = qkv[:, (H + Hkv) * D:].view(T, Hkv, D)  # [T, Hkv, D]
+        o = ctx.attention.forward(q, k, v, ctx.kv_cache[layer_idx], ctx.plan, self.scale)
+        return self.wo(o.reshape(T, H * D))  # o: [T, H, D]
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused in one matmul."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.intermediate_size = args.intermediate_size
+        self.w_gate_up = nn.Linear(args.dim, 2 * args.intermediate_size, bias=args.mlp_bias)
+        self.w_down = nn.Linear(args.intermediate_size, args.dim, bias=args.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.w_gate_up(x)  # [T, 2 * intermediate]
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return self.w_down(F.silu(gate) * up)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # As HF computes it: normalise in float32, cast back, then scale.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, D]; cos, sin: [T, 1, D]. HF's rotate-half convention."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
+    """[head_dim // 2] float32 inverse frequencies, computed as HF does for each type."""
+    dim = args.head_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim
+    inv_freq = 1.0 / (args.rope_theta ** exponents)
+    params = dict(args.rope_params)
+    if args.rope_type == "linear":
+        return inv_freq / params["factor"]
+    if args.rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, params)
+    return inv_freq
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, p: dict[str, float]) -> torch.Tensor:
+    """Llama 3.1's frequency-dependent scaling: long wavelengths divided by `factor`,
+    short ones kept, the band between interpolated smoothly."""
+    factor, low, high = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
+    old_len = p["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)

@@ -1,0 +1,272 @@
+"""ModelRunner: a real Llama-family model behind the Runner interface.
+
+Start-up: resolve device and dtype, load the HF folder (weights, tokenizer), size the
+KV pools, allocate them. Each step: turn the SchedulerOutput into one varlen batch
+(input_ids, positions, slot_mapping, block tables, seq_lens, query_start_loc), run the
+model with logits only for the rows that sample, and sample.
+"""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import torch
+
+import kernels
+
+from engine.attention import AttentionBatch, make_attention_backend
+from engine.config import EngineConfig
+from engine.hf_tokenizer import HFTokenizer
+from engine.loader import ModelLoadError, load_model, model_identity, read_model_folder
+from engine.runner import Runner
+from engine.sampler import SamplingRow, request_seed, sample
+from engine.scheduler import SchedulerOutput
+
+DEFAULT_CPU_KV_BYTES = 512 * 1024 ** 2
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelRunner(Runner):
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.block_size = config.block_size
+        self._device = resolve_device(config.device)
+        self._dtype = resolve_dtype(config.dtype, self._device)
+        self.device, self.dtype = self._device.type, str(self._dtype).removeprefix("torch.")
+
+        folder = read_model_folder(resolve_model_path(config.model))
+        self.folder = folder
+        self.model_id = model_identity(folder, self._dtype)
+        self.tokenizer = HFTokenizer.from_folder(folder.path, folder.eos_token_id)
+        self.vocab_size = folder.args.vocab_size
+        self.max_model_len = _max_model_len(config, folder)
+        self.model = load_model(folder, self._dtype, self._device)
+        self.model.setup_rope(self.max_model_len)
+        self.attention = make_attention_backend(config.attention_backend, self._device)
+
+        args = folder.args
+        # One block of every layer's K and V.
+        self.block_bytes = (args.n_layers * 2 * self.block_size * args.n_kv_heads
+                            * args.head_dim * self._dtype.itemsize)
+        self.num_gpu_blocks = config.num_gpu_blocks or self._blocks_from_memory()
+        self.num_cpu_blocks = (self.num_gpu_blocks // 2 if config.num_cpu_blocks is None
+                               else config.num_cpu_blocks)
+        shape = (args.n_layers, 2, self.block_size, args.n_kv_heads, args.head_dim)
+        self.kv_cache = torch.zeros(_with_blocks(shape, self.num_gpu_blocks), dtype=self._dtype,
+                                    device=self._device)
+        self.cpu_cache = torch.zeros(_with_blocks(shape, self.num_cpu_blocks), dtype=self._dtype,
+                                     pin_memory=self._device.type == "cuda")
+        self._log(f"kvops: {folder.path.name} on {self.device} ({self.dtype}), attention "
+                  f"{self.attention.name}; KV block = {args.n_layers} layers x 2 x "
+                  f"{self.block_size} tokens x {args.n_kv_heads} kv heads x {args.head_dim} x "
+                  f"{self._dtype.itemsize} B = {self.block_bytes / 1024:.0f} KiB; "
+                  f"{self.num_gpu_blocks} device blocks "
+                  f"({self.num_gpu_blocks * self.block_bytes / 1024 ** 2:.0f} MiB, "
+                  f"{self.num_gpu_blocks * self.block_size} tokens), "
+                  f"{self.num_cpu_blocks} host swap blocks; max_model_len {self.max_model_len}")
+
+    # --- one step ---------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, out: SchedulerOutput) -> dict[str, int]:
+        batch = self._prepare(out)
+        logits = self.model(batch.input_ids, batch.positions, self.kv_cache, self.attention,
+                            self.attention.plan(batch.attention), batch.logits_indices)
+        tokens = sample(logits, batch.sampling_rows)
+        return dict(zip(batch.sampling_ids, tokens))
+
+    def _prepare(self, out: SchedulerOutput) -> "StepBatch":
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[np.ndarray] = []
+        slots: list[np.ndarray] = []
+        tables, seq_lens, query_start_loc = [], [], [0]
+        logits_rows, sampling_ids, sampling_rows = [], [], []
+        for s in out.scheduled:
+            request, start, n = s.request, s.start, s.num_new_tokens
+            input_ids.extend(request.all_token_ids[start:start + n])
+            pos = np.arange(start, start + n)
+            table = np.asarray(s.block_ids, dtype=np.int64)
+            positions.append(pos)
+            slots.append(table[pos // bs] * bs + pos % bs)
+            tables.append(s.block_ids)
+            seq_lens.append(start + n)
+            query_start_loc.append(query_start_loc[-1] + n)
+            if s.samples:
+                logits_rows.append(query_start_loc[-1] - 1)
+                sampling_ids.append(request.request_id)
+                sampling_rows.append(SamplingRow(
+                    request.sampling_params,
+                    request_seed(request.sampling_params, self.config.seed, request.request_id),
+                    request.num_output_tokens))
+        dev = self._device
+        slot_mapping = torch.from_numpy(np.concatenate(slots)).to(dev)
+        return StepBatch(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
+            positions=torch.from_numpy(np.concatenate(positions)).to(dev),
+            logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=dev),
+            attention=AttentionBatch(bs, tables, seq_lens, query_start_loc, slot_mapping),
+            sampling_ids=sampling_ids, sampling_rows=sampling_rows)
+
+    # --- block copies -------------------------------------------------------------------
+    def swap_out(self, mapping: list[tuple[int, int]]) -> None:
+        if mapping:
+            kernels.swap_blocks(self.kv_cache, self.cpu_cache, torch.tensor(mapping))
+
+    def swap_in(self, mapping: list[tuple[int, int]]) -> None:
+        if mapping:
+            kernels.swap_blocks(self.cpu_cache, self.kv_cache, torch.tensor(mapping))
+
+    def copy_blocks(self, mapping: list[tuple[int, int]]) -> None:
+        if not mapping:
+            return
+        if self.attention.name == "triton" and self._device.type == "cuda":
+            kernels.copy_blocks(self.kv_cache, torch.tensor(mapping))
+        else:
+            _copy_blocks(self.kv_cache, self.kv_cache, mapping)
+
+    # --- sizing -----------------------------------------------------------------------
+    def _blocks_from_memory(self) -> int:
+        if self._device.type == "cuda":
+            budget = self._cuda_kv_budget()
+            source = f"gpu_memory_utilization={self.config.gpu_memory_utilization}"
+        else:
+            budget = self.config.kv_cache_memory_bytes or DEFAULT_CPU_KV_BYTES
+            source = ("kv_cache_memory_bytes" if self.config.kv_cache_memory_bytes
+                      else "the CPU default")
+        num_blocks = budget // self.block_bytes
+        self._log(f"kvops: KV pool from {source}: {budget / 1024 ** 2:.0f} MiB / "
+                  f"{self.block_bytes} B per block = {num_blocks} blocks")
+        if num_blocks < 1:
+            raise ModelLoadError(
+                f"no memory left for the KV cache ({budget} B for {self.block_bytes} B blocks); "
+                "lower max_num_batched_tokens, raise gpu_memory_utilization or set num_gpu_blocks")
+        return int(num_blocks)
+
+    def _cuda_kv_budget(self) -> int:
+        """Device memory the KV pool may take: gpu_memory_utilization of the device,
+        minus what the weights and the activations of a full-budget step use (measured
+        with one forward pass over max_num_batched_tokens tokens)."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self._device)
+        self._profile_forward()
+        peak = torch.cuda.max_memory_allocated(self._device)
+        total = torch.cuda.get_device_properties(self._device).total_memory
+        free, _ = torch.cuda.mem_get_info(self._device)
+        other = total - free - torch.cuda.memory_reserved(self._device)  # other processes
+        budget = int(total * self.config.gpu_memory_utilization) - peak - max(other, 0)
+        self._log(f"kvops: device memory {total / 1024 ** 3:.1f} GiB x "
+                  f"{self.config.gpu_memory_utilization} - peak {peak / 1024 ** 3:.2f} GiB "
+                  f"(weights + activations) - {max(other, 0) / 1024 ** 3:.2f} GiB used elsewhere "
+                  f"= {budget / 1024 ** 3:.2f} GiB for KV")
+        return budget
+
+    @torch.inference_mode()
+    def _profile_forward(self) -> None:
+        """One forward pass of max_num_batched_tokens tokens in sequences of at most
+        max_model_len, against a scratch cache just big enough."""
+        args, bs = self.folder.args, self.block_size
+        num_tokens = min(self.config.max_num_batched_tokens, self.max_model_len * self.config.max_num_seqs)
+        seq_len = min(num_tokens, self.max_model_len)
+        lens = [seq_len] * (num_tokens // seq_len) + ([num_tokens % seq_len] if num_tokens % seq_len else [])
+        tables, slots, positions, qsl, next_block = [], [], [], [0], 0
+        for n in lens:
+            nb = -(-n // bs)
+            tables.append(list(range(next_block, next_block + nb)))
+            slots.extend(range(next_block * bs, next_block * bs + n))
+            positions.extend(range(n))
+            qsl.append(qsl[-1] + n)
+            next_block += nb
+        cache = torch.zeros(_with_blocks((args.n_layers, 2, bs, args.n_kv_heads, args.head_dim),
+                                         next_block), dtype=self._dtype, device=self._device)
+        dev = self._device
+        batch = AttentionBatch(bs, tables, lens, qsl, torch.tensor(slots, device=dev))
+        self.model(torch.zeros(num_tokens, dtype=torch.int64, device=dev),
+                   torch.tensor(positions, device=dev), cache, self.attention,
+                   self.attention.plan(batch),
+                   torch.tensor([q - 1 for q in qsl[1:]], device=dev))
+        torch.cuda.synchronize(dev)
+        del cache
+
+    @staticmethod
+    def _log(message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
+
+class StepBatch:
+    """The tensors of one step (see ModelRunner._prepare)."""
+    __slots__ = ("input_ids", "positions", "logits_indices", "attention", "sampling_ids",
+                 "sampling_rows")
+
+    def __init__(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 logits_indices: torch.Tensor, attention: AttentionBatch,
+                 sampling_ids: list[str], sampling_rows: list[SamplingRow]) -> None:
+        self.input_ids = input_ids  # [T] int64
+        self.positions = positions  # [T] int64
+        self.logits_indices = logits_indices  # [num_sampled] rows of the last token of each sampler
+        self.attention = attention
+        self.sampling_ids = sampling_ids  # request ids, one per logits row
+        self.sampling_rows = sampling_rows
+
+
+def _copy_blocks(src: torch.Tensor, dst: torch.Tensor, mapping: list[tuple[int, int]]) -> None:
+    """Block src of `src` -> block dst of `dst`, every layer's K and V, in two batched
+    ops (gather, then scatter: every source is read before any destination is written)."""
+    src_ids = torch.tensor([a for a, _ in mapping], dtype=torch.int64, device=src.device)
+    dst_ids = torch.tensor([b for _, b in mapping], dtype=torch.int64, device=dst.device)
+    dst.index_copy_(2, dst_ids, src.index_select(2, src_ids))  # blocks: [L, 2, n, bs, Hkv, D]
+
+
+def _with_blocks(shape: tuple[int, ...], num_blocks: int) -> tuple[int, ...]:
+    """(L, 2, bs, Hkv, D) -> (L, 2, num_blocks, bs, Hkv, D)."""
+    return shape[:2] + (num_blocks,) + shape[2:]
+
+
+def _max_model_len(config: EngineConfig, folder) -> int:
+    limit = folder.args.max_position_embeddings
+    if folder.sliding_window is not None:
+        limit = min(limit, folder.sliding_window)  # beyond the window we would attend too far
+    if config.max_model_len is None:
+        return limit
+    if config.max_model_len > limit:
+        raise ModelLoadError(
+            f"max_model_len={config.max_model_len} exceeds the model's limit of {limit} "
+            "tokens (max_position_embeddings / sliding_window in config.json)")
+    return config.max_model_len
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("device='cuda' but torch sees no CUDA device; use device='cpu'")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """auto: bfloat16 on CUDA (float16 on GPUs without bf16), float32 on CPU.
+    float16 on CPU is refused: CPUs have few fast float16 kernels, so it is slower than
+    float32 and less accurate than bfloat16."""
+    if name == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+    if name == "float16" and device.type == "cpu":
+        raise ModelLoadError("dtype='float16' is not supported on CPU (slow float16 kernels); "
+                             "use 'float32' or 'bfloat16'")
+    if name == "bfloat16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ModelLoadError("this GPU has no bfloat16 support; use dtype='float16'")
+    return _DTYPES[name]
+
+
+def resolve_model_path(model: str | None):
+    """model=None -> the converted default model (make setup creates it)."""
+    if model is not None:
+        return model
+    from engine.default_model import default_model_dir
+
+    path = default_model_dir()
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(
+            f"the default model is not at {path}: run `make setup` (it converts "
+            "SmolLM2-135M-Instruct there), or pass EngineConfig(model='path/to/hf-folder')")
+    return path

@@ -1,0 +1,140 @@
+"""Operator actions over HTTP change the engine; every one is audited."""
+import time
+
+import pytest
+
+from engine.snapshot import decode_array
+
+
+def start_long_job(stack, tokens=3000):
+    r = stack.api("POST", "/api/jobs/", json={"prompt": "operator test " * 3, "max_tokens": tokens})
+    job_id = r.json()["id"]
+    job = {}
+
+    def running():
+        job.update(stack.api("GET", f"/api/jobs/{job_id}/").json())
+        return job["status"] == "running" and job["request_id"]
+
+    stack.wait(running, "job running", 30)
+    return job_id, job["request_id"]
+
+
+def request_entry(stack, request_id):
+    snap = {}
+
+    def fresh():
+        snap.update(stack.api("GET", "/api/engines/sim/").json()["snapshot"] or {})
+        return any(r["request_id"] == request_id for r in snap.get("requests", []))
+
+    stack.wait(fresh, "snapshot with the request", 10)
+    return snap, next(r for r in snap["requests"] if r["request_id"] == request_id)
+
+
+def act(stack, request_id, action, user="admin"):
+    return stack.api("POST", f"/api/engines/sim/requests/{request_id}/{action}/", user=user)
+
+
+def test_swap_out_swap_in_preempt_abort(stack):
+    job_id, rid = start_long_job(stack)
+    r = act(stack, rid, "swap-out")
+    assert r.status_code == 200, r.text
+    assert r.json()["ok"] and r.json()["result"]["status"] == "swapped"
+    cpu_table = r.json()["result"]["cpu_block_table"]
+    assert cpu_table
+
+    def swapped_in_snapshot():
+        snap, entry = request_entry(stack, rid)
+        return entry["status"] == "swapped" and entry["cpu_block_table"] == cpu_table \
+            and not entry["block_table"]
+
+    stack.wait(swapped_in_snapshot, "snapshot showing the swap", 10)
+    r = act(stack, rid, "swap-out")
+    assert r.status_code == 409 and "swapped" in r.json()["message"]
+    r = act(stack, rid, "swap-in")
+    assert r.status_code == 200 and r.json()["result"]["status"] == "running"
+    r = act(stack, rid, "preempt")
+    assert r.status_code == 200 and r.json()["result"]["num_preemptions"] == 2
+    r = act(stack, rid, "abort")
+    assert r.status_code == 200
+    done = stack.wait_job(job_id)
+    assert done["status"] == "cancelled" and "operator" in done["error"]
+    assert done["num_preemptions"] == 2
+    r = act(stack, rid, "abort")
+    assert r.status_code == 409 and "finished" in r.json()["message"]
+    log = stack.api("GET", "/api/actions/").json()["results"]
+    mine = [a for a in log if a["target"] == rid]
+    assert [a["action"] for a in reversed(mine)] == ["swap-out", "swap-out", "swap-in",
+                                                     "preempt", "abort", "abort"]
+    assert [a["status_code"] for a in reversed(mine)] == [200, 409, 200, 200, 200, 409]
+    assert all(a["user"] == "admin" for a in mine)
+
+
+def test_unknown_request_engine_and_action(stack):
+    assert act(stack, "no-such-request", "preempt").status_code == 404
+    r = stack.api("POST", "/api/engines/nope/requests/x/preempt/")
+    assert r.status_code == 404
+    r = stack.api("POST", "/api/engines/sim/requests/x/explode/")
+    assert r.status_code == 404 and "explode" in r.json()["error"]
+
+
+def test_non_staff_cannot_act(stack):
+    r = act(stack, "whatever", "abort", user="alice")
+    assert r.status_code == 403
+    r = stack.api("POST", "/api/engines/sim/prefix-cache/reset/", user="alice")
+    assert r.status_code == 403
+    r = act(stack, "whatever", "abort", user=None)
+    assert r.status_code in (401, 403)
+
+
+def test_prefix_cache_pin_evict_reset(stack):
+    prompt = "The pinned system prompt. " * 4
+    job = stack.api("POST", "/api/jobs/", json={"prompt": prompt, "max_tokens": 1}).json()
+    stack.wait_job(job["id"])
+    r = stack.api("POST", "/api/engines/sim/prefix-cache/pin/", json={"prompt": prompt})
+    assert r.status_code == 200, r.text
+    pinned = r.json()["result"]["block_ids"]
+    assert len(pinned) == len(prompt.encode()) // 16
+    r = stack.api("POST", "/api/engines/sim/prefix-cache/evict/", json={})
+    assert r.status_code == 200 and r.json()["result"]["num_evicted"] >= 0
+
+    def pinned_in_snapshot():
+        snap = stack.api("GET", "/api/engines/sim/").json()["snapshot"]
+        states = decode_array(snap["gpu"]["state"])
+        return all(states[b] == snap["block_states"].index("pinned") for b in pinned)
+
+    stack.wait(pinned_in_snapshot, "pinned blocks in the snapshot", 10)
+    r = stack.api("POST", "/api/engines/sim/prefix-cache/unpin/", json={"prompt": prompt})
+    assert r.status_code == 200 and r.json()["result"]["num_unpinned"] == len(pinned)
+    r = stack.api("POST", "/api/engines/sim/prefix-cache/reset/")
+    assert r.status_code == 200 and r.json()["result"]["num_blocks_forgotten"] >= len(pinned)
+    r = stack.api("POST", "/api/engines/sim/prefix-cache/pin/", json={"prompt": prompt})
+    assert r.status_code == 409 and "cached" in r.json()["message"]
+
+
+@pytest.mark.parametrize("action, body", [
+    ("evict", {"num_blocks": -1}), ("evict", {"num_blocks": "all"}), ("pin", {}),
+    ("pin", {"prompt": "x", "token_ids": [1]}), ("pin", {"token_ids": [-5]}),
+    ("reset", {"extra": 1}),
+])
+def test_prefix_cache_bad_input(stack, action, body):
+    r = stack.api("POST", f"/api/engines/sim/prefix-cache/{action}/", json=body)
+    assert r.status_code == 400, r.text
+
+
+def test_engine_list_and_snapshot(stack):
+    engines = stack.api("GET", "/api/engines/").json()
+    sim = next(e for e in engines if e["name"] == "sim")
+    assert sim["alive"] and sim["config"]["num_gpu_blocks"] == 512
+    assert sim["heartbeat_age_s"] < 5
+    detail = stack.api("GET", "/api/engines/sim/").json()
+    snap = detail["snapshot"]
+    assert snap["engine"] == "sim" and len(decode_array(snap["gpu"]["state"])) == 512
+    assert stack.api("GET", "/api/engines/nope/").status_code == 404
+
+
+def test_a_worker_that_does_not_answer_is_a_504(stack):
+    from kvops.models import Engine  # noqa: F401  (the row is made over the API below)
+    stack.manage("shell", "-c", "from kvops.models import Engine; Engine.objects.create("
+                 "name='ghost', worker='engine-ghost@nowhere', status='ready')")
+    r = stack.api("POST", "/api/engines/ghost/prefix-cache/reset/")
+    assert r.status_code == 504 and "did not answer" in r.json()["message"]
