@@ -1,0 +1,78 @@
+"""The official openai client, unchanged, against /v1."""
+import openai
+import pytest
+
+from tests.service.test_jobs_api import expected_text
+
+
+@pytest.fixture()
+def client(stack):
+    return openai.OpenAI(base_url=f"{stack.url}/v1", api_key=stack.tokens["alice"],
+                         max_retries=0, timeout=60)
+
+
+def test_models(client):
+    models = [m.id for m in client.models.list()]
+    assert "simulated-v1" in models
+
+
+def test_completion(client, stack):
+    r = client.completions.create(model="simulated-v1", prompt="hello kvops", max_tokens=7,
+                                  temperature=0)
+    assert r.choices[0].text == expected_text("hello kvops", 7)
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 7 and r.usage.prompt_tokens == len("hello kvops")
+    job_id = int(r.id.split("-")[1])
+    job = stack.api("GET", f"/api/jobs/{job_id}/").json()
+    assert job["source"] == "openai" and job["owner"] == "alice"
+
+
+def test_streaming_completion(client):
+    chunks = list(client.completions.create(model="simulated-v1", prompt="stream me",
+                                            max_tokens=40, stream=True))
+    text = "".join(c.choices[0].text for c in chunks)
+    assert text == expected_text("stream me", 40)
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert len(chunks) >= 3  # it streamed, not one blob
+
+
+def test_chat_and_streaming_chat(client):
+    r = client.chat.completions.create(model="simulated-v1", max_tokens=5,
+                                       messages=[{"role": "user", "content": "hi"}])
+    assert r.choices[0].message.role == "assistant" and r.choices[0].message.content
+    stream = client.chat.completions.create(model="simulated-v1", max_tokens=5, stream=True,
+                                            messages=[{"role": "user", "content": "hi"}])
+    text = "".join(c.choices[0].delta.content or "" for c in stream)
+    assert text == r.choices[0].message.content
+
+
+def test_errors_are_openai_shaped(client, stack):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="gpt-9", prompt="x")
+    assert "gpt-9" in str(e.value)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="simulated-v1", prompt="x", max_tokens=0)
+    assert "max_tokens" in str(e.value)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="simulated-v1", prompt="x", n=3)
+    bad = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+
+
+def test_metrics_and_healthz(stack, client):
+    client.completions.create(model="simulated-v1", prompt="for the metrics", max_tokens=3)
+    import requests
+    text = requests.get(f"{stack.url}/metrics", timeout=10).text
+    for name in ("kvops:kv_cache_usage_perc", "kvops:prefix_cache_queries_total",
+                 "kvops:prefix_cache_hits_total", "kvops:num_preemptions_total",
+                 "kvops:num_swaps_out_total", "kvops:num_requests_running",
+                 "kvops:time_to_first_token_seconds_bucket",
+                 "kvops:e2e_request_latency_seconds_count"):
+        assert name in text, name
+    line = next(l for l in text.splitlines()
+                if l.startswith('kvops:e2e_request_latency_seconds_count{engine="sim"}'))
+    assert float(line.split()[-1]) >= 1
+    health = requests.get(f"{stack.url}/healthz", timeout=10).json()
+    assert health["ok"] and health["checks"] == {"database": "ok", "redis": "ok"}
+    assert any(e["name"] == "sim" and e["alive"] for e in health["engines"])
