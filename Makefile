@@ -16,13 +16,14 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[test]'
+	bash scripts/system-packages.sh
 	touch $(STAMP)
 
 test: setup
 	$(PY) -m pytest
 
 run: setup
-	$(PY) -m engine.simulate --synthetic 200 --num-gpu-blocks 2048 --block-size 16
+	$(PY) -m kvops.run
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

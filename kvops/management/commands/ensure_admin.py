@@ -1,0 +1,29 @@
+"""Create an admin account if there is no superuser, and say how to log in."""
+import os
+import secrets
+from pathlib import Path
+
+from django.conf import settings
+from django.contrib.auth import get_user_model
+from django.core.management.base import BaseCommand
+
+
+class Command(BaseCommand):
+    help = "Create the first admin account (password printed and saved under the data dir)."
+
+    def handle(self, *args, **opts):
+        User = get_user_model()
+        creds = Path(settings.DATA_DIR) / "admin-credentials.txt"
+        if User.objects.filter(is_superuser=True).exists():
+            hint = f" (see {creds})" if creds.exists() else ""
+            self.stdout.write(f"[kvops] log in with your admin account{hint}")
+            return
+        username = os.environ.get("DJANGO_SUPERUSER_USERNAME", "admin")
+        password = os.environ.get("DJANGO_SUPERUSER_PASSWORD") or secrets.token_urlsafe(12)
+        User.objects.create_superuser(username, os.environ.get("DJANGO_SUPERUSER_EMAIL", ""),
+                                      password)
+        creds.parent.mkdir(parents=True, exist_ok=True)
+        creds.write_text(f"username: {username}\npassword: {password}\n")
+        creds.chmod(0o600)
+        self.stdout.write(f"[kvops] created admin account: username {username!r}, "
+                          f"password {password!r} (also in {creds})")

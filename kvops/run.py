@@ -1,0 +1,116 @@
+"""`make run`: the whole stack on one machine, stopped by Ctrl-C.
+
+Finds Redis at REDIS_URL or starts a private redis-server, applies migrations, makes an
+admin account if there is none, then runs the web server (daphne) and one engine worker.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from urllib.parse import urlparse
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def log(message: str) -> None:
+    print(f"[kvops] {message}", flush=True)
+
+
+def redis_reachable(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=1) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+def ensure_redis(url: str, data_dir: Path) -> subprocess.Popen | None:
+    """Use the Redis at url, or start a private one there (local URLs only)."""
+    parsed = urlparse(url)
+    host, port = parsed.hostname or "127.0.0.1", parsed.port or 6379
+    if redis_reachable(host, port):
+        log(f"using Redis at {host}:{port}")
+        return None
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        sys.exit(f"Redis at {url} does not answer; start it or set REDIS_URL")
+    exe = shutil.which("redis-server") or install_redis()
+    workdir = data_dir / "redis"
+    workdir.mkdir(parents=True, exist_ok=True)
+    log(f"starting a private redis-server on {host}:{port} (files in {workdir})")
+    proc = subprocess.Popen([exe, "--bind", host, "--port", str(port), "--save", "",
+                             "--appendonly", "no", "--dir", str(workdir)],
+                            stdout=subprocess.DEVNULL, start_new_session=True)
+    for _ in range(100):
+        if redis_reachable(host, port):
+            return proc
+        time.sleep(0.1)
+    proc.kill()
+    sys.exit("redis-server did not start")
+
+
+def install_redis() -> str:
+    if os.geteuid() != 0 or not shutil.which("apt-get"):
+        sys.exit("redis-server is not installed: install it (e.g. `apt-get install redis-server`) "
+                 "or point REDIS_URL at a running Redis")
+    log("redis-server is missing: installing the Debian package")
+    subprocess.run(["apt-get", "update", "-qq"], check=True)
+    subprocess.run(["apt-get", "install", "-y", "-qq", "redis-server"], check=True,
+                   env=dict(os.environ, DEBIAN_FRONTEND="noninteractive"))
+    exe = shutil.which("redis-server")
+    if exe is None:
+        sys.exit("installing redis-server failed")
+    return exe
+
+
+def manage(*args: str) -> None:
+    subprocess.run([sys.executable, "manage.py", *args], cwd=REPO, check=True)
+
+
+def main() -> int:
+    data_dir = Path(os.environ.setdefault("KVOPS_DATA_DIR", str(REPO / "data")))
+    data_dir.mkdir(parents=True, exist_ok=True)
+    redis_url = os.environ.setdefault("REDIS_URL", "redis://127.0.0.1:6379/0")
+    port = int(os.environ.get("KVOPS_PORT", "8000"))
+    children: list[subprocess.Popen] = []
+    redis_proc = ensure_redis(redis_url, data_dir)
+    if redis_proc is not None:
+        children.append(redis_proc)
+    try:
+        manage("migrate", "--noinput", "-v0")
+        manage("ensure_admin")
+        children.append(subprocess.Popen(
+            [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port),
+             "kvops.asgi:application"], cwd=REPO, start_new_session=True))
+        name = os.environ.get("KVOPS_ENGINE_NAME", "default")
+        children.append(subprocess.Popen(
+            [sys.executable, "manage.py", "engine_worker", "--name", name], cwd=REPO,
+            start_new_session=True))
+        log(f"kvops is starting at http://127.0.0.1:{port}/ (engine {name!r}); Ctrl-C stops it")
+        while all(c.poll() is None for c in children):
+            time.sleep(0.5)
+        dead = next(c for c in children if c.poll() is not None)
+        log(f"{' '.join(map(str, dead.args[:4]))} exited with {dead.returncode}; stopping")
+        return 1
+    except KeyboardInterrupt:
+        log("stopping")
+        return 0
+    finally:
+        for child in reversed(children):
+            if child.poll() is None:
+                os.killpg(child.pid, signal.SIGTERM)
+        for child in reversed(children):
+            try:
+                child.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(child.pid, signal.SIGKILL)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Debian packages kvops needs outside the virtualenv: redis-server (tests start private
+# ones; `make run` starts one when none answers) and chromium (browser tests).
+# Installs only what is missing; does nothing when all are present.
+set -euo pipefail
+missing=()
+command -v redis-server >/dev/null || missing+=(redis-server)
+command -v chromium >/dev/null || missing+=(chromium)
+[ ${#missing[@]} -eq 0 ] && exit 0
+if [ "$(id -u)" -ne 0 ] || ! command -v apt-get >/dev/null; then
+    echo "kvops needs these system packages: ${missing[*]} (install them, then re-run make setup)" >&2
+    exit 1
+fi
+echo "installing system packages: ${missing[*]}"
+export DEBIAN_FRONTEND=noninteractive
+apt-get update -qq
+apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
