@@ -166,21 +166,20 @@ class BlockPool:
         self.cached[block_hash] = block
         return True
 
-    def evict(self, n: int | None = None) -> list[KVBlock]:
+    def evict(self, n: int | None = None) -> list[tuple[KVBlock, BlockHash]]:
         """Drop the data of up to n ref-0 cached blocks (all if None), LRU first.
 
         The blocks move to the head of the free queue, as any uncached free block.
+        Returns each victim with the hash it had.
         """
         victims = []
         for block in self.free_queue:
             if n is not None and len(victims) == n:
                 break
             if block.block_hash is not None:
-                victims.append(block)
-        for block in victims:
-            self._drop_hash(block)
-            self.free_queue.remove(block)
-            self.free_queue.appendleft(block)
+                victims.append((block, block.block_hash))
+        for block, _ in victims:
+            self.forget(block)
         return victims
 
     def forget(self, block: KVBlock) -> bool:

@@ -38,23 +38,44 @@ class KVEvent:
         return asdict(self)
 
 
-class EventLog:
-    """Bounded buffer of events; the engine drains it with take()."""
+class EventQueue:
+    """One reader's bounded queue of events (the oldest are dropped when it is full)."""
 
     def __init__(self, maxlen: int) -> None:
-        self.step = 0  # owned by LLMEngine: the step now running
-        self._events: collections.deque[KVEvent] = collections.deque(maxlen=maxlen or None)
-        self._enabled = maxlen > 0
-        self.num_dropped = 0  # events pushed out by the bound before anyone took them
+        self._events: collections.deque[KVEvent] = collections.deque(maxlen=maxlen)
+        self.num_dropped = 0  # events pushed out by the bound before the reader took them
 
-    def emit(self, type: str, **fields) -> None:
-        if not self._enabled:
-            return
+    def push(self, event: KVEvent) -> None:
         if len(self._events) == self._events.maxlen:
             self.num_dropped += 1
-        self._events.append(KVEvent(type=type, step=self.step, ts=time.time(), **fields))
+        self._events.append(event)
 
     def take(self) -> list[KVEvent]:
         out = list(self._events)
         self._events.clear()
         return out
+
+
+class EventLog:
+    """Fans each event out to every reader's queue: the engine's own (take_events) and
+    any subscriber (e.g. a prefix-cache index). No reader, no cost."""
+
+    def __init__(self, maxlen: int) -> None:
+        self.step = 0  # owned by LLMEngine: the step now running
+        self._queues: list[EventQueue] = []
+        self._default = self.subscribe(maxlen) if maxlen > 0 else None
+
+    def subscribe(self, maxlen: int = 100_000) -> EventQueue:
+        queue = EventQueue(maxlen)
+        self._queues.append(queue)
+        return queue
+
+    def emit(self, type: str, **fields) -> None:
+        if not self._queues:
+            return
+        event = KVEvent(type=type, step=self.step, ts=time.time(), **fields)
+        for queue in self._queues:
+            queue.push(event)
+
+    def take(self) -> list[KVEvent]:
+        return self._default.take() if self._default is not None else []

@@ -218,19 +218,27 @@ class KVCacheManager:
 
     def forget_uncomputed(self) -> int:
         """A step failed: the blocks registered for it hold no valid K/V. Drop their hashes."""
-        n = 0
+        dropped = []
         for block_id in self.uncomputed:
-            if self.gpu.forget(self.gpu.blocks[block_id]):
-                n += 1
+            block = self.gpu.blocks[block_id]
+            block_hash = block.block_hash
+            if self.gpu.forget(block):
+                dropped.append((block_id, block_hash))
         self.uncomputed.clear()
-        return n
+        if dropped:
+            self._events.emit("BlockEvicted", detail="step failed",
+                              block_ids=[b for b, _ in dropped],
+                              block_hashes=[short(h) for _, h in dropped],
+                              ref_cnts=[self.gpu.blocks[b].ref_cnt for b, _ in dropped])
+        return len(dropped)
 
     # --- operator: evict, reset, pin ------------------------------------------------------
     def evict(self, n: int | None) -> int:
         victims = self.gpu.evict(n)
         if victims:
             self._events.emit("BlockEvicted", detail="operator",
-                              block_ids=[b.block_id for b in victims],
+                              block_ids=[b.block_id for b, _ in victims],
+                              block_hashes=[short(h) for _, h in victims],
                               ref_cnts=[0] * len(victims))
         return len(victims)
 

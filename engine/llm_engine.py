@@ -274,7 +274,9 @@ class LLMEngine:
                 "max_num_batched_tokens": self.config.max_num_batched_tokens,
                 "preemption_mode": self.config.preemption_mode,
                 "scheduling_policy": self.config.scheduling_policy,
-                "enable_prefix_caching": self.config.enable_prefix_caching}
+                "enable_prefix_caching": self.config.enable_prefix_caching,
+                "simulate": self.config.simulate,
+                "model_path": getattr(self.runner, "model_path", None)}
 
     def metrics(self) -> dict:
         now = time.time()
@@ -297,4 +299,7 @@ class LLMEngine:
             "prompt_tokens_per_s": self._prompt_rate.rate(now),
             "generation_tokens_per_s": self._gen_rate.rate(now),
             "num_steps": self.step_count,
+            # Load, for routing: tokens the engine still has to hold or compute.
+            "running_tokens": sum(r.num_tokens for r in sched.running),
+            "waiting_tokens": sum(r.num_tokens for r in sched.waiting),
         }

@@ -107,7 +107,8 @@ def test_evict_takes_lru_cached_blocks_and_moves_them_to_the_head():
         pool.cache(blk, bytes([i]) * 32)
     pool.free(blocks)  # LRU order: 0, 1, 2 after the one never-used block 3
     victims = pool.evict(2)
-    assert [v.block_id for v in victims] == [0, 1]
+    assert [v.block_id for v, _ in victims] == [0, 1]
+    assert victims[0][1] == bytes([0]) * 32
     assert pool.get_cached(bytes([2]) * 32) is blocks[2]
     assert pool.eviction_order(2) == [1, 0]
 
