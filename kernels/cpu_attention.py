@@ -1,0 +1,205 @@
+"""Paged attention in plain torch, vectorised: the CPU path and the fallback.
+
+Same contract as kernels.paged_attention (causal varlen attention of new tokens over
+their paged context, the new tokens' K/V already in the cache), split in two so that
+a forward pass pays for the bookkeeping once instead of once per layer:
+
+* plan_attention(...) turns the batch's block tables and lengths into gather indices
+  and masks (host work, once per step);
+* paged_attention(q, key_cache, value_cache, plan, scale) runs one layer with tensor
+  ops only: no Python loop over tokens.
+
+Decodes (one new token) are batched: their blocks are gathered with one index_select
+per cache into [seqs, blocks * block_size, kv_heads, head_dim] and attended with one
+masked scaled_dot_product_attention. Sequences are grouped by context length so a
+short sequence is not padded to the longest one. A chunk of several new tokens
+(prefill) gets its own causal SDPA call; one with nothing cached before it attends to
+its fresh K/V directly instead of reading them back from the cache.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+# A decode group stops growing when padding would exceed this fraction of its real
+# context: bounds wasted gather traffic without launching a group per sequence.
+MAX_PADDING_FRACTION = 0.25
+
+
+@dataclass(slots=True)
+class DecodeGroup:
+    rows: torch.Tensor  # [n] int64: q rows of these sequences (one new token each), ascending
+    row_range: tuple[int, int] | None  # (first, last + 1) when rows are consecutive
+    block_ids: torch.Tensor  # [n * max_blocks] int64: padded block tables, flattened
+    num_seqs: int
+    max_blocks: int
+    mask: torch.Tensor | None  # [n, 1, 1, max_blocks * block_size] bool, True = attend
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    q_start: int  # its rows of q: [q_start, q_end)
+    q_end: int
+    context_len: int  # tokens of context including the new ones
+    block_ids: torch.Tensor  # [cdiv(context_len, block_size)] int64
+    mask: torch.Tensor | None  # [q_len, context_len] bool; None: no prefix, plain causal
+
+
+@dataclass(slots=True)
+class CpuAttentionPlan:
+    num_tokens: int
+    decode_groups: list[DecodeGroup]
+    prefills: list[PrefillChunk]
+
+
+def plan_attention(block_tables: list[list[int]], seq_lens: list[int],
+                   query_start_loc: list[int], block_size: int,
+                   device: torch.device | str = "cpu") -> CpuAttentionPlan:
+    """Host-side bookkeeping for one batch (plain lists in, tensors on `device` out).
+
+    block_tables[s] lists at least cdiv(seq_lens[s], block_size) blocks; seq_lens[s]
+    counts the context including the new tokens; query_start_loc has num_seqs + 1
+    entries."""
+    decodes, prefills = [], []
+    for s, seq_len in enumerate(seq_lens):
+        q_start, q_end = query_start_loc[s], query_start_loc[s + 1]
+        q_len = q_end - q_start
+        if q_len == 0:
+            continue
+        if q_len > seq_len:
+            raise ValueError(f"sequence {s}: {q_len} new tokens but seq_len {seq_len}")
+        num_blocks = -(-seq_len // block_size)
+        if len(block_tables[s]) < num_blocks:
+            raise ValueError(f"sequence {s}: {seq_len} tokens need {num_blocks} blocks, "
+                             f"its table has {len(block_tables[s])}")
+        if q_len == 1:
+            decodes.append((q_start, seq_len, block_tables[s][:num_blocks]))
+        else:
+            prefills.append(_prefill_chunk(q_start, q_end, seq_len,
+                                           block_tables[s][:num_blocks], device))
+    groups = [_decode_group(g, block_size, device) for g in _group_by_length(decodes)]
+    return CpuAttentionPlan(query_start_loc[-1], groups, prefills)
+
+
+def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    plan: CpuAttentionPlan, scale: float,
+                    new_key: torch.Tensor | None = None,
+                    new_value: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of one layer. q: [num_tokens, q_heads, head_dim]; caches:
+    [num_blocks, block_size, kv_heads, head_dim]; new_key/new_value: the batch's new
+    K/V [num_tokens, kv_heads, head_dim] (already in the cache; passing them lets a
+    prefill without prefix skip reading them back). Returns [num_tokens, q_heads, head_dim]."""
+    num_tokens, num_heads, head_dim = q.shape
+    out = q.new_empty(num_tokens, num_heads, head_dim)
+    for group in plan.decode_groups:
+        o = _attend_decodes(q, key_cache, value_cache, group, scale)  # [n, H, D]
+        if group.row_range is not None:
+            out[group.row_range[0]:group.row_range[1]] = o
+        else:
+            out.index_copy_(0, group.rows, o)
+    for chunk in plan.prefills:
+        out[chunk.q_start:chunk.q_end] = _attend_chunk(
+            q, key_cache, value_cache, chunk, scale, new_key, new_value)
+    return out
+
+
+def paged_attention_varlen(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                           query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
+    """kernels.paged_attention's signature, for tests and one-off calls."""
+    plan = plan_attention(block_tables.tolist(), seq_lens.tolist(), query_start_loc.tolist(),
+                          key_cache.shape[1], q.device)
+    return paged_attention(q, key_cache, value_cache, plan, scale)
+
+
+# --- one layer ---------------------------------------------------------------------------
+
+def _attend_decodes(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    group: DecodeGroup, scale: float) -> torch.Tensor:
+    n, nb = group.num_seqs, group.max_blocks
+    _, block_size, kv_heads, head_dim = key_cache.shape
+    # [n, nb * block_size, kv_heads, head_dim] -> [n, kv_heads, nb * block_size, head_dim] views
+    k = key_cache.index_select(0, group.block_ids).view(n, nb * block_size, kv_heads, head_dim)
+    v = value_cache.index_select(0, group.block_ids).view(n, nb * block_size, kv_heads, head_dim)
+    qg = q.index_select(0, group.rows).unsqueeze(2)  # [n, H, 1, D]
+    o = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2),
+                                       attn_mask=group.mask, scale=scale, enable_gqa=True)
+    return o.squeeze(2)  # [n, H, D]
+
+
+def _attend_chunk(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                  chunk: PrefillChunk, scale: float, new_key: torch.Tensor | None,
+                  new_value: torch.Tensor | None) -> torch.Tensor:
+    qs = q[chunk.q_start:chunk.q_end].transpose(0, 1)  # [H, q_len, D]
+    if chunk.mask is None and new_key is not None and new_value is not None:
+        k = new_key[chunk.q_start:chunk.q_end]  # [q_len, kv_heads, D]
+        v = new_value[chunk.q_start:chunk.q_end]
+    else:
+        k = _gather(key_cache, chunk)  # [context_len, kv_heads, D]
+        v = _gather(value_cache, chunk)
+    o = F.scaled_dot_product_attention(qs, k.transpose(0, 1), v.transpose(0, 1),
+                                       attn_mask=chunk.mask, is_causal=chunk.mask is None,
+                                       scale=scale, enable_gqa=True)
+    return o.transpose(0, 1)  # [q_len, H, D]
+
+
+def _gather(cache: torch.Tensor, chunk: PrefillChunk) -> torch.Tensor:
+    _, block_size, kv_heads, head_dim = cache.shape
+    blocks = cache.index_select(0, chunk.block_ids)
+    return blocks.view(-1, kv_heads, head_dim)[:chunk.context_len]
+
+
+# --- planning ------------------------------------------------------------------------------
+
+def _prefill_chunk(q_start: int, q_end: int, seq_len: int, blocks: list[int],
+                   device: torch.device | str) -> PrefillChunk:
+    q_len = q_end - q_start
+    mask = None  # nothing before the chunk: plain causal attention
+    if q_len < seq_len:
+        # Query i sits at position seq_len - q_len + i and sees keys 0..that position.
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=device)
+        mask = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
+    return PrefillChunk(q_start, q_end, seq_len,
+                        torch.tensor(blocks, dtype=torch.int64, device=device), mask)
+
+
+def _group_by_length(decodes: list[tuple[int, int, list[int]]]) -> list[list[tuple]]:
+    """Split decodes (longest first) into groups whose padding stays under
+    MAX_PADDING_FRACTION of their real context."""
+    ordered = sorted(decodes, key=lambda d: -d[1])
+    groups: list[list[tuple]] = []
+    for d in ordered:
+        if groups:
+            group = groups[-1]
+            longest = group[0][1]
+            real = sum(x[1] for x in group) + d[1]
+            if longest * (len(group) + 1) <= real * (1 + MAX_PADDING_FRACTION):
+                group.append(d)
+                continue
+        groups.append([d])
+    return groups
+
+
+def _decode_group(decodes: list[tuple[int, int, list[int]]], block_size: int,
+                  device: torch.device | str) -> DecodeGroup:
+    decodes = sorted(decodes)  # by q row: consecutive rows need no scatter
+    max_blocks = max(len(blocks) for _, _, blocks in decodes)
+    flat = []
+    for _, _, blocks in decodes:
+        # Padding repeats a real block: its slots are masked out anyway.
+        flat.extend(blocks + [blocks[0]] * (max_blocks - len(blocks)))
+    lens = [seq_len for _, seq_len, _ in decodes]
+    mask = None
+    if min(lens) != max_blocks * block_size:
+        positions = torch.arange(max_blocks * block_size, device=device)
+        lens_t = torch.tensor(lens, device=device)
+        mask = (positions[None, :] < lens_t[:, None])[:, None, None, :]
+    rows = [row for row, _, _ in decodes]
+    consecutive = rows[-1] - rows[0] == len(rows) - 1
+    return DecodeGroup(
+        rows=torch.tensor(rows, dtype=torch.int64, device=device),
+        row_range=(rows[0], rows[-1] + 1) if consecutive else None,
+        block_ids=torch.tensor(flat, dtype=torch.int64, device=device),
+        num_seqs=len(decodes), max_blocks=max_blocks, mask=mask)

@@ -1,0 +1,130 @@
+"""The engine on tiny random Llama-family models: greedy output must equal transformers'
+greedy output (float32), whatever happens to the requests on the way: chunked prefill,
+prefix-cache hits, copy-on-write, preemption by recompute, swap out and in, operator
+actions in the middle of decoding."""
+from __future__ import annotations
+
+import pytest
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from tests.models.fixtures import tiny_model, tiny_root  # noqa: F401 (fixtures)
+from tests.models.tiny import SPECS, hf_greedy, random_prompts
+
+MAX_TOKENS = 12
+LENGTHS = [1, 5, 17, 33, 64]
+
+
+def make_engine(folder, **kw) -> LLMEngine:
+    cfg = dict(model=str(folder), device="cpu", dtype="float32", attention_backend="torch",
+               block_size=4, num_gpu_blocks=256, num_cpu_blocks=256, seed=0)
+    cfg.update(kw)
+    return LLMEngine(EngineConfig(**cfg))
+
+
+def greedy(n: int = MAX_TOKENS) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def outputs(outs) -> list[list[int]]:
+    return [o.output_token_ids for o in outs]
+
+
+def run_all(engine: LLMEngine) -> dict:
+    final = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                final[o.request_id] = o
+        engine.kv.check_invariants()
+    return final
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_plain_batch_matches_transformers(tiny_model, name):
+    folder = tiny_model(name)
+    prompts = random_prompts(SPECS[name].vocab_size, LENGTHS, seed=1)
+    engine = make_engine(folder)
+    got = outputs(engine.generate(prompts, greedy()))
+    assert got == hf_greedy(folder, prompts, MAX_TOKENS)
+    assert any(len(set(g)) > 2 for g in got), "degenerate model: the test would prove little"
+    assert engine.kv.gpu.num_free == engine.kv.gpu.num_blocks
+
+
+@pytest.mark.parametrize("name", ["gqa16", "gqa64"])
+def test_shared_prefix_hits_the_cache(tiny_model, name):
+    folder = tiny_model(name)
+    vocab = SPECS[name].vocab_size
+    prefix = random_prompts(vocab, [26], seed=7)[0]  # 6 full blocks of 4, and a part
+    prompts = random_prompts(vocab, [3, 9, 1, 14], seed=2, prefix=prefix)
+    expected = hf_greedy(folder, prompts, MAX_TOKENS)
+    engine = make_engine(folder)
+    first = engine.generate(prompts[:1], greedy())
+    rest = engine.generate(prompts[1:], greedy())
+    assert outputs(first + rest) == expected
+    assert all(o.num_cached_tokens >= 24 for o in rest)
+    # All at once: later requests may hit blocks that the same step is filling.
+    engine = make_engine(folder)
+    assert outputs(engine.generate(prompts, greedy())) == expected
+
+
+def test_whole_prompt_hit_copies_the_last_block(tiny_model):
+    folder = tiny_model("gqa16")
+    prompt = random_prompts(SPECS["gqa16"].vocab_size, [16], seed=3)  # exactly 4 blocks
+    expected = hf_greedy(folder, prompt, MAX_TOKENS)
+    engine = make_engine(folder)
+    engine.generate(prompt, greedy(2))
+    (out,) = engine.generate(prompt, greedy())
+    assert out.num_cached_tokens == 15  # the last token is recomputed, in a copied block
+    assert out.output_token_ids == expected[0]
+
+
+@pytest.mark.parametrize("name", ["gqa16", "mha32"])
+def test_chunked_prefill(tiny_model, name):
+    folder = tiny_model(name)
+    prompts = random_prompts(SPECS[name].vocab_size, LENGTHS, seed=4)
+    engine = make_engine(folder, max_num_batched_tokens=7)
+    assert outputs(engine.generate(prompts, greedy())) == hf_greedy(folder, prompts, MAX_TOKENS)
+
+
+def test_preemption_by_recompute(tiny_model):
+    folder = tiny_model("gqa64")
+    prompts = random_prompts(SPECS["gqa64"].vocab_size, [20, 23, 18, 25, 21], seed=5)
+    engine = make_engine(folder, num_gpu_blocks=16, enable_prefix_caching=False)
+    got = outputs(engine.generate(prompts, greedy()))
+    assert engine.metrics()["num_preemptions"] > 0
+    assert got == hf_greedy(folder, prompts, MAX_TOKENS)
+
+
+def test_preemption_by_swap(tiny_model):
+    folder = tiny_model("gqa64")
+    prompts = random_prompts(SPECS["gqa64"].vocab_size, [20, 23, 18, 25, 21], seed=5)
+    engine = make_engine(folder, num_gpu_blocks=16, num_cpu_blocks=64,
+                         preemption_mode="swap", enable_prefix_caching=False)
+    got = outputs(engine.generate(prompts, greedy()))
+    m = engine.metrics()
+    assert m["num_swaps_out"] > 0 and m["num_swaps_in"] > 0
+    assert got == hf_greedy(folder, prompts, MAX_TOKENS)
+
+
+def test_operator_swap_and_preempt_mid_decode(tiny_model):
+    folder = tiny_model("gqa16")
+    prompts = random_prompts(SPECS["gqa16"].vocab_size, [11, 30, 6, 40], seed=6)
+    expected = hf_greedy(folder, prompts, MAX_TOKENS)
+    # No prefix cache, so nothing is served from it: the swap-in must copy the blocks.
+    engine = make_engine(folder, enable_prefix_caching=False)
+    for i, p in enumerate(prompts[:3]):
+        engine.add_request(f"r{i}", p, greedy())
+    for _ in range(4):
+        engine.step()
+    assert all(engine.scheduler.requests[f"r{i}"].num_output_tokens >= 3 for i in range(3))
+    old_blocks = set(engine.kv.block_ids("r0"))
+    engine.swap_out("r0")
+    engine.add_request("r3", prompts[3], greedy())  # takes the blocks r0 left, first
+    engine.step()
+    assert old_blocks & set(engine.kv.block_ids("r3"))
+    engine.preempt("r1")
+    engine.step()
+    engine.swap_in("r0")
+    final = run_all(engine)
+    assert [final[f"r{i}"].output_token_ids for i in range(4)] == expected
+    assert final["r0"].num_preemptions == 1 and final["r1"].num_preemptions == 1

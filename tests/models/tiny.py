@@ -1,0 +1,117 @@
+"""Tiny random Llama-family models saved as complete HF folders (config.json,
+model.safetensors, generation_config.json, tokenizer.json, tokenizer_config.json),
+and the transformers greedy reference the engine must match."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+EOS_ID = 2  # the tiny tokenizer's </s>
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    name: str
+    vocab_size: int = 211
+    hidden_size: int = 64
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    num_layers: int = 2
+    intermediate_size: int = 96
+    tie_word_embeddings: bool = False
+    model_type: str = "llama"  # "llama" | "qwen2" | "mistral"
+    rope: dict | None = None  # rope_parameters beyond rope_theta, e.g. {"rope_type": "linear", ...}
+    attention_bias: bool = False
+    max_position_embeddings: int = 512
+    seed: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+SPECS = {
+    "gqa16": TinySpec("gqa16"),
+    "mha32": TinySpec("mha32", vocab_size=307, hidden_size=64, num_heads=2, num_kv_heads=2,
+                      head_dim=32, tie_word_embeddings=True, seed=1),
+    "gqa64": TinySpec("gqa64", vocab_size=509, hidden_size=96, num_heads=6, num_kv_heads=2,
+                      head_dim=64, num_layers=3, intermediate_size=160, seed=2,
+                      rope={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    "qwen2": TinySpec("qwen2", vocab_size=257, hidden_size=48, num_heads=3, num_kv_heads=1,
+                      head_dim=16, model_type="qwen2", seed=3),
+    "linear": TinySpec("linear", vocab_size=199, num_heads=4, num_kv_heads=1, seed=4,
+                       rope={"rope_type": "linear", "factor": 2.0}, attention_bias=True),
+}
+
+
+def build_tiny_model(spec: TinySpec, root: Path) -> Path:
+    """Save a random model for `spec` under root/spec.name; returns the folder."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = root / spec.name
+    if (folder / "config.json").is_file():
+        return folder
+    rope = {"rope_theta": 10000.0, "rope_type": "default"}
+    rope.update(spec.rope or {})
+    config = AutoConfig.for_model(
+        spec.model_type, vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim, max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=spec.tie_word_embeddings, rope_parameters=rope,
+        bos_token_id=1, eos_token_id=EOS_ID, pad_token_id=0,
+        # A wider init than the default 0.02 keeps logits apart, so float rounding
+        # differences between two correct implementations do not flip an argmax.
+        initializer_range=0.2, **({"attention_bias": spec.attention_bias}
+                                  if spec.model_type == "llama" else {}),
+        **spec.extra)
+    torch.manual_seed(spec.seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(folder)
+    _save_tokenizer(folder, spec.vocab_size)
+    return folder
+
+
+def _save_tokenizer(folder: Path, vocab_size: int) -> None:
+    """A word-level tokenizer: "w17" is token 17; ids 0-2 are <unk>, <s>, </s>."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": EOS_ID}
+    vocab.update({f"w{i}": i for i in range(3, vocab_size)})
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+        "chat_template": "{% for m in messages %}{{ '<s>' + m['role'] + ' ' + m['content'] + ' </s> ' }}"
+                         "{% endfor %}{% if add_generation_prompt %}{{ '<s>assistant ' }}{% endif %}",
+    }))
+
+
+def hf_greedy(folder: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt (float32, one at a time so no
+    padding is involved), never stopping early at EOS."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    outs = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                                 do_sample=False, pad_token_id=0)
+            outs.append(gen[0, len(prompt):].tolist())
+    return outs
+
+
+def random_prompts(vocab_size: int, lengths: list[int], seed: int = 0,
+                   prefix: list[int] | None = None) -> list[list[int]]:
+    """Prompts of the given lengths (plus a shared prefix if given), token ids >= 3."""
+    g = torch.Generator().manual_seed(seed)
+    return [(prefix or []) + torch.randint(3, vocab_size, (n,), generator=g).tolist()
+            for n in lengths]
