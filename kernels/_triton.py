@@ -1,71 +1,38 @@
 """Optional Triton.
 
-The package imports on a machine without Triton (the engine then uses its torch
-path); only launching a Triton kernel needs it. Kernels are compiled on their first
-launch rather than at import, so `TRITON_INTERPRET=1` may be set after `kernels`
-was imported (tests set it in their conftest; other test packages may have
-imported the engine, and with it `kernels`, before that).
+`kernels` imports without Triton, and without importing it: the Triton kernels live
+in the `*_kernel.py` modules, which the launchers import on their first launch
+(`load_kernels`). Triton decides between compiling and its CPU interpreter when it is
+first imported (its own library functions are decorated then), so deferring the
+import lets tests set TRITON_INTERPRET=1 even after `kernels` was imported.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
-from typing import Any, Callable
+from types import ModuleType
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the torch path still works; launchers raise a clear error
-    triton = None
-    tl = None
-
-__all__ = ["triton", "tl", "lazy_jit", "LazyKernel", "interpreting", "require_triton",
-           "next_power_of_2", "cdiv"]
+__all__ = ["interpreting", "load_kernels", "next_power_of_2", "cdiv"]
 
 
 def interpreting() -> bool:
     """True when Triton kernels run in the CPU interpreter (TRITON_INTERPRET=1)."""
-    if triton is not None:
-        # Triton's own reading of the variable, so we agree with triton.jit
-        return bool(triton.knobs.runtime.interpret)
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
 
 
-def require_triton(op: str) -> None:
-    if triton is None:
+def load_kernels(module: str) -> ModuleType:
+    """Import a module of Triton kernels, with a clear error when Triton is missing."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        if e.name is None or not e.name.startswith("triton"):
+            raise
         raise RuntimeError(
-            f"{op}: Triton is not installed. Install triton (Linux x86_64 with CUDA) or "
-            "use the torch attention backend (attention_backend='torch')."
-        )
-
-
-class LazyKernel:
-    """A Triton kernel compiled on first launch, once per interpreter mode.
-
-    `kernel[grid](*args)` works as with `triton.jit`. Kernels built this way must not
-    call other jitted helpers (the helpers would not be JIT functions).
-    """
-
-    def __init__(self, fn: Callable[..., Any]) -> None:
-        self.fn = fn
-        self.__name__ = fn.__name__
-        self.__doc__ = fn.__doc__
-        # interpret mode -> triton.jit(fn) built under that mode
-        self._jitted: dict[bool, Any] = {}
-
-    def jitted(self) -> Any:
-        require_triton(self.fn.__name__)
-        mode = interpreting()
-        if mode not in self._jitted:
-            self._jitted[mode] = triton.jit(self.fn)
-        return self._jitted[mode]
-
-    def __getitem__(self, grid: Any) -> Any:
-        return self.jitted()[grid]
-
-
-def lazy_jit(fn: Callable[..., Any]) -> LazyKernel:
-    return LazyKernel(fn)
+            f"{module}: Triton is not installed (import failed: {e}). Install triton "
+            "(Linux x86_64 with CUDA) or use the torch attention backend "
+            "(attention_backend='torch')."
+        ) from e
 
 
 def next_power_of_2(n: int) -> int:

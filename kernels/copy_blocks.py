@@ -9,31 +9,11 @@ from __future__ import annotations
 import torch
 
 from kernels import _checks as checks
-from kernels._triton import lazy_jit, tl
+from kernels._triton import load_kernels
 
 _OP = "copy_blocks"
 _KV_CACHE_LAYOUT = "[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]"
 _CHUNK = 1024  # elements moved per inner iteration
-
-
-@lazy_jit
-def _copy_blocks_kernel(
-    cache_ptr,  # kv_cache viewed as integers of the same width, contiguous
-    block_mapping_ptr,  # [num_pairs, 2] int64, contiguous
-    plane_numel,  # num_blocks * block_numel: one layer's K (or V)
-    block_numel,  # block_size * num_kv_heads * head_dim
-    CHUNK: tl.constexpr,
-):
-    pair = tl.program_id(0)
-    plane = tl.program_id(1).to(tl.int64)  # layer * 2 + (0 for K, 1 for V)
-    src = tl.load(block_mapping_ptr + 2 * pair).to(tl.int64)
-    dst = tl.load(block_mapping_ptr + 2 * pair + 1).to(tl.int64)
-    src_base = cache_ptr + plane * plane_numel + src * block_numel
-    dst_base = cache_ptr + plane * plane_numel + dst * block_numel
-    for start in range(0, block_numel, CHUNK):
-        offs = start + tl.arange(0, CHUNK)
-        mask = offs < block_numel
-        tl.store(dst_base + offs, tl.load(src_base + offs, mask=mask), mask=mask)
 
 
 def copy_blocks(kv_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
@@ -66,7 +46,8 @@ def copy_blocks(kv_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
     mapping = mapping.to(device=kv_cache.device, dtype=torch.int64).contiguous()
     num_layers = kv_cache.shape[0]
     block_numel = kv_cache[0, 0, 0].numel()
-    _copy_blocks_kernel[(mapping.shape[0], num_layers * 2)](
+    kernel = load_kernels("kernels.copy_blocks_kernel").copy_blocks_kernel
+    kernel[(mapping.shape[0], num_layers * 2)](
         checks.as_bits(kv_cache), mapping, num_blocks * block_numel, block_numel, CHUNK=_CHUNK,
     )
 

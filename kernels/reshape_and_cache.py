@@ -10,50 +10,11 @@ from __future__ import annotations
 import torch
 
 from kernels import _checks as checks
-from kernels._triton import lazy_jit, next_power_of_2, tl
+from kernels._triton import load_kernels, next_power_of_2
 
 _OP = "reshape_and_cache"
 _KV_LAYOUT = "[num_tokens, num_kv_heads, head_dim]"
 _CACHE_LAYOUT = "[num_blocks, block_size, num_kv_heads, head_dim]"
-
-
-@lazy_jit
-def _reshape_and_cache_kernel(
-    key_ptr,  # [num_tokens, num_kv_heads, head_dim], last dim contiguous
-    value_ptr,  # [num_tokens, num_kv_heads, head_dim], last dim contiguous
-    key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], contiguous
-    value_cache_ptr,  # same shape as key_cache
-    slot_mapping_ptr,  # [num_tokens], int32 or int64
-    num_slots,  # num_blocks * block_size
-    stride_key_tok,
-    stride_key_head,
-    stride_value_tok,
-    stride_value_head,
-    NUM_KV_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    HEADS_PAD: tl.constexpr,  # next power of two >= NUM_KV_HEADS
-    DIM_PAD: tl.constexpr,  # next power of two >= HEAD_DIM
-):
-    tok = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
-    # Padding (slot < 0) is skipped. A slot past the cache end is skipped too, so a
-    # bad slot mapping cannot write outside the cache; the reference raises on it.
-    if (slot < 0) | (slot >= num_slots):
-        return
-
-    heads = tl.arange(0, HEADS_PAD)
-    dims = tl.arange(0, DIM_PAD)
-    mask = (heads[:, None] < NUM_KV_HEADS) & (dims[None, :] < HEAD_DIM)
-
-    key_offs = tok * stride_key_tok + heads[:, None] * stride_key_head + dims[None, :]
-    value_offs = tok * stride_value_tok + heads[:, None] * stride_value_head + dims[None, :]
-    # The cache is contiguous, so a slot's rows start at slot * heads * dim.
-    cache_offs = slot * (NUM_KV_HEADS * HEAD_DIM) + heads[:, None] * HEAD_DIM + dims[None, :]
-
-    k = tl.load(key_ptr + key_offs, mask=mask)
-    tl.store(key_cache_ptr + cache_offs, k, mask=mask)
-    v = tl.load(value_ptr + value_offs, mask=mask)
-    tl.store(value_cache_ptr + cache_offs, v, mask=mask)
 
 
 def reshape_and_cache(
@@ -79,7 +40,8 @@ def reshape_and_cache(
         return
     num_slots = key_cache.shape[0] * key_cache.shape[1]
     key_bits, value_bits = checks.as_bits(key), checks.as_bits(value)
-    _reshape_and_cache_kernel[(num_tokens,)](
+    kernel = load_kernels("kernels.reshape_and_cache_kernel").reshape_and_cache_kernel
+    kernel[(num_tokens,)](
         key_bits,
         value_bits,
         checks.as_bits(key_cache),
