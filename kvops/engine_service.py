@@ -19,11 +19,63 @@ from typing import Any
 
 from engine import (EngineConfig, EngineError, InvalidRequestError, LLMEngine, RequestOutput,
                     SamplingParams)
+from engine.block_hash import hash_blocks, root_hash, short
+from engine.detokenizer import SimTokenizer
 
 log = logging.getLogger(__name__)
 
 __all__ = ["EngineService", "RequestHandle", "EngineError", "InvalidRequestError",
-           "config_from_env", "OPERATOR_COMMANDS", "StepFailed"]
+           "config_from_env", "OPERATOR_COMMANDS", "StepFailed", "PromptHasher",
+           "short_hashes_of_cache", "render_chat"]
+
+
+def render_chat(tokenizer, messages: list[dict]) -> str:
+    """The tokenizer's chat template applied to messages; a plain transcript for the
+    simulator, which has no template."""
+    if hasattr(tokenizer, "apply_chat_template"):
+        return tokenizer.apply_chat_template(messages)
+    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+
+
+def short_hashes_of_cache(engine: LLMEngine) -> list[str]:
+    """Short hashes of every block in the engine's prefix cache (call on its loop thread)."""
+    return [short(h) for h in engine.kv.gpu.cached]
+
+
+class PromptHasher:
+    """Router side: a prompt's block hashes exactly as a given engine computes them
+    (its tokenizer, block size and model identity), without running the engine."""
+
+    def __init__(self) -> None:
+        self._tokenizers: dict[tuple, Any] = {}
+
+    def _tokenizer(self, config: dict):
+        key = (bool(config.get("simulate")), config.get("model_path"))
+        if key not in self._tokenizers:
+            if key[0]:
+                self._tokenizers[key] = SimTokenizer()
+            elif key[1]:
+                from engine.hf_tokenizer import HFTokenizer
+                self._tokenizers[key] = HFTokenizer.from_folder(key[1])
+            else:
+                self._tokenizers[key] = None
+        return self._tokenizers[key]
+
+    def short_hashes(self, config: dict, prompt: str, messages: list[dict] | None) -> list[str]:
+        """Short hashes of the prompt's full blocks; [] if this engine's tokenizer is
+        not readable from here (routing then goes by load alone)."""
+        try:
+            tokenizer = self._tokenizer(config)
+        except (OSError, EngineError) as e:
+            log.warning("no tokenizer for routing (%s): %s", config.get("model_path"), e)
+            self._tokenizers[(bool(config.get("simulate")), config.get("model_path"))] = None
+            return []
+        if tokenizer is None or not config.get("block_size") or not config.get("model"):
+            return []
+        text = render_chat(tokenizer, messages) if messages else prompt
+        token_ids = tokenizer.encode(text)
+        root = root_hash(config["model"])
+        return [short(h) for h in hash_blocks(root, token_ids, int(config["block_size"]))]
 
 
 class StepFailed(EngineError):
@@ -184,10 +236,7 @@ class EngineService:
 
     def render_chat(self, messages: list[dict]) -> str:
         """The model's chat template applied to messages, ready for generation."""
-        tokenizer = self.engine.tokenizer
-        if hasattr(tokenizer, "apply_chat_template"):
-            return tokenizer.apply_chat_template(messages)
-        return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+        return render_chat(self.engine.tokenizer, messages)
 
     # --- the loop thread -----------------------------------------------------------------
     def _run(self) -> None:

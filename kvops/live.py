@@ -1,6 +1,8 @@
 """Channels fan-out and live state in Redis: the one module that sends to groups.
 
-Groups: `engine.<name>` (KV snapshots and deltas), `job.<id>` (a job's tokens).
+Groups: `engine.<name>` (KV snapshots and deltas), `engine-summary.<name>` (metrics
+only), `job.<id>` (a job's tokens). Redis also holds each engine's bounded history of
+KV events and metrics (streams) and the queries waiting for its publisher.
 Worker threads call the sync functions here; they hand messages to one background
 event loop per process, so a slow Redis never blocks the engine's step loop.
 """
@@ -88,3 +90,86 @@ def load_snapshot(name: str) -> dict | None:
 
 def publish_job_update(job_id: int, payload: dict[str, Any]) -> None:
     group_send(job_group(job_id), {"type": "job.update", "job_id": job_id, **payload})
+
+
+# --- engine live data (the engine-side publisher and the websocket consumers) -------------
+QUERIES_KEY = "kvops:engine:{name}:queries"
+METRICS_KEY = "kvops:engine:{name}:metrics"
+QUERY_TTL_S = 30  # a query nobody picked up is dropped with its key
+SEND_TIMEOUT_S = 5.0
+
+
+def engine_summary_group(name: str) -> str:
+    """Metrics only, a few times a second: what the overview page listens to."""
+    return f"engine-summary.{name}"
+
+
+def _fanout_loop() -> _Fanout:
+    global _fanout
+    with _fanout_lock:
+        if _fanout is None:
+            _fanout = _Fanout()
+        return _fanout
+
+
+def group_send_wait(group: str, message: dict, timeout_s: float = SEND_TIMEOUT_S) -> None:
+    """group_send from a worker thread, returning once it is done: messages sent one
+    after the other this way arrive in that order (deltas carry sequence numbers)."""
+    fanout = _fanout_loop()
+    asyncio.run_coroutine_threadsafe(fanout.layer.group_send(group, message),
+                                     fanout.loop).result(timeout_s)
+
+
+def channel_send_wait(channel: str, message: dict, timeout_s: float = SEND_TIMEOUT_S) -> None:
+    """Send to one consumer's channel (an answer to its query), in order with the above."""
+    fanout = _fanout_loop()
+    asyncio.run_coroutine_threadsafe(fanout.layer.send(channel, message),
+                                     fanout.loop).result(timeout_s)
+
+
+def append_events(name: str, events: list[dict], maxlen: int) -> None:
+    """Add KV events to the engine's bounded history (a Redis stream, trimmed to about
+    maxlen entries)."""
+    if not events:
+        return
+    pipe = redis_client().pipeline(transaction=False)
+    key = EVENTS_KEY.format(name=name)
+    for event in events:
+        pipe.xadd(key, {"e": json.dumps(event, separators=(",", ":"))},
+                  maxlen=maxlen, approximate=True)
+    pipe.execute()
+
+
+def recent_events(name: str, count: int) -> list[dict]:
+    """The last `count` KV events of the engine, oldest first."""
+    rows = redis_client().xrevrange(EVENTS_KEY.format(name=name), count=count)
+    return [json.loads(fields[b"e"]) for _, fields in reversed(rows)]
+
+
+def append_metrics(name: str, point: dict, maxlen: int) -> None:
+    """One point of the engine's metrics history (a Redis stream of about maxlen points)."""
+    redis_client().xadd(METRICS_KEY.format(name=name),
+                        {"m": json.dumps(point, separators=(",", ":"))},
+                        maxlen=maxlen, approximate=True)
+
+
+def recent_metrics(name: str, count: int) -> list[dict]:
+    """The last `count` metrics points of the engine, oldest first."""
+    rows = redis_client().xrevrange(METRICS_KEY.format(name=name), count=count)
+    return [json.loads(fields[b"m"]) for _, fields in reversed(rows)]
+
+
+def post_engine_query(name: str, query: dict) -> None:
+    """Ask the engine's publisher something (a full snapshot, one request's block
+    table); it answers on query["reply_to"], a consumer's channel."""
+    key = QUERIES_KEY.format(name=name)
+    pipe = redis_client().pipeline(transaction=True)
+    pipe.rpush(key, json.dumps(query))
+    pipe.expire(key, QUERY_TTL_S)
+    pipe.execute()
+
+
+def take_engine_queries(name: str, limit: int = 100) -> list[dict]:
+    """The queries waiting for the engine's publisher, oldest first (removed)."""
+    raw = redis_client().lpop(QUERIES_KEY.format(name=name), limit) or []
+    return [json.loads(item) for item in raw]

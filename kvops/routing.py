@@ -1,15 +1,64 @@
-"""Which queue a job goes to."""
+"""Which queue a job goes to.
+
+KVOPS_ROUTING picks the policy for jobs that name no engine:
+  prefix (default): the live engine holding the longest cached prefix of the prompt;
+                    ties and misses go to the least loaded (waiting + running tokens)
+  round-robin:      live engines in turn
+  shared:           the shared queue, taken by whichever worker is free
+A job naming an engine always goes to that engine's queue.
+"""
 from __future__ import annotations
 
-from kvops.models import Job
+import os
+
+from kvops import live, prefix_index, selectors
+from kvops.engine_service import PromptHasher
+from kvops.models import Engine, Job
+
+SHARED_QUEUE = "jobs"
+_hasher = PromptHasher()
+
+
+def engine_queue(name: str) -> str:
+    return f"engine.{name}"
+
+
+def policy() -> str:
+    return os.environ.get("KVOPS_ROUTING", "prefix")
+
+
+def _load(engine: Engine) -> int:
+    m = engine.metrics or {}
+    return int(m.get("running_tokens", 0)) + int(m.get("waiting_tokens", 0))
 
 
 def choose_queue(job: Job) -> tuple[str, dict]:
-    """A job naming an engine goes to that engine's queue; others to the shared queue,
-    where any engine worker may take it. Returns (queue, the decision for the job page)."""
-    from kvops.services import SHARED_QUEUE, engine_queue
-
+    """Returns (queue, the decision as shown on the job page)."""
     if job.requested_engine:
         return engine_queue(job.requested_engine), {
-            "policy": "requested", "engine": job.requested_engine}
-    return SHARED_QUEUE, {"policy": "shared-queue", "engine": None}
+            "policy": "requested", "engine": job.requested_engine,
+            "reason": "the job named its engine"}
+    mode = policy()
+    engines = [e for e in selectors.engines() if selectors.engine_alive(e)]
+    if mode == "shared" or not engines:
+        reason = "no live engine: the first free worker takes it" if not engines \
+            else "shared queue: the first free worker takes it"
+        return SHARED_QUEUE, {"policy": mode, "engine": None, "reason": reason}
+    if mode == "round-robin":
+        i = live.redis_client().incr("kvops:routing:rr") - 1
+        chosen = engines[i % len(engines)]
+        return engine_queue(chosen.name), {
+            "policy": mode, "engine": chosen.name, "reason": f"turn {i} of {len(engines)} engines"}
+    cached = {}
+    for engine in engines:
+        hashes = _hasher.short_hashes(engine.config, job.prompt, job.messages)
+        cached[engine.name] = prefix_index.cached_prefix_blocks(engine.name, hashes)
+    load = {e.name: _load(e) for e in engines}
+    chosen = min(engines, key=lambda e: (-cached[e.name], load[e.name], e.name))
+    if cached[chosen.name]:
+        reason = f"holds the longest cached prefix ({cached[chosen.name]} blocks)"
+    else:
+        reason = "no engine holds a prefix of it: least loaded"
+    return engine_queue(chosen.name), {
+        "policy": "prefix", "engine": chosen.name, "reason": reason,
+        "cached_blocks": cached, "load_tokens": load}

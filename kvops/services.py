@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -11,14 +12,10 @@ from django.utils import timezone
 
 from kvops import control, live, metrics_store
 from kvops.models import Engine, Job, OperatorAction
+from kvops.routing import SHARED_QUEUE, engine_queue  # noqa: F401  (re-exported)
 
 log = logging.getLogger(__name__)
 
-SHARED_QUEUE = "jobs"
-
-
-def engine_queue(name: str) -> str:
-    return f"engine.{name}"
 
 
 class Conflict(Exception):
@@ -38,12 +35,14 @@ def create_job(owner, *, params: dict, prompt: str = "", messages: list | None =
 
 def dispatch_job(job_id: int) -> None:
     from kvops.routing import choose_queue
-    from kvops.tasks import run_job
+    from kvops.tasks import run_job  # the task module imports this one
 
     job = Job.objects.get(pk=job_id)
     queue, routing = choose_queue(job)
-    result = run_job.apply_async(args=[job.pk], queue=queue)
-    Job.objects.filter(pk=job.pk).update(celery_task_id=result.id, routing=routing)
+    # The id is chosen here so the row is complete before any worker can see the task.
+    task_id = str(uuid.uuid4())
+    Job.objects.filter(pk=job.pk).update(celery_task_id=task_id, routing=routing)
+    run_job.apply_async(args=[job.pk], queue=queue, task_id=task_id)
 
 
 def cancel_job(job: Job) -> Job:
@@ -55,7 +54,7 @@ def cancel_job(job: Job) -> Job:
         job.cancel_requested = True
         if job.status == Job.Status.QUEUED:
             _end(job, Job.Status.CANCELLED, error="cancelled before it started")
-        job.save()
+        job.save(update_fields=["cancel_requested", *END_FIELDS])
     if job.status == Job.Status.RUNNING and job.engine:
         engine = Engine.objects.filter(name=job.engine).first()
         if engine is not None:
@@ -64,6 +63,9 @@ def cancel_job(job: Job) -> Job:
     else:
         _publish_job(job)
     return job
+
+
+END_FIELDS = ["status", "error", "finished_at"]
 
 
 def _end(job: Job, status: str, error: str = "") -> None:
@@ -96,7 +98,7 @@ def claim_job(job_id: int, engine: str, task_id: str) -> Job | None:
             return None
         if job.cancel_requested:
             _end(job, Job.Status.CANCELLED, error="cancelled before it started")
-            job.save()
+            job.save(update_fields=END_FIELDS)
             _publish_job(job)
             return None
         job.attempts += 1
@@ -108,7 +110,10 @@ def claim_job(job_id: int, engine: str, task_id: str) -> Job | None:
         job.first_token_at = None
         job.output_text, job.output_token_ids, job.finish_reason, job.error = "", [], "", ""
         job.num_output_tokens = job.num_cached_tokens = job.num_preemptions = 0
-        job.save()
+        job.save(update_fields=[
+            "attempts", "status", "engine", "celery_task_id", "request_id", "started_at",
+            "first_token_at", "output_text", "output_token_ids", "finish_reason", "error",
+            "num_output_tokens", "num_cached_tokens", "num_preemptions"])
     _publish_job(job)
     return job
 
@@ -159,7 +164,7 @@ def finish_job(job: Job, progress: Progress) -> Job:
             _end(job, Job.Status.CANCELLED, error=reason)
         else:
             _end(job, Job.Status.FINISHED)
-        job.save()
+        job.save(update_fields=["cancel_requested", "finish_reason", *END_FIELDS])
     metrics_store.observe_job(job)
     _publish_job(job)
     return job
@@ -171,7 +176,7 @@ def fail_job(job_id: int, error: str) -> None:
         if job is None or job.is_terminal:
             return
         _end(job, Job.Status.FAILED, error=error[:4000])
-        job.save()
+        job.save(update_fields=END_FIELDS)
     _publish_job(job)
 
 

@@ -10,7 +10,8 @@ import tempfile
 import time
 
 
-def free_port() -> int:
+def _free_port() -> int:
+    # Not kvops.localstack.free_port: importing kvops here would load settings too early.
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -36,7 +37,7 @@ def start_redis(port: int, workdir: str) -> subprocess.Popen:
 
 
 _workdir = tempfile.mkdtemp(prefix="kvops-test-")
-_redis_port = free_port()
+_redis_port = _free_port()
 _redis = start_redis(_redis_port, _workdir)
 atexit.register(_redis.kill)
 atexit.register(shutil.rmtree, _workdir, True)

@@ -1,0 +1,318 @@
+"""The engine's KV state mirrored off its loop thread, and the deltas between two states
+(the dashboard's live data; the wire format is described in docs/live-protocol.md).
+
+`Capturer.capture()` runs on the engine's loop thread and only copies references and
+counters, so a step never waits for the dashboard. `KVMirror.apply()` runs on the
+publisher's thread: it turns a capture into per-block numpy arrays, diffs them with the
+previous ones and returns the delta. `KVMirror.snapshot()` builds the same document as
+`engine.snapshot(compact=True)` from the mirror.
+
+Why a capture may be read on another thread: a block table (a list) only ever grows by
+`extend` while it belongs to a request and is replaced, never edited, otherwise; so the
+first `length` entries of a captured table stay what they were. Block ids never change.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, fields
+from operator import attrgetter
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from engine.events import KVEvent
+from engine.snapshot import BLOCK_STATES, CACHED, EVICTION_ORDER_LEN, FREE, PINNED, USED, \
+    encode_array
+
+if TYPE_CHECKING:
+    from engine.block_pool import BlockPool
+    from engine.llm_engine import LLMEngine
+
+# A request as the dashboard lists it, in this order (a row is a tuple of these).
+REQUEST_FIELDS = ("request_id", "index", "job_id", "status", "num_prompt_tokens",
+                  "num_computed_tokens", "num_output_tokens", "num_cached_tokens",
+                  "num_preemptions", "priority", "parked", "arrival_time", "finish_reason")
+_INDEX = REQUEST_FIELDS.index("index")
+_COMPUTED = REQUEST_FIELDS.index("num_computed_tokens")
+_OUTPUT = REQUEST_FIELDS.index("num_output_tokens")  # right after _COMPUTED (_only_progress)
+PIN_EVENTS = frozenset({"Pinned", "Unpinned", "AllBlocksCleared"})
+PIN_RESCAN_S = 5.0  # rescan pins this often even without a pin event (safety net)
+EVENT_MAX_BLOCKS = 32  # block ids kept per event on the wire and in the history
+_EVENT_FIELDS = tuple(f.name for f in fields(KVEvent))
+_BLOCK_ID = attrgetter("block_id")
+
+
+def _request_row(r) -> tuple:
+    return (r.request_id, r.index, r.job_id, r.status.value, len(r.prompt_token_ids),
+            r.num_computed_tokens, len(r.output_token_ids), r.num_cached_tokens or 0,
+            r.num_preemptions, r.priority, r.parked, r.arrival_time, r.finish_reason)
+
+
+@dataclass(slots=True)
+class PoolCapture:
+    num_blocks: int
+    tables: list[tuple[int, list, int]]  # (request index, the table list itself, its length now)
+    cached: dict  # a copy of the pool's hash -> block map
+    pinned: list[int] | None  # ids of pinned blocks; None: no pin changed since the last capture
+
+
+@dataclass(slots=True)
+class Capture:
+    ts: float
+    step: int
+    version: int  # engine.version when captured
+    requests: list[tuple]  # REQUEST_FIELDS rows, in snapshot order
+    gpu: PoolCapture
+    cpu: PoolCapture
+    eviction_order: list[int]
+    metrics: dict
+    events: list[KVEvent]  # taken from the engine since the last capture
+
+
+class Capturer:
+    """Takes captures on the loop thread; knows when pins must be rescanned (a full pass
+    over the pool, so only after a pin event or every PIN_RESCAN_S)."""
+
+    def __init__(self) -> None:
+        self._last_pin_scan = float("-inf")
+
+    def capture(self, engine: LLMEngine) -> Capture:
+        events = engine.take_events()
+        now = time.monotonic()
+        rescan = now - self._last_pin_scan >= PIN_RESCAN_S or any(
+            e.type in PIN_EVENTS for e in events)
+        if rescan:
+            self._last_pin_scan = now
+        sched, kv = engine.scheduler, engine.kv
+        live = sched.requests
+        rows = [_request_row(r) for r in live.values()]
+        rows += [_request_row(r) for r in sched.recently_finished if r.request_id not in live]
+        return Capture(
+            ts=time.time(), step=engine.step_count, version=engine.version, requests=rows,
+            gpu=_capture_pool(kv.gpu, kv.req_to_blocks, live, rescan),
+            cpu=_capture_pool(kv.cpu, kv.req_to_cpu_blocks, live, rescan),
+            eviction_order=kv.gpu.eviction_order(EVICTION_ORDER_LEN),
+            metrics=engine.metrics(), events=events)
+
+
+def _capture_pool(pool: BlockPool, tables: dict, live: dict, rescan_pins: bool) -> PoolCapture:
+    captured = [(live[rid].index, table, len(table)) for rid, table in tables.items()
+                if rid in live]
+    pinned = [b.block_id for b in pool.blocks if b.pinned] if rescan_pins else None
+    return PoolCapture(pool.num_blocks, captured, dict(pool.cached), pinned)
+
+
+def event_record(event: KVEvent) -> dict:
+    """An event as the page and the history keep it: block lists cut to
+    EVENT_MAX_BLOCKS entries, `num_blocks` telling how many there were."""
+    record = {name: getattr(event, name) for name in _EVENT_FIELDS}
+    num_blocks = len(event.block_ids)
+    record["num_blocks"] = num_blocks
+    if num_blocks > EVENT_MAX_BLOCKS:
+        for name in ("block_ids", "block_hashes", "ref_cnts"):
+            if isinstance(record.get(name), list):
+                record[name] = record[name][:EVENT_MAX_BLOCKS]
+    return record
+
+
+@dataclass(slots=True)
+class _Table:
+    source: list  # the engine's table list (kept to tell "grew" from "replaced")
+    length: int  # entries of source already converted
+    ids: np.ndarray  # block ids, int32
+
+
+class PoolMirror:
+    """Per-block arrays of one pool (format of engine.snapshot) and its block tables."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.state = np.zeros(num_blocks, dtype=np.uint8)
+        self.ref_cnt = np.zeros(num_blocks, dtype=np.int32)
+        self.owner = np.zeros(num_blocks, dtype=np.int32)  # first holder's request index
+        self.hash32 = np.zeros(num_blocks, dtype=np.uint32)
+        self.tables: dict[int, _Table] = {}  # request index -> its table, in capture order
+        self.pinned = np.zeros(0, dtype=np.int64)
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {"state": self.state, "ref_cnt": self.ref_cnt, "owner": self.owner,
+                "hash32": self.hash32}
+
+    def table_ids(self, index: int) -> list[int]:
+        table = self.tables.get(index)
+        return [] if table is None else table.ids.tolist()
+
+    def apply(self, cap: PoolCapture) -> tuple[dict | None, dict | None]:
+        """Take in a capture. Returns (changed blocks, table changes), None for no change."""
+        table_ops = self._apply_tables(cap.tables)
+        if cap.pinned is not None:
+            self.pinned = np.asarray(cap.pinned, dtype=np.int64)
+        state, ref_cnt, owner, hash32 = self._arrays(cap.cached)
+        changed = np.flatnonzero((state != self.state) | (ref_cnt != self.ref_cnt)
+                                 | (owner != self.owner) | (hash32 != self.hash32))
+        self.state, self.ref_cnt, self.owner, self.hash32 = state, ref_cnt, owner, hash32
+        if changed.size == 0:
+            return None, table_ops
+        blocks = {"ids": _gaps(changed.tolist()), "state": state[changed].tolist(),
+                  "ref_cnt": ref_cnt[changed].tolist(), "owner": owner[changed].tolist(),
+                  "hash32": hash32[changed].tolist()}
+        return blocks, table_ops
+
+    def _apply_tables(self, captured: list[tuple[int, list, int]]) -> dict | None:
+        appended, replaced = [], []
+        tables: dict[int, _Table] = {}
+        for index, source, length in captured:
+            old = self.tables.get(index)
+            if old is not None and old.source is source and length >= old.length:
+                if length > old.length:
+                    tail = np.fromiter(map(_BLOCK_ID, source[old.length:length]), np.int32,
+                                       length - old.length)
+                    appended.append([index, *tail.tolist()])
+                    old = _Table(source, length, np.concatenate([old.ids, tail]))
+                tables[index] = old
+                continue
+            ids = np.fromiter(map(_BLOCK_ID, source[:length]), np.int32, length)
+            tables[index] = _Table(source, length, ids)
+            if old is None or not np.array_equal(old.ids, ids):
+                replaced.append([index, *ids.tolist()])
+        replaced += [[index] for index in self.tables if index not in tables]
+        self.tables = tables
+        if not appended and not replaced:
+            return None
+        return {"append": appended, "set": replaced}
+
+    def _arrays(self, cached: dict) -> tuple[np.ndarray, ...]:
+        n = self.num_blocks
+        parts = [t.ids for t in self.tables.values()]
+        all_ids = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
+        holders = np.bincount(all_ids, minlength=n).astype(np.int32)
+        owner = np.zeros(n, dtype=np.int32)
+        for index, table in reversed(self.tables.items()):  # the first holder writes last
+            owner[table.ids] = index
+        hashed = np.zeros(n, dtype=bool)
+        hash32 = np.zeros(n, dtype=np.uint32)
+        if cached:
+            ids = np.fromiter(map(_BLOCK_ID, cached.values()), np.int64, len(cached))
+            digests = np.frombuffer(b"".join(cached), dtype=np.uint8).reshape(len(cached), -1)
+            hashed[ids] = True
+            hash32[ids] = np.ascontiguousarray(digests[:, :4]).view(">u4").ravel()
+        ref_cnt = holders
+        ref_cnt[self.pinned] += 1  # a pin holds one reference
+        state = np.where(ref_cnt > 0, USED, FREE).astype(np.uint8)
+        state[hashed & (ref_cnt == 0)] = CACHED
+        state[self.pinned] = PINNED
+        return state, ref_cnt, owner, hash32
+
+
+class KVMirror:
+    """All the dashboard knows about one engine, and the sequence number of its state."""
+
+    def __init__(self, engine: str, epoch: str, config: dict) -> None:
+        self.engine = engine
+        self.epoch = epoch  # changes when the worker restarts: clients then resync
+        self.config = config
+        self.seq = 0  # of the last delta; a snapshot carries the seq it is current at
+        self.ts = 0.0
+        self.step = 0
+        self.version = -1
+        self.gpu = PoolMirror(config["num_gpu_blocks"])
+        self.cpu = PoolMirror(config["num_cpu_blocks"])
+        self.requests: dict[int, tuple] = {}  # index -> REQUEST_FIELDS row, snapshot order
+        self.eviction_order: list[int] = []
+        self.metrics: dict = {}
+
+    def apply(self, cap: Capture) -> dict:
+        """Take in a capture; the delta from the previous state (seq incremented)."""
+        self.seq += 1
+        self.ts, self.step, self.version = cap.ts, cap.step, cap.version
+        delta: dict = {"type": "delta", "engine": self.engine, "epoch": self.epoch,
+                       "seq": self.seq, "ts": cap.ts, "step": cap.step}
+        tables = {}
+        for name, pool, pool_cap in (("gpu", self.gpu, cap.gpu), ("cpu", self.cpu, cap.cpu)):
+            blocks, ops = pool.apply(pool_cap)
+            if blocks is not None:
+                delta[name] = blocks
+            if ops is not None:
+                tables[name] = ops
+        if tables:
+            delta["tables"] = tables
+        requests = self._apply_requests(cap.requests)
+        if requests:
+            delta["requests"] = requests
+        if cap.eviction_order != self.eviction_order:
+            self.eviction_order = cap.eviction_order
+            delta["eviction_order"] = cap.eviction_order
+        self.metrics = cap.metrics
+        delta["metrics"] = cap.metrics
+        return delta
+
+    def _apply_requests(self, rows: list[tuple]) -> dict:
+        new = {row[_INDEX]: row for row in rows}
+        upsert, progress = [], []
+        for index, row in new.items():
+            old = self.requests.get(index)
+            if old == row:
+                continue
+            if old is not None and _only_progress(old, row):
+                progress.append((index, row[_COMPUTED] - old[_COMPUTED],
+                                 row[_OUTPUT] - old[_OUTPUT]))
+            else:
+                upsert.append(dict(zip(REQUEST_FIELDS, row)))
+        removed = [index for index in self.requests if index not in new]
+        self.requests = new
+        out: dict = {}
+        if upsert:
+            out["upsert"] = upsert
+        if removed:
+            out["removed"] = removed
+        if progress:
+            out["progress"] = _progress_columns(progress)
+        return out
+
+    def entry(self, row: tuple) -> dict:
+        entry = dict(zip(REQUEST_FIELDS, row))
+        entry["block_table"] = self.gpu.table_ids(row[_INDEX])
+        entry["cpu_block_table"] = self.cpu.table_ids(row[_INDEX])
+        return entry
+
+    def request_entry(self, request_id: str) -> dict | None:
+        for row in self.requests.values():
+            if row[0] == request_id:
+                return self.entry(row)
+        return None
+
+    def snapshot(self) -> dict:
+        """The whole state, as engine.snapshot(compact=True) has it (plus type/epoch)."""
+        return {
+            "type": "snapshot", "engine": self.engine, "epoch": self.epoch, "seq": self.seq,
+            "ts": self.ts, "step": self.step, "block_states": list(BLOCK_STATES),
+            "config": self.config,
+            "gpu": {k: encode_array(v, True) for k, v in self.gpu.arrays().items()},
+            "cpu": {k: encode_array(v, True) for k, v in self.cpu.arrays().items()},
+            "requests": [self.entry(row) for row in self.requests.values()],
+            "eviction_order": self.eviction_order,
+            "metrics": self.metrics,
+        }
+
+
+def _only_progress(old: tuple, new: tuple) -> bool:
+    """Nothing but the token counts changed (the common case, sent compactly)."""
+    return old[:_COMPUTED] == new[:_COMPUTED] and old[_OUTPUT + 1:] == new[_OUTPUT + 1:]
+
+
+def _progress_columns(progress: list[tuple[int, int, int]]) -> dict:
+    """Token counts that grew, as three columns: `index` gap-encoded (see _gaps),
+    `computed` and `output` as increments."""
+    progress.sort()
+    return {"index": _gaps([p[0] for p in progress]), "computed": [p[1] for p in progress],
+            "output": [p[2] for p in progress]}
+
+
+def _gaps(ascending: list[int]) -> list[int]:
+    """[5, 6, 7, 20] -> [5, 1, 1, 13]: runs of neighbours become runs of 1s, which
+    compress to almost nothing."""
+    out, prev = [], 0
+    for value in ascending:
+        out.append(value - prev)
+        prev = value
+    return out

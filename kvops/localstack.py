@@ -1,0 +1,123 @@
+"""A throwaway kvops deployment on this machine: daphne + engine workers (Celery) on a
+fresh SQLite file, driven over HTTP like any client. Tests, benchmarks and the load
+script use it; it talks to loopback only."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import requests
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Stack:
+    def __init__(self, workdir: Path, env: dict | None = None) -> None:
+        self.workdir = workdir
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.env = dict(os.environ,
+                        DATABASE_URL=f"sqlite:///{workdir / 'db.sqlite3'}",
+                        KVOPS_DATA_DIR=str(workdir), PYTHONUNBUFFERED="1",
+                        KVOPS_HEARTBEAT_S="0.5", KVOPS_CONTROL_TIMEOUT_S="5",
+                        DJANGO_SUPERUSER_USERNAME="admin", DJANGO_SUPERUSER_EMAIL="a@x.org",
+                        DJANGO_SUPERUSER_PASSWORD="admin-pass-123")
+        self.env.update(env or {})
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.tokens: dict[str, str] = {}
+
+    # --- processes -----------------------------------------------------------------
+    def manage(self, *args: str, env: dict | None = None) -> str:
+        out = subprocess.run([sys.executable, "manage.py", *args], cwd=REPO,
+                             env={**self.env, **(env or {})}, capture_output=True, text=True,
+                             timeout=120)
+        if out.returncode != 0:
+            raise RuntimeError(f"manage.py {' '.join(args)} failed:\n{out.stderr}")
+        return out.stdout.strip()
+
+    def _spawn(self, name: str, argv: list[str], env: dict | None = None) -> None:
+        log = open(self.workdir / f"{name}.log", "w")
+        self.procs[name] = subprocess.Popen(argv, cwd=REPO, env={**self.env, **(env or {})},
+                                            stdout=log, stderr=subprocess.STDOUT,
+                                            start_new_session=True)
+
+    def start_web(self) -> None:
+        self.manage("migrate", "-v0")
+        self.manage("createsuperuser", "--noinput")
+        self.manage("shell", "-c", "from django.contrib.auth.models import User; "
+                    "User.objects.create_user('alice', password='alice-pass-123')")
+        for user in ("admin", "alice"):
+            self.tokens[user] = self.manage("drf_create_token", user).split()[2]
+        self._spawn("web", [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p",
+                            str(self.port), "kvops.asgi:application"])
+        self.wait(lambda: requests.get(f"{self.url}/healthz", timeout=2).status_code == 200,
+                  "web server", 30)
+
+    def start_engine(self, name: str, **config: str | int) -> None:
+        env = {f"KVOPS_ENGINE_{k.upper()}": str(v) for k, v in config.items()}
+        self._spawn(f"engine-{name}", [sys.executable, "manage.py", "engine_worker", "--name",
+                                       name, "--threads", "24"], env)
+        self.wait(lambda: self.engine_alive(name), f"engine {name}", 120)
+
+    def engine_alive(self, name: str) -> bool:
+        r = requests.get(f"{self.url}/healthz", timeout=2)
+        return any(e["name"] == name and e["alive"] for e in r.json()["engines"])
+
+    def kill(self, name: str, sig: int = signal.SIGTERM) -> None:
+        proc = self.procs.pop(name)
+        os.killpg(proc.pid, sig)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(5)
+
+    def stop(self) -> None:
+        for name in list(self.procs):
+            self.kill(name)
+
+    def log(self, name: str) -> str:
+        return (self.workdir / f"{name}.log").read_text(errors="replace")
+
+    def wait(self, predicate, what: str, timeout_s: float) -> None:
+        deadline = time.time() + timeout_s
+        last = None
+        while time.time() < deadline:
+            try:
+                if predicate():
+                    return
+            except Exception as e:  # not up yet
+                last = e
+            for name, proc in self.procs.items():
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{name} exited early:\n{self.log(name)[-3000:]}")
+            time.sleep(0.2)
+        raise TimeoutError(f"{what} not ready after {timeout_s} s (last error: {last})")
+
+    # --- HTTP ----------------------------------------------------------------------
+    def api(self, method: str, path: str, user: str | None = "admin", **kw) -> requests.Response:
+        headers = kw.pop("headers", {})
+        if user is not None:
+            headers["Authorization"] = f"Token {self.tokens[user]}"
+        return requests.request(method, f"{self.url}{path}", headers=headers, timeout=60, **kw)
+
+    def wait_job(self, job_id: int, timeout_s: float = 60, user: str = "admin") -> dict:
+        result = {}
+
+        def done() -> bool:
+            result.update(self.api("GET", f"/api/jobs/{job_id}/", user=user).json())
+            return result["status"] in ("finished", "failed", "cancelled")
+
+        self.wait(done, f"job {job_id}", timeout_s)
+        return result

@@ -1,0 +1,64 @@
+"""Prefix-aware routing across two engine workers."""
+import os
+from pathlib import Path
+
+import redis
+
+import pytest
+
+from kvops.localstack import Stack
+
+SYSTEM_A = "System prompt A: answer in French, briefly. " * 3
+SYSTEM_B = "System prompt B: you are a careful code reviewer. " * 3
+
+
+@pytest.fixture(scope="module")
+def two_engines(tmp_path_factory):
+    s = Stack(Path(tmp_path_factory.mktemp("routing")), env={"KVOPS_ROUTING": "prefix"})
+    try:
+        s.start_web()
+        for name in ("east", "west"):
+            s.start_engine(name, simulate=1, num_gpu_blocks=256, block_size=16,
+                           max_num_seqs=8, simulate_step_ms=5)
+        yield s
+    finally:
+        s.stop()
+
+
+def submit(stack, prompt, **kw):
+    r = stack.api("POST", "/api/jobs/", json={"prompt": prompt, "max_tokens": 4, **kw})
+    assert r.status_code == 201, r.text
+    return stack.wait_job(r.json()["id"])
+
+
+def test_jobs_follow_their_cached_prefix(two_engines):
+    first = submit(two_engines, SYSTEM_A + "question 1")
+    home_a = first["engine"]
+    assert first["routing"]["policy"] == "prefix"
+    assert first["routing"]["reason"].startswith("no engine holds")
+    second = submit(two_engines, SYSTEM_A + "question 2")
+    assert second["engine"] == home_a
+    assert second["routing"]["cached_blocks"][home_a] >= len(SYSTEM_A) // 16
+    assert "longest cached prefix" in second["routing"]["reason"]
+    assert second["num_cached_tokens"] >= (len(SYSTEM_A) // 16) * 16
+    other = submit(two_engines, SYSTEM_B + "question 3")
+    assert other["routing"]["cached_blocks"] == {"east": 0, "west": 0}
+
+
+def test_a_named_engine_wins(two_engines):
+    job = submit(two_engines, SYSTEM_A + "question 4", engine="west")
+    assert job["engine"] == "west" and job["routing"]["policy"] == "requested"
+
+
+def test_evicted_prefixes_leave_the_index(two_engines):
+    first = submit(two_engines, SYSTEM_B + "again")
+    home = first["engine"]
+    r = two_engines.api("POST", f"/api/engines/{home}/prefix-cache/reset/")
+    assert r.status_code == 200
+
+    index = redis.Redis.from_url(os.environ["REDIS_URL"])
+    two_engines.wait(lambda: index.scard(f"kvops:prefix:{home}") == 0,
+                     "index emptied by the reset", 10)
+    again = submit(two_engines, SYSTEM_B + "after the reset")
+    assert again["routing"]["cached_blocks"][home] == 0
+    assert again["num_cached_tokens"] == 0  # only `home` ever held prompt B
