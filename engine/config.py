@@ -35,6 +35,7 @@ class EngineConfig:
     simulate: bool = False  # run the real scheduler/KV manager with a stand-in model
     vocab_size: int = 32000  # simulate only: the stand-in model's vocabulary
     simulate_step_ms: float = 0.0  # simulate only: wall time a step takes (GPU-like pacing)
+    simulate_token_us: float = 0.0  # simulate only: and this much more per computed token
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of device memory the engine may use
     kv_cache_memory_bytes: int | None = None  # CPU: bytes for the KV pool (None: 512 MiB)
     name: str = "default"  # engine name, shown in snapshots
@@ -62,6 +63,8 @@ class EngineConfig:
                f"attention_backend must be one of {ATTENTION_BACKENDS}")
         _check(self.vocab_size >= 2, "vocab_size must be >= 2")
         _check(0.0 <= self.simulate_step_ms <= 60_000, "simulate_step_ms must be in [0, 60000]")
+        _check(0.0 <= self.simulate_token_us <= 1_000_000,
+               "simulate_token_us must be in [0, 1000000]")
         _check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]")
         _check(self.max_pending_events >= 0, "max_pending_events must be >= 0")
         if self.preemption_mode == "swap" and self.num_cpu_blocks == 0:

@@ -34,7 +34,8 @@ def build_runner(config: EngineConfig) -> Runner:
         num_cpu = num_gpu // 2 if config.num_cpu_blocks is None else config.num_cpu_blocks
         runner = SimulatedRunner(num_gpu, num_cpu, config.block_size, config.vocab_size,
                                  config.max_model_len or SIMULATED_MAX_MODEL_LEN,
-                                 step_ms=config.simulate_step_ms)
+                                 step_ms=config.simulate_step_ms,
+                                 token_us=config.simulate_token_us)
         runner.tokenizer = SimTokenizer()
         return runner
     from engine.model_runner import ModelRunner  # imports torch: only for real models

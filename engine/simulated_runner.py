@@ -47,8 +47,12 @@ def reference_generate(token_ids: list[int], max_tokens: int, vocab_size: int) -
 
 class SimulatedRunner(Runner):
     def __init__(self, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int,
-                 vocab_size: int, max_model_len: int, step_ms: float = 0.0) -> None:
-        self.step_s = step_ms / 1000.0  # pacing: a step takes at least this long
+                 vocab_size: int, max_model_len: int, step_ms: float = 0.0,
+                 token_us: float = 0.0) -> None:
+        # Pacing: a step takes at least step_s + token_s per computed token, like a GPU
+        # whose prefill cost grows with the tokens (so prefix-cache hits save time).
+        self.step_s = step_ms / 1000.0
+        self.token_s = token_us / 1e6
         self.model_id = f"simulated-v1:vocab={vocab_size}"
         self.num_gpu_blocks = num_gpu_blocks
         self.num_cpu_blocks = num_cpu_blocks
@@ -67,8 +71,9 @@ class SimulatedRunner(Runner):
     def forward(self, out: SchedulerOutput) -> dict[str, int]:
         started = time.monotonic()
         sampled = self._forward(out)
-        if self.step_s:
-            time.sleep(max(0.0, self.step_s - (time.monotonic() - started)))
+        if self.step_s or self.token_s:
+            budget = self.step_s + self.token_s * out.num_batched_tokens
+            time.sleep(max(0.0, budget - (time.monotonic() - started)))
         return sampled
 
     def _forward(self, out: SchedulerOutput) -> dict[str, int]:

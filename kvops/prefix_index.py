@@ -72,3 +72,9 @@ def cached_prefix_blocks(engine_name: str, short_hashes: list[str]) -> int:
             break
         n += 1
     return n
+
+
+def expect(engine_name: str, short_hashes: list[str]) -> None:
+    """Add hashes a job routed to the engine is about to cache."""
+    if short_hashes:
+        live.redis_client().sadd(INDEX_KEY.format(engine=engine_name), *short_hashes)

@@ -27,9 +27,20 @@ def policy() -> str:
     return os.environ.get("KVOPS_ROUTING", "prefix")
 
 
+PENDING_KEY = "kvops:routing:pending:{engine}"
+
+
 def _load(engine: Engine) -> int:
+    """Tokens the engine holds or waits on (its last heartbeat) plus tokens routed to it
+    since (a burst of jobs must not all go to the engine that looked idle)."""
     m = engine.metrics or {}
-    return int(m.get("running_tokens", 0)) + int(m.get("waiting_tokens", 0))
+    pending = live.redis_client().get(PENDING_KEY.format(engine=engine.name))
+    return int(m.get("running_tokens", 0)) + int(m.get("waiting_tokens", 0)) + int(pending or 0)
+
+
+def reset_pending_load(engine_name: str) -> None:
+    """The engine's heartbeat now counts what was routed to it."""
+    live.redis_client().delete(PENDING_KEY.format(engine=engine_name))
 
 
 def choose_queue(job: Job) -> tuple[str, dict]:
@@ -49,16 +60,21 @@ def choose_queue(job: Job) -> tuple[str, dict]:
         chosen = engines[i % len(engines)]
         return engine_queue(chosen.name), {
             "policy": mode, "engine": chosen.name, "reason": f"turn {i} of {len(engines)} engines"}
-    cached = {}
+    cached, hashes = {}, {}
     for engine in engines:
-        hashes = _hasher.short_hashes(engine.config, job.prompt, job.messages)
-        cached[engine.name] = prefix_index.cached_prefix_blocks(engine.name, hashes)
+        hashes[engine.name] = _hasher.short_hashes(engine.config, job.prompt, job.messages)
+        cached[engine.name] = prefix_index.cached_prefix_blocks(engine.name, hashes[engine.name])
     load = {e.name: _load(e) for e in engines}
     chosen = min(engines, key=lambda e: (-cached[e.name], load[e.name], e.name))
     if cached[chosen.name]:
         reason = f"holds the longest cached prefix ({cached[chosen.name]} blocks)"
     else:
         reason = "no engine holds a prefix of it: least loaded"
+    # The chosen engine will hold this prefix once the job runs: say so now, so that jobs
+    # of the same burst follow it (the engine's next full index rewrite corrects this).
+    prefix_index.expect(chosen.name, hashes[chosen.name])
+    tokens = len(hashes[chosen.name]) * int(chosen.config.get("block_size") or 1)
+    live.redis_client().incrby(PENDING_KEY.format(engine=chosen.name), max(tokens, 1))
     return engine_queue(chosen.name), {
         "policy": "prefix", "engine": chosen.name, "reason": reason,
         "cached_blocks": cached, "load_tokens": load}

@@ -59,11 +59,13 @@ def _heartbeat(name: str) -> None:
     from django.db import connection
 
     from kvops import services
+    from kvops.routing import reset_pending_load
 
     while not _stop.wait(settings.KVOPS_HEARTBEAT_S):
         try:
             if _service is not None and _service.alive:
                 services.heartbeat(name, _service.latest_metrics)
+                reset_pending_load(name)
         except Exception as e:  # database briefly away: try again next beat
             log.warning("heartbeat failed: %s", e)
         finally:
