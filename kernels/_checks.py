@@ -83,6 +83,26 @@ def check_power_of_two(op: str, name: str, value: int) -> None:
         raise ValueError(f"{op}: {name} must be a power of two >= 1, got {value}")
 
 
+def check_block_mapping(op: str, block_mapping: torch.Tensor, num_src_blocks: int,
+                        num_dst_blocks: int) -> torch.Tensor:
+    """Validate an [n, 2] (src, dst) block mapping on the host: ids in range, no
+    destination twice (the copies run in parallel). Returns the mapping on the CPU."""
+    check_ndim(op, "block_mapping", block_mapping, 2, "[n, 2] of (src, dst) block ids")
+    check_dim_size(op, "block_mapping", block_mapping, 1, 2, "2 (src, dst)")
+    check_dtype(op, "block_mapping", block_mapping, INDEX_DTYPES)
+    mapping = block_mapping.cpu()
+    if mapping.shape[0] == 0:
+        return mapping
+    for column, name, limit in ((0, "src", num_src_blocks), (1, "dst", num_dst_blocks)):
+        ids = mapping[:, column]
+        if int(ids.min()) < 0 or int(ids.max()) >= limit:
+            raise ValueError(f"{op}: {name} block ids must be in 0..{limit - 1}, got {ids.tolist()}")
+    dests = mapping[:, 1].tolist()
+    if len(set(dests)) != len(dests):
+        raise ValueError(f"{op}: a destination block appears twice in block_mapping: {mapping.tolist()}")
+    return mapping
+
+
 def as_bits(t: torch.Tensor) -> torch.Tensor:
     """The same memory viewed as integers of the same width, for pure data movement.
 

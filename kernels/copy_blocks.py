@@ -31,17 +31,14 @@ def copy_blocks(kv_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
     checks.check_contiguous(_OP, "kv_cache", kv_cache, _KV_CACHE_LAYOUT)
     checks.check_triton_device(_OP, kv_cache)
     num_blocks = kv_cache.shape[2]
-    mapping = check_block_mapping(_OP, block_mapping, num_blocks, num_blocks)
+    mapping = checks.check_block_mapping(_OP, block_mapping, num_blocks, num_blocks)
     if mapping.shape[0] == 0:
         return
-    pairs = mapping.tolist()
-    sources, dests = {p[0] for p in pairs}, [p[1] for p in pairs]
-    if len(set(dests)) != len(dests):
-        raise ValueError(f"{_OP}: a destination block appears twice in block_mapping: {pairs}")
-    if sources & set(dests):
+    both = set(mapping[:, 0].tolist()) & set(mapping[:, 1].tolist())
+    if both:
         raise ValueError(
-            f"{_OP}: blocks {sorted(sources & set(dests))} are both a source and a destination; "
-            "split the mapping into two calls"
+            f"{_OP}: blocks {sorted(both)} are both a source and a destination; pairs run in "
+            "parallel, so split the mapping into two calls"
         )
     mapping = mapping.to(device=kv_cache.device, dtype=torch.int64).contiguous()
     num_layers = kv_cache.shape[0]
@@ -50,21 +47,3 @@ def copy_blocks(kv_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
     kernel[(mapping.shape[0], num_layers * 2)](
         checks.as_bits(kv_cache), mapping, num_blocks * block_numel, block_numel, CHUNK=_CHUNK,
     )
-
-
-def check_block_mapping(op: str, block_mapping: torch.Tensor, num_src_blocks: int,
-                        num_dst_blocks: int) -> torch.Tensor:
-    """Validate an [n, 2] (src, dst) mapping on the host; returns it on the CPU."""
-    checks.check_ndim(op, "block_mapping", block_mapping, 2, "[n, 2] of (src, dst) block ids")
-    checks.check_dim_size(op, "block_mapping", block_mapping, 1, 2, "2 (src, dst)")
-    checks.check_dtype(op, "block_mapping", block_mapping, checks.INDEX_DTYPES)
-    mapping = block_mapping.cpu()
-    if mapping.shape[0] == 0:
-        return mapping
-    for column, name, limit in ((0, "src", num_src_blocks), (1, "dst", num_dst_blocks)):
-        ids = mapping[:, column]
-        if int(ids.min()) < 0 or int(ids.max()) >= limit:
-            raise ValueError(
-                f"{op}: {name} block ids must be in 0..{limit - 1}, got {ids.tolist()}"
-            )
-    return mapping

@@ -9,6 +9,22 @@ import triton.language as tl
 
 
 @triton.jit
+def _find_sequence(query_start_loc_ptr, num_seqs, tile_id, BLOCK_Q: tl.constexpr):
+    """The sequence owning query tile `tile_id`: sequence s's tiles are numbered from
+    query_start_loc[s] // BLOCK_Q + s, so binary-search the last s whose first tile id
+    is <= tile_id."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= tile_id:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
 def paged_attention_kernel(
     out_ptr,  # [num_tokens, num_q_heads, head_dim], contiguous (used when NUM_SPLITS == 1)
     part_acc_ptr,  # [num_tokens, num_q_heads, NUM_SPLITS, head_dim] fp32 (NUM_SPLITS > 1)
@@ -43,17 +59,7 @@ def paged_attention_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
-    # Binary search: the last sequence whose first tile id is <= tile_id.
-    lo: tl.int32 = 0
-    hi: tl.int32 = num_seqs
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= tile_id:
-            lo = mid + 1
-        else:
-            hi = mid
-    seq = lo - 1
-
+    seq = _find_sequence(query_start_loc_ptr, num_seqs, tile_id, BLOCK_Q)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     tile_q0 = (tile_id - (q_start // BLOCK_Q + seq)) * BLOCK_Q  # first token of the tile in its chunk

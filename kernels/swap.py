@@ -11,7 +11,6 @@ from __future__ import annotations
 import torch
 
 from kernels import _checks as checks
-from kernels.copy_blocks import check_block_mapping
 
 _OP = "swap_blocks"
 _KV_CACHE_LAYOUT = "[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]"
@@ -37,13 +36,10 @@ def swap_blocks(src_cache: torch.Tensor, dst_cache: torch.Tensor, block_mapping:
             "must match in every dimension but num_blocks (dim 2)"
         )
     checks.check_same_dtype(_OP, ("src_cache", "dst_cache"), (src_cache, dst_cache))
-    mapping = check_block_mapping(_OP, block_mapping, src_cache.shape[_BLOCK_DIM],
-                                  dst_cache.shape[_BLOCK_DIM])
+    mapping = checks.check_block_mapping(_OP, block_mapping, src_cache.shape[_BLOCK_DIM],
+                                         dst_cache.shape[_BLOCK_DIM])
     if mapping.shape[0] == 0:
         return
-    dests = mapping[:, 1].tolist()
-    if len(set(dests)) != len(dests):
-        raise ValueError(f"{_OP}: a destination block appears twice in block_mapping: {mapping.tolist()}")
 
     src_ids = mapping[:, 0].to(device=src_cache.device, dtype=torch.int64)
     dst_ids = mapping[:, 1].to(device=dst_cache.device, dtype=torch.int64)
