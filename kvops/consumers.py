@@ -172,9 +172,10 @@ class EngineConsumer(_Consumer):
         self.level = message["level"]
         if self.level == "summary":
             await self.join(live.engine_summary_group(self.name))
-            return
-        await self.join(live.engine_group(self.name))
-        await self._ask_snapshot()
+        else:
+            await self.join(live.engine_group(self.name))
+            await self._ask_snapshot()
+        await self.send_json({"type": "subscribed", "level": self.level})
 
     async def on_resync(self, message: dict) -> None:
         if self.level != "full":

@@ -1,0 +1,241 @@
+"""Websocket consumers against the real channel layer (the tests' private Redis) and an
+in-process engine publisher: who may connect, what clients may say, snapshot then
+deltas in sequence, resync after a gap, history, job streams."""
+import asyncio
+import json
+import time
+import uuid
+
+import pytest
+from channels.routing import URLRouter
+from channels.testing import WebsocketCommunicator
+from django.contrib.auth.models import AnonymousUser, User
+
+from engine import SamplingParams
+from kvops import live
+from kvops.consumers import CLOSE_NOT_FOUND, CLOSE_NOT_LOGGED_IN
+from kvops.models import Engine, Job
+from kvops.publisher import EnginePublisher, decode
+from kvops.ws_routing import websocket_urlpatterns
+from tests.dashboard.churn import Churn, churn_engine
+from tests.dashboard.live_client import ARRAYS, LiveState, SequenceGap
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.asyncio]
+APP = URLRouter(websocket_urlpatterns)
+
+
+@pytest.fixture
+def users():
+    return (User.objects.create_user("op", is_staff=True), User.objects.create_user("alice"),
+            User.objects.create_user("bob"))
+
+
+@pytest.fixture
+def engine_setup():
+    """A simulated engine registered under a fresh name, with its publisher running."""
+    name = f"t{uuid.uuid4().hex[:8]}"
+    engine = churn_engine(name=name)
+    Engine.objects.create(name=name, worker=f"engine-{name}@test", status="ready",
+                          config=engine.describe_config())
+    publisher = EnginePublisher(name, interval_s=0.0)
+    churn = Churn(engine, seed=3)
+    for _ in range(20):
+        churn()
+    publisher(engine)
+    wait_for(lambda: publisher.mirror.seq >= 1, "first capture")
+    yield name, engine, publisher, churn
+    publisher.close()
+
+
+def wait_for(predicate, what: str, timeout_s: float = 10) -> None:
+    deadline = time.time() + timeout_s
+    while not predicate():
+        if time.time() > deadline:
+            raise TimeoutError(what)
+        time.sleep(0.01)
+
+
+async def connect(path: str, user) -> tuple[WebsocketCommunicator, bool, int | None]:
+    comm = WebsocketCommunicator(APP, path)
+    comm.scope["user"] = user
+    ok, code = await comm.connect(timeout=5)
+    return comm, ok, code
+
+
+async def receive(comm: WebsocketCommunicator, timeout: float = 5) -> dict:
+    out = await comm.receive_output(timeout)
+    assert out["type"] == "websocket.send", out
+    if out.get("bytes") is not None:
+        return {**decode(out["bytes"]), "_binary": True}
+    return json.loads(out["text"])
+
+
+async def receive_type(comm, kind: str, timeout: float = 5) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        message = await receive(comm, max(0.1, deadline - time.monotonic()))
+        if message["type"] == kind:
+            return message
+
+
+async def settle(publisher: EnginePublisher, engine) -> int:
+    """Let the publisher catch up with the engine; the seq of its last delta."""
+    publisher(engine)
+    await asyncio.to_thread(wait_for, lambda: publisher.mirror.version == engine.version
+                            and publisher._pending is None, "publisher caught up")
+    await asyncio.sleep(0.05)
+    return publisher.mirror.seq
+
+
+def assert_matches_engine(client: LiveState, engine) -> None:
+    truth = LiveState(engine.snapshot(compact=True) | {"seq": client.seq, "epoch": client.epoch})
+    for pool in ("gpu", "cpu"):
+        for k in ARRAYS:
+            assert (client.arrays(pool)[k] == truth.arrays(pool)[k]).all(), (pool, k)
+    assert client.request_list() == truth.request_list()
+
+
+async def test_anonymous_users_are_refused(users, engine_setup):
+    name = engine_setup[0]
+    for path in (f"/ws/engines/{name}/", "/ws/jobs/1/"):
+        comm, ok, code = await connect(path, AnonymousUser())
+        assert not ok and code == CLOSE_NOT_LOGGED_IN
+
+
+async def test_unknown_engines_and_jobs_are_refused(users):
+    op, alice, bob = users
+    comm, ok, code = await connect("/ws/engines/nope/", op)
+    assert not ok and code == CLOSE_NOT_FOUND
+    job = await asyncio.to_thread(lambda: Job.objects.create(owner=alice, prompt="x"))
+    comm, ok, code = await connect(f"/ws/jobs/{job.pk}/", bob)  # not his
+    assert not ok and code == CLOSE_NOT_FOUND
+    comm, ok, code = await connect(f"/ws/jobs/{job.pk + 1000}/", op)
+    assert not ok and code == CLOSE_NOT_FOUND
+
+
+@pytest.mark.parametrize("raw, says", [
+    ("not json", "JSON object"), ("[1]", "JSON object"), ('{"type": "explode"}', "unknown message"),
+    ('{"type": "subscribe"}', "`level` is required"),
+    ('{"type": "subscribe", "level": "all"}', "full, summary"),
+    ('{"type": "subscribe", "level": "full", "x": 1}', "unknown field"),
+    ('{"type": "history", "what": "events", "count": 0}', "[1, 1000]"),
+    ('{"type": "history", "what": "events", "count": true}', "[1, 1000]"),
+    ('{"type": "resync"}', "subscribe to level `full` first"),
+    ('{"type": "ping", "pad": "' + "x" * 2000 + '"}', "at most"),
+])
+async def test_client_messages_are_checked(users, engine_setup, raw, says):
+    comm, ok, _ = await connect(f"/ws/engines/{engine_setup[0]}/", users[0])
+    assert ok
+    assert (await receive(comm))["type"] == "hello"
+    await comm.send_to(text_data=raw)
+    error = await receive(comm)
+    assert error["type"] == "error" and says in error["message"], error
+    await comm.send_to(bytes_data=b"\x00")
+    assert "text frames" in (await receive(comm))["message"]
+    await comm.send_json_to({"type": "ping"})
+    assert (await receive(comm))["type"] == "pong"  # still connected and answering
+    await comm.disconnect()
+
+
+async def test_snapshot_then_deltas_in_sequence_then_resync_after_a_gap(users, engine_setup):
+    name, engine, publisher, churn = engine_setup
+    comm, ok, _ = await connect(f"/ws/engines/{name}/", users[1])  # any logged-in user
+    assert ok
+    hello = await receive(comm)
+    assert hello["engine"] == name and hello["operator"] is False
+    await comm.send_json_to({"type": "subscribe", "level": "full"})
+    snapshot = await receive_type(comm, "snapshot")
+    assert snapshot["_binary"] and snapshot["engine"] == name
+    client = LiveState(snapshot)
+    seqs = []
+    for _ in range(25):
+        churn()
+        await settle(publisher, engine)
+        delta = await receive(comm)
+        if delta["seq"] <= client.seq:
+            continue  # sent before the snapshot was taken
+        client.apply(delta)
+        seqs.append(delta["seq"])
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs))) and len(seqs) >= 20
+    assert_matches_engine(client, engine)
+
+    churn()
+    await settle(publisher, engine)
+    lost = await receive(comm)  # the network "loses" this one
+    churn()
+    await settle(publisher, engine)
+    with pytest.raises(SequenceGap):
+        client.apply(await receive(comm))
+    await comm.send_json_to({"type": "resync"})
+    snapshot = await receive_type(comm, "snapshot")
+    assert snapshot["seq"] > lost["seq"]
+    client = LiveState(snapshot)
+    for _ in range(5):
+        churn()
+        final = await settle(publisher, engine)
+    while client.seq < final:
+        delta = await receive(comm)
+        if delta["seq"] > client.seq:
+            client.apply(delta)
+    assert_matches_engine(client, engine)
+    await comm.disconnect()
+
+
+async def test_event_history_and_summary(users, engine_setup):
+    name, engine, publisher, churn = engine_setup
+    comm, ok, _ = await connect(f"/ws/engines/{name}/", users[0])
+    await receive(comm)
+    await comm.send_json_to({"type": "history", "what": "events", "count": 50})
+    history = await receive_type(comm, "history")
+    assert history["what"] == "events" and 0 < len(history["items"]) <= 50
+    assert {"type", "step", "ts", "block_ids", "num_blocks"} <= set(history["items"][0])
+    await comm.send_json_to({"type": "subscribe", "level": "summary"})
+    assert (await receive_type(comm, "subscribed"))["level"] == "summary"
+    churn()
+    publisher._due["summary"] = 0  # the next capture sends one
+    await settle(publisher, engine)
+    summary = await receive_type(comm, "summary")
+    assert summary["engine"] == name and "kv_usage" in summary["metrics"]
+    await comm.send_json_to({"type": "history", "what": "metrics", "count": 10})
+    metrics = await receive_type(comm, "history")
+    assert metrics["items"] and "kv_usage" in metrics["items"][-1]
+    await comm.disconnect()
+
+
+async def test_a_stopped_engine_serves_its_stored_snapshot_marked_stale(users, monkeypatch):
+    name = f"gone{uuid.uuid4().hex[:6]}"
+    await asyncio.to_thread(lambda: Engine.objects.create(name=name, worker="w", status="dead"))
+    engine = churn_engine(name=name)
+    await asyncio.to_thread(live.store_snapshot, name, engine.snapshot(compact=True))
+    monkeypatch.setattr("kvops.consumers.SNAPSHOT_WAIT_S", 0.2)
+    comm, ok, _ = await connect(f"/ws/engines/{name}/", users[0])
+    assert (await receive(comm))["alive"] is False
+    await comm.send_json_to({"type": "subscribe", "level": "full"})
+    snapshot = await receive_type(comm, "snapshot")
+    assert snapshot["stale"] is True and snapshot["engine"] == name
+    await comm.disconnect()
+
+
+async def test_job_stream_and_block_table(users, engine_setup):
+    name, engine, publisher, churn = engine_setup
+    op, alice, bob = users
+    engine.add_request("job-7-1", list(range(30)), SamplingParams(max_tokens=200), job_id="7")
+    job = await asyncio.to_thread(lambda: Job.objects.create(
+        owner=alice, prompt="x", engine=name, request_id="job-7-1", status="running"))
+    comm, ok, _ = await connect(f"/ws/jobs/{job.pk}/", alice)
+    assert ok
+    first = await receive(comm)
+    assert first["type"] == "job" and first["status"] == "running"
+    live.publish_job_update(job.pk, {"status": "running", "text": "hello", "finished": False,
+                                     "engine": name, "request_id": "job-7-1"})
+    update = await receive(comm)
+    assert update["type"] == "job" and update["text"] == "hello"
+    engine.step()
+    await settle(publisher, engine)
+    await comm.send_json_to({"type": "blocks"})
+    blocks = await receive_type(comm, "blocks")
+    assert blocks["request_id"] == "job-7-1" and blocks["block_size"] == 4
+    assert blocks["request"]["block_table"] == engine.kv.block_ids("job-7-1") != []
+    await comm.send_json_to({"type": "blocks"})  # too soon after the last
+    assert "too many" in (await receive(comm))["message"]
+    await comm.disconnect()

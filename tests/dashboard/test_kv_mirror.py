@@ -1,0 +1,82 @@
+"""The mirror the publisher keeps equals engine.snapshot(), and its deltas rebuild it."""
+import numpy as np
+
+from engine import SamplingParams
+from engine.snapshot import decode_array
+from kvops.kv_mirror import Capturer, KVMirror, event_record
+from tests.dashboard.churn import Churn, churn_engine
+from tests.dashboard.live_client import ARRAYS, LiveState
+
+
+def same_state(snapshot: dict, engine_snapshot: dict) -> None:
+    for pool in ("gpu", "cpu"):
+        for k in ARRAYS:
+            ours, theirs = decode_array(snapshot[pool][k]), decode_array(engine_snapshot[pool][k])
+            assert ours.dtype == theirs.dtype, (pool, k)
+            assert np.array_equal(ours, theirs), (pool, k, np.flatnonzero(ours != theirs)[:10])
+    assert snapshot["requests"] == engine_snapshot["requests"]
+    assert snapshot["eviction_order"] == engine_snapshot["eviction_order"]
+    assert snapshot["block_states"] == engine_snapshot["block_states"]
+
+
+def test_mirror_snapshot_equals_engine_snapshot_through_churn():
+    engine = churn_engine()
+    churn, capturer = Churn(engine, seed=1), Capturer()
+    mirror = KVMirror("t", "epoch", engine.describe_config())
+    for i in range(400):
+        churn()
+        if i % 3 == 0:
+            mirror.apply(capturer.capture(engine))
+            same_state(mirror.snapshot(), engine.snapshot(compact=True))
+    # the walk went through everything the dashboard draws
+    assert {"add", "preempt", "swap_out", "swap_in", "pin", "unpin", "evict"} <= churn.seen
+
+
+def test_deltas_applied_to_a_snapshot_rebuild_the_state():
+    engine = churn_engine(num_gpu_blocks=64, block_size=8)
+    churn, capturer = Churn(engine, seed=2), Capturer()
+    mirror = KVMirror("t", "epoch", engine.describe_config())
+    for _ in range(30):
+        churn()
+    mirror.apply(capturer.capture(engine))
+    client = LiveState(mirror.snapshot())
+    for i in range(300):
+        churn()
+        if i % 2 == 0 or i == 299:
+            client.apply(mirror.apply(capturer.capture(engine)))
+    expected = LiveState(engine.snapshot(compact=True) | {"seq": client.seq, "epoch": "epoch"})
+    for pool in ("gpu", "cpu"):
+        for k in ARRAYS:
+            assert np.array_equal(client.arrays(pool)[k], expected.arrays(pool)[k]), (pool, k)
+    assert client.request_list() == expected.request_list()
+    assert client.eviction_order == expected.eviction_order
+
+
+def test_a_delta_lists_only_what_changed():
+    engine = churn_engine()
+    capturer = Capturer()
+    mirror = KVMirror("t", "epoch", engine.describe_config())
+    mirror.apply(capturer.capture(engine))
+    quiet = mirror.apply(capturer.capture(engine))
+    assert set(quiet) == {"type", "engine", "epoch", "seq", "ts", "step", "metrics"}
+    engine.add_request("a", list(range(10)), SamplingParams(max_tokens=30))
+    engine.step()
+    delta = mirror.apply(capturer.capture(engine))
+    assert [r["request_id"] for r in delta["requests"]["upsert"]] == ["a"]
+    assert delta["tables"]["gpu"]["set"] == [[1, 0, 1, 2]]  # 10 tokens + room: 3 blocks of 4
+    assert delta["gpu"]["ids"] == [0, 1, 1]  # gap-encoded 0, 1, 2
+    for _ in range(2):
+        engine.step()
+    delta = mirror.apply(capturer.capture(engine))
+    assert "upsert" not in delta["requests"]
+    assert delta["requests"]["progress"] == {"index": [1], "computed": [2], "output": [2]}
+
+
+def test_event_records_cut_long_block_lists():
+    engine = churn_engine(block_size=1, num_gpu_blocks=128, max_num_batched_tokens=128)
+    engine.add_request("long", list(range(80)), SamplingParams(max_tokens=1))
+    engine.step()
+    stored = [e for e in engine.take_events() if e.type == "BlockStored"]
+    record = event_record(stored[0])
+    assert record["num_blocks"] == len(stored[0].block_ids) > 32
+    assert len(record["block_ids"]) == len(record["block_hashes"]) == 32
