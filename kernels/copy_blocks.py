@@ -29,7 +29,6 @@ def copy_blocks(kv_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
     checks.check_ndim(_OP, "kv_cache", kv_cache, 6, _KV_CACHE_LAYOUT)
     checks.check_dim_size(_OP, "kv_cache", kv_cache, 1, 2, "2 (K and V)")
     checks.check_contiguous(_OP, "kv_cache", kv_cache, _KV_CACHE_LAYOUT)
-    checks.check_triton_device(_OP, kv_cache)
     num_blocks = kv_cache.shape[2]
     mapping = checks.check_block_mapping(_OP, block_mapping, num_blocks, num_blocks)
     if mapping.shape[0] == 0:
@@ -40,6 +39,7 @@ def copy_blocks(kv_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
             f"{_OP}: blocks {sorted(both)} are both a source and a destination; pairs run in "
             "parallel, so split the mapping into two calls"
         )
+    checks.check_triton_device(_OP, kv_cache)
     mapping = mapping.to(device=kv_cache.device, dtype=torch.int64).contiguous()
     num_layers = kv_cache.shape[0]
     block_numel = kv_cache[0, 0, 0].numel()

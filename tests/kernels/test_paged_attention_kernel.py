@@ -86,6 +86,13 @@ def test_long_decodes_split_kv(num_q_heads: int, num_kv_heads: int, num_splits: 
     check_against_reference(batch, num_splits=num_splits)
 
 
+def test_group_wider_than_a_16_row_tile(device: str) -> None:
+    """32 query heads per KV head: a tile is one token of the whole group (block_q 1)."""
+    batch = build([(40, 1), (23, 5)], 32, 1, 16, 16, torch.float32, device, seed=13)
+    check_against_reference(batch)
+    check_against_reference(batch, num_splits=2)
+
+
 @pytest.mark.parametrize("seq_len", [1, 7, 33, 100, 130])
 def test_single_sequence_prefill_and_decode(seq_len: int, device: str) -> None:
     prefill = build([(seq_len, seq_len)], 6, 2, 16, 8, torch.float32, device, seed=seq_len)
@@ -140,7 +147,7 @@ def test_auto_split_choice() -> None:
     assert choose_num_splits(num_q_tiles=256, num_kv_heads=8, max_seq_len=32768, num_sms=132) == 1
 
 
-def test_launch_config_groups_query_heads_and_respects_forced_splits() -> None:
+def test_launch_plan_groups_query_heads_and_respects_forced_splits() -> None:
     decode = choose_launch_plan(4, 4, 32, 8, 128, torch.bfloat16, 8192, 1, 132, None)
     assert decode.group_pad == 4 and decode.block_m == 16
     assert decode.num_splits > 1
@@ -148,6 +155,12 @@ def test_launch_config_groups_query_heads_and_respects_forced_splits() -> None:
     assert prefill.block_m == 64 and prefill.num_splits == 1
     forced = choose_launch_plan(4, 4, 9, 3, 64, torch.float32, 100, 1, 132, 7)
     assert forced.num_splits == 7 and forced.group_pad == 4
+    # 32 query heads per KV head: one tile holds one token's whole group
+    wide_group = choose_launch_plan(4, 4, 32, 1, 64, torch.bfloat16, 100, 1, 132, None)
+    assert wide_group.block_q == 1 and wide_group.block_m == 32
+    # head_dim 256 keeps 16-row tiles even for prefill (a 64-row accumulator spills)
+    big_head = choose_launch_plan(512, 1, 8, 8, 256, torch.bfloat16, 512, 512, 132, None)
+    assert big_head.block_m == 16
 
 
 def test_reference_matches_sdpa_on_contiguous_data() -> None:
