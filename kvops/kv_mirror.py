@@ -37,7 +37,7 @@ _COMPUTED = REQUEST_FIELDS.index("num_computed_tokens")
 _OUTPUT = REQUEST_FIELDS.index("num_output_tokens")  # right after _COMPUTED (_only_progress)
 PIN_EVENTS = frozenset({"Pinned", "Unpinned", "AllBlocksCleared"})
 PIN_RESCAN_S = 5.0  # rescan pins this often even without a pin event (safety net)
-EVENT_MAX_BLOCKS = 32  # block ids kept per event on the wire and in the history
+EVENT_MAX_BLOCKS = 16  # block ids kept per event on the wire and in the history
 _EVENT_FIELDS = tuple(f.name for f in fields(KVEvent))
 _BLOCK_ID = attrgetter("block_id")
 
@@ -186,22 +186,40 @@ class PoolMirror:
         parts = [t.ids for t in self.tables.values()]
         all_ids = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
         holders = np.bincount(all_ids, minlength=n).astype(np.int32)
-        owner = np.zeros(n, dtype=np.int32)
-        for index, table in reversed(self.tables.items()):  # the first holder writes last
-            owner[table.ids] = index
+        owner = self._owners(all_ids, parts, holders)
         hashed = np.zeros(n, dtype=bool)
         hash32 = np.zeros(n, dtype=np.uint32)
         if cached:
             ids = np.fromiter(map(_BLOCK_ID, cached.values()), np.int64, len(cached))
-            digests = np.frombuffer(b"".join(cached), dtype=np.uint8).reshape(len(cached), -1)
+            size = len(next(iter(cached)))
+            digests = np.fromiter(cached, dtype=f"S{size}", count=len(cached))
             hashed[ids] = True
-            hash32[ids] = np.ascontiguousarray(digests[:, :4]).view(">u4").ravel()
+            hash32[ids] = np.ascontiguousarray(
+                digests.view(np.uint8).reshape(len(cached), size)[:, :4]).view(">u4").ravel()
         ref_cnt = holders
         ref_cnt[self.pinned] += 1  # a pin holds one reference
         state = np.where(ref_cnt > 0, USED, FREE).astype(np.uint8)
         state[hashed & (ref_cnt == 0)] = CACHED
         state[self.pinned] = PINNED
         return state, ref_cnt, owner, hash32
+
+    def _owners(self, all_ids: np.ndarray, parts: list[np.ndarray],
+                holders: np.ndarray) -> np.ndarray:
+        """Each block's first holder (request index) in table order, 0 for none."""
+        owner = np.zeros(self.num_blocks, dtype=np.int32)
+        if not all_ids.size:
+            return owner
+        lengths = np.fromiter((len(p) for p in parts), np.int64, len(parts))
+        owners = np.repeat(np.fromiter(self.tables, np.int32, len(self.tables)), lengths)
+        owner[all_ids] = owners  # exact where one request holds the block
+        shared = np.flatnonzero(holders[all_ids] > 1)  # the rest: first in table order
+        if shared.size:
+            order = np.argsort(all_ids[shared], kind="stable")
+            ids = all_ids[shared][order]
+            first = np.ones(ids.size, dtype=bool)
+            first[1:] = ids[1:] != ids[:-1]
+            owner[ids[first]] = owners[shared[order[first]]]
+        return owner
 
 
 class KVMirror:

@@ -28,12 +28,12 @@ from kvops.kv_mirror import Capture, Capturer, KVMirror, event_record
 log = logging.getLogger(__name__)
 
 NOISY_EVENTS = frozenset({"BlockStored", "BlockRemoved", "BlockEvicted"})
-WIRE_MAX_EVENTS = 50  # events in one delta: every other kind first, then the latest noisy ones
-WIRE_MAX_NOISY = 8
-WIRE_MAX_BLOCKS = 8  # block ids per event in a delta (the history keeps more)
+WIRE_MAX_EVENTS = 50  # events kept per publish: every kind but churn, up to this many,
+WIRE_MAX_NOISY = 8  # and the latest of the block churn
 # Redis history lengths (approximate, streams are trimmed lazily); settings may override.
 EVENT_HISTORY = 10_000  # KV events per engine
 METRICS_HISTORY = 3_600  # metrics points per engine (one a second: an hour)
+STORE_SHARE = 0.02  # of wall time, for the REST snapshot (2 MB of JSON at 65,536 blocks)
 QUERY_POLL_S = 0.1  # how often the thread looks for consumers' queries when idle
 
 
@@ -50,19 +50,19 @@ def decode(data: bytes) -> dict:
     return json.loads(zlib.decompress(data))
 
 
-def wire_events(records: list[dict]) -> list[dict]:
-    """The events a delta carries: all but block churn (up to WIRE_MAX_EVENTS), then the
-    latest churn events; block lists cut short. The full list goes to the history."""
-    notable = [r for r in records if r["type"] not in NOISY_EVENTS][-WIRE_MAX_EVENTS:]
-    noisy = [r for r in records if r["type"] in NOISY_EVENTS][-WIRE_MAX_NOISY:]
-    out = []
-    for record in sorted(notable + noisy, key=lambda r: r["ts"]):
-        if record["num_blocks"] > WIRE_MAX_BLOCKS:
-            record = {**record, **{k: record[k][:WIRE_MAX_BLOCKS] for k in
-                                   ("block_ids", "block_hashes", "ref_cnts")
-                                   if isinstance(record.get(k), list)}}
-        out.append(record)
-    return out
+def select_events(events: list) -> tuple[list, dict[str, int]]:
+    """The events worth a line in the log: every kind but block churn (up to
+    WIRE_MAX_EVENTS), and the latest WIRE_MAX_NOISY churn events; with the count of each
+    kind among all of them. Under load the engine emits hundreds of BlockStored a tick:
+    nobody reads them one by one, and keeping them all would cost the engine's time."""
+    counts: dict[str, int] = {}
+    notable, noisy = [], []
+    for event in events:
+        counts[event.type] = counts.get(event.type, 0) + 1
+        (noisy if event.type in NOISY_EVENTS else notable).append(event)
+    kept = notable[-WIRE_MAX_EVENTS:] + noisy[-WIRE_MAX_NOISY:]
+    kept.sort(key=lambda e: e.ts)
+    return kept, counts
 
 
 @dataclass(slots=True)
@@ -154,11 +154,12 @@ class EnginePublisher:
     def _publish(self, capture: Capture) -> None:
         started = time.perf_counter()
         delta = self.mirror.apply(capture)
-        records = [event_record(e) for e in capture.events]
+        kept, counts = select_events(capture.events)
+        records = [event_record(e) for e in kept]
         live.append_events(self.name, records, _setting("KVOPS_EVENT_HISTORY", EVENT_HISTORY))
         if delta["seq"] > 1:  # the first one has no base: clients start from a snapshot
-            delta["events"] = wire_events(records)
-            delta["num_events"] = len(records)
+            delta["events"] = records
+            delta["event_counts"] = counts
             data = encode(delta)
             live.group_send_wait(live.engine_group(self.name),
                                  {"type": "engine.delta", "seq": delta["seq"], "data": data})
@@ -199,13 +200,15 @@ class EnginePublisher:
                     "request_id": query.get("request_id"), "request": entry})
 
     def _store_snapshot(self) -> None:
-        """The latest full snapshot for GET /api/engines/<name>/, at most once a second."""
+        """The latest full snapshot for GET /api/engines/<name>/: once a second, or less
+        often when building it takes long (at most STORE_SHARE of this thread's time)."""
         now = time.monotonic()
         if now < self._due["store"] or self.mirror.seq == self._stored_seq:
             return
-        self._due["store"] = now + self.store_interval_s
         self._stored_seq = self.mirror.seq
         live.store_snapshot(self.name, self.mirror.snapshot())
+        took = time.monotonic() - now
+        self._due["store"] = now + max(self.store_interval_s, took / STORE_SHARE)
 
 
 # The worker registered the REST snapshot keeper under this name; the live publisher

@@ -3,7 +3,7 @@ import numpy as np
 
 from engine import SamplingParams
 from engine.snapshot import decode_array
-from kvops.kv_mirror import Capturer, KVMirror, event_record
+from kvops.kv_mirror import EVENT_MAX_BLOCKS, Capturer, KVMirror, event_record
 from tests.dashboard.churn import Churn, churn_engine
 from tests.dashboard.live_client import ARRAYS, LiveState
 
@@ -78,5 +78,5 @@ def test_event_records_cut_long_block_lists():
     engine.step()
     stored = [e for e in engine.take_events() if e.type == "BlockStored"]
     record = event_record(stored[0])
-    assert record["num_blocks"] == len(stored[0].block_ids) > 32
-    assert len(record["block_ids"]) == len(record["block_hashes"]) == 32
+    assert record["num_blocks"] == len(stored[0].block_ids) > EVENT_MAX_BLOCKS
+    assert len(record["block_ids"]) == len(record["block_hashes"]) == EVENT_MAX_BLOCKS
