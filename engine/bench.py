@@ -1,0 +1,199 @@
+"""Throughput benchmark: one workload through kvops and through transformers
+`generate` (static batches, left padding) in the same process, on the same weights.
+
+    python -m engine.bench [--model PATH] [--num-requests 32] [--hf-batch-sizes 8,32]
+
+Workload: prompts of uniform random length in [16, 256] (random token ids), outputs of
+uniform random length in [16, 128], greedy, ignore_eos; then the same prompts behind a
+shared 200-token system prompt. "Useful" tokens and FLOPs are the ones the requests
+asked for: padding, tokens generated past a request's own length, and prefill skipped
+by the prefix cache do not count. The FLOP rate is compared with a large float32
+torch.mm measured on the spot.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.model import ModelArgs
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    name: str
+    prompts: list[list[int]]
+    output_lens: list[int]
+    shared_prefix_len: int = 0
+
+    @property
+    def useful_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts) + sum(self.output_lens)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+
+@dataclass(slots=True)
+class Result:
+    system: str
+    seconds: float
+    flops: float  # useful FLOPs this system had to compute
+    note: str = ""
+
+
+def make_workloads(num_requests: int, vocab_size: int, seed: int,
+                   system_prompt_len: int = 200) -> list[Workload]:
+    rng = random.Random(seed)
+    low = min(100, vocab_size // 2)  # skip the special tokens at the start of the vocab
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(low, vocab_size) for _ in range(n)]
+
+    prompts = [tokens(rng.randint(16, 256)) for _ in range(num_requests)]
+    output_lens = [rng.randint(16, 128) for _ in range(num_requests)]
+    system = tokens(system_prompt_len)
+    return [Workload("plain", prompts, output_lens),
+            Workload(f"{system_prompt_len}-token shared system prompt",
+                     [system + p for p in prompts], output_lens, system_prompt_len)]
+
+
+def useful_flops(args: ModelArgs, w: Workload, cached: list[int] | None = None) -> float:
+    """Matmul FLOPs of the tokens the requests need: 2 x weights per token fed, the
+    attention of each token over its context, and the LM head for each sampled token.
+    cached[i]: prompt tokens of request i served from the prefix cache (not computed)."""
+    d, hd = args.dim, args.head_dim
+    per_layer = d * (args.n_heads + 2 * args.n_kv_heads) * hd + args.n_heads * hd * d \
+        + 3 * d * args.intermediate_size
+    total = 0.0
+    for i, (prompt, out_len) in enumerate(zip(w.prompts, w.output_lens)):
+        skip = cached[i] if cached else 0
+        fed = len(prompt) + out_len - 1  # the last sampled token is never fed back
+        # the token at position p attends to p + 1 keys
+        attended = fed * (fed + 1) / 2 - skip * (skip + 1) / 2
+        total += 2 * per_layer * args.n_layers * (fed - skip)
+        total += 4 * args.n_heads * hd * args.n_layers * attended
+        total += 2 * d * args.vocab_size * out_len
+    return total
+
+
+def matmul_rate(n: int = 4096, repeats: int = 3) -> float:
+    """FLOP/s of one large float32 torch.mm (best of a few)."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - t)
+    return 2 * n ** 3 / best
+
+
+def run_kvops(engine: LLMEngine, w: Workload) -> Result:
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in w.output_lens]
+    before = engine.metrics()
+    t = time.perf_counter()
+    outs = engine.generate(w.prompts, params)
+    seconds = time.perf_counter() - t
+    after = engine.metrics()
+    assert [len(o.output_token_ids) for o in outs] == w.output_lens
+    note = f"{after['num_steps'] - before['num_steps']} steps"
+    cached = [o.num_cached_tokens for o in outs]
+    if w.shared_prefix_len:
+        bs = engine.config.block_size
+        full = w.shared_prefix_len // bs * bs
+        ideal = full * (len(w.prompts) - 1)
+        note += (f"; prefill skipped by the prefix cache: {sum(cached)} tokens (shared full "
+                 f"blocks: {full} tokens x {len(w.prompts) - 1} requests = {ideal})")
+    flops = useful_flops(engine.runner.folder.args, w, cached)
+    return Result("kvops", seconds, flops, note)
+
+
+def run_hf(model, w: Workload, batch_size: int) -> float:
+    """Static batches in arrival order, left-padded; each batch runs to its longest output."""
+    t = time.perf_counter()
+    with torch.inference_mode():
+        for i in range(0, len(w.prompts), batch_size):
+            prompts, lens = w.prompts[i:i + batch_size], w.output_lens[i:i + batch_size]
+            width = max(len(p) for p in prompts)
+            ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(lens),
+                           do_sample=False, pad_token_id=0)
+    return time.perf_counter() - t
+
+
+def load_hf(path: str):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # ignore_eos, as the kvops requests
+    return model
+
+
+def print_table(w: Workload, results: list[Result], peak: float) -> None:
+    print(f"\nworkload: {w.name}: {len(w.prompts)} requests, "
+          f"{sum(len(p) for p in w.prompts)} prompt + {w.output_tokens} output tokens")
+    header = (f"{'system':<26}{'seconds':>9}{'out tok/s':>11}{'all tok/s':>11}"
+              f"{'GFLOP/s':>9}{'% mm':>7}  notes")
+    print(header)
+    print("-" * len(header))
+    for r in results:
+        print(f"{r.system:<26}{r.seconds:>9.2f}{w.output_tokens / r.seconds:>11.1f}"
+              f"{w.useful_tokens / r.seconds:>11.1f}{r.flops / r.seconds / 1e9:>9.1f}"
+              f"{100 * r.flops / r.seconds / peak:>6.0f}%  {r.note}")
+    hf = [r for r in results if r.system.startswith("transformers")]
+    if hf and results[0].system == "kvops":
+        best = min(hf, key=lambda r: r.seconds)
+        print(f"kvops / best transformers ({best.system}): "
+              f"{best.seconds / results[0].seconds:.2f}x useful tokens/s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="kvops vs transformers throughput")
+    p.add_argument("--model", default=None, help="HF folder (default: the converted default model)")
+    p.add_argument("--num-requests", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--system-prompt-len", type=int, default=200)
+    p.add_argument("--hf-batch-sizes", default="8,32",
+                   help="static batch sizes for transformers, comma-separated ('' skips it)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    engine = LLMEngine(EngineConfig(model=args.model, device="cpu", dtype="float32",
+                                    block_size=args.block_size,
+                                    max_num_batched_tokens=args.max_num_batched_tokens))
+    model_args = engine.runner.folder.args
+    workloads = make_workloads(args.num_requests, model_args.vocab_size, args.seed,
+                               args.system_prompt_len)
+    peak = matmul_rate()
+    print(f"model {engine.runner.model_id}, {torch.get_num_threads()} threads; "
+          f"float32 torch.mm 4096^3: {peak / 1e9:.0f} GFLOP/s")
+    hf_sizes = [int(b) for b in args.hf_batch_sizes.split(",") if b.strip()]
+    hf_model = load_hf(str(engine.runner.folder.path)) if hf_sizes else None
+    warm_prompts = workloads[0].prompts[:4]
+    warm = Workload("warm-up", warm_prompts, [4] * len(warm_prompts))
+    run_kvops(engine, warm)
+    if hf_model is not None:
+        run_hf(hf_model, warm, 4)
+    for w in workloads:
+        engine.reset_prefix_cache()
+        results = [run_kvops(engine, w)]
+        for b in hf_sizes:
+            results.append(Result(f"transformers (batch {b})", run_hf(hf_model, w, b),
+                                  useful_flops(model_args, w)))
+        print_table(w, results, peak)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,34 @@
+"""The Triton attention backend (kernels.reshape_and_cache + kernels.paged_attention)
+inside the real model: greedy output equals transformers'. Without a GPU it runs in
+Triton's CPU interpreter, which is slow: one small case."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Before triton is first imported: triton.language's helpers are built for one mode.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from engine import SamplingParams
+from tests.engine.test_model_parity import make_engine
+from tests.models.fixtures import tiny_model, tiny_root  # noqa: F401 (fixtures)
+from tests.models.tiny import SPECS, hf_greedy, random_prompts
+
+pytest.importorskip("triton", reason="the triton package is not installed")
+
+
+def test_triton_backend_matches_transformers(tiny_model):
+    folder = tiny_model("gqa16")
+    prompts = random_prompts(SPECS["gqa16"].vocab_size, [7, 13], seed=9)
+    engine = make_engine(folder, attention_backend="triton", max_num_batched_tokens=16,
+                         device="cuda" if torch.cuda.is_available() else "cpu")
+    assert engine.runner.attention.name == "triton"
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    prefix_hit = engine.generate(prompts[:1], params)  # then a prompt sharing its blocks
+    outs = engine.generate(prompts + [prompts[0] + [5, 6]], params)
+    expected = hf_greedy(folder, prompts + [prompts[0] + [5, 6]], 5)
+    assert [o.output_token_ids for o in prefix_hit + outs] == expected[:1] + expected
+    assert outs[2].num_cached_tokens >= 4

@@ -1,0 +1,32 @@
+"""The command-line tools run end to end on a tiny model (their output, not their speed)."""
+from __future__ import annotations
+
+from engine import bench, generate
+from tests.models.fixtures import tiny_model, tiny_root  # noqa: F401 (fixtures)
+from tests.models.tiny import SPECS, hf_greedy
+
+
+def test_generate_streams_the_greedy_text(tiny_model, capsys):
+    folder = tiny_model("gqa16")
+    assert generate.main(["--model", str(folder), "--prompt", "w5 w6 w7", "--raw",
+                          "--max-tokens", "6", "--device", "cpu"]) == 0
+    out = capsys.readouterr()
+    expected = hf_greedy(folder, [[5, 6, 7]], 6)[0]
+    if 2 in expected:  # the tiny model may well sample its EOS
+        expected = expected[:expected.index(2)]
+    assert out.out.strip() == " ".join(f"w{t}" for t in expected)
+    assert "tok/s" in out.err
+
+
+def test_generate_reports_a_bad_model(tmp_path, capsys):
+    assert generate.main(["--model", str(tmp_path / "none"), "--prompt", "hi"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_bench_prints_both_tables(tiny_model, capsys):
+    assert bench.main(["--model", str(tiny_model("gqa16")), "--num-requests", "3",
+                       "--hf-batch-sizes", "2", "--system-prompt-len", "40"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("kvops / best transformers (transformers (batch 2))") == 2
+    assert "prefill skipped by the prefix cache" in out
+    assert SPECS["gqa16"].name in out

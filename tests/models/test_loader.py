@@ -1,0 +1,148 @@
+"""Loading HF folders: what works (sharded weights, tied embeddings, Qwen2 biases) and
+the typed errors for what does not."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from engine import EngineConfig, EngineError, LLMEngine, SamplingParams
+from engine.attention import AttentionBackendError
+from engine.loader import ModelLoadError, read_model_folder
+from engine.model_runner import resolve_model_path
+from kernels._triton import interpreting
+from tests.models.fixtures import tiny_model, tiny_root  # noqa: F401 (fixtures)
+from tests.models.tiny import SPECS, hf_greedy, random_prompts
+
+
+def engine_for(folder, **kw) -> LLMEngine:
+    cfg = dict(model=str(folder), device="cpu", dtype="float32", attention_backend="torch",
+               num_gpu_blocks=32)
+    cfg.update(kw)
+    return LLMEngine(EngineConfig(**cfg))
+
+
+def copy_of(tiny_model, tmp_path, name="gqa16"):
+    dst = tmp_path / name
+    shutil.copytree(tiny_model(name), dst)
+    return dst
+
+
+def edit_config(folder, **changes) -> None:
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    config.update(changes)
+    path.write_text(json.dumps(config))
+
+
+def test_sharded_weights_load(tiny_model, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    src = tiny_model("gqa16")
+    folder = tmp_path / "sharded"
+    AutoModelForCausalLM.from_pretrained(src).save_pretrained(folder, max_shard_size="20KB")
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / f, folder / f)
+    assert (folder / "model.safetensors.index.json").is_file()
+    assert len(read_model_folder(folder).weight_files) > 1
+    prompts = random_prompts(SPECS["gqa16"].vocab_size, [9], seed=3)
+    out = engine_for(folder).generate(prompts, SamplingParams(max_tokens=6, temperature=0.0,
+                                                              ignore_eos=True))
+    assert out[0].output_token_ids == hf_greedy(src, prompts, 6)[0]
+
+
+def test_runner_attributes(tiny_model):
+    engine = engine_for(tiny_model("mha32"), num_cpu_blocks=None)
+    r = engine.runner
+    assert (r.device, r.dtype, r.vocab_size, r.max_model_len) == ("cpu", "float32", 307, 512)
+    assert (r.num_gpu_blocks, r.num_cpu_blocks) == (32, 16)
+    assert r.model_id.startswith("mha32:") and r.model_id.endswith(":float32")
+    assert r.tokenizer.eos_token_id == 2
+    assert tuple(r.kv_cache.shape) == (2, 2, 32, 16, 2, 32)
+
+
+def test_model_id_changes_with_dtype_and_config(tiny_model, tmp_path):
+    folder = copy_of(tiny_model, tmp_path)
+    a = engine_for(folder).runner.model_id
+    assert engine_for(folder, dtype="bfloat16").runner.model_id != a
+    edit_config(folder, rms_norm_eps=1e-5)
+    assert engine_for(folder).runner.model_id != a
+
+
+def test_kv_pool_sized_from_memory_on_cpu(tiny_model):
+    engine = engine_for(tiny_model("gqa16"), num_gpu_blocks=None, kv_cache_memory_bytes=1 << 20)
+    block_bytes = 2 * 2 * 16 * 2 * 16 * 4  # layers x K/V x block_size x kv heads x head_dim x 4 B
+    assert engine.runner.num_gpu_blocks == (1 << 20) // block_bytes
+
+
+def test_bfloat16_runs_on_cpu(tiny_model):
+    engine = engine_for(tiny_model("gqa16"), dtype="bfloat16")
+    out = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0.0))
+    assert len(out[0].output_token_ids) >= 1 and engine.runner.kv_cache.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"model_type": "gpt2"}, "model_type 'gpt2' is not supported"),
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}},
+     "rope type 'yarn' is not supported"),
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 2.0}},
+     "needs low_freq_factor"),
+    ({"num_attention_heads": 3}, "multiple of n_kv_heads"),
+    ({"hidden_size": 80}, "has shape"),
+])
+def test_config_errors(tiny_model, tmp_path, change, match):
+    folder = copy_of(tiny_model, tmp_path)
+    edit_config(folder, **change)
+    with pytest.raises(ModelLoadError, match=match):
+        engine_for(folder)
+
+
+@pytest.mark.parametrize("missing,match", [
+    ("config.json", "missing config.json"),
+    ("model.safetensors", "no \\*.safetensors weights"),
+    ("tokenizer.json", "missing tokenizer.json"),
+])
+def test_missing_files(tiny_model, tmp_path, missing, match):
+    folder = copy_of(tiny_model, tmp_path)
+    (folder / missing).unlink()
+    with pytest.raises(ModelLoadError, match=match):
+        engine_for(folder)
+
+
+def test_missing_weight_is_named(tiny_model, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folder = copy_of(tiny_model, tmp_path)
+    weights = load_file(folder / "model.safetensors")
+    del weights["model.layers.1.mlp.up_proj.weight"]
+    save_file(weights, folder / "model.safetensors")
+    with pytest.raises(ModelLoadError, match="model.layers.1.mlp.up_proj.weight"):
+        engine_for(folder)
+
+
+def test_unsupported_device_settings(tiny_model):
+    folder = tiny_model("gqa16")
+    with pytest.raises(ModelLoadError, match="float16.*not supported on CPU"):
+        engine_for(folder, dtype="float16")
+    with pytest.raises(ModelLoadError, match="max_model_len=1000 exceeds"):
+        engine_for(folder, max_model_len=1000)
+    if not torch.cuda.is_available():
+        with pytest.raises(ModelLoadError, match="no CUDA device"):
+            engine_for(folder, device="cuda")
+        if not interpreting():  # tests/kernels may have set TRITON_INTERPRET=1
+            with pytest.raises(AttentionBackendError, match="needs a CUDA device"):
+                engine_for(folder, attention_backend="triton")
+
+
+def test_errors_are_engine_errors(tmp_path):
+    with pytest.raises(EngineError, match="does not exist"):
+        engine_for(tmp_path / "nope")
+
+
+def test_default_model_missing_says_make_setup(monkeypatch, tmp_path):
+    monkeypatch.setenv("KVOPS_DATA_DIR", str(tmp_path))
+    with pytest.raises(ModelLoadError, match="make setup"):
+        resolve_model_path(None)
