@@ -10,7 +10,10 @@ from channels.auth import AuthMiddlewareStack  # noqa: E402
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
 
+from kvops import reaper  # noqa: E402
 from kvops.ws_routing import websocket_urlpatterns  # noqa: E402
+
+reaper.start()
 
 application = ProtocolTypeRouter({
     "http": django_asgi_app,

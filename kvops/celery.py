@@ -4,6 +4,8 @@ import os
 
 from celery import Celery
 
+from kvops.broker import broker_url
+
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "kvops.settings")
 
 app = Celery("kvops")
@@ -11,6 +13,7 @@ app.config_from_object("django.conf:settings", namespace="CELERY")
 
 _job_timeout = int(os.environ.get("KVOPS_JOB_TIMEOUT_S", 3600))
 app.conf.update(
+    broker_url=broker_url(os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")),
     # A GPU job is long and expensive: take one at a time, acknowledge it only when it
     # is done, and hand it back if the worker process dies under it.
     task_acks_late=True,

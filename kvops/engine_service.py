@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import queue
 import threading
 import time
@@ -142,6 +143,23 @@ OPERATOR_COMMANDS: dict[str, Callable[[LLMEngine, dict], Any]] = {
 }
 
 
+def _inject_fault(engine: LLMEngine, arguments: dict) -> dict:
+    """Test hook: the next forward pass raises (enabled by KVOPS_ENGINE_FAULT_INJECTION=1)."""
+    runner = engine.runner
+    original = runner.forward
+
+    def failing(out):
+        runner.forward = original
+        raise RuntimeError("injected fault (KVOPS_ENGINE_FAULT_INJECTION test hook)")
+
+    runner.forward = failing
+    return {"armed": True}
+
+
+if os.environ.get("KVOPS_ENGINE_FAULT_INJECTION") == "1":
+    OPERATOR_COMMANDS["inject-fault"] = _inject_fault
+
+
 def _abort_result(output: RequestOutput) -> dict:
     return {"request_id": output.request_id, "status": "aborted",
             "num_output_tokens": len(output.output_token_ids)}
@@ -177,6 +195,7 @@ def _parse_field(name: str, type_name: str, raw: str) -> Any:
 class EngineService:
     def __init__(self, config: EngineConfig, engine: LLMEngine | None = None) -> None:
         self.name = config.name
+        self.instance = ""  # set by the worker when it registers (Engine.instance)
         self.engine = engine or LLMEngine(config)
         self.latest_metrics: dict = self.engine.metrics()  # refreshed by the loop thread
         self._commands: queue.Queue[tuple[Callable[[], Any], Future]] = queue.Queue()

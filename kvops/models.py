@@ -12,6 +12,8 @@ class Engine(models.Model):
 
     name = models.CharField(max_length=64, unique=True)
     worker = models.CharField(max_length=255, help_text="Celery hostname, e.g. engine-a@host")
+    instance = models.CharField(max_length=64, blank=True,
+                                help_text="id of the running worker process; new at each start")
     host = models.CharField(max_length=255, blank=True)
     config = models.JSONField(default=dict, blank=True)
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.STARTING)
@@ -50,6 +52,8 @@ class Job(models.Model):
     priority = models.IntegerField(default=0)
     requested_engine = models.CharField(max_length=64, blank=True)
     engine = models.CharField(max_length=64, blank=True, help_text="engine that ran it")
+    engine_instance = models.CharField(max_length=64, blank=True,
+                                       help_text="worker process that runs it (Engine.instance)")
     routing = models.JSONField(default=dict, blank=True, help_text="why it went where it went")
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.QUEUED,
                               db_index=True)

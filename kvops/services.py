@@ -89,29 +89,44 @@ def job_payload(job: Job) -> dict:
 
 
 # --- jobs, worker side ------------------------------------------------------------------
-def claim_job(job_id: int, engine: str, task_id: str) -> Job | None:
-    """Mark a job running on this engine. None if it must not run (ended, cancelled).
-    A job whose worker died is claimed again and runs again from its prompt."""
+MAX_ATTEMPTS = 3  # a job whose workers keep dying is failed, not retried forever
+
+
+def claim_job(job_id: int, engine: str, instance: str, task_id: str) -> Job | None:
+    """Mark a job running on this worker. None if this delivery must not run it: the job
+    ended or was cancelled, or the delivery is stale (the job was re-dispatched under a
+    new task id, or it runs on a live worker already). A job whose worker died runs again
+    from its prompt."""
     with transaction.atomic():
         job = Job.objects.select_for_update().filter(pk=job_id).first()
         if job is None or job.is_terminal:
+            return None
+        if task_id and job.celery_task_id and task_id != job.celery_task_id:
+            return None
+        if job.status == Job.Status.RUNNING and job.engine_instance in live_instances():
             return None
         if job.cancel_requested:
             _end(job, Job.Status.CANCELLED, error="cancelled before it started")
             job.save(update_fields=END_FIELDS)
             _publish_job(job)
             return None
+        if job.attempts >= MAX_ATTEMPTS:
+            _end(job, Job.Status.FAILED, error=f"gave up after {job.attempts} attempts: the "
+                                               "workers running it stopped each time")
+            job.save(update_fields=END_FIELDS)
+            _publish_job(job)
+            return None
         job.attempts += 1
         job.status = Job.Status.RUNNING
         job.engine = engine
-        job.celery_task_id = task_id or job.celery_task_id
+        job.engine_instance = instance
         job.request_id = f"job-{job.pk}-{job.attempts}"
         job.started_at = timezone.now()
         job.first_token_at = None
         job.output_text, job.output_token_ids, job.finish_reason, job.error = "", [], "", ""
         job.num_output_tokens = job.num_cached_tokens = job.num_preemptions = 0
         job.save(update_fields=[
-            "attempts", "status", "engine", "celery_task_id", "request_id", "started_at",
+            "attempts", "status", "engine", "engine_instance", "request_id", "started_at",
             "first_token_at", "output_text", "output_token_ids", "finish_reason", "error",
             "num_output_tokens", "num_cached_tokens", "num_preemptions"])
     _publish_job(job)
@@ -180,35 +195,78 @@ def fail_job(job_id: int, error: str) -> None:
     _publish_job(job)
 
 
-def reap_jobs_of_dead_engines() -> list[int]:
-    """Jobs still `running` on an engine whose heartbeat stopped: put them back in the
-    queue if they may run again, else fail them. Returns the ids touched."""
-    dead_after = timedelta(seconds=settings.KVOPS_ENGINE_DEAD_AFTER_S)
-    cutoff = timezone.now() - dead_after
-    dead = list(Engine.objects.filter(last_heartbeat__lt=cutoff)
-                .exclude(status=Engine.Status.DEAD).values_list("name", flat=True))
-    Engine.objects.filter(name__in=dead).update(status=Engine.Status.DEAD)
-    dead_names = set(Engine.objects.filter(status=Engine.Status.DEAD).values_list("name", flat=True))
+def live_instances() -> set[str]:
+    """Worker processes whose heartbeat is fresh."""
+    cutoff = timezone.now() - timedelta(seconds=settings.KVOPS_ENGINE_DEAD_AFTER_S)
+    return set(Engine.objects.filter(status=Engine.Status.READY, last_heartbeat__gte=cutoff)
+               .values_list("instance", flat=True))
+
+
+def requeue_job(job_id: int, reason: str) -> bool:
+    """Put a job back in the queue to run again from its prompt (new task id, routed
+    again). A job that named its engine fails instead: it cannot move elsewhere."""
+    with transaction.atomic():
+        job = Job.objects.select_for_update().filter(pk=job_id).first()
+        if job is None or job.is_terminal:
+            return False
+        if job.requested_engine:
+            _end(job, Job.Status.FAILED, error=f"{reason}; the job named that engine")
+            job.save(update_fields=END_FIELDS)
+            transaction.on_commit(lambda: _publish_job(job))
+            return True
+        log.warning("requeueing job %s: %s", job.pk, reason)
+        job.status = Job.Status.QUEUED
+        job.engine = job.engine_instance = job.request_id = ""
+        job.error = f"requeued: {reason}"
+        job.save(update_fields=["status", "engine", "engine_instance", "request_id", "error"])
+        transaction.on_commit(lambda: dispatch_job(job.pk))
+    return True
+
+
+def reap() -> list[int]:
+    """Find jobs nobody will finish and move them on. Running jobs whose worker process
+    is gone (heartbeat stopped, or the engine restarted) run again elsewhere; queued jobs
+    routed to a dead engine are routed again. Returns the ids touched."""
+    cutoff = timezone.now() - timedelta(seconds=settings.KVOPS_ENGINE_DEAD_AFTER_S)
+    Engine.objects.filter(status=Engine.Status.READY, last_heartbeat__lt=cutoff) \
+        .update(status=Engine.Status.DEAD)
+    alive = live_instances()
+    dead_names = set(Engine.objects.exclude(status=Engine.Status.READY)
+                     .values_list("name", flat=True))
     touched = []
-    for job in Job.objects.filter(status=Job.Status.RUNNING, engine__in=dead_names):
-        fail_job(job.pk, f"engine {job.engine} stopped answering (no heartbeat for "
-                         f"{settings.KVOPS_ENGINE_DEAD_AFTER_S:.0f} s)")
-        touched.append(job.pk)
+    for job in Job.objects.filter(status=Job.Status.RUNNING).exclude(engine_instance__in=alive):
+        if requeue_job(job.pk, f"engine {job.engine or '?'} stopped while running it"):
+            touched.append(job.pk)
+    for job in Job.objects.filter(status=Job.Status.QUEUED, queued_at__lt=cutoff):
+        target = (job.routing or {}).get("engine")
+        if target in dead_names and requeue_job(job.pk, f"engine {target} is not running"):
+            touched.append(job.pk)
     return touched
 
 
+def redispatch_queued(reason: str) -> int:
+    """Send every queued job again (the broker lost its messages, e.g. Redis restarted).
+    Stale deliveries are ignored by claim_job, so a job still in the broker runs once."""
+    n = 0
+    for job_id in Job.objects.filter(status=Job.Status.QUEUED).values_list("pk", flat=True):
+        log.warning("re-dispatching job %s: %s", job_id, reason)
+        dispatch_job(job_id)
+        n += 1
+    return n
+
+
 # --- engines --------------------------------------------------------------------------------
-def register_engine(name: str, worker: str, host: str, config: dict) -> Engine:
+def register_engine(name: str, worker: str, host: str, instance: str, config: dict) -> Engine:
     now = timezone.now()
     engine, _ = Engine.objects.update_or_create(name=name, defaults={
-        "worker": worker, "host": host, "config": config, "status": Engine.Status.READY,
-        "started_at": now, "last_heartbeat": now})
+        "worker": worker, "host": host, "instance": instance, "config": config,
+        "status": Engine.Status.READY, "started_at": now, "last_heartbeat": now})
     return engine
 
 
-def heartbeat(name: str, metrics: dict) -> None:
-    Engine.objects.filter(name=name).update(last_heartbeat=timezone.now(), metrics=metrics,
-                                            status=Engine.Status.READY)
+def heartbeat(name: str, instance: str, metrics: dict) -> None:
+    Engine.objects.filter(name=name, instance=instance).update(
+        last_heartbeat=timezone.now(), metrics=metrics, status=Engine.Status.READY)
 
 
 def mark_engine_stopped(name: str) -> None:

@@ -124,8 +124,7 @@ SPECTACULAR_SETTINGS = {
     "COMPONENT_SPLIT_REQUEST": True,
 }
 
-# Celery (see kvops/celery.py for the engine-worker settings).
-CELERY_BROKER_URL = REDIS_URL
+# Celery: see kvops/celery.py (its broker is REDIS_URL through kvops/broker.py).
 CELERY_RESULT_BACKEND = None
 KVOPS_JOB_TIMEOUT_S = int(os.environ.get("KVOPS_JOB_TIMEOUT_S", 3600))
 KVOPS_CONTROL_TIMEOUT_S = float(os.environ.get("KVOPS_CONTROL_TIMEOUT_S", 5))

@@ -20,7 +20,7 @@ PROGRESS_INTERVAL_S = 0.1  # coalesce token updates to at most 10 per second per
 def run_job(self, job_id: int) -> str:
     """Run one job on this worker's engine, streaming progress, until it ends."""
     service = get_engine_service()
-    job = services.claim_job(job_id, service.name, self.request.id or "")
+    job = services.claim_job(job_id, service.name, service.instance, self.request.id or "")
     if job is None:
         return "skipped"
     try:

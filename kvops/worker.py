@@ -12,6 +12,7 @@ import os
 import socket
 import threading
 import time
+import uuid
 
 from celery import signals
 from celery.worker.control import control_command
@@ -49,12 +50,16 @@ def _start_engine(sender=None, **kwargs) -> None:
     _service.add_hook(_service.call(lambda engine: PrefixIndexPublisher(config.name, engine)))
     hostname = getattr(sender, "hostname", None) or f"engine-{config.name}@{socket.gethostname()}"
     describe = _service.call(lambda engine: engine.describe_config())
-    services.register_engine(config.name, hostname, socket.gethostname(), describe)
-    threading.Thread(target=_heartbeat, args=(config.name,), name="kvops-heartbeat",
-                     daemon=True).start()
+    _service.instance = uuid.uuid4().hex
+    services.register_engine(config.name, hostname, socket.gethostname(), _service.instance,
+                             describe)
+    # Jobs a previous run of this engine left `running` will never finish: move them on.
+    services.reap()
+    threading.Thread(target=_heartbeat, args=(config.name, _service.instance),
+                     name="kvops-heartbeat", daemon=True).start()
 
 
-def _heartbeat(name: str) -> None:
+def _heartbeat(name: str, instance: str) -> None:
     from django.conf import settings
     from django.db import connection
 
@@ -64,7 +69,7 @@ def _heartbeat(name: str) -> None:
     while not _stop.wait(settings.KVOPS_HEARTBEAT_S):
         try:
             if _service is not None and _service.alive:
-                services.heartbeat(name, _service.latest_metrics)
+                services.heartbeat(name, instance, _service.latest_metrics)
                 reset_pending_load(name)
         except Exception as e:  # database briefly away: try again next beat
             log.warning("heartbeat failed: %s", e)
