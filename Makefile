@@ -6,17 +6,22 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-done
 export KVOPS_DATA_DIR ?= $(CURDIR)/data
 
-.PHONY: setup test run bench clean
+.PHONY: setup setup-python setup-system test run clean
 
-setup: $(STAMP)
+setup: setup-python setup-system
 
-# Re-run the install only when the dependency list changes.
+# The virtualenv; re-installed only when the dependency list changes.
+setup-python: $(STAMP)
+
+# Debian packages used outside the virtualenv (redis-server, chromium); skips what is there.
+setup-system:
+	bash scripts/system-packages.sh
+
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH"; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[test]'
-	bash scripts/system-packages.sh
 	touch $(STAMP)
 
 test: setup
