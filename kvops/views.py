@@ -4,31 +4,47 @@ from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, render
 
 from kvops import selectors
-from kvops.models import Engine
+from kvops.models import Engine, Job
+
+ACTIONS_SHOWN = 200
 
 
 @login_required
 def overview(request: HttpRequest) -> HttpResponse:
-    return render(request, "kvops/overview.html", {"engines": selectors.engines()})
+    engines = list(selectors.engines())
+    cards = [{"name": e.name, "status": e.status, "alive": selectors.engine_alive(e),
+              "config": e.config, "metrics": e.metrics} for e in engines]
+    return render(request, "kvops/overview.html", {"engines": engines, "cards": cards})
 
 
 @login_required
 def engine_page(request: HttpRequest, name: str) -> HttpResponse:
     engine = get_object_or_404(Engine, name=name)
-    return render(request, "kvops/engine.html", {"engine": engine})
+    page = {"name": engine.name, "operator": request.user.is_staff, "config": engine.config}
+    return render(request, "kvops/engine.html",
+                  {"engine": engine, "page": page, "operator": request.user.is_staff})
 
 
 @login_required
 def jobs_page(request: HttpRequest) -> HttpResponse:
-    return render(request, "kvops/jobs.html", {"jobs": selectors.jobs_visible_to(request.user)[:100]})
+    page = {"engines": [e.name for e in selectors.engines()], "statuses": Job.Status.values,
+            "operator": request.user.is_staff}
+    return render(request, "kvops/jobs.html", {"page": page})
 
 
 @login_required
 def job_page(request: HttpRequest, job_id: int) -> HttpResponse:
     job = get_object_or_404(selectors.jobs_visible_to(request.user), pk=job_id)
-    return render(request, "kvops/job.html", {"job": job})
+    page = {"id": job.pk, "operator": request.user.is_staff}
+    return render(request, "kvops/job.html", {"job": job, "page": page})
 
 
 @login_required
 def actions_page(request: HttpRequest) -> HttpResponse:
-    return render(request, "kvops/actions.html", {"actions": selectors.operator_actions()[:200]})
+    actions = selectors.operator_actions()
+    engine = request.GET.get("engine", "")
+    if engine:
+        actions = actions.filter(engine=engine)
+    return render(request, "kvops/actions.html", {
+        "actions": actions[:ACTIONS_SHOWN], "engine": engine, "shown": ACTIONS_SHOWN,
+        "engines": [e.name for e in selectors.engines()]})

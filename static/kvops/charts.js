@@ -1,0 +1,71 @@
+// Hand-drawn canvas charts: a sparkline and a small time-series chart with an axis label.
+
+function fit(canvas) {
+  const ratio = window.devicePixelRatio || 1;
+  const w = canvas.clientWidth || canvas.width, h = canvas.clientHeight || canvas.height;
+  if (canvas.width !== Math.round(w * ratio) || canvas.height !== Math.round(h * ratio)) {
+    canvas.width = Math.round(w * ratio);
+    canvas.height = Math.round(h * ratio);
+  }
+  const g = canvas.getContext("2d");
+  g.setTransform(ratio, 0, 0, ratio, 0, 0);
+  g.clearRect(0, 0, w, h);
+  return [g, w, h];
+}
+
+export function sparkline(canvas, values, color = "#2f5bd3") {
+  const [g, w, h] = fit(canvas);
+  if (values.length < 2) return;
+  const max = Math.max(...values, 1e-9);
+  g.beginPath();
+  values.forEach((v, i) => {
+    const x = (i / (values.length - 1)) * w, y = h - 2 - (v / max) * (h - 4);
+    i ? g.lineTo(x, y) : g.moveTo(x, y);
+  });
+  g.strokeStyle = color;
+  g.lineWidth = 1.5;
+  g.stroke();
+  g.lineTo(w, h); g.lineTo(0, h); g.closePath();
+  g.fillStyle = color + "22";
+  g.fill();
+}
+
+// series: [{label, color, values: [number|null], bars?: bool}], all the same length.
+// max: top of the scale (null: from the data); format: the label of the top value.
+export function timeChart(canvas, series, { max = null, format = (v) => v.toFixed(0) } = {}) {
+  const [g, w, h] = fit(canvas);
+  const pad = { l: 34, r: 6, t: 6, b: 14 };
+  const n = Math.max(...series.map((s) => s.values.length), 0);
+  const top = max ?? Math.max(1e-9, ...series.flatMap((s) => s.values.filter((v) => v != null)));
+  g.font = "10px system-ui, sans-serif";
+  g.fillStyle = "#5d6678";
+  g.strokeStyle = "#e3e6ec";
+  g.lineWidth = 1;
+  for (const f of [0, 0.5, 1]) {
+    const y = pad.t + (1 - f) * (h - pad.t - pad.b);
+    g.beginPath(); g.moveTo(pad.l, y + 0.5); g.lineTo(w - pad.r, y + 0.5); g.stroke();
+    g.fillText(format(top * f), 2, y + 3);
+  }
+  g.fillText(n > 1 ? `last ${n} s` : "", pad.l, h - 2);
+  if (n < 2) return;
+  const x = (i) => pad.l + (i / (n - 1)) * (w - pad.l - pad.r);
+  const y = (v) => pad.t + (1 - Math.min(v, top) / top) * (h - pad.t - pad.b);
+  for (const s of series) {
+    g.fillStyle = s.color;
+    g.strokeStyle = s.color;
+    if (s.bars) {
+      const bw = Math.max(1, (w - pad.l - pad.r) / n - 1);
+      s.values.forEach((v, i) => { if (v) g.fillRect(x(i) - bw / 2, y(v), bw, h - pad.b - y(v)); });
+      continue;
+    }
+    g.beginPath();
+    let started = false;
+    s.values.forEach((v, i) => {
+      if (v == null) { started = false; return; }
+      started ? g.lineTo(x(i), y(v)) : g.moveTo(x(i), y(v));
+      started = true;
+    });
+    g.lineWidth = 1.6;
+    g.stroke();
+  }
+}

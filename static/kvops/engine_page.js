@@ -1,0 +1,311 @@
+// The engine page: block maps, requests, charts and events of one engine, live.
+// Data: a snapshot, then deltas in sequence (a gap or a restart asks for a new snapshot);
+// operator actions go through the REST API. window.kvopsPerf keeps timings for tests.
+import { api, errorText } from "./api.js";
+import { BlockMap } from "./blockmap.js";
+import { timeChart } from "./charts.js";
+import { Palette, ownerCss } from "./colors.js";
+import { EventLog } from "./event_log.js";
+import { $, esc, num, pct, toast } from "./format.js";
+import { KVState } from "./kvstate.js";
+import { MetricsHistory, cumulativeHitRate } from "./metrics.js";
+import { RequestTable } from "./request_table.js";
+import { LiveSocket } from "./socket.js";
+
+const page = JSON.parse($("#engine-data").textContent);
+const palette = new Palette();
+const gpuMap = new BlockMap($("#gpu-map"), $("#gpu-overlay"), palette, { maxHeight: 660 });
+const cpuMap = new BlockMap($("#cpu-map"), $("#cpu-overlay"), palette, { maxHeight: 260, maxCell: 12 });
+const history = new MetricsHistory(600);
+const perf = window.kvopsPerf = { deltas: 0, snapshots: 0, resyncs: 0, applyMs: [], decodeMs: [],
+                                  lastDeltaAt: 0, bytes: () => socket.bytes, frames: () => socket.frames };
+let state = null;
+let awaitingSnapshot = true;
+let selected = null;  // request index
+let wanted = new URLSearchParams(location.search).get("request");  // select once it shows up
+
+const table = new RequestTable($("#requests"), {
+  operator: page.operator,
+  onSelect: (index) => select(index, false),
+  onAction: (action, requestId) => requestAction(action, requestId),
+});
+const events = new EventLog($("#events"), $("#ev-rate"), $("#show-churn"), {
+  onRequest: (requestId) => { const r = state?.requestById(requestId); if (r) select(r.index, true); },
+});
+
+// --- the live connection --------------------------------------------------------------
+const socket = new LiveSocket(`/ws/engines/${encodeURIComponent(page.name)}/`, {
+  onOpen: () => {
+    awaitingSnapshot = true;
+    socket.send({ type: "subscribe", level: "full" });
+    socket.send({ type: "history", what: "events", count: 300 });
+    socket.send({ type: "history", what: "metrics", count: 600 });
+  },
+  onMessage: (message, meta) => handle(message, meta),
+  onStatus: (status) => setConnection(status),
+});
+
+function handle(message, meta) {
+  switch (message.type) {
+    case "hello": $("#engine-status").className = `pill ${message.alive ? "ready" : message.status}`;
+      $("#engine-status").textContent = message.alive ? "ready" : message.status; break;
+    case "snapshot": loadSnapshot(message); break;
+    case "delta": applyDelta(message, meta); break;
+    case "history":
+      if (message.what === "events") events.load(message.items);
+      else { history.load(message.items); drawCharts(); }
+      break;
+    case "error": toast(message.message, true); break;
+    default: break;
+  }
+}
+
+function loadSnapshot(snapshot) {
+  state = new KVState(snapshot);
+  awaitingSnapshot = false;
+  perf.snapshots++;
+  gpuMap.attach(state.gpu, state.evictRank, $("#gpu-wrap").clientWidth);
+  cpuMap.attach(state.cpu, null, $("#cpu-wrap").clientWidth);
+  $("#gpu-caption").textContent = `${num(state.gpu.n)} blocks of ${state.config.block_size} tokens`;
+  $("#cpu-caption").textContent = `${num(state.cpu.n)} blocks`;
+  table.setState(state);
+  setConnection(snapshot.stale ? "stale" : "live");
+  if (selected !== null && !state.requests.has(selected)) selected = null;
+  if (selected !== null) select(selected, false);
+  pickWanted();
+  renderHead();
+}
+
+function applyDelta(delta, meta) {
+  if (!state || awaitingSnapshot) return;  // the snapshot on its way includes it
+  if (delta.epoch === state.epoch && delta.seq <= state.seq) return;  // already in the snapshot
+  if (!state.follows(delta)) { resync(); return; }
+  const started = performance.now();
+  const changed = state.apply(delta);
+  gpuMap.paint(changed.gpu);
+  gpuMap.flush();
+  cpuMap.paint(changed.cpu);
+  cpuMap.flush();
+  if (selected !== null) {
+    const r = state.requests.get(selected);
+    if (!r) select(null, false);
+    else if (changed.tables.has(selected)) { gpuMap.updateSelection(r.block_table); cpuMap.updateSelection(r.cpu_block_table); }
+  }
+  table.refresh();
+  renderHead();
+  if (selected !== null) renderSelected();
+  events.add(delta.events, delta.event_counts);
+  if (history.add({ ts: delta.ts, ...delta.metrics })) drawCharts();
+  pickWanted();
+  perf.applyMs.push(performance.now() - started);
+  perf.decodeMs.push(started - meta.received);
+  perf.deltas++;
+  perf.lastDeltaAt = performance.now();
+}
+
+function resync() {
+  awaitingSnapshot = true;
+  perf.resyncs++;
+  socket.send({ type: "resync" });
+}
+
+function setConnection(status) {
+  const el = $("#conn");
+  el.textContent = status;
+  el.className = `pill conn ${status === "live" ? "live" : status === "stale" ? "stale" : "offline"}`;
+}
+
+setInterval(() => {  // the publisher sends at least once a second, idle or not
+  if (state && !awaitingSnapshot && perf.lastDeltaAt && performance.now() - perf.lastDeltaAt > 5000) {
+    setConnection("not publishing");
+  } else if (perf.lastDeltaAt && $("#conn").textContent === "not publishing") {
+    setConnection("live");
+  }
+}, 1000);
+
+// --- header, charts -------------------------------------------------------------------
+function renderHead() {
+  const m = state.metrics || {};
+  $("#seq").textContent = `step ${num(state.step)} · seq ${state.seq}`;
+  const kv = (label, value) => `<span class="kv"><b>${value}</b><span>${label}</span></span>`;
+  $("#head-stats").innerHTML = [
+    kv("GPU KV used", pct(m.kv_usage)), kv("CPU swap used", pct(m.cpu_kv_usage)),
+    kv("running", num(m.running)), kv("waiting", num(m.waiting)), kv("swapped", num(m.swapped)),
+    kv("prefix hit rate", pct(cumulativeHitRate(m))), kv("tokens/s", num(m.generation_tokens_per_s)),
+    kv("preemptions", num(m.num_preemptions)), kv("swaps out/in", `${num(m.num_swaps_out)}/${num(m.num_swaps_in)}`),
+  ].join("");
+  $("#req-count").textContent = `${num(table.rows.length)} shown of ${num(state.requests.size)}`;
+}
+
+function drawCharts() {
+  timeChart($("#chart-kv"), [
+    { color: "#2f5bd3", values: history.field("kv_usage") },
+    { color: "#8a5cd6", values: history.field("cpu_kv_usage") },
+  ], { max: 1, format: (v) => `${Math.round(v * 100)}%` });
+  timeChart($("#chart-hit"), [{ color: "#1d8a4e", values: history.hitRate() }],
+            { max: 1, format: (v) => `${Math.round(v * 100)}%` });
+  timeChart($("#chart-pre"), [
+    { color: "#c62f2f", values: history.rate("num_preemptions"), bars: true },
+    { color: "#8a5cd6", values: history.rate("num_swaps_out") },
+  ], { max: Math.max(1, ...history.rate("num_preemptions"), ...history.rate("num_swaps_out")) });
+  const last = history.points[history.points.length - 1] || {};
+  $("#now-kv").textContent = pct(last.kv_usage);
+  $("#now-hit").textContent = `overall ${pct(cumulativeHitRate(last))}`;
+  $("#now-pre").textContent = `${num(last.num_preemptions)} / ${num(last.num_swaps_out)} in total`;
+}
+
+// --- selection ------------------------------------------------------------------------
+function select(index, reveal) {
+  selected = index;
+  table.selected = index;
+  const r = index === null ? null : state.requests.get(index);
+  gpuMap.select(r ? r.block_table : null);
+  cpuMap.select(r && r.cpu_block_table.length ? r.cpu_block_table : null);
+  if (reveal && r) table.reveal(index);
+  table.renderRows();
+  renderSelected();
+}
+
+function pickWanted() {
+  if (!wanted || !state) return;
+  const r = state.requestById(wanted);
+  if (r) { wanted = null; select(r.index, true); }
+}
+
+function chips(ids, poolName) {
+  const p = state[poolName];
+  return ids.map((id, k) => `<span class="chip" style="--c:${ownerCss(p.owner[id])}" title="logical block ${k}, ref ${p.ref_cnt[id]}">${id}${p.ref_cnt[id] > 1 ? "²" : ""}</span>`).join("");
+}
+
+function renderSelected() {
+  const box = $("#selected");
+  const r = selected === null ? null : state.requests.get(selected);
+  if (!r) {
+    box.innerHTML = `<h3>Selected request</h3><p class="muted">Click a request in the table, or a block on the map, to follow its block table.</p>`;
+    return;
+  }
+  const shared = r.block_table.filter((id) => state.gpu.ref_cnt[id] > 1).length;
+  box.innerHTML = `<h3>Selected request</h3>
+    <p><span class="mono">${esc(r.request_id)}</span> <span class="pill ${esc(r.status)}">${esc(r.status)}</span>
+    ${r.job_id ? `· <a href="/jobs/${esc(r.job_id)}/">job ${esc(r.job_id)}</a>` : ""}
+    <button class="small secondary" id="unselect" style="float:right">clear</button></p>
+    <p class="muted">${num(r.num_computed_tokens)} tokens computed, ${num(r.num_cached_tokens)} from the prefix cache;
+    ${r.block_table.length} GPU blocks (${shared} shared), ${r.cpu_block_table.length} CPU blocks.</p>
+    <div class="muted" style="font-size:12px">GPU block table, in order (² = shared)</div>
+    <div class="chips">${chips(r.block_table, "gpu") || '<span class="muted">none</span>'}</div>
+    ${r.cpu_block_table.length ? `<div class="muted" style="font-size:12px;margin-top:6px">CPU block table</div><div class="chips">${chips(r.cpu_block_table, "cpu")}</div>` : ""}`;
+  $("#unselect").onclick = () => select(null, false);
+}
+
+// --- hover and click on the maps --------------------------------------------------------
+const tooltip = $("#tooltip");
+
+function describe(poolName, id) {
+  const p = state[poolName];
+  const kind = state.blockStates[p.state[id]];
+  const bs = state.config.block_size;
+  const owner = state.requests.get(p.owner[id]);
+  const holders = state.holders(poolName, id);
+  const lines = [`<b>${poolName.toUpperCase()} block ${id}</b> · ${esc(kind)}`,
+                 `ref count ${p.ref_cnt[id]}${p.ref_cnt[id] > 1 ? " (shared)" : ""}`];
+  if (owner) lines.push(`owner <b>${esc(owner.request_id)}</b>${owner.job_id ? ` (job ${esc(owner.job_id)})` : ""}`);
+  for (const h of holders.slice(0, 6)) {
+    lines.push(`<span class="muted">held by</span> ${esc(h.request.request_id)}: logical block ${h.position}, tokens ${h.position * bs}–${(h.position + 1) * bs - 1}`);
+  }
+  if (holders.length > 6) lines.push(`<span class="muted">and ${holders.length - 6} more</span>`);
+  lines.push(p.hash32[id] ? `hash <span class="mono">${p.hash32[id].toString(16).padStart(8, "0")}…</span>` : `<span class="muted">no hash (not in the prefix cache)</span>`);
+  if (poolName === "gpu" && state.evictRank[id] >= 0) {
+    lines.push(`next from the free queue: #${state.evictRank[id] + 1}${kind === "cached" ? " (its data will be evicted)" : ""}`);
+  }
+  return lines.join("<br>");
+}
+
+for (const [map, poolName] of [[gpuMap, "gpu"], [cpuMap, "cpu"]]) {
+  map.canvas.addEventListener("mousemove", (event) => {
+    if (!state) return;
+    const id = map.blockAt(event);
+    map.setHover(id);
+    if (id < 0) { tooltip.style.display = "none"; return; }
+    tooltip.innerHTML = describe(poolName, id);
+    tooltip.style.display = "block";
+    const x = Math.min(event.clientX + 14, window.innerWidth - tooltip.offsetWidth - 8);
+    const y = Math.min(event.clientY + 14, window.innerHeight - tooltip.offsetHeight - 8);
+    tooltip.style.left = `${x}px`;
+    tooltip.style.top = `${y}px`;
+  });
+  map.canvas.addEventListener("mouseleave", () => { map.setHover(-1); tooltip.style.display = "none"; });
+  map.canvas.addEventListener("click", (event) => {
+    if (!state) return;
+    const id = map.blockAt(event);
+    const owner = id >= 0 ? state[poolName].owner[id] : 0;
+    select(owner && state.requests.has(owner) ? owner : null, true);
+  });
+}
+
+window.addEventListener("resize", () => {
+  if (!state) return;
+  gpuMap.attach(state.gpu, state.evictRank, $("#gpu-wrap").clientWidth);
+  cpuMap.attach(state.cpu, null, $("#cpu-wrap").clientWidth);
+  if (selected !== null) select(selected, false);
+});
+
+$("#req-filter").addEventListener("change", () => { table.setFilter($("#req-filter").value, $("#req-search").value); renderHead(); });
+$("#req-search").addEventListener("input", () => { table.setFilter($("#req-filter").value, $("#req-search").value); renderHead(); });
+
+// --- operator actions -------------------------------------------------------------------
+const LABELS = { preempt: "Preempt", "swap-out": "Swap out", "swap-in": "Swap in", abort: "Abort",
+                 evict: "Evict", reset: "Reset", pin: "Pin", unpin: "Unpin" };
+
+function confirmAction(text) {
+  const dialog = $("#confirm");
+  $("#confirm-text").textContent = text;
+  dialog.showModal();
+  return new Promise((resolve) => dialog.addEventListener("close", () => resolve(dialog.returnValue === "ok"), { once: true }));
+}
+
+async function act(path, body, what) {
+  const result = await api("POST", path, body);
+  const answer = $("#answer");
+  if (answer) {
+    answer.className = `answer ${result.ok ? "ok" : "bad"}`;
+    answer.textContent = `${what}\nHTTP ${result.status}\n${JSON.stringify(result.data, null, 2)}`;
+  }
+  toast(result.ok ? `${what}: done` : `${what}: ${errorText(result)}`, !result.ok);
+  loadActions();
+  return result;
+}
+
+async function requestAction(action, requestId) {
+  if (!(await confirmAction(`${LABELS[action]} request ${requestId} on engine ${page.name}?`))) return;
+  await act(`/api/engines/${encodeURIComponent(page.name)}/requests/${encodeURIComponent(requestId)}/${action}/`,
+            {}, `${LABELS[action]} ${requestId}`);
+}
+
+async function prefixAction(action, body, question) {
+  if (question && !(await confirmAction(question))) return;
+  await act(`/api/engines/${encodeURIComponent(page.name)}/prefix-cache/${action}/`, body, `${LABELS[action]} (prefix cache)`);
+}
+
+if (page.operator) {
+  $("#evict").onclick = () => {
+    const n = $("#evict-n").value.trim();
+    prefixAction("evict", n === "" ? {} : { num_blocks: Number(n) },
+                 `Evict ${n === "" ? "every" : n} cached block${n === "1" ? "" : "s"} at ref count 0?`);
+  };
+  $("#reset").onclick = () => prefixAction("reset", {}, "Reset the prefix cache (forget every cached block, unpin all)?");
+  $("#pin").onclick = () => prefixAction("pin", { prompt: $("#pin-prompt").value }, null);
+  $("#unpin").onclick = () => prefixAction("unpin", { prompt: $("#pin-prompt").value }, null);
+}
+
+async function loadActions() {
+  const result = await api("GET", "/api/actions/?limit=100");
+  const body = $("#actions tbody");
+  if (!result.ok) { body.innerHTML = `<tr><td class="error">${esc(errorText(result))}</td></tr>`; return; }
+  const rows = result.data.results.filter((a) => a.engine === page.name).slice(0, 12);
+  body.innerHTML = rows.map((a) => `<tr><td class="muted">${new Date(a.created_at).toLocaleTimeString(undefined, { hour12: false })}</td>
+    <td>${esc(a.user ?? "–")}</td><td><b>${esc(a.action)}</b> <span class="mono">${esc(a.target)}</span></td>
+    <td><span class="pill ${a.ok ? "finished" : "failed"}">${a.status_code}</span></td></tr>`).join("")
+    || `<tr><td class="muted">No operator actions on this engine yet.</td></tr>`;
+}
+loadActions();
+setInterval(loadActions, 10000);

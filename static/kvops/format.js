@@ -1,0 +1,50 @@
+// Small formatting and DOM helpers shared by the pages.
+
+export function esc(value) {
+  return String(value ?? "").replace(/[&<>"']/g, (c) => (
+    { "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" }[c]));
+}
+
+export function num(value, digits = 0) {
+  if (value === null || value === undefined || Number.isNaN(value)) return "–";
+  return Number(value).toLocaleString("en-US", { maximumFractionDigits: digits,
+                                                 minimumFractionDigits: digits });
+}
+
+export function pct(fraction, digits = 1) {
+  if (fraction === null || fraction === undefined || Number.isNaN(fraction)) return "–";
+  return `${(100 * fraction).toFixed(digits)}%`;
+}
+
+export function clock(ts) {  // seconds since the epoch -> HH:MM:SS.mmm (local time)
+  const d = new Date(ts * 1000);
+  return d.toTimeString().slice(0, 8) + "." + String(d.getMilliseconds()).padStart(3, "0");
+}
+
+export function when(iso) {  // time of day for today, date and time before
+  if (!iso) return "–";
+  const d = new Date(iso);
+  const time = d.toLocaleTimeString(undefined, { hour12: false });
+  return d.toDateString() === new Date().toDateString() ? time : `${d.toLocaleDateString()} ${time}`;
+}
+
+export function seconds(s) {
+  if (s === null || s === undefined || Number.isNaN(s)) return "–";
+  if (s < 1) return `${Math.round(s * 1000)} ms`;
+  if (s < 120) return `${s.toFixed(2)} s`;
+  return `${Math.floor(s / 60)} min ${Math.round(s % 60)} s`;
+}
+
+export function $(selector, root = document) { return root.querySelector(selector); }
+
+export function toast(message, bad = false) {
+  const box = document.getElementById("toasts");
+  if (!box) return;
+  const el = document.createElement("div");
+  el.className = bad ? "toast bad" : "toast";
+  el.textContent = message;
+  box.appendChild(el);
+  setTimeout(() => el.remove(), 5000);
+}
+
+export const operator = document.body.dataset.operator === "1";

@@ -1,0 +1,103 @@
+// A job: its tokens as they stream (websocket /ws/jobs/<id>/), facts and timings (REST),
+// and, while it runs, its request's block table (asked of the engine once a second).
+import { api, errorText } from "./api.js";
+import { ownerCss } from "./colors.js";
+import { $, esc, num, seconds, toast, when } from "./format.js";
+import { LiveSocket } from "./socket.js";
+
+const page = JSON.parse($("#job-data").textContent);
+let job = null;
+let lastStatus = null;
+const TERMINAL = new Set(["finished", "failed", "cancelled"]);
+
+async function loadJob() {
+  const result = await api("GET", `/api/jobs/${page.id}/`);
+  if (!result.ok) { toast(errorText(result), true); return; }
+  job = result.data;
+  renderFacts();
+}
+
+function renderFacts() {
+  const p = job.params || {};
+  const engineLink = job.engine ? `<a href="/engines/${esc(job.engine)}/">${esc(job.engine)}</a>` : "–";
+  const requestLink = job.engine && job.request_id
+    ? `<a href="/engines/${esc(job.engine)}/?request=${encodeURIComponent(job.request_id)}" title="show its blocks on the engine's map">${esc(job.request_id)}</a>` : "–";
+  const rows = [
+    ["owner", esc(job.owner)], ["source", esc(job.source)], ["engine", engineLink], ["request", requestLink],
+    ["routing", esc(job.routing?.policy ?? "–")], ["attempts", job.attempts], ["priority", job.priority],
+    ["sampling", esc(`max_tokens ${p.max_tokens}, temperature ${p.temperature}, top_p ${p.top_p}` +
+                     (p.top_k ? `, top_k ${p.top_k}` : "") + (p.seed != null ? `, seed ${p.seed}` : ""))],
+    ["prompt tokens", num(job.num_prompt_tokens)], ["cached tokens", num(job.num_cached_tokens)],
+    ["output tokens", num(job.num_output_tokens)], ["preemptions", num(job.num_preemptions)],
+    ["finish reason", esc(job.finish_reason || "–")],
+  ];
+  $("#facts").innerHTML = rows.map(([k, v]) => `<dt>${k}</dt><dd>${v}</dd>`).join("");
+  const t = (iso) => (iso ? new Date(iso).getTime() / 1000 : null);
+  const queued = t(job.queued_at), started = t(job.started_at), first = t(job.first_token_at), done = t(job.finished_at);
+  const gen = first && done ? done - first : null;
+  $("#timings").innerHTML = [
+    ["queued", when(job.queued_at)], ["started", when(job.started_at)],
+    ["first token", when(job.first_token_at)], ["finished", when(job.finished_at)],
+    ["waited in queue", started ? seconds(started - queued) : "–"],
+    ["time to first token", first && started ? seconds(first - started) : "–"],
+    ["generation", gen !== null ? seconds(gen) : "–"],
+    ["tokens/s", gen ? num(job.num_output_tokens / gen, 1) : "–"],
+  ].map(([k, v]) => `<dt>${k}</dt><dd>${v}</dd>`).join("");
+  $("#cancel").hidden = TERMINAL.has(job.status);
+}
+
+function showState(message) {
+  const status = message.status;
+  $("#status").textContent = status;
+  $("#status").className = `pill ${status}`;
+  const out = $("#output");
+  const atBottom = out.scrollTop + out.clientHeight >= out.scrollHeight - 4;
+  out.textContent = message.text ?? "";
+  if (!TERMINAL.has(status)) out.insertAdjacentHTML("beforeend", '<span class="caret"></span>');
+  if (atBottom) out.scrollTop = out.scrollHeight;
+  $("#out-count").textContent = `${num(message.num_output_tokens)} tokens`;
+  $("#error").textContent = message.error || "";
+  if (job) {  // the live counts, until the row is read again
+    for (const k of ["num_output_tokens", "num_cached_tokens", "num_preemptions", "engine", "request_id"]) {
+      if (message[k] !== undefined && message[k] !== "") job[k] = message[k];
+    }
+    renderFacts();
+  }
+  if (status !== lastStatus || message.finished) loadJob();
+  lastStatus = status;
+}
+
+function showBlocks(message) {
+  const r = message.request;
+  if (!r) {
+    $("#blocks").innerHTML = `<span class="muted">${TERMINAL.has(lastStatus) ? "The request has ended: its blocks went back to the pool." : "Not on an engine yet."}</span>`;
+    return;
+  }
+  const bs = message.block_size || 16;
+  const chips = (ids) => ids.map((id, k) => `<span class="chip" style="--c:${ownerCss(r.index)}" title="logical block ${k}: tokens ${k * bs}–${(k + 1) * bs - 1}">${id}</span>`).join("");
+  $("#blocks").innerHTML = `<p style="margin:0 0 6px"><span class="pill ${esc(r.status)}">${esc(r.status)}</span>
+      ${num(r.num_computed_tokens)} tokens in ${r.block_table.length} GPU blocks${r.cpu_block_table.length ? `, ${r.cpu_block_table.length} CPU blocks` : ""}
+      · <a href="/engines/${esc(message.engine)}/?request=${encodeURIComponent(r.request_id)}">on the block map</a></p>
+    <div class="muted" style="font-size:12px">GPU, logical block order</div>
+    <div class="chips" id="gpu-chips">${chips(r.block_table) || '<span class="muted">none (swapped out or waiting)</span>'}</div>
+    ${r.cpu_block_table.length ? `<div class="muted" style="font-size:12px;margin-top:6px">CPU swap</div><div class="chips">${chips(r.cpu_block_table)}</div>` : ""}`;
+  $("#blocks-when").textContent = `as of ${new Date().toLocaleTimeString(undefined, { hour12: false })}`;
+}
+
+const socket = new LiveSocket(`/ws/jobs/${page.id}/`, {
+  onMessage: (message) => {
+    if (message.type === "job") showState(message);
+    else if (message.type === "blocks") showBlocks(message);
+    else if (message.type === "error") console.warn("kvops:", message.message);
+  },
+  onStatus: (s) => { $("#conn").textContent = s; $("#conn").className = `pill conn ${s === "live" ? "live" : "offline"}`; },
+});
+
+setInterval(() => { if (lastStatus === "running") socket.send({ type: "blocks" }); }, 1000);
+
+$("#cancel").onclick = async () => {
+  const result = await api("POST", `/api/jobs/${page.id}/cancel/`);
+  toast(result.ok ? "Cancel requested" : errorText(result), !result.ok);
+  loadJob();
+};
+loadJob();

@@ -1,0 +1,162 @@
+// An engine's KV state in the browser: built from a snapshot, kept current by deltas
+// (docs/live-protocol.md). Per-block arrays are typed arrays; requests keep their block
+// tables as plain arrays in block-table order.
+
+export const ARRAYS = ["state", "ref_cnt", "owner", "hash32"];
+const TYPED = { "|u1": Uint8Array, "<u1": Uint8Array, "|i1": Int8Array, "<i2": Int16Array,
+                "<u2": Uint16Array, "<i4": Int32Array, "<u4": Uint32Array };
+
+function base64Bytes(text) {
+  if (Uint8Array.fromBase64) return Uint8Array.fromBase64(text);
+  const raw = atob(text);
+  const bytes = new Uint8Array(raw.length);
+  for (let i = 0; i < raw.length; i++) bytes[i] = raw.charCodeAt(i);
+  return bytes;
+}
+
+// A per-block array of a snapshot: a JSON list or {dtype, data (base64, little-endian)}.
+export function decodeArray(obj) {
+  if (Array.isArray(obj)) return Int32Array.from(obj);
+  const bytes = base64Bytes(obj.data);
+  if (obj.dtype === "<i8" || obj.dtype === "<u8") {
+    const wide = new BigInt64Array(bytes.buffer, 0, bytes.length / 8);
+    return Int32Array.from(wide, (v) => Number(v));
+  }
+  const Kind = TYPED[obj.dtype];
+  if (!Kind) throw new Error(`unknown array dtype ${obj.dtype}`);
+  return new Kind(bytes.buffer, 0, bytes.length / Kind.BYTES_PER_ELEMENT);
+}
+
+function pool(arrays) {
+  const p = { n: 0 };
+  for (const k of ARRAYS) p[k] = decodeArray(arrays[k]);
+  // Widen so deltas can hold any count (the wire may send narrow dtypes).
+  p.ref_cnt = Int32Array.from(p.ref_cnt);
+  p.owner = Int32Array.from(p.owner);
+  p.hash32 = Uint32Array.from(p.hash32);
+  p.state = Uint8Array.from(p.state);
+  p.n = p.state.length;
+  return p;
+}
+
+function ungap(gaps) {  // [5, 1, 1, 13] -> [5, 6, 7, 20]
+  const out = new Array(gaps.length);
+  let v = 0;
+  for (let i = 0; i < gaps.length; i++) { v += gaps[i]; out[i] = v; }
+  return out;
+}
+
+export class KVState {
+  constructor(snapshot) {
+    this.engine = snapshot.engine;
+    this.epoch = snapshot.epoch;
+    this.seq = snapshot.seq;
+    this.step = snapshot.step;
+    this.ts = snapshot.ts;
+    this.stale = Boolean(snapshot.stale);
+    this.config = snapshot.config;
+    this.blockStates = snapshot.block_states;
+    this.gpu = pool(snapshot.gpu);
+    this.cpu = pool(snapshot.cpu);
+    this.requests = new Map();
+    for (const r of snapshot.requests) this.requests.set(r.index, { ...r });
+    this.metrics = snapshot.metrics;
+    this.evictRank = new Int16Array(this.gpu.n).fill(-1);
+    this.setEvictionOrder(snapshot.eviction_order || []);
+  }
+
+  setEvictionOrder(order) {
+    const touched = this.evictionOrder || [];
+    for (const id of touched) this.evictRank[id] = -1;
+    this.evictionOrder = order;
+    order.forEach((id, rank) => { if (id < this.evictRank.length) this.evictRank[id] = rank; });
+    return touched.concat(order);
+  }
+
+  // True if the delta follows the state (same publisher run, next sequence number).
+  follows(delta) { return delta.epoch === this.epoch && delta.seq === this.seq + 1; }
+
+  // Apply a delta that follows(); returns what changed, for painting.
+  apply(delta) {
+    this.seq = delta.seq;
+    this.step = delta.step;
+    this.ts = delta.ts;
+    const changed = { gpu: [], cpu: [], tables: new Set(), requests: false, removed: [] };
+    for (const name of ["gpu", "cpu"]) {
+      const blocks = delta[name];
+      if (!blocks) continue;
+      const p = this[name];
+      const ids = ungap(blocks.ids);
+      for (let i = 0; i < ids.length; i++) {
+        const id = ids[i];
+        p.state[id] = blocks.state[i];
+        p.ref_cnt[id] = blocks.ref_cnt[i];
+        p.owner[id] = blocks.owner[i];
+        p.hash32[id] = blocks.hash32[i];
+      }
+      changed[name] = ids;
+    }
+    if (delta.requests) this.applyRequests(delta.requests, changed);
+    if (delta.tables) this.applyTables(delta.tables, changed);
+    if (delta.eviction_order) changed.gpu = changed.gpu.concat(this.setEvictionOrder(delta.eviction_order));
+    this.metrics = delta.metrics;
+    return changed;
+  }
+
+  applyRequests(changes, changed) {
+    for (const entry of changes.upsert || []) {
+      const old = this.requests.get(entry.index) || { block_table: [], cpu_block_table: [] };
+      this.requests.set(entry.index, { ...old, ...entry });
+    }
+    for (const index of changes.removed || []) {
+      this.requests.delete(index);
+      changed.removed.push(index);
+    }
+    const p = changes.progress;
+    if (p) {
+      let index = 0;
+      for (let i = 0; i < p.index.length; i++) {
+        index += p.index[i];
+        const r = this.requests.get(index);
+        if (!r) continue;
+        r.num_computed_tokens += p.computed[i];
+        r.num_output_tokens += p.output[i];
+      }
+    }
+    changed.requests = true;
+  }
+
+  applyTables(tables, changed) {
+    for (const [name, key] of [["gpu", "block_table"], ["cpu", "cpu_block_table"]]) {
+      const ops = tables[name];
+      if (!ops) continue;
+      for (const op of ops.append) {
+        const r = this.requests.get(op[0]);
+        if (!r) continue;
+        for (let i = 1; i < op.length; i++) r[key].push(op[i]);
+        changed.tables.add(op[0]);
+      }
+      for (const op of ops.set) {
+        const r = this.requests.get(op[0]);
+        if (r) r[key] = op.slice(1);
+        changed.tables.add(op[0]);
+      }
+    }
+  }
+
+  requestById(requestId) {
+    for (const r of this.requests.values()) if (r.request_id === requestId) return r;
+    return null;
+  }
+
+  // Every request holding a block, with the block's place in its table.
+  holders(poolName, id) {
+    const key = poolName === "gpu" ? "block_table" : "cpu_block_table";
+    const out = [];
+    for (const r of this.requests.values()) {
+      const at = r[key].indexOf(id);
+      if (at >= 0) out.push({ request: r, position: at });
+    }
+    return out;
+  }
+}

@@ -1,0 +1,74 @@
+// Overview: a card per engine (metrics over its summary websocket), recent jobs, submit.
+import { api } from "./api.js";
+import { sparkline } from "./charts.js";
+import { $, esc, num, pct } from "./format.js";
+import { jobRow, submitJob } from "./jobs_common.js";
+import { cumulativeHitRate } from "./metrics.js";
+import { LiveSocket } from "./socket.js";
+
+const SPARK_POINTS = 120;
+
+for (const card of document.querySelectorAll(".card[data-engine]")) {
+  const name = card.dataset.engine;
+  const field = (f) => card.querySelector(`[data-f="${f}"]`);
+  const rates = [];
+  let lastSeen = 0;
+  const show = (m) => {
+    field("kv").textContent = pct(m.kv_usage);
+    field("gauge").style.width = `${Math.round(100 * (m.kv_usage || 0))}%`;
+    field("running").textContent = num(m.running);
+    field("waiting").textContent = num(m.waiting);
+    field("swapped").textContent = num(m.swapped);
+    field("hit").textContent = pct(cumulativeHitRate(m));
+    field("tps").textContent = num(m.generation_tokens_per_s);
+  };
+  const status = (text, kind) => { field("status").textContent = text; field("status").className = `pill ${kind}`; };
+  const socket = new LiveSocket(`/ws/engines/${encodeURIComponent(name)}/`, {
+    onOpen: () => {
+      socket.send({ type: "subscribe", level: "summary" });
+      socket.send({ type: "history", what: "metrics", count: SPARK_POINTS });
+    },
+    onMessage: (message) => {
+      if (message.type === "hello") {
+        status(message.alive ? "ready" : message.status, message.alive ? "ready" : message.status);
+        if (message.metrics && Object.keys(message.metrics).length) show(message.metrics);
+      } else if (message.type === "history") {
+        rates.splice(0, rates.length, ...message.items.map((p) => p.generation_tokens_per_s || 0));
+        if (message.items.length) show(message.items[message.items.length - 1]);
+        sparkline(field("spark"), rates);
+      } else if (message.type === "summary") {
+        lastSeen = performance.now();
+        status("ready", "ready");
+        show(message.metrics);
+        rates.push(message.metrics.generation_tokens_per_s || 0);
+        if (rates.length > SPARK_POINTS * 2) rates.splice(0, rates.length - SPARK_POINTS * 2);
+        sparkline(field("spark"), rates);
+      }
+    },
+    onStatus: (s) => { if (s !== "live") status(s, "offline"); },
+  });
+  setInterval(() => {
+    if (lastSeen && performance.now() - lastSeen > 5000) status("not publishing", "stale");
+  }, 1000);
+}
+
+async function loadJobs() {
+  const result = await api("GET", "/api/jobs/?limit=10");
+  const body = $("#recent-jobs tbody");
+  if (!result.ok) { body.innerHTML = `<tr><td colspan="6" class="error">${esc(result.status)}</td></tr>`; return; }
+  body.innerHTML = result.data.results.map(jobRow).join("") || `<tr><td colspan="6" class="muted">No jobs yet.</td></tr>`;
+}
+loadJobs();
+setInterval(loadJobs, 3000);
+
+$("#quick-submit").addEventListener("submit", async (event) => {
+  event.preventDefault();
+  const form = event.target;
+  const body = { prompt: form.prompt.value, max_tokens: Number(form.max_tokens.value) };
+  if (form.engine.value) body.engine = form.engine.value;
+  const out = await submitJob(body);
+  $("#quick-result").innerHTML = out.ok
+    ? `Job <a href="/jobs/${out.job.id}/">${out.job.id}</a> queued.`
+    : `<span class="error">${esc(out.error)}</span>`;
+  if (out.ok) { form.prompt.value = ""; loadJobs(); }
+});

@@ -1,0 +1,142 @@
+// The engine's requests in a virtualised table: only the rows in view are in the DOM, so
+// a thousand requests updated ten times a second stay cheap. Click a row to select the
+// request (its blocks are highlighted on the map); operators get action buttons.
+import { ownerCss } from "./colors.js";
+import { esc, num } from "./format.js";
+
+const ROW_HEIGHT = 30;
+const STATUS_ORDER = { running: 0, swapped: 1, waiting: 2, finished: 3, aborted: 4 };
+const COLUMNS = [
+  ["", null], ["request", "request_id"], ["job", "job_id"], ["status", "status"],
+  ["prompt", "num_prompt_tokens"], ["computed", "num_computed_tokens"],
+  ["output", "num_output_tokens"], ["cached", "num_cached_tokens"], ["blocks", "blocks"],
+  ["preempt.", "num_preemptions"], ["prio", "priority"], ["actions", null],
+];
+// What an operator may do to a request in each state (the engine refuses the rest).
+const ACTIONS = {
+  running: [["preempt", "Preempt"], ["swap-out", "Swap out"], ["abort", "Abort"]],
+  swapped: [["swap-in", "Swap in"], ["abort", "Abort"]],
+  waiting: [["abort", "Abort"]],
+};
+
+function sortValue(r, key) {
+  if (key === "blocks") return r.block_table.length + r.cpu_block_table.length;
+  if (key === "status") return STATUS_ORDER[r.status] ?? 9;
+  if (key === "job_id") return Number(r.job_id) || 0;
+  return r[key];
+}
+
+export class RequestTable {
+  constructor(root, { operator, onSelect, onAction }) {
+    this.root = root;
+    this.operator = operator;
+    this.onSelect = onSelect;
+    this.onAction = onAction;
+    this.sortKey = "status";
+    this.ascending = true;
+    this.filter = "live";
+    this.search = "";
+    this.selected = null;  // request index
+    this.rows = [];
+    this.state = null;
+    root.innerHTML = `
+      <div class="vhead">${COLUMNS.map(([label, key]) =>
+        `<div ${key ? `data-sort="${key}"` : ""} class="${key && key !== "request_id" && key !== "status" && key !== "job_id" ? "num" : ""}">${label}</div>`).join("")}</div>
+      <div class="vbody"><div class="vspacer"></div></div>`;
+    this.body = root.querySelector(".vbody");
+    this.spacer = root.querySelector(".vspacer");
+    root.querySelector(".vhead").addEventListener("click", (e) => this.sortBy(e.target.dataset.sort));
+    this.body.addEventListener("scroll", () => this.renderRows());
+    this.body.addEventListener("click", (e) => this.click(e));
+    this.markSorted();
+  }
+
+  sortBy(key) {
+    if (!key) return;
+    this.ascending = this.sortKey === key ? !this.ascending : key === "status";
+    this.sortKey = key;
+    this.markSorted();
+    this.refresh();
+  }
+
+  markSorted() {
+    for (const el of this.root.querySelectorAll(".vhead > div")) {
+      el.classList.toggle("sorted", el.dataset.sort === this.sortKey);
+      el.classList.toggle("asc", el.dataset.sort === this.sortKey && this.ascending);
+    }
+  }
+
+  setFilter(filter, search) {
+    this.filter = filter;
+    this.search = search.trim().toLowerCase();
+    this.refresh();
+  }
+
+  setState(state) { this.state = state; this.refresh(); }
+
+  refresh() {
+    if (!this.state) return;
+    const { filter, search, sortKey } = this;
+    let rows = [...this.state.requests.values()];
+    if (filter === "live") rows = rows.filter((r) => r.status === "running" || r.status === "waiting" || r.status === "swapped");
+    else if (filter !== "all") rows = rows.filter((r) => r.status === filter);
+    if (search) rows = rows.filter((r) => r.request_id.toLowerCase().includes(search) || String(r.job_id ?? "").includes(search));
+    const dir = this.ascending ? 1 : -1;
+    rows.sort((a, b) => {
+      const x = sortValue(a, sortKey), y = sortValue(b, sortKey);
+      return (x < y ? -dir : x > y ? dir : 0) || a.index - b.index;
+    });
+    this.rows = rows;
+    this.spacer.style.height = `${rows.length * ROW_HEIGHT}px`;
+    this.renderRows();
+  }
+
+  renderRows() {
+    const top = this.body.scrollTop, height = this.body.clientHeight || 380;
+    const first = Math.max(0, Math.floor(top / ROW_HEIGHT) - 4);
+    const last = Math.min(this.rows.length, Math.ceil((top + height) / ROW_HEIGHT) + 4);
+    let html = "";
+    for (let k = first; k < last; k++) html += this.rowHtml(this.rows[k], k);
+    this.spacer.innerHTML = html;
+  }
+
+  rowHtml(r, k) {
+    const buttons = this.operator ? (ACTIONS[r.status] || []).map(([action, label]) =>
+      `<button class="small ${action === "abort" ? "danger" : "secondary"}" data-action="${action}">${label}</button>`).join("") : "";
+    const job = r.job_id ? `<a href="/jobs/${esc(r.job_id)}/">${esc(r.job_id)}</a>` : "–";
+    return `<div class="vrow${r.index === this.selected ? " selected" : ""}" style="top:${k * ROW_HEIGHT}px"
+      data-index="${r.index}" data-request="${esc(r.request_id)}">
+      <div class="hue" style="background:${ownerCss(r.index)}"></div>
+      <div class="mono" title="${esc(r.request_id)}">${esc(r.request_id)}</div><div>${job}</div>
+      <div><span class="pill ${esc(r.status)}">${esc(r.status)}${r.parked ? " (parked)" : ""}</span></div>
+      <div class="num">${num(r.num_prompt_tokens)}</div><div class="num">${num(r.num_computed_tokens)}</div>
+      <div class="num">${num(r.num_output_tokens)}</div><div class="num">${num(r.num_cached_tokens)}</div>
+      <div class="num">${r.block_table.length}${r.cpu_block_table.length ? ` <span class="muted">+${r.cpu_block_table.length} cpu</span>` : ""}</div>
+      <div class="num">${r.num_preemptions}</div><div class="num">${r.priority}</div>
+      <div class="actions">${buttons}</div></div>`;
+  }
+
+  click(event) {
+    const row = event.target.closest(".vrow");
+    if (!row || event.target.closest("a")) return;
+    const index = Number(row.dataset.index);
+    const button = event.target.closest("button[data-action]");
+    if (button) {
+      this.onAction(button.dataset.action, row.dataset.request);
+      return;
+    }
+    this.select(this.selected === index ? null : index);
+  }
+
+  select(index) {
+    this.selected = index;
+    this.renderRows();
+    this.onSelect(index);
+  }
+
+  // Scroll so the selected request's row shows.
+  reveal(index) {
+    const at = this.rows.findIndex((r) => r.index === index);
+    if (at >= 0) this.body.scrollTop = Math.max(0, at * ROW_HEIGHT - 60);
+  }
+}
