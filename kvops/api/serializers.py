@@ -1,6 +1,8 @@
 """Validation of what clients send, and the shape of what they get back."""
 from __future__ import annotations
 
+import math
+
 from rest_framework import serializers
 
 from kvops import limits
@@ -32,6 +34,16 @@ class TextField(serializers.CharField):
         return super().to_internal_value(data)
 
 
+class FiniteFloatField(serializers.FloatField):
+    """A FloatField that refuses NaN and infinities (JSON parsers let them through)."""
+
+    def to_internal_value(self, data):
+        value = super().to_internal_value(data)
+        if not math.isfinite(value):
+            raise serializers.ValidationError("must be a finite number")
+        return value
+
+
 class ChatMessageSerializer(StrictMixin, serializers.Serializer):
     role = serializers.ChoiceField(choices=["system", "user", "assistant"])
     content = TextField(allow_blank=True, max_length=limits.MAX_PROMPT_CHARS,
@@ -60,9 +72,9 @@ class JobCreateSerializer(StrictMixin, serializers.Serializer):
     messages = ChatMessageSerializer(many=True, required=False, allow_empty=False)
     max_tokens = serializers.IntegerField(required=False, default=128, min_value=1,
                                           max_value=limits.MAX_TOKENS)
-    temperature = serializers.FloatField(required=False, default=0.0, min_value=0.0,
+    temperature = FiniteFloatField(required=False, default=0.0, min_value=0.0,
                                          max_value=2.0)
-    top_p = serializers.FloatField(required=False, default=1.0, min_value=0.0, max_value=1.0)
+    top_p = FiniteFloatField(required=False, default=1.0, min_value=0.0, max_value=1.0)
     top_k = serializers.IntegerField(required=False, allow_null=True, default=None, min_value=1,
                                      max_value=1_000_000)
     seed = serializers.IntegerField(required=False, allow_null=True, default=None,
