@@ -26,7 +26,7 @@ from engine.detokenizer import SimTokenizer
 log = logging.getLogger(__name__)
 
 __all__ = ["EngineService", "RequestHandle", "EngineError", "InvalidRequestError",
-           "config_from_env", "OPERATOR_COMMANDS", "StepFailed", "PromptHasher",
+           "config_from_env", "OPERATOR_COMMANDS", "StepFailed", "PromptInspector",
            "short_hashes_of_cache", "render_chat"]
 
 
@@ -43,9 +43,11 @@ def short_hashes_of_cache(engine: LLMEngine) -> list[str]:
     return [short(h) for h in engine.kv.gpu.cached]
 
 
-class PromptHasher:
-    """Router side: a prompt's block hashes exactly as a given engine computes them
-    (its tokenizer, block size and model identity), without running the engine."""
+class PromptInspector:
+    """The web side's view of a prompt as a given engine will see it: its token ids (the
+    engine's tokenizer and chat template) and its block hashes (block size and model
+    identity), without running the engine. Engines are described by their registered
+    config (LLMEngine.describe_config)."""
 
     def __init__(self) -> None:
         self._tokenizers: dict[tuple, Any] = {}
@@ -53,28 +55,31 @@ class PromptHasher:
     def _tokenizer(self, config: dict):
         key = (bool(config.get("simulate")), config.get("model_path"))
         if key not in self._tokenizers:
-            if key[0]:
-                self._tokenizers[key] = SimTokenizer()
-            elif key[1]:
-                from engine.hf_tokenizer import HFTokenizer
-                self._tokenizers[key] = HFTokenizer.from_folder(key[1])
-            else:
+            try:
+                if key[0]:
+                    self._tokenizers[key] = SimTokenizer()
+                elif key[1]:
+                    from engine.hf_tokenizer import HFTokenizer
+                    self._tokenizers[key] = HFTokenizer.from_folder(key[1])
+                else:
+                    self._tokenizers[key] = None
+            except (OSError, EngineError) as e:
+                log.warning("tokenizer of %s not readable here: %s", key[1], e)
                 self._tokenizers[key] = None
         return self._tokenizers[key]
 
-    def short_hashes(self, config: dict, prompt: str, messages: list[dict] | None) -> list[str]:
-        """Short hashes of the prompt's full blocks; [] if this engine's tokenizer is
-        not readable from here (routing then goes by load alone)."""
-        try:
-            tokenizer = self._tokenizer(config)
-        except (OSError, EngineError) as e:
-            log.warning("no tokenizer for routing (%s): %s", config.get("model_path"), e)
-            self._tokenizers[(bool(config.get("simulate")), config.get("model_path"))] = None
+    def token_ids(self, config: dict, prompt: str, messages: list[dict] | None) -> list[int] | None:
+        """The prompt's token ids, or None if this engine's tokenizer is not readable
+        from here (its model folder is on another machine)."""
+        tokenizer = self._tokenizer(config)
+        if tokenizer is None:
+            return None
+        return tokenizer.encode(render_chat(tokenizer, messages) if messages else prompt)
+
+    def short_hashes(self, config: dict, token_ids: list[int] | None) -> list[str]:
+        """Short hashes of the full blocks of token_ids under this engine."""
+        if not token_ids or not config.get("block_size") or not config.get("model"):
             return []
-        if tokenizer is None or not config.get("block_size") or not config.get("model"):
-            return []
-        text = render_chat(tokenizer, messages) if messages else prompt
-        token_ids = tokenizer.encode(text)
         root = root_hash(config["model"])
         return [short(h) for h in hash_blocks(root, token_ids, int(config["block_size"]))]
 

@@ -16,6 +16,7 @@ from rest_framework.authtoken.models import Token
 
 from kvops import limits, live, selectors, services
 from kvops.models import Job
+from kvops.prompt_check import PromptTooLong, check_prompt_fits
 
 POLL_S = 2.0  # also re-read the job row this often, in case a message was lost
 
@@ -180,6 +181,11 @@ async def _handle(request: HttpRequest, chat: bool) -> HttpResponse:
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise BadRequest("`stream` must be a boolean", "stream")
+        try:
+            await sync_to_async(check_prompt_fits)(kwargs.get("prompt", ""),
+                                                   kwargs.get("messages"))
+        except PromptTooLong as e:
+            raise BadRequest(str(e), "messages" if chat else "prompt") from None
     except BadRequest as e:
         return _error(400, str(e), e.param)
     except LookupError as e:

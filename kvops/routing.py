@@ -12,11 +12,11 @@ from __future__ import annotations
 import os
 
 from kvops import live, prefix_index, selectors
-from kvops.engine_service import PromptHasher
+from kvops.engine_service import PromptInspector
 from kvops.models import Engine, Job
 
 SHARED_QUEUE = "jobs"
-_hasher = PromptHasher()
+inspector = PromptInspector()  # shared with prompt validation (kvops.prompt_check)
 
 
 def engine_queue(name: str) -> str:
@@ -62,7 +62,8 @@ def choose_queue(job: Job) -> tuple[str, dict]:
             "policy": mode, "engine": chosen.name, "reason": f"turn {i} of {len(engines)} engines"}
     cached, hashes = {}, {}
     for engine in engines:
-        hashes[engine.name] = _hasher.short_hashes(engine.config, job.prompt, job.messages)
+        token_ids = inspector.token_ids(engine.config, job.prompt, job.messages)
+        hashes[engine.name] = inspector.short_hashes(engine.config, token_ids)
         cached[engine.name] = prefix_index.cached_prefix_blocks(engine.name, hashes[engine.name])
     load = {e.name: _load(e) for e in engines}
     chosen = min(engines, key=lambda e: (-cached[e.name], load[e.name], e.name))

@@ -15,6 +15,7 @@ from kvops.api.serializers import (EmptySerializer, EngineSerializer, EvictSeria
                                    JobCreateSerializer, JobSerializer,
                                    OperatorActionSerializer, PrefixSerializer)
 from kvops.models import Engine, Job
+from kvops.prompt_check import PromptTooLong, check_prompt_fits
 
 
 class IsOperator(permissions.BasePermission):
@@ -50,6 +51,10 @@ class JobViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.Retrieve
         kwargs = serializer.job_kwargs()
         if kwargs["engine"] and not Engine.objects.filter(name=kwargs["engine"]).exists():
             raise NotFound(f"no engine named {kwargs['engine']!r}")
+        try:
+            check_prompt_fits(kwargs["prompt"], kwargs["messages"], kwargs["engine"])
+        except PromptTooLong as e:
+            raise ValidationError({"prompt": [str(e)]}) from None
         with transaction.atomic():
             job = services.create_job(request.user, source=Job.Source.API, **kwargs)
         return Response(JobSerializer(job).data, status=status.HTTP_201_CREATED)
