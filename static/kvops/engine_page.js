@@ -18,11 +18,14 @@ const gpuMap = new BlockMap($("#gpu-map"), $("#gpu-overlay"), palette, { maxHeig
 const cpuMap = new BlockMap($("#cpu-map"), $("#cpu-overlay"), palette, { maxHeight: 260, maxCell: 12 });
 const history = new MetricsHistory(600);
 const perf = window.kvopsPerf = { deltas: 0, snapshots: 0, resyncs: 0, applyMs: [], decodeMs: [],
+                                  parts: { state: 0, maps: 0, table: 0, rest: 0 },
                                   lastDeltaAt: 0, bytes: () => socket.bytes, frames: () => socket.frames };
 let state = null;
 let awaitingSnapshot = true;
 let selected = null;  // request index
+let prevCounts = [null, null];  // preemptions, swaps out: the charts' totals follow them
 let wanted = new URLSearchParams(location.search).get("request");  // select once it shows up
+window.kvops = { state: () => state, selected: () => selected, gpuMap, cpuMap };  // tests, console
 
 const table = new RequestTable($("#requests"), {
   operator: page.operator,
@@ -82,22 +85,35 @@ function applyDelta(delta, meta) {
   if (!state.follows(delta)) { resync(); return; }
   const started = performance.now();
   const changed = state.apply(delta);
+  const applied = performance.now();
   gpuMap.paint(changed.gpu);
   gpuMap.flush();
   cpuMap.paint(changed.cpu);
   cpuMap.flush();
+  const painted = performance.now();
   if (selected !== null) {
     const r = state.requests.get(selected);
     if (!r) select(null, false);
     else if (changed.tables.has(selected)) { gpuMap.updateSelection(r.block_table); cpuMap.updateSelection(r.cpu_block_table); }
   }
-  table.refresh();
+  table.refresh(changed.structural);
+  const tabled = performance.now();
   renderHead();
   if (selected !== null) renderSelected();
+  if (delta.metrics.num_preemptions !== prevCounts[0] || delta.metrics.num_swaps_out !== prevCounts[1]) {
+    prevCounts = [delta.metrics.num_preemptions, delta.metrics.num_swaps_out];
+    drawCharts();
+  }
   events.add(delta.events, delta.event_counts);
   if (history.add({ ts: delta.ts, ...delta.metrics })) drawCharts();
   pickWanted();
-  perf.applyMs.push(performance.now() - started);
+  void table.body.offsetHeight;  // lay the page out now: the measured time includes it
+  const done = performance.now();
+  perf.parts.state += applied - started;
+  perf.parts.maps += painted - applied;
+  perf.parts.table += tabled - painted;
+  perf.parts.rest += done - tabled;
+  perf.applyMs.push(done - started);
   perf.decodeMs.push(started - meta.received);
   perf.deltas++;
   perf.lastDeltaAt = performance.now();
@@ -124,17 +140,24 @@ setInterval(() => {  // the publisher sends at least once a second, idle or not
 }, 1000);
 
 // --- header, charts -------------------------------------------------------------------
+const HEAD = [
+  ["GPU KV used", (m) => pct(m.kv_usage)], ["CPU swap used", (m) => pct(m.cpu_kv_usage)],
+  ["running", (m) => num(m.running)], ["waiting", (m) => num(m.waiting)], ["swapped", (m) => num(m.swapped)],
+  ["prefix hit rate", (m) => pct(cumulativeHitRate(m))], ["tokens/s", (m) => num(m.generation_tokens_per_s)],
+  ["preemptions", (m) => num(m.num_preemptions)],
+  ["swaps out/in", (m) => `${num(m.num_swaps_out)}/${num(m.num_swaps_in)}`],
+];
+$("#head-stats").innerHTML = HEAD.map(([label]) => `<span class="kv"><b>–</b><span>${label}</span></span>`).join("");
+const headValues = [...document.querySelectorAll("#head-stats b")];
+
 function renderHead() {
   const m = state.metrics || {};
   $("#seq").textContent = `step ${num(state.step)} · seq ${state.seq}`;
-  const kv = (label, value) => `<span class="kv"><b>${value}</b><span>${label}</span></span>`;
-  $("#head-stats").innerHTML = [
-    kv("GPU KV used", pct(m.kv_usage)), kv("CPU swap used", pct(m.cpu_kv_usage)),
-    kv("running", num(m.running)), kv("waiting", num(m.waiting)), kv("swapped", num(m.swapped)),
-    kv("prefix hit rate", pct(cumulativeHitRate(m))), kv("tokens/s", num(m.generation_tokens_per_s)),
-    kv("preemptions", num(m.num_preemptions)), kv("swaps out/in", `${num(m.num_swaps_out)}/${num(m.num_swaps_in)}`),
-  ].join("");
-  $("#req-count").textContent = `${num(table.rows.length)} shown of ${num(state.requests.size)}`;
+  HEAD.forEach(([, value], k) => {
+    const text = value(m);
+    if (headValues[k].textContent !== text) headValues[k].textContent = text;
+  });
+  $("#req-count").textContent = `${num(table.count)} shown of ${num(state.requests.size)}`;
 }
 
 function drawCharts() {
@@ -148,7 +171,7 @@ function drawCharts() {
     { color: "#c62f2f", values: history.rate("num_preemptions"), bars: true },
     { color: "#8a5cd6", values: history.rate("num_swaps_out") },
   ], { max: Math.max(1, ...history.rate("num_preemptions"), ...history.rate("num_swaps_out")) });
-  const last = history.points[history.points.length - 1] || {};
+  const last = state?.metrics || history.points[history.points.length - 1] || {};
   $("#now-kv").textContent = pct(last.kv_usage);
   $("#now-hit").textContent = `overall ${pct(cumulativeHitRate(last))}`;
   $("#now-pre").textContent = `${num(last.num_preemptions)} / ${num(last.num_swaps_out)} in total`;

@@ -5,10 +5,13 @@ export function esc(value) {
     { "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" }[c]));
 }
 
+const FORMATS = [];  // Intl.NumberFormat per number of digits (making one is slow)
+
 export function num(value, digits = 0) {
   if (value === null || value === undefined || Number.isNaN(value)) return "–";
-  return Number(value).toLocaleString("en-US", { maximumFractionDigits: digits,
-                                                 minimumFractionDigits: digits });
+  FORMATS[digits] ??= new Intl.NumberFormat("en-US", { maximumFractionDigits: digits,
+                                                       minimumFractionDigits: digits });
+  return FORMATS[digits].format(value);
 }
 
 export function pct(fraction, digits = 1) {

@@ -81,7 +81,8 @@ export class KVState {
     this.seq = delta.seq;
     this.step = delta.step;
     this.ts = delta.ts;
-    const changed = { gpu: [], cpu: [], tables: new Set(), requests: false, removed: [] };
+    const changed = { gpu: [], cpu: [], tables: new Set(), requests: false, removed: [],
+                      structural: false };  // structural: requests came, went or changed status
     for (const name of ["gpu", "cpu"]) {
       const blocks = delta[name];
       if (!blocks) continue;
@@ -112,6 +113,7 @@ export class KVState {
       this.requests.delete(index);
       changed.removed.push(index);
     }
+    changed.structural = Boolean((changes.upsert && changes.upsert.length) || changed.removed.length);
     const p = changes.progress;
     if (p) {
       let index = 0;

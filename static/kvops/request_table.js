@@ -5,6 +5,7 @@ import { ownerCss } from "./colors.js";
 import { esc, num } from "./format.js";
 
 const ROW_HEIGHT = 30;
+const RESORT_MS = 500;  // between deltas rows keep their places, their numbers update
 const STATUS_ORDER = { running: 0, swapped: 1, waiting: 2, finished: 3, aborted: 4 };
 const COLUMNS = [
   ["", null], ["request", "request_id"], ["job", "job_id"], ["status", "status"],
@@ -37,7 +38,9 @@ export class RequestTable {
     this.filter = "live";
     this.search = "";
     this.selected = null;  // request index
-    this.rows = [];
+    this.rows = [];  // request indices, in display order
+    this.elements = new Map();  // request index -> its row element, for the rows in view
+    this.sortedAt = 0;
     this.state = null;
     root.innerHTML = `
       <div class="vhead">${COLUMNS.map(([label, key]) =>
@@ -72,10 +75,20 @@ export class RequestTable {
     this.refresh();
   }
 
-  setState(state) { this.state = state; this.refresh(); }
+  setState(state) {  // a new snapshot: request indices may mean other requests now
+    this.state = state;
+    for (const el of this.elements.values()) el.remove();
+    this.elements = new Map();
+    this.refresh(true);
+  }
 
-  refresh() {
+  // Re-filter and re-sort (when forced, or RESORT_MS after the last time), then draw
+  // the rows in view from the current state.
+  refresh(force = true) {
     if (!this.state) return;
+    const now = performance.now();
+    if (!force && now - this.sortedAt < RESORT_MS) { this.renderRows(); return; }
+    this.sortedAt = now;
     const { filter, search, sortKey } = this;
     let rows = [...this.state.requests.values()];
     if (filter === "live") rows = rows.filter((r) => r.status === "running" || r.status === "waiting" || r.status === "swapped");
@@ -86,34 +99,64 @@ export class RequestTable {
       const x = sortValue(a, sortKey), y = sortValue(b, sortKey);
       return (x < y ? -dir : x > y ? dir : 0) || a.index - b.index;
     });
-    this.rows = rows;
+    this.rows = rows.map((r) => r.index);
     this.spacer.style.height = `${rows.length * ROW_HEIGHT}px`;
     this.renderRows();
   }
 
+  get count() { return this.rows.length; }
+
+  // Rows in view are kept as elements, one per request, and updated cell by cell: a
+  // delta changes a few numbers, and rebuilding the rows would restyle them all.
   renderRows() {
     const top = this.body.scrollTop, height = this.body.clientHeight || 380;
     const first = Math.max(0, Math.floor(top / ROW_HEIGHT) - 4);
     const last = Math.min(this.rows.length, Math.ceil((top + height) / ROW_HEIGHT) + 4);
-    let html = "";
-    for (let k = first; k < last; k++) html += this.rowHtml(this.rows[k], k);
-    this.spacer.innerHTML = html;
+    const shown = new Map();
+    for (let k = first; k < last; k++) {
+      const r = this.state.requests.get(this.rows[k]);
+      if (!r) continue;
+      const el = this.elements.get(r.index) || this.createRow(r);
+      this.updateRow(el, r, k);
+      shown.set(r.index, el);
+    }
+    for (const [index, el] of this.elements) if (!shown.has(index)) el.remove();
+    this.elements = shown;
   }
 
-  rowHtml(r, k) {
-    const buttons = this.operator ? (ACTIONS[r.status] || []).map(([action, label]) =>
-      `<button class="small ${action === "abort" ? "danger" : "secondary"}" data-action="${action}">${label}</button>`).join("") : "";
-    const job = r.job_id ? `<a href="/jobs/${esc(r.job_id)}/">${esc(r.job_id)}</a>` : "–";
-    return `<div class="vrow${r.index === this.selected ? " selected" : ""}" style="top:${k * ROW_HEIGHT}px"
-      data-index="${r.index}" data-request="${esc(r.request_id)}">
-      <div class="hue" style="background:${ownerCss(r.index)}"></div>
-      <div class="mono" title="${esc(r.request_id)}">${esc(r.request_id)}</div><div>${job}</div>
-      <div><span class="pill ${esc(r.status)}">${esc(r.status)}${r.parked ? " (parked)" : ""}</span></div>
-      <div class="num">${num(r.num_prompt_tokens)}</div><div class="num">${num(r.num_computed_tokens)}</div>
-      <div class="num">${num(r.num_output_tokens)}</div><div class="num">${num(r.num_cached_tokens)}</div>
-      <div class="num">${r.block_table.length}${r.cpu_block_table.length ? ` <span class="muted">+${r.cpu_block_table.length} cpu</span>` : ""}</div>
-      <div class="num">${r.num_preemptions}</div><div class="num">${r.priority}</div>
-      <div class="actions">${buttons}</div></div>`;
+  createRow(r) {
+    const el = document.createElement("div");
+    el.className = "vrow";
+    el.dataset.index = r.index;
+    el.dataset.request = r.request_id;
+    el.innerHTML = `<div class="hue" style="background:${ownerCss(r.index)}"></div>
+      <div class="mono" title="${esc(r.request_id)}">${esc(r.request_id)}</div>
+      <div>${r.job_id ? `<a href="/jobs/${esc(r.job_id)}/">${esc(r.job_id)}</a>` : "–"}</div>
+      <div></div>${'<div class="num"></div>'.repeat(7)}<div class="actions"></div>`;
+    el.cells = [...el.children];
+    el.shown = [];  // what each cell shows now
+    this.spacer.appendChild(el);
+    return el;
+  }
+
+  updateRow(el, r, k) {
+    const top = `${k * ROW_HEIGHT}px`;
+    if (el.style.top !== top) el.style.top = top;
+    el.classList.toggle("selected", r.index === this.selected);
+    const c = el.cells, shown = el.shown;
+    const set = (i, html) => { if (shown[i] !== html) { shown[i] = html; c[i].innerHTML = html; } };
+    set(3, `<span class="pill ${esc(r.status)}" ${r.parked ? 'title="swapped out by an operator: waits for Swap in"' : ""}>${esc(r.status)}${r.parked ? " ⏸" : ""}</span>`);
+    set(4, num(r.num_prompt_tokens));
+    set(5, num(r.num_computed_tokens));
+    set(6, num(r.num_output_tokens));
+    set(7, num(r.num_cached_tokens));
+    set(8, `${r.block_table.length}${r.cpu_block_table.length ? ` <span class="muted">+${r.cpu_block_table.length}c</span>` : ""}`);
+    set(9, String(r.num_preemptions));
+    set(10, String(r.priority));
+    if (this.operator) {
+      set(11, (ACTIONS[r.status] || []).map(([action, label]) =>
+        `<button class="small ${action === "abort" ? "danger" : "secondary"}" data-action="${action}">${label}</button>`).join(""));
+    }
   }
 
   click(event) {
@@ -136,7 +179,7 @@ export class RequestTable {
 
   // Scroll so the selected request's row shows.
   reveal(index) {
-    const at = this.rows.findIndex((r) => r.index === index);
+    const at = this.rows.indexOf(index);
     if (at >= 0) this.body.scrollTop = Math.max(0, at * ROW_HEIGHT - 60);
   }
 }

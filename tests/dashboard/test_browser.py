@@ -1,0 +1,160 @@
+"""The dashboard end to end, in headless Chromium against the real stack (daphne, a
+simulated engine worker, Redis, SQLite): log in, submit a job, watch its tokens and its
+blocks, preempt and swap it out from the engine page, and see a non-operator get no
+buttons and a 403. Screenshots go to artifacts/dashboard/ (looked at, not compared)."""
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.service.stack import Stack
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts" / "dashboard"
+FREE_RGB = [0xE9, 0xEC, 0xF1]  # static/kvops/colors.js CSS.free
+pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(),
+                                reason="needs Debian's chromium (make setup installs it)")
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    s = Stack(Path(tmp_path_factory.mktemp("browser-stack")))
+    try:
+        s.start_web()
+        s.start_engine("sim", simulate=1, vocab_size=32000, num_gpu_blocks=768,
+                       num_cpu_blocks=256, block_size=16, max_num_seqs=16, simulate_step_ms=25)
+        yield s
+    finally:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    playwright = pytest.importorskip("playwright.sync_api")
+    with playwright.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+        yield b
+        b.close()
+
+
+def logged_in_page(browser, stack, user: str, password: str):
+    context = browser.new_context(viewport={"width": 1500, "height": 1000})
+    page = context.new_page()
+    errors = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(f"{stack.url}/accounts/login/")
+    page.fill("input[name=username]", user)
+    page.fill("input[name=password]", password)
+    page.click("button[type=submit]")
+    page.wait_for_url(f"{stack.url}/")
+    return page, errors
+
+
+def shot(page, name: str) -> None:
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
+
+
+def block_pixel(page, request_id: str, pool: str):
+    """The colour of the first block of the request's table on a map (None: no block)."""
+    return page.evaluate("""([rid, pool]) => {
+        const s = kvops.state(); const r = s && s.requestById(rid);
+        const table = r && (pool === "gpu" ? r.block_table : r.cpu_block_table);
+        if (!table || !table.length) return null;
+        const map = pool === "gpu" ? kvops.gpuMap : kvops.cpuMap;
+        const id = table[0];
+        const x = (id % map.cols) * map.cell, y = Math.floor(id / map.cols) * map.cell;
+        return Array.from(map.ctx.getImageData(x, y, 1, 1).data.slice(0, 3));
+    }""", [request_id, pool])
+
+
+def row_field(page, request_id: str, column: int) -> str:
+    return page.inner_text(f'.vrow[data-request="{request_id}"] > div:nth-child({column})')
+
+
+def operator_action(page, request_id: str, action: str) -> None:
+    page.click(f'.vrow[data-request="{request_id}"] button[data-action="{action}"]')
+    page.click("#confirm-ok")
+    page.wait_for_function("document.querySelector('#answer').textContent.includes('HTTP 200')")
+    page.wait_for_function(
+        "([a, r]) => [...document.querySelectorAll('#actions td')].some("
+        "td => td.textContent.includes(a) && td.textContent.includes(r))", arg=[action, request_id])
+
+
+def test_dashboard_end_to_end(stack, browser):
+    page, errors = logged_in_page(browser, stack, "admin", "admin-pass-123")
+    page.wait_for_function("document.querySelector('.card[data-engine=sim] [data-f=status]')"
+                           ".textContent === 'ready'")
+    shot(page, "overview")
+
+    # Submit a job from the jobs page and watch its tokens stream in.
+    page.goto(f"{stack.url}/jobs/")
+    page.fill("textarea[name=prompt]", "Tell the story of paged attention. " * 4)
+    page.fill("input[name=max_tokens]", "3000")
+    page.click("#submit button[type=submit]")
+    page.wait_for_url("**/jobs/*/")
+    page.wait_for_function("document.querySelector('#output').textContent.length > 20")
+    first = len(page.inner_text("#output"))
+    page.wait_for_function(f"document.querySelector('#output').textContent.length > {first + 20}")
+    page.wait_for_selector("#gpu-chips .chip")  # its block table, from the engine
+    request_id = page.inner_text("#facts dd:nth-of-type(4)")
+    assert request_id.startswith("job-")
+    shot(page, "job-page")
+
+    # The engine page: the request and its blocks on the map.
+    page.goto(f"{stack.url}/engines/sim/?request={request_id}")
+    page.wait_for_function("window.kvopsPerf && kvopsPerf.snapshots >= 1 && kvopsPerf.deltas >= 5")
+    page.wait_for_selector(f'.vrow.selected[data-request="{request_id}"]')
+    assert row_field(page, request_id, 4) == "running"
+    pixel = block_pixel(page, request_id, "gpu")
+    assert pixel is not None and pixel != FREE_RGB  # painted in its owner's colour
+    page.hover("#gpu-map", position={"x": 3, "y": 3})
+    assert "GPU block 0" in page.inner_text("#tooltip")
+    shot(page, "engine-page")
+
+    # Preempt: the engine answers, the table counts it, the log and the events show it.
+    operator_action(page, request_id, "preempt")
+    page.wait_for_function(
+        f"document.querySelector('.vrow[data-request=\"{request_id}\"] > div:nth-child(10)')"
+        ".textContent.trim() === '1'")
+    page.wait_for_selector(f'#events .ev:has-text("Preempted"):has-text("{request_id}")')
+
+    # Swap out: its blocks leave the GPU map for the CPU pool.
+    page.wait_for_function(f"""() => {{ const r = kvops.state().requestById("{request_id}");
+        return r && r.status === "running" && r.block_table.length > 0; }}""")
+    operator_action(page, request_id, "swap-out")
+    page.wait_for_function(f"""() => {{ const r = kvops.state().requestById("{request_id}");
+        return r && r.status === "swapped" && r.block_table.length === 0
+               && r.cpu_block_table.length > 0; }}""")
+    assert row_field(page, request_id, 4).startswith("swapped")
+    assert block_pixel(page, request_id, "cpu") not in (None, FREE_RGB)
+    page.wait_for_selector(f'#events .ev:has-text("SwappedOut"):has-text("{request_id}")')
+    shot(page, "engine-page-swapped")
+    perf = json.loads(page.evaluate("JSON.stringify({n: kvopsPerf.deltas, resyncs: kvopsPerf.resyncs,"
+                                    " apply: kvopsPerf.applyMs})"))
+    assert perf["n"] > 10 and max(perf["apply"]) < 250, perf
+
+    page.goto(f"{stack.url}/actions/")
+    log = page.inner_text("#actions-log")
+    assert "swap-out" in log and "preempt" in log and request_id in log
+    assert not errors, errors
+
+    # A user who is not an operator: no buttons, and the API refuses.
+    alice, alice_errors = logged_in_page(browser, stack, "alice", "alice-pass-123")
+    alice.goto(f"{stack.url}/engines/sim/")
+    alice.wait_for_selector(f'.vrow[data-request="{request_id}"]')
+    assert alice.locator(".vrow button").count() == 0
+    assert alice.locator("#prefix-controls").count() == 0
+    status = alice.evaluate("""async (rid) => {
+        const token = document.cookie.match(/csrftoken=([^;]+)/)[1];
+        const r = await fetch(`/api/engines/sim/requests/${rid}/swap-in/`, {method: "POST",
+            headers: {"X-CSRFToken": token, "Content-Type": "application/json"}, body: "{}"});
+        return r.status; }""", request_id)
+    assert status == 403
+    shot(alice, "engine-page-viewer")
+    assert not alice_errors, alice_errors
+    page.goto(f"{stack.url}/engines/sim/?request={request_id}")
+    page.wait_for_selector(f'.vrow[data-request="{request_id}"] button[data-action="abort"]')
+    operator_action(page, request_id, "abort")  # leave the engine idle
