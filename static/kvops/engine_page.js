@@ -251,7 +251,9 @@ for (const [map, poolName] of [[gpuMap, "gpu"], [cpuMap, "cpu"]]) {
     if (id < 0) { tooltip.style.display = "none"; return; }
     tooltip.innerHTML = describe(poolName, id);
     tooltip.style.display = "block";
-    const x = Math.min(event.clientX + 14, window.innerWidth - tooltip.offsetWidth - 8);
+    const right = event.clientX < window.innerWidth / 2;  // open toward the wider side
+    const x = right ? Math.min(event.clientX + 14, window.innerWidth - tooltip.offsetWidth - 8)
+                    : Math.max(8, event.clientX - 14 - tooltip.offsetWidth);
     const y = Math.min(event.clientY + 14, window.innerHeight - tooltip.offsetHeight - 8);
     tooltip.style.left = `${x}px`;
     tooltip.style.top = `${y}px`;
