@@ -178,7 +178,8 @@ class EnginePublisher:
                 "metrics": point})
         if now >= self._due["metrics"]:
             self._due["metrics"] = now + self.metrics_interval_s
-            live.append_metrics(self.name, point, _setting("KVOPS_METRICS_HISTORY", METRICS_HISTORY))
+            live.append_metrics(self.name, point,
+                                _setting("KVOPS_METRICS_HISTORY", METRICS_HISTORY))
 
     def _answer_queries(self) -> None:
         queries = live.take_engine_queries(self.name)

@@ -62,8 +62,8 @@ def start_engine(name: str, blocks: int, num_requests: int, step_ms: float):
             added[0] += 1
             prompt = (shared if i % 3 == 0 else []) + [rng.randrange(32000) for _ in
                                                        range(rng.randrange(200, 900))]
-            engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=rng.randrange(500, 3000)),
-                               job_id=str(100000 + i))
+            params = SamplingParams(max_tokens=rng.randrange(500, 3000))
+            engine.add_request(f"r{i}", prompt, params, job_id=str(100000 + i))
 
     stop = threading.Event()
 
@@ -100,16 +100,18 @@ def measure(url: str, name: str, seconds: float, screenshot: Path | None) -> dic
         page.wait_for_function("window.kvopsPerf && kvopsPerf.snapshots >= 1", timeout=60000)
         first_paint = time.time() - opened
         page.evaluate("""() => { window.longTasks = []; new PerformanceObserver((l) =>
-            l.getEntries().forEach((e) => longTasks.push(e.duration))).observe({entryTypes: ["longtask"]});
+            l.getEntries().forEach((e) => longTasks.push(e.duration)))
+            .observe({entryTypes: ["longtask"]});
             window.frames_ = []; let last = performance.now();
             const tick = (t) => { frames_.push(t - last); last = t; requestAnimationFrame(tick); };
             requestAnimationFrame(tick); }""")
         time.sleep(3)  # settle after the snapshot
-        start = json.loads(page.evaluate(
-            "JSON.stringify({b: kvopsPerf.bytes(), f: kvopsPerf.frames(), n: kvopsPerf.applyMs.length})"))
+        start = json.loads(page.evaluate("JSON.stringify({b: kvopsPerf.bytes(), "
+                                         "f: kvopsPerf.frames(), n: kvopsPerf.applyMs.length})"))
         began = time.time()
         time.sleep(seconds)
-        end = json.loads(page.evaluate("""JSON.stringify({b: kvopsPerf.bytes(), f: kvopsPerf.frames(),
+        end = json.loads(page.evaluate("""JSON.stringify({
+            b: kvopsPerf.bytes(), f: kvopsPerf.frames(),
             apply: kvopsPerf.applyMs, decode: kvopsPerf.decodeMs, resyncs: kvopsPerf.resyncs,
             long: window.longTasks, frames: window.frames_, parts: kvopsPerf.parts,
             requests: kvops.state().requests.size,
@@ -137,7 +139,8 @@ def measure(url: str, name: str, seconds: float, screenshot: Path | None) -> dic
         "frame interval ms p95": round(percentile(frames, 0.95), 1),
         "frames over 33 ms": sum(1 for f in frames if f > 33.4),
         "ms per delta: state/maps/table/rest": "/".join(
-            f"{end['parts'][k] / max(1, len(end['apply'])):.2f}" for k in ("state", "maps", "table", "rest")),
+            f"{end['parts'][k] / max(1, len(end['apply'])):.2f}"
+            for k in ("state", "maps", "table", "rest")),
     }
 
 

@@ -9,9 +9,8 @@ from django.conf import settings
 def _use_private_redis() -> None:
     url = os.environ["REDIS_URL"]
     settings.REDIS_URL = url
-    settings.CHANNEL_LAYERS = {"default": {**settings.CHANNEL_LAYERS["default"],
-                                           "CONFIG": {**settings.CHANNEL_LAYERS["default"]["CONFIG"],
-                                                      "hosts": [url]}}}
+    layer = settings.CHANNEL_LAYERS["default"]
+    settings.CHANNEL_LAYERS = {"default": {**layer, "CONFIG": {**layer["CONFIG"], "hosts": [url]}}}
     from channels.layers import channel_layers
     channel_layers.backends.clear()
     from kvops import live

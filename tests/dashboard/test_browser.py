@@ -132,8 +132,8 @@ def test_dashboard_end_to_end(stack, browser):
     assert block_pixel(page, request_id, "cpu") not in (None, FREE_RGB)
     page.wait_for_selector(f'#events .ev:has-text("SwappedOut"):has-text("{request_id}")')
     shot(page, "engine-page-swapped")
-    perf = json.loads(page.evaluate("JSON.stringify({n: kvopsPerf.deltas, resyncs: kvopsPerf.resyncs,"
-                                    " apply: kvopsPerf.applyMs})"))
+    perf = json.loads(page.evaluate("JSON.stringify({n: kvopsPerf.deltas, "
+                                    "resyncs: kvopsPerf.resyncs, apply: kvopsPerf.applyMs})"))
     assert perf["n"] > 10 and max(perf["apply"]) < 250, perf
 
     page.goto(f"{stack.url}/actions/")
