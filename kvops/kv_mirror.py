@@ -10,9 +10,15 @@ previous ones and returns the delta. `KVMirror.snapshot()` builds the same docum
 Why a capture may be read on another thread: a block table (a list) only ever grows by
 `extend` while it belongs to a request and is replaced, never edited, otherwise; so the
 first `length` entries of a captured table stay what they were. Block ids never change.
+
+The prefix-cache map and the pins are followed through the engine's KV events (made so
+that a router can mirror an engine's cache: BlockStored, BlockEvicted, AllBlocksCleared,
+Pinned, Unpinned). A full scan of the pool, every FULL_SCAN_S and whenever events are
+off, corrects the mirror if an event was ever missed, and says so in the log.
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, fields
 from operator import attrgetter
@@ -36,10 +42,11 @@ _INDEX = REQUEST_FIELDS.index("index")
 _COMPUTED = REQUEST_FIELDS.index("num_computed_tokens")
 _OUTPUT = REQUEST_FIELDS.index("num_output_tokens")  # right after _COMPUTED (_only_progress)
 PIN_EVENTS = frozenset({"Pinned", "Unpinned", "AllBlocksCleared"})
-PIN_RESCAN_S = 5.0  # rescan pins this often even without a pin event (safety net)
+FULL_SCAN_S = 5.0  # how often the hash map and pins are read whole (a safety net)
 EVENT_MAX_BLOCKS = 16  # block ids kept per event on the wire and in the history
 _EVENT_FIELDS = tuple(f.name for f in fields(KVEvent))
 _BLOCK_ID = attrgetter("block_id")
+log = logging.getLogger(__name__)
 
 
 def _request_row(r) -> tuple:
@@ -50,9 +57,10 @@ def _request_row(r) -> tuple:
 
 @dataclass(slots=True)
 class PoolCapture:
+    name: str  # "gpu" or "cpu", as events name pools
     num_blocks: int
     tables: list[tuple[int, list, int]]  # (request index, the table list itself, its length now)
-    cached: dict  # a copy of the pool's hash -> block map
+    cached: dict | None  # a copy of the hash -> block map; None: follow the events instead
     pinned: list[int] | None  # ids of pinned blocks; None: no pin changed since the last capture
 
 
@@ -67,39 +75,45 @@ class Capture:
     eviction_order: list[int]
     metrics: dict
     events: list[KVEvent]  # taken from the engine since the last capture
+    events_on: bool = True  # False: the engine keeps no events (max_pending_events=0)
 
 
 class Capturer:
-    """Takes captures on the loop thread; knows when pins must be rescanned (a full pass
-    over the pool, so only after a pin event or every PIN_RESCAN_S)."""
+    """Takes captures on the loop thread. Reading the whole hash map and every block's
+    pin costs milliseconds at 65,536 blocks, so it happens every FULL_SCAN_S (and at
+    each capture when the engine keeps no events); pins also after a pin event."""
 
-    def __init__(self) -> None:
-        self._last_pin_scan = float("-inf")
+    def __init__(self, full_scan_s: float = FULL_SCAN_S) -> None:
+        self.full_scan_s = full_scan_s
+        self._last_scan = float("-inf")
 
     def capture(self, engine: LLMEngine) -> Capture:
         events = engine.take_events()
+        events_on = engine.config.max_pending_events > 0
         now = time.monotonic()
-        rescan = now - self._last_pin_scan >= PIN_RESCAN_S or any(
-            e.type in PIN_EVENTS for e in events)
-        if rescan:
-            self._last_pin_scan = now
+        full = now - self._last_scan >= self.full_scan_s or not events_on
+        if full:
+            self._last_scan = now
+        pins = full or any(e.type in PIN_EVENTS for e in events)
         sched, kv = engine.scheduler, engine.kv
         live = sched.requests
         rows = [_request_row(r) for r in live.values()]
         rows += [_request_row(r) for r in sched.recently_finished if r.request_id not in live]
         return Capture(
             ts=time.time(), step=engine.step_count, version=engine.version, requests=rows,
-            gpu=_capture_pool(kv.gpu, kv.req_to_blocks, live, rescan),
-            cpu=_capture_pool(kv.cpu, kv.req_to_cpu_blocks, live, rescan),
+            gpu=_capture_pool(kv.gpu, kv.req_to_blocks, live, full, pins),
+            cpu=_capture_pool(kv.cpu, kv.req_to_cpu_blocks, live, full, pins),
             eviction_order=kv.gpu.eviction_order(EVICTION_ORDER_LEN),
-            metrics=engine.metrics(), events=events)
+            metrics=engine.metrics(), events=events, events_on=events_on)
 
 
-def _capture_pool(pool: BlockPool, tables: dict, live: dict, rescan_pins: bool) -> PoolCapture:
+def _capture_pool(pool: BlockPool, tables: dict, live: dict, full: bool,
+                  pins: bool) -> PoolCapture:
     captured = [(live[rid].index, table, len(table)) for rid, table in tables.items()
                 if rid in live]
-    pinned = [b.block_id for b in pool.blocks if b.pinned] if rescan_pins else None
-    return PoolCapture(pool.num_blocks, captured, dict(pool.cached), pinned)
+    pinned = [b.block_id for b in pool.blocks if b.pinned] if pins else None
+    return PoolCapture(pool.pool, pool.num_blocks, captured,
+                       dict(pool.cached) if full else None, pinned)
 
 
 def event_record(event: KVEvent) -> dict:
@@ -125,7 +139,8 @@ class _Table:
 class PoolMirror:
     """Per-block arrays of one pool (format of engine.snapshot) and its block tables."""
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, name: str, num_blocks: int) -> None:
+        self.name = name
         self.num_blocks = num_blocks
         self.state = np.zeros(num_blocks, dtype=np.uint8)
         self.ref_cnt = np.zeros(num_blocks, dtype=np.int32)
@@ -133,6 +148,11 @@ class PoolMirror:
         self.hash32 = np.zeros(num_blocks, dtype=np.uint32)
         self.tables: dict[int, _Table] = {}  # request index -> its table, in capture order
         self.pinned = np.zeros(0, dtype=np.int64)
+        # The prefix-cache map as events and scans tell it (hash32 is 0 where not hashed).
+        self._hashed = np.zeros(num_blocks, dtype=bool)
+        self._hash32 = np.zeros(num_blocks, dtype=np.uint32)
+        self._scanned = False
+        self.drift = 0  # full scans that found the event-kept map wrong
 
     def arrays(self) -> dict[str, np.ndarray]:
         return {"state": self.state, "ref_cnt": self.ref_cnt, "owner": self.owner,
@@ -142,12 +162,17 @@ class PoolMirror:
         table = self.tables.get(index)
         return [] if table is None else table.ids.tolist()
 
-    def apply(self, cap: PoolCapture) -> tuple[dict | None, dict | None]:
-        """Take in a capture. Returns (changed blocks, table changes), None for no change."""
+    def apply(self, cap: PoolCapture, events: list[KVEvent],
+              events_on: bool = True) -> tuple[dict | None, dict | None]:
+        """Take in a capture and the events since the last one (events_on: the engine
+        keeps events). Returns (changed blocks, table changes), None for no change."""
         table_ops = self._apply_tables(cap.tables)
         if cap.pinned is not None:
             self.pinned = np.asarray(cap.pinned, dtype=np.int64)
-        state, ref_cnt, owner, hash32 = self._arrays(cap.cached)
+        self._follow_events(events)
+        if cap.cached is not None:
+            self._scan_hashes(cap.cached, verify=events_on)
+        state, ref_cnt, owner, hash32 = self._arrays()
         changed = np.flatnonzero((state != self.state) | (ref_cnt != self.ref_cnt)
                                  | (owner != self.owner) | (hash32 != self.hash32))
         self.state, self.ref_cnt, self.owner, self.hash32 = state, ref_cnt, owner, hash32
@@ -181,14 +206,24 @@ class PoolMirror:
             return None
         return {"append": appended, "set": replaced}
 
-    def _arrays(self, cached: dict) -> tuple[np.ndarray, ...]:
-        n = self.num_blocks
-        parts = [t.ids for t in self.tables.values()]
-        all_ids = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
-        holders = np.bincount(all_ids, minlength=n).astype(np.int32)
-        owner = self._owners(all_ids, parts, holders)
-        hashed = np.zeros(n, dtype=bool)
-        hash32 = np.zeros(n, dtype=np.uint32)
+    def _follow_events(self, events: list[KVEvent]) -> None:
+        for e in events:
+            if e.pool != self.name:
+                continue
+            if e.type == "BlockStored":
+                for block_id, short_hash in zip(e.block_ids, e.block_hashes):
+                    self._hashed[block_id] = True
+                    self._hash32[block_id] = int(short_hash[:8], 16) if short_hash else 0
+            elif e.type == "BlockEvicted":
+                self._hashed[e.block_ids] = False
+                self._hash32[e.block_ids] = 0
+            elif e.type == "AllBlocksCleared":
+                self._hashed[:] = False
+                self._hash32[:] = 0
+
+    def _scan_hashes(self, cached: dict, verify: bool) -> None:
+        hashed = np.zeros(self.num_blocks, dtype=bool)
+        hash32 = np.zeros(self.num_blocks, dtype=np.uint32)
         if cached:
             ids = np.fromiter(map(_BLOCK_ID, cached.values()), np.int64, len(cached))
             size = len(next(iter(cached)))
@@ -196,6 +231,21 @@ class PoolMirror:
             hashed[ids] = True
             hash32[ids] = np.ascontiguousarray(
                 digests.view(np.uint8).reshape(len(cached), size)[:, :4]).view(">u4").ravel()
+        if verify and self._scanned and not np.array_equal(hash32, self._hash32):
+            self.drift += 1
+            log.warning("%s pool: the prefix-cache map kept from KV events differed from the "
+                        "engine's at %d blocks (an event was missed); corrected",
+                        self.name, int(np.count_nonzero(hash32 != self._hash32)))
+        self._hashed, self._hash32 = hashed, hash32
+        self._scanned = True
+
+    def _arrays(self) -> tuple[np.ndarray, ...]:
+        n = self.num_blocks
+        parts = [t.ids for t in self.tables.values()]
+        all_ids = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
+        holders = np.bincount(all_ids, minlength=n).astype(np.int32)
+        owner = self._owners(all_ids, parts, holders)
+        hashed, hash32 = self._hashed, self._hash32.copy()
         ref_cnt = holders
         ref_cnt[self.pinned] += 1  # a pin holds one reference
         state = np.where(ref_cnt > 0, USED, FREE).astype(np.uint8)
@@ -233,8 +283,8 @@ class KVMirror:
         self.ts = 0.0
         self.step = 0
         self.version = -1
-        self.gpu = PoolMirror(config["num_gpu_blocks"])
-        self.cpu = PoolMirror(config["num_cpu_blocks"])
+        self.gpu = PoolMirror("gpu", config["num_gpu_blocks"])
+        self.cpu = PoolMirror("cpu", config["num_cpu_blocks"])
         self.requests: dict[int, tuple] = {}  # index -> REQUEST_FIELDS row, snapshot order
         self.eviction_order: list[int] = []
         self.metrics: dict = {}
@@ -247,7 +297,7 @@ class KVMirror:
                        "seq": self.seq, "ts": cap.ts, "step": cap.step}
         tables = {}
         for name, pool, pool_cap in (("gpu", self.gpu, cap.gpu), ("cpu", self.cpu, cap.cpu)):
-            blocks, ops = pool.apply(pool_cap)
+            blocks, ops = pool.apply(pool_cap, cap.events, cap.events_on)
             if blocks is not None:
                 delta[name] = blocks
             if ops is not None:

@@ -22,11 +22,13 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "kvops.settings")
 
 
 def population(num_requests: int, seed: int = 0) -> list[list[int]]:
-    """Prompts of 200-900 tokens; every third one starts with the same 256-token prefix."""
+    """Prompts of 100-600 tokens; every third one starts with the same 256-token prefix.
+    (Short enough that 1,000 of them growing for a row's time fit in 65,536 blocks: both
+    rows of a pair then go through the same states, without preemption.)"""
     rng = random.Random(seed)
     shared = [rng.randrange(32000) for _ in range(256)]
     return [(shared if i % 3 == 0 else []) + [rng.randrange(32000) for _ in
-                                              range(rng.randrange(200, 900))]
+                                              range(rng.randrange(100, 600))]
             for i in range(num_requests)]
 
 
@@ -58,7 +60,8 @@ def run(blocks: int, num_requests: int, seconds: float, step_ms: float,
                                     e.scheduler.counters.num_generation_tokens))
     if publisher is not None:
         before = (publisher.stats.captures, publisher.stats.capture_s, publisher.stats.deltas,
-                  publisher.stats.publish_s, publisher.stats.delta_bytes)
+                  publisher.stats.publish_s, publisher.stats.delta_bytes,
+                  publisher.stats.publish_cpu_s)
     time.sleep(seconds)
     end = service.call(lambda e: (time.perf_counter(), e.step_count,
                                   e.scheduler.counters.num_generation_tokens,
@@ -77,6 +80,7 @@ def run(blocks: int, num_requests: int, seconds: float, step_ms: float,
             "hook ms/capture": 1000 * (s.capture_s - before[1]) / max(1, captures),
             "loop share %": 100 * (s.capture_s - before[1]) / elapsed,
             "thread ms/delta": 1000 * (s.publish_s - before[3]) / deltas,
+            "thread CPU ms/delta": 1000 * (s.publish_cpu_s - before[5]) / deltas,
             "KB/s": (s.delta_bytes - before[4]) / 1024 / elapsed,
         })
         publisher.close()
@@ -87,23 +91,26 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--blocks", type=int, default=65536)
     parser.add_argument("--requests", type=int, default=1000)
-    parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--seconds", type=float, default=15.0)
     parser.add_argument("--step-ms", type=float, nargs="+", default=[20.0, 0.0])
+    parser.add_argument("--repeat", type=int, default=2, help="off/on pairs per step_ms")
     args = parser.parse_args(argv)
     import django
     django.setup()
     rows = []
     for step_ms in args.step_ms:
-        for publish in (False, True):
-            rows.append(run(args.blocks, args.requests, args.seconds, step_ms, publish))
-            print(rows[-1], file=sys.stderr, flush=True)
+        for _ in range(args.repeat):  # alternate, so a change in machine load hits both
+            for publish in (False, True):
+                rows.append(run(args.blocks, args.requests, args.seconds, step_ms, publish))
+                print(rows[-1], file=sys.stderr, flush=True)
     columns = ["publisher", "step_ms", "steps/s", "tokens/s", "running", "kv_usage",
-               "deltas/s", "hook ms/capture", "loop share %", "thread ms/delta", "KB/s"]
+               "deltas/s", "hook ms/capture", "loop share %", "thread ms/delta",
+               "thread CPU ms/delta", "KB/s"]
     print(f"{args.blocks} GPU blocks, {args.requests} requests, {args.seconds:g} s per row")
-    print(" | ".join(f"{c:>15}" for c in columns))
+    print(" | ".join(f"{c:>12}" for c in columns))
     for row in rows:
-        print(" | ".join(f"{row.get(c, ''):>15.2f}" if isinstance(row.get(c), float)
-                         else f"{row.get(c, ''):>15}" for c in columns))
+        print(" | ".join(f"{row.get(c, ''):>12.2f}" if isinstance(row.get(c), float)
+                         else f"{row.get(c, ''):>12}" for c in columns))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """The mirror the publisher keeps equals engine.snapshot(), and its deltas rebuild it."""
 import numpy as np
+import pytest
 
 from engine import SamplingParams
 from engine.snapshot import decode_array
@@ -19,9 +20,10 @@ def same_state(snapshot: dict, engine_snapshot: dict) -> None:
     assert snapshot["block_states"] == engine_snapshot["block_states"]
 
 
-def test_mirror_snapshot_equals_engine_snapshot_through_churn():
+@pytest.mark.parametrize("full_scan_s", [float("inf"), 0.0], ids=["events", "full-scans"])
+def test_mirror_snapshot_equals_engine_snapshot_through_churn(full_scan_s):
     engine = churn_engine()
-    churn, capturer = Churn(engine, seed=1), Capturer()
+    churn, capturer = Churn(engine, seed=1), Capturer(full_scan_s=full_scan_s)
     mirror = KVMirror("t", "epoch", engine.describe_config())
     for i in range(400):
         churn()
@@ -29,7 +31,37 @@ def test_mirror_snapshot_equals_engine_snapshot_through_churn():
             mirror.apply(capturer.capture(engine))
             same_state(mirror.snapshot(), engine.snapshot(compact=True))
     # the walk went through everything the dashboard draws
-    assert {"add", "preempt", "swap_out", "swap_in", "pin", "unpin", "evict"} <= churn.seen
+    assert {"add", "preempt", "swap_out", "swap_in", "pin", "unpin", "evict", "reset"} <= churn.seen
+    assert mirror.gpu.drift == 0
+
+
+def test_an_engine_without_events_is_scanned_every_time():
+    engine = churn_engine(max_pending_events=0)
+    churn, capturer = Churn(engine, seed=5), Capturer(full_scan_s=float("inf"))
+    mirror = KVMirror("t", "epoch", engine.describe_config())
+    for i in range(150):
+        churn()
+        if i % 4 == 0:
+            mirror.apply(capturer.capture(engine))
+            same_state(mirror.snapshot(), engine.snapshot(compact=True))
+    assert mirror.gpu.drift == 0
+
+
+def test_a_full_scan_corrects_a_missed_event(caplog):
+    engine = churn_engine()
+    churn, capturer = Churn(engine, seed=4), Capturer(full_scan_s=float("inf"))
+    mirror = KVMirror("t", "epoch", engine.describe_config())
+    mirror.apply(capturer.capture(engine))
+    for _ in range(40):
+        churn()
+    engine.take_events()  # someone else took them: the mirror misses BlockStored events
+    mirror.apply(capturer.capture(engine))
+    assert not np.array_equal(decode_array(mirror.snapshot()["gpu"]["hash32"]),
+                              decode_array(engine.snapshot(compact=True)["gpu"]["hash32"]))
+    capturer.full_scan_s = 0.0
+    mirror.apply(capturer.capture(engine))
+    same_state(mirror.snapshot(), engine.snapshot(compact=True))
+    assert mirror.gpu.drift == 1 and "an event was missed" in caplog.text
 
 
 def test_deltas_applied_to_a_snapshot_rebuild_the_state():
