@@ -1,4 +1,6 @@
 """Pages (thin: they render templates; the data comes from the API and websockets)."""
+import json
+
 from django.contrib.auth.decorators import login_required
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, render
@@ -45,6 +47,15 @@ def actions_page(request: HttpRequest) -> HttpResponse:
     engine = request.GET.get("engine", "")
     if engine:
         actions = actions.filter(engine=engine)
+    rows = [{"action": a, "params": json.dumps(a.params) if a.params else "",
+             "answer": _answer(a.result)} for a in actions[:ACTIONS_SHOWN]]
     return render(request, "kvops/actions.html", {
-        "actions": actions[:ACTIONS_SHOWN], "engine": engine, "shown": ACTIONS_SHOWN,
+        "rows": rows, "engine": engine, "shown": ACTIONS_SHOWN,
         "engines": [e.name for e in selectors.engines()]})
+
+
+def _answer(result: dict) -> str:
+    """The engine's answer in one line: its error, or its result as JSON."""
+    if result.get("message"):
+        return f"{result.get('error', 'error')}: {result['message']}"
+    return json.dumps(result.get("result", result))

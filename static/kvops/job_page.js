@@ -64,7 +64,15 @@ function showState(message) {
     renderFacts();
   }
   if (status !== lastStatus || message.finished) loadJob();
+  if (TERMINAL.has(status) && !TERMINAL.has(lastStatus ?? "")) blocksReleased();
   lastStatus = status;
+}
+
+function blocksReleased() {  // the last table shown stays, marked as the past
+  const box = $("#blocks");
+  if (!box.querySelector(".chips")) return;
+  box.querySelector(".pill")?.remove();
+  box.insertAdjacentHTML("afterbegin", '<p class="muted" style="margin:0 0 6px">The request has ended: these blocks went back to the pool (cached ones stay findable for prefix hits).</p>');
 }
 
 function showBlocks(message) {
