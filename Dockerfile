@@ -9,6 +9,6 @@ WORKDIR /app
 COPY . /app
 # Same steps as `make setup`: the virtualenv with the pinned dependencies, then the
 # default model converted into /data/models (a volume shared by all services).
-RUN make PYTHON=python3.11 setup-python
+RUN make PYTHON=python3.11 setup-python model
 EXPOSE 8000
 CMD [".venv/bin/python", "-m", "daphne", "-b", "0.0.0.0", "-p", "8000", "kvops.asgi:application"]

