@@ -212,8 +212,3 @@ class EnginePublisher:
         live.store_snapshot(self.name, self.mirror.snapshot())
         took = time.monotonic() - now
         self._due["store"] = now + max(self.store_interval_s, took / STORE_SHARE)
-
-
-# The worker registered the REST snapshot keeper under this name; the live publisher
-# does that job too.
-SnapshotPublisher = EnginePublisher

@@ -130,6 +130,8 @@ KVOPS_JOB_TIMEOUT_S = int(os.environ.get("KVOPS_JOB_TIMEOUT_S", 3600))
 KVOPS_CONTROL_TIMEOUT_S = float(os.environ.get("KVOPS_CONTROL_TIMEOUT_S", 5))
 KVOPS_HEARTBEAT_S = float(os.environ.get("KVOPS_HEARTBEAT_S", 2))
 KVOPS_ENGINE_DEAD_AFTER_S = float(os.environ.get("KVOPS_ENGINE_DEAD_AFTER_S", 15))
+KVOPS_EVENT_HISTORY = int(os.environ.get("KVOPS_EVENT_HISTORY", 10_000))  # KV events kept per engine
+KVOPS_METRICS_HISTORY = int(os.environ.get("KVOPS_METRICS_HISTORY", 3600))  # metric points (1/s)
 
 LOGGING = {
     "version": 1,

@@ -44,8 +44,8 @@ def _start_engine(sender=None, **kwargs) -> None:
     _service = EngineService(config)
     _service.start()
     from kvops.prefix_index import PrefixIndexPublisher
-    from kvops.publisher import SnapshotPublisher
-    _service.add_hook(SnapshotPublisher(config.name))
+    from kvops.publisher import EnginePublisher
+    _service.add_hook(EnginePublisher(config.name))
     # Subscribing to the engine's events happens on its loop thread, like all engine calls.
     _service.add_hook(_service.call(lambda engine: PrefixIndexPublisher(config.name, engine)))
     hostname = getattr(sender, "hostname", None) or f"engine-{config.name}@{socket.gethostname()}"

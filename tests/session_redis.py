@@ -1,6 +1,7 @@
-"""Test session setup: a private Redis server and data directory for the whole run, so
-tests never touch a developer's Redis or database. Set here, at import time, because
-Django reads REDIS_URL and KVOPS_DATA_DIR when its settings load."""
+"""Test session setup, loaded as a pytest plugin (`-p tests.session_redis` in pyproject):
+a private Redis server for the whole run, so tests never touch a developer's Redis.
+A plugin named with -p is imported before pytest-django loads Django's settings (a
+conftest.py is imported after), so REDIS_URL is right for in-process Django too."""
 import atexit
 import os
 import shutil
@@ -10,7 +11,7 @@ import tempfile
 import time
 
 
-def _free_port() -> int:
+def free_port() -> int:
     # Not kvops.localstack.free_port: importing kvops here would load settings too early.
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -37,7 +38,7 @@ def start_redis(port: int, workdir: str) -> subprocess.Popen:
 
 
 _workdir = tempfile.mkdtemp(prefix="kvops-test-")
-_redis_port = _free_port()
+_redis_port = free_port()
 _redis = start_redis(_redis_port, _workdir)
 atexit.register(_redis.kill)
 atexit.register(shutil.rmtree, _workdir, True)

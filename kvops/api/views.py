@@ -56,7 +56,9 @@ class JobViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.Retrieve
         except PromptTooLong as e:
             raise ValidationError({"prompt": [str(e)]}) from None
         with transaction.atomic():
-            job = services.create_job(request.user, source=Job.Source.API, **kwargs)
+            # A token means a program; a session means someone on the pages.
+            source = Job.Source.API if request.auth is not None else Job.Source.WEB
+            job = services.create_job(request.user, source=source, **kwargs)
         return Response(JobSerializer(job).data, status=status.HTTP_201_CREATED)
 
     @extend_schema(request=None, responses={200: JobSerializer})

@@ -19,8 +19,8 @@ ENGINE = dict(simulate=1, num_gpu_blocks=256, block_size=16, max_num_seqs=8,
 @pytest.fixture()
 def faulty(tmp_path):
     """Two engines on a Redis of their own (so it can be restarted), short heartbeats."""
-    from tests.conftest import _free_port, start_redis
-    port = _free_port()
+    from tests.session_redis import free_port, start_redis
+    port = free_port()
     redis_proc = start_redis(port, str(tmp_path))
     s = Stack(tmp_path, env={"REDIS_URL": f"redis://127.0.0.1:{port}/0",
                              "KVOPS_ENGINE_DEAD_AFTER_S": "3", "KVOPS_ROUTING": "round-robin",
@@ -68,7 +68,7 @@ def test_redis_restart_loses_nothing(faulty):
     faulty.redis_proc.kill()
     faulty.redis_proc.wait()
     time.sleep(1.0)
-    from tests.conftest import start_redis
+    from tests.session_redis import start_redis
     faulty.redis_proc = start_redis(faulty.redis_port, str(faulty.workdir))
     jobs = [faulty.wait_job(i, timeout_s=120) for i in ids]
     assert all(j["status"] == "finished" for j in jobs), [(j["id"], j["status"], j["error"])
