@@ -1,0 +1,58 @@
+"""The service with a real model: an engine worker on a tiny random Llama, its greedy
+output over REST and the OpenAI API equal to transformers' on the same weights."""
+from pathlib import Path
+
+import openai
+import pytest
+
+from engine.hf_tokenizer import HFTokenizer
+from kvops.localstack import Stack
+from tests.models.tiny import SPECS, build_tiny_model, hf_greedy
+
+
+@pytest.fixture(scope="module")
+def tiny_stack(tmp_path_factory):
+    folder = build_tiny_model(SPECS["gqa16"], Path(tmp_path_factory.mktemp("models")))
+    s = Stack(Path(tmp_path_factory.mktemp("tiny-stack")))
+    try:
+        s.start_web()
+        s.start_engine("tiny", model=str(folder), device="cpu", dtype="float32",
+                       attention_backend="torch", num_gpu_blocks=128, block_size=8,
+                       max_num_seqs=8)
+        s.model_folder = folder
+        yield s
+    finally:
+        s.stop()
+
+
+def test_rest_job_matches_transformers(tiny_stack):
+    prompt = "w5 w17 w33 w101 w7 w64 w12 w99 w3 w150 w42"
+    ids = HFTokenizer.from_folder(tiny_stack.model_folder).encode(prompt)
+    want = hf_greedy(tiny_stack.model_folder, [ids], 12)[0]
+    r = tiny_stack.api("POST", "/api/jobs/", json={"prompt": prompt, "max_tokens": 12,
+                                                   "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 201, r.text
+    job = tiny_stack.wait_job(r.json()["id"], timeout_s=120)
+    assert job["status"] == "finished", job["error"]
+    assert job["output_token_ids"] == want
+    assert job["num_prompt_tokens"] == len(ids)
+    # Same prompt again: the prefix cache serves its full blocks.
+    again = tiny_stack.wait_job(tiny_stack.api("POST", "/api/jobs/", json={
+        "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}).json()["id"])
+    assert again["output_token_ids"] == want and again["num_cached_tokens"] >= 8
+
+
+def test_openai_chat_on_the_model(tiny_stack):
+    client = openai.OpenAI(base_url=f"{tiny_stack.url}/v1", api_key=tiny_stack.tokens["alice"],
+                           max_retries=0, timeout=120)
+    (model,) = [m.id for m in client.models.list()]
+    assert model == "gqa16"
+    messages = [{"role": "user", "content": "w9 w8 w7"}]
+    r = client.chat.completions.create(model=model, messages=messages, max_tokens=6,
+                                       temperature=0)
+    tok = HFTokenizer.from_folder(tiny_stack.model_folder)
+    ids = tok.encode(tok.apply_chat_template(messages))
+    want = hf_greedy(tiny_stack.model_folder, [ids], 6)[0]
+    cut = want.index(2) if 2 in want else len(want)  # EOS ends a chat turn
+    assert r.choices[0].message.content == tok.decode(want[:cut])
+    assert r.usage.prompt_tokens == len(ids)
