@@ -19,9 +19,15 @@ class Command(BaseCommand):
             self.stdout.write(f"[kvops] log in with your admin account{hint}")
             return
         username = os.environ.get("DJANGO_SUPERUSER_USERNAME", "admin")
-        password = os.environ.get("DJANGO_SUPERUSER_PASSWORD") or secrets.token_urlsafe(12)
-        User.objects.create_superuser(username, os.environ.get("DJANGO_SUPERUSER_EMAIL", ""),
-                                      password)
+        email = os.environ.get("DJANGO_SUPERUSER_EMAIL", "")
+        if os.environ.get("DJANGO_SUPERUSER_PASSWORD"):  # the caller knows the password
+            User.objects.create_superuser(username, email,
+                                          os.environ["DJANGO_SUPERUSER_PASSWORD"])
+            self.stdout.write(f"[kvops] created admin account {username!r} "
+                              "(password from DJANGO_SUPERUSER_PASSWORD)")
+            return
+        password = secrets.token_urlsafe(12)
+        User.objects.create_superuser(username, email, password)
         creds.parent.mkdir(parents=True, exist_ok=True)
         creds.write_text(f"username: {username}\npassword: {password}\n")
         creds.chmod(0o600)

@@ -1,0 +1,89 @@
+"""`make run` on a machine where nothing answers at REDIS_URL: it starts a private Redis,
+migrates, creates the admin, serves the pages and the API with the default model, runs a
+job, and Ctrl-C stops every process it started."""
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from kvops.localstack import REPO, free_port
+
+DEFAULT_MODEL = REPO / "data" / "models" / "SmolLM2-135M-Instruct" / "config.json"
+
+
+def wait(predicate, what: str, timeout_s: float, proc: subprocess.Popen, log: Path):
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"make run exited early:\n{log.read_text()[-3000:]}")
+        try:
+            if predicate():
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"{what} not ready in {timeout_s} s:\n{log.read_text()[-3000:]}")
+
+
+def port_open(port: int) -> bool:
+    import socket
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not DEFAULT_MODEL.exists(), reason="the default model is converted by make setup")
+def test_make_run_serves_and_stops(tmp_path):
+    web_port, redis_port = free_port(), free_port()
+    env = dict(os.environ, KVOPS_PORT=str(web_port),
+               REDIS_URL=f"redis://127.0.0.1:{redis_port}/0",
+               DATABASE_URL=f"sqlite:///{tmp_path / 'db.sqlite3'}",
+               DJANGO_SUPERUSER_PASSWORD="make-run-test-pw",
+               KVOPS_ENGINE_MAX_NUM_SEQS="8", KVOPS_ENGINE_KV_CACHE_MEMORY_BYTES=str(64 << 20))
+    log = tmp_path / "make-run.log"
+    proc = subprocess.Popen(["make", "run"], cwd=REPO, env=env, stdout=log.open("w"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{web_port}"
+    try:
+        def engine_up() -> bool:
+            health = requests.get(f"{url}/healthz", timeout=2).json()
+            return health["ok"] and any(e["alive"] for e in health["engines"])
+
+        wait(engine_up, "the web server and the engine", 300, proc, log)
+        text = log.read_text()
+        assert "starting a private redis-server" in text
+        assert f"kvops is starting at {url}/" in text
+        session = requests.Session()
+        login = session.get(f"{url}/accounts/login/", timeout=10)
+        assert login.status_code == 200
+        r = session.post(f"{url}/accounts/login/", timeout=10, data={
+            "username": "admin", "password": "make-run-test-pw",
+            "csrfmiddlewaretoken": session.cookies["csrftoken"]}, headers={"Referer": url})
+        assert r.url.rstrip("/") == url and r.status_code == 200
+        r = session.post(f"{url}/api/jobs/", timeout=10, json={
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "max_tokens": 8, "temperature": 0},
+            headers={"X-CSRFToken": session.cookies["csrftoken"], "Referer": url})
+        assert r.status_code == 201, r.text
+        job_id = r.json()["id"]
+        job = {}
+
+        def finished() -> bool:
+            job.update(session.get(f"{url}/api/jobs/{job_id}/", timeout=10).json())
+            return job["status"] in ("finished", "failed", "cancelled")
+
+        wait(finished, "the job", 120, proc, log)
+        assert job["status"] == "finished" and job["engine"] == "default"
+        assert "Paris" in job["output_text"], job["output_text"]
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C sends to the terminal's group
+        proc.wait(60)
+    assert "[kvops] stopping" in log.read_text()
+    assert not port_open(web_port) and not port_open(redis_port)
