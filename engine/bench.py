@@ -154,6 +154,14 @@ def print_table(w: Workload, results: list[Result], peak: float) -> None:
               f"{best.seconds / results[0].seconds:.2f}x useful tokens/s")
 
 
+def _loadavg() -> str:
+    try:
+        with open("/proc/loadavg") as f:
+            return " ".join(f.read().split()[:3])
+    except OSError:
+        return "n/a"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="kvops vs transformers throughput")
     p.add_argument("--model", default=None, help="HF folder (default: the converted default model)")
@@ -186,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     if hf_model is not None:
         run_hf(hf_model, warm, 4)
     for w in workloads:
+        print(f"\nload average before {w.name!r}: {_loadavg()} (other processes slow every number down)")
         engine.reset_prefix_cache()
         results = [run_kvops(engine, w)]
         for b in hf_sizes:

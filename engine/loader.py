@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 
 from engine.errors import EngineError
-from engine.model import SUPPORTED_ROPE_TYPES, ModelArgs, Transformer
+from engine.model import (SUPPORTED_ROPE_TYPES, Linear, ModelArgs, Transformer,
+                          interleave_rope_rows)
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 # Scaling fields each rope type needs (HF names).
@@ -167,7 +168,7 @@ def load_model(folder: ModelFolder, dtype: torch.dtype, device: torch.device) ->
     """Build the model on `device` with the folder's weights in `dtype`."""
     with torch.device("meta"):
         model = Transformer(folder.args)
-    state = _fused_state_dict(folder, dtype, device)
+    state = _transposed_linears(model, _fused_state_dict(folder, dtype, device))
     expected = set(model.state_dict().keys())
     missing = expected - state.keys()
     if missing:
@@ -176,6 +177,14 @@ def load_model(folder: ModelFolder, dtype: torch.dtype, device: torch.device) ->
     if folder.args.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     return model.eval().requires_grad_(False)
+
+
+def _transposed_linears(model: Transformer, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """[out, in] `weight` -> [in, out] `weight_t` for the model's Linear layers."""
+    for name, module in model.named_modules():
+        if isinstance(module, Linear):
+            state[f"{name}.weight_t"] = state.pop(f"{name}.weight").t().contiguous()
+    return state
 
 
 def _fused_state_dict(folder: ModelFolder, dtype: torch.dtype,
@@ -202,10 +211,10 @@ def _fused_state_dict(folder: ModelFolder, dtype: torch.dtype,
         state[dst + "attention_norm.weight"] = take(src + "input_layernorm.weight")
         state[dst + "ffn_norm.weight"] = take(src + "post_attention_layernorm.weight")
         attn = src + "self_attn."
-        state[dst + "attention.wqkv.weight"] = torch.cat(
-            [take(attn + f"{p}_proj.weight") for p in "qkv"])
-        if args.qkv_bias:
-            state[dst + "attention.wqkv.bias"] = torch.cat([take(attn + f"{p}_proj.bias") for p in "qkv"])
+        for part in ("weight", "bias") if args.qkv_bias else ("weight",):
+            q, k, v = (take(f"{attn}{p}_proj.{part}") for p in "qkv")
+            state[f"{dst}attention.wqkv.{part}"] = torch.cat([
+                interleave_rope_rows(q, args.n_heads), interleave_rope_rows(k, args.n_kv_heads), v])
         state[dst + "attention.wo.weight"] = take(attn + "o_proj.weight")
         if args.o_bias:
             state[dst + "attention.wo.bias"] = take(attn + "o_proj.bias")

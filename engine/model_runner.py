@@ -7,6 +7,7 @@ model with logits only for the rows that sample, and sample.
 """
 from __future__ import annotations
 
+import ctypes
 import sys
 
 import numpy as np
@@ -23,6 +24,7 @@ from engine.sampler import SamplingRow, request_seed, sample
 from engine.scheduler import SchedulerOutput
 
 DEFAULT_CPU_KV_BYTES = 512 * 1024 ** 2
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -32,6 +34,8 @@ class ModelRunner(Runner):
         self.block_size = config.block_size
         self._device = resolve_device(config.device)
         self._dtype = resolve_dtype(config.dtype, self._device)
+        if self._device.type == "cpu":
+            _reuse_freed_memory()
         self.device, self.dtype = self._device.type, str(self._dtype).removeprefix("torch.")
 
         folder = read_model_folder(resolve_model_path(config.model))
@@ -214,6 +218,19 @@ def _copy_blocks(src: torch.Tensor, dst: torch.Tensor, mapping: list[tuple[int, 
     src_ids = torch.tensor([a for a, _ in mapping], dtype=torch.int64, device=src.device)
     dst_ids = torch.tensor([b for _, b in mapping], dtype=torch.int64, device=dst.device)
     dst.index_copy_(2, dst_ids, src.index_select(2, src_ids))  # blocks: [L, 2, n, bs, Hkv, D]
+
+
+def _reuse_freed_memory() -> None:
+    """glibc hands large freed blocks back to the OS and page-faults fresh ones in on
+    the next allocation: about 1 GB of page faults per 2048-token prefill step on the
+    default model, a fifth of its time. Keep freed memory in the heap for reuse instead
+    (a process-wide malloc setting; a no-op where the C library is not glibc)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(_M_MMAP_THRESHOLD, 1 << 30)  # serve big blocks from the heap...
+        libc.mallopt(_M_TRIM_THRESHOLD, 1 << 31)  # ...and do not give the heap back
+    except (OSError, AttributeError):
+        pass
 
 
 def _with_blocks(shape: tuple[int, ...], num_blocks: int) -> tuple[int, ...]:

@@ -132,17 +132,18 @@ def _attend_decodes(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
 def _attend_chunk(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                   chunk: PrefillChunk, scale: float, new_key: torch.Tensor | None,
                   new_value: torch.Tensor | None) -> torch.Tensor:
-    qs = q[chunk.q_start:chunk.q_end].transpose(0, 1)  # [H, q_len, D]
+    # SDPA takes its fused CPU kernel only for 4-d inputs: [1, heads, tokens, head_dim].
+    qs = q[chunk.q_start:chunk.q_end].transpose(0, 1)[None]  # [1, H, q_len, D]
     if chunk.mask is None and new_key is not None and new_value is not None:
         k = new_key[chunk.q_start:chunk.q_end]  # [q_len, kv_heads, D]
         v = new_value[chunk.q_start:chunk.q_end]
     else:
         k = _gather(key_cache, chunk)  # [context_len, kv_heads, D]
         v = _gather(value_cache, chunk)
-    o = F.scaled_dot_product_attention(qs, k.transpose(0, 1), v.transpose(0, 1),
+    o = F.scaled_dot_product_attention(qs, k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                                        attn_mask=chunk.mask, is_causal=chunk.mask is None,
                                        scale=scale, enable_gqa=True)
-    return o.transpose(0, 1)  # [q_len, H, D]
+    return o[0].transpose(0, 1)  # [q_len, H, D]
 
 
 def _gather(cache: torch.Tensor, chunk: PrefillChunk) -> torch.Tensor:
