@@ -173,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--repeats", type=int, default=1, help="runs per system; the best is shown")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -194,13 +195,19 @@ def main(argv: list[str] | None = None) -> int:
     if hf_model is not None:
         run_hf(hf_model, warm, 4)
     for w in workloads:
-        print(f"\nload average before {w.name!r}: {_loadavg()} (other processes slow every number down)")
-        engine.reset_prefix_cache()
-        results = [run_kvops(engine, w)]
-        for b in hf_sizes:
-            results.append(Result(f"transformers (batch {b})", run_hf(hf_model, w, b),
-                                  useful_flops(model_args, w)))
-        print_table(w, results, peak)
+        print(f"\nload average before {w.name!r}: {_loadavg()} (other processes slow every "
+              "number down; --repeats keeps each system's best run)")
+        best: dict[str, Result] = {}
+        for _ in range(args.repeats):  # interleaved, so a busy spell hits both systems
+            engine.reset_prefix_cache()
+            runs = [run_kvops(engine, w)]
+            runs += [Result(f"transformers (batch {b})", run_hf(hf_model, w, b),
+                            useful_flops(model_args, w)) for b in hf_sizes]
+            for r in runs:
+                if r.system not in best or r.seconds < best[r.system].seconds:
+                    best[r.system] = r
+        print_table(w, list(best.values()), peak)
+        print(f"load average after: {_loadavg()}")
     return 0
 
 

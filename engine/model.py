@@ -106,8 +106,9 @@ class Block(nn.Module):
         self.feed_forward = FeedForward(args)
 
     def forward(self, h: torch.Tensor, ctx: StepContext, layer_idx: int) -> torch.Tensor:
-        h = h + self.attention(self.attention_norm(h), ctx, layer_idx)
-        return h + self.feed_forward(self.ffn_norm(h))
+        # In place: h is this forward pass's own residual stream.
+        h.add_(self.attention(self.attention_norm(h), ctx, layer_idx))
+        return h.add_(self.feed_forward(self.ffn_norm(h)))
 
 
 class Attention(nn.Module):
@@ -142,7 +143,7 @@ class FeedForward(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.w_gate_up(x)  # [T, 2 * intermediate]
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.w_down(F.silu(gate) * up)
+        return self.w_down(F.silu(gate).mul_(up))
 
 
 class Linear(nn.Module):
@@ -168,10 +169,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # As HF computes it: normalise in float32, cast back, then scale.
+        # As HF: normalise in float32, cast back, then scale. The norm is taken with
+        # vector_norm (one pass, no temporary) rather than x.pow(2).mean().
         xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        norm = torch.linalg.vector_norm(xf, dim=-1, keepdim=True)
+        inv_rms = torch.rsqrt(norm.square_().div_(x.shape[-1]).add_(self.eps))
+        return (xf * inv_rms).to(x.dtype).mul_(self.weight)
 
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
