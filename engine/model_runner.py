@@ -8,7 +8,10 @@ model with logits only for the rows that sample, and sample.
 from __future__ import annotations
 
 import ctypes
+import os
 import sys
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -18,7 +21,8 @@ import kernels
 from engine.attention import AttentionBatch, make_attention_backend
 from engine.config import EngineConfig
 from engine.hf_tokenizer import HFTokenizer
-from engine.loader import ModelLoadError, load_model, model_identity, read_model_folder
+from engine.loader import (ModelFolder, ModelLoadError, load_model, model_identity,
+                           read_model_folder)
 from engine.runner import Runner
 from engine.sampler import SamplingRow, request_seed, sample
 from engine.scheduler import SchedulerOutput
@@ -53,7 +57,7 @@ class ModelRunner(Runner):
         self.block_bytes = (args.n_layers * 2 * self.block_size * args.n_kv_heads
                             * args.head_dim * self._dtype.itemsize)
         self.num_gpu_blocks = config.num_gpu_blocks or self._blocks_from_memory()
-        self.num_cpu_blocks = (self.num_gpu_blocks // 2 if config.num_cpu_blocks is None
+        self.num_cpu_blocks = (self._default_cpu_blocks() if config.num_cpu_blocks is None
                                else config.num_cpu_blocks)
         shape = (args.n_layers, 2, self.block_size, args.n_kv_heads, args.head_dim)
         self.kv_cache = torch.zeros(_with_blocks(shape, self.num_gpu_blocks), dtype=self._dtype,
@@ -123,7 +127,9 @@ class ModelRunner(Runner):
     def copy_blocks(self, mapping: list[tuple[int, int]]) -> None:
         if not mapping:
             return
-        if self.attention.name == "triton" and self._device.type == "cuda":
+        sources, dests = {a for a, _ in mapping}, {b for _, b in mapping}
+        # The Triton kernel needs CUDA and no block both read and written.
+        if self.attention.name == "triton" and self._device.type == "cuda" and not sources & dests:
             kernels.copy_blocks(self.kv_cache, torch.tensor(mapping))
         else:
             _copy_blocks(self.kv_cache, self.kv_cache, mapping)
@@ -145,6 +151,15 @@ class ModelRunner(Runner):
                 f"no memory left for the KV cache ({budget} B for {self.block_bytes} B blocks); "
                 "lower max_num_batched_tokens, raise gpu_memory_utilization or set num_gpu_blocks")
         return int(num_blocks)
+
+    def _default_cpu_blocks(self) -> int:
+        """Half the device pool, but on a GPU no more than a quarter of the host's free
+        memory: the swap pool is pinned, and a big GPU's half would not fit."""
+        blocks = self.num_gpu_blocks // 2
+        if self._device.type == "cuda":
+            free_host = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            blocks = min(blocks, free_host // 4 // self.block_bytes)
+        return int(blocks)
 
     def _cuda_kv_budget(self) -> int:
         """Device memory the KV pool may take: gpu_memory_utilization of the device,
@@ -196,20 +211,15 @@ class ModelRunner(Runner):
         print(message, file=sys.stderr, flush=True)
 
 
+@dataclass(slots=True)
 class StepBatch:
     """The tensors of one step (see ModelRunner._prepare)."""
-    __slots__ = ("input_ids", "positions", "logits_indices", "attention", "sampling_ids",
-                 "sampling_rows")
-
-    def __init__(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                 logits_indices: torch.Tensor, attention: AttentionBatch,
-                 sampling_ids: list[str], sampling_rows: list[SamplingRow]) -> None:
-        self.input_ids = input_ids  # [T] int64
-        self.positions = positions  # [T] int64
-        self.logits_indices = logits_indices  # [num_sampled] rows of the last token of each sampler
-        self.attention = attention
-        self.sampling_ids = sampling_ids  # request ids, one per logits row
-        self.sampling_rows = sampling_rows
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    logits_indices: torch.Tensor  # [num_sampled] int64: the last row of each sampling request
+    attention: AttentionBatch
+    sampling_ids: list[str]  # request ids, one per logits row
+    sampling_rows: list[SamplingRow]
 
 
 def _copy_blocks(src: torch.Tensor, dst: torch.Tensor, mapping: list[tuple[int, int]]) -> None:
@@ -238,7 +248,7 @@ def _with_blocks(shape: tuple[int, ...], num_blocks: int) -> tuple[int, ...]:
     return shape[:2] + (num_blocks,) + shape[2:]
 
 
-def _max_model_len(config: EngineConfig, folder) -> int:
+def _max_model_len(config: EngineConfig, folder: ModelFolder) -> int:
     limit = folder.args.max_position_embeddings
     if folder.sliding_window is not None:
         limit = min(limit, folder.sliding_window)  # beyond the window we would attend too far
@@ -275,7 +285,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
-def resolve_model_path(model: str | None):
+def resolve_model_path(model: str | None) -> str | Path:
     """model=None -> the converted default model (make setup creates it)."""
     if model is not None:
         return model
