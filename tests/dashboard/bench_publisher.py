@@ -16,7 +16,7 @@ import random
 import sys
 import time
 
-import tests.conftest  # noqa: F401  (a private redis-server; sets REDIS_URL first)
+import tests.session_redis  # noqa: F401  (a private redis-server; sets REDIS_URL first)
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "kvops.settings")
 

@@ -13,7 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import tests.conftest  # noqa: F401  (a private redis-server; sets REDIS_URL first)
+import tests.session_redis  # noqa: F401  (a private redis-server; sets REDIS_URL first)
 from tests.service.stack import Stack
 
 CHROMIUM = "/usr/bin/chromium"
