@@ -10,6 +10,7 @@ layer; the runner calls `backend.plan(batch)` once per step.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -29,6 +30,18 @@ class AttentionBatch:
     seq_lens: list[int]  # context length per sequence, including its new tokens
     query_start_loc: list[int]  # [num_seqs + 1]: sequence s owns rows [qsl[s], qsl[s+1])
     slot_mapping: torch.Tensor  # [num_tokens] int64 on the device: where each new K/V goes
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def plan(self, batch: AttentionBatch) -> object:
+        """Per-step bookkeeping shared by every layer."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
+                plan: object, scale: float) -> torch.Tensor:
+        """Store k/v through the plan's slot mapping, then attend: q [T, H, D], k/v
+        [T, Hkv, D], kv_layer [2, num_blocks, block_size, Hkv, D] -> [T, H, D]."""
 
 
 class TorchAttention:
@@ -106,7 +119,7 @@ class TritonPlan:
     max_query_len: int
 
 
-def make_attention_backend(name: str, device: torch.device) -> TorchAttention | TritonAttention:
+def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
     """name: "auto" | "torch" | "triton"."""
     if name == "auto":
         name = "triton" if device.type == "cuda" and _triton_available() else "torch"

@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.attention import AttentionBackend
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -60,7 +62,7 @@ class StepContext:
     """What every layer of one forward pass shares."""
     rope: torch.Tensor  # [num_tokens, 1, head_dim // 2] complex64: e^(i * position * freq)
     kv_cache: torch.Tensor  # [n_layers, 2, num_blocks, block_size, n_kv_heads, head_dim]
-    attention: object  # the backend (engine.attention), with .forward(q, k, v, kv, plan, scale)
+    attention: AttentionBackend  # stores each layer's new K/V and attends through the tables
     plan: object  # the backend's per-step plan (gather indices, masks, ...)
 
 
@@ -85,7 +87,8 @@ class Transformer(nn.Module):
         self.rope = torch.polar(torch.ones_like(freqs), freqs)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                attention: object, plan: object, logits_indices: torch.Tensor) -> torch.Tensor:
+                attention: AttentionBackend, plan: object,
+                logits_indices: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [num_tokens]; logits_indices: [num_sampled] rows whose
         next-token logits are wanted. Returns float32 logits [num_sampled, vocab_size]."""
         ctx = StepContext(rope=self.rope[positions][:, None, :], kv_cache=kv_cache,

@@ -11,8 +11,12 @@ a forward pass pays for the bookkeeping once instead of once per layer:
 
 Decodes (one new token) are batched: their blocks are gathered with one index_select
 per cache into [seqs, blocks * block_size, kv_heads, head_dim] and attended with one
-masked scaled_dot_product_attention. Sequences are grouped by context length so a
-short sequence is not padded to the longest one. A chunk of several new tokens
+masked flash-attention call. Sequences are grouped by context length so a short
+sequence is not padded to the longest one. Decodes whose tables start with the same
+blocks (a prompt prefix served by the prefix cache) attend to those blocks once, all
+together ("cascade" attention): the shared part and each sequence's own part are
+attended separately and merged with their log-sum-exps, so a shared system prompt is
+gathered once per step instead of once per sequence. A chunk of several new tokens
 (prefill) gets its own causal SDPA call; one with nothing cached before it attends to
 its fresh K/V directly instead of reading them back from the cache.
 """
@@ -26,6 +30,13 @@ import torch.nn.functional as F
 # A decode group stops growing when padding would exceed this fraction of its real
 # context: bounds wasted gather traffic without launching a group per sequence.
 MAX_PADDING_FRACTION = 0.25
+# Decodes sharing at least this many leading blocks attend to them together.
+MIN_SHARED_BLOCKS = 2
+
+# Flash attention that also returns the log-sum-exp of each query's scores (what
+# F.scaled_dot_product_attention calls on CPU for 4-d inputs); needed to merge the
+# shared-prefix and own-blocks halves of a cascade.
+_flash_attention = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
 @dataclass(slots=True)
@@ -35,7 +46,13 @@ class DecodeGroup:
     block_ids: torch.Tensor  # [n * max_blocks] int64: padded block tables, flattened
     num_seqs: int
     max_blocks: int
-    mask: torch.Tensor | None  # [n, 1, 1, max_blocks * block_size] bool, True = attend
+    mask: torch.Tensor | None  # [n, 1, 1, max_blocks * block_size] float: 0 or -inf (padding)
+
+
+@dataclass(slots=True)
+class SharedPrefix:
+    rows: torch.Tensor  # [n] int64: q rows of the decodes whose tables start with block_ids
+    block_ids: torch.Tensor  # [num_blocks] int64: the shared leading blocks (all full)
 
 
 @dataclass(slots=True)
@@ -44,13 +61,14 @@ class PrefillChunk:
     q_end: int
     context_len: int  # tokens of context including the new ones
     block_ids: torch.Tensor  # [cdiv(context_len, block_size)] int64
-    mask: torch.Tensor | None  # [q_len, context_len] bool; None: no prefix, plain causal
+    mask: torch.Tensor | None  # [q_len, context_len] float, 0 or -inf; None: no prefix, causal
 
 
 @dataclass(slots=True)
 class CpuAttentionPlan:
     num_tokens: int
-    decode_groups: list[DecodeGroup]
+    decode_groups: list[DecodeGroup]  # over each decode's own blocks (after a shared prefix)
+    shared_prefixes: list[SharedPrefix]
     prefills: list[PrefillChunk]
 
 
@@ -79,8 +97,9 @@ def plan_attention(block_tables: list[list[int]], seq_lens: list[int],
         else:
             prefills.append(_prefill_chunk(q_start, q_end, seq_len,
                                            block_tables[s][:num_blocks], device))
+    decodes, shared = _split_shared_prefixes(decodes, block_size, device)
     groups = [_decode_group(g, block_size, device) for g in _group_by_length(decodes)]
-    return CpuAttentionPlan(query_start_loc[-1], groups, prefills)
+    return CpuAttentionPlan(query_start_loc[-1], groups, shared, prefills)
 
 
 def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -93,12 +112,17 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
     prefill without prefix skip reading them back). Returns [num_tokens, q_heads, head_dim]."""
     num_tokens, num_heads, head_dim = q.shape
     out = q.new_empty(num_tokens, num_heads, head_dim)
+    lse = q.new_empty(num_tokens, num_heads, dtype=torch.float32) if plan.shared_prefixes else None
     for group in plan.decode_groups:
-        o = _attend_decodes(q, key_cache, value_cache, group, scale)  # [n, H, D]
+        o, group_lse = _attend_decodes(q, key_cache, value_cache, group, scale)  # [n, H, D], [n, H]
         if group.row_range is not None:
             out[group.row_range[0]:group.row_range[1]] = o
         else:
             out.index_copy_(0, group.rows, o)
+        if lse is not None:
+            lse.index_copy_(0, group.rows, group_lse)
+    for prefix in plan.shared_prefixes:
+        _merge_shared_prefix(q, key_cache, value_cache, prefix, scale, out, lse)
     for chunk in plan.prefills:
         out[chunk.q_start:chunk.q_end] = _attend_chunk(
             q, key_cache, value_cache, chunk, scale, new_key, new_value)
@@ -124,9 +148,28 @@ def _attend_decodes(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
     k = key_cache.index_select(0, group.block_ids).view(n, nb * block_size, kv_heads, head_dim)
     v = value_cache.index_select(0, group.block_ids).view(n, nb * block_size, kv_heads, head_dim)
     qg = q.index_select(0, group.rows).unsqueeze(2)  # [n, H, 1, D]
-    o = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2),
-                                       attn_mask=group.mask, scale=scale, enable_gqa=True)
-    return o.squeeze(2)  # [n, H, D]
+    o, lse = _flash_attention(qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=group.mask,
+                              scale=scale)
+    return o.squeeze(2), lse.squeeze(2)  # [n, H, D], [n, H]
+
+
+def _merge_shared_prefix(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                         prefix: SharedPrefix, scale: float, out: torch.Tensor,
+                         lse: torch.Tensor) -> None:
+    """Attend prefix.rows' queries to the shared blocks (every query sees all of them)
+    and fold the result into their rows of out, which hold the attention over their
+    own blocks with log-sum-exp lse."""
+    _, block_size, kv_heads, head_dim = key_cache.shape
+    k = key_cache.index_select(0, prefix.block_ids).view(1, -1, kv_heads, head_dim)
+    v = value_cache.index_select(0, prefix.block_ids).view(1, -1, kv_heads, head_dim)
+    qs = q.index_select(0, prefix.rows).transpose(0, 1)[None]  # [1, H, n, D]: n queries
+    o_shared, lse_shared = _flash_attention(qs, k.transpose(1, 2), v.transpose(1, 2), scale=scale)
+    o_shared, lse_shared = o_shared[0].transpose(0, 1), lse_shared[0].transpose(0, 1)  # [n, H, D], [n, H]
+    lse_own = lse.index_select(0, prefix.rows)
+    # softmax over both parts = each part's softmax weighted by its share of the mass
+    w_shared = torch.sigmoid(lse_shared - lse_own)[..., None]  # [n, H, 1]
+    o_own = out.index_select(0, prefix.rows)
+    out.index_copy_(0, prefix.rows, torch.lerp(o_own, o_shared.to(o_own.dtype), w_shared.to(o_own.dtype)))
 
 
 def _attend_chunk(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -161,9 +204,43 @@ def _prefill_chunk(q_start: int, q_end: int, seq_len: int, blocks: list[int],
     if q_len < seq_len:
         # Query i sits at position seq_len - q_len + i and sees keys 0..that position.
         q_pos = torch.arange(seq_len - q_len, seq_len, device=device)
-        mask = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
+        hidden = torch.arange(seq_len, device=device)[None, :] > q_pos[:, None]
+        # additive, made once per step (SDPA would convert a boolean mask in every layer)
+        mask = torch.zeros(hidden.shape, device=device).masked_fill_(hidden, float("-inf"))
     return PrefillChunk(q_start, q_end, seq_len,
                         torch.tensor(blocks, dtype=torch.int64, device=device), mask)
+
+
+def _split_shared_prefixes(decodes: list[tuple[int, int, list[int]]], block_size: int,
+                           device: torch.device | str
+                           ) -> tuple[list[tuple[int, int, list[int]]], list[SharedPrefix]]:
+    """Find decodes whose tables start with the same blocks (at least MIN_SHARED_BLOCKS
+    of them, each decode keeping at least one token of its own). Returns the decodes
+    cut down to their own blocks, and the shared prefixes."""
+    by_first: dict[int, list[tuple[int, int, list[int]]]] = {}
+    for d in decodes:
+        by_first.setdefault(d[2][0], []).append(d)
+    own, shared = [], []
+    for cluster in by_first.values():
+        n_shared = _common_prefix_len([blocks for _, _, blocks in cluster])
+        n_shared = min(n_shared, (min(seq_len for _, seq_len, _ in cluster) - 1) // block_size)
+        if len(cluster) < 2 or n_shared < MIN_SHARED_BLOCKS:
+            own.extend(cluster)
+            continue
+        cut = n_shared * block_size
+        own.extend((row, seq_len - cut, blocks[n_shared:]) for row, seq_len, blocks in cluster)
+        shared.append(SharedPrefix(
+            rows=torch.tensor([row for row, _, _ in cluster], dtype=torch.int64, device=device),
+            block_ids=torch.tensor(cluster[0][2][:n_shared], dtype=torch.int64, device=device)))
+    return own, shared
+
+
+def _common_prefix_len(tables: list[list[int]]) -> int:
+    n = min(len(t) for t in tables)
+    for i in range(n):
+        if any(t[i] != tables[0][i] for t in tables):
+            return i
+    return n
 
 
 def _group_by_length(decodes: list[tuple[int, int, list[int]]]) -> list[list[tuple]]:
@@ -196,7 +273,8 @@ def _decode_group(decodes: list[tuple[int, int, list[int]]], block_size: int,
     if min(lens) != max_blocks * block_size:
         positions = torch.arange(max_blocks * block_size, device=device)
         lens_t = torch.tensor(lens, device=device)
-        mask = (positions[None, :] < lens_t[:, None])[:, None, None, :]
+        padding = (positions[None, :] >= lens_t[:, None])[:, None, None, :]
+        mask = torch.zeros(padding.shape, device=device).masked_fill_(padding, float("-inf"))
     rows = [row for row, _, _ in decodes]
     consecutive = rows[-1] - rows[0] == len(rows) - 1
     return DecodeGroup(

@@ -78,3 +78,21 @@ def test_decodes_of_very_different_lengths_form_groups():
 def test_plan_rejects_a_short_block_table():
     with pytest.raises(ValueError, match="need 3 blocks"):
         plan_attention([[0, 1]], [9], [0, 1], 4)
+
+
+@pytest.mark.parametrize("block_size,q_heads,kv_heads", [(4, 6, 2), (16, 9, 3), (1, 4, 4)])
+def test_decodes_sharing_a_prefix_attend_to_it_once(block_size, q_heads, kv_heads):
+    """Cascade attention: decodes whose tables start with the same blocks (a cached
+    prompt prefix) match the reference, alone or mixed with other decodes/prefills."""
+    head_dim, shared_blocks = 16, 5
+    seqs = [(shared_blocks * block_size + n, 1) for n in (1, 7, 30, 12)] + [(21, 1), (17, 9)]
+    q, kc, vc, bt, lens, qsl = make_batch(11, block_size, q_heads, kv_heads, head_dim, seqs,
+                                          num_blocks=300)
+    for s in range(1, 4):  # the first four decodes share their leading blocks
+        bt[s, :shared_blocks] = bt[0, :shared_blocks]
+    tables = [row[:-(-int(n) // block_size)].tolist() for row, n in zip(bt, lens)]
+    plan = plan_attention(tables, lens.tolist(), qsl.tolist(), block_size)
+    assert len(plan.shared_prefixes) == 1 and plan.shared_prefixes[0].rows.tolist() == [0, 1, 2, 3]
+    got = paged_attention(q, kc, vc, plan, 0.3)
+    torch.testing.assert_close(got, paged_attention_ref(q, kc, vc, bt, lens, qsl, 0.3),
+                               atol=ATOL, rtol=RTOL)
