@@ -78,9 +78,20 @@ def test_kv_pool_sized_from_memory_on_cpu(tiny_model):
 
 
 def test_bfloat16_runs_on_cpu(tiny_model):
-    engine = engine_for(tiny_model("gqa16"), dtype="bfloat16")
-    out = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0.0))
-    assert len(out[0].output_token_ids) >= 1 and engine.runner.kv_cache.dtype == torch.bfloat16
+    """Every attention path (padded decodes, shared prefixes, prefill chunks after a
+    prefix) in bfloat16; the output stays close to float32's."""
+    folder = tiny_model("gqa16")
+    prefix = random_prompts(SPECS["gqa16"].vocab_size, [40], seed=5)[0]
+    prompts = random_prompts(SPECS["gqa16"].vocab_size, [3, 20, 9], seed=6, prefix=prefix)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    outs = {}
+    for dtype in ("bfloat16", "float32"):
+        engine = engine_for(folder, dtype=dtype, max_num_batched_tokens=24, block_size=4,
+                            num_gpu_blocks=128)
+        engine.generate(prompts[:1], params)
+        outs[dtype] = [o.output_token_ids for o in engine.generate(prompts, params)]
+    assert engine_for(folder, dtype="bfloat16").runner.kv_cache.dtype == torch.bfloat16
+    assert [o[0] for o in outs["bfloat16"]] == [o[0] for o in outs["float32"]]
 
 
 @pytest.mark.parametrize("change,match", [

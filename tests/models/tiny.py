@@ -43,6 +43,9 @@ SPECS = {
                       head_dim=16, model_type="qwen2", seed=3),
     "linear": TinySpec("linear", vocab_size=199, num_heads=4, num_kv_heads=1, seed=4,
                        rope={"rope_type": "linear", "factor": 2.0}, attention_bias=True),
+    "mistral": TinySpec("mistral", vocab_size=233, hidden_size=64, num_heads=8, num_kv_heads=2,
+                        head_dim=8, model_type="mistral", seed=5,
+                        extra={"sliding_window": None}),
 }
 
 
