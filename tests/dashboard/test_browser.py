@@ -3,18 +3,14 @@ simulated engine worker, Redis, SQLite): log in, submit a job, watch its tokens 
 blocks, preempt and swap it out from the engine page, and see a non-operator get no
 buttons and a 403. Screenshots go to artifacts/dashboard/ (looked at, not compared)."""
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 
 from tests.service.stack import Stack
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts" / "dashboard"
 FREE_RGB = [0xE9, 0xEC, 0xF1]  # static/kvops/colors.js CSS.free
-pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(),
-                                reason="needs Debian's chromium (make setup installs it)")
 
 
 @pytest.fixture(scope="module")
@@ -27,29 +23,6 @@ def stack(tmp_path_factory):
         yield s
     finally:
         s.stop()
-
-
-@pytest.fixture(scope="module")
-def browser():
-    playwright = pytest.importorskip("playwright.sync_api")
-    with playwright.sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=[
-            "--no-sandbox", "--disable-gpu", "--disable-background-networking"])
-        yield b
-        b.close()
-
-
-def logged_in_page(browser, stack, user: str, password: str):
-    context = browser.new_context(viewport={"width": 1500, "height": 1000})
-    page = context.new_page()
-    errors = []
-    page.on("pageerror", lambda e: errors.append(str(e)))
-    page.goto(f"{stack.url}/accounts/login/")
-    page.fill("input[name=username]", user)
-    page.fill("input[name=password]", password)
-    page.click("button[type=submit]")
-    page.wait_for_url(f"{stack.url}/")
-    return page, errors
 
 
 def shot(page, name: str) -> None:
@@ -83,8 +56,8 @@ def operator_action(page, request_id: str, action: str) -> None:
         "td => td.textContent.includes(a) && td.textContent.includes(r))", arg=[action, request_id])
 
 
-def test_dashboard_end_to_end(stack, browser):
-    page, errors = logged_in_page(browser, stack, "admin", "admin-pass-123")
+def test_dashboard_end_to_end(login, stack):
+    page, errors = login(stack, "admin", "admin-pass-123")
     page.wait_for_function("document.querySelector('.card[data-engine=sim] [data-f=status]')"
                            ".textContent === 'ready'")
     shot(page, "overview")
@@ -142,7 +115,7 @@ def test_dashboard_end_to_end(stack, browser):
     assert not errors, errors
 
     # A user who is not an operator: no buttons, and the API refuses.
-    alice, alice_errors = logged_in_page(browser, stack, "alice", "alice-pass-123")
+    alice, alice_errors = login(stack, "alice", "alice-pass-123")
     alice.goto(f"{stack.url}/engines/sim/")
     alice.wait_for_selector(f'.vrow[data-request="{request_id}"]')
     assert alice.locator(".vrow button").count() == 0

@@ -2,89 +2,20 @@
 in-process engine publisher: who may connect, what clients may say, snapshot then
 deltas in sequence, resync after a gap, history, job streams."""
 import asyncio
-import json
-import time
 import uuid
 
 import pytest
-from channels.routing import URLRouter
-from channels.testing import WebsocketCommunicator
-from django.contrib.auth.models import AnonymousUser, User
+from django.contrib.auth.models import AnonymousUser
 
 from engine import SamplingParams
 from kvops import live
 from kvops.consumers import CLOSE_NOT_FOUND, CLOSE_NOT_LOGGED_IN
 from kvops.models import Engine, Job
-from kvops.publisher import EnginePublisher, decode
-from kvops.ws_routing import websocket_urlpatterns
-from tests.dashboard.churn import Churn, churn_engine
+from tests.dashboard.churn import churn_engine
 from tests.dashboard.live_client import ARRAYS, LiveState, SequenceGap
+from tests.dashboard.wsclient import connect, receive, receive_type, settle
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.asyncio]
-APP = URLRouter(websocket_urlpatterns)
-
-
-@pytest.fixture
-def users():
-    return (User.objects.create_user("op", is_staff=True), User.objects.create_user("alice"),
-            User.objects.create_user("bob"))
-
-
-@pytest.fixture
-def engine_setup():
-    """A simulated engine registered under a fresh name, with its publisher running."""
-    name = f"t{uuid.uuid4().hex[:8]}"
-    engine = churn_engine(name=name)
-    Engine.objects.create(name=name, worker=f"engine-{name}@test", status="ready",
-                          config=engine.describe_config())
-    publisher = EnginePublisher(name, interval_s=0.0)
-    churn = Churn(engine, seed=3)
-    for _ in range(20):
-        churn()
-    publisher(engine)
-    wait_for(lambda: publisher.mirror.seq >= 1, "first capture")
-    yield name, engine, publisher, churn
-    publisher.close()
-
-
-def wait_for(predicate, what: str, timeout_s: float = 10) -> None:
-    deadline = time.time() + timeout_s
-    while not predicate():
-        if time.time() > deadline:
-            raise TimeoutError(what)
-        time.sleep(0.01)
-
-
-async def connect(path: str, user) -> tuple[WebsocketCommunicator, bool, int | None]:
-    comm = WebsocketCommunicator(APP, path)
-    comm.scope["user"] = user
-    ok, code = await comm.connect(timeout=5)
-    return comm, ok, code
-
-
-async def receive(comm: WebsocketCommunicator, timeout: float = 5) -> dict:
-    out = await comm.receive_output(timeout)
-    assert out["type"] == "websocket.send", out
-    if out.get("bytes") is not None:
-        return {**decode(out["bytes"]), "_binary": True}
-    return json.loads(out["text"])
-
-
-async def receive_type(comm, kind: str, timeout: float = 5) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        message = await receive(comm, max(0.1, deadline - time.monotonic()))
-        if message["type"] == kind:
-            return message
-
-
-async def settle(publisher: EnginePublisher, engine) -> int:
-    """Let the publisher catch up with the engine; the seq of its last delta."""
-    publisher(engine)
-    await asyncio.to_thread(wait_for, lambda: publisher.mirror.version == engine.version
-                            and publisher._pending is None, "publisher caught up")
-    await asyncio.sleep(0.05)
-    return publisher.mirror.seq
 
 
 def assert_matches_engine(client: LiveState, engine) -> None:
@@ -239,3 +170,4 @@ async def test_job_stream_and_block_table(users, engine_setup):
     await comm.send_json_to({"type": "blocks"})  # too soon after the last
     assert "too many" in (await receive(comm))["message"]
     await comm.disconnect()
+
