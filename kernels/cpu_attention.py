@@ -141,7 +141,7 @@ def paged_attention_varlen(q: torch.Tensor, key_cache: torch.Tensor, value_cache
 # --- one layer ---------------------------------------------------------------------------
 
 def _attend_decodes(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                    group: DecodeGroup, scale: float) -> torch.Tensor:
+                    group: DecodeGroup, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     n, nb = group.num_seqs, group.max_blocks
     _, block_size, kv_heads, head_dim = key_cache.shape
     # [n, nb * block_size, kv_heads, head_dim] -> [n, kv_heads, nb * block_size, head_dim] views
@@ -159,17 +159,19 @@ def _merge_shared_prefix(q: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     """Attend prefix.rows' queries to the shared blocks (every query sees all of them)
     and fold the result into their rows of out, which hold the attention over their
     own blocks with log-sum-exp lse."""
-    _, block_size, kv_heads, head_dim = key_cache.shape
+    kv_heads, head_dim = key_cache.shape[2:]
     k = key_cache.index_select(0, prefix.block_ids).view(1, -1, kv_heads, head_dim)
     v = value_cache.index_select(0, prefix.block_ids).view(1, -1, kv_heads, head_dim)
     qs = q.index_select(0, prefix.rows).transpose(0, 1)[None]  # [1, H, n, D]: n queries
     o_shared, lse_shared = _flash_attention(qs, k.transpose(1, 2), v.transpose(1, 2), scale=scale)
-    o_shared, lse_shared = o_shared[0].transpose(0, 1), lse_shared[0].transpose(0, 1)  # [n, H, D], [n, H]
-    lse_own = lse.index_select(0, prefix.rows)
-    # softmax over both parts = each part's softmax weighted by its share of the mass
-    w_shared = torch.sigmoid(lse_shared - lse_own)[..., None]  # [n, H, 1]
+    o_shared = o_shared[0].transpose(0, 1)  # [n, H, D]
+    lse_shared = lse_shared[0].transpose(0, 1)  # [n, H]
+    # The softmax over both parts is each part's softmax weighted by its share of the
+    # mass: e^lse_shared / (e^lse_shared + e^lse_own).
+    w_shared = torch.sigmoid(lse_shared - lse.index_select(0, prefix.rows))[..., None]
     o_own = out.index_select(0, prefix.rows)
-    out.index_copy_(0, prefix.rows, torch.lerp(o_own, o_shared.to(o_own.dtype), w_shared.to(o_own.dtype)))
+    merged = torch.lerp(o_own, o_shared, w_shared.to(o_own.dtype))  # [n, H, D]
+    out.index_copy_(0, prefix.rows, merged)
 
 
 def _attend_chunk(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
