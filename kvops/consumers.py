@@ -5,6 +5,11 @@ Thin: they decide who may listen, check what clients say, and forward what the e
 publisher (kvops/publisher.py) sends through the channel layer. Deltas and snapshots
 arrive encoded (zlib JSON) and leave as binary frames untouched; everything else is a
 JSON text frame. docs/live-protocol.md describes the messages.
+
+Redis may restart under them. The channel layer keeps group memberships in Redis, so a
+restart forgets them: a consumer re-adds its groups every REJOIN_S, and as soon as its
+channel-layer receive works again after failing; meanwhile the websocket stays open. A
+client that missed deltas sees a gap in sequence numbers and resyncs.
 """
 from __future__ import annotations
 
@@ -15,7 +20,11 @@ import time
 
 from asgiref.sync import sync_to_async
 from channels.db import database_sync_to_async
+from channels.exceptions import StopConsumer
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
+from channels.layers import get_channel_layer
+from channels.utils import await_many_dispatch
+from redis.exceptions import RedisError
 
 from kvops import live, selectors, services
 from kvops.models import Engine
@@ -24,9 +33,17 @@ log = logging.getLogger(__name__)
 
 CLOSE_NOT_LOGGED_IN = 4401
 CLOSE_NOT_FOUND = 4404
+CLOSE_FLOODING = 4429
 MAX_MESSAGE_CHARS = 1024
 SNAPSHOT_WAIT_S = 3.0  # then serve the stored snapshot, marked stale
 MIN_QUERY_INTERVAL_S = 0.25  # snapshot / block-table queries per connection
+MESSAGES_PER_S = 10.0  # client messages a connection may send, on average,
+MESSAGE_BURST = 30  # and at once
+FLOOD_CLOSE_AFTER = 100  # messages refused in a row: the connection is closed (4429)
+REJOIN_S = 5.0  # group memberships are re-added this often (a Redis restart loses them)
+RETRY_MIN_S, RETRY_MAX_S = 0.25, 2.0  # pauses between tries while Redis is away
+REDIS_DOWN = (RedisError, OSError)  # what the channel layer and kvops.live raise then
+SHOWN_CHARS = 40  # of a client's value quoted back in an error
 
 # Client messages: type -> {field: allowed values (a tuple of strings or a range of ints)}.
 ENGINE_MESSAGES = {
@@ -36,10 +53,16 @@ ENGINE_MESSAGES = {
     "ping": {},
 }
 JOB_MESSAGES = {"blocks": {}, "ping": {}}
+EXAMPLE = "a message is a JSON object such as {\"type\": \"ping\"}"
 
 
 class ClientError(Exception):
     """A client message that is not one of ours; said back to the client."""
+
+
+def _shown(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS] + "…"
 
 
 def parse_message(text: str | None, schema: dict) -> dict:
@@ -51,16 +74,19 @@ def parse_message(text: str | None, schema: dict) -> dict:
     try:
         content = json.loads(text)
     except ValueError:
-        raise ClientError("a message is a JSON object, e.g. {\"type\": \"ping\"}") from None
+        raise ClientError(f"not JSON: {EXAMPLE}") from None
+    except RecursionError:  # e.g. "[[[[…": the decoder recurses once per level
+        raise ClientError(f"JSON nested too deeply: {EXAMPLE}") from None
     if not isinstance(content, dict):
-        raise ClientError("a message is a JSON object, e.g. {\"type\": \"ping\"}")
+        raise ClientError(EXAMPLE)
     kind = content.get("type")
-    if kind not in schema:
-        raise ClientError(f"unknown message type {kind!r}; one of {', '.join(schema)}")
+    if not isinstance(kind, str) or kind not in schema:
+        said = "no `type`" if kind is None else f"unknown message type {_shown(kind)}"
+        raise ClientError(f"{said}; one of {', '.join(schema)}")
     fields = schema[kind]
     unknown = sorted(set(content) - {"type"} - set(fields))
     if unknown:
-        raise ClientError(f"{kind}: unknown field(s) {', '.join(unknown)}")
+        raise ClientError(f"{kind}: unknown field(s) {', '.join(map(_shown, unknown))}")
     for name, allowed in fields.items():
         if name not in content:
             raise ClientError(f"{kind}: `{name}` is required")
@@ -70,8 +96,27 @@ def parse_message(text: str | None, schema: dict) -> dict:
         if not ok:
             shown = ", ".join(allowed) if isinstance(allowed, tuple) else \
                 f"an integer in [{allowed.start}, {allowed.stop - 1}]"
-            raise ClientError(f"{kind}: `{name}` must be {shown}")
+            raise ClientError(f"{kind}: `{name}` must be {shown}, not {_shown(value)}")
     return content
+
+
+class MessageBudget:
+    """A token bucket: `rate` messages a second on average, `burst` at once."""
+
+    def __init__(self, rate: float, burst: float) -> None:
+        self.rate = rate
+        self.burst = burst
+        self.tokens = burst
+        self.at = time.monotonic()
+
+    def take(self) -> bool:
+        now = time.monotonic()
+        self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
+        self.at = now
+        if self.tokens < 1:
+            return False
+        self.tokens -= 1
+        return True
 
 
 @database_sync_to_async
@@ -96,9 +141,61 @@ def _block_size(engine_name: str) -> int | None:
     return None if engine is None else engine.config.get("block_size")
 
 
+def _redis_down_message(error: Exception) -> str:
+    return (f"live data is unavailable for now (Redis: {error}); it comes back by itself "
+            "once Redis is reachable")
+
+
 class _Consumer(AsyncJsonWebsocketConsumer):
-    """Common ground: a logged-in user, checked messages, groups left on disconnect."""
+    """Common ground: a logged-in user, checked messages, groups kept joined through a
+    Redis restart and left on disconnect."""
     schema: dict = {}
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # All of these belong to this consumer's event loop task.
+        self.joined: set[str] = set()  # groups it should be in (re-added by rejoin())
+        self.tasks: set[asyncio.Task] = set()  # background work, cancelled on disconnect
+        self.budget = MessageBudget(MESSAGES_PER_S, MESSAGE_BURST)
+        self.refused = 0  # client messages refused in a row for going over the budget
+        self.retry_s = RETRY_MIN_S  # the next pause while the channel layer fails
+        self.last_query = float("-inf")  # monotonic time of the last engine query
+
+    async def __call__(self, scope, receive, send) -> None:
+        """AsyncConsumer.__call__, with a channel-layer receive that waits out a Redis
+        restart: the stock one raises, which ends the consumer and drops the websocket."""
+        self.scope = scope
+        self.channel_layer = get_channel_layer(self.channel_layer_alias)
+        self.channel_name = await self.channel_layer.new_channel()
+        self.base_send = send
+        try:
+            await await_many_dispatch([receive, self._channel_receive], self.dispatch)
+        except StopConsumer:
+            pass
+
+    async def _channel_receive(self) -> dict:
+        """The next message from the channel layer. While Redis is away, receiving raises:
+        wait (longer each time), re-join the groups (a restarted Redis lost them), retry."""
+        while True:
+            try:
+                message = await self.channel_layer.receive(self.channel_name)
+            except REDIS_DOWN as e:
+                if self.retry_s == RETRY_MIN_S:
+                    log.warning("%s: channel layer unreachable (%s); retrying",
+                                self.scope["path"], e)
+                await asyncio.sleep(self.retry_s)
+                self.retry_s = min(2 * self.retry_s, RETRY_MAX_S)
+                await self.rejoin()
+                continue
+            self.retry_s = RETRY_MIN_S
+            return message
+
+    def start(self, coroutine) -> asyncio.Task:
+        """Run coroutine in the background until it ends or the client disconnects."""
+        task = asyncio.ensure_future(coroutine)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return task
 
     async def refuse_anonymous(self) -> bool:
         user = self.scope.get("user")
@@ -107,35 +204,75 @@ class _Consumer(AsyncJsonWebsocketConsumer):
             return True
         return False
 
-    async def join(self, group: str) -> None:
+    async def join_only(self, group: str) -> None:
+        """Be in this group and no other (raises REDIS_DOWN; rejoin() finishes the job)."""
+        old, self.joined = self.joined - {group}, {group}
+        for other in old:
+            await self.channel_layer.group_discard(other, self.channel_name)
         await self.channel_layer.group_add(group, self.channel_name)
-        self.joined.add(group)
 
-    async def leave_all(self) -> None:
-        for group in list(getattr(self, "joined", ())):
-            await self.channel_layer.group_discard(group, self.channel_name)
-        self.joined = set()
+    async def rejoin(self) -> bool:
+        """Add this consumer to its groups again (idempotent); False if Redis is away."""
+        try:
+            for group in list(self.joined):
+                await self.channel_layer.group_add(group, self.channel_name)
+        except REDIS_DOWN as e:  # said once, by _channel_receive
+            log.debug("%s: re-joining groups failed: %s", self.scope["path"], e)
+            return False
+        return True
+
+    async def _keep_joined(self) -> None:
+        while True:
+            await asyncio.sleep(REJOIN_S)
+            await self.rejoin()
+
+    async def accept_live(self) -> None:
+        """Accept the websocket, and keep its groups joined while it is open."""
+        await self.accept()
+        self.start(self._keep_joined())
 
     async def disconnect(self, code: int) -> None:
-        await self.leave_all()
+        for task in list(self.tasks):
+            task.cancel()
+        groups, self.joined = self.joined, set()
+        try:
+            for group in groups:
+                await self.channel_layer.group_discard(group, self.channel_name)
+        except REDIS_DOWN as e:  # the memberships went with Redis, or expire
+            log.info("%s: leaving groups failed: %s", self.scope["path"], e)
 
     async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:
+        if not self.budget.take():
+            self.refused += 1
+            if self.refused >= FLOOD_CLOSE_AFTER:
+                if self.refused == FLOOD_CLOSE_AFTER:  # what still comes is dropped
+                    log.warning("%s: closed, the client floods it", self.scope["path"])
+                    await self.close(code=CLOSE_FLOODING)
+                return
+            await self.send_json({"type": "error", "message": (
+                f"too many messages: at most {MESSAGES_PER_S:g} a second; this one was "
+                "dropped")})
+            return
+        self.refused = 0
         try:
             message = parse_message(text_data, self.schema)
+            await getattr(self, f"on_{message['type']}")(message)
         except ClientError as e:
             await self.send_json({"type": "error", "message": str(e)})
-            return
-        await getattr(self, f"on_{message['type']}")(message)
+        except REDIS_DOWN as e:
+            log.warning("%s: %s", self.scope["path"], e)
+            await self.send_json({"type": "error", "message": _redis_down_message(e)})
 
     async def on_ping(self, message: dict) -> None:
         await self.send_json({"type": "pong", "ts": time.time()})
 
-    def query_allowed(self) -> bool:
-        now = time.monotonic()
-        if now - getattr(self, "_last_query", float("-inf")) < MIN_QUERY_INTERVAL_S:
-            return False
-        self._last_query = now
-        return True
+    def query_delay(self) -> float:
+        """Seconds until the next engine query may go: they are MIN_QUERY_INTERVAL_S apart."""
+        return max(0.0, self.last_query + MIN_QUERY_INTERVAL_S - time.monotonic())
+
+    async def post_query(self, engine_name: str, query: dict) -> None:
+        self.last_query = time.monotonic()
+        await sync_to_async(live.post_engine_query, thread_sensitive=False)(engine_name, query)
 
 
 class EngineConsumer(_Consumer):
@@ -145,9 +282,8 @@ class EngineConsumer(_Consumer):
     schema = ENGINE_MESSAGES
 
     async def connect(self) -> None:
-        self.joined: set[str] = set()
         self.level: str | None = None
-        self._fallback: asyncio.Task | None = None
+        self._snapshot: asyncio.Task | None = None  # a snapshot on its way to the client
         if await self.refuse_anonymous():
             return
         self.name = self.scope["url_route"]["kwargs"]["name"]
@@ -156,56 +292,56 @@ class EngineConsumer(_Consumer):
             await self.close(code=CLOSE_NOT_FOUND)
             return
         engine, alive = found
-        await self.accept()
+        await self.accept_live()
         await self.send_json({
             "type": "hello", "engine": self.name, "status": engine.status, "alive": alive,
             "config": engine.config, "metrics": engine.metrics,
             "operator": self.scope["user"].is_staff})
 
-    async def disconnect(self, code: int) -> None:
-        if self._fallback is not None:
-            self._fallback.cancel()
-        await super().disconnect(code)
-
     async def on_subscribe(self, message: dict) -> None:
-        await self.leave_all()
         self.level = message["level"]
         if self.level == "summary":
-            await self.join(live.engine_summary_group(self.name))
+            self._cancel_snapshot()
+            await self.join_only(live.engine_summary_group(self.name))
         else:
-            await self.join(live.engine_group(self.name))
-            await self._ask_snapshot()
+            await self.join_only(live.engine_group(self.name))
+            self._ask_snapshot()
         await self.send_json({"type": "subscribed", "level": self.level})
 
     async def on_resync(self, message: dict) -> None:
         if self.level != "full":
-            await self.send_json({"type": "error", "message": "resync: subscribe to level "
-                                                              "`full` first"})
-            return
-        if self._fallback is not None and not self._fallback.done():
-            return  # one is on its way
-        if not self.query_allowed():
-            await self.send_json({"type": "error", "message": "resync: too many; wait a moment"})
-            return
-        await self._ask_snapshot()
+            raise ClientError("resync: subscribe to level `full` first")
+        await self.rejoin()  # the client heard nothing for a while: maybe Redis restarted
+        self._ask_snapshot()
 
     async def on_history(self, message: dict) -> None:
         read = live.recent_events if message["what"] == "events" else live.recent_metrics
         items = await sync_to_async(read, thread_sensitive=False)(self.name, message["count"])
         await self.send_json({"type": "history", "what": message["what"], "items": items})
 
-    async def _ask_snapshot(self) -> None:
-        query = {"kind": "snapshot", "reply_to": self.channel_name}
-        await sync_to_async(live.post_engine_query, thread_sensitive=False)(self.name, query)
-        if self._fallback is not None:
-            self._fallback.cancel()
-        self._fallback = asyncio.ensure_future(self._stale_snapshot_later())
+    def _ask_snapshot(self) -> None:
+        """One snapshot on its way at a time: asking again meanwhile changes nothing."""
+        if self._snapshot is None or self._snapshot.done():
+            self._snapshot = self.start(self._fetch_snapshot())
 
-    async def _stale_snapshot_later(self) -> None:
-        """The engine did not answer (stopped, or busy starting): its last stored
-        snapshot, marked stale, is better than an empty page."""
-        await asyncio.sleep(SNAPSHOT_WAIT_S)
-        stored = await sync_to_async(live.load_snapshot, thread_sensitive=False)(self.name)
+    def _cancel_snapshot(self) -> None:
+        if self._snapshot is not None:
+            self._snapshot.cancel()
+            self._snapshot = None
+
+    async def _fetch_snapshot(self) -> None:
+        """Ask the engine's publisher (it answers with engine.snapshot, which cancels this
+        task); without an answer in SNAPSHOT_WAIT_S (the engine stopped, or is busy
+        starting) its last stored snapshot, marked stale, is better than an empty page."""
+        await asyncio.sleep(self.query_delay())
+        try:
+            await self.post_query(self.name, {"kind": "snapshot", "reply_to": self.channel_name})
+            await asyncio.sleep(SNAPSHOT_WAIT_S)
+            stored = await sync_to_async(live.load_snapshot, thread_sensitive=False)(self.name)
+        except REDIS_DOWN as e:
+            log.warning("%s: snapshot: %s", self.scope["path"], e)
+            await self.send_json({"type": "error", "message": _redis_down_message(e)})
+            return
         if stored is None:
             await self.send_json({"type": "error", "message": f"engine {self.name} is not "
                                   "publishing and has no stored snapshot"})
@@ -218,9 +354,7 @@ class EngineConsumer(_Consumer):
             await self.send(bytes_data=event["data"])
 
     async def engine_snapshot(self, event: dict) -> None:
-        if self._fallback is not None:
-            self._fallback.cancel()
-            self._fallback = None
+        self._cancel_snapshot()
         if self.level == "full":
             await self.send(bytes_data=event["data"])
 
@@ -236,7 +370,6 @@ class JobConsumer(_Consumer):
     schema = JOB_MESSAGES
 
     async def connect(self) -> None:
-        self.joined = set()
         if await self.refuse_anonymous():
             return
         job_id = self.scope["url_route"]["kwargs"]["job_id"]
@@ -246,21 +379,26 @@ class JobConsumer(_Consumer):
             return
         self.job_id = job.pk
         self.engine_name, self.request_id = job.engine, job.request_id
-        await self.join(live.job_group(job.pk))
-        await self.accept()
+        trouble = None
+        try:  # before reading the state: no update falls between the two
+            await self.join_only(live.job_group(job.pk))
+        except REDIS_DOWN as e:  # the state below still helps; rejoin() keeps trying
+            log.warning("%s: %s", self.scope["path"], e)
+            trouble = e
+        await self.accept_live()
         await self.send_json({"type": "job", "job_id": job.pk, **await _job_state(job)})
+        if trouble is not None:
+            await self.send_json({"type": "error", "message": _redis_down_message(trouble)})
 
     async def on_blocks(self, message: dict) -> None:
         if not (self.engine_name and self.request_id):
             await self.send_json({"type": "blocks", "request": None})
             return
-        if not self.query_allowed():
-            await self.send_json({"type": "error", "message": "blocks: too many; wait a moment"})
-            return
-        query = {"kind": "request", "reply_to": self.channel_name,
-                 "request_id": self.request_id}
-        await sync_to_async(live.post_engine_query, thread_sensitive=False)(
-            self.engine_name, query)
+        if self.query_delay() > 0:
+            raise ClientError("blocks: too many; at most one every "
+                              f"{MIN_QUERY_INTERVAL_S:g} s")
+        await self.post_query(self.engine_name, {"kind": "request", "reply_to": self.channel_name,
+                                                 "request_id": self.request_id})
 
     # --- from the channel layer ---------------------------------------------------------
     async def job_update(self, event: dict) -> None:

@@ -112,19 +112,28 @@ def _fanout_loop() -> _Fanout:
         return _fanout
 
 
+def _wait(fanout: _Fanout, coroutine, timeout_s: float) -> None:
+    """Run coroutine on the fan-out loop and wait for it. One that times out is
+    cancelled, so it cannot land later, after messages sent since."""
+    future = asyncio.run_coroutine_threadsafe(coroutine, fanout.loop)
+    try:
+        future.result(timeout_s)
+    except TimeoutError:
+        future.cancel()
+        raise
+
+
 def group_send_wait(group: str, message: dict, timeout_s: float = SEND_TIMEOUT_S) -> None:
     """group_send from a worker thread, returning once it is done: messages sent one
     after the other this way arrive in that order (deltas carry sequence numbers)."""
     fanout = _fanout_loop()
-    asyncio.run_coroutine_threadsafe(fanout.layer.group_send(group, message),
-                                     fanout.loop).result(timeout_s)
+    _wait(fanout, fanout.layer.group_send(group, message), timeout_s)
 
 
 def channel_send_wait(channel: str, message: dict, timeout_s: float = SEND_TIMEOUT_S) -> None:
     """Send to one consumer's channel (an answer to its query), in order with the above."""
     fanout = _fanout_loop()
-    asyncio.run_coroutine_threadsafe(fanout.layer.send(channel, message),
-                                     fanout.loop).result(timeout_s)
+    _wait(fanout, fanout.layer.send(channel, message), timeout_s)
 
 
 def append_events(name: str, events: list[dict], maxlen: int) -> None:

@@ -20,6 +20,7 @@ import uuid
 import zlib
 from dataclasses import dataclass
 
+from channels.exceptions import ChannelFull
 from django.conf import settings
 
 from kvops import live
@@ -190,17 +191,21 @@ class EnginePublisher:
             reply_to = query.get("reply_to")
             if not isinstance(reply_to, str):
                 continue
-            if query.get("kind") == "snapshot":
-                if snapshot is None:
-                    snapshot = encode(self.mirror.snapshot(), level=1)
-                live.channel_send_wait(reply_to, {"type": "engine.snapshot",
-                                                  "seq": self.mirror.seq, "data": snapshot})
-                self.stats.snapshots_sent += 1
-            elif query.get("kind") == "request":
-                entry = self.mirror.request_entry(str(query.get("request_id")))
-                live.channel_send_wait(reply_to, {
-                    "type": "engine.request", "engine": self.name, "seq": self.mirror.seq,
-                    "request_id": query.get("request_id"), "request": entry})
+            try:
+                if query.get("kind") == "snapshot":
+                    if snapshot is None:
+                        snapshot = encode(self.mirror.snapshot(), level=1)
+                    live.channel_send_wait(reply_to, {"type": "engine.snapshot",
+                                                      "seq": self.mirror.seq, "data": snapshot})
+                    self.stats.snapshots_sent += 1
+                elif query.get("kind") == "request":
+                    entry = self.mirror.request_entry(str(query.get("request_id")))
+                    live.channel_send_wait(reply_to, {
+                        "type": "engine.request", "engine": self.name, "seq": self.mirror.seq,
+                        "request_id": query.get("request_id"), "request": entry})
+            except ChannelFull:  # that client is not reading; the others still get answers
+                self.stats.errors += 1
+                log.warning("%s: no answer to %s: its channel is full", self.name, reply_to)
 
     def _store_snapshot(self) -> None:
         """The latest full snapshot for GET /api/engines/<name>/: once a second, or less

@@ -19,9 +19,12 @@ const cpuMap = new BlockMap($("#cpu-map"), $("#cpu-overlay"), palette, { maxHeig
 const history = new MetricsHistory(600);
 const perf = window.kvopsPerf = { deltas: 0, snapshots: 0, resyncs: 0, applyMs: [], decodeMs: [],
                                   parts: { state: 0, maps: 0, table: 0, rest: 0 },
-                                  lastDeltaAt: 0, bytes: () => socket.bytes, frames: () => socket.frames };
+                                  lastDeltaAt: 0, bytes: () => socket.bytes, frames: () => socket.frames,
+                                  reconnects: () => socket.reconnects };
 let state = null;
 let awaitingSnapshot = true;
+let askedAt = null;  // when the snapshot we wait for was asked for (performance.now())
+let heardAt = performance.now();  // when the last delta or live snapshot came
 let selected = null;  // request index
 let prevCounts = [null, null];  // preemptions, swaps out: the charts' totals follow them
 let wanted = new URLSearchParams(location.search).get("request");  // select once it shows up
@@ -40,6 +43,7 @@ const events = new EventLog($("#events"), $("#ev-rate"), $("#show-churn"), {
 const socket = new LiveSocket(`/ws/engines/${encodeURIComponent(page.name)}/`, {
   onOpen: () => {
     awaitingSnapshot = true;
+    askedAt = performance.now();
     socket.send({ type: "subscribe", level: "full" });
     socket.send({ type: "history", what: "events", count: 300 });
     socket.send({ type: "history", what: "metrics", count: 600 });
@@ -66,7 +70,12 @@ function handle(message, meta) {
 function loadSnapshot(snapshot) {
   state = new KVState(snapshot);
   awaitingSnapshot = false;
+  askedAt = null;
   perf.snapshots++;
+  if (!snapshot.stale) {
+    heardAt = performance.now();
+    socket.healthy();
+  }
   gpuMap.attach(state.gpu, state.evictRank, $("#gpu-wrap").clientWidth);
   cpuMap.attach(state.cpu, null, $("#cpu-wrap").clientWidth);
   $("#gpu-caption").textContent = `${num(state.gpu.n)} blocks of ${state.config.block_size} tokens`;
@@ -80,9 +89,14 @@ function loadSnapshot(snapshot) {
 }
 
 function applyDelta(delta, meta) {
+  heardAt = performance.now();
   if (!state || awaitingSnapshot) return;  // the snapshot on its way includes it
   if (delta.epoch === state.epoch && delta.seq <= state.seq) return;  // already in the snapshot
   if (!state.follows(delta)) { resync(); return; }
+  if (state.stale) {  // a stored snapshot that the engine's deltas follow: it is current
+    state.stale = false;
+    setConnection("live");
+  }
   const started = performance.now();
   const changed = state.apply(delta);
   const applied = performance.now();
@@ -121,6 +135,7 @@ function applyDelta(delta, meta) {
 
 function resync() {
   awaitingSnapshot = true;
+  askedAt = performance.now();
   perf.resyncs++;
   socket.send({ type: "resync" });
 }
@@ -131,13 +146,27 @@ function setConnection(status) {
   el.className = `pill conn ${status === "live" ? "live" : status === "stale" ? "stale" : "offline"}`;
 }
 
-setInterval(() => {  // the publisher sends at least once a second, idle or not
-  if (state && !awaitingSnapshot && perf.lastDeltaAt && performance.now() - perf.lastDeltaAt > 5000) {
-    setConnection("not publishing");
-  } else if (perf.lastDeltaAt && $("#conn").textContent === "not publishing") {
-    setConnection("live");
+// The publisher sends a delta at least once a second, idle or not. Nothing for STALE_MS
+// (Redis restarted, say): ask for a snapshot again, which also has the server re-join its
+// groups. No snapshot SNAPSHOT_WAIT_MS after asking: reconnect, with a growing delay. A
+// stale snapshot (the engine stopped) is left alone: its next delta, when it comes back,
+// is a gap, and that resyncs.
+const STALE_MS = 3000;
+const SNAPSHOT_WAIT_MS = 6000;  // the server waits 3 s for the engine, then sends the stored one
+setInterval(() => {
+  if (!socket.open) return;  // the socket reconnects by itself
+  const now = performance.now();
+  if (awaitingSnapshot) {
+    if (askedAt !== null && now - askedAt > SNAPSHOT_WAIT_MS) {
+      askedAt = null;
+      setConnection("reconnecting");
+      socket.reconnect();
+    }
+  } else if (!state.stale && now - heardAt > STALE_MS) {
+    setConnection("resyncing");
+    resync();
   }
-}, 1000);
+}, 500);
 
 // --- header, charts -------------------------------------------------------------------
 const HEAD = [

@@ -7,6 +7,7 @@ import { cumulativeHitRate } from "./metrics.js";
 import { LiveSocket } from "./socket.js";
 
 const SPARK_POINTS = 120;
+const summaries = window.kvopsSummaries = {};  // engine name -> summaries received (tests)
 
 for (const card of document.querySelectorAll(".card[data-engine]")) {
   const name = card.dataset.engine;
@@ -38,6 +39,7 @@ for (const card of document.querySelectorAll(".card[data-engine]")) {
         sparkline(field("spark"), rates);
       } else if (message.type === "summary") {
         lastSeen = performance.now();
+        summaries[name] = (summaries[name] || 0) + 1;
         status("ready", "ready");
         show(message.metrics);
         rates.push(message.metrics.generation_tokens_per_s || 0);
