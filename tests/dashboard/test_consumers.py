@@ -13,7 +13,7 @@ from kvops.consumers import CLOSE_NOT_FOUND, CLOSE_NOT_LOGGED_IN
 from kvops.models import Engine, Job
 from tests.dashboard.churn import churn_engine
 from tests.dashboard.live_client import ARRAYS, LiveState, SequenceGap
-from tests.dashboard.wsclient import connect, receive, receive_type, settle
+from tests.dashboard.wsclient import connect, receive, receive_type, settle, wait_for
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.asyncio]
 
@@ -171,3 +171,93 @@ async def test_job_stream_and_block_table(users, engine_setup):
     assert "too many" in (await receive(comm))["message"]
     await comm.disconnect()
 
+
+# --- Redis trouble: the channel layer's group memberships are lost, or Redis is away -----
+def group_key(group: str) -> str:
+    return f"asgi:group:{group}"  # channels-redis: its prefix, then the group
+
+
+async def subscribed_full(name: str, user) -> tuple:
+    comm, ok, _ = await connect(f"/ws/engines/{name}/", user)
+    assert ok
+    await receive_type(comm, "hello")
+    await comm.send_json_to({"type": "subscribe", "level": "full"})
+    return comm, LiveState(await receive_type(comm, "snapshot"))
+
+
+async def next_delta_applied(comm, client: LiveState, publisher, engine, churn) -> None:
+    """Churn until a delta reaches the client; it resyncs if it missed some."""
+    for _ in range(5):
+        churn()
+        await settle(publisher, engine)
+    delta = await receive_type(comm, "delta", timeout=5)
+    if delta["seq"] != client.seq + 1:
+        await comm.send_json_to({"type": "resync"})
+        client.__init__(await receive_type(comm, "snapshot"))
+        return
+    client.apply(delta)
+
+
+async def test_a_consumer_joins_its_group_again_after_losing_it(users, engine_setup, monkeypatch):
+    """Lost memberships say nothing (a Redis restart or failover, a FLUSHALL, expiry):
+    consumers add themselves again every REJOIN_S."""
+    monkeypatch.setattr("kvops.consumers.REJOIN_S", 0.2)
+    name, engine, publisher, churn = engine_setup
+    comm, client = await subscribed_full(name, users[1])
+    await asyncio.to_thread(live.redis_client().delete, group_key(live.engine_group(name)))
+    await asyncio.sleep(0.5)
+    await next_delta_applied(comm, client, publisher, engine, churn)
+    await comm.disconnect()
+
+
+async def test_the_websocket_outlives_a_failing_channel_layer(users, engine_setup, monkeypatch):
+    """While Redis is away the channel layer's receive raises; the consumer keeps the
+    websocket open, and once receiving works again it joins its group again at once."""
+    import redis
+    from channels.layers import get_channel_layer
+
+    monkeypatch.setattr("kvops.consumers.RETRY_MIN_S", 0.05)
+    name, engine, publisher, churn = engine_setup
+    comm, client = await subscribed_full(name, users[1])
+    layer, failures = get_channel_layer(), [0]
+    real_receive = layer.receive
+
+    async def flaky_receive(channel: str) -> dict:
+        if failures[0] > 0:
+            failures[0] -= 1
+            raise redis.exceptions.ConnectionError("Connection closed by server.")
+        return await real_receive(channel)
+
+    monkeypatch.setattr(layer, "receive", flaky_receive)
+    failures[0] = 4
+    key = group_key(live.engine_group(name))
+    (channel,) = await asyncio.to_thread(live.redis_client().zrange, key, 0, -1)
+    await asyncio.to_thread(live.redis_client().delete, key)  # Redis "restarted"
+    await layer.send(channel.decode(), {"type": "engine.summary"})  # ends the pending receive
+    await comm.send_json_to({"type": "ping"})
+    assert (await receive_type(comm, "pong"))["type"] == "pong"
+    await asyncio.to_thread(wait_for, lambda: failures[0] == 0, "the failures used up")
+    await next_delta_applied(comm, client, publisher, engine, churn)
+    await comm.disconnect()
+
+
+async def test_redis_errors_are_answered(users, engine_setup, monkeypatch):
+    import redis
+
+    def down(*args) -> None:
+        raise redis.exceptions.ConnectionError("Error 111 connecting to 127.0.0.1:1.")
+
+    monkeypatch.setattr(live, "post_engine_query", down)
+    monkeypatch.setattr(live, "recent_events", down)
+    comm, ok, _ = await connect(f"/ws/engines/{engine_setup[0]}/", users[0])
+    await receive_type(comm, "hello")
+    await comm.send_json_to({"type": "history", "what": "events", "count": 5})
+    error = await receive(comm)
+    assert error["type"] == "error" and "Redis: Error 111" in error["message"], error
+    await comm.send_json_to({"type": "subscribe", "level": "full"})
+    await receive_type(comm, "subscribed")
+    error = await receive(comm)  # the snapshot could not be asked for
+    assert error["type"] == "error" and "unavailable" in error["message"], error
+    await comm.send_json_to({"type": "ping"})
+    assert (await receive(comm))["type"] == "pong"
+    await comm.disconnect()
