@@ -3,6 +3,7 @@ fresh SQLite file, driven over HTTP like any client. Tests, benchmarks and the l
 script use it; it talks to loopback only."""
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import socket
@@ -10,10 +11,20 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from urllib.parse import urlparse, urlunparse
 
 import requests
 
 REPO = Path(__file__).resolve().parents[1]
+_stack_count = itertools.count(1)
+
+
+def _own_database(redis_url: str) -> str:
+    """The same Redis server, another database number: stacks running side by side (a
+    test session's) must not see each other's queues, groups and keys. Redis has 16
+    databases unless started with --databases (the test session's has 64)."""
+    parsed = urlparse(redis_url)
+    return urlunparse(parsed._replace(path=f"/{next(_stack_count) % 64}"))
 
 
 def free_port() -> int:
@@ -34,6 +45,9 @@ class Stack:
                         DJANGO_SUPERUSER_USERNAME="admin", DJANGO_SUPERUSER_EMAIL="a@x.org",
                         DJANGO_SUPERUSER_PASSWORD="admin-pass-123")
         self.env.update(env or {})
+        if "REDIS_URL" not in (env or {}):
+            self.env["REDIS_URL"] = _own_database(os.environ.get("REDIS_URL",
+                                                                 "redis://127.0.0.1:6379/0"))
         self.procs: dict[str, subprocess.Popen] = {}
         self.tokens: dict[str, str] = {}
 

@@ -24,6 +24,7 @@ def start_redis(port: int, workdir: str) -> subprocess.Popen:
     if exe is None:
         raise RuntimeError("redis-server is not installed (make setup installs it)")
     proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--databases", "64",
                              "--appendonly", "no", "--dir", workdir],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 10

@@ -6,9 +6,6 @@ import pytest
 from engine.detokenizer import SimTokenizer
 from engine.simulated_runner import reference_generate
 
-pytestmark = pytest.mark.django_db(transaction=False, databases=[])
-
-
 def expected_text(prompt: str, n: int) -> str:
     ids = reference_generate(SimTokenizer().encode(prompt), n, 32000)
     return SimTokenizer().decode(ids)

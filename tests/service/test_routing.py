@@ -1,5 +1,4 @@
 """Prefix-aware routing across two engine workers."""
-import os
 from pathlib import Path
 
 import redis
@@ -56,7 +55,7 @@ def test_evicted_prefixes_leave_the_index(two_engines):
     r = two_engines.api("POST", f"/api/engines/{home}/prefix-cache/reset/")
     assert r.status_code == 200
 
-    index = redis.Redis.from_url(os.environ["REDIS_URL"])
+    index = redis.Redis.from_url(two_engines.env["REDIS_URL"])
     two_engines.wait(lambda: index.scard(f"kvops:prefix:{home}") == 0,
                      "index emptied by the reset", 10)
     again = submit(two_engines, SYSTEM_B + "after the reset")
