@@ -25,6 +25,7 @@ from channels.generic.websocket import AsyncJsonWebsocketConsumer
 from channels.layers import get_channel_layer
 from channels.utils import await_many_dispatch
 from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvops import live, selectors, services
 from kvops.models import Engine
@@ -141,6 +142,15 @@ def _block_size(engine_name: str) -> int | None:
     return None if engine is None else engine.config.get("block_size")
 
 
+def _raise_if_cancelled() -> None:
+    """A cancellation that lands while redis-py cleans up after a failed read can come
+    out as a Redis error: code that handles those by waiting or retrying must still stop
+    when its task is being cancelled."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError()
+
+
 def _redis_down_message(error: Exception) -> str:
     return (f"live data is unavailable for now (Redis: {error}); it comes back by itself "
             "once Redis is reachable")
@@ -162,8 +172,9 @@ class _Consumer(AsyncJsonWebsocketConsumer):
         self.last_query = float("-inf")  # monotonic time of the last engine query
 
     async def __call__(self, scope, receive, send) -> None:
-        """AsyncConsumer.__call__, with a channel-layer receive that waits out a Redis
-        restart: the stock one raises, which ends the consumer and drops the websocket."""
+        """AsyncConsumer.__call__, with a channel-layer receive that outlives read
+        timeouts and Redis restarts: the stock one raises, which ends the consumer and
+        drops the websocket."""
         self.scope = scope
         self.channel_layer = get_channel_layer(self.channel_layer_alias)
         self.channel_name = await self.channel_layer.new_channel()
@@ -174,21 +185,29 @@ class _Consumer(AsyncJsonWebsocketConsumer):
             pass
 
     async def _channel_receive(self) -> dict:
-        """The next message from the channel layer. While Redis is away, receiving raises:
-        wait (longer each time), re-join the groups (a restarted Redis lost them), retry."""
-        while True:
-            try:
-                message = await self.channel_layer.receive(self.channel_name)
-            except REDIS_DOWN as e:
-                if self.retry_s == RETRY_MIN_S:
-                    log.warning("%s: channel layer unreachable (%s); retrying",
-                                self.scope["path"], e)
-                await asyncio.sleep(self.retry_s)
-                self.retry_s = min(2 * self.retry_s, RETRY_MAX_S)
-                await self.rejoin()
-                continue
-            self.retry_s = RETRY_MIN_S
-            return message
+        """The next message from the channel layer, or `layer.retry` when none came: a
+        read timed out (redis-py gives up after 5 s, as long as channels-redis' blocking
+        pop waits), or Redis is away (then after a pause, longer each time, and an
+        attempt to re-join the groups a restarted Redis lost). One attempt per call, so
+        a consumer that ends never waits for more than one."""
+        try:
+            message = await self.channel_layer.receive(self.channel_name)
+        except RedisTimeoutError:
+            return {"type": "layer.retry"}
+        except REDIS_DOWN as e:
+            _raise_if_cancelled()
+            if self.retry_s == RETRY_MIN_S:
+                log.warning("%s: channel layer unreachable (%s); retrying",
+                            self.scope["path"], e)
+            await asyncio.sleep(self.retry_s)
+            self.retry_s = min(2 * self.retry_s, RETRY_MAX_S)
+            await self.rejoin()
+            return {"type": "layer.retry"}
+        self.retry_s = RETRY_MIN_S
+        return message
+
+    async def layer_retry(self, message: dict) -> None:
+        """Nothing came from the channel layer: the next receive starts."""
 
     def start(self, coroutine) -> asyncio.Task:
         """Run coroutine in the background until it ends or the client disconnects."""
@@ -217,6 +236,7 @@ class _Consumer(AsyncJsonWebsocketConsumer):
             for group in list(self.joined):
                 await self.channel_layer.group_add(group, self.channel_name)
         except REDIS_DOWN as e:  # said once, by _channel_receive
+            _raise_if_cancelled()
             log.debug("%s: re-joining groups failed: %s", self.scope["path"], e)
             return False
         return True
@@ -260,6 +280,7 @@ class _Consumer(AsyncJsonWebsocketConsumer):
         except ClientError as e:
             await self.send_json({"type": "error", "message": str(e)})
         except REDIS_DOWN as e:
+            _raise_if_cancelled()
             log.warning("%s: %s", self.scope["path"], e)
             await self.send_json({"type": "error", "message": _redis_down_message(e)})
 
@@ -339,6 +360,7 @@ class EngineConsumer(_Consumer):
             await asyncio.sleep(SNAPSHOT_WAIT_S)
             stored = await sync_to_async(live.load_snapshot, thread_sensitive=False)(self.name)
         except REDIS_DOWN as e:
+            _raise_if_cancelled()
             log.warning("%s: snapshot: %s", self.scope["path"], e)
             await self.send_json({"type": "error", "message": _redis_down_message(e)})
             return

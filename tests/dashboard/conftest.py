@@ -10,7 +10,7 @@ import pytest
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # closed before other modules' asyncio tests run
 def browser():
     if not Path(CHROMIUM).exists():
         pytest.skip("needs Debian's chromium (make setup installs it)")
@@ -44,6 +44,17 @@ def login(browser):
     yield open_page
     for context in contexts:
         context.close()
+
+
+@pytest.fixture(autouse=True)
+def fresh_channel_layer():
+    """Each test gets a channel layer of its own. channels-redis keeps the state of its
+    receives (asyncio locks, bound to the loop that made them) in the layer, and each
+    asyncio test runs its own event loop."""
+    from channels.layers import channel_layers
+    channel_layers.backends.clear()
+    yield
+    channel_layers.backends.clear()
 
 
 @pytest.fixture
