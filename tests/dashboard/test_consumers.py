@@ -261,3 +261,19 @@ async def test_redis_errors_are_answered(users, engine_setup, monkeypatch):
     await comm.send_json_to({"type": "ping"})
     assert (await receive(comm))["type"] == "pong"
     await comm.disconnect()
+
+
+async def test_an_idle_consumer_stays_connected(users, engine_setup):
+    """channels-redis blocks 5 s in BZPOPMIN, redis-py's read times out after 5 s too: a
+    consumer that hears nothing for that long gets a TimeoutError, and must not end."""
+    name, engine, publisher, churn = engine_setup
+    job = await asyncio.to_thread(lambda: Job.objects.create(
+        owner=users[1], prompt="x", engine=name, request_id="r1", status="finished"))
+    comm, ok, _ = await connect(f"/ws/jobs/{job.pk}/", users[1])
+    assert (await receive(comm))["type"] == "job"
+    await asyncio.sleep(6.5)
+    await comm.send_json_to({"type": "ping"})
+    assert (await receive(comm))["type"] == "pong"
+    live.publish_job_update(job.pk, {"status": "finished", "text": "late"})
+    assert (await receive(comm))["text"] == "late"
+    await comm.disconnect()
