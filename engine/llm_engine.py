@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import time
 
-from engine.block_hash import root_hash
+from engine.block_hash import hash_blocks, root_hash
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, SimTokenizer
 from engine.errors import InvalidRequestError, PrefixNotCachedError
@@ -243,7 +243,6 @@ class LLMEngine:
     unpin = unpin_prefix
 
     def _prefix_blocks(self, prompt: str | list[int], cache_salt: str | None) -> list:
-        from engine.block_hash import hash_blocks
         token_ids = self._prompt_ids(prompt)
         bs = self.config.block_size
         if len(token_ids) < bs:
