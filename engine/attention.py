@@ -2,7 +2,9 @@
 tables. The model calls `backend.forward(q, k, v, kv_layer, plan, scale)` once per
 layer; the runner calls `backend.plan(batch)` once per step.
 
-* "torch": kernels/cpu_attention.py (vectorised torch). The CPU path and the fallback.
+* "torch": kernels/cpu_attention.py (vectorised torch). The CPU path and the fallback;
+  in float32 on a CPU its decodes run in the C++ kernel of kernels/cpu_ext.py when that
+  builds here.
 * "triton": kernels.reshape_and_cache + kernels.paged_attention (CUDA, or the Triton
   interpreter under TRITON_INTERPRET=1).
 * "auto": triton on CUDA, torch on CPU.
@@ -47,15 +49,17 @@ class AttentionBackend(Protocol):
 class TorchAttention:
     name = "torch"
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, dtype: torch.dtype = torch.float32) -> None:
         self.device = device
+        self.native_decode = (device.type == "cpu" and dtype == torch.float32
+                              and _cpu_kernels_available())
 
     def plan(self, batch: AttentionBatch) -> "TorchPlan":
         from kernels.cpu_attention import plan_attention
 
         return TorchPlan(batch.slot_mapping, plan_attention(
             batch.block_tables, batch.seq_lens, batch.query_start_loc, batch.block_size,
-            self.device))
+            self.device, native_decode=self.native_decode))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
                 plan: "TorchPlan", scale: float) -> torch.Tensor:
@@ -119,12 +123,13 @@ class TritonPlan:
     max_query_len: int
 
 
-def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    """name: "auto" | "torch" | "triton"."""
+def make_attention_backend(name: str, device: torch.device,
+                           dtype: torch.dtype = torch.float32) -> AttentionBackend:
+    """name: "auto" | "torch" | "triton"; dtype: the KV cache's."""
     if name == "auto":
         name = "triton" if device.type == "cuda" and _triton_available() else "torch"
     if name == "torch":
-        return TorchAttention(device)
+        return TorchAttention(device, dtype)
     if name == "triton":
         if not _triton_available():
             raise AttentionBackendError(
@@ -136,6 +141,12 @@ def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
                 "the slow CPU interpreter); use attention_backend='torch' on CPU")
         return TritonAttention(device)
     raise AttentionBackendError(f"unknown attention backend {name!r}")
+
+
+def _cpu_kernels_available() -> bool:
+    from kernels import cpu_ext
+
+    return cpu_ext.available()
 
 
 def _triton_available() -> bool:

@@ -64,6 +64,7 @@ class StepContext:
     kv_cache: torch.Tensor  # [n_layers, 2, num_blocks, block_size, n_kv_heads, head_dim]
     attention: AttentionBackend  # stores each layer's new K/V and attends through the tables
     plan: object  # the backend's per-step plan (gather indices, masks, ...)
+    fused: object | None = None  # torch.ops.kvops when the fused CPU ops are on
 
 
 class Transformer(nn.Module):
@@ -77,6 +78,13 @@ class Transformer(nn.Module):
         if args.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rope: torch.Tensor | None = None  # [max_positions, head_dim // 2] complex64
+        # torch.ops.kvops (kernels/cpu_ext.py) once use_cpu_kernels() turned them on
+        self.fused_ops: object | None = None
+
+    def use_cpu_kernels(self, ops: object) -> None:
+        """Run RMSNorm, residual adds and SwiGLU's gating as the fused float32 CPU ops
+        of kernels/csrc/fused_ops.cpp (the runner calls this where they built)."""
+        self.fused_ops = ops
 
     def setup_rope(self, max_positions: int) -> None:
         """Precompute the rotations of positions [0, max_positions) on the weights' device."""
@@ -92,12 +100,25 @@ class Transformer(nn.Module):
         """input_ids, positions: [num_tokens]; logits_indices: [num_sampled] rows whose
         next-token logits are wanted. Returns float32 logits [num_sampled, vocab_size]."""
         ctx = StepContext(rope=self.rope[positions][:, None, :], kv_cache=kv_cache,
-                          attention=attention, plan=plan)
+                          attention=attention, plan=plan, fused=self.fused_ops)
         h = self.embed_tokens(input_ids)  # [num_tokens, dim]
+        if ctx.fused is not None:
+            return self.lm_head(self._fused_layers(h, ctx)[logits_indices])
         for i, layer in enumerate(self.layers):
             h = layer(h, ctx, i)
         h = self.norm(h[logits_indices])  # [num_sampled, dim]: the other rows need no logits
         return self.lm_head(h).float()  # [num_sampled, vocab_size]
+
+    def _fused_layers(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """The layers with each residual add fused into the RMSNorm after it (the next
+        layer's, and the final norm after the last). Returns the final-normed rows."""
+        ops, eps = ctx.fused, self.args.norm_eps
+        x = ops.rms_norm(h, self.layers[0].attention_norm.weight, eps)
+        for i, layer in enumerate(self.layers):
+            x = ops.add_rms_norm(h, layer.attention(x, ctx, i), layer.ffn_norm.weight, eps)
+            after = self.layers[i + 1].attention_norm if i + 1 < len(self.layers) else self.norm
+            x = ops.add_rms_norm(h, layer.feed_forward(x, ops), after.weight, eps)
+        return x
 
 
 class Block(nn.Module):
@@ -143,8 +164,10 @@ class FeedForward(nn.Module):
         self.w_gate_up = Linear(args.dim, 2 * args.intermediate_size, bias=args.mlp_bias)
         self.w_down = Linear(args.intermediate_size, args.dim, bias=args.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fused: object | None = None) -> torch.Tensor:
         gate_up = self.w_gate_up(x)  # [T, 2 * intermediate]
+        if fused is not None:
+            return self.w_down(fused.silu_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.w_down(F.silu(gate).mul_(up))
 

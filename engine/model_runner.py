@@ -50,7 +50,9 @@ class ModelRunner(Runner):
         self.max_model_len = _max_model_len(config, folder)
         self.model = load_model(folder, self._dtype, self._device)
         self.model.setup_rope(self.max_model_len)
-        self.attention = make_attention_backend(config.attention_backend, self._device)
+        self.attention = make_attention_backend(config.attention_backend, self._device,
+                                                self._dtype)
+        self.cpu_kernels = _use_cpu_kernels(self.model, self._device, self._dtype)
 
         args = folder.args
         # One block of every layer's K and V.
@@ -71,7 +73,8 @@ class ModelRunner(Runner):
                   f"{self.num_gpu_blocks} device blocks "
                   f"({self.num_gpu_blocks * self.block_bytes / 1024 ** 2:.0f} MiB, "
                   f"{self.num_gpu_blocks * self.block_size} tokens), "
-                  f"{self.num_cpu_blocks} host swap blocks; max_model_len {self.max_model_len}")
+                  f"{self.num_cpu_blocks} host swap blocks; max_model_len {self.max_model_len}; "
+                  f"C++ CPU kernels {'on' if self.cpu_kernels else 'off'}")
 
     # --- one step ---------------------------------------------------------------------
     @torch.inference_mode()
@@ -241,6 +244,17 @@ def _reuse_freed_memory() -> None:
         libc.mallopt(_M_TRIM_THRESHOLD, 1 << 31)  # ...and do not give the heap back
     except (OSError, AttributeError):
         pass
+
+
+def _use_cpu_kernels(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> bool:
+    """Turn on the fused C++ ops of kernels/cpu_ext.py for a float32 model on the CPU,
+    where they build (KVOPS_CPU_KERNELS=0 keeps the torch paths)."""
+    from kernels import cpu_ext
+
+    if device.type != "cpu" or dtype != torch.float32 or not cpu_ext.available():
+        return False
+    model.use_cpu_kernels(cpu_ext.ops())
+    return True
 
 
 def _with_blocks(shape: tuple[int, ...], num_blocks: int) -> tuple[int, ...]:

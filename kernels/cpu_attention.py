@@ -19,6 +19,11 @@ attended separately and merged with their log-sum-exps, so a shared system promp
 gathered once per step instead of once per sequence. A chunk of several new tokens
 (prefill) gets its own causal SDPA call; one with nothing cached before it attends to
 its fresh K/V directly instead of reading them back from the cache.
+
+With `native_decode=True` (float32 on a CPU where kernels/cpu_ext.py could build its
+kernels), all decodes go to one call of the C++ kernel kvops::paged_decode_attention
+instead, which reads K/V where they lie in the cache: no gather, no grouping, no
+cascade (a shared prefix is read from the CPU's caches by every sequence).
 """
 from __future__ import annotations
 
@@ -65,21 +70,32 @@ class PrefillChunk:
 
 
 @dataclass(slots=True)
+class NativeDecodes:
+    """Every decode of the batch, for kvops::paged_decode_attention."""
+    rows: torch.Tensor  # [n] int64: their q rows
+    block_tables: torch.Tensor  # [n, max_blocks] int32, padded with block 0
+    seq_lens: torch.Tensor  # [n] int32
+
+
+@dataclass(slots=True)
 class CpuAttentionPlan:
     num_tokens: int
     decode_groups: list[DecodeGroup]  # over each decode's own blocks (after a shared prefix)
     shared_prefixes: list[SharedPrefix]
     prefills: list[PrefillChunk]
+    native_decodes: NativeDecodes | None = None  # instead of the groups and prefixes
 
 
 def plan_attention(block_tables: list[list[int]], seq_lens: list[int],
                    query_start_loc: list[int], block_size: int,
-                   device: torch.device | str = "cpu") -> CpuAttentionPlan:
+                   device: torch.device | str = "cpu",
+                   native_decode: bool = False) -> CpuAttentionPlan:
     """Host-side bookkeeping for one batch (plain lists in, tensors on `device` out).
 
     block_tables[s] lists at least cdiv(seq_lens[s], block_size) blocks; seq_lens[s]
     counts the context including the new tokens; query_start_loc has num_seqs + 1
-    entries."""
+    entries. native_decode: plan the decodes for the C++ kernel (the caller checked
+    that it is available)."""
     decodes, prefills = [], []
     for s, seq_len in enumerate(seq_lens):
         q_start, q_end = query_start_loc[s], query_start_loc[s + 1]
@@ -97,6 +113,9 @@ def plan_attention(block_tables: list[list[int]], seq_lens: list[int],
         else:
             prefills.append(_prefill_chunk(q_start, q_end, seq_len,
                                            block_tables[s][:num_blocks], device))
+    if native_decode:
+        return CpuAttentionPlan(query_start_loc[-1], [], [], prefills,
+                                _native_decodes(decodes, device) if decodes else None)
     decodes, shared = _split_shared_prefixes(decodes, block_size, device)
     groups = [_decode_group(g, block_size, device) for g in _group_by_length(decodes)]
     return CpuAttentionPlan(query_start_loc[-1], groups, shared, prefills)
@@ -112,6 +131,10 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
     prefill without prefix skip reading them back). Returns [num_tokens, q_heads, head_dim]."""
     num_tokens, num_heads, head_dim = q.shape
     out = q.new_empty(num_tokens, num_heads, head_dim)
+    if plan.native_decodes is not None:
+        d = plan.native_decodes
+        torch.ops.kvops.paged_decode_attention(out, q, key_cache, value_cache, d.rows,
+                                               d.block_tables, d.seq_lens, scale)
     lse = q.new_empty(num_tokens, num_heads, dtype=torch.float32) if plan.shared_prefixes else None
     for group in plan.decode_groups:
         o, group_lse = _attend_decodes(q, key_cache, value_cache, group, scale)  # [n, H, D], [n, H]
@@ -211,6 +234,21 @@ def _prefill_chunk(q_start: int, q_end: int, seq_len: int, blocks: list[int],
         mask = torch.zeros(hidden.shape, device=device).masked_fill_(hidden, float("-inf"))
     return PrefillChunk(q_start, q_end, seq_len,
                         torch.tensor(blocks, dtype=torch.int64, device=device), mask)
+
+
+def _native_decodes(decodes: list[tuple[int, int, list[int]]],
+                    device: torch.device | str) -> NativeDecodes:
+    max_blocks = max(len(blocks) for _, _, blocks in decodes)
+    flat: list[int] = []
+    for _, _, blocks in decodes:
+        flat.extend(blocks)
+        flat.extend([0] * (max_blocks - len(blocks)))
+    return NativeDecodes(
+        rows=torch.tensor([row for row, _, _ in decodes], dtype=torch.int64, device=device),
+        block_tables=torch.tensor(flat, dtype=torch.int32, device=device).view(len(decodes),
+                                                                             max_blocks),
+        seq_lens=torch.tensor([seq_len for _, seq_len, _ in decodes], dtype=torch.int32,
+                              device=device))
 
 
 def _split_shared_prefixes(decodes: list[tuple[int, int, list[int]]], block_size: int,

@@ -4,6 +4,8 @@ prefix-cache hits, copy-on-write, preemption by recompute, swap out and in, oper
 actions in the middle of decoding."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
@@ -48,6 +50,28 @@ def test_plain_batch_matches_transformers(tiny_model, name):
     assert got == hf_greedy(folder, prompts, MAX_TOKENS)
     assert any(len(set(g)) > 2 for g in got), "degenerate model: the test would prove little"
     assert engine.kv.gpu.num_free == engine.kv.gpu.num_blocks
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_torch_paths_without_the_cpu_kernels(tiny_model, name, monkeypatch):
+    """KVOPS_CPU_KERNELS=0: gathered-attention decodes, cascade prefixes and torch's
+    element-wise ops (the fallback where no compiler is) give the same tokens."""
+    monkeypatch.setenv("KVOPS_CPU_KERNELS", "0")
+    folder = tiny_model(name)
+    vocab = SPECS[name].vocab_size
+    prefix = random_prompts(vocab, [26], seed=7)[0]
+    prompts = random_prompts(vocab, LENGTHS, seed=1) + random_prompts(vocab, [3, 9], seed=2,
+                                                                     prefix=prefix)
+    engine = make_engine(folder)
+    assert not engine.runner.cpu_kernels and not engine.runner.attention.native_decode
+    assert outputs(engine.generate(prompts, greedy())) == hf_greedy(folder, prompts, MAX_TOKENS)
+
+
+def test_cpu_kernels_are_on_by_default(tiny_model):
+    if os.environ.get("KVOPS_CPU_KERNELS") == "0":
+        pytest.skip("KVOPS_CPU_KERNELS=0 turns them off")
+    engine = make_engine(tiny_model("gqa16"))
+    assert engine.runner.cpu_kernels and engine.runner.attention.native_decode
 
 
 @pytest.mark.parametrize("name", ["gqa16", "gqa64"])

@@ -1,0 +1,141 @@
+"""The CPU kernels in kernels/csrc/, compiled for this machine on first use.
+
+They cover what torch does badly on a CPU for decoding: attention that reads K/V
+straight out of the paged cache (torch needs a gather first, which copies every
+sequence's context once per layer), and the few-row matmuls of a decode step (MKL
+is far from both the memory and the FMA limit below ~64 rows).
+
+The sources are built with the system C++ compiler (g++, -O3 -march=native, OpenMP
+through ATen's parallel_for so torch.set_num_threads applies) by
+torch.utils.cpp_extension into $KVOPS_DATA_DIR/cpu_kernels/<hash>, where the hash
+covers the sources, the compiler flags and this CPU's feature flags: a different
+machine (or edited sources) gets its own build. `make setup` builds it once; a
+machine without a compiler falls back to the torch paths, and says so once.
+
+KVOPS_CPU_KERNELS=0 turns them off (the torch paths run instead).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = ("paged_decode_attention.cpp", "fused_ops.cpp")
+HEADERS = ("vec.h",)
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast")
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+class CpuKernelsUnavailable(RuntimeError):
+    """The CPU kernels could not be built or loaded here."""
+
+
+def enabled() -> bool:
+    return os.environ.get("KVOPS_CPU_KERNELS", "1") not in ("0", "false", "no")
+
+
+def available() -> bool:
+    """True when the kernels are built and loaded (building them if needed)."""
+    if not enabled():
+        return False
+    try:
+        ops()
+    except CpuKernelsUnavailable:
+        return False
+    return True
+
+
+def ops():
+    """torch.ops.kvops, with the CPU kernels registered. Raises CpuKernelsUnavailable
+    (with the compiler's reason) when they cannot be built."""
+    with _lock:
+        if "error" in _state:
+            raise CpuKernelsUnavailable(str(_state["error"]))
+        if "ops" not in _state:
+            try:
+                _build_and_load()
+                _state["ops"] = torch.ops.kvops
+            except Exception as exc:  # a compiler error, a missing compiler, ...
+                _state["error"] = exc
+                print(f"kvops: CPU kernels unavailable ({_first_line(exc)}); "
+                      "using the torch paths", file=sys.stderr, flush=True)
+                raise CpuKernelsUnavailable(str(exc)) from exc
+        return _state["ops"]
+
+
+def build_dir() -> Path:
+    from engine.default_model import data_dir
+
+    return data_dir() / "cpu_kernels" / _build_key()
+
+
+def _build_key() -> str:
+    h = hashlib.sha256()
+    for name in SOURCES + HEADERS:
+        h.update((CSRC / name).read_bytes())
+    h.update(" ".join(CFLAGS).encode())
+    h.update(torch.__version__.encode())
+    h.update(_cpu_flags().encode())
+    return h.hexdigest()[:16]
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def _build_and_load() -> None:
+    from torch.utils import cpp_extension
+
+    directory = build_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    # cpp_extension runs `ninja` from PATH; the virtualenv's (the ninja package) is not
+    # on it unless the venv is activated.
+    venv_bin = Path(sys.executable).parent
+    if shutil.which("ninja") is None and (venv_bin / "ninja").exists():
+        os.environ["PATH"] = f"{venv_bin}{os.pathsep}{os.environ.get('PATH', '')}"
+    cpp_extension.load(
+        name="kvops_cpu_kernels",
+        sources=[str(CSRC / name) for name in SOURCES],
+        extra_cflags=list(CFLAGS),
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(directory),
+        is_python_module=False,
+        verbose=False,
+    )
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def main() -> int:
+    """python -m kernels.cpu_ext: build the kernels now (make setup does)."""
+    try:
+        ops()
+    except CpuKernelsUnavailable as exc:
+        print(f"CPU kernels not built: {exc}", file=sys.stderr)
+        return 1
+    print(f"CPU kernels built in {build_dir()}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,350 @@
+// Decode attention straight out of the paged KV cache, for the CPU.
+//
+// Each decoding sequence has one new query token; it attends to the first seq_len
+// tokens of its block table. torch can only do this after gathering every
+// sequence's blocks into a contiguous tensor, which copies the whole context once
+// per layer; this kernel reads each K/V row where it lies, once.
+//
+// Work is split over (sequence, kv head) pairs with ATen's parallel_for. Within a
+// pair, the G = num_heads / num_kv_heads query heads that share the kv head are
+// handled together so every K and V row is loaded once for all of them, with an
+// online softmax updated once per block (scores for the block's tokens, then one
+// rescale of the running sums).
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "vec.h"
+
+namespace {
+
+constexpr int kMaxBlockSize = 128;  // EngineConfig allows block sizes up to 128
+constexpr int kMaxChunks = 8;       // the vector path takes head_dim 16, 32, ..., 128
+constexpr int kMaxGroup = 64;       // and up to 64 query heads per kv head
+
+using kvops::exp16;
+using kvops::kLanes;
+using kvops::load16;
+using kvops::splat;
+using kvops::store16;
+using kvops::v16;
+
+// Lane t of the result = the sum of the 16 lanes of p[t]: a transpose-and-add tree
+// (15 adds and 30 shuffles for 16 sums instead of 16 separate horizontal sums).
+inline v16 sum_lanes_16(const v16* p) {
+  v16 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)
+    a[i] = __builtin_shufflevector(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19,
+                                   20, 21, 22, 23) +
+           __builtin_shufflevector(p[2 * i], p[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25,
+                                   26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; ++i)
+    b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18,
+                                   19, 24, 25, 26, 27) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22,
+                                   23, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)
+    c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20,
+                                   21, 24, 25, 28, 29) +
+           __builtin_shufflevector(b[2 * i], b[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22,
+                                   23, 26, 27, 30, 31);
+  return __builtin_shufflevector(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
+                                 28, 30) +
+         __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27,
+                                 29, 31);
+}
+
+inline float hmax(v16 v) {
+  float m = v[0];
+  for (int i = 1; i < kLanes; ++i) m = std::max(m, v[i]);
+  return m;
+}
+
+inline float hsum(v16 v) {
+  float s = 0.f;
+  for (int i = 0; i < kLanes; ++i) s += v[i];
+  return s;
+}
+
+
+inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t d = 0; d < n; ++d) s += a[d] * b[d];
+  return s;
+}
+
+inline void axpy(float* __restrict y, float a, const float* __restrict x, int64_t n) {
+#pragma omp simd
+  for (int64_t d = 0; d < n; ++d) y[d] += a * x[d];
+}
+
+inline void scale_inplace(float* __restrict y, float a, int64_t n) {
+#pragma omp simd
+  for (int64_t d = 0; d < n; ++d) y[d] *= a;
+}
+
+// One (sequence, kv head) pair on the vector path (head_dim a multiple of 16): tiles of
+// 16 positions; the tile's scores for each query head come out as one vector.
+struct Item {
+  const float* q;           // first query head of the group, already at the row
+  int64_t q_head;           // stride between query heads
+  float* out;               // same for out
+  int64_t o_head;
+  const float* k;           // the cache at this kv head: + block * k_blk + offset * k_tok
+  const float* v;
+  const int32_t* table;
+  int64_t seq_len;
+};
+
+struct Layout {
+  int64_t group, head_dim, block_shift, block_mask;
+  int64_t k_blk, k_tok, v_blk, v_tok;
+  float scale;
+};
+
+template <int64_t nc>
+void attend_vector(const Item& it, const Layout& L, v16* qv, v16* acc, v16* partial, float* weights) {
+  const int64_t G = L.group;
+  float m[kMaxGroup], l[kMaxGroup];
+  for (int64_t g = 0; g < G; ++g) {
+    for (int64_t c = 0; c < nc; ++c) {
+      qv[g * nc + c] = load16(it.q + g * it.q_head + c * kLanes) * L.scale;
+      acc[g * nc + c] = splat(0.f);
+    }
+    m[g] = -std::numeric_limits<float>::infinity();
+    l[g] = 0.f;
+  }
+  v16 lane_index;
+  for (int i = 0; i < kLanes; ++i) lane_index[i] = static_cast<float>(i);
+  const float* krow[kLanes];
+  const float* vrow[kLanes];
+  for (int64_t pos0 = 0; pos0 < it.seq_len; pos0 += kLanes) {
+    const int64_t n = std::min<int64_t>(kLanes, it.seq_len - pos0);
+    for (int64_t t = 0; t < n; ++t) {
+      const int64_t pos = pos0 + t;
+      const int64_t blk = it.table[pos >> L.block_shift], off = pos & L.block_mask;
+      krow[t] = it.k + blk * L.k_blk + off * L.k_tok;
+      vrow[t] = it.v + blk * L.v_blk + off * L.v_tok;
+    }
+    // Ask for the next tile's rows now: blocks are scattered, so the hardware
+    // prefetcher cannot guess where the next one starts.
+    for (int64_t pos = pos0 + kLanes; pos < std::min(it.seq_len, pos0 + 2 * kLanes); ++pos) {
+      const int64_t blk = it.table[pos >> L.block_shift], off = pos & L.block_mask;
+      const char* k = reinterpret_cast<const char*>(it.k + blk * L.k_blk + off * L.k_tok);
+      const char* v = reinterpret_cast<const char*>(it.v + blk * L.v_blk + off * L.v_tok);
+      for (int64_t c = 0; c < nc; ++c) {
+        __builtin_prefetch(k + c * 64);
+        __builtin_prefetch(v + c * 64);
+      }
+    }
+    for (int64_t t = 0; t < n; ++t) {
+      v16 kc[nc];
+      for (int64_t c = 0; c < nc; ++c) kc[c] = load16(krow[t] + c * kLanes);
+      for (int64_t g = 0; g < G; ++g) {
+        v16 a = qv[g * nc] * kc[0];
+        for (int64_t c = 1; c < nc; ++c) a += qv[g * nc + c] * kc[c];
+        partial[g * kLanes + t] = a;
+      }
+    }
+    for (int64_t t = n; t < kLanes; ++t)
+      for (int64_t g = 0; g < G; ++g) partial[g * kLanes + t] = splat(0.f);
+    for (int64_t g = 0; g < G; ++g) {
+      v16 s = sum_lanes_16(partial + g * kLanes);
+      if (n < kLanes) s = lane_index < static_cast<float>(n) ? s : splat(-INFINITY);
+      const float new_max = std::max(m[g], hmax(s));
+      const float alpha = std::exp(m[g] - new_max);  // 0 on the first tile
+      const v16 p = exp16(s - new_max);              // 0 where s is -inf
+      l[g] = l[g] * alpha + hsum(p);
+      m[g] = new_max;
+      if (alpha != 1.f)
+        for (int64_t c = 0; c < nc; ++c) acc[g * nc + c] *= alpha;
+      store16(weights + g * kLanes, p);
+    }
+    for (int64_t t = 0; t < n; ++t) {
+      v16 vc[nc];
+      for (int64_t c = 0; c < nc; ++c) vc[c] = load16(vrow[t] + c * kLanes);
+      for (int64_t g = 0; g < G; ++g) {
+        const v16 w = splat(weights[g * kLanes + t]);
+        for (int64_t c = 0; c < nc; ++c) acc[g * nc + c] += w * vc[c];
+      }
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    const float inv = 1.f / l[g];
+    for (int64_t c = 0; c < nc; ++c) store16(it.out + g * it.o_head + c * kLanes, acc[g * nc + c] * inv);
+  }
+}
+
+void check_args(const at::Tensor& out, const at::Tensor& q, const at::Tensor& key_cache,
+                const at::Tensor& value_cache, const at::Tensor& rows,
+                const at::Tensor& block_tables, const at::Tensor& seq_lens) {
+  TORCH_CHECK(q.dim() == 3 && out.dim() == 3, "q and out must be [num_tokens, num_heads, head_dim]");
+  TORCH_CHECK(key_cache.dim() == 4 && value_cache.dim() == 4,
+              "caches must be [num_blocks, block_size, num_kv_heads, head_dim]");
+  TORCH_CHECK(key_cache.sizes() == value_cache.sizes(), "key and value caches differ in shape");
+  for (const at::Tensor* t : {&out, &q, &key_cache, &value_cache}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat, "paged_decode_attention takes float32 tensors");
+    TORCH_CHECK(t->device().is_cpu(), "paged_decode_attention is a CPU kernel");
+    TORCH_CHECK(t->stride(-1) == 1, "the head_dim axis must be contiguous");
+  }
+  TORCH_CHECK(out.sizes() == q.sizes(), "out must have q's shape");
+  TORCH_CHECK(key_cache.size(3) == q.size(2), "head_dim differs between q and the caches");
+  TORCH_CHECK(q.size(1) % key_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(key_cache.size(1) <= kMaxBlockSize, "block_size above 128");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1, "rows must be int64 [num_seqs]");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 &&
+                  block_tables.is_contiguous(),
+              "block_tables must be contiguous int32 [num_seqs, max_blocks]");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.dim() == 1,
+              "seq_lens must be int32 [num_seqs]");
+  TORCH_CHECK(rows.size(0) == block_tables.size(0) && rows.size(0) == seq_lens.size(0),
+              "rows, block_tables and seq_lens must have one entry per sequence");
+}
+
+}  // namespace
+
+// out[rows[s]] = attention of q[rows[s]] over the first seq_lens[s] tokens of
+// block_tables[s]. Other rows of out are left alone.
+void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& key_cache,
+                            const at::Tensor& value_cache, const at::Tensor& rows,
+                            const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                            double scale) {
+  check_args(out, q, key_cache, value_cache, rows, block_tables, seq_lens);
+  const int64_t num_seqs = rows.size(0);
+  const int64_t num_tokens = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_blocks = key_cache.size(0), block_size = key_cache.size(1);
+  const int64_t num_kv_heads = key_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t max_blocks = block_tables.size(1);
+
+  const auto rows_c = rows.contiguous();
+  const auto lens_c = seq_lens.contiguous();
+  const int64_t* row_ptr = rows_c.data_ptr<int64_t>();
+  const int32_t* len_ptr = lens_c.data_ptr<int32_t>();
+  const int32_t* table_ptr = block_tables.data_ptr<int32_t>();
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    TORCH_CHECK(row_ptr[s] >= 0 && row_ptr[s] < num_tokens, "row ", row_ptr[s], " out of range");
+    TORCH_CHECK(len_ptr[s] >= 1, "sequence ", s, " has seq_len ", len_ptr[s]);
+    TORCH_CHECK((len_ptr[s] + block_size - 1) / block_size <= max_blocks,
+                "sequence ", s, ": seq_len ", len_ptr[s], " needs more blocks than its table has");
+    for (int64_t j = 0; j < (len_ptr[s] + block_size - 1) / block_size; ++j) {
+      const int32_t b = table_ptr[s * max_blocks + j];
+      TORCH_CHECK(b >= 0 && b < num_blocks, "sequence ", s, ": block id ", b, " out of range");
+    }
+  }
+
+  const float* q_base = q.data_ptr<float>();
+  float* out_base = out.data_ptr<float>();
+  const float* k_base = key_cache.data_ptr<float>();
+  const float* v_base = value_cache.data_ptr<float>();
+  const int64_t q_tok = q.stride(0), q_head = q.stride(1);
+  const int64_t o_tok = out.stride(0), o_head = out.stride(1);
+  const int64_t k_blk = key_cache.stride(0), k_tok = key_cache.stride(1), k_head = key_cache.stride(2);
+  const int64_t v_blk = value_cache.stride(0), v_tok = value_cache.stride(1),
+                v_head = value_cache.stride(2);
+  const float fscale = static_cast<float>(scale);
+
+  const bool vector_path = head_dim % kLanes == 0 && head_dim / kLanes <= kMaxChunks &&
+                           group <= kMaxGroup;
+  const Layout layout{group, head_dim, __builtin_ctzll(block_size), block_size - 1,
+                      k_blk, k_tok, v_blk, v_tok, fscale};
+
+  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    // Per-thread scratch.
+    std::vector<v16> qv, acc, partial;
+    std::vector<float> weights;
+    std::vector<float> qs, accs, m, l, scores;
+    if (vector_path) {
+      qv.resize(group * head_dim / kLanes);
+      acc.resize(group * head_dim / kLanes);
+      partial.resize(group * kLanes);
+      weights.resize(group * kLanes);
+    } else {
+      qs.resize(group * head_dim);
+      accs.resize(group * head_dim);
+      m.resize(group);
+      l.resize(group);
+      scores.resize(group * kMaxBlockSize);
+    }
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t s = item / num_kv_heads, h = item % num_kv_heads;
+      const int64_t row = row_ptr[s], seq_len = len_ptr[s];
+      const int32_t* table = table_ptr + s * max_blocks;
+      if (vector_path) {
+        const Item it{q_base + row * q_tok + h * group * q_head, q_head,
+                      out_base + row * o_tok + h * group * o_head, o_head,
+                      k_base + h * k_head, v_base + h * v_head, table, seq_len};
+        switch (head_dim / kLanes) {
+          case 1: attend_vector<1>(it, layout, qv.data(), acc.data(), partial.data(), weights.data()); break;
+          case 2: attend_vector<2>(it, layout, qv.data(), acc.data(), partial.data(), weights.data()); break;
+          case 3: attend_vector<3>(it, layout, qv.data(), acc.data(), partial.data(), weights.data()); break;
+          case 4: attend_vector<4>(it, layout, qv.data(), acc.data(), partial.data(), weights.data()); break;
+          case 5: attend_vector<5>(it, layout, qv.data(), acc.data(), partial.data(), weights.data()); break;
+          case 6: attend_vector<6>(it, layout, qv.data(), acc.data(), partial.data(), weights.data()); break;
+          case 7: attend_vector<7>(it, layout, qv.data(), acc.data(), partial.data(), weights.data()); break;
+          default: attend_vector<8>(it, layout, qv.data(), acc.data(), partial.data(), weights.data()); break;
+        }
+        continue;
+      }
+      // Scalar path (head_dim not a multiple of 16): block by block.
+      for (int64_t g = 0; g < group; ++g) {
+        const float* src = q_base + row * q_tok + (h * group + g) * q_head;
+        for (int64_t d = 0; d < head_dim; ++d) qs[g * head_dim + d] = src[d] * fscale;
+      }
+      std::fill(accs.begin(), accs.end(), 0.f);
+      std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
+      std::fill(l.begin(), l.end(), 0.f);
+      for (int64_t start = 0; start < seq_len; start += block_size) {
+        const int64_t n = std::min(block_size, seq_len - start);
+        const int64_t blk = table[start / block_size];
+        const float* kb = k_base + blk * k_blk + h * k_head;
+        const float* vb = v_base + blk * v_blk + h * v_head;
+        for (int64_t t = 0; t < n; ++t) {
+          const float* k = kb + t * k_tok;
+          for (int64_t g = 0; g < group; ++g)
+            scores[g * kMaxBlockSize + t] = dot(qs.data() + g * head_dim, k, head_dim);
+        }
+        for (int64_t g = 0; g < group; ++g) {
+          float* sc = scores.data() + g * kMaxBlockSize;
+          float block_max = sc[0];
+          for (int64_t t = 1; t < n; ++t) block_max = std::max(block_max, sc[t]);
+          const float new_max = std::max(m[g], block_max);
+          const float alpha = std::exp(m[g] - new_max);  // 0 on the first block
+          float sum = 0.f;
+          for (int64_t t = 0; t < n; ++t) {
+            sc[t] = std::exp(sc[t] - new_max);
+            sum += sc[t];
+          }
+          l[g] = l[g] * alpha + sum;
+          m[g] = new_max;
+          if (alpha != 1.f) scale_inplace(accs.data() + g * head_dim, alpha, head_dim);
+        }
+        for (int64_t t = 0; t < n; ++t) {
+          const float* v = vb + t * v_tok;
+          for (int64_t g = 0; g < group; ++g)
+            axpy(accs.data() + g * head_dim, scores[g * kMaxBlockSize + t], v, head_dim);
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        float* dst = out_base + row * o_tok + (h * group + g) * o_head;
+        const float inv = 1.f / l[g];
+        for (int64_t d = 0; d < head_dim; ++d) dst[d] = accs[g * head_dim + d] * inv;
+      }
+    }
+  });
+}
+
+TORCH_LIBRARY_FRAGMENT(kvops, m) {
+  m.def("paged_decode_attention(Tensor(a!) out, Tensor q, Tensor key_cache, Tensor value_cache, "
+        "Tensor rows, Tensor block_tables, Tensor seq_lens, float scale) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(kvops, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+}
