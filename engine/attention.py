@@ -51,7 +51,7 @@ class TorchAttention:
 
     def __init__(self, device: torch.device, dtype: torch.dtype = torch.float32) -> None:
         self.device = device
-        self.native_decode = (device.type == "cpu" and dtype == torch.float32
+        self.native = (device.type == "cpu" and dtype == torch.float32
                               and _cpu_kernels_available())
 
     def plan(self, batch: AttentionBatch) -> "TorchPlan":
@@ -59,7 +59,7 @@ class TorchAttention:
 
         return TorchPlan(batch.slot_mapping, plan_attention(
             batch.block_tables, batch.seq_lens, batch.query_start_loc, batch.block_size,
-            self.device, native_decode=self.native_decode))
+            self.device, native=self.native))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
                 plan: "TorchPlan", scale: float) -> torch.Tensor:

@@ -2,20 +2,22 @@
 `generate` (static batches, left padding) in the same process, on the same weights.
 
     python -m engine.bench [--model PATH] [--num-requests 32] [--hf-batch-sizes 8,32]
+                           [--torch-paths] [--dtype float32|bfloat16] [--repeats N]
 
 Workload: prompts of uniform random length in [16, 256] (random token ids), outputs of
 uniform random length in [16, 128], greedy, ignore_eos; then the same prompts behind a
 shared 200-token system prompt. "Useful" tokens and FLOPs are the ones the requests
 asked for: padding, tokens generated past a request's own length, and prefill skipped
-by the prefix cache do not count. The FLOP rate is compared with a large float32
-torch.mm measured on the spot.
+by the prefix cache do not count. The FLOP rate is compared with a large torch.mm in
+the same dtype, measured on the spot. --dtype bfloat16 runs both systems in bfloat16.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -82,9 +84,9 @@ def useful_flops(args: ModelArgs, w: Workload, cached: list[int] | None = None) 
     return total
 
 
-def matmul_rate(n: int = 4096, repeats: int = 3) -> float:
-    """FLOP/s of one large float32 torch.mm (best of a few)."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
+def matmul_rate(n: int = 4096, repeats: int = 3, dtype: torch.dtype = torch.float32) -> float:
+    """FLOP/s of one large torch.mm (best of a few)."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     torch.mm(a, b)
     best = float("inf")
     for _ in range(repeats):
@@ -94,7 +96,7 @@ def matmul_rate(n: int = 4096, repeats: int = 3) -> float:
     return 2 * n ** 3 / best
 
 
-def run_kvops(engine: LLMEngine, w: Workload) -> Result:
+def run_kvops(engine: LLMEngine, w: Workload, system: str = "kvops") -> Result:
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in w.output_lens]
     before = engine.metrics()
     t = time.perf_counter()
@@ -111,7 +113,7 @@ def run_kvops(engine: LLMEngine, w: Workload) -> Result:
         note += (f"; prefill skipped by the prefix cache: {sum(cached)} tokens (shared full "
                  f"blocks: {full} tokens x {len(w.prompts) - 1} requests = {ideal})")
     flops = useful_flops(engine.runner.folder.args, w, cached)
-    return Result("kvops", seconds, flops, note)
+    return Result(system, seconds, flops, note)
 
 
 def run_hf(model, w: Workload, batch_size: int) -> float:
@@ -128,10 +130,10 @@ def run_hf(model, w: Workload, batch_size: int) -> float:
     return time.perf_counter() - t
 
 
-def load_hf(path: str):
+def load_hf(path: str, dtype: torch.dtype = torch.float32):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     model.generation_config.eos_token_id = None  # ignore_eos, as the kvops requests
     return model
 
@@ -154,6 +156,18 @@ def print_table(w: Workload, results: list[Result], peak: float) -> None:
               f"{best.seconds / results[0].seconds:.2f}x useful tokens/s")
 
 
+def _engine_without_cpu_kernels(config: EngineConfig) -> LLMEngine:
+    previous = os.environ.get("KVOPS_CPU_KERNELS")
+    os.environ["KVOPS_CPU_KERNELS"] = "0"
+    try:
+        return LLMEngine(replace(config))
+    finally:
+        if previous is None:
+            del os.environ["KVOPS_CPU_KERNELS"]
+        else:
+            os.environ["KVOPS_CPU_KERNELS"] = previous
+
+
 def _loadavg() -> str:
     try:
         with open("/proc/loadavg") as f:
@@ -173,25 +187,35 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--torch-paths", action="store_true",
+                   help="also run kvops with its C++ CPU kernels off (KVOPS_CPU_KERNELS=0)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="both systems' dtype (and the matmul rate's)")
     p.add_argument("--repeats", type=int, default=1, help="runs per system; the best is shown")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    engine = LLMEngine(EngineConfig(model=args.model, device="cpu", dtype="float32",
-                                    block_size=args.block_size,
-                                    max_num_batched_tokens=args.max_num_batched_tokens))
+    dtype = getattr(torch, args.dtype)
+    config = EngineConfig(model=args.model, device="cpu", dtype=args.dtype,
+                          block_size=args.block_size,
+                          max_num_batched_tokens=args.max_num_batched_tokens)
+    engine = LLMEngine(config)
+    torch_engine = _engine_without_cpu_kernels(config) if args.torch_paths else None
     model_args = engine.runner.folder.args
     workloads = make_workloads(args.num_requests, model_args.vocab_size, args.seed,
                                args.system_prompt_len)
-    peak = matmul_rate()
+    peak = matmul_rate(dtype=dtype)
     print(f"model {engine.runner.model_id}, {torch.get_num_threads()} threads; "
-          f"float32 torch.mm 4096^3: {peak / 1e9:.0f} GFLOP/s")
+          f"{args.dtype} torch.mm 4096^3: {peak / 1e9:.0f} GFLOP/s; C++ CPU kernels "
+          f"{'on' if getattr(engine.runner, 'cpu_kernels', False) else 'off'}")
     hf_sizes = [int(b) for b in args.hf_batch_sizes.split(",") if b.strip()]
-    hf_model = load_hf(str(engine.runner.folder.path)) if hf_sizes else None
+    hf_model = load_hf(str(engine.runner.folder.path), dtype) if hf_sizes else None
     warm_prompts = workloads[0].prompts[:4]
     warm = Workload("warm-up", warm_prompts, [4] * len(warm_prompts))
     run_kvops(engine, warm)
+    if torch_engine is not None:
+        run_kvops(torch_engine, warm)
     if hf_model is not None:
         run_hf(hf_model, warm, 4)
     for w in workloads:
@@ -201,6 +225,9 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.repeats):  # interleaved, so a busy spell hits both systems
             engine.reset_prefix_cache()
             runs = [run_kvops(engine, w)]
+            if torch_engine is not None:
+                torch_engine.reset_prefix_cache()
+                runs.append(run_kvops(torch_engine, w, "kvops (torch paths)"))
             runs += [Result(f"transformers (batch {b})", run_hf(hf_model, w, b),
                             useful_flops(model_args, w)) for b in hf_sizes]
             for r in runs:

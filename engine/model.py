@@ -25,6 +25,9 @@ from torch import nn
 from engine.attention import AttentionBackend
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# Up to this many rows, kernels/csrc/small_gemm.cpp beats MKL (python -m kernels.bench_cpu
+# gemm); above it, a prefill's matmuls stay with MKL.
+PACKED_MAX_ROWS = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,10 +84,19 @@ class Transformer(nn.Module):
         # torch.ops.kvops (kernels/cpu_ext.py) once use_cpu_kernels() turned them on
         self.fused_ops: object | None = None
 
+        self.lm_head_packed: torch.Tensor | None = None  # lm_head's weight for packed_linear
+
     def use_cpu_kernels(self, ops: object) -> None:
         """Run RMSNorm, residual adds and SwiGLU's gating as the fused float32 CPU ops
-        of kernels/csrc/fused_ops.cpp (the runner calls this where they built)."""
+        of kernels/csrc/fused_ops.cpp, and few-row matmuls (decode steps, the LM head)
+        with kernels/csrc/small_gemm.cpp on a packed copy of each weight (the runner
+        calls this where they built). The copies double the weights' memory: MKL stays
+        faster for the many rows of a prefill and needs the plain layout."""
         self.fused_ops = ops
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.use_packed(ops)
+        self.lm_head_packed = ops.pack_weight(self.lm_head.weight.detach().t().contiguous())
 
     def setup_rope(self, max_positions: int) -> None:
         """Precompute the rotations of positions [0, max_positions) on the weights' device."""
@@ -103,7 +115,8 @@ class Transformer(nn.Module):
                           attention=attention, plan=plan, fused=self.fused_ops)
         h = self.embed_tokens(input_ids)  # [num_tokens, dim]
         if ctx.fused is not None:
-            return self.lm_head(self._fused_layers(h, ctx)[logits_indices])
+            h = self._fused_layers(h, ctx)[logits_indices]  # [num_sampled, dim]
+            return ctx.fused.packed_linear(h, self.lm_head_packed, self.args.vocab_size, None)
         for i, layer in enumerate(self.layers):
             h = layer(h, ctx, i)
         h = self.norm(h[logits_indices])  # [num_sampled, dim]: the other rows need no logits
@@ -175,14 +188,22 @@ class FeedForward(nn.Module):
 class Linear(nn.Module):
     """x @ weight_t (+ bias) with the weight stored transposed, [in, out]: MKL's GEMM
     is up to twice as fast that way for the few-row matmuls of decoding (and no slower
-    for prefill). The loader transposes HF's [out, in] weights once."""
+    for prefill). The loader transposes HF's [out, in] weights once. With the CPU
+    kernels on, inputs of up to PACKED_MAX_ROWS rows go to kvops::packed_linear."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
         self.weight_t = nn.Parameter(torch.empty(in_features, out_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.packed: torch.Tensor | None = None  # weight_t in small_gemm's panel layout
+        self.ops: object | None = None  # torch.ops.kvops, with packed
+
+    def use_packed(self, ops: object) -> None:
+        self.ops, self.packed = ops, ops.pack_weight(self.weight_t.detach())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in]
+        if self.packed is not None and x.shape[0] <= PACKED_MAX_ROWS:
+            return self.ops.packed_linear(x, self.packed, self.weight_t.shape[1], self.bias)
         if self.bias is None:
             return torch.mm(x, self.weight_t)
         return torch.addmm(self.bias, x, self.weight_t)

@@ -20,10 +20,13 @@ gathered once per step instead of once per sequence. A chunk of several new toke
 (prefill) gets its own causal SDPA call; one with nothing cached before it attends to
 its fresh K/V directly instead of reading them back from the cache.
 
-With `native_decode=True` (float32 on a CPU where kernels/cpu_ext.py could build its
-kernels), all decodes go to one call of the C++ kernel kvops::paged_decode_attention
+With `native=True` (float32 on a CPU where kernels/cpu_ext.py could build its
+kernels), the batch goes to one call of the C++ kernel kvops::paged_decode_attention
 instead, which reads K/V where they lie in the cache: no gather, no grouping, no
-cascade (a shared prefix is read from the CPU's caches by every sequence).
+cascade (a shared prefix is read from the CPU's caches by every sequence). Prefill
+rows go there too, each as a query that sees the context up to its own position:
+one call per layer instead of one SDPA call per chunk, which is what short prompts
+pay for.
 """
 from __future__ import annotations
 
@@ -70,9 +73,11 @@ class PrefillChunk:
 
 
 @dataclass(slots=True)
-class NativeDecodes:
-    """Every decode of the batch, for kvops::paged_decode_attention."""
-    rows: torch.Tensor  # [n] int64: their q rows
+class NativeRows:
+    """Query rows for kvops::paged_decode_attention: each attends to the first
+    seq_lens[i] tokens of block_tables[i] (a decode: its whole context; a prefill row:
+    the context up to and including its own position)."""
+    rows: torch.Tensor  # [n] int64: q rows
     block_tables: torch.Tensor  # [n, max_blocks] int32, padded with block 0
     seq_lens: torch.Tensor  # [n] int32
 
@@ -83,20 +88,22 @@ class CpuAttentionPlan:
     decode_groups: list[DecodeGroup]  # over each decode's own blocks (after a shared prefix)
     shared_prefixes: list[SharedPrefix]
     prefills: list[PrefillChunk]
-    native_decodes: NativeDecodes | None = None  # instead of the groups and prefixes
+    native_rows: NativeRows | None = None  # instead of the groups and prefixes
 
 
 def plan_attention(block_tables: list[list[int]], seq_lens: list[int],
                    query_start_loc: list[int], block_size: int,
-                   device: torch.device | str = "cpu",
-                   native_decode: bool = False) -> CpuAttentionPlan:
+                   device: torch.device | str = "cpu", native: bool = False,
+                   native_prefill: bool = True) -> CpuAttentionPlan:
     """Host-side bookkeeping for one batch (plain lists in, tensors on `device` out).
 
     block_tables[s] lists at least cdiv(seq_lens[s], block_size) blocks; seq_lens[s]
     counts the context including the new tokens; query_start_loc has num_seqs + 1
-    entries. native_decode: plan the decodes for the C++ kernel (the caller checked
-    that it is available)."""
+    entries. native: plan for the C++ kernel (the caller checked that it is
+    available): every decode, and with native_prefill every prefill row too, each
+    query row attending to the context up to its own position."""
     decodes, prefills = [], []
+    native_rows = []  # (q_start, q_len, seq_len, blocks) for the kernel
     for s, seq_len in enumerate(seq_lens):
         q_start, q_end = query_start_loc[s], query_start_loc[s + 1]
         q_len = q_end - q_start
@@ -108,14 +115,16 @@ def plan_attention(block_tables: list[list[int]], seq_lens: list[int],
         if len(block_tables[s]) < num_blocks:
             raise ValueError(f"sequence {s}: {seq_len} tokens need {num_blocks} blocks, "
                              f"its table has {len(block_tables[s])}")
-        if q_len == 1:
-            decodes.append((q_start, seq_len, block_tables[s][:num_blocks]))
+        blocks = block_tables[s][:num_blocks]
+        if native and (q_len == 1 or native_prefill):
+            native_rows.append((q_start, q_len, seq_len, blocks))
+        elif q_len == 1:
+            decodes.append((q_start, seq_len, blocks))
         else:
-            prefills.append(_prefill_chunk(q_start, q_end, seq_len,
-                                           block_tables[s][:num_blocks], device))
-    if native_decode:
+            prefills.append(_prefill_chunk(q_start, q_end, seq_len, blocks, device))
+    if native:
         return CpuAttentionPlan(query_start_loc[-1], [], [], prefills,
-                                _native_decodes(decodes, device) if decodes else None)
+                                _native_rows(native_rows, device) if native_rows else None)
     decodes, shared = _split_shared_prefixes(decodes, block_size, device)
     groups = [_decode_group(g, block_size, device) for g in _group_by_length(decodes)]
     return CpuAttentionPlan(query_start_loc[-1], groups, shared, prefills)
@@ -131,8 +140,8 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
     prefill without prefix skip reading them back). Returns [num_tokens, q_heads, head_dim]."""
     num_tokens, num_heads, head_dim = q.shape
     out = q.new_empty(num_tokens, num_heads, head_dim)
-    if plan.native_decodes is not None:
-        d = plan.native_decodes
+    if plan.native_rows is not None:
+        d = plan.native_rows
         torch.ops.kvops.paged_decode_attention(out, q, key_cache, value_cache, d.rows,
                                                d.block_tables, d.seq_lens, scale)
     lse = q.new_empty(num_tokens, num_heads, dtype=torch.float32) if plan.shared_prefixes else None
@@ -236,19 +245,23 @@ def _prefill_chunk(q_start: int, q_end: int, seq_len: int, blocks: list[int],
                         torch.tensor(blocks, dtype=torch.int64, device=device), mask)
 
 
-def _native_decodes(decodes: list[tuple[int, int, list[int]]],
-                    device: torch.device | str) -> NativeDecodes:
-    max_blocks = max(len(blocks) for _, _, blocks in decodes)
+def _native_rows(entries: list[tuple[int, int, int, list[int]]],
+                 device: torch.device | str) -> NativeRows:
+    """entries: (q_start, q_len, seq_len, blocks). Row q_start + i of a chunk sits at
+    position seq_len - q_len + i and sees that many keys plus one (causal)."""
+    max_blocks = max(len(blocks) for *_, blocks in entries)
     flat: list[int] = []
-    for _, _, blocks in decodes:
+    for *_, blocks in entries:
         flat.extend(blocks)
         flat.extend([0] * (max_blocks - len(blocks)))
-    return NativeDecodes(
-        rows=torch.tensor([row for row, _, _ in decodes], dtype=torch.int64, device=device),
-        block_tables=torch.tensor(flat, dtype=torch.int32, device=device).view(len(decodes),
-                                                                             max_blocks),
-        seq_lens=torch.tensor([seq_len for _, seq_len, _ in decodes], dtype=torch.int32,
-                              device=device))
+    tables = torch.tensor(flat, dtype=torch.int32).view(len(entries), max_blocks)
+    q_lens = torch.tensor([q_len for _, q_len, _, _ in entries])
+    if int(q_lens.max()) > 1:
+        tables = tables.repeat_interleave(q_lens, dim=0)
+    rows = torch.cat([torch.arange(q_start, q_start + q_len) for q_start, q_len, _, _ in entries])
+    seq_lens = torch.cat([torch.arange(seq_len - q_len + 1, seq_len + 1, dtype=torch.int32)
+                          for _, q_len, seq_len, _ in entries])
+    return NativeRows(rows.to(device), tables.to(device), seq_lens.to(device))
 
 
 def _split_shared_prefixes(decodes: list[tuple[int, int, list[int]]], block_size: int,

@@ -63,7 +63,7 @@ def test_torch_paths_without_the_cpu_kernels(tiny_model, name, monkeypatch):
     prompts = random_prompts(vocab, LENGTHS, seed=1) + random_prompts(vocab, [3, 9], seed=2,
                                                                      prefix=prefix)
     engine = make_engine(folder)
-    assert not engine.runner.cpu_kernels and not engine.runner.attention.native_decode
+    assert not engine.runner.cpu_kernels and not engine.runner.attention.native
     assert outputs(engine.generate(prompts, greedy())) == hf_greedy(folder, prompts, MAX_TOKENS)
 
 
@@ -71,7 +71,7 @@ def test_cpu_kernels_are_on_by_default(tiny_model):
     if os.environ.get("KVOPS_CPU_KERNELS") == "0":
         pytest.skip("KVOPS_CPU_KERNELS=0 turns them off")
     engine = make_engine(tiny_model("gqa16"))
-    assert engine.runner.cpu_kernels and engine.runner.attention.native_decode
+    assert engine.runner.cpu_kernels and engine.runner.attention.native
 
 
 @pytest.mark.parametrize("name", ["gqa16", "gqa64"])

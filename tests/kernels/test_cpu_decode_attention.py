@@ -49,14 +49,16 @@ def reference(q, kc, vc, tables, lens, scale):
 @pytest.mark.parametrize("q_heads,kv_heads", [(4, 4), (6, 2), (9, 3), (8, 1)])
 @pytest.mark.parametrize("head_dim", [16, 24, 64, 80, 128])
 def test_decodes_match_the_reference(ops, block_size, q_heads, kv_heads, head_dim):
+    """Also the vector path's edge cases: tiles of 16 positions that cross blocks (block
+    sizes under 16) or end inside one, and head sizes off the vector path (24, 80)."""
     lens = [1, 2, 15, 16, 17, 33, 100, 257, 5]
     q, kc, vc, tables = decode_batch(block_size + head_dim + q_heads, block_size, q_heads,
                                      kv_heads, head_dim, lens,
                                      num_blocks=sum(-(-n // block_size) for n in lens) + 3)
     scale = head_dim ** -0.5
     plan = plan_attention(tables, lens, list(range(len(lens) + 1)), block_size,
-                          native_decode=True)
-    assert plan.native_decodes is not None and not plan.decode_groups
+                          native=True)
+    assert plan.native_rows is not None and not plan.decode_groups
     got = paged_attention(q, kc, vc, plan, scale)
     torch.testing.assert_close(got, reference(q, kc, vc, tables, lens, scale),
                                atol=ATOL, rtol=RTOL)
@@ -67,15 +69,16 @@ def test_large_scores_do_not_overflow(ops):
     lens = [40, 3, 77]
     q, kc, vc, tables = decode_batch(5, 8, 4, 2, 32, lens)
     got = paged_attention(q * 30, kc, vc, plan_attention(tables, lens, [0, 1, 2, 3], 8,
-                                                          native_decode=True), 1.0)
+                                                          native=True), 1.0)
     expected = reference(q * 30, kc, vc, tables, lens, 1.0)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
-def test_mixed_batch_with_prefills(ops):
-    """Decodes go to the kernel, prefill chunks (with and without a cached prefix) to
-    SDPA, in one plan; every row matches the reference."""
+@pytest.mark.parametrize("native_prefill", [True, False])
+def test_mixed_batch_with_prefills(ops, native_prefill):
+    """Decodes go to the kernel; prefill chunks (with and without a cached prefix) too,
+    one query row per position, or else to SDPA. Every row matches the reference."""
     block_size, q_heads, kv_heads, head_dim = 4, 6, 2, 16
     seqs = [(1, 1), (37, 1), (19, 19), (45, 13), (70, 1), (23, 2)]
     g = torch.Generator().manual_seed(9)
@@ -89,8 +92,15 @@ def test_mixed_batch_with_prefills(ops):
         qsl.append(qsl[-1] + q_len)
     q = torch.randn(qsl[-1], q_heads, head_dim, generator=g)
     lens = [n for n, _ in seqs]
-    plan = plan_attention(tables, lens, qsl, block_size, native_decode=True)
-    assert plan.native_decodes.rows.tolist() == [0, 1, 34]
+    plan = plan_attention(tables, lens, qsl, block_size, native=True,
+                          native_prefill=native_prefill)
+    if native_prefill:
+        assert plan.native_rows.rows.tolist() == list(range(qsl[-1])) and not plan.prefills
+        # row 2 is the first of a 19-token prompt: it sees 1 key; row 20 the last: 19
+        assert plan.native_rows.seq_lens[2] == 1 and plan.native_rows.seq_lens[20] == 19
+        assert plan.native_rows.seq_lens[21] == 45 - 13 + 1  # behind a 32-token prefix
+    else:
+        assert plan.native_rows.rows.tolist() == [0, 1, 34] and len(plan.prefills) == 3
     max_blocks = max(len(t) for t in tables)
     bt = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32)
     expected = paged_attention_ref(q, kc, vc, bt, torch.tensor(lens, dtype=torch.int32),

@@ -30,3 +30,12 @@ def test_bench_prints_both_tables(tiny_model, capsys):
     assert out.count("kvops / best transformers (transformers (batch 2))") == 2
     assert "prefill skipped by the prefix cache" in out
     assert SPECS["gqa16"].name in out
+
+
+def test_bench_torch_paths_and_bfloat16(tiny_model, capsys):
+    assert bench.main(["--model", str(tiny_model("gqa16")), "--num-requests", "2",
+                       "--hf-batch-sizes", "2", "--system-prompt-len", "20", "--torch-paths",
+                       "--dtype", "bfloat16"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("kvops (torch paths)") == 2
+    assert "bfloat16 torch.mm" in out and "C++ CPU kernels off" in out  # none for bfloat16

@@ -1,0 +1,247 @@
+// Few-row float32 GEMM for decoding on a CPU: out[M, N] = x[M, K] @ w_t[K, N] (+ bias).
+//
+// Why not torch.mm: below ~64 rows MKL is far from both limits of this problem, the
+// time to stream the weight from DRAM and the FMA throughput. A decode step's matmuls
+// have few rows (one per sequence) and a large weight, so the weight must be read
+// exactly once, at memory speed, while every row's FMAs run on it from L1.
+//
+// Weight layout (pack_weight, once at load time): panels of kPanel columns,
+// [ceil(N / kPanel), K, kPanel], the last panel zero-padded. A panel is one contiguous
+// stream, and its K x kPanel block is what a thread works on: threads split the
+// panels, so the weight is read once in total.
+//
+// Per panel: K is cut into chunks of kChunk rows (kChunk x kPanel floats fit in L1),
+// and every block of kRowsPerBlock rows of x runs over the chunk with its
+// kRowsPerBlock x kPanel accumulators in registers, so a chunk is fetched from memory
+// once and used by all rows. A thread's panels are consecutive in memory: one stream,
+// which the row blocks prefetch into L2 two chunks ahead, a few lines per step, so
+// that the memory transfer overlaps the FMAs (without it, rows 8..64 run at about the
+// sum of the two times instead of the larger). Accumulators live in a per-thread
+// buffer between chunks; finished panels are copied out (plus bias), which also
+// handles the ragged last panel.
+//
+// Vectors are GCC vector extensions (16 floats); built without AVX-512 they are split
+// into narrower registers by the compiler and stay correct, only slower, which is why
+// the row block shrinks there (fewer accumulators than registers).
+
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+typedef float v16f __attribute__((vector_size(64)));
+
+constexpr int64_t kLanes = 16;
+constexpr int64_t kVecsPerRow = 3;
+// Columns per panel. 48 = 3 vectors: with 8 rows that is 24 accumulators, and the
+// model's widths (576, 960, 1536, 3072) are even multiples of 48, so two threads get
+// equal shares of panels.
+constexpr int64_t kPanel = kVecsPerRow * kLanes;
+#ifdef __AVX512F__
+constexpr int kRowsPerBlock = 8;  // 8 x 3 accumulators + 3 weight vectors of 32 zmm
+#else
+constexpr int kRowsPerBlock = 2;  // a v16f is 2 ymm (AVX2) or 4 xmm: keep within 16
+#endif
+// K rows per chunk: 128 x 48 floats = 24 KB, half of a 48 KB L1.
+constexpr int64_t kChunk = 128;
+// How far ahead of the multiplication the weight stream is prefetched, in floats.
+constexpr int64_t kPrefetchAhead = 2 * kChunk * kPanel;
+
+inline v16f load(const float* p) {
+  v16f v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void store(float* p, v16f v) { std::memcpy(p, &v, sizeof(v)); }
+
+// s - 0 is s for every float (-0 included), so this compiles to a plain broadcast;
+// s + 0 would not (-0 + 0 = +0).
+inline v16f splat(float s) { return s - v16f{}; }
+
+template <int kRows>
+struct Accumulators {
+  v16f c[kRows][kVecsPerRow];
+
+  // c += x[:, k] (outer) w[k, :]; x has row stride ldx, w is one weight row.
+  __attribute__((always_inline)) void step(const float* x, int64_t ldx, int64_t k, const float* w) {
+    v16f wk[kVecsPerRow];
+#pragma GCC unroll 4
+    for (int j = 0; j < kVecsPerRow; ++j) wk[j] = load(w + j * kLanes);
+#pragma GCC unroll 8
+    for (int i = 0; i < kRows; ++i) {
+      const v16f xi = splat(x[i * ldx + k]);
+#pragma GCC unroll 4
+      for (int j = 0; j < kVecsPerRow; ++j) c[i][j] += xi * wk[j];
+    }
+  }
+};
+
+// Which cache lines a row block prefetches, paced over its steps: prefetch number i
+// (kPerStep of them per step) goes to line (i * rate) >> 32 after `start`. A rate of at
+// most one line per prefetch skips no line, and asks for some twice.
+struct Prefetch {
+  const float* start;
+  int64_t rate;  // lines per prefetch instruction, 32.32 fixed point
+};
+
+// acc[rows, kPanel] += x[rows, kc] @ w[kc, kPanel]; x has row stride ldx, acc and w
+// have row stride kPanel. Also prefetches (into L2) as `pf` says, kPerStep lines per
+// step: paced by the multiplication, so that few requests are in flight at a time (a
+// burst of them stalls the loads), and without a branch in the loop.
+template <int kRows, int kPerStep>
+void row_block(int64_t kc, const float* x, int64_t ldx, const float* w, float* acc, Prefetch pf) {
+  Accumulators<kRows> a;
+#pragma GCC unroll 8
+  for (int i = 0; i < kRows; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < kVecsPerRow; ++j) a.c[i][j] = load(acc + i * kPanel + j * kLanes);
+
+  for (int64_t k = 0; k < kc; ++k) {
+#pragma GCC unroll 4
+    for (int j = 0; j < kPerStep; ++j)
+      __builtin_prefetch(pf.start + (((k * kPerStep + j) * pf.rate) >> 32) * kLanes, 0, 2);
+    a.step(x, ldx, k, w + k * kPanel);
+  }
+
+#pragma GCC unroll 8
+  for (int i = 0; i < kRows; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < kVecsPerRow; ++j) store(acc + i * kPanel + j * kLanes, a.c[i][j]);
+}
+
+using RowBlockFn = void (*)(int64_t, const float*, int64_t, const float*, float*, Prefetch);
+
+// [rows - 1][prefetches per step]
+static_assert(kVecsPerRow == 3, "kByPrefetch lists 0..kVecsPerRow prefetches per step");
+template <int kRows>
+constexpr RowBlockFn kByPrefetch[kVecsPerRow + 1] = {&row_block<kRows, 0>, &row_block<kRows, 1>,
+                                                     &row_block<kRows, 2>, &row_block<kRows, 3>};
+#ifdef __AVX512F__
+constexpr const RowBlockFn* kRowBlocks[] = {kByPrefetch<1>, kByPrefetch<2>, kByPrefetch<3>, kByPrefetch<4>,
+                                            kByPrefetch<5>, kByPrefetch<6>, kByPrefetch<7>, kByPrefetch<8>};
+#else
+constexpr const RowBlockFn* kRowBlocks[] = {kByPrefetch<1>, kByPrefetch<2>};
+#endif
+static_assert(sizeof(kRowBlocks) / sizeof(kRowBlocks[0]) == kRowsPerBlock, "one row-block kernel per size");
+
+// acc[M, kPanel] = x[M, K] @ panel[K, kPanel], chunk by chunk. A thread's panels are
+// consecutive in memory, one stream ending at stream_end. While a chunk is multiplied,
+// the same amount of that stream kPrefetchAhead floats further on is prefetched,
+// shared out evenly over the chunk's row blocks and their steps.
+void multiply_panel(int64_t M, int64_t K, const float* x, const float* panel, const float* stream_end,
+                    float* acc) {
+  std::fill(acc, acc + M * kPanel, 0.0f);
+  const int64_t row_blocks = (M + kRowsPerBlock - 1) / kRowsPerBlock;
+  for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
+    const int64_t kc = std::min(kChunk, K - k0);
+    const float* w = panel + k0 * kPanel;
+    const bool in_stream = stream_end - w >= kPrefetchAhead + kc * kPanel;
+    const int64_t lines = in_stream ? kc * kVecsPerRow : 0;
+    const int64_t share = (lines + row_blocks - 1) / row_blocks;
+    for (int64_t b = 0; b < row_blocks; ++b) {
+      const int64_t r0 = b * kRowsPerBlock, rows = std::min<int64_t>(kRowsPerBlock, M - r0);
+      const int64_t first = std::min(lines, b * share), count = std::min(lines, first + share) - first;
+      const int64_t per_step = (count + kc - 1) / kc;  // 0..kVecsPerRow
+      const Prefetch pf = per_step == 0 ? Prefetch{w, 0}
+                                        : Prefetch{w + kPrefetchAhead + first * kLanes,
+                                                   (count << 32) / (kc * per_step)};
+      kRowBlocks[rows - 1][per_step](kc, x + r0 * K + k0, K, w, acc + r0 * kPanel, pf);
+    }
+  }
+}
+
+// out[rows, cols] = acc[rows, :cols] (+ bias[:cols]); out has row stride ldo.
+void write_out(int64_t rows, int64_t cols, const float* acc, const float* bias, float* out, int64_t ldo) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const float* a = acc + i * kPanel;
+    float* o = out + i * ldo;
+    if (bias != nullptr) {
+      for (int64_t j = 0; j < cols; ++j) o[j] = a[j] + bias[j];
+    } else {
+      std::memcpy(o, a, cols * sizeof(float));
+    }
+  }
+}
+
+int64_t num_panels(int64_t n) { return (n + kPanel - 1) / kPanel; }
+
+at::Tensor pack_weight(const at::Tensor& w_t) {
+  TORCH_CHECK(w_t.dim() == 2, "pack_weight: w_t must be 2-D [K, N] (the transposed weight), got ",
+              w_t.dim(), "-D");
+  TORCH_CHECK(w_t.scalar_type() == at::kFloat, "pack_weight: w_t must be float32, got ", w_t.scalar_type(),
+              "; convert the weight with .float() first");
+  const at::Tensor w = w_t.contiguous();
+  const int64_t K = w.size(0), N = w.size(1), panels = num_panels(N);
+  at::Tensor packed = at::zeros({panels, K, kPanel}, w.options());
+  const float* src = w.data_ptr<float>();
+  float* dst = packed.data_ptr<float>();
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t cols = std::min(kPanel, N - p * kPanel);
+      for (int64_t k = 0; k < K; ++k)
+        std::memcpy(dst + (p * K + k) * kPanel, src + k * N + p * kPanel, cols * sizeof(float));
+    }
+  });
+  return packed;
+}
+
+at::Tensor packed_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n,
+                         const c10::optional<at::Tensor>& bias_in) {
+  TORCH_CHECK(x_in.dim() == 2, "packed_linear: x must be 2-D [M, K], got ", x_in.dim(),
+              "-D; flatten the leading dimensions first");
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat, "packed_linear: x must be float32, got ", x_in.scalar_type());
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.scalar_type() == at::kFloat &&
+                  packed.is_contiguous(),
+              "packed_linear: packed must be a contiguous float32 [panels, K, ", kPanel,
+              "] tensor from pack_weight, got ", packed.scalar_type(), " ", packed.sizes());
+  TORCH_CHECK(n >= 0 && packed.size(0) == num_panels(n), "packed_linear: n = ", n, " needs ", num_panels(n),
+              " panels of ", kPanel, " columns but packed has ", packed.size(0),
+              "; pass the N of the weight given to pack_weight");
+  TORCH_CHECK(x_in.size(1) == packed.size(1), "packed_linear: x has K = ", x_in.size(1),
+              " columns but the packed weight has K = ", packed.size(1), " rows");
+  const float* bias = nullptr;
+  at::Tensor bias_c;
+  if (bias_in.has_value()) {
+    TORCH_CHECK(bias_in->dim() == 1 && bias_in->size(0) == n && bias_in->scalar_type() == at::kFloat,
+                "packed_linear: bias must be float32 [", n, "], got ", bias_in->scalar_type(), " ",
+                bias_in->sizes());
+    bias_c = bias_in->contiguous();
+    bias = bias_c.data_ptr<float>();
+  }
+
+  const at::Tensor x = x_in.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), panels = packed.size(0);
+  at::Tensor out = at::empty({M, n}, x.options());
+  if (M == 0 || n == 0) return out;
+  const float* xs = x.data_ptr<float>();
+  const float* ws = packed.data_ptr<float>();
+  float* os = out.data_ptr<float>();
+
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(M * kPanel);
+    for (int64_t p = begin; p < end; ++p) {
+      multiply_panel(M, K, xs, ws + p * K * kPanel, ws + end * K * kPanel, acc.data());
+      const int64_t cols = std::min(kPanel, n - p * kPanel);
+      write_out(M, cols, acc.data(), bias == nullptr ? nullptr : bias + p * kPanel, os + p * kPanel, n);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvops, m) {
+  m.def("pack_weight(Tensor w_t) -> Tensor");
+  m.def("packed_linear(Tensor x, Tensor packed, int n, Tensor? bias=None) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kvops, CPU, m) {
+  m.impl("pack_weight", &pack_weight);
+  m.impl("packed_linear", &packed_linear);
+}
