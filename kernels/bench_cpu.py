@@ -6,15 +6,16 @@
 
 gemm: the linear layers of a decode step of SmolLM2-135M (30 layers; qkv, o, gate_up
 and down projections), run as one sweep over 30 distinct weight copies per shape, so
-the weights come from L3/DRAM as in a real forward pass, not from L2. Columns: rows
-M (tokens in the step), time of the sweep (fastest of --repeats) with torch.mm on the [K, N] weights
-and with packed_linear on the packed ones, the GFLOP/s of each, the speedup, and the
-largest difference between the two outputs. Threads: torch's setting
-(torch.set_num_threads; --threads overrides it).
+the weights come from L3/DRAM as in a real forward pass, not from L2. Columns: rows M
+(tokens in the step); time of the sweep (fastest of --repeats) with torch.mm on the
+[K, N] weights and with packed_linear on the packed ones; the GFLOP/s of each; the
+speedup; the largest difference between the two outputs. Threads: torch's setting
+(--threads overrides it).
 """
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -123,12 +124,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     if args.section is not None:
-        args.run(args)
-        return 0
-    for name in SECTIONS:  # no section named: all of them, with their default arguments
-        section_args = subparsers.choices[name].parse_args([])
-        section_args.run(section_args)
-        print()
+        runs = [args]
+    else:  # every section, with its default arguments
+        runs = [subparsers.choices[name].parse_args([]) for name in SECTIONS]
+    from kernels.cpu_ext import CpuKernelsUnavailable
+
+    try:
+        for run_args in runs:
+            run_args.run(run_args)
+            print()
+    except CpuKernelsUnavailable as exc:
+        print(f"cannot benchmark the CPU kernels, they did not build: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

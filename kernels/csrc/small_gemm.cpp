@@ -15,10 +15,10 @@
 // kRowsPerBlock x kPanel accumulators in registers, so a chunk is fetched from memory
 // once and used by all rows. A thread's panels are consecutive in memory: one stream,
 // which the row blocks prefetch into L2 two chunks ahead, a few lines per step, so
-// that the memory transfer overlaps the FMAs (without it, rows 8..64 run at about the
-// sum of the two times instead of the larger). Accumulators live in a per-thread
-// buffer between chunks; finished panels are copied out (plus bias), which also
-// handles the ragged last panel.
+// that the memory transfer overlaps the FMAs (without it, 8 to 64 rows take close to
+// the sum of the two times, not the larger). Accumulators live in a per-thread buffer
+// between chunks; finished panels are copied out (plus bias), which also handles the
+// ragged last panel.
 //
 // Vectors are GCC vector extensions (16 floats); built without AVX-512 they are split
 // into narrower registers by the compiler and stay correct, only slower, which is why

@@ -140,3 +140,11 @@ def test_rejects_bad_weights(ops) -> None:
 def test_rejects_bad_arguments(ops, make_args, message: str) -> None:
     with pytest.raises(RuntimeError, match=message):
         ops.packed_linear(*make_args(packed_weight(17, 49)))
+
+
+def test_bench_gemm_section_prints_a_row_per_row_count(ops, capsys: pytest.CaptureFixture[str]) -> None:
+    from kernels import bench_cpu
+
+    assert bench_cpu.main(["gemm", "--rows", "1", "3", "--layers", "1", "--repeats", "1"]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in table[2:4]] == ["1", "3"]
