@@ -73,6 +73,14 @@ class TorchAttention:
         return paged_attention(q, kv_layer[0], kv_layer[1], plan.cpu, scale,
                                new_key=k, new_value=v)
 
+    def attend(self, q: torch.Tensor, kv_layer: torch.Tensor, plan: "TorchPlan",
+               scale: float) -> torch.Tensor:
+        """Attention alone, the batch's K/V already in kv_layer (the model's fused
+        kvops::rope_store_kv put them there)."""
+        from kernels.cpu_attention import paged_attention
+
+        return paged_attention(q, kv_layer[0], kv_layer[1], plan.cpu, scale)
+
 
 @dataclass(slots=True)
 class TorchPlan:

@@ -68,6 +68,9 @@ class StepContext:
     attention: AttentionBackend  # stores each layer's new K/V and attends through the tables
     plan: object  # the backend's per-step plan (gather indices, masks, ...)
     fused: object | None = None  # torch.ops.kvops when the fused CPU ops are on
+    # [num_tokens, head_dim // 2, 2] float32 (cos, sin): set when RoPE and the K/V store
+    # run as one fused op and the attention backend reads K/V back from the cache
+    rope_pairs: torch.Tensor | None = None
 
 
 class Transformer(nn.Module):
@@ -111,8 +114,11 @@ class Transformer(nn.Module):
                 logits_indices: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [num_tokens]; logits_indices: [num_sampled] rows whose
         next-token logits are wanted. Returns float32 logits [num_sampled, vocab_size]."""
-        ctx = StepContext(rope=self.rope[positions][:, None, :], kv_cache=kv_cache,
-                          attention=attention, plan=plan, fused=self.fused_ops)
+        rope = self.rope[positions]  # [num_tokens, head_dim // 2] complex64
+        ctx = StepContext(rope=rope[:, None, :], kv_cache=kv_cache, attention=attention,
+                          plan=plan, fused=self.fused_ops)
+        if ctx.fused is not None and getattr(attention, "native", False):
+            ctx.rope_pairs = torch.view_as_real(rope).contiguous()
         h = self.embed_tokens(input_ids)  # [num_tokens, dim]
         if ctx.fused is not None:
             h = self._fused_layers(h, ctx)[logits_indices]  # [num_sampled, dim]
@@ -160,6 +166,12 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, ctx: StepContext, layer_idx: int) -> torch.Tensor:
         T, H, Hkv, D = x.shape[0], self.n_heads, self.n_kv_heads, self.head_dim
         qkv = self.wqkv(x)  # [T, (H + 2 * Hkv) * D]
+        if ctx.rope_pairs is not None:  # RoPE, and k/v into the cache, in one fused op
+            kv_layer = ctx.kv_cache[layer_idx]
+            q = ctx.fused.rope_store_kv(qkv, ctx.rope_pairs, kv_layer, ctx.plan.slot_mapping,
+                                        H, Hkv)  # [T, H, D]
+            o = ctx.attention.attend(q, kv_layer, ctx.plan, self.scale)
+            return self.wo(o.reshape(T, H * D))
         # RoPE on q and k together: they are adjacent in qkv.
         qk = apply_rope(qkv[:, :(H + Hkv) * D].view(T, H + Hkv, D), ctx.rope)
         q, k = qk[:, :H], qk[:, H:]  # [T, H, D], [T, Hkv, D]

@@ -121,3 +121,69 @@ TORCH_LIBRARY_IMPL(kvops, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_mul", &silu_mul);
 }
+
+// RoPE on q and k, and the store of k and v into the paged cache, in one pass.
+// qkv: [T, (H + 2 * Hkv) * D], q heads then k heads then v heads, rotary pairs
+// interleaved (d = 2i, 2i + 1; the loader reorders HF's halves); rope: [T, D / 2, 2]
+// (cos, sin of position * frequency); kv_layer: [2, num_blocks, block_size, Hkv, D];
+// slot_mapping: [T] int64 (block * block_size + offset). Returns the rotated q [T, H, D].
+at::Tensor rope_store_kv(const at::Tensor& qkv, const at::Tensor& rope, at::Tensor kv_layer,
+                         const at::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads) {
+  check_rows(qkv, "qkv");
+  TORCH_CHECK(kv_layer.dim() == 5 && kv_layer.size(0) == 2 && kv_layer.is_contiguous() &&
+                  kv_layer.scalar_type() == at::kFloat,
+              "kv_layer must be contiguous float32 [2, num_blocks, block_size, num_kv_heads, head_dim]");
+  const int64_t T = qkv.size(0), D = kv_layer.size(4);
+  TORCH_CHECK(kv_layer.size(3) == num_kv_heads, "kv_layer has ", kv_layer.size(3), " kv heads, not ",
+              num_kv_heads);
+  TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * D, "qkv must be [T, (H + 2 Hkv) * D]");
+  TORCH_CHECK(D % 2 == 0, "head_dim must be even");
+  TORCH_CHECK(rope.dim() == 3 && rope.size(0) == T && rope.size(1) == D / 2 && rope.size(2) == 2 &&
+                  rope.is_contiguous() && rope.scalar_type() == at::kFloat,
+              "rope must be contiguous float32 [T, head_dim / 2, 2]");
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == T &&
+                  slot_mapping.scalar_type() == at::kLong,
+              "slot_mapping must be int64 [T]");
+  const int64_t num_slots = kv_layer.size(1) * kv_layer.size(2);
+  const auto slots_c = slot_mapping.contiguous();
+  const int64_t* slots = slots_c.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot ", slots[t], " out of range");
+
+  auto q = at::empty({T, num_heads, D}, qkv.options());
+  const float* src = qkv.data_ptr<float>();
+  const float* rp = rope.data_ptr<float>();
+  float* qp = q.data_ptr<float>();
+  float* kc = kv_layer.data_ptr<float>();
+  float* vc = kc + num_slots * num_kv_heads * D;
+  const int64_t row = qkv.stride(0), half = D / 2;
+  at::parallel_for(0, T, grain((num_heads + 2 * num_kv_heads) * D), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* x = src + t * row;
+      const float* r = rp + t * D;
+      float* k_dst = kc + slots[t] * num_kv_heads * D;
+      float* v_dst = vc + slots[t] * num_kv_heads * D;
+      for (int64_t h = 0; h < num_heads + num_kv_heads; ++h) {
+        const float* in = x + h * D;
+        float* out = h < num_heads ? qp + (t * num_heads + h) * D : k_dst + (h - num_heads) * D;
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = in[2 * i], b = in[2 * i + 1], c = r[2 * i], s = r[2 * i + 1];
+          out[2 * i] = a * c - b * s;
+          out[2 * i + 1] = a * s + b * c;
+        }
+      }
+      std::copy(x + (num_heads + num_kv_heads) * D, x + (num_heads + 2 * num_kv_heads) * D, v_dst);
+    }
+  });
+  return q;
+}
+
+TORCH_LIBRARY_FRAGMENT(kvops, m) {
+  m.def("rope_store_kv(Tensor qkv, Tensor rope, Tensor(a!) kv_layer, Tensor slot_mapping, "
+        "int num_heads, int num_kv_heads) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kvops, CPU, m) {
+  m.impl("rope_store_kv", &rope_store_kv);
+}
