@@ -23,10 +23,10 @@ its fresh K/V directly instead of reading them back from the cache.
 With `native=True` (float32 on a CPU where kernels/cpu_ext.py could build its
 kernels), the batch goes to one call of the C++ kernel kvops::paged_decode_attention
 instead, which reads K/V where they lie in the cache: no gather, no grouping, no
-cascade (a shared prefix is read from the CPU's caches by every sequence). Prefill
-rows go there too, each as a query that sees the context up to its own position:
-one call per layer instead of one SDPA call per chunk, which is what short prompts
-pay for.
+cascade (a shared prefix is read from the CPU's caches by every sequence). Short prefill
+chunks go there too, each row as a query that sees the context up to its own
+position: one call per layer instead of one SDPA call per chunk, which is what short
+prompts pay for.
 """
 from __future__ import annotations
 
@@ -40,6 +40,10 @@ import torch.nn.functional as F
 MAX_PADDING_FRACTION = 0.25
 # Decodes sharing at least this many leading blocks attend to them together.
 MIN_SHARED_BLOCKS = 2
+# With the C++ kernel, prefill chunks of up to this many tokens go to it too, one query
+# per row; longer ones to SDPA, whose blocked kernel wins once a chunk is long
+# (python -m kernels.bench_cpu attention).
+NATIVE_PREFILL_MAX_ROWS = 128
 
 # Flash attention that also returns the log-sum-exp of each query's scores (what
 # F.scaled_dot_product_attention calls on CPU for 4-d inputs); needed to merge the
@@ -94,14 +98,14 @@ class CpuAttentionPlan:
 def plan_attention(block_tables: list[list[int]], seq_lens: list[int],
                    query_start_loc: list[int], block_size: int,
                    device: torch.device | str = "cpu", native: bool = False,
-                   native_prefill: bool = True) -> CpuAttentionPlan:
+                   native_prefill_max: int = NATIVE_PREFILL_MAX_ROWS) -> CpuAttentionPlan:
     """Host-side bookkeeping for one batch (plain lists in, tensors on `device` out).
 
     block_tables[s] lists at least cdiv(seq_lens[s], block_size) blocks; seq_lens[s]
     counts the context including the new tokens; query_start_loc has num_seqs + 1
     entries. native: plan for the C++ kernel (the caller checked that it is
-    available): every decode, and with native_prefill every prefill row too, each
-    query row attending to the context up to its own position."""
+    available): every decode, and the rows of prefill chunks of up to
+    native_prefill_max tokens, each attending to the context up to its own position."""
     decodes, prefills = [], []
     native_rows = []  # (q_start, q_len, seq_len, blocks) for the kernel
     for s, seq_len in enumerate(seq_lens):
@@ -116,7 +120,7 @@ def plan_attention(block_tables: list[list[int]], seq_lens: list[int],
             raise ValueError(f"sequence {s}: {seq_len} tokens need {num_blocks} blocks, "
                              f"its table has {len(block_tables[s])}")
         blocks = block_tables[s][:num_blocks]
-        if native and (q_len == 1 or native_prefill):
+        if native and q_len <= native_prefill_max:
             native_rows.append((q_start, q_len, seq_len, blocks))
         elif q_len == 1:
             decodes.append((q_start, seq_len, blocks))

@@ -93,7 +93,7 @@ def test_mixed_batch_with_prefills(ops, native_prefill):
     q = torch.randn(qsl[-1], q_heads, head_dim, generator=g)
     lens = [n for n, _ in seqs]
     plan = plan_attention(tables, lens, qsl, block_size, native=True,
-                          native_prefill=native_prefill)
+                          native_prefill_max=100 if native_prefill else 1)
     if native_prefill:
         assert plan.native_rows.rows.tolist() == list(range(qsl[-1])) and not plan.prefills
         # row 2 is the first of a 19-token prompt: it sees 1 key; row 20 the last: 19
