@@ -7,6 +7,7 @@ from typing import Protocol
 
 class Tokenizer(Protocol):
     eos_token_id: int | None
+    eos_token_ids: tuple[int, ...]  # a request stops on any of them
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -65,6 +66,7 @@ class SimTokenizer:
     """Tokenizer of the simulator: UTF-8 bytes in; ids as bytes or short words out."""
 
     eos_token_id = None
+    eos_token_ids: tuple[int, ...] = ()
     _SYLLABLES = ["ka", "lo", "mi", "ne", "ru", "sa", "to", "vi",
                   "be", "du", "fo", "ga", "hi", "jo", "pu", "ze"]
 

@@ -11,19 +11,21 @@ from engine.loader import ModelLoadError
 
 
 class HFTokenizer:
-    def __init__(self, tokenizer, eos_token_id: int | None, bos_token: str | None,
+    def __init__(self, tokenizer, eos_token_ids: tuple[int, ...], bos_token: str | None,
                  eos_token: str | None, chat_template: str | None) -> None:
         self._tok = tokenizer  # tokenizers.Tokenizer
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids = eos_token_ids  # a request stops on any of them
+        self.eos_token_id = eos_token_ids[0] if eos_token_ids else None
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.chat_template = chat_template
         self._compiled = None  # the jinja2 template, compiled on first use
 
     @classmethod
-    def from_folder(cls, folder: str | Path, eos_token_id: int | None = None) -> "HFTokenizer":
-        """eos_token_id: the model's (generation_config.json); None falls back to the
-        tokenizer's eos_token."""
+    def from_folder(cls, folder: str | Path,
+                    eos_token_id: int | tuple[int, ...] | None = None) -> "HFTokenizer":
+        """eos_token_id: the model's EOS id or ids (generation_config.json); None or ()
+        falls back to the tokenizer's eos_token."""
         from tokenizers import Tokenizer
 
         folder = Path(folder)
@@ -40,9 +42,10 @@ class HFTokenizer:
         if config_path.is_file():
             config = json.loads(config_path.read_text())
         bos, eos = _token_text(config.get("bos_token")), _token_text(config.get("eos_token"))
-        if eos_token_id is None and eos is not None:
-            eos_token_id = tok.token_to_id(eos)
-        return cls(tok, eos_token_id, bos, eos, _chat_template(folder, config))
+        ids = (eos_token_id,) if isinstance(eos_token_id, int) else tuple(eos_token_id or ())
+        if not ids and eos is not None and tok.token_to_id(eos) is not None:
+            ids = (tok.token_to_id(eos),)
+        return cls(tok, ids, bos, eos, _chat_template(folder, config))
 
     @property
     def vocab_size(self) -> int:

@@ -85,7 +85,7 @@ class LLMEngine:
             arrival_time=time.time() if arrival_time is None else arrival_time,
             index=next(self._indices), root_hash=root_hash(self.runner.model_id, cache_salt),
             block_size=self.config.block_size, priority=priority, job_id=job_id,
-            eos_token_id=self.tokenizer.eos_token_id)
+            eos_token_ids=self.tokenizer.eos_token_ids)
         self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
         self.scheduler.add(request)
         self.version += 1

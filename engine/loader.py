@@ -40,13 +40,18 @@ class ModelFolder:
     sliding_window: int | None  # Mistral/Qwen2 window: contexts longer than it are refused
 
     @property
-    def eos_token_id(self) -> int | None:
-        """generation_config.json's EOS, else config.json's. A list (Llama 3 chat models
-        stop on several ids) gives its first entry: the engine has one EOS per request."""
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """generation_config.json's EOS, else config.json's: one id, or several (Llama 3
+        chat models stop on <|eot_id|> as well as <|end_of_text|>); () when neither says."""
         eos = self.generation_config.get("eos_token_id", self.config.get("eos_token_id"))
-        if isinstance(eos, list):
-            eos = eos[0] if eos else None
-        return eos
+        if eos is None:
+            return ()
+        return tuple(int(e) for e in eos) if isinstance(eos, list) else (int(eos),)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """The first of eos_token_ids (the tokenizer's EOS token)."""
+        return self.eos_token_ids[0] if self.eos_token_ids else None
 
 
 def read_model_folder(path: str | Path) -> ModelFolder:

@@ -45,7 +45,7 @@ class ModelRunner(Runner):
         folder = read_model_folder(resolve_model_path(config.model))
         self.folder = folder
         self.model_id = model_identity(folder, self._dtype)
-        self.tokenizer = HFTokenizer.from_folder(folder.path, folder.eos_token_id)
+        self.tokenizer = HFTokenizer.from_folder(folder.path, folder.eos_token_ids)
         self.vocab_size = folder.args.vocab_size
         self.max_model_len = _max_model_len(config, folder)
         self.model = load_model(folder, self._dtype, self._device)

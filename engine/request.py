@@ -31,7 +31,7 @@ class Request:
     block_size: int
     priority: int = 0  # lower runs first under the priority policy
     job_id: str | None = None  # the service's job, for the dashboard
-    eos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()  # the model's EOS ids (several for some chat models)
     # Everything below is owned by the Scheduler (the engine's output path appends tokens).
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

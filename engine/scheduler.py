@@ -186,8 +186,7 @@ class Scheduler:
         params = request.sampling_params
         if token in params.stop_token_ids:
             return "stop"
-        if not params.ignore_eos and request.eos_token_id is not None \
-                and token == request.eos_token_id:
+        if not params.ignore_eos and token in request.eos_token_ids:
             return "stop"
         if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
             return "length"

@@ -63,6 +63,25 @@ def test_runner_attributes(tiny_model):
     assert tuple(r.kv_cache.shape) == (2, 2, 32, 16, 2, 32)
 
 
+def test_every_eos_id_of_generation_config_stops_a_request(tiny_model, tmp_path):
+    """generation_config.json may list several EOS ids (Llama 3 chat models): the
+    request stops on whichever comes first, and ignore_eos still runs past them."""
+    folder = copy_of(tiny_model, tmp_path)
+    prompts = random_prompts(SPECS["gqa16"].vocab_size, [7], seed=5)
+    free = engine_for(folder).generate(prompts, SamplingParams(max_tokens=8, temperature=0.0,
+                                                               ignore_eos=True))[0]
+    third = free.output_token_ids[2]
+    assert third not in free.output_token_ids[:2] and third != 2
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, third]}))
+    engine = engine_for(folder)
+    assert engine.tokenizer.eos_token_ids == (2, third) and engine.tokenizer.eos_token_id == 2
+    out = engine.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0))[0]
+    assert out.output_token_ids == free.output_token_ids[:3] and out.finish_reason == "stop"
+    past = engine.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0,
+                                                   ignore_eos=True))[0]
+    assert past.output_token_ids == free.output_token_ids and past.finish_reason == "length"
+
+
 def test_model_id_changes_with_dtype_and_config(tiny_model, tmp_path):
     folder = copy_of(tiny_model, tmp_path)
     a = engine_for(folder).runner.model_id
