@@ -3,6 +3,9 @@
     python -m kernels.bench_cpu                   # every section
     python -m kernels.bench_cpu gemm              # packed_linear against torch.mm
     python -m kernels.bench_cpu gemm --rows 1 8   # only these row counts
+    python -m kernels.bench_cpu attention         # the paged attention kernel (see
+                                                  # kernels/bench_cpu_attention.py)
+    python -m kernels.bench_cpu gemm --prefill    # and prefill's row counts, 256 .. 2048
 
 gemm: the linear layers of a decode step of SmolLM2-135M (30 layers; qkv, o, gate_up
 and down projections), run as one sweep over 30 distinct weight copies per shape, so
@@ -22,10 +25,14 @@ from typing import Callable
 
 import torch
 
+from kernels.bench_cpu_attention import add_attention_args
+
 # SmolLM2-135M's projections as [K, N] (weight_t): qkv, o, gate_up, down.
 GEMM_SHAPES = ((576, 960), (576, 576), (576, 3072), (1536, 576))
 GEMM_LAYERS = 30
 GEMM_ROWS = (1, 4, 8, 16, 32, 48, 64, 128)
+# A prefill's rows (the prompt's tokens): seconds per row count at 30 layers, hence an option.
+GEMM_PREFILL_ROWS = (256, 512, 1024, 2048)
 
 
 @dataclass(slots=True)
@@ -97,11 +104,14 @@ def run_gemm(args: argparse.Namespace) -> None:
 
     ops = cpu_ext.ops()
     layers = make_gemm_layers(ops, args.layers)
-    print_gemm_table([gemm_row(ops, layers, rows, args.repeats) for rows in args.rows], args.layers)
+    row_counts = list(args.rows) + (list(GEMM_PREFILL_ROWS) if args.prefill else [])
+    print_gemm_table([gemm_row(ops, layers, rows, args.repeats) for rows in row_counts], args.layers)
 
 
 def add_gemm_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=list(GEMM_ROWS), help="row counts M to time")
+    parser.add_argument("--prefill", action="store_true",
+                        help=f"also time prefill's row counts {list(GEMM_PREFILL_ROWS)}")
     parser.add_argument("--layers", type=int, default=GEMM_LAYERS, help="distinct weight copies per shape")
     parser.add_argument("--repeats", type=int, default=7, help="timed sweeps per row count (the fastest counts)")
     parser.set_defaults(run=run_gemm)
@@ -110,6 +120,8 @@ def add_gemm_args(parser: argparse.ArgumentParser) -> None:
 # name -> (help, add its arguments); each section's arguments set `run`.
 SECTIONS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
     "gemm": ("packed_linear against torch.mm on a decode step's linear layers", add_gemm_args),
+    "attention": ("paged_decode_attention against gather + SDPA on one step's attention",
+                  add_attention_args),
 }
 
 

@@ -23,6 +23,7 @@ LAYERS, Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 30, 9, 3, 64, 16
 # (kind, sequences, context length): decode batches of a serving step, then prefills
 CASES = (("decode", 8, 256), ("decode", 32, 256), ("decode", 32, 1024), ("decode", 128, 512),
          ("prefill", 16, 32), ("prefill", 8, 128), ("prefill", 4, 512))
+QUICK_CASES = (("decode", 4, 40), ("prefill", 2, 24))  # --quick: a smoke run
 
 
 @dataclass(slots=True)
@@ -81,10 +82,11 @@ def run_attention(args: argparse.Namespace) -> None:
 
     cpu_ext.ops()  # builds the kernels, or raises CpuKernelsUnavailable
     print_attention_table([attention_row(kind, seqs, context, args.repeats)
-                           for kind, seqs, context in CASES])
+                           for kind, seqs, context in (QUICK_CASES if args.quick else CASES)])
 
 
 def add_attention_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=5,
                         help="timed steps per case (the fastest counts)")
+    parser.add_argument("--quick", action="store_true", help="two tiny cases (a smoke run)")
     parser.set_defaults(run=run_attention)

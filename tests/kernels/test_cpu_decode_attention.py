@@ -141,3 +141,13 @@ def test_bad_arguments_are_refused(ops, change, message):
     with pytest.raises(RuntimeError, match=message):
         ops.paged_decode_attention(args["out"], args["q"], args["key_cache"], args["value_cache"],
                                    args["rows"], args["block_tables"], args["seq_lens"], 0.25)
+
+
+def test_bench_attention_section_prints_both_kinds(ops, capsys):
+    from kernels import bench_cpu
+
+    assert bench_cpu.main(["attention", "--quick", "--repeats", "1"]) == 0
+    lines = [line.split() for line in capsys.readouterr().out.splitlines()]
+    rows = [line for line in lines if line and line[0] in ("decode", "prefill")]
+    assert [r[0] for r in rows] == ["decode", "prefill"]
+    assert all(float(r[-1]) < 1e-4 for r in rows)  # max diff between kernel and torch path

@@ -4,7 +4,8 @@ Tolerance: rtol = atol = 1e-4 on outputs of magnitude ~1 (weights scaled by K**-
 float32 accumulation over K <= 1536 terms stays well inside it, a wrong column, row or
 missing chunk of K does not. Shapes cover the kernel's edges: rows that are not a
 multiple of its row block (and more rows than one pass takes), K that is not a
-multiple of its chunk, N that leaves a ragged last panel, and empty dimensions.
+multiple of its chunk, N that leaves a ragged last panel, empty dimensions, and a
+prefill's many rows, which go in passes.
 """
 import os
 import shutil
@@ -59,6 +60,19 @@ def test_matches_float64_reference(ops, m: int, k: int, n: int) -> None:
     out = ops.packed_linear(x, packed_weight(k, n), n, None)
     assert out.shape == (m, n) and out.dtype == torch.float32
     torch.testing.assert_close(out.double(), reference(x, weight(k, n)), **TOL)
+
+
+@pytest.mark.parametrize("m,k,n", [(449, 576, 960), (337, 1536, 577), (1000, 300, 97)])
+def test_prefill_rows_in_several_passes(ops, m: int, k: int, n: int) -> None:
+    """Many rows go in equal passes of at most as many rows as fit in 1 MB of L2 (455 at
+    K = 576, 170 at K = 1536), with K in one chunk: here two passes, the last one short
+    of a whole row block, a ragged last panel, and the bias on the direct and the
+    ragged path."""
+    x, bias = rows_of(m, k), torch.randn(n)
+    packed = ops.pack_weight(weight(k, n))
+    torch.testing.assert_close(ops.packed_linear(x, packed, n, None).double(), reference(x, weight(k, n)), **TOL)
+    torch.testing.assert_close(ops.packed_linear(x, packed, n, bias).double(), reference(x, weight(k, n), bias),
+                               **TOL)
 
 
 @pytest.mark.parametrize("m,k,n", [(1, 576, 960), (13, 17, 49), (65, 1536, 576), (3, 7, 4099)])
