@@ -1,15 +1,19 @@
 // Decode attention straight out of the paged KV cache, for the CPU.
 //
-// Each decoding sequence has one new query token; it attends to the first seq_len
-// tokens of its block table. torch can only do this after gathering every
-// sequence's blocks into a contiguous tensor, which copies the whole context once
-// per layer; this kernel reads each K/V row where it lies, once.
+// Each query row attends to the first seq_len tokens of its block table: a decode's
+// one new token to its whole context, or a prefill row to the context up to its own
+// position (the planner in kernels/cpu_attention.py gives each row its length).
+// torch can only do this after gathering every sequence's blocks into a contiguous
+// tensor, which copies the whole context once per layer; this kernel reads each K/V
+// row where it lies, once.
 //
-// Work is split over (sequence, kv head) pairs with ATen's parallel_for. Within a
-// pair, the G = num_heads / num_kv_heads query heads that share the kv head are
-// handled together so every K and V row is loaded once for all of them, with an
-// online softmax updated once per block (scores for the block's tokens, then one
-// rescale of the running sums).
+// Work is split over (row, kv head) pairs with ATen's parallel_for. Within a pair, the
+// G = num_heads / num_kv_heads query heads that share the kv head are handled together
+// so every K and V row is loaded once for all of them. The vector path (head_dim a
+// multiple of 16, up to 128) walks the context in tiles of 16 positions: the tile's 16
+// scores per query head come out as one vector, then one online-softmax rescale per
+// tile; the next tile's rows are prefetched, as blocks are scattered. Other head sizes
+// take a scalar path that does the same block by block.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
