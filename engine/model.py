@@ -86,7 +86,6 @@ class Transformer(nn.Module):
         self.rope: torch.Tensor | None = None  # [max_positions, head_dim // 2] complex64
         # torch.ops.kvops (kernels/cpu_ext.py) once use_cpu_kernels() turned them on
         self.fused_ops: object | None = None
-
         self.lm_head_packed: torch.Tensor | None = None  # lm_head's weight for packed_linear
 
     def use_cpu_kernels(self, ops: object) -> None:
