@@ -73,7 +73,15 @@ def manage(*args: str) -> None:
     subprocess.run([sys.executable, "manage.py", *args], cwd=REPO, check=True)
 
 
+def _stop(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def main() -> int:
+    # Ctrl-C and SIGTERM (docker stop, systemd) both stop the stack; set explicitly,
+    # since a shell that starts us in the background hands SIGINT down ignored.
+    signal.signal(signal.SIGINT, _stop)
+    signal.signal(signal.SIGTERM, _stop)
     data_dir = Path(os.environ.setdefault("KVOPS_DATA_DIR", str(REPO / "data")))
     data_dir.mkdir(parents=True, exist_ok=True)
     redis_url = os.environ.setdefault("REDIS_URL", "redis://127.0.0.1:6379/0")

@@ -48,8 +48,11 @@ def test_make_run_serves_and_stops(tmp_path):
                DJANGO_SUPERUSER_PASSWORD="make-run-test-pw",
                KVOPS_ENGINE_MAX_NUM_SEQS="8", KVOPS_ENGINE_KV_CACHE_MEMORY_BYTES=str(64 << 20))
     log = tmp_path / "make-run.log"
+    # SIGINT ignored on the way in, as a shell that starts a job in the background hands
+    # it down: Ctrl-C (SIGINT to the group) must still stop the stack.
     proc = subprocess.Popen(["make", "run"], cwd=REPO, env=env, stdout=log.open("w"),
-                            stderr=subprocess.STDOUT, start_new_session=True)
+                            stderr=subprocess.STDOUT, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     url = f"http://127.0.0.1:{web_port}"
     try:
         def engine_up() -> bool:
