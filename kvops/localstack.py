@@ -135,3 +135,14 @@ class Stack:
 
         self.wait(done, f"job {job_id}", timeout_s)
         return result
+
+    def wait_running(self, job_id: int, timeout_s: float = 30, user: str = "admin") -> str:
+        """Wait until the job runs on an engine; returns its engine request id."""
+        job = {}
+
+        def running() -> bool:
+            job.update(self.api("GET", f"/api/jobs/{job_id}/", user=user).json())
+            return job["status"] == "running" and bool(job["request_id"])
+
+        self.wait(running, f"job {job_id} running", timeout_s)
+        return job["request_id"]

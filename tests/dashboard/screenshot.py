@@ -26,17 +26,6 @@ def job(stack: Stack, prompt: str, max_tokens: int) -> dict:
     return r.json()
 
 
-def running_request(stack: Stack, job_id: int) -> str:
-    found = {}
-
-    def running() -> bool:
-        found.update(stack.api("GET", f"/api/jobs/{job_id}/").json())
-        return found["status"] == "running" and bool(found["request_id"])
-
-    stack.wait(running, f"job {job_id} running", 60)
-    return found["request_id"]
-
-
 def drive(stack: Stack) -> str:
     """Put the engine in a state that shows every colour; the request to hover over."""
     short = [job(stack, f"Document {i}: " + "the quick brown fox jumps over the lazy dog " * 6, 12)
@@ -49,11 +38,11 @@ def drive(stack: Stack) -> str:
     long = [job(stack, (SYSTEM if i % 3 else "") + f"Question {i}: explain paged attention. "
                 * (1 + i % 3), 3000) for i in range(18)]
     time.sleep(14)
-    swapped = running_request(stack, long[4]["id"])
+    swapped = stack.wait_running(long[4]["id"], 60)
     stack.api("POST", f"/api/engines/gpu0/requests/{swapped}/swap-out/").raise_for_status()
-    preempted = running_request(stack, long[7]["id"])
+    preempted = stack.wait_running(long[7]["id"], 60)
     stack.api("POST", f"/api/engines/gpu0/requests/{preempted}/preempt/").raise_for_status()
-    return running_request(stack, long[2]["id"])
+    return stack.wait_running(long[2]["id"], 60)
 
 
 def capture(stack: Stack, out: Path) -> None:

@@ -53,17 +53,6 @@ def submit(stack: Stack, prompt: str, max_tokens: int) -> int:
     return r.json()["id"]
 
 
-def running_request(stack: Stack, job_id: int) -> str:
-    job = {}
-
-    def running() -> bool:
-        job.update(stack.api("GET", f"/api/jobs/{job_id}/").json())
-        return job["status"] == "running" and bool(job["request_id"])
-
-    stack.wait(running, f"job {job_id} running", 30)
-    return job["request_id"]
-
-
 def on_page(page, request_id: str, timeout_s: float) -> None:
     page.wait_for_function("(rid) => kvops.state() && kvops.state().requestById(rid) !== null",
                            arg=request_id, timeout=timeout_s * 1000)
@@ -81,7 +70,7 @@ def assert_pages_follow(stack: Stack, pages, what: str) -> None:
     another (each applied, no snapshot in between); each page resynced since `before`."""
     job_id = submit(stack, f"submitted after {what}", max_tokens=300)  # ~6 s
     started = time.monotonic()
-    request_id = running_request(stack, job_id)
+    request_id = stack.wait_running(job_id, 30)
     for page, before in pages.items():
         on_page(page, request_id, 20)
         first = page.evaluate(PAGE_COUNTERS)
@@ -113,7 +102,7 @@ def test_pages_resync_after_a_redis_restart(login, stack):
     overview.goto(f"{stack.url}/")
     summaries_flow(overview)
     job_id = submit(stack, "running through the restart", max_tokens=400)  # ~8 s
-    request_id = running_request(stack, job_id)
+    request_id = stack.wait_running(job_id, 30)
     for page in pages:
         on_page(page, request_id, 10)
     job_page = pages[0].context.new_page()

@@ -9,14 +9,7 @@ from engine.snapshot import decode_array
 def start_long_job(stack, tokens=3000):
     r = stack.api("POST", "/api/jobs/", json={"prompt": "operator test " * 3, "max_tokens": tokens})
     job_id = r.json()["id"]
-    job = {}
-
-    def running():
-        job.update(stack.api("GET", f"/api/jobs/{job_id}/").json())
-        return job["status"] == "running" and job["request_id"]
-
-    stack.wait(running, "job running", 30)
-    return job_id, job["request_id"]
+    return job_id, stack.wait_running(job_id, 30)
 
 
 def request_entry(stack, request_id):
