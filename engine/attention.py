@@ -3,8 +3,8 @@ tables. The model calls `backend.forward(q, k, v, kv_layer, plan, scale)` once p
 layer; the runner calls `backend.plan(batch)` once per step.
 
 * "torch": kernels/cpu_attention.py (vectorised torch). The CPU path and the fallback;
-  in float32 on a CPU its decodes run in the C++ kernel of kernels/cpu_ext.py when that
-  builds here.
+  in float32 on a CPU its decodes and short prefill chunks run in the C++ kernel of
+  kernels/cpu_ext.py when that builds here.
 * "triton": kernels.reshape_and_cache + kernels.paged_attention (CUDA, or the Triton
   interpreter under TRITON_INTERPRET=1).
 * "auto": triton on CUDA, torch on CPU.
@@ -50,9 +50,10 @@ class TorchAttention:
     name = "torch"
 
     def __init__(self, device: torch.device, dtype: torch.dtype = torch.float32) -> None:
+        from kernels import cpu_ext
+
         self.device = device
-        self.native = (device.type == "cpu" and dtype == torch.float32
-                              and _cpu_kernels_available())
+        self.native = cpu_ext.usable_for(device, dtype)  # kvops::paged_decode_attention
 
     def plan(self, batch: AttentionBatch) -> "TorchPlan":
         from kernels.cpu_attention import plan_attention
@@ -149,12 +150,6 @@ def make_attention_backend(name: str, device: torch.device,
                 "the slow CPU interpreter); use attention_backend='torch' on CPU")
         return TritonAttention(device)
     raise AttentionBackendError(f"unknown attention backend {name!r}")
-
-
-def _cpu_kernels_available() -> bool:
-    from kernels import cpu_ext
-
-    return cpu_ext.available()
 
 
 def _triton_available() -> bool:

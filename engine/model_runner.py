@@ -251,7 +251,7 @@ def _use_cpu_kernels(model: torch.nn.Module, device: torch.device, dtype: torch.
     where they build (KVOPS_CPU_KERNELS=0 keeps the torch paths)."""
     from kernels import cpu_ext
 
-    if device.type != "cpu" or dtype != torch.float32 or not cpu_ext.available():
+    if not cpu_ext.usable_for(device, dtype):
         return False
     model.use_cpu_kernels(cpu_ext.ops())
     return True

@@ -53,6 +53,12 @@ def available() -> bool:
     return True
 
 
+def usable_for(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether an engine on this device and dtype runs the kernels: float32 on a CPU,
+    turned on, and built here."""
+    return device.type == "cpu" and dtype == torch.float32 and available()
+
+
 def ops():
     """torch.ops.kvops, with the CPU kernels registered. Raises CpuKernelsUnavailable
     (with the compiler's reason) when they cannot be built."""
