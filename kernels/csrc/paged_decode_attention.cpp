@@ -104,8 +104,7 @@ inline void scale_inplace(float* __restrict y, float a, int64_t n) {
   for (int64_t d = 0; d < n; ++d) y[d] *= a;
 }
 
-// One (sequence, kv head) pair on the vector path (head_dim a multiple of 16): tiles of
-// 16 positions; the tile's scores for each query head come out as one vector.
+// One (row, kv head) pair: where its queries, output and K/V are.
 struct Item {
   const float* q;           // first query head of the group, already at the row
   int64_t q_head;           // stride between query heads
@@ -123,6 +122,8 @@ struct Layout {
   float scale;
 };
 
+// One pair on the vector path (head_dim = 16 * nc): tiles of 16 positions; the tile's
+// scores for each query head come out as one vector.
 template <int64_t nc>
 void attend_vector(const Item& it, const Layout& L, v16* qv, v16* acc, v16* partial, float* weights) {
   const int64_t G = L.group;
@@ -195,6 +196,55 @@ void attend_vector(const Item& it, const Layout& L, v16* qv, v16* acc, v16* part
     for (int64_t c = 0; c < nc; ++c) store16(it.out + g * it.o_head + c * kLanes, acc[g * nc + c] * inv);
   }
 }
+
+// The same on the scalar path (head_dim not a multiple of 16): block by block.
+void attend_scalar(const Item& it, const Layout& L, float* qs, float* acc, float* m, float* l,
+                   float* scores) {
+  const int64_t G = L.group, D = L.head_dim, block_size = L.block_mask + 1;
+  for (int64_t g = 0; g < G; ++g) {
+    for (int64_t d = 0; d < D; ++d) qs[g * D + d] = it.q[g * it.q_head + d] * L.scale;
+    m[g] = -std::numeric_limits<float>::infinity();
+    l[g] = 0.f;
+  }
+  std::fill(acc, acc + G * D, 0.f);
+  for (int64_t start = 0; start < it.seq_len; start += block_size) {
+    const int64_t n = std::min(block_size, it.seq_len - start);
+    const int64_t blk = it.table[start >> L.block_shift];
+    const float* kb = it.k + blk * L.k_blk;
+    const float* vb = it.v + blk * L.v_blk;
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t g = 0; g < G; ++g)
+        scores[g * kMaxBlockSize + t] = dot(qs + g * D, kb + t * L.k_tok, D);
+    for (int64_t g = 0; g < G; ++g) {
+      float* sc = scores + g * kMaxBlockSize;
+      float block_max = sc[0];
+      for (int64_t t = 1; t < n; ++t) block_max = std::max(block_max, sc[t]);
+      const float new_max = std::max(m[g], block_max);
+      const float alpha = std::exp(m[g] - new_max);  // 0 on the first block
+      float sum = 0.f;
+      for (int64_t t = 0; t < n; ++t) {
+        sc[t] = std::exp(sc[t] - new_max);
+        sum += sc[t];
+      }
+      l[g] = l[g] * alpha + sum;
+      m[g] = new_max;
+      if (alpha != 1.f) scale_inplace(acc + g * D, alpha, D);
+    }
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t g = 0; g < G; ++g)
+        axpy(acc + g * D, scores[g * kMaxBlockSize + t], vb + t * L.v_tok, D);
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    const float inv = 1.f / l[g];
+    for (int64_t d = 0; d < D; ++d) it.out[g * it.o_head + d] = acc[g * D + d] * inv;
+  }
+}
+
+// The vector path for each head_dim / 16, chosen once per call.
+using VectorPath = void (*)(const Item&, const Layout&, v16*, v16*, v16*, float*);
+constexpr VectorPath kVectorPaths[kMaxChunks] = {
+    attend_vector<1>, attend_vector<2>, attend_vector<3>, attend_vector<4>,
+    attend_vector<5>, attend_vector<6>, attend_vector<7>, attend_vector<8>};
 
 void check_args(const at::Tensor& out, const at::Tensor& q, const at::Tensor& key_cache,
                 const at::Tensor& value_cache, const at::Tensor& rows,
@@ -269,6 +319,7 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
                            group <= kMaxGroup;
   const Layout layout{group, head_dim, __builtin_ctzll(block_size), block_size - 1,
                       k_blk, k_tok, v_blk, v_tok, fscale};
+  const VectorPath attend = vector_path ? kVectorPaths[head_dim / kLanes - 1] : nullptr;
 
   at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     // Per-thread scratch.
@@ -289,68 +340,15 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
     }
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / num_kv_heads, h = item % num_kv_heads;
-      const int64_t row = row_ptr[s], seq_len = len_ptr[s];
-      const int32_t* table = table_ptr + s * max_blocks;
-      if (vector_path) {
-        const Item it{q_base + row * q_tok + h * group * q_head, q_head,
-                      out_base + row * o_tok + h * group * o_head, o_head,
-                      k_base + h * k_head, v_base + h * v_head, table, seq_len};
-        switch (head_dim / kLanes) {
-          case 1: attend_vector<1>(it, layout, qv.data(), acc.data(), partial.data(), weights.data()); break;
-          case 2: attend_vector<2>(it, layout, qv.data(), acc.data(), partial.data(), weights.data()); break;
-          case 3: attend_vector<3>(it, layout, qv.data(), acc.data(), partial.data(), weights.data()); break;
-          case 4: attend_vector<4>(it, layout, qv.data(), acc.data(), partial.data(), weights.data()); break;
-          case 5: attend_vector<5>(it, layout, qv.data(), acc.data(), partial.data(), weights.data()); break;
-          case 6: attend_vector<6>(it, layout, qv.data(), acc.data(), partial.data(), weights.data()); break;
-          case 7: attend_vector<7>(it, layout, qv.data(), acc.data(), partial.data(), weights.data()); break;
-          default: attend_vector<8>(it, layout, qv.data(), acc.data(), partial.data(), weights.data()); break;
-        }
-        continue;
-      }
-      // Scalar path (head_dim not a multiple of 16): block by block.
-      for (int64_t g = 0; g < group; ++g) {
-        const float* src = q_base + row * q_tok + (h * group + g) * q_head;
-        for (int64_t d = 0; d < head_dim; ++d) qs[g * head_dim + d] = src[d] * fscale;
-      }
-      std::fill(accs.begin(), accs.end(), 0.f);
-      std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
-      std::fill(l.begin(), l.end(), 0.f);
-      for (int64_t start = 0; start < seq_len; start += block_size) {
-        const int64_t n = std::min(block_size, seq_len - start);
-        const int64_t blk = table[start / block_size];
-        const float* kb = k_base + blk * k_blk + h * k_head;
-        const float* vb = v_base + blk * v_blk + h * v_head;
-        for (int64_t t = 0; t < n; ++t) {
-          const float* k = kb + t * k_tok;
-          for (int64_t g = 0; g < group; ++g)
-            scores[g * kMaxBlockSize + t] = dot(qs.data() + g * head_dim, k, head_dim);
-        }
-        for (int64_t g = 0; g < group; ++g) {
-          float* sc = scores.data() + g * kMaxBlockSize;
-          float block_max = sc[0];
-          for (int64_t t = 1; t < n; ++t) block_max = std::max(block_max, sc[t]);
-          const float new_max = std::max(m[g], block_max);
-          const float alpha = std::exp(m[g] - new_max);  // 0 on the first block
-          float sum = 0.f;
-          for (int64_t t = 0; t < n; ++t) {
-            sc[t] = std::exp(sc[t] - new_max);
-            sum += sc[t];
-          }
-          l[g] = l[g] * alpha + sum;
-          m[g] = new_max;
-          if (alpha != 1.f) scale_inplace(accs.data() + g * head_dim, alpha, head_dim);
-        }
-        for (int64_t t = 0; t < n; ++t) {
-          const float* v = vb + t * v_tok;
-          for (int64_t g = 0; g < group; ++g)
-            axpy(accs.data() + g * head_dim, scores[g * kMaxBlockSize + t], v, head_dim);
-        }
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        float* dst = out_base + row * o_tok + (h * group + g) * o_head;
-        const float inv = 1.f / l[g];
-        for (int64_t d = 0; d < head_dim; ++d) dst[d] = accs[g * head_dim + d] * inv;
-      }
+      const int64_t row = row_ptr[s];
+      const Item it{q_base + row * q_tok + h * group * q_head, q_head,
+                    out_base + row * o_tok + h * group * o_head, o_head,
+                    k_base + h * k_head, v_base + h * v_head, table_ptr + s * max_blocks,
+                    len_ptr[s]};
+      if (vector_path)
+        attend(it, layout, qv.data(), acc.data(), partial.data(), weights.data());
+      else
+        attend_scalar(it, layout, qs.data(), accs.data(), m.data(), l.data(), scores.data());
     }
   });
 }
