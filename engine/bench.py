@@ -17,7 +17,7 @@ import argparse
 import os
 import random
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -160,7 +160,7 @@ def _engine_without_cpu_kernels(config: EngineConfig) -> LLMEngine:
     previous = os.environ.get("KVOPS_CPU_KERNELS")
     os.environ["KVOPS_CPU_KERNELS"] = "0"
     try:
-        return LLMEngine(replace(config))
+        return LLMEngine(config)
     finally:
         if previous is None:
             del os.environ["KVOPS_CPU_KERNELS"]
@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     peak = matmul_rate(dtype=dtype)
     print(f"model {engine.runner.model_id}, {torch.get_num_threads()} threads; "
           f"{args.dtype} torch.mm 4096^3: {peak / 1e9:.0f} GFLOP/s; C++ CPU kernels "
-          f"{'on' if getattr(engine.runner, 'cpu_kernels', False) else 'off'}")
+          f"{'on' if engine.runner.cpu_kernels else 'off'}")
     hf_sizes = [int(b) for b in args.hf_batch_sizes.split(",") if b.strip()]
     hf_model = load_hf(str(engine.runner.folder.path), dtype) if hf_sizes else None
     warm_prompts = workloads[0].prompts[:4]

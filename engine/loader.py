@@ -48,11 +48,6 @@ class ModelFolder:
             return ()
         return tuple(int(e) for e in eos) if isinstance(eos, list) else (int(eos),)
 
-    @property
-    def eos_token_id(self) -> int | None:
-        """The first of eos_token_ids (the tokenizer's EOS token)."""
-        return self.eos_token_ids[0] if self.eos_token_ids else None
-
 
 def read_model_folder(path: str | Path) -> ModelFolder:
     folder = Path(path).expanduser()
