@@ -22,6 +22,12 @@ void check_rows(const at::Tensor& x, const char* name) {
   TORCH_CHECK(x.stride(1) == 1, name, "'s rows must be contiguous");
 }
 
+void check_norm_weight(const at::Tensor& weight, int64_t features) {
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == features && weight.is_contiguous() &&
+                  weight.scalar_type() == at::kFloat,
+              "weight must be float32 [features]");
+}
+
 // Rows per parallel_for task: enough work per task to be worth a thread.
 int64_t grain(int64_t features) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, features)); }
 
@@ -40,9 +46,7 @@ void rms_norm_row(const float* __restrict x, const float* __restrict w, float* _
 // y = x / sqrt(mean(x^2) + eps) * weight, row by row (Llama's RMSNorm).
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_rows(x, "x");
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous() &&
-                  weight.scalar_type() == at::kFloat,
-              "weight must be float32 [features]");
+  check_norm_weight(weight, x.size(1));
   const int64_t rows = x.size(0), n = x.size(1);
   auto y = at::empty({rows, n}, x.options());
   const float* xp = x.data_ptr<float>();
@@ -63,9 +67,7 @@ at::Tensor add_rms_norm(at::Tensor h, const at::Tensor& delta, const at::Tensor&
   check_rows(delta, "delta");
   TORCH_CHECK(h.sizes() == delta.sizes(), "h and delta differ in shape");
   TORCH_CHECK(h.is_contiguous(), "h must be contiguous");
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == h.size(1) && weight.is_contiguous() &&
-                  weight.scalar_type() == at::kFloat,
-              "weight must be float32 [features]");
+  check_norm_weight(weight, h.size(1));
   const int64_t rows = h.size(0), n = h.size(1);
   auto y = at::empty({rows, n}, h.options());
   float* hp = h.data_ptr<float>();
