@@ -1,5 +1,5 @@
-// Float32 GEMM on a packed weight, built for decoding's few rows on a CPU and as fast
-// as MKL for prefill's many: out[M, N] = x[M, K] @ w_t[K, N] (+ bias).
+// Float32 GEMM on a packed weight, built for decoding's few rows on a CPU, and correct
+// (at 0.8-1.0x of MKL's speed) for prefill's many: out[M, N] = x[M, K] @ w_t[K, N] (+ bias).
 //
 // Why not torch.mm: below ~64 rows MKL is far from both limits of this problem, the
 // time to stream the weight from DRAM and the FMA throughput. A decode step's matmuls
@@ -26,12 +26,14 @@
 // from L3 for every panel. Above kChunkRowsUpTo rows K is one chunk: a panel then
 // serves enough row blocks that it is reused from L2, the partial sums never leave the
 // registers, and a whole panel's results go straight into the output (storing and
-// reloading partial sums, zeroing the buffer and copying it out cost ~15% at M >= 512). At 512..2048 rows this runs at MKL's speed, within a few
-// percent, where it ran ~25% slower before.
+// reloading partial sums, zeroing the buffer and copying it out cost ~15% at M >= 512).
+// At 512..2048 rows this is within a few percent of MKL when the weights sit in L3,
+// and 0.8-1.0x of it when they come from DRAM (python -m kernels.bench_cpu gemm
+// --prefill), so the engine keeps MKL for matmuls of more than 96 rows.
 //
-// Vectors are GCC vector extensions (16 floats); built without AVX-512 they are split
-// into narrower registers by the compiler and stay correct, only slower, which is why
-// the row block shrinks there (fewer accumulators than registers).
+// Vectors are vec.h's (GCC vector extensions, 16 floats); built without AVX-512 they
+// are split into narrower registers by the compiler and stay correct, only slower,
+// which is why the row block shrinks there (fewer accumulators than registers).
 
 #include <torch/library.h>
 #include <ATen/ATen.h>
@@ -41,11 +43,16 @@
 #include <cstring>
 #include <vector>
 
+#include "vec.h"
+
 namespace {
 
-typedef float v16f __attribute__((vector_size(64)));
+using kvops::kLanes;
+using kvops::load16;
+using kvops::splat;
+using kvops::store16;
+using v16f = kvops::v16;
 
-constexpr int64_t kLanes = 16;
 constexpr int64_t kVecsPerRow = 3;
 // Columns per panel. 48 = 3 vectors: with 8 rows that is 24 accumulators, and the
 // model's widths (576, 960, 1536, 3072) are even multiples of 48, so two threads get
@@ -66,18 +73,6 @@ constexpr int64_t kLongChunk = 2048;
 // How far ahead of the multiplication the weight stream is prefetched, in floats.
 constexpr int64_t kPrefetchAhead = 2 * kChunk * kPanel;
 
-inline v16f load(const float* p) {
-  v16f v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline void store(float* p, v16f v) { std::memcpy(p, &v, sizeof(v)); }
-
-// s - 0 is s for every float (-0 included), so this compiles to a plain broadcast;
-// s + 0 would not (-0 + 0 = +0).
-inline v16f splat(float s) { return s - v16f{}; }
-
 template <int kRows>
 struct Accumulators {
   v16f c[kRows][kVecsPerRow];
@@ -86,7 +81,7 @@ struct Accumulators {
   __attribute__((always_inline)) void step(const float* x, int64_t ldx, int64_t k, const float* w) {
     v16f wk[kVecsPerRow];
 #pragma GCC unroll 4
-    for (int j = 0; j < kVecsPerRow; ++j) wk[j] = load(w + j * kLanes);
+    for (int j = 0; j < kVecsPerRow; ++j) wk[j] = load16(w + j * kLanes);
 #pragma GCC unroll 8
     for (int i = 0; i < kRows; ++i) {
       const v16f xi = splat(x[i * ldx + k]);
@@ -126,7 +121,7 @@ void row_block(int64_t kc, const float* x, int64_t ldx, const float* w, Tile t, 
   for (int i = 0; i < kRows; ++i)
 #pragma GCC unroll 4
     for (int j = 0; j < kVecsPerRow; ++j)
-      a.c[i][j] = t.in == nullptr ? v16f{} : load(t.in + i * kPanel + j * kLanes);
+      a.c[i][j] = t.in == nullptr ? v16f{} : load16(t.in + i * kPanel + j * kLanes);
 
   for (int64_t k = 0; k < kc; ++k) {
 #pragma GCC unroll 4
@@ -138,11 +133,11 @@ void row_block(int64_t kc, const float* x, int64_t ldx, const float* w, Tile t, 
   v16f bias[kVecsPerRow] = {};
   if (t.bias != nullptr)
 #pragma GCC unroll 4
-    for (int j = 0; j < kVecsPerRow; ++j) bias[j] = load(t.bias + j * kLanes);
+    for (int j = 0; j < kVecsPerRow; ++j) bias[j] = load16(t.bias + j * kLanes);
 #pragma GCC unroll 8
   for (int i = 0; i < kRows; ++i)
 #pragma GCC unroll 4
-    for (int j = 0; j < kVecsPerRow; ++j) store(t.out + i * t.ldo + j * kLanes, a.c[i][j] + bias[j]);
+    for (int j = 0; j < kVecsPerRow; ++j) store16(t.out + i * t.ldo + j * kLanes, a.c[i][j] + bias[j]);
 }
 
 using RowBlockFn = void (*)(int64_t, const float*, int64_t, const float*, Tile, Prefetch);

@@ -6,7 +6,7 @@
 
 namespace kvops {
 
-constexpr int kLanes = 16;
+constexpr int64_t kLanes = 16;
 
 typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
@@ -19,7 +19,9 @@ inline v16 load16(const float* p) {
 
 inline void store16(float* p, v16 v) { __builtin_memcpy(p, &v, sizeof(v)); }
 
-inline v16 splat(float x) { return v16{} + x; }
+// x - 0 is x for every float (-0 included), so this compiles to a plain broadcast;
+// x + 0 would not (-0 + 0 = +0).
+inline v16 splat(float x) { return x - v16{}; }
 
 // e^x to about 2 ulp: x = n ln2 + r with |r| <= ln2/2, e^r by a degree-6 polynomial,
 // 2^n through the exponent bits. 0 below -87 (including -inf), +inf above 88.
