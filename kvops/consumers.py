@@ -332,7 +332,12 @@ class EngineConsumer(_Consumer):
     async def on_resync(self, message: dict) -> None:
         if self.level != "full":
             raise ClientError("resync: subscribe to level `full` first")
-        await self.rejoin()  # the client heard nothing for a while: maybe Redis restarted
+        # The client heard nothing for a while: maybe Redis restarted and took the group
+        # memberships with it. A snapshot is only worth sending once the deltas that
+        # follow it will come too; until then the client asks again (or reconnects).
+        if not await self.rejoin():
+            raise ClientError("resync: the channel layer (Redis) is unreachable; "
+                              "try again shortly")
         self._ask_snapshot()
 
     async def on_history(self, message: dict) -> None:

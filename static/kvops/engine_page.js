@@ -17,7 +17,8 @@ const palette = new Palette();
 const gpuMap = new BlockMap($("#gpu-map"), $("#gpu-overlay"), palette, { maxHeight: 660 });
 const cpuMap = new BlockMap($("#cpu-map"), $("#cpu-overlay"), palette, { maxHeight: 260, maxCell: 12 });
 const history = new MetricsHistory(600);
-const perf = window.kvopsPerf = { deltas: 0, snapshots: 0, resyncs: 0, applyMs: [], decodeMs: [],
+// `log` keeps the last few snapshots and resyncs, with why and when (tests, console).
+const perf = window.kvopsPerf = { deltas: 0, snapshots: 0, resyncs: 0, applyMs: [], decodeMs: [], log: [],
                                   parts: { state: 0, maps: 0, table: 0, rest: 0 },
                                   lastDeltaAt: 0, bytes: () => socket.bytes, frames: () => socket.frames,
                                   reconnects: () => socket.reconnects };
@@ -72,6 +73,7 @@ function loadSnapshot(snapshot) {
   awaitingSnapshot = false;
   askedAt = null;
   perf.snapshots++;
+  note({ snapshot: snapshot.seq, epoch: snapshot.epoch, stale: !!snapshot.stale });
   if (!snapshot.stale) {
     heardAt = performance.now();
     socket.healthy();
@@ -92,7 +94,10 @@ function applyDelta(delta, meta) {
   heardAt = performance.now();
   if (!state || awaitingSnapshot) return;  // the snapshot on its way includes it
   if (delta.epoch === state.epoch && delta.seq <= state.seq) return;  // already in the snapshot
-  if (!state.follows(delta)) { resync(); return; }
+  if (!state.follows(delta)) {
+    resync({ gap: [state.epoch, state.seq], got: [delta.epoch, delta.seq] });
+    return;
+  }
   if (state.stale) {  // a stored snapshot that the engine's deltas follow: it is current
     state.stale = false;
     setConnection("live");
@@ -133,10 +138,16 @@ function applyDelta(delta, meta) {
   perf.lastDeltaAt = performance.now();
 }
 
-function resync() {
+function note(what) {
+  perf.log.push({ at: Math.round(performance.now()), ...what });
+  if (perf.log.length > 50) perf.log.shift();
+}
+
+function resync(why) {
   awaitingSnapshot = true;
   askedAt = performance.now();
   perf.resyncs++;
+  note({ resync: why });
   socket.send({ type: "resync" });
 }
 
@@ -164,7 +175,7 @@ setInterval(() => {
     }
   } else if (!state.stale && now - heardAt > STALE_MS) {
     setConnection("resyncing");
-    resync();
+    resync({ silentMs: Math.round(now - heardAt) });
   }
 }, 500);
 

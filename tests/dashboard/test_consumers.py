@@ -241,6 +241,38 @@ async def test_the_websocket_outlives_a_failing_channel_layer(users, engine_setu
     await comm.disconnect()
 
 
+async def test_a_resync_waits_for_its_group(users, engine_setup, monkeypatch):
+    """A resync whose re-join fails (Redis still away) is refused with a message and no
+    snapshot: a snapshot that no delta would follow is worse than asking again."""
+    import redis
+    from channels.layers import get_channel_layer
+
+    name, engine, publisher, churn = engine_setup
+    comm, client = await subscribed_full(name, users[1])
+    layer = get_channel_layer()
+    real_group_add, failures = layer.group_add, [1]
+
+    async def flaky_group_add(group: str, channel: str) -> None:
+        if failures[0] > 0:
+            failures[0] -= 1
+            raise redis.exceptions.ConnectionError("Connection refused.")
+        await real_group_add(group, channel)
+
+    monkeypatch.setattr(layer, "group_add", flaky_group_add)
+    key = group_key(live.engine_group(name))
+    await asyncio.to_thread(live.redis_client().delete, key)  # Redis "restarted"
+    await comm.send_json_to({"type": "resync"})
+    error = await receive_type(comm, "error")
+    assert "unreachable" in error["message"], error
+    assert await comm.receive_nothing(timeout=1.0)  # no snapshot was asked for
+    assert not await asyncio.to_thread(live.redis_client().exists, key)
+    await comm.send_json_to({"type": "resync"})  # Redis is back
+    client = LiveState(await receive_type(comm, "snapshot"))
+    assert await asyncio.to_thread(live.redis_client().exists, key)
+    await next_delta_applied(comm, client, publisher, engine, churn)
+    await comm.disconnect()
+
+
 async def test_redis_errors_are_answered(users, engine_setup, monkeypatch):
     import redis
 
