@@ -25,8 +25,9 @@ from torch import nn
 from engine.attention import AttentionBackend
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-# Up to this many rows, kernels/csrc/small_gemm.cpp beats MKL (1.4x at 64 rows, 0.9x at
-# 128: python -m kernels.bench_cpu gemm); above it, matmuls stay with MKL.
+# Up to this many rows, kernels/csrc/small_gemm.cpp beats MKL on any x86 CPU (on Intel:
+# 1.4x at 64 rows, 0.9x at 128: python -m kernels.bench_cpu gemm); above it, matmuls go
+# to MKL unless the packed kernel measured faster at many rows too (on AMD: ~2x).
 PACKED_MAX_ROWS = 96
 
 
@@ -88,16 +89,18 @@ class Transformer(nn.Module):
         self.fused_ops: object | None = None
         self.lm_head_packed: torch.Tensor | None = None  # lm_head's weight for packed_linear
 
-    def use_cpu_kernels(self, ops: object) -> None:
+    def use_cpu_kernels(self, ops: object, large_matmuls_packed: bool = False) -> None:
         """Run RMSNorm, residual adds and SwiGLU's gating as the fused float32 CPU ops
         of kernels/csrc/fused_ops.cpp, and few-row matmuls (decode steps, the LM head)
         with kernels/csrc/small_gemm.cpp on a packed copy of each weight (the runner
-        calls this where they built). The copies double the weights' memory: MKL stays
-        faster for the many rows of a prefill and needs the plain layout."""
+        calls this where they built). Many-row matmuls (prefill) go to the packed
+        kernel too when large_matmuls_packed (the runner measures which is faster on
+        this CPU: kernels.cpu_ext.matmul_choice), else to MKL on the plain layout."""
         self.fused_ops = ops
+        max_rows = None if large_matmuls_packed else PACKED_MAX_ROWS
         for module in self.modules():
             if isinstance(module, Linear):
-                module.use_packed(ops)
+                module.use_packed(ops, max_rows)
         self.lm_head_packed = ops.pack_weight(self.lm_head.weight.detach().t().contiguous())
 
     def setup_rope(self, max_positions: int) -> None:
@@ -200,7 +203,8 @@ class Linear(nn.Module):
     """x @ weight_t (+ bias) with the weight stored transposed, [in, out]: MKL's GEMM
     is up to twice as fast that way for the few-row matmuls of decoding (and no slower
     for prefill). The loader transposes HF's [out, in] weights once. With the CPU
-    kernels on, inputs of up to PACKED_MAX_ROWS rows go to kvops::packed_linear."""
+    kernels on, inputs of up to packed_max_rows rows (all, when None) go to
+    kvops::packed_linear."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
@@ -208,12 +212,15 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.packed: torch.Tensor | None = None  # weight_t in small_gemm's panel layout
         self.ops: object | None = None  # torch.ops.kvops, with packed
+        self.packed_max_rows: int | None = PACKED_MAX_ROWS
 
-    def use_packed(self, ops: object) -> None:
+    def use_packed(self, ops: object, max_rows: int | None = PACKED_MAX_ROWS) -> None:
         self.ops, self.packed = ops, ops.pack_weight(self.weight_t.detach())
+        self.packed_max_rows = max_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in]
-        if self.packed is not None and x.shape[0] <= PACKED_MAX_ROWS:
+        if self.packed is not None and (self.packed_max_rows is None
+                                        or x.shape[0] <= self.packed_max_rows):
             return self.ops.packed_linear(x, self.packed, self.weight_t.shape[1], self.bias)
         if self.bias is None:
             return torch.mm(x, self.weight_t)

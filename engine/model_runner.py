@@ -52,7 +52,9 @@ class ModelRunner(Runner):
         self.model.setup_rope(self.max_model_len)
         self.attention = make_attention_backend(config.attention_backend, self._device,
                                                 self._dtype)
-        self.cpu_kernels = _use_cpu_kernels(self.model, self._device, self._dtype)
+        # None where the CPU kernels are off, else who does prefill's matmuls and why
+        self.matmul_choice = _use_cpu_kernels(self.model, self._device, self._dtype)
+        self.cpu_kernels = self.matmul_choice is not None
 
         args = folder.args
         # One block of every layer's K and V.
@@ -74,7 +76,7 @@ class ModelRunner(Runner):
                   f"({self.num_gpu_blocks * self.block_bytes / 1024 ** 2:.0f} MiB, "
                   f"{self.num_gpu_blocks * self.block_size} tokens), "
                   f"{self.num_cpu_blocks} host swap blocks; max_model_len {self.max_model_len}; "
-                  f"C++ CPU kernels {'on' if self.cpu_kernels else 'off'}")
+                  f"C++ CPU kernels {_describe_kernels(self.matmul_choice)}")
 
     # --- one step ---------------------------------------------------------------------
     @torch.inference_mode()
@@ -246,15 +248,27 @@ def _reuse_freed_memory() -> None:
         pass
 
 
-def _use_cpu_kernels(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> bool:
+def _describe_kernels(choice) -> str:
+    if choice is None:
+        return "off"
+    who = "the packed kernel" if choice.packed else "MKL"
+    if choice.source != "measured":
+        return f"on; prefill matmuls by {who} ({choice.source})"
+    return (f"on; prefill matmuls by {who} (packed {choice.packed_gflops:.0f} vs MKL "
+            f"{choice.mkl_gflops:.0f} GFLOP/s, measured)")
+
+
+def _use_cpu_kernels(model: torch.nn.Module, device: torch.device, dtype: torch.dtype):
     """Turn on the fused C++ ops of kernels/cpu_ext.py for a float32 model on the CPU,
-    where they build (KVOPS_CPU_KERNELS=0 keeps the torch paths)."""
+    where they build (KVOPS_CPU_KERNELS=0 keeps the torch paths); None where they are
+    off, else who does the many-row matmuls and why."""
     from kernels import cpu_ext
 
     if not cpu_ext.usable_for(device, dtype):
-        return False
-    model.use_cpu_kernels(cpu_ext.ops())
-    return True
+        return None
+    choice = cpu_ext.matmul_choice()
+    model.use_cpu_kernels(cpu_ext.ops(), large_matmuls_packed=choice.packed)
+    return choice
 
 
 def _with_blocks(shape: tuple[int, ...], num_blocks: int) -> tuple[int, ...]:

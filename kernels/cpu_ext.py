@@ -12,7 +12,9 @@ covers the sources, the compiler flags and this CPU's feature flags: a different
 machine (or edited sources) gets its own build. `make setup` builds it once; a
 machine without a compiler falls back to the torch paths, and says so once.
 
-KVOPS_CPU_KERNELS=0 turns them off (the torch paths run instead).
+KVOPS_CPU_KERNELS=0 turns them off (the torch paths run instead). Whether prefill's
+many-row matmuls go to MKL or to the packed kernel too is measured once per process
+(matmul_choice); KVOPS_LARGE_MATMULS=mkl|packed decides instead.
 """
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ import os
 import shutil
 import sys
 import threading
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -75,6 +79,63 @@ def ops():
                       "using the torch paths", file=sys.stderr, flush=True)
                 raise CpuKernelsUnavailable(str(exc)) from exc
         return _state["ops"]
+
+
+@dataclass(frozen=True, slots=True)
+class MatmulChoice:
+    """Who does the many-row matmuls of a prefill: MKL (torch.mm) or small_gemm's
+    packed kernel. Which is faster depends on the CPU: on Intel MKL is ahead or even,
+    on AMD it takes a path at about half of what the packed kernel reaches."""
+    packed_gflops: float
+    mkl_gflops: float
+    source: str  # "measured" or the environment variable that decided
+
+    @property
+    def packed(self) -> bool:
+        return self.packed_gflops > PACKED_MARGIN * self.mkl_gflops
+
+
+# The packed kernel takes the many-row matmuls only when clearly faster: the two are
+# timed for a few milliseconds, and a busy moment must not flip a close call.
+PACKED_MARGIN = 1.1
+CHOICE_SHAPE = (512, 1024, 1536)  # rows, K, N: a prefill-sized matmul of a small model
+
+
+def matmul_choice() -> MatmulChoice:
+    """Time MKL and the packed kernel on one prefill-sized float32 matmul (best of a few,
+    interleaved; once per process and thread count, about 50 ms).
+    KVOPS_LARGE_MATMULS=packed or =mkl decides without measuring."""
+    forced = os.environ.get("KVOPS_LARGE_MATMULS", "").strip().lower()
+    if forced in ("packed", "mkl"):
+        return MatmulChoice(float(forced == "packed"), float(forced == "mkl"),
+                            "KVOPS_LARGE_MATMULS")
+    if forced:
+        raise ValueError(f"KVOPS_LARGE_MATMULS={forced!r}: expected 'packed' or 'mkl'")
+    key = ("choice", torch.get_num_threads())
+    with _lock:
+        cached = _state.get(key)
+    if cached is None:
+        cached = _measure_choice(ops())
+        with _lock:
+            _state[key] = cached
+    return cached
+
+
+def _measure_choice(kv) -> MatmulChoice:
+    m, k, n = CHOICE_SHAPE
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(m, k, generator=gen)
+    w_t = torch.randn(k, n, generator=gen)
+    packed = kv.pack_weight(w_t)
+    runs = {"packed": lambda: kv.packed_linear(x, packed, n, None), "mkl": lambda: torch.mm(x, w_t)}
+    best = dict.fromkeys(runs, float("inf"))
+    for _ in range(5):
+        for name, run in runs.items():
+            started = time.perf_counter()
+            run()
+            best[name] = min(best[name], time.perf_counter() - started)
+    flops = 2 * m * k * n
+    return MatmulChoice(flops / best["packed"] / 1e9, flops / best["mkl"] / 1e9, "measured")
 
 
 def build_dir() -> Path:

@@ -9,6 +9,7 @@ import os
 import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.model import PACKED_MAX_ROWS, Linear
 from tests.models.fixtures import tiny_model, tiny_root  # noqa: F401 (fixtures)
 from tests.models.tiny import SPECS, hf_greedy, random_prompts
 
@@ -72,6 +73,22 @@ def test_cpu_kernels_are_on_by_default(tiny_model):
         pytest.skip("KVOPS_CPU_KERNELS=0 turns them off")
     engine = make_engine(tiny_model("gqa16"))
     assert engine.runner.cpu_kernels and engine.runner.attention.native
+
+
+@pytest.mark.parametrize("who", ["packed", "mkl"])
+def test_prefill_matmuls_by_either_kernel(tiny_model, who, monkeypatch):
+    """Which kernel does a prefill's many-row matmuls is measured per CPU; each gives
+    transformers' tokens (the prompts make a first step of more rows than decoding's)."""
+    if os.environ.get("KVOPS_CPU_KERNELS") == "0":
+        pytest.skip("KVOPS_CPU_KERNELS=0 turns them off")
+    monkeypatch.setenv("KVOPS_LARGE_MATMULS", who)
+    folder = tiny_model("gqa16")
+    prompts = random_prompts(SPECS["gqa16"].vocab_size, LENGTHS + [150], seed=3)
+    engine = make_engine(folder)
+    limits = {m.packed_max_rows for m in engine.runner.model.modules() if isinstance(m, Linear)}
+    assert limits == ({None} if who == "packed" else {PACKED_MAX_ROWS})
+    assert sum(LENGTHS) + 150 > PACKED_MAX_ROWS
+    assert outputs(engine.generate(prompts, greedy())) == hf_greedy(folder, prompts, MAX_TOKENS)
 
 
 @pytest.mark.parametrize("name", ["gqa16", "gqa64"])

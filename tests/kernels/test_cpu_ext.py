@@ -30,3 +30,31 @@ def test_build_key_follows_the_sources(monkeypatch, tmp_path):
 def test_turned_off_by_the_environment(monkeypatch):
     monkeypatch.setenv("KVOPS_CPU_KERNELS", "0")
     assert not cpu_ext.available()
+
+
+def test_the_large_matmul_choice(monkeypatch):
+    """Measured once per process: both rates are real, and packed means clearly faster."""
+    if not cpu_ext.available():
+        import pytest
+
+        pytest.skip("the CPU kernels are not built here")
+    monkeypatch.delenv("KVOPS_LARGE_MATMULS", raising=False)
+    choice = cpu_ext.matmul_choice()
+    assert choice.source == "measured"
+    assert choice.packed_gflops > 1 and choice.mkl_gflops > 1
+    assert choice.packed == (choice.packed_gflops > cpu_ext.PACKED_MARGIN * choice.mkl_gflops)
+    assert cpu_ext.matmul_choice() is choice
+    print(f"many-row float32 matmuls here: packed {choice.packed_gflops:.0f}, "
+          f"MKL {choice.mkl_gflops:.0f} GFLOP/s")
+
+
+def test_the_environment_decides_the_large_matmuls(monkeypatch):
+    import pytest
+
+    monkeypatch.setenv("KVOPS_LARGE_MATMULS", "packed")
+    assert cpu_ext.matmul_choice().packed
+    monkeypatch.setenv("KVOPS_LARGE_MATMULS", "MKL")
+    assert not cpu_ext.matmul_choice().packed
+    monkeypatch.setenv("KVOPS_LARGE_MATMULS", "openblas")
+    with pytest.raises(ValueError, match="KVOPS_LARGE_MATMULS='openblas'"):
+        cpu_ext.matmul_choice()

@@ -1,7 +1,10 @@
 """The command-line tools run end to end on a tiny model (their output, not their speed)."""
 from __future__ import annotations
 
+import re
+
 from engine import bench, generate
+from kernels import cpu_ext
 from tests.models.fixtures import tiny_model, tiny_root  # noqa: F401 (fixtures)
 from tests.models.tiny import SPECS, hf_greedy
 
@@ -30,6 +33,13 @@ def test_bench_prints_both_tables(tiny_model, capsys):
     assert out.count("kvops / best transformers (transformers (batch 2))") == 2
     assert "prefill skipped by the prefix cache" in out
     assert SPECS["gqa16"].name in out
+    # % mm is taken of the faster of torch.mm and the packed kernel, both timed
+    header = re.search(r"float32 matmul 4096\^3: (.*) GFLOP/s \(% mm below: of the best, "
+                       r"(\d+)\)", out)
+    assert header, out
+    rates = dict(re.findall(r"(torch\.mm|kvops packed) (\d+)", header.group(1)))
+    assert set(rates) == ({"torch.mm", "kvops packed"} if cpu_ext.available() else {"torch.mm"})
+    assert int(header.group(2)) == max(int(r) for r in rates.values())
 
 
 def test_bench_torch_paths_and_bfloat16(tiny_model, capsys):
@@ -38,4 +48,5 @@ def test_bench_torch_paths_and_bfloat16(tiny_model, capsys):
                        "--dtype", "bfloat16"]) == 0
     out = capsys.readouterr().out
     assert out.count("kvops (torch paths)") == 2
-    assert "bfloat16 torch.mm" in out and "C++ CPU kernels off" in out  # none for bfloat16
+    assert "bfloat16 matmul 4096^3: torch.mm " in out and "kvops packed" not in out
+    assert "C++ CPU kernels off" in out  # none for bfloat16
