@@ -1,6 +1,8 @@
-"""The `attention` section of `python -m kernels.bench_cpu`: kvops::paged_decode_attention
-against the torch path of kernels/cpu_attention.py (gather + SDPA, grouped decodes)
-on one step's attention over every layer.
+"""The `attention` section of `python -m kernels.bench_cpu`: the C++ kernels as the
+engine plans them (kvops::paged_decode_attention for decodes, paged_prefill_attention
+for prompts) against the torch path of kernels/cpu_attention.py (gather + SDPA, grouped
+decodes) on one step's attention over every layer; for prompts also
+paged_decode_attention taking them one row at a time.
 
 Shapes are SmolLM2-135M's (9 query heads, 3 kv heads, head_dim 64, 30 layers, blocks
 of 16); each layer has its own cache, scattered over the pool, so K/V come from memory
@@ -23,7 +25,7 @@ LAYERS, Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 30, 9, 3, 64, 16
 # (kind, sequences, context length): decode batches of a serving step, then prefills
 CASES = (("decode", 8, 256), ("decode", 32, 256), ("decode", 32, 1024), ("decode", 128, 512),
          ("prefill", 16, 32), ("prefill", 8, 128), ("prefill", 4, 512))
-QUICK_CASES = (("decode", 4, 40), ("prefill", 2, 24))  # --quick: a smoke run
+QUICK_CASES = (("decode", 4, 40), ("prefill", 2, 24))  # 24 >= NATIVE_CHUNK_MIN_ROWS  # --quick: a smoke run
 
 
 @dataclass(slots=True)
@@ -33,6 +35,7 @@ class AttentionRow:
     context: int
     native_ms: float
     torch_ms: float
+    rows_ms: float | None  # prompts: paged_decode_attention, one row at a time
     kv_bytes: int  # K/V bytes of the contexts, over all layers
     max_diff: float
 
@@ -52,28 +55,34 @@ def attention_row(kind: str, seqs: int, context: int, repeats: int) -> Attention
     qsl = [i * q_len for i in range(seqs + 1)]
     q = torch.randn(qsl[-1], Q_HEADS, HEAD_DIM, generator=gen)
     lens = [context] * seqs
-    # the kernel takes every row here, whatever the engine's NATIVE_PREFILL_MAX_ROWS
-    plans = {native: plan_attention(tables, lens, qsl, BLOCK_SIZE, native=native,
-                                    native_prefill_max=q_len) for native in (True, False)}
+    plans = {"native": plan_attention(tables, lens, qsl, BLOCK_SIZE, native=True),
+             "torch": plan_attention(tables, lens, qsl, BLOCK_SIZE),
+             "rows": plan_attention(tables, lens, qsl, BLOCK_SIZE, native=True,
+                                    chunk_min_rows=q_len + 1)}
     scale = HEAD_DIM ** -0.5
 
-    def step(native: bool) -> list[torch.Tensor]:
-        return [paged_attention(q, kv[0], kv[1], plans[native], scale) for kv in caches]
+    def step(path: str) -> list[torch.Tensor]:
+        return [paged_attention(q, kv[0], kv[1], plans[path], scale) for kv in caches]
 
-    max_diff = max((a - b).abs().max().item() for a, b in zip(step(True), step(False)))
+    torch_out = step("torch")
+    max_diff = max((a - b).abs().max().item() for path in ("native", "rows")
+                   for a, b in zip(step(path), torch_out))
     kv_bytes = LAYERS * seqs * context * 2 * KV_HEADS * HEAD_DIM * 4
-    return AttentionRow(kind, seqs, context, best_ms(lambda: step(True), repeats),
-                        best_ms(lambda: step(False), repeats), kv_bytes, max_diff)
+    return AttentionRow(kind, seqs, context, best_ms(lambda: step("native"), repeats),
+                        best_ms(lambda: step("torch"), repeats),
+                        best_ms(lambda: step("rows"), repeats) if q_len > 1 else None,
+                        kv_bytes, max_diff)
 
 
 def print_attention_table(rows: list[AttentionRow]) -> None:
     print(f"attention: {LAYERS} layers, {Q_HEADS} q heads / {KV_HEADS} kv heads x {HEAD_DIM}, "
           f"blocks of {BLOCK_SIZE}, float32, {torch.get_num_threads()} threads")
     print(f"{'rows':>8} {'seqs':>5} {'context':>8} {'kernel ms':>10} {'torch ms':>9} "
-          f"{'speedup':>8} {'KV MB':>7} {'kernel GB/s':>12} {'max diff':>9}")
+          f"{'speedup':>8} {'row by row ms':>14} {'KV MB':>7} {'kernel GB/s':>12} {'max diff':>9}")
     for r in rows:
+        by_row = "-" if r.rows_ms is None else f"{r.rows_ms:.2f}"
         print(f"{r.kind:>8} {r.seqs:>5} {r.context:>8} {r.native_ms:>10.2f} {r.torch_ms:>9.2f} "
-              f"{r.torch_ms / r.native_ms:>7.2f}x {r.kv_bytes / 1e6:>7.0f} "
+              f"{r.torch_ms / r.native_ms:>7.2f}x {by_row:>14} {r.kv_bytes / 1e6:>7.0f} "
               f"{r.kv_bytes / r.native_ms / 1e6:>12.1f} {r.max_diff:>9.1e}")
 
 

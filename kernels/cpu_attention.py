@@ -21,12 +21,13 @@ gathered once per step instead of once per sequence. A chunk of several new toke
 its fresh K/V directly instead of reading them back from the cache.
 
 With `native=True` (float32 on a CPU where kernels/cpu_ext.py could build its
-kernels), the batch goes to one call of the C++ kernel kvops::paged_decode_attention
-instead, which reads K/V where they lie in the cache: no gather, no grouping, no
-cascade (a shared prefix is read from the CPU's caches by every sequence). Short prefill
-chunks go there too, each row as a query that sees the context up to its own
-position: one call per layer instead of one SDPA call per chunk, which is what short
-prompts pay for.
+kernels), the batch goes to the C++ kernels instead, which read K/V where they lie in
+the cache: no gather, no grouping, no cascade (a shared prefix is read from the CPU's
+caches by every sequence). Decodes and chunks of a few tokens go to
+kvops::paged_decode_attention, each row a query that sees the context up to its own
+position; longer chunks to kvops::paged_prefill_attention, which takes 16 rows at a
+time (2-3x the rate of one row at a time, and of SDPA: python -m kernels.bench_cpu
+attention). One call of each per layer, whatever the number of chunks.
 """
 from __future__ import annotations
 
@@ -40,10 +41,10 @@ import torch.nn.functional as F
 MAX_PADDING_FRACTION = 0.25
 # Decodes sharing at least this many leading blocks attend to them together.
 MIN_SHARED_BLOCKS = 2
-# With the C++ kernel, prefill chunks of up to this many tokens go to it too, one query
-# per row; longer ones to SDPA, whose blocked kernel wins once a chunk is long
-# (python -m kernels.bench_cpu attention).
-NATIVE_PREFILL_MAX_ROWS = 128
+# With the C++ kernels, chunks of at least this many tokens go to paged_prefill_attention
+# (16 rows per vector: below 8 most lanes would idle), shorter ones row by row to
+# paged_decode_attention.
+NATIVE_CHUNK_MIN_ROWS = 8
 
 # Flash attention that also returns the log-sum-exp of each query's scores (what
 # F.scaled_dot_product_attention calls on CPU for 4-d inputs); needed to merge the
@@ -87,27 +88,38 @@ class NativeRows:
 
 
 @dataclass(slots=True)
+class NativeChunks:
+    """Chunks for kvops::paged_prefill_attention: rows [q_starts[c], + q_lens[c]) sit at
+    the last q_lens[c] positions of the first seq_lens[c] tokens of block_tables[c]."""
+    q_starts: torch.Tensor  # [n] int64
+    q_lens: torch.Tensor  # [n] int32
+    block_tables: torch.Tensor  # [n, max_blocks] int32, padded with block 0
+    seq_lens: torch.Tensor  # [n] int32
+
+
+@dataclass(slots=True)
 class CpuAttentionPlan:
     num_tokens: int
     decode_groups: list[DecodeGroup]  # over each decode's own blocks (after a shared prefix)
     shared_prefixes: list[SharedPrefix]
     prefills: list[PrefillChunk]
     native_rows: NativeRows | None = None  # instead of the groups and prefixes
+    native_chunks: NativeChunks | None = None  # instead of prefills
 
 
 def plan_attention(block_tables: list[list[int]], seq_lens: list[int],
                    query_start_loc: list[int], block_size: int,
                    device: torch.device | str = "cpu", native: bool = False,
-                   native_prefill_max: int = NATIVE_PREFILL_MAX_ROWS) -> CpuAttentionPlan:
+                   chunk_min_rows: int = NATIVE_CHUNK_MIN_ROWS) -> CpuAttentionPlan:
     """Host-side bookkeeping for one batch (plain lists in, tensors on `device` out).
 
     block_tables[s] lists at least cdiv(seq_lens[s], block_size) blocks; seq_lens[s]
     counts the context including the new tokens; query_start_loc has num_seqs + 1
-    entries. native: plan for the C++ kernel (the caller checked that it is
-    available): every decode, and the rows of prefill chunks of up to
-    native_prefill_max tokens, each attending to the context up to its own position."""
+    entries. native: plan for the C++ kernels (the caller checked that they are
+    available): chunks of at least chunk_min_rows tokens for paged_prefill_attention,
+    the rest row by row for paged_decode_attention."""
     decodes, prefills = [], []
-    native_rows = []  # (q_start, q_len, seq_len, blocks) for the kernel
+    native_rows, native_chunks = [], []  # (q_start, q_len, seq_len, blocks) for the kernels
     for s, seq_len in enumerate(seq_lens):
         q_start, q_end = query_start_loc[s], query_start_loc[s + 1]
         q_len = q_end - q_start
@@ -120,15 +132,17 @@ def plan_attention(block_tables: list[list[int]], seq_lens: list[int],
             raise ValueError(f"sequence {s}: {seq_len} tokens need {num_blocks} blocks, "
                              f"its table has {len(block_tables[s])}")
         blocks = block_tables[s][:num_blocks]
-        if native and q_len <= native_prefill_max:
-            native_rows.append((q_start, q_len, seq_len, blocks))
+        if native:
+            (native_chunks if q_len >= chunk_min_rows else native_rows).append(
+                (q_start, q_len, seq_len, blocks))
         elif q_len == 1:
             decodes.append((q_start, seq_len, blocks))
         else:
             prefills.append(_prefill_chunk(q_start, q_end, seq_len, blocks, device))
     if native:
-        return CpuAttentionPlan(query_start_loc[-1], [], [], prefills,
-                                _native_rows(native_rows, device) if native_rows else None)
+        return CpuAttentionPlan(query_start_loc[-1], [], [], [],
+                                _native_rows(native_rows, device) if native_rows else None,
+                                _native_chunks(native_chunks, device) if native_chunks else None)
     decodes, shared = _split_shared_prefixes(decodes, block_size, device)
     groups = [_decode_group(g, block_size, device) for g in _group_by_length(decodes)]
     return CpuAttentionPlan(query_start_loc[-1], groups, shared, prefills)
@@ -148,6 +162,10 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
         d = plan.native_rows
         torch.ops.kvops.paged_decode_attention(out, q, key_cache, value_cache, d.rows,
                                                d.block_tables, d.seq_lens, scale)
+    if plan.native_chunks is not None:
+        c = plan.native_chunks
+        torch.ops.kvops.paged_prefill_attention(out, q, key_cache, value_cache, c.q_starts,
+                                                c.q_lens, c.block_tables, c.seq_lens, scale)
     lse = q.new_empty(num_tokens, num_heads, dtype=torch.float32) if plan.shared_prefixes else None
     for group in plan.decode_groups:
         o, group_lse = _attend_decodes(q, key_cache, value_cache, group, scale)  # [n, H, D], [n, H]
@@ -249,16 +267,30 @@ def _prefill_chunk(q_start: int, q_end: int, seq_len: int, blocks: list[int],
                         torch.tensor(blocks, dtype=torch.int64, device=device), mask)
 
 
-def _native_rows(entries: list[tuple[int, int, int, list[int]]],
-                 device: torch.device | str) -> NativeRows:
-    """entries: (q_start, q_len, seq_len, blocks). Row q_start + i of a chunk sits at
-    position seq_len - q_len + i and sees that many keys plus one (causal)."""
+def _padded_tables(entries: list[tuple[int, int, int, list[int]]]) -> torch.Tensor:
+    """entries' block lists as one int32 [n, max_blocks] tensor, padded with block 0."""
     max_blocks = max(len(blocks) for *_, blocks in entries)
     flat: list[int] = []
     for *_, blocks in entries:
         flat.extend(blocks)
         flat.extend([0] * (max_blocks - len(blocks)))
-    tables = torch.tensor(flat, dtype=torch.int32).view(len(entries), max_blocks)
+    return torch.tensor(flat, dtype=torch.int32).view(len(entries), max_blocks)
+
+
+def _native_chunks(entries: list[tuple[int, int, int, list[int]]],
+                   device: torch.device | str) -> NativeChunks:
+    """entries: (q_start, q_len, seq_len, blocks)."""
+    return NativeChunks(torch.tensor([e[0] for e in entries]).to(device),
+                        torch.tensor([e[1] for e in entries], dtype=torch.int32).to(device),
+                        _padded_tables(entries).to(device),
+                        torch.tensor([e[2] for e in entries], dtype=torch.int32).to(device))
+
+
+def _native_rows(entries: list[tuple[int, int, int, list[int]]],
+                 device: torch.device | str) -> NativeRows:
+    """entries: (q_start, q_len, seq_len, blocks). Row q_start + i of a chunk sits at
+    position seq_len - q_len + i and sees that many keys plus one (causal)."""
+    tables = _padded_tables(entries)
     q_lens = torch.tensor([q_len for _, q_len, _, _ in entries])
     if int(q_lens.max()) > 1:
         tables = tables.repeat_interleave(q_lens, dim=0)

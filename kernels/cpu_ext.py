@@ -30,7 +30,8 @@ from pathlib import Path
 import torch
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("paged_decode_attention.cpp", "small_gemm.cpp", "fused_ops.cpp")
+SOURCES = ("paged_decode_attention.cpp", "paged_prefill_attention.cpp", "small_gemm.cpp",
+           "fused_ops.cpp")
 HEADERS = ("vec.h",)
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast")
 

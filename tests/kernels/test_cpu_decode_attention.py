@@ -75,10 +75,11 @@ def test_large_scores_do_not_overflow(ops):
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("native_prefill", [True, False])
-def test_mixed_batch_with_prefills(ops, native_prefill):
-    """Decodes go to the kernel; prefill chunks (with and without a cached prefix) too,
-    one query row per position, or else to SDPA. Every row matches the reference."""
+@pytest.mark.parametrize("chunk_min_rows", [8, 100, 2])
+def test_mixed_batch_with_prefills(ops, chunk_min_rows):
+    """Decodes and short chunks go row by row to paged_decode_attention, chunks of at
+    least chunk_min_rows tokens (with and without a cached prefix) to
+    paged_prefill_attention. Every row matches the reference."""
     block_size, q_heads, kv_heads, head_dim = 4, 6, 2, 16
     seqs = [(1, 1), (37, 1), (19, 19), (45, 13), (70, 1), (23, 2)]
     g = torch.Generator().manual_seed(9)
@@ -92,15 +93,21 @@ def test_mixed_batch_with_prefills(ops, native_prefill):
         qsl.append(qsl[-1] + q_len)
     q = torch.randn(qsl[-1], q_heads, head_dim, generator=g)
     lens = [n for n, _ in seqs]
-    plan = plan_attention(tables, lens, qsl, block_size, native=True,
-                          native_prefill_max=100 if native_prefill else 1)
-    if native_prefill:
-        assert plan.native_rows.rows.tolist() == list(range(qsl[-1])) and not plan.prefills
+    plan = plan_attention(tables, lens, qsl, block_size, native=True, chunk_min_rows=chunk_min_rows)
+    assert not plan.prefills and not plan.decode_groups
+    chunked = [s for s, (_, q_len) in enumerate(seqs) if q_len >= chunk_min_rows]
+    rows = [r for s in range(len(seqs)) if s not in chunked for r in range(qsl[s], qsl[s + 1])]
+    assert plan.native_rows.rows.tolist() == rows
+    if chunked:
+        assert plan.native_chunks.q_starts.tolist() == [qsl[s] for s in chunked]
+        assert plan.native_chunks.q_lens.tolist() == [seqs[s][1] for s in chunked]
+        assert plan.native_chunks.seq_lens.tolist() == [seqs[s][0] for s in chunked]
+    else:
+        assert plan.native_chunks is None
+    if chunk_min_rows == 100:  # every row of a chunk sees the keys up to its own
         # row 2 is the first of a 19-token prompt: it sees 1 key; row 20 the last: 19
         assert plan.native_rows.seq_lens[2] == 1 and plan.native_rows.seq_lens[20] == 19
         assert plan.native_rows.seq_lens[21] == 45 - 13 + 1  # behind a 32-token prefix
-    else:
-        assert plan.native_rows.rows.tolist() == [0, 1, 34] and len(plan.prefills) == 3
     max_blocks = max(len(t) for t in tables)
     bt = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32)
     expected = paged_attention_ref(q, kc, vc, bt, torch.tensor(lens, dtype=torch.int32),
