@@ -98,9 +98,10 @@ class Transformer(nn.Module):
         this CPU: kernels.cpu_ext.matmul_choice), else to MKL on the plain layout."""
         self.fused_ops = ops
         max_rows = None if large_matmuls_packed else PACKED_MAX_ROWS
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.use_packed(ops, max_rows)
+        for layer in self.layers:
+            layer.attention.wqkv.use_packed(ops, max_rows)
+            layer.attention.wo.use_packed(ops, max_rows)
+            layer.feed_forward.use_packed(ops, max_rows)
         self.lm_head_packed = ops.pack_weight(self.lm_head.weight.detach().t().contiguous())
 
     def setup_rope(self, max_positions: int) -> None:
@@ -190,8 +191,24 @@ class FeedForward(nn.Module):
         self.intermediate_size = args.intermediate_size
         self.w_gate_up = Linear(args.dim, 2 * args.intermediate_size, bias=args.mlp_bias)
         self.w_down = Linear(args.intermediate_size, args.dim, bias=args.mlp_bias)
+        # With the CPU kernels (use_packed): gate_up's weight packed for
+        # kvops::packed_swiglu, which applies silu(gate) * up as it goes, so the
+        # [T, 2 * intermediate] product is never written out; for up to
+        # swiglu_max_rows rows (all, when None), MKL and silu_mul above that.
+        self.packed_gate_up: torch.Tensor | None = None
+        self.swiglu_max_rows: int | None = None
+
+    def use_packed(self, ops: object, max_rows: int | None) -> None:
+        self.packed_gate_up = ops.pack_gate_up(self.w_gate_up.weight_t.detach(),
+                                               self.intermediate_size)
+        self.swiglu_max_rows = max_rows
+        self.w_down.use_packed(ops, max_rows)
 
     def forward(self, x: torch.Tensor, fused: object | None = None) -> torch.Tensor:
+        if fused is not None and self.packed_gate_up is not None and (
+                self.swiglu_max_rows is None or x.shape[0] <= self.swiglu_max_rows):
+            return self.w_down(fused.packed_swiglu(x, self.packed_gate_up,
+                                                   self.intermediate_size, self.w_gate_up.bias))
         gate_up = self.w_gate_up(x)  # [T, 2 * intermediate]
         if fused is not None:
             return self.w_down(fused.silu_mul(gate_up))

@@ -40,6 +40,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -292,14 +293,124 @@ at::Tensor packed_linear(const at::Tensor& x_in, const at::Tensor& packed, int64
   return out;
 }
 
+// SwiGLU on one packed weight: out[M, n] = silu(x @ gate + b_gate) * (x @ up + b_up),
+// the [M, 2n] product never written out. pack_gate_up packs gate_up_t [K, 2n] (gate
+// columns, then up columns, as the model fuses them) panel pair by panel pair: panel
+// 2p holds gate columns [48p, 48p + 48), panel 2p + 1 the same columns of up, each
+// zero-padded past n. A thread takes whole pairs, multiplies both panels exactly as
+// packed_linear would (the same sums in the same order), and writes silu(g) * u.
+at::Tensor pack_gate_up(const at::Tensor& gate_up_t, int64_t n) {
+  TORCH_CHECK(gate_up_t.dim() == 2 && gate_up_t.size(1) == 2 * n, "pack_gate_up: gate_up_t must be [K, 2 * ",
+              n, "] (gate columns then up columns), got ", gate_up_t.sizes());
+  TORCH_CHECK(gate_up_t.scalar_type() == at::kFloat, "pack_gate_up: gate_up_t must be float32, got ",
+              gate_up_t.scalar_type());
+  const at::Tensor w = gate_up_t.contiguous();
+  const int64_t K = w.size(0), pairs = num_panels(n);
+  at::Tensor packed = at::zeros({2 * pairs, K, kPanel}, w.options());
+  const float* src = w.data_ptr<float>();
+  float* dst = packed.data_ptr<float>();
+  at::parallel_for(0, 2 * pairs, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t col0 = (p / 2) * kPanel, cols = std::min(kPanel, n - col0);
+      const float* from = src + (p % 2) * n + col0;  // gate, or up
+      for (int64_t k = 0; k < K; ++k)
+        std::memcpy(dst + (p * K + k) * kPanel, from + k * 2 * n, cols * sizeof(float));
+    }
+  });
+  return packed;
+}
+
+// out[rows, cols] = silu(gate + bg) * (up + bu), gate and up with row stride kPanel
+// (bias pointers null when there is none); out has row stride ldo.
+void write_swiglu(int64_t rows, int64_t cols, const float* gate, const float* up, const float* bg,
+                  const float* bu, float* out, int64_t ldo) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const float* g = gate + i * kPanel;
+    const float* u = up + i * kPanel;
+    float* o = out + i * ldo;
+    // The same operations as packed_linear's bias add then silu_mul, vector for vector.
+    int64_t j = 0;
+    for (; j + kLanes <= cols; j += kLanes) {
+      v16f gv = load16(g + j), uv = load16(u + j);
+      if (bg != nullptr) {
+        gv += load16(bg + j);
+        uv += load16(bu + j);
+      }
+      store16(o + j, gv / (1.f + kvops::exp16(-gv)) * uv);
+    }
+    for (; j < cols; ++j) {
+      const float gj = g[j] + (bg == nullptr ? 0.f : bg[j]);
+      const float uj = u[j] + (bu == nullptr ? 0.f : bu[j]);
+      o[j] = gj / (1.f + std::exp(-gj)) * uj;
+    }
+  }
+}
+
+at::Tensor packed_swiglu(const at::Tensor& x_in, const at::Tensor& packed, int64_t n,
+                         const c10::optional<at::Tensor>& bias_in) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "packed_swiglu: x must be float32 [M, K], got ",
+              x_in.scalar_type(), " ", x_in.sizes());
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.scalar_type() == at::kFloat &&
+                  packed.is_contiguous(),
+              "packed_swiglu: packed must be a contiguous float32 [panels, K, ", kPanel,
+              "] tensor from pack_gate_up, got ", packed.scalar_type(), " ", packed.sizes());
+  TORCH_CHECK(n >= 0 && packed.size(0) == 2 * num_panels(n), "packed_swiglu: n = ", n, " needs ",
+              2 * num_panels(n), " panels but packed has ", packed.size(0),
+              "; pass the n given to pack_gate_up");
+  TORCH_CHECK(x_in.size(1) == packed.size(1), "packed_swiglu: x has K = ", x_in.size(1),
+              " columns but the packed weight has K = ", packed.size(1), " rows");
+  const float* bias = nullptr;
+  at::Tensor bias_c;
+  if (bias_in.has_value()) {
+    TORCH_CHECK(bias_in->dim() == 1 && bias_in->size(0) == 2 * n && bias_in->scalar_type() == at::kFloat,
+                "packed_swiglu: bias must be float32 [", 2 * n, "] (gate then up), got ",
+                bias_in->scalar_type(), " ", bias_in->sizes());
+    bias_c = bias_in->contiguous();
+    bias = bias_c.data_ptr<float>();
+  }
+  const at::Tensor x = x_in.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), pairs = num_panels(n);
+  at::Tensor out = at::empty({M, n}, x.options());
+  if (M == 0 || n == 0) return out;
+  const float* xs = x.data_ptr<float>();
+  const float* ws = packed.data_ptr<float>();
+  float* os = out.data_ptr<float>();
+  const int64_t pass = rows_per_pass(M, K), chunk = M > kChunkRowsUpTo ? kLongChunk : kChunk;
+  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> gate(pass * kPanel), up(pass * kPanel);
+    const float* stream_end = ws + 2 * end * K * kPanel;
+    for (int64_t r0 = 0; r0 < M; r0 += pass) {
+      const int64_t m = std::min(pass, M - r0);
+      for (int64_t p = begin; p < end; ++p) {
+        const int64_t cols = std::min(kPanel, n - p * kPanel);
+        const float* w_gate = ws + 2 * p * K * kPanel;
+        if (K == 0) {
+          std::fill(gate.begin(), gate.end(), 0.0f);
+          std::fill(up.begin(), up.end(), 0.0f);
+        }
+        multiply_panel(m, K, chunk, xs + r0 * K, w_gate, stream_end, gate.data(), nullptr, kPanel, nullptr);
+        multiply_panel(m, K, chunk, xs + r0 * K, w_gate + K * kPanel, stream_end, up.data(), nullptr, kPanel,
+                       nullptr);
+        write_swiglu(m, cols, gate.data(), up.data(), bias == nullptr ? nullptr : bias + p * kPanel,
+                     bias == nullptr ? nullptr : bias + n + p * kPanel, os + r0 * n + p * kPanel, n);
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvops, m) {
   m.def("pack_weight(Tensor w_t) -> Tensor");
   m.def("packed_linear(Tensor x, Tensor packed, int n, Tensor? bias=None) -> Tensor");
+  m.def("pack_gate_up(Tensor gate_up_t, int n) -> Tensor");
+  m.def("packed_swiglu(Tensor x, Tensor packed, int n, Tensor? bias=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvops, CPU, m) {
   m.impl("pack_weight", &pack_weight);
   m.impl("packed_linear", &packed_linear);
+  m.impl("pack_gate_up", &pack_gate_up);
+  m.impl("packed_swiglu", &packed_swiglu);
 }

@@ -9,7 +9,7 @@ import os
 import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.model import PACKED_MAX_ROWS, Linear
+from engine.model import PACKED_MAX_ROWS, FeedForward, Linear
 from tests.models.fixtures import tiny_model, tiny_root  # noqa: F401 (fixtures)
 from tests.models.tiny import SPECS, hf_greedy, random_prompts
 
@@ -85,7 +85,9 @@ def test_prefill_matmuls_by_either_kernel(tiny_model, who, monkeypatch):
     folder = tiny_model("gqa16")
     prompts = random_prompts(SPECS["gqa16"].vocab_size, LENGTHS + [150], seed=3)
     engine = make_engine(folder)
-    limits = {m.packed_max_rows for m in engine.runner.model.modules() if isinstance(m, Linear)}
+    modules = list(engine.runner.model.modules())
+    limits = {m.packed_max_rows for m in modules if isinstance(m, Linear) and m.packed is not None}
+    limits |= {m.swiglu_max_rows for m in modules if isinstance(m, FeedForward)}
     assert limits == ({None} if who == "packed" else {PACKED_MAX_ROWS})
     assert sum(LENGTHS) + 150 > PACKED_MAX_ROWS
     assert outputs(engine.generate(prompts, greedy())) == hf_greedy(folder, prompts, MAX_TOKENS)
