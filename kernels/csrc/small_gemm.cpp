@@ -27,9 +27,11 @@
 // serves enough row blocks that it is reused from L2, the partial sums never leave the
 // registers, and a whole panel's results go straight into the output (storing and
 // reloading partial sums, zeroing the buffer and copying it out cost ~15% at M >= 512).
-// At 512..2048 rows this is within a few percent of MKL when the weights sit in L3,
-// and 0.8-1.0x of it when they come from DRAM (python -m kernels.bench_cpu gemm
-// --prefill), so the engine keeps MKL for matmuls of more than 96 rows.
+// On an Intel Xeon, at 512..2048 rows this is within a few percent of MKL when the
+// weights sit in L3, and 0.8-1.0x of it when they come from DRAM (python -m
+// kernels.bench_cpu gemm --prefill); on an AMD EPYC it is about 2x MKL, which takes a
+// slower path there. So the engine times both once (kernels/cpu_ext.py matmul_choice)
+// and gives matmuls of more than 96 rows to whichever is clearly faster.
 //
 // Vectors are vec.h's (GCC vector extensions, 16 floats); built without AVX-512 they
 // are split into narrower registers by the compiler and stay correct, only slower,
