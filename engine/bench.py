@@ -87,7 +87,7 @@ def useful_flops(args: ModelArgs, w: Workload, cached: list[int] | None = None) 
     return total
 
 
-def matmul_rates(n: int = 4096, repeats: int = 3,
+def matmul_rates(n: int = 4096, repeats: int = 5,
                  dtype: torch.dtype = torch.float32) -> dict[str, float]:
     """FLOP/s of an n x n x n matmul (best of a few) by torch.mm, and by the packed
     kernel of kernels/csrc/small_gemm.cpp where it runs (float32, built here)."""
