@@ -32,7 +32,7 @@ import torch
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("paged_decode_attention.cpp", "paged_prefill_attention.cpp", "small_gemm.cpp",
            "fused_ops.cpp")
-HEADERS = ("vec.h",)
+HEADERS = ("vec.h", "attention_args.h")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast")
 
 _lock = threading.Lock()

@@ -23,6 +23,7 @@
 #include <limits>
 #include <vector>
 
+#include "attention_args.h"
 #include "vec.h"
 
 namespace {
@@ -249,18 +250,7 @@ constexpr VectorPath kVectorPaths[kMaxChunks] = {
 void check_args(const at::Tensor& out, const at::Tensor& q, const at::Tensor& key_cache,
                 const at::Tensor& value_cache, const at::Tensor& rows,
                 const at::Tensor& block_tables, const at::Tensor& seq_lens) {
-  TORCH_CHECK(q.dim() == 3 && out.dim() == 3, "q and out must be [num_tokens, num_heads, head_dim]");
-  TORCH_CHECK(key_cache.dim() == 4 && value_cache.dim() == 4,
-              "caches must be [num_blocks, block_size, num_kv_heads, head_dim]");
-  TORCH_CHECK(key_cache.sizes() == value_cache.sizes(), "key and value caches differ in shape");
-  for (const at::Tensor* t : {&out, &q, &key_cache, &value_cache}) {
-    TORCH_CHECK(t->scalar_type() == at::kFloat, "paged_decode_attention takes float32 tensors");
-    TORCH_CHECK(t->device().is_cpu(), "paged_decode_attention is a CPU kernel");
-    TORCH_CHECK(t->stride(-1) == 1, "the head_dim axis must be contiguous");
-  }
-  TORCH_CHECK(out.sizes() == q.sizes(), "out must have q's shape");
-  TORCH_CHECK(key_cache.size(3) == q.size(2), "head_dim differs between q and the caches");
-  TORCH_CHECK(q.size(1) % key_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
+  kvops::check_q_and_caches("paged_decode_attention", out, q, key_cache, value_cache);
   TORCH_CHECK(key_cache.size(1) <= kMaxBlockSize, "block_size above 128");
   TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1, "rows must be int64 [num_seqs]");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 &&

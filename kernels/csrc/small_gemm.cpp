@@ -238,37 +238,52 @@ at::Tensor pack_weight(const at::Tensor& w_t) {
   return packed;
 }
 
-at::Tensor packed_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n,
-                         const c10::optional<at::Tensor>& bias_in) {
-  TORCH_CHECK(x_in.dim() == 2, "packed_linear: x must be 2-D [M, K], got ", x_in.dim(),
+// What packed_linear and packed_swiglu take, checked: x float32 [M, K]; packed, K
+// rows in `panels` panels from `packer`; an optional float32 bias of bias_len values.
+// Messages name the op. Holds x and the bias made contiguous, and the output [M, n].
+struct PackedCall {
+  at::Tensor x, bias, out;  // bias undefined when there is none
+  int64_t M, K;
+  const float* bias_ptr() const { return bias.defined() ? bias.data_ptr<float>() : nullptr; }
+  bool empty() const { return out.numel() == 0; }
+};
+
+PackedCall check_packed_call(const char* op, const char* packer, const at::Tensor& x_in,
+                             const at::Tensor& packed, int64_t n, int64_t panels,
+                             const c10::optional<at::Tensor>& bias_in, int64_t bias_len,
+                             const char* bias_note) {
+  TORCH_CHECK(x_in.dim() == 2, op, ": x must be 2-D [M, K], got ", x_in.dim(),
               "-D; flatten the leading dimensions first");
-  TORCH_CHECK(x_in.scalar_type() == at::kFloat, "packed_linear: x must be float32, got ", x_in.scalar_type());
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat, op, ": x must be float32, got ", x_in.scalar_type());
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.scalar_type() == at::kFloat &&
                   packed.is_contiguous(),
-              "packed_linear: packed must be a contiguous float32 [panels, K, ", kPanel,
-              "] tensor from pack_weight, got ", packed.scalar_type(), " ", packed.sizes());
-  TORCH_CHECK(n >= 0 && packed.size(0) == num_panels(n), "packed_linear: n = ", n, " needs ", num_panels(n),
-              " panels of ", kPanel, " columns but packed has ", packed.size(0),
-              "; pass the N of the weight given to pack_weight");
-  TORCH_CHECK(x_in.size(1) == packed.size(1), "packed_linear: x has K = ", x_in.size(1),
+              op, ": packed must be a contiguous float32 [panels, K, ", kPanel, "] tensor from ", packer,
+              ", got ", packed.scalar_type(), " ", packed.sizes());
+  TORCH_CHECK(n >= 0 && packed.size(0) == panels, op, ": n = ", n, " needs ", panels, " panels of ", kPanel,
+              " columns but packed has ", packed.size(0), "; pass the n given to ", packer);
+  TORCH_CHECK(x_in.size(1) == packed.size(1), op, ": x has K = ", x_in.size(1),
               " columns but the packed weight has K = ", packed.size(1), " rows");
-  const float* bias = nullptr;
-  at::Tensor bias_c;
+  PackedCall call{x_in.contiguous(), at::Tensor(), at::empty({x_in.size(0), n}, x_in.options()),
+                  x_in.size(0), x_in.size(1)};
   if (bias_in.has_value()) {
-    TORCH_CHECK(bias_in->dim() == 1 && bias_in->size(0) == n && bias_in->scalar_type() == at::kFloat,
-                "packed_linear: bias must be float32 [", n, "], got ", bias_in->scalar_type(), " ",
+    TORCH_CHECK(bias_in->dim() == 1 && bias_in->size(0) == bias_len && bias_in->scalar_type() == at::kFloat,
+                op, ": bias must be float32 [", bias_len, "]", bias_note, ", got ", bias_in->scalar_type(), " ",
                 bias_in->sizes());
-    bias_c = bias_in->contiguous();
-    bias = bias_c.data_ptr<float>();
+    call.bias = bias_in->contiguous();
   }
+  return call;
+}
 
-  const at::Tensor x = x_in.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), panels = packed.size(0);
-  at::Tensor out = at::empty({M, n}, x.options());
-  if (M == 0 || n == 0) return out;
-  const float* xs = x.data_ptr<float>();
+at::Tensor packed_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n,
+                         const c10::optional<at::Tensor>& bias_in) {
+  const PackedCall call = check_packed_call("packed_linear", "pack_weight", x_in, packed, n, num_panels(n),
+                                            bias_in, n, "");
+  if (call.empty()) return call.out;
+  const int64_t M = call.M, K = call.K, panels = packed.size(0);
+  const float* bias = call.bias_ptr();
+  const float* xs = call.x.data_ptr<float>();
   const float* ws = packed.data_ptr<float>();
-  float* os = out.data_ptr<float>();
+  float* os = call.out.data_ptr<float>();
 
   const int64_t pass = rows_per_pass(M, K), chunk = M > kChunkRowsUpTo ? kLongChunk : kChunk;
   // Threads split the panels; each goes over its panels once per pass of rows, so that
@@ -292,7 +307,7 @@ at::Tensor packed_linear(const at::Tensor& x_in, const at::Tensor& packed, int64
       }
     }
   });
-  return out;
+  return call.out;
 }
 
 // SwiGLU on one packed weight: out[M, n] = silu(x @ gate + b_gate) * (x @ up + b_up),
@@ -350,33 +365,14 @@ void write_swiglu(int64_t rows, int64_t cols, const float* gate, const float* up
 
 at::Tensor packed_swiglu(const at::Tensor& x_in, const at::Tensor& packed, int64_t n,
                          const c10::optional<at::Tensor>& bias_in) {
-  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "packed_swiglu: x must be float32 [M, K], got ",
-              x_in.scalar_type(), " ", x_in.sizes());
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.scalar_type() == at::kFloat &&
-                  packed.is_contiguous(),
-              "packed_swiglu: packed must be a contiguous float32 [panels, K, ", kPanel,
-              "] tensor from pack_gate_up, got ", packed.scalar_type(), " ", packed.sizes());
-  TORCH_CHECK(n >= 0 && packed.size(0) == 2 * num_panels(n), "packed_swiglu: n = ", n, " needs ",
-              2 * num_panels(n), " panels but packed has ", packed.size(0),
-              "; pass the n given to pack_gate_up");
-  TORCH_CHECK(x_in.size(1) == packed.size(1), "packed_swiglu: x has K = ", x_in.size(1),
-              " columns but the packed weight has K = ", packed.size(1), " rows");
-  const float* bias = nullptr;
-  at::Tensor bias_c;
-  if (bias_in.has_value()) {
-    TORCH_CHECK(bias_in->dim() == 1 && bias_in->size(0) == 2 * n && bias_in->scalar_type() == at::kFloat,
-                "packed_swiglu: bias must be float32 [", 2 * n, "] (gate then up), got ",
-                bias_in->scalar_type(), " ", bias_in->sizes());
-    bias_c = bias_in->contiguous();
-    bias = bias_c.data_ptr<float>();
-  }
-  const at::Tensor x = x_in.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), pairs = num_panels(n);
-  at::Tensor out = at::empty({M, n}, x.options());
-  if (M == 0 || n == 0) return out;
-  const float* xs = x.data_ptr<float>();
+  const PackedCall call = check_packed_call("packed_swiglu", "pack_gate_up", x_in, packed, n,
+                                            2 * num_panels(n), bias_in, 2 * n, " (gate then up)");
+  if (call.empty()) return call.out;
+  const int64_t M = call.M, K = call.K, pairs = num_panels(n);
+  const float* bias = call.bias_ptr();
+  const float* xs = call.x.data_ptr<float>();
   const float* ws = packed.data_ptr<float>();
-  float* os = out.data_ptr<float>();
+  float* os = call.out.data_ptr<float>();
   const int64_t pass = rows_per_pass(M, K), chunk = M > kChunkRowsUpTo ? kLongChunk : kChunk;
   at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> gate(pass * kPanel), up(pass * kPanel);
@@ -398,7 +394,7 @@ at::Tensor packed_swiglu(const at::Tensor& x_in, const at::Tensor& packed, int64
       }
     }
   });
-  return out;
+  return call.out;
 }
 
 }  // namespace

@@ -187,7 +187,7 @@ def test_swiglu_equals_packed_linear_then_silu_mul(ops, m: int, k: int, n: int,
 def test_swiglu_rejects_bad_arguments(ops) -> None:
     w_t = weight(16, 96)
     packed = ops.pack_gate_up(w_t, 48)
-    with pytest.raises(RuntimeError, match="needs 6 panels but packed has 2"):
+    with pytest.raises(RuntimeError, match="needs 6 panels of 48 columns but packed has 2"):
         ops.packed_swiglu(rows_of(2, 16), packed, 100, None)
     with pytest.raises(RuntimeError, match="K = 15"):
         ops.packed_swiglu(rows_of(2, 15), packed, 48, None)
