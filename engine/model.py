@@ -95,7 +95,9 @@ class Transformer(nn.Module):
         with kernels/csrc/small_gemm.cpp on a packed copy of each weight (the runner
         calls this where they built). Many-row matmuls (prefill) go to the packed
         kernel too when large_matmuls_packed (the runner measures which is faster on
-        this CPU: kernels.cpu_ext.matmul_choice), else to MKL on the plain layout."""
+        this CPU: kernels.cpu_ext.matmul_choice), else to MKL on the plain layout. The
+        plain copy of a weight that only the packed kernels read is freed (with
+        large_matmuls_packed, all of them; the LM head's in any case, unless tied)."""
         self.fused_ops = ops
         max_rows = None if large_matmuls_packed else PACKED_MAX_ROWS
         for layer in self.layers:
@@ -103,6 +105,9 @@ class Transformer(nn.Module):
             layer.attention.wo.use_packed(ops, max_rows)
             layer.feed_forward.use_packed(ops, max_rows)
         self.lm_head_packed = ops.pack_weight(self.lm_head.weight.detach().t().contiguous())
+        if not self.args.tie_word_embeddings:  # (tied, it is the embedding table too)
+            self.lm_head.weight = nn.Parameter(self.lm_head.weight.new_empty(0, self.args.dim),
+                                               requires_grad=False)
 
     def setup_rope(self, max_positions: int) -> None:
         """Precompute the rotations of positions [0, max_positions) on the weights' device."""
@@ -202,6 +207,8 @@ class FeedForward(nn.Module):
         self.packed_gate_up = ops.pack_gate_up(self.w_gate_up.weight_t.detach(),
                                                self.intermediate_size)
         self.swiglu_max_rows = max_rows
+        if max_rows is None:  # packed_swiglu takes every row: w_gate_up is never called
+            self.w_gate_up.drop_plain_weight()
         self.w_down.use_packed(ops, max_rows)
 
     def forward(self, x: torch.Tensor, fused: object | None = None) -> torch.Tensor:
@@ -225,6 +232,7 @@ class Linear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
+        self.out_features = out_features
         self.weight_t = nn.Parameter(torch.empty(in_features, out_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.packed: torch.Tensor | None = None  # weight_t in small_gemm's panel layout
@@ -234,11 +242,19 @@ class Linear(nn.Module):
     def use_packed(self, ops: object, max_rows: int | None = PACKED_MAX_ROWS) -> None:
         self.ops, self.packed = ops, ops.pack_weight(self.weight_t.detach())
         self.packed_max_rows = max_rows
+        if max_rows is None:  # the packed kernel takes every matmul
+            self.drop_plain_weight()
+
+    def drop_plain_weight(self) -> None:
+        """Free weight_t once nothing reads it: the packed copy is then the only one, and
+        the weights take their size in memory once, not twice."""
+        self.weight_t = nn.Parameter(self.weight_t.new_empty(self.weight_t.shape[0], 0),
+                                     requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in]
         if self.packed is not None and (self.packed_max_rows is None
                                         or x.shape[0] <= self.packed_max_rows):
-            return self.ops.packed_linear(x, self.packed, self.weight_t.shape[1], self.bias)
+            return self.ops.packed_linear(x, self.packed, self.out_features, self.bias)
         if self.bias is None:
             return torch.mm(x, self.weight_t)
         return torch.addmm(self.bias, x, self.weight_t)

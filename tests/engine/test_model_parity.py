@@ -75,20 +75,26 @@ def test_cpu_kernels_are_on_by_default(tiny_model):
     assert engine.runner.cpu_kernels and engine.runner.attention.native
 
 
+@pytest.mark.parametrize("name", ["gqa16", "mha32", "qwen2", "linear"])
 @pytest.mark.parametrize("who", ["packed", "mkl"])
-def test_prefill_matmuls_by_either_kernel(tiny_model, who, monkeypatch):
+def test_prefill_matmuls_by_either_kernel(tiny_model, name, who, monkeypatch):
     """Which kernel does a prefill's many-row matmuls is measured per CPU; each gives
     transformers' tokens (the prompts make a first step of more rows than decoding's)."""
     if os.environ.get("KVOPS_CPU_KERNELS") == "0":
         pytest.skip("KVOPS_CPU_KERNELS=0 turns them off")
     monkeypatch.setenv("KVOPS_LARGE_MATMULS", who)
-    folder = tiny_model("gqa16")
-    prompts = random_prompts(SPECS["gqa16"].vocab_size, LENGTHS + [150], seed=3)
+    folder = tiny_model(name)
+    prompts = random_prompts(SPECS[name].vocab_size, LENGTHS + [150], seed=3)
     engine = make_engine(folder)
     modules = list(engine.runner.model.modules())
     limits = {m.packed_max_rows for m in modules if isinstance(m, Linear) and m.packed is not None}
     limits |= {m.swiglu_max_rows for m in modules if isinstance(m, FeedForward)}
     assert limits == ({None} if who == "packed" else {PACKED_MAX_ROWS})
+    # the plain weights are kept only where MKL still reads them
+    plain = [m.weight_t.numel() for m in modules if isinstance(m, Linear)]
+    assert all(n == 0 for n in plain) if who == "packed" else all(n > 0 for n in plain)
+    lm_head = engine.runner.model.lm_head.weight  # packed too; the embedding table if tied
+    assert (lm_head.numel() > 0) == SPECS[name].tie_word_embeddings
     assert sum(LENGTHS) + 150 > PACKED_MAX_ROWS
     assert outputs(engine.generate(prompts, greedy())) == hf_greedy(folder, prompts, MAX_TOKENS)
 
