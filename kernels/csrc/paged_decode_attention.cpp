@@ -7,7 +7,9 @@
 // tensor, which copies the whole context once per layer; this kernel reads each K/V
 // row where it lies, once.
 //
-// Work is split over (row, kv head) pairs with ATen's parallel_for. Within a pair, the
+// Work is split over (row, kv head) pairs, which ATen's threads take one at a time as
+// they come free, longest rows first (one long context among short ones would
+// otherwise leave a thread idle: 1.7x on 1 x 4096 + 15 x 64 tokens). Within a pair, the
 // G = num_heads / num_kv_heads query heads that share the kv head are handled together
 // so every K and V row is loaded once for all of them. The vector path (head_dim a
 // multiple of 16, up to 128) walks the context in tiles of 16 positions: the tile's 16
@@ -19,6 +21,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -311,7 +314,16 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
                       k_blk, k_tok, v_blk, v_tok, fscale};
   const VectorPath attend = vector_path ? kVectorPaths[head_dim / kLanes - 1] : nullptr;
 
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  // Rows differ in length (a batch mixes new and old requests, and prompt rows see
+  // 1..q_len keys): threads take sequences one at a time as they come free, longest
+  // first, rather than fixed halves of the list.
+  std::vector<int64_t> order(num_seqs);
+  for (int64_t s = 0; s < num_seqs; ++s) order[s] = s;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return len_ptr[a] > len_ptr[b]; });
+  const int64_t num_items = num_seqs * num_kv_heads;
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     // Per-thread scratch.
     std::vector<v16> qv, acc, partial;
     std::vector<float> weights;
@@ -328,8 +340,8 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
       l.resize(group);
       scores.resize(group * kMaxBlockSize);
     }
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t s = item / num_kv_heads, h = item % num_kv_heads;
+    for (int64_t item = next.fetch_add(1); item < num_items; item = next.fetch_add(1)) {
+      const int64_t s = order[item / num_kv_heads], h = item % num_kv_heads;
       const int64_t row = row_ptr[s];
       const Item it{q_base + row * q_tok + h * group * q_head, q_head,
                     out_base + row * o_tok + h * group * o_head, o_head,

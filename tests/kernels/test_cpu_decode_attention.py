@@ -116,6 +116,23 @@ def test_mixed_batch_with_prefills(ops, chunk_min_rows):
                                atol=ATOL, rtol=RTOL)
 
 
+def test_one_thread_gives_the_same_result(ops):
+    """Threads take sequences longest first as they come free; the result must not
+    depend on who took which (one long context among short ones)."""
+    lens = [3, 700, 17, 5, 64, 33, 2, 9]
+    q, kc, vc, tables = decode_batch(11, 16, 9, 3, 64, lens)
+    plan = plan_attention(tables, lens, list(range(len(lens) + 1)), 16, native=True)
+    many = paged_attention(q, kc, vc, plan, 0.125)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        one = paged_attention(q, kc, vc, plan, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(many, one)
+    torch.testing.assert_close(many, reference(q, kc, vc, tables, lens, 0.125), atol=ATOL, rtol=RTOL)
+
+
 def test_rows_not_named_are_left_alone(ops):
     lens = [9, 30]
     q, kc, vc, tables = decode_batch(2, 4, 4, 2, 16, lens)
