@@ -3,8 +3,8 @@ tables. The model calls `backend.forward(q, k, v, kv_layer, plan, scale)` once p
 layer; the runner calls `backend.plan(batch)` once per step.
 
 * "torch": kernels/cpu_attention.py (vectorised torch). The CPU path and the fallback;
-  in float32 on a CPU its decodes and short prefill chunks run in the C++ kernel of
-  kernels/cpu_ext.py when that builds here.
+  in float32 on a CPU its attention runs in the C++ kernels of kernels/cpu_ext.py
+  (paged_decode_attention, paged_prefill_attention) when they build here.
 * "triton": kernels.reshape_and_cache + kernels.paged_attention (CUDA, or the Triton
   interpreter under TRITON_INTERPRET=1).
 * "auto": triton on CUDA, torch on CPU.
@@ -53,7 +53,7 @@ class TorchAttention:
         from kernels import cpu_ext
 
         self.device = device
-        self.native = cpu_ext.usable_for(device, dtype)  # kvops::paged_decode_attention
+        self.native = cpu_ext.usable_for(device, dtype)  # the C++ attention kernels
 
     def plan(self, batch: AttentionBatch) -> "TorchPlan":
         from kernels.cpu_attention import plan_attention

@@ -93,22 +93,8 @@ def matmul_rates(n: int = 4096, repeats: int = 5,
     kernel of kernels/csrc/small_gemm.cpp where it runs (float32, built here)."""
     from kernels import cpu_ext
 
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    runs = {"torch.mm": lambda: torch.mm(a, b)}
-    if dtype == torch.float32 and cpu_ext.available():
-        kv = cpu_ext.ops()
-        packed = kv.pack_weight(b)
-        runs["kvops packed"] = lambda: kv.packed_linear(a, packed, n, None)
-    rates = {}
-    for name, run in runs.items():
-        run()
-        best = float("inf")
-        for _ in range(repeats):
-            t = time.perf_counter()
-            run()
-            best = min(best, time.perf_counter() - t)
-        rates[name] = 2 * n ** 3 / best
-    return rates
+    return cpu_ext.time_matmuls(n, n, n, repeats, dtype,
+                                packed=dtype == torch.float32 and cpu_ext.available())
 
 
 def run_kvops(engine: LLMEngine, w: Workload, system: str = "kvops") -> Result:

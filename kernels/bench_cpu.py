@@ -3,7 +3,7 @@
     python -m kernels.bench_cpu                   # every section
     python -m kernels.bench_cpu gemm              # packed_linear against torch.mm
     python -m kernels.bench_cpu gemm --rows 1 8   # only these row counts
-    python -m kernels.bench_cpu attention         # the paged attention kernel (see
+    python -m kernels.bench_cpu attention         # the paged attention kernels (see
                                                   # kernels/bench_cpu_attention.py)
     python -m kernels.bench_cpu gemm --prefill    # and prefill's row counts, 256 .. 2048
 
@@ -120,7 +120,7 @@ def add_gemm_args(parser: argparse.ArgumentParser) -> None:
 # name -> (help, add its arguments); each section's arguments set `run`.
 SECTIONS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
     "gemm": ("packed_linear against torch.mm on a decode step's linear layers", add_gemm_args),
-    "attention": ("paged_decode_attention against gather + SDPA on one step's attention",
+    "attention": ("the paged attention kernels against gather + SDPA on one step's attention",
                   add_attention_args),
 }
 

@@ -116,27 +116,35 @@ def matmul_choice() -> MatmulChoice:
     with _lock:
         cached = _state.get(key)
     if cached is None:
-        cached = _measure_choice(ops())
+        cached = _measure_choice()
         with _lock:
             _state[key] = cached
     return cached
 
 
-def _measure_choice(kv) -> MatmulChoice:
-    m, k, n = CHOICE_SHAPE
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(m, k, generator=gen)
-    w_t = torch.randn(k, n, generator=gen)
-    packed = kv.pack_weight(w_t)
-    runs = {"packed": lambda: kv.packed_linear(x, packed, n, None), "mkl": lambda: torch.mm(x, w_t)}
+def _measure_choice() -> MatmulChoice:
+    rates = time_matmuls(*CHOICE_SHAPE, repeats=5)
+    return MatmulChoice(rates["kvops packed"] / 1e9, rates["torch.mm"] / 1e9, "measured")
+
+
+def time_matmuls(m: int, k: int, n: int, repeats: int, dtype: torch.dtype = torch.float32,
+                 packed: bool = True) -> dict[str, float]:
+    """FLOP/s of x[m, k] @ w[k, n] by torch.mm and, with packed (float32, the kernels
+    built), by the packed kernel: the fastest of `repeats` runs each, interleaved so
+    that a busy moment slows both; the first round warms them up."""
+    x, w_t = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+    runs = {"torch.mm": lambda: torch.mm(x, w_t)}
+    if packed:
+        kv = ops()
+        packed_w = kv.pack_weight(w_t)
+        runs["kvops packed"] = lambda: kv.packed_linear(x, packed_w, n, None)
     best = dict.fromkeys(runs, float("inf"))
-    for _ in range(5):
+    for _ in range(repeats + 1):
         for name, run in runs.items():
             started = time.perf_counter()
             run()
             best[name] = min(best[name], time.perf_counter() - started)
-    flops = 2 * m * k * n
-    return MatmulChoice(flops / best["packed"] / 1e9, flops / best["mkl"] / 1e9, "measured")
+    return {name: 2 * m * k * n / seconds for name, seconds in best.items()}
 
 
 def build_dir() -> Path:

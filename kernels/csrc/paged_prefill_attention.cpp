@@ -28,7 +28,6 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
-#include <limits>
 #include <vector>
 
 #include "attention_args.h"
@@ -44,6 +43,7 @@ using kvops::store16;
 using kvops::v16;
 
 constexpr int64_t kTile = 16;        // key positions per tile: one score vector each
+static_assert(kTile % kLanes == 0, "a tile of K or V rows fills whole vectors");
 constexpr int64_t kMaxHeadDim = 256;
 
 struct Layout {
@@ -68,7 +68,8 @@ struct Chunk {
 // rows) and running max and sum; one tile of K and of V rows.
 struct Scratch {
   std::vector<v16> qt, ot, m, l, kt, vt;
-  Scratch(int64_t D, int64_t G) : qt(G * D), ot(G * D), m(G), l(G), kt(D), vt(D) {}
+  Scratch(int64_t D, int64_t G)
+      : qt(G * D), ot(G * D), m(G), l(G), kt(kTile * D / kLanes), vt(kTile * D / kLanes) {}
 };
 
 // dst[0, D) = src[0, D)
