@@ -12,4 +12,4 @@ COPY . /app
 # kernels are compiled at first use on the machine that runs the container.
 RUN make PYTHON=python3.11 setup-python model
 EXPOSE 8000
-CMD [".venv/bin/python", "-m", "daphne", "-b", "0.0.0.0", "-p", "8000", "kvops.asgi:application"]
+CMD [".venv/bin/python", "-m", "daphne", "-e", "tcp:port=8000:interface=0.0.0.0:backlog=4096", "kvops.asgi:application"]

@@ -2,7 +2,8 @@
 /ws/jobs/<id>/ (a job's tokens and block table).
 
 Thin: they decide who may listen, check what clients say, and forward what the engine's
-publisher (kvops/publisher.py) sends through the channel layer. Deltas and snapshots
+publisher (kvops/publisher.py) sends through the channel layer; a job's own updates come
+from the job stream (kvops/job_listener.py). Deltas and snapshots
 arrive encoded (zlib JSON) and leave as binary frames untouched; everything else is a
 JSON text frame. docs/live-protocol.md describes the messages.
 
@@ -28,7 +29,9 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvops import live, selectors, services
+from kvops.job_listener import JobFailed, JobListener, reload
 from kvops.models import Engine
+from kvops.stream_hub import StreamError, get_hub
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +44,7 @@ MIN_QUERY_INTERVAL_S = 0.25  # snapshot / block-table queries per connection
 MESSAGES_PER_S = 10.0  # client messages a connection may send, on average,
 MESSAGE_BURST = 30  # and at once
 FLOOD_CLOSE_AFTER = 100  # messages refused in a row: the connection is closed (4429)
+JOB_SENDS_PER_S = 10.0  # job page updates, at most
 REJOIN_S = 5.0  # group memberships are re-added this often (a Redis restart loses them)
 RETRY_MIN_S, RETRY_MAX_S = 0.25, 2.0  # pauses between tries while Redis is away
 REDIS_DOWN = (RedisError, OSError)  # what the channel layer and kvops.live raise then
@@ -129,11 +133,6 @@ def _engine(name: str) -> tuple[Engine, bool] | None:
 @database_sync_to_async
 def _visible_job(user, job_id: int):
     return selectors.jobs_visible_to(user).filter(pk=job_id).first()
-
-
-@database_sync_to_async
-def _job_state(job) -> dict:
-    return services.job_payload(job)
 
 
 @database_sync_to_async
@@ -406,16 +405,40 @@ class JobConsumer(_Consumer):
             return
         self.job_id = job.pk
         self.engine_name, self.request_id = job.engine, job.request_id
-        trouble = None
-        try:  # before reading the state: no update falls between the two
-            await self.join_only(live.job_group(job.pk))
-        except REDIS_DOWN as e:  # the state below still helps; rejoin() keeps trying
-            log.warning("%s: %s", self.scope["path"], e)
-            trouble = e
         await self.accept_live()
-        await self.send_json({"type": "job", "job_id": job.pk, **await _job_state(job)})
-        if trouble is not None:
-            await self.send_json({"type": "error", "message": _redis_down_message(trouble)})
+        self.start(self._follow())
+
+    async def _follow(self) -> None:
+        """Send the job's state now, and again as it changes (at most JOB_SENDS_PER_S
+        times a second, with all the text produced meanwhile), until it ends. If its
+        updates are lost (Redis away), say so and follow it again from the database."""
+        while True:
+            try:
+                sub = await get_hub().subscribe(self.job_id)  # before the row is read
+            except (*REDIS_DOWN, StreamError) as e:
+                _raise_if_cancelled()
+                await self.send_json({"type": "error", "message": _redis_down_message(e)})
+                await asyncio.sleep(RETRY_MAX_S)
+                continue
+            try:
+                listener = JobListener(sub, await reload(self.job_id))
+                await self._send_job(listener)
+                async for _ in listener.updates():
+                    await self._send_job(listener)
+                    await asyncio.sleep(1 / JOB_SENDS_PER_S)
+                return
+            except JobFailed as e:
+                await self.send_json({"type": "error", "message": str(e)})
+                await asyncio.sleep(RETRY_MIN_S)
+            finally:
+                sub.close()
+
+    async def _send_job(self, listener: JobListener) -> None:
+        state = {**listener.state, "text": listener.text.text,
+                 "num_output_tokens": listener.num_output_tokens}
+        self.engine_name = state.get("engine") or self.engine_name
+        self.request_id = state.get("request_id") or self.request_id
+        await self.send_json({"type": "job", "job_id": self.job_id, **state})
 
     async def on_blocks(self, message: dict) -> None:
         if not (self.engine_name and self.request_id):
@@ -428,11 +451,6 @@ class JobConsumer(_Consumer):
                                                  "request_id": self.request_id})
 
     # --- from the channel layer ---------------------------------------------------------
-    async def job_update(self, event: dict) -> None:
-        self.engine_name = event.get("engine") or self.engine_name
-        self.request_id = event.get("request_id") or self.request_id
-        await self.send_json({**event, "type": "job"})
-
     async def engine_request(self, event: dict) -> None:
         if not hasattr(self, "block_size"):
             self.block_size = await _block_size(event["engine"])

@@ -13,10 +13,9 @@ import logging
 import os
 import queue
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Protocol
 
 from engine import (EngineConfig, EngineError, InvalidRequestError, LLMEngine, RequestOutput,
                     SamplingParams)
@@ -25,8 +24,8 @@ from engine.detokenizer import SimTokenizer
 
 log = logging.getLogger(__name__)
 
-__all__ = ["EngineService", "RequestHandle", "EngineError", "InvalidRequestError",
-           "config_from_env", "OPERATOR_COMMANDS", "StepFailed", "PromptInspector",
+__all__ = ["EngineService", "OutputSink", "EngineError", "InvalidRequestError",
+           "config_from_env", "OPERATOR_COMMANDS", "PromptInspector",
            "short_hashes_of_cache", "render_chat"]
 
 
@@ -84,36 +83,12 @@ class PromptInspector:
         return [short(h) for h in hash_blocks(root, token_ids, int(config["block_size"]))]
 
 
-class StepFailed(EngineError):
-    """The engine step that was computing this request raised; the request was ended."""
+class OutputSink(Protocol):
+    """Where the loop thread hands each step's outputs (kvops/output_processor.py)."""
 
+    def push(self, outputs: list[RequestOutput]) -> None: ...
 
-class RequestHandle:
-    """Outputs of one request, handed from the loop thread to the waiting task."""
-
-    def __init__(self, request_id: str) -> None:
-        self.request_id = request_id
-        self._queue: queue.Queue[RequestOutput | BaseException] = queue.Queue()
-
-    def put(self, item: RequestOutput | BaseException) -> None:
-        self._queue.put(item)
-
-    def outputs(self, timeout_s: float) -> Iterator[RequestOutput]:
-        """Yield outputs until the finished one; raise what the engine reported."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError(f"request {self.request_id} ran past {timeout_s:.0f} s")
-            try:
-                item = self._queue.get(timeout=min(remaining, 1.0))
-            except queue.Empty:
-                continue
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-            if item.finished:
-                return
+    def fail(self, request_ids: list[str], message: str) -> None: ...
 
 
 def _int_or_none(value: Any, name: str) -> int | None:
@@ -198,13 +173,14 @@ def _parse_field(name: str, type_name: str, raw: str) -> Any:
 
 
 class EngineService:
-    def __init__(self, config: EngineConfig, engine: LLMEngine | None = None) -> None:
+    def __init__(self, config: EngineConfig, engine: LLMEngine | None = None,
+                 sink: OutputSink | None = None) -> None:
         self.name = config.name
+        self.sink = sink  # gets every step's outputs; None: they are dropped
         self.instance = ""  # set by the worker when it registers (Engine.instance)
         self.engine = engine or LLMEngine(config)
         self.latest_metrics: dict = self.engine.metrics()  # refreshed by the loop thread
         self._commands: queue.Queue[tuple[Callable[[], Any], Future]] = queue.Queue()
-        self._handles: dict[str, RequestHandle] = {}  # loop thread only
         self._hooks: list[Callable[[LLMEngine], None]] = []
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -246,17 +222,12 @@ class EngineService:
         return self.call(lambda engine: op(engine, arguments), timeout_s)
 
     def submit(self, request_id: str, prompt: str | list[int], params: dict,
-               priority: int = 0, job_id: str | None = None) -> RequestHandle:
-        """Add a request; raises InvalidRequestError (bad prompt/params) synchronously."""
+               priority: int = 0, job_id: str | None = None) -> None:
+        """Add a request; raises InvalidRequestError (bad prompt/params) synchronously.
+        Its outputs go to the sink."""
         sampling = SamplingParams(**params) if isinstance(params, dict) else params
-        handle = RequestHandle(request_id)
-
-        def add(engine: LLMEngine) -> None:
-            engine.add_request(request_id, prompt, sampling, priority=priority, job_id=job_id)
-            self._handles[request_id] = handle
-
-        self.call(add)
-        return handle
+        self.call(lambda engine: engine.add_request(request_id, prompt, sampling,
+                                                    priority=priority, job_id=job_id))
 
     def render_chat(self, messages: list[dict]) -> str:
         """The model's chat template applied to messages, ready for generation."""
@@ -298,18 +269,11 @@ class EngineService:
             log.exception("engine step failed")
             self._fail_running(e)
             return
-        for out in outputs:
-            handle = self._handles.get(out.request_id)
-            if handle is None:
-                continue
-            handle.put(out)
-            if out.finished:
-                del self._handles[out.request_id]
+        if self.sink is not None:
+            self.sink.push(outputs)
 
     def _fail_running(self, error: Exception) -> None:
         """A step raised: end the requests it was computing, keep serving the rest."""
         failed = self.engine.recover_from_failed_step()
-        for request_id in failed:
-            handle = self._handles.pop(request_id, None)
-            if handle is not None:
-                handle.put(StepFailed(f"engine step failed: {type(error).__name__}: {error}"))
+        if self.sink is not None and failed:
+            self.sink.fail(failed, f"engine step failed: {type(error).__name__}: {error}")

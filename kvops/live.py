@@ -1,8 +1,10 @@
 """Channels fan-out and live state in Redis: the one module that sends to groups.
 
 Groups: `engine.<name>` (KV snapshots and deltas), `engine-summary.<name>` (metrics
-only), `job.<id>` (a job's tokens). Redis also holds each engine's bounded history of
-KV events and metrics (streams) and the queries waiting for its publisher.
+only). Jobs' updates do not go through groups: they travel on the job stream
+(kvops/job_stream.py), which `publish_job_state` writes to. Redis also holds each
+engine's bounded history of KV events and metrics (streams) and the queries waiting for
+its publisher.
 Worker threads call the sync functions here; they hand messages to one background
 event loop per process, so a slow Redis never blocks the engine's step loop.
 """
@@ -18,15 +20,13 @@ import redis
 from channels.layers import get_channel_layer
 from django.conf import settings
 
+from kvops.job_stream import StreamProducer, state_update
+
 log = logging.getLogger(__name__)
 
 SNAPSHOT_KEY = "kvops:engine:{name}:snapshot"
 EVENTS_KEY = "kvops:engine:{name}:events"
 SNAPSHOT_TTL_S = 3600
-
-
-def job_group(job_id: int | str) -> str:
-    return f"job.{job_id}"
 
 
 def engine_group(name: str) -> str:
@@ -48,7 +48,8 @@ def redis_client() -> redis.Redis:
 
 
 class _Fanout:
-    """A daemon thread running an event loop that performs group_send calls."""
+    """A daemon thread running an event loop that performs the channel layer's sends
+    (group_send_wait, channel_send_wait)."""
 
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
@@ -56,27 +57,9 @@ class _Fanout:
         thread = threading.Thread(target=self.loop.run_forever, name="kvops-fanout", daemon=True)
         thread.start()
 
-    def send(self, group: str, message: dict) -> None:
-        asyncio.run_coroutine_threadsafe(self._send(group, message), self.loop)
-
-    async def _send(self, group: str, message: dict) -> None:
-        try:
-            await self.layer.group_send(group, message)
-        except Exception as e:  # Redis down: the next message or a resync catches up
-            log.warning("group_send to %s failed: %s", group, e)
-
 
 _fanout_lock = threading.Lock()
 _fanout: _Fanout | None = None
-
-
-def group_send(group: str, message: dict) -> None:
-    """Fire-and-forget group_send from any thread of a worker."""
-    global _fanout
-    with _fanout_lock:
-        if _fanout is None:
-            _fanout = _Fanout()
-    _fanout.send(group, message)
 
 
 def store_snapshot(name: str, snapshot: dict) -> None:
@@ -88,8 +71,18 @@ def load_snapshot(name: str) -> dict | None:
     return None if raw is None else json.loads(raw)
 
 
-def publish_job_update(job_id: int, payload: dict[str, Any]) -> None:
-    group_send(job_group(job_id), {"type": "job.update", "job_id": job_id, **payload})
+_producer_lock = threading.Lock()
+_producer: StreamProducer | None = None
+
+
+def publish_job_state(job_id: int, attempt: int, payload: dict[str, Any]) -> None:
+    """A job's status changed: tell its listeners on the job stream. Raises the Redis
+    error if it could not (listeners then see a gap and end with an error)."""
+    global _producer
+    with _producer_lock:
+        if _producer is None:
+            _producer = StreamProducer(redis_client())
+        _producer.send([state_update(job_id, attempt, payload)])
 
 
 # --- engine live data (the engine-side publisher and the websocket consumers) -------------

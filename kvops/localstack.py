@@ -15,6 +15,8 @@ from urllib.parse import urlparse, urlunparse
 
 import requests
 
+from kvops.run import daphne_endpoint
+
 REPO = Path(__file__).resolve().parents[1]
 _stack_count = itertools.count(1)
 
@@ -73,15 +75,15 @@ class Stack:
                     "User.objects.create_user('alice', password='alice-pass-123')")
         for user in ("admin", "alice"):
             self.tokens[user] = self.manage("drf_create_token", user).split()[2]
-        self._spawn("web", [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p",
-                            str(self.port), "kvops.asgi:application"])
+        self._spawn("web", [sys.executable, "-m", "daphne", "-e",
+                            daphne_endpoint("127.0.0.1", self.port), "kvops.asgi:application"])
         self.wait(lambda: requests.get(f"{self.url}/healthz", timeout=2).status_code == 200,
                   "web server", 30)
 
-    def start_engine(self, name: str, **config: str | int) -> None:
+    def start_engine(self, name: str, threads: int = 24, **config: str | int) -> None:
         env = {f"KVOPS_ENGINE_{k.upper()}": str(v) for k, v in config.items()}
         self._spawn(f"engine-{name}", [sys.executable, "manage.py", "engine_worker", "--name",
-                                       name, "--threads", "24"], env)
+                                       name, "--threads", str(threads)], env)
         self.wait(lambda: self.engine_alive(name), f"engine {name}", 120)
 
     def engine_alive(self, name: str) -> bool:

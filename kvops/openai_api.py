@@ -1,5 +1,7 @@
 """OpenAI-compatible endpoints under /v1. Each call is a Job like any other, so it shows
-up on the dashboard; streaming reads the job's channel group (server-sent events)."""
+up on the dashboard; answers and streams (server-sent events) are read from the job
+stream (kvops/job_stream.py) through this process's hub. A client that disconnects
+before its job ends cancels it."""
 from __future__ import annotations
 
 import asyncio
@@ -8,17 +10,18 @@ import time
 from typing import Any, AsyncIterator
 
 from asgiref.sync import sync_to_async
-from channels.layers import get_channel_layer
+from django.conf import settings
 from django.db import transaction
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
 from rest_framework.authtoken.models import Token
 
-from kvops import limits, live, selectors, services
+from kvops import limits, selectors, services
+from kvops.job_listener import JobFailed, JobListener, cancel_abandoned
 from kvops.models import Job
 from kvops.prompt_check import PromptTooLong, check_prompt_fits
+from kvops.stream_hub import Subscription, get_hub
 
-POLL_S = 2.0  # also re-read the job row this often, in case a message was lost
 
 
 def _error(status: int, message: str, param: str | None = None,
@@ -112,51 +115,24 @@ def _check_model(model: Any) -> str:
 
 
 @sync_to_async
-def _create(user, **kwargs) -> Job:
+def _create(user, sub: Subscription, **kwargs) -> Job:
+    """Store the job and bind the listener to it before the commit dispatches it, so
+    the listener sees every update."""
     with transaction.atomic():
-        return services.create_job(user, source=Job.Source.OPENAI, **kwargs)
+        job = services.create_job(user, source=Job.Source.OPENAI, **kwargs)
+        sub.hub.bind(sub, job.pk)
+        return job
 
 
-@sync_to_async
-def _reload(job_id: int) -> Job:
-    return Job.objects.get(pk=job_id)
+def _usage(state: dict) -> dict:
+    prompt, output = state.get("num_prompt_tokens", 0), state.get("num_output_tokens", 0)
+    return {"prompt_tokens": prompt, "completion_tokens": output,
+            "total_tokens": prompt + output,
+            "prompt_tokens_details": {"cached_tokens": state.get("num_cached_tokens", 0)}}
 
 
-async def _job_updates(job: Job) -> AsyncIterator[dict]:
-    """Cumulative job states until the job ends: from its channel group, and from the
-    database every POLL_S in case a message was missed."""
-    layer = get_channel_layer()
-    channel = await layer.new_channel()
-    group = live.job_group(job.pk)
-    await layer.group_add(group, channel)
-    try:
-        # Anything published before we joined the group is in the row already.
-        message = services.job_payload(await _reload(job.pk))
-        yield message
-        if message["finished"]:
-            return
-        while True:
-            try:
-                message = await asyncio.wait_for(layer.receive(channel), timeout=POLL_S)
-            except asyncio.TimeoutError:
-                fresh = await _reload(job.pk)
-                message = services.job_payload(fresh)
-            yield message
-            if message.get("finished"):
-                return
-    finally:
-        await layer.group_discard(group, channel)
-
-
-def _usage(job: Job) -> dict:
-    return {"prompt_tokens": job.num_prompt_tokens, "completion_tokens": job.num_output_tokens,
-            "total_tokens": job.num_prompt_tokens + job.num_output_tokens,
-            "prompt_tokens_details": {"cached_tokens": job.num_cached_tokens}}
-
-
-def _finish_reason(job: Job) -> str | None:
-    return {"stop": "stop", "length": "length", "abort": "abort"}.get(job.finish_reason,
-                                                                      job.finish_reason or None)
+def _finish_reason(state: dict) -> str | None:
+    return state.get("finish_reason") or None
 
 
 async def _handle(request: HttpRequest, chat: bool) -> HttpResponse:
@@ -190,28 +166,44 @@ async def _handle(request: HttpRequest, chat: bool) -> HttpResponse:
         return _error(400, str(e), e.param)
     except LookupError as e:
         return _error(404, str(e), "model", code="model_not_found")
-    job = await _create(user, **kwargs)
+    sub = await get_hub().open()
+    try:
+        job = await _create(user, sub, **kwargs)
+    except BaseException:
+        sub.close()
+        raise
     created = int(time.time())
     ident = f"{'chatcmpl' if chat else 'cmpl'}-{job.pk}"
+    listener = JobListener(sub, job)
     if stream:
-        response = StreamingHttpResponse(_sse(job, ident, model, created, chat),
+        response = StreamingHttpResponse(_sse(listener, ident, model, created, chat),
                                          content_type="text/event-stream")
         response["Cache-Control"] = "no-cache"
         response["X-Accel-Buffering"] = "no"
         return response
-    async for _ in _job_updates(job):
-        pass
-    job = await _reload(job.pk)
-    if job.status == Job.Status.FAILED:
-        return _error(500, f"the job failed: {job.error}", type_="server_error")
-    choice: dict[str, Any] = {"index": 0, "finish_reason": _finish_reason(job), "logprobs": None}
+    try:
+        async for _ in listener.updates():
+            pass
+    except JobFailed as e:
+        cancel_abandoned(job.pk)
+        return _error(500, f"the job's updates were lost: {e}", type_="server_error")
+    except asyncio.CancelledError:  # the client disconnected
+        cancel_abandoned(job.pk)
+        raise
+    finally:
+        sub.close()
+    state = listener.state
+    if state.get("status") == Job.Status.FAILED:
+        return _error(500, f"the job failed: {state.get('error')}", type_="server_error")
+    choice: dict[str, Any] = {"index": 0, "finish_reason": _finish_reason(state),
+                              "logprobs": None}
     if chat:
-        choice["message"] = {"role": "assistant", "content": job.output_text}
+        choice["message"] = {"role": "assistant", "content": listener.text.text}
     else:
-        choice["text"] = job.output_text
+        choice["text"] = listener.text.text
     return JsonResponse({"id": ident, "object": "chat.completion" if chat else "text_completion",
                          "created": created, "model": model, "choices": [choice],
-                         "usage": _usage(job), "kvops_job_id": job.pk})
+                         "usage": _usage(state), "kvops_job_id": job.pk})
 
 
 def _message(m: Any) -> dict:
@@ -239,7 +231,11 @@ def _prompt(prompt: Any) -> str:
     return prompt
 
 
-async def _sse(job: Job, ident: str, model: str, created: int, chat: bool) -> AsyncIterator[str]:
+async def _sse(listener: JobListener, ident: str, model: str, created: int,
+               chat: bool) -> AsyncIterator[str]:
+    """The job's output as server-sent events: each chunk holds all the text produced
+    since the previous one, and chunks are spaced so that a web process sends at most
+    KVOPS_SSE_MAX_CHUNKS_PER_S of them, however many streams it serves."""
     kind = "chat.completion.chunk" if chat else "text_completion"
 
     def chunk(delta_text: str | None, finish: str | None, first: bool = False) -> str:
@@ -255,23 +251,38 @@ async def _sse(job: Job, ident: str, model: str, created: int, chat: bool) -> As
                 "choices": [choice]}
         return f"data: {json.dumps(data)}\n\n"
 
-    if chat:
-        yield chunk(None, None, first=True)
-    sent = 0
-    async for update in _job_updates(job):
-        text = update.get("text") or ""
-        if len(text) > sent:
-            yield chunk(text[sent:], None)
-            sent = len(text)
-    job = await _reload(job.pk)
-    if len(job.output_text) > sent:
-        yield chunk(job.output_text[sent:], None)
-    if job.status == Job.Status.FAILED:
-        err = {"error": {"message": f"the job failed: {job.error}", "type": "server_error"}}
-        yield f"data: {json.dumps(err)}\n\n"
-    else:
-        yield chunk(None, _finish_reason(job) or "stop")
-    yield "data: [DONE]\n\n"
+    def error(message: str) -> str:
+        return f"data: {json.dumps({'error': {'message': message, 'type': 'server_error'}})}\n\n"
+
+    max_rate = settings.KVOPS_SSE_MAX_CHUNKS_PER_S
+    sent = ""  # text streamed so far
+    try:
+        if chat:
+            yield chunk(None, None, first=True)
+        try:
+            async for _ in listener.updates():
+                text = listener.text.text
+                if not text.startswith(sent):  # a re-run (its worker died) said otherwise
+                    yield error("the job ran again after its engine stopped, and its new "
+                                "output differs from what was streamed; retry the request")
+                    break
+                if len(text) > len(sent):
+                    yield chunk(text[len(sent):], None)
+                    sent = text
+                    await asyncio.sleep(listener.sub.hub.num_listeners / max_rate)
+            else:
+                state = listener.state
+                if state.get("status") == Job.Status.FAILED:
+                    yield error(f"the job failed: {state.get('error')}")
+                else:
+                    yield chunk(None, _finish_reason(state) or "stop")
+        except JobFailed as e:
+            yield error(f"the job's updates were lost: {e}")
+        yield "data: [DONE]\n\n"
+    finally:
+        listener.sub.close()
+        if not listener.finished:  # the client went away, or the stream broke
+            cancel_abandoned(listener.job_id)
 
 
 @csrf_exempt

@@ -16,6 +16,14 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 REPO = Path(__file__).resolve().parent.parent
+# Connections the web server's socket queues before it accepts them. Twisted's default
+# (50) resets connections when hundreds of clients connect at once.
+LISTEN_BACKLOG = 4096
+
+
+def daphne_endpoint(host: str, port: int) -> str:
+    """daphne's -e endpoint for host:port with a listen backlog fit for many clients."""
+    return f"tcp:port={port}:interface={host}:backlog={LISTEN_BACKLOG}"
 
 
 def log(message: str) -> None:
@@ -94,7 +102,7 @@ def main() -> int:
         manage("migrate", "--noinput", "-v0")
         manage("ensure_admin")
         children.append(subprocess.Popen(
-            [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port),
+            [sys.executable, "-m", "daphne", "-e", daphne_endpoint("127.0.0.1", port),
              "kvops.asgi:application"], cwd=REPO, start_new_session=True))
         name = os.environ.get("KVOPS_ENGINE_NAME", "default")
         children.append(subprocess.Popen(

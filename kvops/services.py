@@ -4,10 +4,12 @@ from __future__ import annotations
 import logging
 import uuid
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.db import transaction
+from django.db.models import Case, F, TextField, Value, When
+from django.db.models.functions import Concat
 from django.utils import timezone
 
 from kvops import control, live, metrics_store
@@ -15,7 +17,6 @@ from kvops.models import Engine, Job, OperatorAction
 from kvops.routing import SHARED_QUEUE, engine_queue  # noqa: F401  (re-exported)
 
 log = logging.getLogger(__name__)
-
 
 
 class Conflict(Exception):
@@ -75,14 +76,18 @@ def _end(job: Job, status: str, error: str = "") -> None:
 
 
 def _publish_job(job: Job) -> None:
-    live.publish_job_update(job.pk, job_payload(job))
+    try:
+        live.publish_job_state(job.pk, job.attempts, job_payload(job))
+    except Exception as e:  # Redis away: listeners see the gap and end with an error
+        log.warning("could not publish job %s's state: %s", job.pk, e)
 
 
 def job_payload(job: Job) -> dict:
     """What a job's websocket and SSE listeners receive: cumulative, so a missed message
     costs nothing."""
-    return {"status": job.status, "text": job.output_text,
+    return {"status": job.status, "attempt": job.attempts, "text": job.output_text,
             "num_output_tokens": job.num_output_tokens, "finish_reason": job.finish_reason,
+            "num_prompt_tokens": job.num_prompt_tokens,
             "finished": job.is_terminal, "error": job.error, "engine": job.engine,
             "request_id": job.request_id, "num_cached_tokens": job.num_cached_tokens,
             "num_preemptions": job.num_preemptions}
@@ -134,61 +139,99 @@ def claim_job(job_id: int, engine: str, instance: str, task_id: str) -> Job | No
 
 
 @dataclass(slots=True)
-class Progress:
-    """A request's latest output, as the task hands it to the database."""
+class ProgressDelta:
+    """What one running attempt produced since its last write (the output processor
+    batches these)."""
+    job_id: int
+    request_id: str  # the attempt: a write for another attempt is ignored
+    text: str  # appended to the job's output
+    num_output_tokens: int
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_preemptions: int
+    first_token_at: datetime | None = None  # set when this delta holds the first token
+
+
+@dataclass(slots=True)
+class FinalState:
+    """How an attempt ended, as the output processor hands it to the database."""
+    job_id: int
+    request_id: str
     text: str
     token_ids: list[int]
     num_prompt_tokens: int
     num_cached_tokens: int
     num_preemptions: int
-    finished: bool = False
-    finish_reason: str | None = None
+    finish_reason: str
+    first_token_at: datetime | None
 
 
-def record_progress(job: Job, progress: Progress, first_token: bool) -> None:
-    """Save what the request has produced so far (the task calls this coalesced)."""
-    now = timezone.now()
-    job.output_text = progress.text
-    job.output_token_ids = progress.token_ids
-    job.num_output_tokens = len(progress.token_ids)
-    job.num_prompt_tokens = progress.num_prompt_tokens
-    job.num_cached_tokens = progress.num_cached_tokens
-    job.num_preemptions = progress.num_preemptions
-    fields = ["output_text", "output_token_ids", "num_output_tokens", "num_prompt_tokens",
-              "num_cached_tokens", "num_preemptions"]
-    if first_token and job.first_token_at is None:
-        job.first_token_at = now
-        fields.append("first_token_at")
-    Job.objects.filter(pk=job.pk, status=Job.Status.RUNNING).update(
-        **{f: getattr(job, f) for f in fields})
-    _publish_job(job)
+BULK_ROWS = 200  # jobs per UPDATE statement (SQLite limits the parameters of one)
 
 
-def finish_job(job: Job, progress: Progress) -> Job:
-    """The request ended: finished, or aborted (cancelled by its owner or an operator)."""
-    record_progress(job, progress, first_token=bool(progress.token_ids))
+def record_progress(deltas: list[ProgressDelta]) -> None:
+    """Append what running jobs produced, one UPDATE statement per BULK_ROWS jobs. Each
+    row is matched on its attempt (request id), so a stale attempt writes nothing."""
+    for i in range(0, len(deltas), BULK_ROWS):
+        chunk = deltas[i:i + BULK_ROWS]
+
+        def case(field: str, value, only=lambda d: True) -> Case:
+            return Case(*[When(pk=d.job_id, request_id=d.request_id, then=value(d))
+                          for d in chunk if only(d)], default=F(field),
+                        output_field=Job._meta.get_field(field))
+
+        updates = {
+            "output_text": case("output_text", lambda d: Concat(
+                F("output_text"), Value(d.text), output_field=TextField())),
+            "num_output_tokens": case("num_output_tokens", lambda d: Value(d.num_output_tokens)),
+            "num_prompt_tokens": case("num_prompt_tokens", lambda d: Value(d.num_prompt_tokens)),
+            "num_cached_tokens": case("num_cached_tokens", lambda d: Value(d.num_cached_tokens)),
+            "num_preemptions": case("num_preemptions", lambda d: Value(d.num_preemptions)),
+        }
+        if any(d.first_token_at for d in chunk):
+            updates["first_token_at"] = case("first_token_at", lambda d: Value(d.first_token_at),
+                                             only=lambda d: d.first_token_at is not None)
+        Job.objects.filter(pk__in=[d.job_id for d in chunk],
+                           status=Job.Status.RUNNING).update(**updates)
+
+
+def finish_job(final: FinalState) -> Job | None:
+    """The attempt ended: finished, or aborted (cancelled by its owner or an operator).
+    Writes the final state; None if the job is no longer this attempt's (it ended, or
+    runs again elsewhere)."""
     with transaction.atomic():
-        fresh = Job.objects.select_for_update().get(pk=job.pk)
-        if fresh.is_terminal:
-            return fresh
-        job.cancel_requested = fresh.cancel_requested
-        job.finish_reason = progress.finish_reason or ""
-        if progress.finish_reason == "abort":
+        job = Job.objects.select_for_update().filter(pk=final.job_id).first()
+        if job is None or job.is_terminal or job.request_id != final.request_id:
+            return None
+        job.output_text = final.text
+        job.output_token_ids = final.token_ids
+        job.num_output_tokens = len(final.token_ids)
+        job.num_prompt_tokens = final.num_prompt_tokens
+        job.num_cached_tokens = final.num_cached_tokens
+        job.num_preemptions = final.num_preemptions
+        job.first_token_at = job.first_token_at or final.first_token_at
+        job.finish_reason = final.finish_reason
+        if final.finish_reason == "abort":
             reason = "cancelled by its owner" if job.cancel_requested \
                 else f"aborted by an operator on engine {job.engine}"
             _end(job, Job.Status.CANCELLED, error=reason)
         else:
             _end(job, Job.Status.FINISHED)
-        job.save(update_fields=["cancel_requested", "finish_reason", *END_FIELDS])
+        job.save(update_fields=[
+            "output_text", "output_token_ids", "num_output_tokens", "num_prompt_tokens",
+            "num_cached_tokens", "num_preemptions", "first_token_at", "finish_reason",
+            *END_FIELDS])
     metrics_store.observe_job(job)
-    _publish_job(job)
     return job
 
 
-def fail_job(job_id: int, error: str) -> None:
+def fail_job(job_id: int, error: str, request_id: str | None = None) -> None:
+    """End the job as failed; with request_id, only while that attempt owns it."""
     with transaction.atomic():
         job = Job.objects.select_for_update().filter(pk=job_id).first()
         if job is None or job.is_terminal:
+            return
+        if request_id is not None and job.request_id != request_id:
             return
         _end(job, Job.Status.FAILED, error=error[:4000])
         job.save(update_fields=END_FIELDS)

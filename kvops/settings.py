@@ -128,6 +128,10 @@ SPECTACULAR_SETTINGS = {
 CELERY_RESULT_BACKEND = None
 KVOPS_JOB_TIMEOUT_S = int(os.environ.get("KVOPS_JOB_TIMEOUT_S", 3600))
 KVOPS_CONTROL_TIMEOUT_S = float(os.environ.get("KVOPS_CONTROL_TIMEOUT_S", 5))
+# Server-sent-event chunks one web process sends per second, at most, over all its
+# streams: each stream's chunks are spaced by (streams / this) seconds, and the tokens
+# produced meanwhile travel together (as vLLM's stream interval does).
+KVOPS_SSE_MAX_CHUNKS_PER_S = float(os.environ.get("KVOPS_SSE_MAX_CHUNKS_PER_S", 5000))
 KVOPS_HEARTBEAT_S = float(os.environ.get("KVOPS_HEARTBEAT_S", 2))
 KVOPS_ENGINE_DEAD_AFTER_S = float(os.environ.get("KVOPS_ENGINE_DEAD_AFTER_S", 15))
 KVOPS_EVENT_HISTORY = int(os.environ.get("KVOPS_EVENT_HISTORY", 10_000))  # KV events kept per engine

@@ -2,58 +2,52 @@
 from __future__ import annotations
 
 import logging
-import time
 
 from celery import shared_task
 from django.conf import settings
 
 from kvops import services
 from kvops.engine_service import EngineError
-from kvops.worker import get_engine_service
+from kvops.worker import get_engine_service, get_output_processor
 
 log = logging.getLogger(__name__)
-
-PROGRESS_INTERVAL_S = 0.1  # coalesce token updates to at most 10 per second per job
 
 
 @shared_task(bind=True, name="kvops.run_job")
 def run_job(self, job_id: int) -> str:
-    """Run one job on this worker's engine, streaming progress, until it ends."""
+    """Run one job on this worker's engine until it ends.
+
+    The task holds its Celery delivery (acks late) while the job runs, but does no
+    per-token work: the output processor streams and stores every job's progress, and
+    wakes this thread when the job has ended."""
     service = get_engine_service()
+    processor = get_output_processor()
     job = services.claim_job(job_id, service.name, service.instance, self.request.id or "")
     if job is None:
         return "skipped"
+    handle = processor.track(job.pk, job.request_id, job.attempts)
     try:
         prompt = service.render_chat(job.messages) if job.messages else job.prompt
-        handle = service.submit(job.request_id, prompt, job.params, job.priority, str(job.pk))
+        service.submit(job.request_id, prompt, job.params, job.priority, str(job.pk))
     except EngineError as e:
-        services.fail_job(job.pk, str(e))
+        processor.untrack(job.request_id)
+        services.fail_job(job.pk, str(e), request_id=job.request_id)
         return "rejected"
-    last_sent = 0.0
-    progress = None
-    try:
-        for out in handle.outputs(timeout_s=settings.KVOPS_JOB_TIMEOUT_S):
-            progress = services.Progress(
-                text=out.text, token_ids=out.output_token_ids,
-                num_prompt_tokens=len(out.prompt_token_ids),
-                num_cached_tokens=out.num_cached_tokens, num_preemptions=out.num_preemptions,
-                finished=out.finished, finish_reason=out.finish_reason)
-            now = time.monotonic()
-            first = job.first_token_at is None and bool(out.output_token_ids)
-            if out.finished:
-                break
-            if first or now - last_sent >= PROGRESS_INTERVAL_S:
-                services.record_progress(job, progress, first_token=first)
-                last_sent = now
-    except EngineError as e:  # the step computing it failed
-        services.fail_job(job.pk, str(e))
+    except Exception as e:  # anything else: the job fails with the reason, never hangs
+        log.exception("job %s could not be submitted", job.pk)
+        processor.untrack(job.request_id)
+        services.fail_job(job.pk, f"{type(e).__name__}: {e}", request_id=job.request_id)
         return "failed"
-    except TimeoutError as e:
+    outcome = handle.wait(settings.KVOPS_JOB_TIMEOUT_S)
+    if outcome is None:
+        processor.untrack(job.request_id)
         try:
             service.command("abort", {"request_id": job.request_id})
         except EngineError:
             pass  # it ended on its own meanwhile; the job fails for its timeout all the same
-        services.fail_job(job.pk, str(e))
+        services.fail_job(job.pk, f"request {job.request_id} ran past "
+                                  f"{settings.KVOPS_JOB_TIMEOUT_S:.0f} s", job.request_id)
         return "timeout"
-    services.finish_job(job, progress)
-    return "done"
+    if outcome == "error":  # its end could not be written: try once more, as a failure
+        services.fail_job(job.pk, "the job's result could not be stored", job.request_id)
+    return outcome

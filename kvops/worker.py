@@ -20,6 +20,7 @@ from celery.worker.control import control_command
 log = logging.getLogger(__name__)
 
 _service = None  # the EngineService of this process, if it is an engine worker
+_processor = None  # its OutputProcessor
 _stop = threading.Event()
 
 
@@ -29,19 +30,28 @@ def get_engine_service():
     return _service
 
 
+def get_output_processor():
+    if _processor is None:
+        raise RuntimeError("this process is not an engine worker (KVOPS_ENGINE_WORKER=1)")
+    return _processor
+
+
 @signals.worker_init.connect
 def _start_engine(sender=None, **kwargs) -> None:
-    global _service
+    global _service, _processor
     if os.environ.get("KVOPS_ENGINE_WORKER") != "1":
         return
     import django
     django.setup()
-    from kvops import services
+    from kvops import live, services
     from kvops.engine_service import EngineService, config_from_env
+    from kvops.job_stream import StreamProducer
+    from kvops.output_processor import OutputProcessor
 
     config = config_from_env(os.environ)
     log.info("starting engine %s", config.name)
-    _service = EngineService(config)
+    _processor = OutputProcessor(config.name, StreamProducer(live.redis_client(), config.name))
+    _service = EngineService(config, sink=_processor)
     _service.start()
     from kvops.prefix_index import PrefixIndexPublisher
     from kvops.publisher import EnginePublisher
@@ -88,6 +98,8 @@ def _stop_engine(**kwargs) -> None:
     except Exception as e:
         log.warning("could not mark engine stopped: %s", e)
     _service.stop()
+    if _processor is not None:
+        _processor.close()
 
 
 @control_command(args=[("command", str), ("arguments", dict)],

@@ -10,6 +10,7 @@ from django.contrib.auth.models import AnonymousUser
 from engine import SamplingParams
 from kvops import live
 from kvops.consumers import CLOSE_NOT_FOUND, CLOSE_NOT_LOGGED_IN
+from kvops.job_stream import StreamProducer
 from kvops.models import Engine, Job
 from tests.dashboard.churn import churn_engine
 from tests.dashboard.live_client import ARRAYS, LiveState, SequenceGap
@@ -157,10 +158,12 @@ async def test_job_stream_and_block_table(users, engine_setup):
     assert ok
     first = await receive(comm)
     assert first["type"] == "job" and first["status"] == "running"
-    live.publish_job_update(job.pk, {"status": "running", "text": "hello", "finished": False,
-                                     "engine": name, "request_id": "job-7-1"})
+    producer = StreamProducer(live.redis_client(), name)
+    await asyncio.to_thread(producer.send, [
+        {"job": job.pk, "attempt": 0, "offset": 0, "text": "hello", "n": 2}])
     update = await receive(comm)
     assert update["type"] == "job" and update["text"] == "hello"
+    assert update["num_output_tokens"] == 2
     engine.step()
     await settle(publisher, engine)
     await comm.send_json_to({"type": "blocks"})
@@ -300,12 +303,14 @@ async def test_an_idle_consumer_stays_connected(users, engine_setup):
     consumer that hears nothing for that long gets a TimeoutError, and must not end."""
     name, engine, publisher, churn = engine_setup
     job = await asyncio.to_thread(lambda: Job.objects.create(
-        owner=users[1], prompt="x", engine=name, request_id="r1", status="finished"))
+        owner=users[1], prompt="x", engine=name, request_id="r1", status="running"))
     comm, ok, _ = await connect(f"/ws/jobs/{job.pk}/", users[1])
     assert (await receive(comm))["type"] == "job"
     await asyncio.sleep(6.5)
     await comm.send_json_to({"type": "ping"})
     assert (await receive(comm))["type"] == "pong"
-    live.publish_job_update(job.pk, {"status": "finished", "text": "late"})
+    producer = StreamProducer(live.redis_client(), name)
+    await asyncio.to_thread(producer.send, [
+        {"job": job.pk, "attempt": 0, "offset": 0, "text": "late", "n": 1}])
     assert (await receive(comm))["text"] == "late"
     await comm.disconnect()

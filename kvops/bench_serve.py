@@ -1,0 +1,213 @@
+"""Streaming benchmark: `python -m kvops.bench_serve`.
+
+The service path measured end to end at an engine's pace: a throwaway stack (daphne and
+one engine worker, loopback only) with the simulated engine paced like a GPU step
+(--step-ms), N concurrent streamed completions through /v1 (ignore_eos, 200-400
+tokens each) from a light SSE client in this process, and, in the same run, the same
+engine alone (an LLMEngine in this process) on the same prompts. Per concurrency it
+prints delivered output tok/s, the engine alone, their ratio, TTFT and inter-chunk
+latency percentiles, lost and hung streams, and CPU seconds per 1,000 streamed tokens
+of the web process, the worker and this client. `--real N` adds the default model at N
+streams (shorter outputs: the CPU makes it slow).
+
+Bounded: every stream has a deadline; talks to 127.0.0.1 only.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.capacity import format_table
+from kvops.localstack import Stack
+from kvops.sse_client import StreamResult, stream_completion
+
+SIM_VOCAB = 32000
+
+
+@dataclass(slots=True)
+class Workload:
+    prompts: list[str]
+    max_tokens: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.max_tokens)
+
+
+def make_workload(n: int, lo: int, hi: int, seed: int = 0) -> Workload:
+    rng = random.Random(seed)
+    prompts = [f"request {i}: " + "lorem ipsum dolor " * rng.randint(2, 6) for i in range(n)]
+    return Workload(prompts, [rng.randint(lo, hi) for _ in range(n)])
+
+
+def engine_config(args, streams: int, real: bool) -> dict:
+    """The engine's settings, as KVOPS_ENGINE_* values and EngineConfig fields alike."""
+    if real:
+        return dict(max_num_seqs=max(32, streams), max_num_batched_tokens=2048)
+    return dict(simulate=True, vocab_size=SIM_VOCAB, simulate_step_ms=args.step_ms,
+                max_num_seqs=max(256, streams), num_gpu_blocks=65536,
+                max_num_batched_tokens=8192)
+
+
+def engine_alone(config: dict, work: Workload) -> float:
+    """Seconds for the engine by itself to run every prompt, all added at once."""
+    engine = LLMEngine(EngineConfig(**config))
+    for i, (prompt, n) in enumerate(zip(work.prompts, work.max_tokens)):
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=n, ignore_eos=True,
+                                                          temperature=0.0))
+    started = time.perf_counter()
+    produced = 0
+    while engine.has_unfinished_requests():
+        produced += sum(len(o.output_token_ids) for o in engine.step() if o.finished)
+    elapsed = time.perf_counter() - started
+    if produced != work.num_tokens:
+        raise RuntimeError(f"the engine alone produced {produced} tokens, "
+                           f"not {work.num_tokens}")
+    return elapsed
+
+
+def group_cpu_s(pgid: int) -> float:
+    """User + system CPU seconds of every live process in a process group."""
+    total = 0
+    tick = os.sysconf("SC_CLK_TCK")
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        if int(fields[2]) == pgid:  # field 5 of stat, after pid and comm
+            total += int(fields[11]) + int(fields[12])
+    return total / tick
+
+
+async def run_streams(url: str, token: str, model: str, work: Workload,
+                      deadline_s: float) -> tuple[list[StreamResult | None], float]:
+    async def one(i: int) -> StreamResult:
+        body = {"model": model, "prompt": work.prompts[i], "max_tokens": work.max_tokens[i],
+                "ignore_eos": True, "temperature": 0.0}
+        return await stream_completion(url, token, body)
+
+    started = time.perf_counter()
+    tasks = [asyncio.create_task(one(i)) for i in range(len(work.prompts))]
+    done, pending = await asyncio.wait(tasks, timeout=deadline_s)
+    for task in pending:
+        task.cancel()
+    elapsed = time.perf_counter() - started
+    return [t.result() if t in done else None for t in tasks], elapsed
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def measure(stack: Stack, model: str, work: Workload, alone_s: float,
+            deadline_s: float) -> dict:
+    pids = {name: proc.pid for name, proc in stack.procs.items()}
+    cpu0 = {name: group_cpu_s(pid) for name, pid in pids.items()}
+    own0 = time.process_time()
+    results, elapsed = asyncio.run(run_streams(stack.url, stack.tokens["admin"], model,
+                                               work, deadline_s))
+    own = time.process_time() - own0
+    cpu = {name: group_cpu_s(pid) - cpu0[name] for name, pid in pids.items()}
+    hung = sum(r is None for r in results)
+    lost = sum(r is not None and (r.error is not None or not r.done) for r in results)
+    ok = [r for r in results if r is not None and r.error is None and r.done]
+    delivered = sum(n for r, n in zip(results, work.max_tokens) if r in ok)
+    per_k = 1000 / max(delivered, 1)
+    gaps = [g for r in ok for g in r.gaps]
+    errors = sorted({r.error for r in results if r is not None and r.error})[:3]
+    web = next(n for n in cpu if n == "web")
+    worker = [n for n in cpu if n.startswith("engine-")]
+    return {
+        "streams": len(work.prompts), "tokens": delivered,
+        "tok_s": delivered / elapsed, "alone_tok_s": work.num_tokens / alone_s,
+        "ratio": (delivered / elapsed) / (work.num_tokens / alone_s),
+        "ttft_p50": pct([r.ttft for r in ok if r.ttft is not None], 0.5),
+        "ttft_p99": pct([r.ttft for r in ok if r.ttft is not None], 0.99),
+        "gap_p50": pct(gaps, 0.5), "gap_p99": pct(gaps, 0.99),
+        "chunks": sum(len(r.chunk_times) for r in ok),
+        "lost": lost, "hung": hung, "errors": errors,
+        "cpu_web": cpu[web] * per_k, "cpu_worker": sum(cpu[n] for n in worker) * per_k,
+        "cpu_client": own * per_k, "elapsed": elapsed,
+    }
+
+
+def bench_level(args, streams: int, real: bool, tmp: Path) -> dict:
+    config = engine_config(args, streams, real)
+    lo, hi = (args.real_tokens, args.real_tokens) if real else (200, 400)
+    work = make_workload(streams, lo, hi, seed=streams)
+    alone_s = engine_alone(config, work)
+    stack = Stack(tmp / f"{'real' if real else 'sim'}-{streams}")
+    try:
+        stack.start_web()
+        stack.start_engine("bench", threads=streams + 16, **config)
+        model = stack.api("GET", "/v1/models", headers={
+            "Authorization": f"Bearer {stack.tokens['admin']}"}, user=None).json()["data"][0]["id"]
+        # One short stream first: imports and connections warm, as in a running service.
+        asyncio.run(run_streams(stack.url, stack.tokens["admin"], model,
+                                make_workload(1, 4, 4), 60))
+        row = measure(stack, model, work, alone_s, args.deadline)
+        row["engine"] = "default model" if real else f"simulator, {args.step_ms:g} ms step"
+        return row
+    finally:
+        stack.stop()
+
+
+def print_table(rows: list[dict]) -> None:
+    print(format_table(
+        ["engine", "streams", "delivered tok/s", "engine alone tok/s", "ratio",
+         "TTFT p50/p99 ms", "inter-chunk p50/p99 ms", "lost", "hung",
+         "CPU s / 1k tok: web, worker, client"],
+        [[r["engine"], r["streams"], f"{r['tok_s']:.0f}", f"{r['alone_tok_s']:.0f}",
+          f"{r['ratio']:.2f}", f"{1000 * r['ttft_p50']:.0f} / {1000 * r['ttft_p99']:.0f}",
+          f"{1000 * r['gap_p50']:.0f} / {1000 * r['gap_p99']:.0f}", r["lost"], r["hung"],
+          f"{r['cpu_web']:.3f}, {r['cpu_worker']:.3f}, {r['cpu_client']:.3f}"]
+         for r in rows]))
+    for r in rows:
+        if r["errors"]:
+            print(f"{r['streams']} streams: errors seen: {r['errors']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--streams", default="32,256,1024",
+                        help="concurrency levels on the simulator (comma-separated)")
+    parser.add_argument("--step-ms", type=float, default=10.0, help="simulated step time")
+    parser.add_argument("--real", type=int, default=0,
+                        help="also the default model at this many streams (0: skip)")
+    parser.add_argument("--real-tokens", type=int, default=64,
+                        help="output tokens per stream with the default model")
+    parser.add_argument("--deadline", type=float, default=300.0,
+                        help="seconds after which a stream counts as hung")
+    args = parser.parse_args(argv)
+    levels = [int(s) for s in args.streams.split(",") if s]
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="kvops-bench-serve-") as tmp:
+        for streams in levels:
+            rows.append(bench_level(args, streams, False, Path(tmp)))
+            print_table(rows[-1:])
+            sys.stdout.flush()
+        if args.real:
+            rows.append(bench_level(args, args.real, True, Path(tmp)))
+    print()
+    print_table(rows)
+    return 1 if any(r["lost"] or r["hung"] for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

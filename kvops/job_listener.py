@@ -1,0 +1,110 @@
+"""Following one job on the job stream (kvops/job_stream.py) from a web process: its
+text, assembled from the database row and the stream's pieces, and its latest state.
+Used by the /v1 answers and streams and by the job page's websocket."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import AsyncIterator
+
+from asgiref.sync import sync_to_async
+
+from kvops import services
+from kvops.job_stream import TextAssembler, state_update
+from kvops.models import Job
+from kvops.stream_hub import StreamError, Subscription
+
+log = logging.getLogger(__name__)
+
+POLL_S = 5.0  # a job quiet this long is looked up in the database (did it end unseen?)
+HOLE_RELOAD_S = 0.5  # a gap in the text is filled from the database this often
+
+
+@sync_to_async
+def reload(job_id: int) -> Job:
+    return Job.objects.get(pk=job_id)
+
+
+class JobFailed(Exception):
+    """The job's updates cannot be followed any more (Redis failed, or the stream lost
+    an entry); the message says which."""
+
+
+class JobListener:
+    """One job followed on the job stream: its text and its latest state."""
+
+    def __init__(self, sub: Subscription, job: Job) -> None:
+        self.sub = sub
+        self.job_id = job.pk
+        self.text = TextAssembler()
+        self.state: dict = services.job_payload(job)
+        self.num_output_tokens = job.num_output_tokens
+        self.text.add(job.attempts, 0, job.output_text)
+        self._last_reload = float("-inf")
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.state.get("finished"))
+
+    def apply(self, update: dict) -> None:
+        if not self.text.add(update["attempt"], update["offset"], update["text"]):
+            return  # an older attempt's
+        self.num_output_tokens = update["n"]
+        if "state" in update:
+            self.state = update["state"]
+
+    async def updates(self) -> AsyncIterator[None]:
+        """Yields after each batch of updates, until the job ends. Raises JobFailed if
+        its updates cannot be followed any more."""
+        while not self.finished:
+            try:
+                batch = await self.sub.next_batch(POLL_S)
+            except asyncio.TimeoutError:  # quiet for long: make sure it did not end unseen
+                job = await reload(self.job_id)
+                if not job.is_terminal:
+                    continue
+                batch = [state_update(job.pk, job.attempts, services.job_payload(job))]
+            except StreamError as e:
+                raise JobFailed(str(e)) from None
+            for update in batch:
+                self.apply(update)
+            if self.text.has_hole:
+                await self._fill_hole()
+            yield
+
+    async def _fill_hole(self) -> None:
+        """A listener that joined a running job has the row's text and the stream's
+        pieces since, with a gap between (the row is written a few times a second):
+        the row fills it once it is written past the gap."""
+        now = time.monotonic()
+        if now - self._last_reload < HOLE_RELOAD_S:
+            return
+        self._last_reload = now
+        job = await reload(self.job_id)
+        self.text.add(job.attempts, 0, job.output_text)
+
+
+def cancel_abandoned(job_id: int) -> None:
+    """The client went away before its job ended: cancel it (vLLM aborts on disconnect)."""
+    task = asyncio.get_running_loop().create_task(_cancel(job_id))
+    _background.add(task)
+    task.add_done_callback(_background.discard)
+
+
+_background: set[asyncio.Task] = set()
+
+
+@sync_to_async
+def _cancel(job_id: int) -> None:
+    job = Job.objects.filter(pk=job_id).first()
+    if job is None or job.is_terminal:
+        return
+    try:
+        services.cancel_job(job)
+    except services.Conflict:
+        pass  # it ended meanwhile
+    except Exception as e:
+        log.warning("could not cancel abandoned job %s: %s", job_id, e)
+
+

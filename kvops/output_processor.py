@@ -1,0 +1,246 @@
+"""The worker's output processor: the engine's per-step outputs to the job stream and the
+database, for every job at once.
+
+The engine loop hands over each step's outputs as one list (`push`, a list append); this
+module's thread does the rest, so per-token work never runs in a job's task thread or
+on the engine loop. Per flush it writes one job-stream entry holding every job that
+moved, and, a few times a second, one bulk database write of all running jobs'
+progress (text appended, never rewritten). A job that ended is written to the database
+first, then announced on the stream (and its task woken): a client that sees the end on
+the stream finds the final row in the database.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from django.db import close_old_connections
+from django.utils import timezone
+
+from engine import RequestOutput
+from kvops import services
+from kvops.job_stream import StreamProducer, state_update
+
+log = logging.getLogger(__name__)
+
+DB_INTERVAL_S = 0.25  # running jobs' progress reaches the database this often
+IDLE_WAIT_S = 1.0
+
+
+class JobHandle:
+    """What a job's task waits on: set once the attempt's end is in the database."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self.outcome: str | None = None  # "finished", "cancelled", "failed" or "fenced"
+
+    def set(self, outcome: str) -> None:
+        self.outcome = outcome
+        self._done.set()
+
+    def wait(self, timeout_s: float) -> str | None:
+        """The outcome, or None if the attempt did not end within timeout_s."""
+        return self.outcome if self._done.wait(timeout_s) else None
+
+
+@dataclass(slots=True)
+class _Tracked:
+    """One running attempt, as the processor thread follows it (that thread only)."""
+    job_id: int
+    request_id: str
+    attempt: int
+    handle: JobHandle
+    text: list[str] = field(default_factory=list)  # the deltas so far
+    chars: int = 0  # characters streamed so far
+    unwritten: list[str] = field(default_factory=list)  # deltas not in the database yet
+    num_output_tokens: int = 0
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    first_token_at: datetime | None = None
+    first_token_written: bool = False
+    dirty: bool = False  # progress not in the database yet
+
+
+@dataclass(slots=True)
+class ProcessorStats:
+    flushes: int = 0
+    stream_errors: int = 0
+    db_writes: int = 0
+    cpu_s: float = 0.0  # this thread's CPU time
+
+
+class OutputProcessor:
+    def __init__(self, engine_name: str, producer: StreamProducer,
+                 db_interval_s: float = DB_INTERVAL_S) -> None:
+        self.engine_name = engine_name
+        self.producer = producer
+        self.db_interval_s = db_interval_s
+        self.stats = ProcessorStats()
+        self._lock = threading.Lock()
+        self._inbox: list[RequestOutput] = []  # under _lock
+        self._failed: list[tuple[str, str]] = []  # (request id, why), under _lock
+        self._new: dict[str, _Tracked] = {}  # tracked by tasks, not yet seen here; under _lock
+        self._gone: set[str] = set()  # untracked by tasks; under _lock
+        self._jobs: dict[str, _Tracked] = {}  # processor thread only
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"kvops-outputs-{engine_name}",
+                                        daemon=True)
+        self._thread.start()
+
+    # --- any thread ----------------------------------------------------------------------
+    def track(self, job_id: int, request_id: str, attempt: int) -> JobHandle:
+        """Follow this attempt's outputs (call before submitting the request)."""
+        handle = JobHandle()
+        with self._lock:
+            self._new[request_id] = _Tracked(job_id, request_id, attempt, handle)
+        return handle
+
+    def untrack(self, request_id: str) -> None:
+        """Stop following an attempt whose task gave up on it."""
+        with self._lock:
+            self._new.pop(request_id, None)
+            self._gone.add(request_id)
+        self._wake.set()
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout_s)
+
+    # --- the engine loop ---------------------------------------------------------------
+    def push(self, outputs: list[RequestOutput]) -> None:
+        if outputs:
+            with self._lock:
+                self._inbox.extend(outputs)
+            self._wake.set()
+
+    def fail(self, request_ids: list[str], message: str) -> None:
+        with self._lock:
+            self._failed.extend((rid, message) for rid in request_ids)
+        self._wake.set()
+
+    # --- the processor thread ------------------------------------------------------------
+    def _run(self) -> None:
+        next_db = time.monotonic() + self.db_interval_s
+        while not self._stop.is_set():
+            self._wake.wait(min(IDLE_WAIT_S, max(0.0, next_db - time.monotonic())))
+            self._wake.clear()
+            cpu = time.thread_time()
+            try:
+                now = time.monotonic()
+                due = now >= next_db
+                if due:
+                    next_db = now + self.db_interval_s
+                self._flush(write_db=due)
+            except Exception:  # the database or Redis away: try again next round
+                log.exception("output processing failed")
+                self._stop.wait(0.5)
+            finally:
+                close_old_connections()
+            self.stats.cpu_s += time.thread_time() - cpu
+
+    def _flush(self, write_db: bool) -> None:
+        with self._lock:
+            outputs, self._inbox = self._inbox, []
+            failed, self._failed = self._failed, []
+            self._jobs.update(self._new)
+            self._new.clear()
+            for request_id in self._gone:
+                self._jobs.pop(request_id, None)
+            self._gone.clear()
+        updates: list[dict] = []
+        ended: list[tuple[_Tracked, RequestOutput]] = []
+        for out in outputs:
+            t = self._jobs.get(out.request_id)
+            if t is not None:
+                self._absorb(t, out, updates)
+                if out.finished:
+                    ended.append((t, out))
+        self._send(updates)  # progress: to the stream at once, to the database in batches
+        if ended or failed or write_db:
+            try:
+                self._write_progress()
+            except Exception:  # kept dirty: written with the next batch
+                log.exception("writing the progress of %d jobs failed", len(self._jobs))
+        endings = [self._end(t, out) for t, out in ended]
+        self._send([u for u in endings if u is not None])
+        for request_id, message in failed:
+            t = self._jobs.pop(request_id, None)
+            if t is not None:
+                services.fail_job(t.job_id, message, request_id=t.request_id)
+                t.handle.set("failed")
+        self.stats.flushes += 1
+
+    def _end(self, t: _Tracked, out: RequestOutput) -> dict | None:
+        """Write an ended attempt's final state, wake its task, and return the state
+        update for the stream (None when there is nothing to announce)."""
+        del self._jobs[t.request_id]
+        try:
+            job = services.finish_job(_final_state(t, out))
+        except Exception:  # the task fails the job itself, with the reason
+            log.exception("could not write the end of job %s", t.job_id)
+            t.handle.set("error")
+            return None
+        if job is None:
+            t.handle.set("fenced")
+            return None
+        t.handle.set(job.status)
+        return state_update(job.pk, t.attempt, services.job_payload(job))
+
+    def _absorb(self, t: _Tracked, out: RequestOutput, updates: list[dict]) -> None:
+        n = len(out.output_token_ids)
+        if n and t.first_token_at is None:
+            t.first_token_at = timezone.now()
+        if out.text_delta:
+            updates.append({"job": t.job_id, "attempt": t.attempt, "offset": t.chars,
+                            "text": out.text_delta, "n": n})
+            t.text.append(out.text_delta)
+            t.unwritten.append(out.text_delta)
+            t.chars += len(out.text_delta)
+        elif n != t.num_output_tokens:
+            updates.append({"job": t.job_id, "attempt": t.attempt, "offset": t.chars,
+                            "text": "", "n": n})
+        t.num_output_tokens = n
+        t.num_prompt_tokens = len(out.prompt_token_ids)
+        t.num_cached_tokens = out.num_cached_tokens
+        t.num_preemptions = out.num_preemptions
+        t.dirty = True
+
+    def _write_progress(self) -> None:
+        deltas = []
+        for t in self._jobs.values():
+            if not t.dirty:
+                continue
+            first = t.first_token_at if not t.first_token_written else None
+            deltas.append(services.ProgressDelta(
+                t.job_id, t.request_id, "".join(t.unwritten), t.num_output_tokens,
+                t.num_prompt_tokens, t.num_cached_tokens, t.num_preemptions, first))
+        if not deltas:
+            return
+        services.record_progress(deltas)
+        self.stats.db_writes += 1
+        for t in self._jobs.values():
+            if t.dirty:
+                t.unwritten.clear()
+                t.first_token_written = t.first_token_written or t.first_token_at is not None
+                t.dirty = False
+
+    def _send(self, updates: list[dict]) -> None:
+        try:
+            self.producer.send(updates)
+        except Exception as e:  # its number is used: readers see the gap and say so
+            self.stats.stream_errors += 1
+            log.warning("job stream write failed (%d updates): %s", len(updates), e)
+
+
+def _final_state(t: _Tracked, out: RequestOutput) -> services.FinalState:
+    return services.FinalState(
+        job_id=t.job_id, request_id=t.request_id, text="".join(t.text),
+        token_ids=list(out.output_token_ids), num_prompt_tokens=len(out.prompt_token_ids),
+        num_cached_tokens=out.num_cached_tokens, num_preemptions=out.num_preemptions,
+        finish_reason=out.finish_reason or "", first_token_at=t.first_token_at)

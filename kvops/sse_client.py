@@ -1,0 +1,93 @@
+"""A light streaming client for /v1/completions, for load generation: one HTTP/1.0
+request on a raw asyncio connection (the server then streams without chunked encoding
+and closes at the end), server-sent events split by hand. It costs a fraction of the
+official client's CPU per chunk, so one process can drive hundreds of streams on a
+small machine and the figures measure the server, not the client. Loopback only."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from urllib.parse import urlparse
+
+
+@dataclass(slots=True)
+class StreamResult:
+    """What one stream delivered, as its client saw it."""
+    sent_at: float  # perf_counter when the request went out
+    chunk_times: list[float] = field(default_factory=list)  # chunks that carried text
+    text: str = ""
+    finish_reason: str | None = None
+    done: bool = False  # `data: [DONE]` arrived
+    error: str | None = None  # an error event, a bad status, or a broken connection
+    status: int = 0
+
+    @property
+    def ttft(self) -> float | None:
+        return self.chunk_times[0] - self.sent_at if self.chunk_times else None
+
+    @property
+    def gaps(self) -> list[float]:
+        t = self.chunk_times
+        return [b - a for a, b in zip(t, t[1:])]
+
+
+async def stream_completion(url: str, token: str, body: dict) -> StreamResult:
+    """POST body (with stream=true) to url's /v1/completions and read the stream to its
+    end. Never raises for what the server does: the result says it."""
+    parsed = urlparse(url)
+    payload = json.dumps({**body, "stream": True}).encode()
+    head = (f"POST /v1/completions HTTP/1.0\r\nHost: {parsed.netloc}\r\n"
+            f"Authorization: Bearer {token}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(payload)}\r\n\r\n").encode()
+    result = StreamResult(sent_at=time.perf_counter())
+    try:
+        reader, writer = await asyncio.open_connection(parsed.hostname, parsed.port)
+    except OSError as e:
+        result.error = f"connect: {e}"
+        return result
+    try:
+        writer.write(head + payload)
+        await writer.drain()
+        header = await reader.readuntil(b"\r\n\r\n")
+        result.status = int(header.split(b" ", 2)[1])
+        if result.status != 200:
+            result.error = f"HTTP {result.status}: {(await reader.read(500)).decode(errors='replace')}"
+            return result
+        buffer = b""
+        while True:
+            data = await reader.read(65536)
+            if not data:
+                break
+            buffer += data
+            *events, buffer = buffer.split(b"\n\n")
+            now = time.perf_counter()
+            for event in events:
+                _take_event(result, event, now)
+    except (OSError, asyncio.IncompleteReadError, ValueError) as e:
+        result.error = f"connection: {e}"
+    finally:
+        writer.close()
+    if not result.done and result.error is None:
+        result.error = "the stream ended without [DONE]"
+    return result
+
+
+def _take_event(result: StreamResult, event: bytes, now: float) -> None:
+    if not event.startswith(b"data: "):
+        return
+    data = event[6:]
+    if data == b"[DONE]":
+        result.done = True
+        return
+    doc = json.loads(data)
+    if "error" in doc:
+        result.error = doc["error"].get("message", "error event")
+        return
+    choice = doc["choices"][0]
+    if choice.get("text"):
+        result.text += choice["text"]
+        result.chunk_times.append(now)
+    if choice.get("finish_reason"):
+        result.finish_reason = choice["finish_reason"]

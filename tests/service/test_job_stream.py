@@ -1,0 +1,126 @@
+"""The job stream's parts against a real Redis and database: the worker's output
+processor (batched stream entries and database writes, fenced on the attempt), the web
+side's hub (demultiplexing, gaps and Redis failures end listeners with an error), and the
+text assembler."""
+import asyncio
+import time
+
+import pytest
+from django.contrib.auth.models import User
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from kvops import live, services
+from kvops.job_stream import STREAM_KEY, StreamProducer, TextAssembler, decode_entry
+from kvops.models import Job
+from kvops.output_processor import OutputProcessor
+from kvops.stream_hub import JobStreamHub, StreamError
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def wait_until(predicate, what: str, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def running_job(owner, attempt: int = 1) -> Job:
+    job = Job.objects.create(owner=owner, prompt="p", status=Job.Status.RUNNING,
+                             attempts=attempt, request_id=f"job-x-{attempt}", engine="e")
+    job.request_id = f"job-{job.pk}-{attempt}"
+    job.save(update_fields=["request_id"])
+    return job
+
+
+def stream_entries() -> list[dict]:
+    return [decode_entry(fields) for _, fields in live.redis_client().xrange(STREAM_KEY)]
+
+
+def test_text_assembler_places_pieces_from_two_sources():
+    t = TextAssembler()
+    t.add(1, 0, "hello")
+    t.add(1, 9, " and more")  # past a hole
+    assert t.text == "hello" and t.has_hole
+    t.add(1, 0, "hello, wo")  # the database row, written past the hole
+    assert t.text == "hello, wo and more" and not t.has_hole
+    t.add(1, 3, "lo")  # a repeat changes nothing
+    assert t.text == "hello, wo and more"
+    assert not t.add(0, 0, "old attempt")
+    t.add(2, 0, "new")  # a re-run starts afresh
+    assert (t.attempt, t.text) == (2, "new")
+
+
+def test_output_processor_streams_and_writes_every_job_in_batches():
+    live.redis_client().delete(STREAM_KEY)
+    owner = User.objects.create_user("u1")
+    engine = LLMEngine(EngineConfig(simulate=True, vocab_size=1000, num_gpu_blocks=256))
+    processor = OutputProcessor("e", StreamProducer(live.redis_client(), "e"),
+                                db_interval_s=0.05)
+    jobs = [running_job(owner) for _ in range(5)]
+    handles = [processor.track(j.pk, j.request_id, 1) for j in jobs]
+    for i, job in enumerate(jobs):
+        engine.add_request(job.request_id, f"prompt {i}", SamplingParams(max_tokens=10 + i))
+    steps = 0
+    while engine.has_unfinished_requests():
+        processor.push(engine.step())
+        steps += 1
+    assert [h.wait(20) for h in handles] == ["finished"] * 5
+    processor.close()
+    for i, job in enumerate(jobs):
+        job.refresh_from_db()
+        assert job.status == "finished" and job.num_output_tokens == 10 + i
+        assert len(job.output_token_ids) == 10 + i and job.first_token_at is not None
+    entries = stream_entries()
+    assert [e["seq"] for e in entries] == list(range(1, len(entries) + 1))
+    assert len(entries) < 5 * steps  # batched: not one write per job per step
+    for job in jobs:  # each job's pieces, in order, make its stored text
+        mine = [u for e in entries for u in e["u"] if u["job"] == job.pk]
+        text = TextAssembler()
+        for u in mine:
+            text.add(u["attempt"], u["offset"], u["text"])
+        assert text.text == job.output_text and not text.has_hole
+        assert mine[-1]["state"]["finished"] and mine[-1]["state"]["status"] == "finished"
+
+
+def test_a_stale_attempt_writes_nothing():
+    owner = User.objects.create_user("u2")
+    job = running_job(owner, attempt=2)
+    services.record_progress([services.ProgressDelta(job.pk, f"job-{job.pk}-1", "stale", 5,
+                                                     3, 0, 0)])
+    services.record_progress([services.ProgressDelta(job.pk, job.request_id, "fresh", 2,
+                                                     3, 0, 0)])
+    final = services.FinalState(job.pk, f"job-{job.pk}-1", "stale end", [1, 2], 3, 0, 0,
+                                "length", None)
+    assert services.finish_job(final) is None
+    job.refresh_from_db()
+    assert (job.status, job.output_text, job.num_output_tokens) == ("running", "fresh", 2)
+
+
+@pytest.mark.asyncio
+async def test_hub_delivers_in_order_and_ends_listeners_on_a_gap():
+    from django.conf import settings
+    hub = JobStreamHub(settings.REDIS_URL)
+    a, b = await hub.subscribe(101), await hub.subscribe(102)
+    producer = StreamProducer(live.redis_client(), "e1")
+    await asyncio.to_thread(producer.send, [
+        {"job": 101, "attempt": 1, "offset": 0, "text": "x", "n": 1},
+        {"job": 102, "attempt": 1, "offset": 0, "text": "y", "n": 1}])
+    await asyncio.to_thread(producer.send, [
+        {"job": 101, "attempt": 1, "offset": 1, "text": "z", "n": 2}])
+    got = []
+    while len(got) < 2:
+        got += await a.next_batch(10)
+    assert [u["text"] for u in got] == ["x", "z"]
+    assert [u["text"] for u in await b.next_batch(10)] == ["y"]
+    producer.seq += 1  # an entry that never arrived
+    await asyncio.to_thread(producer.send, [
+        {"job": 102, "attempt": 1, "offset": 1, "text": "w", "n": 2}])
+    with pytest.raises(StreamError, match="lost"):
+        await b.next_batch(10)
+    assert hub.num_gaps == 1
+    a.close()
+    b.close()
+    assert hub.num_listeners == 0
+    hub._task.cancel()
