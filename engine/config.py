@@ -40,6 +40,7 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None  # CPU: bytes for the KV pool (None: 512 MiB)
     name: str = "default"  # engine name, shown in snapshots
     max_pending_events: int = 100_000  # KV events kept for take_events(); oldest dropped
+    fault_injection: bool = False  # tests: the `inject-fault` command makes a step raise
 
     def __post_init__(self) -> None:
         _check(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0

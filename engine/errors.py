@@ -27,3 +27,7 @@ class InvalidRequestError(EngineError, ValueError):
 
 class PrefixNotCachedError(EngineError):
     """A pin/unpin named a prefix that has no cached block."""
+
+
+class CommandExpired(EngineError):
+    """A command reached the engine after its caller's deadline: it was not applied."""

@@ -15,7 +15,7 @@ from engine.detokenizer import IncrementalDetokenizer, SimTokenizer
 from engine.errors import InvalidRequestError, PrefixNotCachedError
 from engine.events import EventLog, KVEvent
 from engine.kv_cache_manager import KVCacheManager, cdiv
-from engine.outputs import RequestOutput
+from engine.outputs import CoreOutput, RequestOutput
 from engine.rate_meter import RateMeter
 from engine.request import Request, RequestStatus
 from engine.runner import Runner
@@ -43,8 +43,12 @@ def build_runner(config: EngineConfig) -> Runner:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, runner: Runner | None = None) -> None:
+    def __init__(self, config: EngineConfig, runner: Runner | None = None,
+                 detokenize: bool = True) -> None:
         self.config = config
+        # False: the caller drives step_core() and turns token ids into text itself (the
+        # engine core process, whose worker detokenises, as vLLM's frontend does).
+        self.detokenize = detokenize
         self.runner = runner or build_runner(config)
         self.tokenizer = self.runner.tokenizer
         self.max_model_len = self.runner.max_model_len
@@ -58,7 +62,7 @@ class LLMEngine:
         self._indices = itertools.count(1)  # request index 0 means "no owner" in snapshots
         self._snapshot_seq = itertools.count(1)
         self._detok: dict[str, IncrementalDetokenizer] = {}
-        self._pending: list[RequestOutput] = []  # outputs of aborts, reported by step()
+        self._pending: list[Request] = []  # ended by abort or finish_request, not reported yet
         self._inflight = None  # the SchedulerOutput being run, until its update is done
         self._prompt_rate = RateMeter()
         self._gen_rate = RateMeter()
@@ -86,7 +90,8 @@ class LLMEngine:
             index=next(self._indices), root_hash=root_hash(self.runner.model_id, cache_salt),
             block_size=self.config.block_size, priority=priority, job_id=job_id,
             eos_token_ids=self.tokenizer.eos_token_ids)
-        self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
+        if self.detokenize:
+            self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
         self.scheduler.add(request)
         self.version += 1
 
@@ -115,9 +120,15 @@ class LLMEngine:
     # --- the step --------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one batch. Returns outputs of requests that made progress or ended."""
+        return [self._output(core) for core in self.step_core()]
+
+    def step_core(self) -> list[CoreOutput]:
+        """Run one batch and report progress as token ids only (no text): each request
+        that made progress or ended, with the tokens it gained this step."""
         self.events.step = self.step_count + 1
         out = self.scheduler.schedule()
-        outputs, self._pending = self._pending, []
+        ended, self._pending = self._pending, []
+        outputs = [self._core_output(request, []) for request in ended]
         if not out.has_work:
             return outputs
         self.step_count += 1
@@ -127,26 +138,41 @@ class LLMEngine:
         progressed = self.scheduler.update_from_output(out, sampled)
         self._inflight = None
         for request in progressed:
-            outputs.append(self._output(request, [request.output_token_ids[-1]]))
+            outputs.append(self._core_output(request, [request.output_token_ids[-1]]))
         now = time.time()
         self._prompt_rate.record(now, self.scheduler.counters.num_prompt_tokens)
         self._gen_rate.record(now, self.scheduler.counters.num_generation_tokens)
         return outputs
 
-    def _output(self, request: Request, new_tokens: list[int]) -> RequestOutput:
-        detok = self._detok[request.request_id]
-        detok.add(new_tokens)
-        if detok.stopped and not request.status.is_finished:
-            self.scheduler.finish(request, RequestStatus.FINISHED, "stop")
+    @staticmethod
+    def _core_output(request: Request, new_token_ids: list[int]) -> CoreOutput:
+        return CoreOutput(
+            request_id=request.request_id, new_token_ids=new_token_ids,
+            finished=request.status.is_finished, finish_reason=request.finish_reason,
+            num_prompt_tokens=len(request.prompt_token_ids),
+            num_cached_tokens=request.num_cached_tokens or 0,
+            num_preemptions=request.num_preemptions, request=request)
+
+    def _output(self, core: CoreOutput) -> RequestOutput:
+        """The full output of a request, its text detokenised here (a stop string found
+        now ends the request)."""
+        request = core.request
+        detok = self._detok.get(request.request_id)
+        if detok is not None:
+            detok.add(core.new_token_ids)
+            if detok.stopped and not request.status.is_finished:
+                self.scheduler.finish(request, RequestStatus.FINISHED, "stop")
         finished = request.status.is_finished
+        text = detok.text if detok is not None else ""
+        delta = detok.take_delta(finished) if detok is not None else ""
         if finished:
-            del self._detok[request.request_id]
+            self._detok.pop(request.request_id, None)
         return RequestOutput(
             request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
-            output_token_ids=list(request.output_token_ids), text=detok.text,
+            output_token_ids=list(request.output_token_ids), text=text,
             finished=finished, finish_reason=request.finish_reason,
             num_cached_tokens=request.num_cached_tokens or 0,
-            num_preemptions=request.num_preemptions, text_delta=detok.take_delta(finished))
+            num_preemptions=request.num_preemptions, text_delta=delta)
 
     def generate(self, prompts: list[str | list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
@@ -187,11 +213,29 @@ class LLMEngine:
 
     # --- operator commands -------------------------------------------------------------
     def abort(self, request_id: str) -> RequestOutput:
+        """End a request now; the next step reports it (finish_reason "abort"). Returns
+        its output so far."""
         self.version += 1
         request = self.scheduler.abort(request_id)
-        output = self._output(request, [])
-        self._pending.append(output)
-        return output
+        self._pending.append(request)
+        detok = self._detok.get(request_id)
+        return RequestOutput(
+            request_id=request_id, prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=list(request.output_token_ids),
+            text=detok.text if detok is not None else "", finished=True,
+            finish_reason=request.finish_reason, num_cached_tokens=request.num_cached_tokens or 0,
+            num_preemptions=request.num_preemptions)
+
+    def finish_request(self, request_id: str, reason: str = "stop") -> bool:
+        """End a request as finished (its caller found a stop string in its text); the
+        next step reports it. False if it had ended already."""
+        request = self.scheduler.requests.get(request_id)
+        if request is None:
+            return False
+        self.version += 1
+        self.scheduler.finish(request, RequestStatus.FINISHED, reason)
+        self._pending.append(request)
+        return True
 
     def preempt(self, request_id: str) -> dict:
         self.version += 1

@@ -1,7 +1,8 @@
 """What the engine hands back per request per step."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(slots=True)
@@ -15,3 +16,26 @@ class RequestOutput:
     num_cached_tokens: int  # prompt tokens served from the prefix cache at admission
     num_preemptions: int  # times the request lost its GPU blocks
     text_delta: str = ""  # text added since the previous output of this request
+
+
+@dataclass(slots=True)
+class CoreOutput:
+    """A request's progress in one step as the engine core reports it: token ids, no
+    text (whoever reads it detokenises; see LLMEngine.step_core)."""
+    request_id: str
+    new_token_ids: list[int]  # gained this step (empty when it only ended)
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" once finished
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_preemptions: int
+    request: Any = field(default=None, repr=False)  # the Request, in-process only
+
+    def to_wire(self) -> list:
+        """The fields as a list, for IPC (the request object stays behind)."""
+        return [self.request_id, self.new_token_ids, self.finished, self.finish_reason,
+                self.num_prompt_tokens, self.num_cached_tokens, self.num_preemptions]
+
+    @classmethod
+    def from_wire(cls, row: list) -> CoreOutput:
+        return cls(*row)

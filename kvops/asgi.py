@@ -1,4 +1,5 @@
-"""ASGI entry point: HTTP through Django, websockets through Channels (served by daphne)."""
+"""ASGI entry point: HTTP through Django (/v1 without the page middleware, see
+kvops/api_handler.py), websockets through Channels (served by daphne)."""
 import os
 
 from django.core.asgi import get_asgi_application
@@ -11,11 +12,12 @@ from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
 
 from kvops import reaper  # noqa: E402
+from kvops.api_handler import BareASGIHandler, split_api  # noqa: E402
 from kvops.ws_routing import websocket_urlpatterns  # noqa: E402
 
 reaper.start()
 
 application = ProtocolTypeRouter({
-    "http": django_asgi_app,
+    "http": split_api(BareASGIHandler(), django_asgi_app),
     "websocket": AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
 })

@@ -28,6 +28,7 @@ from pathlib import Path
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.capacity import format_table
 from kvops.localstack import Stack
+from kvops.run import ensure_redis
 from kvops.sse_client import StreamResult, stream_completion
 
 SIM_VOCAB = 32000
@@ -60,14 +61,15 @@ def engine_config(args, streams: int, real: bool) -> dict:
 
 def engine_alone(config: dict, work: Workload) -> float:
     """Seconds for the engine by itself to run every prompt, all added at once."""
-    engine = LLMEngine(EngineConfig(**config))
+    engine = LLMEngine(EngineConfig(**config), detokenize=False)  # as the service runs it
     for i, (prompt, n) in enumerate(zip(work.prompts, work.max_tokens)):
         engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=n, ignore_eos=True,
                                                           temperature=0.0))
     started = time.perf_counter()
     produced = 0
     while engine.has_unfinished_requests():
-        produced += sum(len(o.output_token_ids) for o in engine.step() if o.finished)
+        produced += sum(len(o.request.output_token_ids) for o in engine.step_core()
+                        if o.finished)
     elapsed = time.perf_counter() - started
     if produced != work.num_tokens:
         raise RuntimeError(f"the engine alone produced {produced} tokens, "
@@ -152,17 +154,20 @@ def bench_level(args, streams: int, real: bool, tmp: Path) -> dict:
     lo, hi = (args.real_tokens, args.real_tokens) if real else (200, 400)
     work = make_workload(streams, lo, hi, seed=streams)
     alone_s = engine_alone(config, work)
-    stack = Stack(tmp / f"{'real' if real else 'sim'}-{streams}")
+    workdir = tmp / f"{'real' if real else 'sim'}-{streams}"
+    workdir.mkdir()
+    stack = Stack(workdir)
     try:
         stack.start_web()
-        stack.start_engine("bench", threads=streams + 16, **config)
+        stack.start_engine("bench", threads=streams + 16, core=args.core, **config)
         model = stack.api("GET", "/v1/models", headers={
             "Authorization": f"Bearer {stack.tokens['admin']}"}, user=None).json()["data"][0]["id"]
         # One short stream first: imports and connections warm, as in a running service.
         asyncio.run(run_streams(stack.url, stack.tokens["admin"], model,
                                 make_workload(1, 4, 4), 60))
         row = measure(stack, model, work, alone_s, args.deadline)
-        row["engine"] = "default model" if real else f"simulator, {args.step_ms:g} ms step"
+        row["engine"] = ("default model" if real else f"simulator, {args.step_ms:g} ms step") \
+            + f" ({args.core} core)"
         return row
     finally:
         stack.stop()
@@ -173,9 +178,9 @@ def print_table(rows: list[dict]) -> None:
         ["engine", "streams", "delivered tok/s", "engine alone tok/s", "ratio",
          "TTFT p50/p99 ms", "inter-chunk p50/p99 ms", "lost", "hung",
          "CPU s / 1k tok: web, worker, client"],
-        [[r["engine"], r["streams"], f"{r['tok_s']:.0f}", f"{r['alone_tok_s']:.0f}",
+        [[r["engine"], str(r["streams"]), f"{r['tok_s']:.0f}", f"{r['alone_tok_s']:.0f}",
           f"{r['ratio']:.2f}", f"{1000 * r['ttft_p50']:.0f} / {1000 * r['ttft_p99']:.0f}",
-          f"{1000 * r['gap_p50']:.0f} / {1000 * r['gap_p99']:.0f}", r["lost"], r["hung"],
+          f"{1000 * r['gap_p50']:.0f} / {1000 * r['gap_p99']:.0f}", str(r["lost"]), str(r["hung"]),
           f"{r['cpu_web']:.3f}, {r['cpu_worker']:.3f}, {r['cpu_client']:.3f}"]
          for r in rows]))
     for r in rows:
@@ -192,21 +197,34 @@ def main(argv: list[str] | None = None) -> int:
                         help="also the default model at this many streams (0: skip)")
     parser.add_argument("--real-tokens", type=int, default=64,
                         help="output tokens per stream with the default model")
+    parser.add_argument("--core", choices=("thread", "process"), default="thread",
+                        help="where the worker runs its engine (KVOPS_ENGINE_CORE)")
     parser.add_argument("--deadline", type=float, default=300.0,
                         help="seconds after which a stream counts as hung")
     args = parser.parse_args(argv)
     levels = [int(s) for s in args.streams.split(",") if s]
-    rows = []
     with tempfile.TemporaryDirectory(prefix="kvops-bench-serve-") as tmp:
-        for streams in levels:
-            rows.append(bench_level(args, streams, False, Path(tmp)))
-            print_table(rows[-1:])
-            sys.stdout.flush()
-        if args.real:
-            rows.append(bench_level(args, args.real, True, Path(tmp)))
+        redis = ensure_redis(os.environ.setdefault("REDIS_URL", "redis://127.0.0.1:6379/0"),
+                             Path(tmp))  # a private one if none answers
+        try:
+            rows = run_levels(args, levels, Path(tmp))
+        finally:
+            if redis is not None:
+                redis.terminate()
     print()
     print_table(rows)
     return 1 if any(r["lost"] or r["hung"] for r in rows) else 0
+
+
+def run_levels(args, levels: list[int], tmp: Path) -> list[dict]:
+    rows = []
+    for streams in levels:
+        rows.append(bench_level(args, streams, False, tmp))
+        print_table(rows[-1:])
+        sys.stdout.flush()
+    if args.real:
+        rows.append(bench_level(args, args.real, True, tmp))
+    return rows
 
 
 if __name__ == "__main__":

@@ -10,22 +10,22 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Protocol
 
-from engine import (EngineConfig, EngineError, InvalidRequestError, LLMEngine, RequestOutput,
-                    SamplingParams)
+from engine import EngineConfig, EngineError, InvalidRequestError, LLMEngine, SamplingParams
 from engine.block_hash import hash_blocks, root_hash, short
+from engine.commands import run_command
 from engine.detokenizer import SimTokenizer
+from engine.outputs import CoreOutput
 
 log = logging.getLogger(__name__)
 
-__all__ = ["EngineService", "OutputSink", "EngineError", "InvalidRequestError",
-           "config_from_env", "OPERATOR_COMMANDS", "PromptInspector",
+__all__ = ["EngineService", "OutputSink", "EngineError", "load_tokenizer", "InvalidRequestError",
+           "config_from_env", "PromptInspector",
            "short_hashes_of_cache", "render_chat"]
 
 
@@ -35,6 +35,21 @@ def render_chat(tokenizer, messages: list[dict]) -> str:
     if hasattr(tokenizer, "apply_chat_template"):
         return tokenizer.apply_chat_template(messages)
     return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+
+
+def load_tokenizer(config: dict):
+    """The tokenizer of an engine described by describe_config(): the simulator's, or the
+    model folder's (None if that folder is not readable from this process)."""
+    if config.get("simulate"):
+        return SimTokenizer()
+    if not config.get("model_path"):
+        return None
+    from engine.hf_tokenizer import HFTokenizer
+    try:
+        return HFTokenizer.from_folder(config["model_path"])
+    except (OSError, EngineError) as e:
+        log.warning("tokenizer of %s not readable here: %s", config["model_path"], e)
+        return None
 
 
 def short_hashes_of_cache(engine: LLMEngine) -> list[str]:
@@ -54,17 +69,7 @@ class PromptInspector:
     def _tokenizer(self, config: dict):
         key = (bool(config.get("simulate")), config.get("model_path"))
         if key not in self._tokenizers:
-            try:
-                if key[0]:
-                    self._tokenizers[key] = SimTokenizer()
-                elif key[1]:
-                    from engine.hf_tokenizer import HFTokenizer
-                    self._tokenizers[key] = HFTokenizer.from_folder(key[1])
-                else:
-                    self._tokenizers[key] = None
-            except (OSError, EngineError) as e:
-                log.warning("tokenizer of %s not readable here: %s", key[1], e)
-                self._tokenizers[key] = None
+            self._tokenizers[key] = load_tokenizer(config)
         return self._tokenizers[key]
 
     def token_ids(self, config: dict, prompt: str, messages: list[dict] | None) -> list[int] | None:
@@ -86,63 +91,9 @@ class PromptInspector:
 class OutputSink(Protocol):
     """Where the loop thread hands each step's outputs (kvops/output_processor.py)."""
 
-    def push(self, outputs: list[RequestOutput]) -> None: ...
+    def push(self, outputs: list[CoreOutput]) -> None: ...
 
     def fail(self, request_ids: list[str], message: str) -> None: ...
-
-
-def _int_or_none(value: Any, name: str) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise InvalidRequestError(f"{name} must be a non-negative integer")
-    return value
-
-
-def _prompt_arg(arguments: dict) -> str | list[int]:
-    if "token_ids" in arguments and arguments["token_ids"] is not None:
-        return arguments["token_ids"]
-    if "prompt" in arguments and arguments["prompt"] is not None:
-        return arguments["prompt"]
-    raise InvalidRequestError("give `prompt` (text) or `token_ids`")
-
-
-# Operator commands: name -> function(engine, arguments) -> JSON-able result.
-OPERATOR_COMMANDS: dict[str, Callable[[LLMEngine, dict], Any]] = {
-    "preempt": lambda e, a: e.preempt(a["request_id"]),
-    "swap-out": lambda e, a: e.swap_out(a["request_id"]),
-    "swap-in": lambda e, a: e.swap_in(a["request_id"]),
-    "abort": lambda e, a: _abort_result(e.abort(a["request_id"])),
-    "evict": lambda e, a: {"num_evicted": e.evict_cached_blocks(
-        _int_or_none(a.get("num_blocks"), "num_blocks"))},
-    "reset": lambda e, a: e.reset_prefix_cache(),
-    "pin": lambda e, a: e.pin_prefix(_prompt_arg(a), a.get("cache_salt")),
-    "unpin": lambda e, a: e.unpin_prefix(_prompt_arg(a), a.get("cache_salt")),
-    "snapshot": lambda e, a: e.snapshot(compact=bool(a.get("compact", True))),
-    "metrics": lambda e, a: e.metrics(),
-}
-
-
-def _inject_fault(engine: LLMEngine, arguments: dict) -> dict:
-    """Test hook: the next forward pass raises (enabled by KVOPS_ENGINE_FAULT_INJECTION=1)."""
-    runner = engine.runner
-    original = runner.forward
-
-    def failing(out):
-        runner.forward = original
-        raise RuntimeError("injected fault (KVOPS_ENGINE_FAULT_INJECTION test hook)")
-
-    runner.forward = failing
-    return {"armed": True}
-
-
-if os.environ.get("KVOPS_ENGINE_FAULT_INJECTION") == "1":
-    OPERATOR_COMMANDS["inject-fault"] = _inject_fault
-
-
-def _abort_result(output: RequestOutput) -> dict:
-    return {"request_id": output.request_id, "status": "aborted",
-            "num_output_tokens": len(output.output_token_ids)}
 
 
 def config_from_env(environ: dict[str, str]) -> EngineConfig:
@@ -176,9 +127,10 @@ class EngineService:
     def __init__(self, config: EngineConfig, engine: LLMEngine | None = None,
                  sink: OutputSink | None = None) -> None:
         self.name = config.name
-        self.sink = sink  # gets every step's outputs; None: they are dropped
+        self.sink = sink  # gets every step's outputs (token ids); None: they are dropped
         self.instance = ""  # set by the worker when it registers (Engine.instance)
-        self.engine = engine or LLMEngine(config)
+        # The step loop reports token ids only; the sink detokenises, off this thread.
+        self.engine = engine or LLMEngine(config, detokenize=False)
         self.latest_metrics: dict = self.engine.metrics()  # refreshed by the loop thread
         self._commands: queue.Queue[tuple[Callable[[], Any], Future]] = queue.Queue()
         self._hooks: list[Callable[[LLMEngine], None]] = []
@@ -212,14 +164,15 @@ class EngineService:
         future: Future = Future()
         self._commands.put((lambda: fn(self.engine), future))
         self._wake.set()
-        return future.result(timeout=timeout_s)
+        try:
+            return future.result(timeout=timeout_s)
+        except TimeoutError:
+            future.cancel()  # not started yet: the loop drops it, so it never lands late
+            raise
 
     def command(self, name: str, arguments: dict, timeout_s: float = 30.0) -> Any:
-        """An operator command by name (see OPERATOR_COMMANDS)."""
-        op = OPERATOR_COMMANDS.get(name)
-        if op is None:
-            raise InvalidRequestError(f"unknown command {name!r}")
-        return self.call(lambda engine: op(engine, arguments), timeout_s)
+        """An operator command by name (engine/commands.py)."""
+        return self.call(lambda engine: run_command(engine, name, arguments), timeout_s)
 
     def submit(self, request_id: str, prompt: str | list[int], params: dict,
                priority: int = 0, job_id: str | None = None) -> None:
@@ -229,9 +182,22 @@ class EngineService:
         self.call(lambda engine: engine.add_request(request_id, prompt, sampling,
                                                     priority=priority, job_id=job_id))
 
+    def finish_request(self, request_id: str) -> None:
+        """End a request whose text reached a stop string (applied between two steps;
+        does not wait)."""
+        self._commands.put((lambda: self.engine.finish_request(request_id), Future()))
+        self._wake.set()
+
     def render_chat(self, messages: list[dict]) -> str:
         """The model's chat template applied to messages, ready for generation."""
         return render_chat(self.engine.tokenizer, messages)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def describe_config(self) -> dict:
+        return self.call(lambda engine: engine.describe_config())
 
     # --- the loop thread -----------------------------------------------------------------
     def _run(self) -> None:
@@ -264,7 +230,7 @@ class EngineService:
 
     def _step(self) -> None:
         try:
-            outputs = self.engine.step()
+            outputs = self.engine.step_core()
         except Exception as e:
             log.exception("engine step failed")
             self._fail_running(e)

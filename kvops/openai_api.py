@@ -104,20 +104,24 @@ def _parse(request: HttpRequest) -> dict:
     return body
 
 
-@sync_to_async
 def _check_model(model: Any) -> str:
-    served = selectors.served_models()
     if not isinstance(model, str) or not model:
         raise BadRequest("`model` is required", "model")
-    if model not in served:
+    if model not in selectors.served_models():
         raise LookupError(f"model {model!r} is not served here; GET /v1/models lists them")
     return model
 
 
 @sync_to_async
-def _create(user, sub: Subscription, **kwargs) -> Job:
-    """Store the job and bind the listener to it before the commit dispatches it, so
-    the listener sees every update."""
+def _admit(user, sub: Subscription, model: Any, chat: bool, kwargs: dict) -> Job:
+    """Check the model and the prompt's length, store the job, and bind the listener to
+    it before the commit dispatches it (so the listener sees every update): one trip to
+    a worker thread per request."""
+    _check_model(model)
+    try:
+        check_prompt_fits(kwargs.get("prompt", ""), kwargs.get("messages"))
+    except PromptTooLong as e:
+        raise BadRequest(str(e), "messages" if chat else "prompt") from None
     with transaction.atomic():
         job = services.create_job(user, source=Job.Source.OPENAI, **kwargs)
         sub.hub.bind(sub, job.pk)
@@ -136,6 +140,7 @@ def _finish_reason(state: dict) -> str | None:
 
 
 async def _handle(request: HttpRequest, chat: bool) -> HttpResponse:
+    request.get_host()  # ALLOWED_HOSTS (no CommonMiddleware on /v1): 400 if not allowed
     if request.method != "POST":
         return _error(405, "use POST")
     user = await _authenticate(request)
@@ -144,7 +149,7 @@ async def _handle(request: HttpRequest, chat: bool) -> HttpResponse:
                       type_="authentication_error", code="invalid_api_key")
     try:
         body = _parse(request)
-        model = await _check_model(body.get("model"))
+        model = body.get("model")
         kwargs: dict[str, Any] = {"priority": 0, "engine": ""}
         if chat:
             messages = body.get("messages")
@@ -157,21 +162,16 @@ async def _handle(request: HttpRequest, chat: bool) -> HttpResponse:
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise BadRequest("`stream` must be a boolean", "stream")
+        sub = await get_hub().open()
         try:
-            await sync_to_async(check_prompt_fits)(kwargs.get("prompt", ""),
-                                                   kwargs.get("messages"))
-        except PromptTooLong as e:
-            raise BadRequest(str(e), "messages" if chat else "prompt") from None
+            job = await _admit(user, sub, model, chat, kwargs)
+        except BaseException:
+            sub.close()
+            raise
     except BadRequest as e:
         return _error(400, str(e), e.param)
     except LookupError as e:
         return _error(404, str(e), "model", code="model_not_found")
-    sub = await get_hub().open()
-    try:
-        job = await _create(user, sub, **kwargs)
-    except BaseException:
-        sub.close()
-        raise
     created = int(time.time())
     ident = f"{'chatcmpl' if chat else 'cmpl'}-{job.pk}"
     listener = JobListener(sub, job)
@@ -296,6 +296,7 @@ async def chat_completions(request: HttpRequest) -> HttpResponse:
 
 
 async def models(request: HttpRequest) -> HttpResponse:
+    request.get_host()
     user = await _authenticate(request)
     if user is None:
         return _error(401, "missing or invalid API key: send `Authorization: Bearer <token>`",

@@ -1,9 +1,11 @@
 """The worker's output processor: the engine's per-step outputs to the job stream and the
 database, for every job at once.
 
-The engine loop hands over each step's outputs as one list (`push`, a list append); this
-module's thread does the rest, so per-token work never runs in a job's task thread or
-on the engine loop. Per flush it writes one job-stream entry holding every job that
+The engine loop hands over each step's outputs (token ids, engine.CoreOutput) as one
+list (`push`, a list append); this module's thread does the rest, so per-token work
+never runs in a job's task thread or on the engine loop. It detokenises (as vLLM's
+frontend does) and checks stop strings: a job whose text reaches one ends here, and
+the engine is told to stop its request (`on_stop`). Per flush it writes one job-stream entry holding every job that
 moved, and, a few times a second, one bulk database write of all running jobs'
 progress (text appended, never rewritten). A job that ended is written to the database
 first, then announced on the stream (and its task woken): a client that sees the end on
@@ -14,13 +16,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from django.db import close_old_connections
+from django.db import connection
 from django.utils import timezone
 
-from engine import RequestOutput
+from engine.detokenizer import IncrementalDetokenizer, Tokenizer
+from engine.outputs import CoreOutput
 from kvops import services
 from kvops.job_stream import StreamProducer, state_update
 
@@ -53,6 +57,9 @@ class _Tracked:
     request_id: str
     attempt: int
     handle: JobHandle
+    detok: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)  # output so far
+    finish_reason: str | None = None  # once ended
     text: list[str] = field(default_factory=list)  # the deltas so far
     chars: int = 0  # characters streamed so far
     unwritten: list[str] = field(default_factory=list)  # deltas not in the database yet
@@ -74,14 +81,16 @@ class ProcessorStats:
 
 
 class OutputProcessor:
-    def __init__(self, engine_name: str, producer: StreamProducer,
-                 db_interval_s: float = DB_INTERVAL_S) -> None:
+    def __init__(self, engine_name: str, producer: StreamProducer, tokenizer: Tokenizer,
+                 on_stop: Callable[[str], None], db_interval_s: float = DB_INTERVAL_S) -> None:
         self.engine_name = engine_name
         self.producer = producer
+        self.tokenizer = tokenizer
+        self.on_stop = on_stop  # tell the engine a request hit a stop string
         self.db_interval_s = db_interval_s
         self.stats = ProcessorStats()
         self._lock = threading.Lock()
-        self._inbox: list[RequestOutput] = []  # under _lock
+        self._inbox: list[CoreOutput] = []  # under _lock
         self._failed: list[tuple[str, str]] = []  # (request id, why), under _lock
         self._new: dict[str, _Tracked] = {}  # tracked by tasks, not yet seen here; under _lock
         self._gone: set[str] = set()  # untracked by tasks; under _lock
@@ -93,11 +102,14 @@ class OutputProcessor:
         self._thread.start()
 
     # --- any thread ----------------------------------------------------------------------
-    def track(self, job_id: int, request_id: str, attempt: int) -> JobHandle:
-        """Follow this attempt's outputs (call before submitting the request)."""
+    def track(self, job_id: int, request_id: str, attempt: int,
+              stop: list[str] | None = None) -> JobHandle:
+        """Follow this attempt's outputs (call before submitting the request); `stop`:
+        its stop strings."""
         handle = JobHandle()
+        detok = IncrementalDetokenizer(self.tokenizer, list(stop or []))
         with self._lock:
-            self._new[request_id] = _Tracked(job_id, request_id, attempt, handle)
+            self._new[request_id] = _Tracked(job_id, request_id, attempt, handle, detok)
         return handle
 
     def untrack(self, request_id: str) -> None:
@@ -113,7 +125,7 @@ class OutputProcessor:
         self._thread.join(timeout_s)
 
     # --- the engine loop ---------------------------------------------------------------
-    def push(self, outputs: list[RequestOutput]) -> None:
+    def push(self, outputs: list[CoreOutput]) -> None:
         if outputs:
             with self._lock:
                 self._inbox.extend(outputs)
@@ -139,9 +151,8 @@ class OutputProcessor:
                 self._flush(write_db=due)
             except Exception:  # the database or Redis away: try again next round
                 log.exception("output processing failed")
+                connection.close()  # a fresh one next round
                 self._stop.wait(0.5)
-            finally:
-                close_old_connections()
             self.stats.cpu_s += time.thread_time() - cpu
 
     def _flush(self, write_db: bool) -> None:
@@ -154,20 +165,20 @@ class OutputProcessor:
                 self._jobs.pop(request_id, None)
             self._gone.clear()
         updates: list[dict] = []
-        ended: list[tuple[_Tracked, RequestOutput]] = []
+        ended: list[_Tracked] = []
         for out in outputs:
             t = self._jobs.get(out.request_id)
-            if t is not None:
+            if t is not None and t.finish_reason is None:
                 self._absorb(t, out, updates)
-                if out.finished:
-                    ended.append((t, out))
+                if t.finish_reason is not None:
+                    ended.append(t)
         self._send(updates)  # progress: to the stream at once, to the database in batches
         if ended or failed or write_db:
             try:
                 self._write_progress()
             except Exception:  # kept dirty: written with the next batch
                 log.exception("writing the progress of %d jobs failed", len(self._jobs))
-        endings = [self._end(t, out) for t, out in ended]
+        endings = [self._end(t) for t in ended]
         self._send([u for u in endings if u is not None])
         for request_id, message in failed:
             t = self._jobs.pop(request_id, None)
@@ -176,12 +187,12 @@ class OutputProcessor:
                 t.handle.set("failed")
         self.stats.flushes += 1
 
-    def _end(self, t: _Tracked, out: RequestOutput) -> dict | None:
+    def _end(self, t: _Tracked) -> dict | None:
         """Write an ended attempt's final state, wake its task, and return the state
         update for the stream (None when there is nothing to announce)."""
         del self._jobs[t.request_id]
         try:
-            job = services.finish_job(_final_state(t, out))
+            job = services.finish_job(_final_state(t))
         except Exception:  # the task fails the job itself, with the reason
             log.exception("could not write the end of job %s", t.job_id)
             t.handle.set("error")
@@ -192,21 +203,28 @@ class OutputProcessor:
         t.handle.set(job.status)
         return state_update(job.pk, t.attempt, services.job_payload(job))
 
-    def _absorb(self, t: _Tracked, out: RequestOutput, updates: list[dict]) -> None:
-        n = len(out.output_token_ids)
+    def _absorb(self, t: _Tracked, out: CoreOutput, updates: list[dict]) -> None:
+        if out.new_token_ids:
+            t.token_ids.extend(out.new_token_ids)
+            t.detok.add(out.new_token_ids)
+        if out.finished:
+            t.finish_reason = out.finish_reason or ""
+        elif t.detok.stopped:  # a stop string: the job ends here, the engine is told
+            t.finish_reason = "stop"
+            self.on_stop(t.request_id)
+        n = len(t.token_ids)
         if n and t.first_token_at is None:
             t.first_token_at = timezone.now()
-        if out.text_delta:
+        delta = t.detok.take_delta(t.finish_reason is not None)
+        if delta or n != t.num_output_tokens:
             updates.append({"job": t.job_id, "attempt": t.attempt, "offset": t.chars,
-                            "text": out.text_delta, "n": n})
-            t.text.append(out.text_delta)
-            t.unwritten.append(out.text_delta)
-            t.chars += len(out.text_delta)
-        elif n != t.num_output_tokens:
-            updates.append({"job": t.job_id, "attempt": t.attempt, "offset": t.chars,
-                            "text": "", "n": n})
+                            "text": delta, "n": n})
+        if delta:
+            t.text.append(delta)
+            t.unwritten.append(delta)
+            t.chars += len(delta)
         t.num_output_tokens = n
-        t.num_prompt_tokens = len(out.prompt_token_ids)
+        t.num_prompt_tokens = out.num_prompt_tokens
         t.num_cached_tokens = out.num_cached_tokens
         t.num_preemptions = out.num_preemptions
         t.dirty = True
@@ -238,9 +256,9 @@ class OutputProcessor:
             log.warning("job stream write failed (%d updates): %s", len(updates), e)
 
 
-def _final_state(t: _Tracked, out: RequestOutput) -> services.FinalState:
+def _final_state(t: _Tracked) -> services.FinalState:
     return services.FinalState(
         job_id=t.job_id, request_id=t.request_id, text="".join(t.text),
-        token_ids=list(out.output_token_ids), num_prompt_tokens=len(out.prompt_token_ids),
-        num_cached_tokens=out.num_cached_tokens, num_preemptions=out.num_preemptions,
-        finish_reason=out.finish_reason or "", first_token_at=t.first_token_at)
+        token_ids=list(t.token_ids), num_prompt_tokens=t.num_prompt_tokens,
+        num_cached_tokens=t.num_cached_tokens, num_preemptions=t.num_preemptions,
+        finish_reason=t.finish_reason or "", first_token_at=t.first_token_at)

@@ -13,7 +13,7 @@ def check_prompt_fits(prompt: str, messages: list[dict] | None, engine_name: str
     """Raise PromptTooLong if the prompt is too long for every engine that could run it
     (the named one, else every live engine). Engines whose tokenizer is not readable
     from this process are given the benefit of the doubt: the engine checks again."""
-    engines = [e for e in selectors.engines()
+    engines = [e for e in selectors.recent_engines()
                if (e.name == engine_name if engine_name else selectors.engine_alive(e))]
     reasons = []
     for engine in engines:

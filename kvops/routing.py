@@ -50,7 +50,7 @@ def choose_queue(job: Job) -> tuple[str, dict]:
             "policy": "requested", "engine": job.requested_engine,
             "reason": "the job named its engine"}
     mode = policy()
-    engines = [e for e in selectors.engines() if selectors.engine_alive(e)]
+    engines = [e for e in selectors.recent_engines() if selectors.engine_alive(e)]
     if mode == "shared" or not engines:
         reason = "no live engine: the first free worker takes it" if not engines \
             else "shared queue: the first free worker takes it"

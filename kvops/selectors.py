@@ -1,6 +1,9 @@
 """Reads: what the API and pages show."""
 from __future__ import annotations
 
+import threading
+import time
+
 from django.conf import settings
 from django.db.models import QuerySet
 from django.utils import timezone
@@ -31,6 +34,27 @@ def engines() -> QuerySet[Engine]:
     return Engine.objects.all()
 
 
+ENGINES_MAX_AGE_S = 0.5
+_engines_lock = threading.Lock()
+_engines_read: tuple[float, list[Engine]] = (float("-inf"), [])  # under _engines_lock
+
+
+def recent_engines() -> list[Engine]:
+    """Every engine row, read at most ENGINES_MAX_AGE_S ago: the per-job path (model
+    check, prompt check, routing) reads them for every job, and they change with each
+    heartbeat at most."""
+    global _engines_read
+    now = time.monotonic()
+    with _engines_lock:
+        read_at, rows = _engines_read
+        if now - read_at <= ENGINES_MAX_AGE_S:
+            return rows
+    rows = list(Engine.objects.all())
+    with _engines_lock:
+        _engines_read = (now, rows)
+    return rows
+
+
 def engine_snapshot(name: str) -> dict | None:
     """The latest KV snapshot the engine stored (compact per-block arrays)."""
     return live.load_snapshot(name)
@@ -43,7 +67,7 @@ def operator_actions() -> QuerySet[OperatorAction]:
 def served_models() -> dict[str, list[str]]:
     """Model name -> engines serving it (live ones)."""
     out: dict[str, list[str]] = {}
-    for engine in Engine.objects.all():
+    for engine in recent_engines():
         if engine_alive(engine):
             out.setdefault(model_name(engine), []).append(engine.name)
     return out

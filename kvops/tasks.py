@@ -25,7 +25,8 @@ def run_job(self, job_id: int) -> str:
     job = services.claim_job(job_id, service.name, service.instance, self.request.id or "")
     if job is None:
         return "skipped"
-    handle = processor.track(job.pk, job.request_id, job.attempts)
+    handle = processor.track(job.pk, job.request_id, job.attempts,
+                             (job.params or {}).get("stop"))
     try:
         prompt = service.render_chat(job.messages) if job.messages else job.prompt
         service.submit(job.request_id, prompt, job.params, job.priority, str(job.pk))

@@ -44,22 +44,33 @@ def _start_engine(sender=None, **kwargs) -> None:
     import django
     django.setup()
     from kvops import live, services
+    from kvops.engine_client import EngineCoreClient
     from kvops.engine_service import EngineService, config_from_env
     from kvops.job_stream import StreamProducer
     from kvops.output_processor import OutputProcessor
 
     config = config_from_env(os.environ)
-    log.info("starting engine %s", config.name)
-    _processor = OutputProcessor(config.name, StreamProducer(live.redis_client(), config.name))
-    _service = EngineService(config, sink=_processor)
-    _service.start()
-    from kvops.prefix_index import PrefixIndexPublisher
-    from kvops.publisher import EnginePublisher
-    _service.add_hook(EnginePublisher(config.name))
-    # Subscribing to the engine's events happens on its loop thread, like all engine calls.
-    _service.add_hook(_service.call(lambda engine: PrefixIndexPublisher(config.name, engine)))
+    mode = os.environ.get("KVOPS_ENGINE_CORE", "thread")
+    log.info("starting engine %s (core: %s)", config.name, mode)
+    if mode == "process":
+        _service = EngineCoreClient(config)
+    elif mode == "thread":
+        _service = EngineService(config)
+    else:
+        raise SystemExit(f"KVOPS_ENGINE_CORE={mode!r}: use `thread` or `process`")
+    _service.start()  # no request before the sink is set: the worker takes no job yet
+    _processor = OutputProcessor(config.name, StreamProducer(live.redis_client(), config.name),
+                                 _service.tokenizer, _service.finish_request)
+    _service.sink = _processor
+    if mode == "thread":  # the live KV view reads the engine in this process
+        from kvops.prefix_index import PrefixIndexPublisher
+        from kvops.publisher import EnginePublisher
+        _service.add_hook(EnginePublisher(config.name))
+        # Subscribing to the engine's events happens on its loop thread, like all engine calls.
+        _service.add_hook(_service.call(lambda engine: PrefixIndexPublisher(config.name,
+                                                                           engine)))
     hostname = getattr(sender, "hostname", None) or f"engine-{config.name}@{socket.gethostname()}"
-    describe = _service.call(lambda engine: engine.describe_config())
+    describe = _service.describe_config()
     _service.instance = uuid.uuid4().hex
     services.register_engine(config.name, hostname, socket.gethostname(), _service.instance,
                              describe)
@@ -102,16 +113,29 @@ def _stop_engine(**kwargs) -> None:
         _processor.close()
 
 
-@control_command(args=[("command", str), ("arguments", dict)],
-                 signature="<command> [arguments]")
-def kvops_engine(state, command: str, arguments: dict | None = None) -> dict:
-    """Apply an operator command to this worker's engine between two steps."""
+@control_command(args=[("command", str), ("arguments", dict), ("deadline", float)],
+                 signature="<command> [arguments] [deadline]")
+def kvops_engine(state, command: str, arguments: dict | None = None,
+                 deadline: float | None = None) -> dict:
+    """Apply an operator command to this worker's engine between two steps. `deadline`
+    (Unix time) is when the web stops waiting for the answer: a command the engine has
+    not reached by then is dropped, never applied late."""
+    from django.conf import settings
+
     from kvops.engine_service import EngineError
 
     started = time.monotonic()
+    timeout_s = settings.KVOPS_CONTROL_TIMEOUT_S
+    if deadline is not None:
+        timeout_s = min(timeout_s, deadline - time.time())
     try:
-        result = get_engine_service().command(command, dict(arguments or {}), timeout_s=30)
+        if timeout_s <= 0:
+            raise TimeoutError("the command arrived after its deadline")
+        result = get_engine_service().command(command, dict(arguments or {}),
+                                              timeout_s=timeout_s)
         return {"ok": True, "result": result, "ms": round(1000 * (time.monotonic() - started))}
+    except TimeoutError as e:
+        return {"ok": False, "error": "CommandExpired", "message": f"not applied: {e}"}
     except EngineError as e:
         return {"ok": False, "error": type(e).__name__, "message": str(e)}
     except (KeyError, TypeError) as e:

@@ -7,6 +7,7 @@ import time
 
 import pytest
 from django.contrib.auth.models import User
+from django.utils import timezone
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from kvops import live, services
@@ -55,22 +56,24 @@ def test_text_assembler_places_pieces_from_two_sources():
 def test_output_processor_streams_and_writes_every_job_in_batches():
     live.redis_client().delete(STREAM_KEY)
     owner = User.objects.create_user("u1")
-    engine = LLMEngine(EngineConfig(simulate=True, vocab_size=1000, num_gpu_blocks=256))
+    engine = LLMEngine(EngineConfig(simulate=True, vocab_size=1000, num_gpu_blocks=256),
+                       detokenize=False)
     processor = OutputProcessor("e", StreamProducer(live.redis_client(), "e"),
-                                db_interval_s=0.05)
+                                engine.tokenizer, engine.finish_request, db_interval_s=0.05)
     jobs = [running_job(owner) for _ in range(5)]
     handles = [processor.track(j.pk, j.request_id, 1) for j in jobs]
     for i, job in enumerate(jobs):
         engine.add_request(job.request_id, f"prompt {i}", SamplingParams(max_tokens=10 + i))
     steps = 0
     while engine.has_unfinished_requests():
-        processor.push(engine.step())
+        processor.push(engine.step_core())
         steps += 1
     assert [h.wait(20) for h in handles] == ["finished"] * 5
     processor.close()
     for i, job in enumerate(jobs):
         job.refresh_from_db()
         assert job.status == "finished" and job.num_output_tokens == 10 + i
+        assert job.started_at is None or job.first_token_at >= job.started_at
         assert len(job.output_token_ids) == 10 + i and job.first_token_at is not None
     entries = stream_entries()
     assert [e["seq"] for e in entries] == list(range(1, len(entries) + 1))
@@ -89,13 +92,17 @@ def test_a_stale_attempt_writes_nothing():
     job = running_job(owner, attempt=2)
     services.record_progress([services.ProgressDelta(job.pk, f"job-{job.pk}-1", "stale", 5,
                                                      3, 0, 0)])
-    services.record_progress([services.ProgressDelta(job.pk, job.request_id, "fresh", 2,
-                                                     3, 0, 0)])
+    first = timezone.now()
+    services.record_progress([services.ProgressDelta(job.pk, job.request_id, "fre", 1,
+                                                     3, 0, 0, first)])
+    services.record_progress([services.ProgressDelta(job.pk, job.request_id, "sh", 2,
+                                                     3, 0, 0, timezone.now())])
     final = services.FinalState(job.pk, f"job-{job.pk}-1", "stale end", [1, 2], 3, 0, 0,
                                 "length", None)
     assert services.finish_job(final) is None
     job.refresh_from_db()
     assert (job.status, job.output_text, job.num_output_tokens) == ("running", "fresh", 2)
+    assert job.first_token_at == first  # kept from the first write
 
 
 @pytest.mark.asyncio
@@ -124,3 +131,29 @@ async def test_hub_delivers_in_order_and_ends_listeners_on_a_gap():
     b.close()
     assert hub.num_listeners == 0
     hub._task.cancel()
+
+
+def test_a_stop_string_ends_the_job_in_the_worker_and_stops_the_engine_request():
+    owner = User.objects.create_user("u3")
+    config = EngineConfig(simulate=True, vocab_size=1000, num_gpu_blocks=256)
+    reference = LLMEngine(config).generate(["stop here"], SamplingParams(max_tokens=40))[0]
+    stop = reference.text[22:27]  # a piece of what the request will say
+    cut = reference.text[:reference.text.index(stop)]
+    engine = LLMEngine(config, detokenize=False)
+    stopped: list[str] = []
+    processor = OutputProcessor("e", StreamProducer(live.redis_client(), "e"),
+                                engine.tokenizer, stopped.append, db_interval_s=0.05)
+    job = running_job(owner)
+    handle = processor.track(job.pk, job.request_id, 1, [stop])
+    engine.add_request(job.request_id, "stop here", SamplingParams(max_tokens=40, stop=[stop]))
+    while engine.has_unfinished_requests():
+        processor.push(engine.step_core())
+        for request_id in stopped:  # between two steps, as the engine's loop does
+            engine.finish_request(request_id)
+        stopped.clear()
+    assert handle.wait(20) == "finished"
+    processor.close()
+    job.refresh_from_db()
+    assert (job.output_text, job.finish_reason) == (cut, "stop")
+    assert job.num_output_tokens < 40  # cut at the stop, whatever the engine ran on to
+    assert job.output_token_ids == reference.output_token_ids[:job.num_output_tokens]

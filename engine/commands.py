@@ -1,0 +1,81 @@
+"""Operator commands by name: what a service applies to an engine between two steps.
+
+One table for every way in (the worker's control command, the engine core process):
+name -> function(engine, arguments) -> a JSON-able result. A refused command raises an
+EngineError subclass; bad arguments raise InvalidRequestError.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from engine.errors import InvalidRequestError
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+
+
+def _int_or_none(value: Any, name: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidRequestError(f"{name} must be a non-negative integer")
+    return value
+
+
+def _prompt_arg(arguments: dict) -> str | list[int]:
+    if "token_ids" in arguments and arguments["token_ids"] is not None:
+        return arguments["token_ids"]
+    if "prompt" in arguments and arguments["prompt"] is not None:
+        return arguments["prompt"]
+    raise InvalidRequestError("give `prompt` (text) or `token_ids`")
+
+
+def _abort_result(output: RequestOutput) -> dict:
+    return {"request_id": output.request_id, "status": "aborted",
+            "num_output_tokens": len(output.output_token_ids)}
+
+
+def _request_id(arguments: dict) -> str:
+    request_id = arguments.get("request_id")
+    if not isinstance(request_id, str) or not request_id:
+        raise InvalidRequestError("`request_id` must be a non-empty string")
+    return request_id
+
+
+def _inject_fault(engine: LLMEngine, arguments: dict) -> dict:
+    """Test hook: the next forward pass raises (EngineConfig.fault_injection)."""
+    if not engine.config.fault_injection:
+        raise InvalidRequestError("unknown command 'inject-fault'")
+    runner = engine.runner
+    original = runner.forward
+
+    def failing(out):
+        runner.forward = original
+        raise RuntimeError("injected fault (KVOPS_ENGINE_FAULT_INJECTION test hook)")
+
+    runner.forward = failing
+    return {"armed": True}
+
+
+OPERATOR_COMMANDS: dict[str, Callable[[LLMEngine, dict], Any]] = {
+    "preempt": lambda e, a: e.preempt(_request_id(a)),
+    "swap-out": lambda e, a: e.swap_out(_request_id(a)),
+    "swap-in": lambda e, a: e.swap_in(_request_id(a)),
+    "abort": lambda e, a: _abort_result(e.abort(_request_id(a))),
+    "evict": lambda e, a: {"num_evicted": e.evict_cached_blocks(
+        _int_or_none(a.get("num_blocks"), "num_blocks"))},
+    "reset": lambda e, a: e.reset_prefix_cache(),
+    "pin": lambda e, a: e.pin_prefix(_prompt_arg(a), a.get("cache_salt")),
+    "unpin": lambda e, a: e.unpin_prefix(_prompt_arg(a), a.get("cache_salt")),
+    "snapshot": lambda e, a: e.snapshot(compact=bool(a.get("compact", True))),
+    "metrics": lambda e, a: e.metrics(),
+    "inject-fault": _inject_fault,
+}
+
+
+def run_command(engine: LLMEngine, name: str, arguments: dict) -> Any:
+    """Apply one operator command (call between two steps, on the engine's thread)."""
+    op = OPERATOR_COMMANDS.get(name)
+    if op is None or (name == "inject-fault" and not engine.config.fault_injection):
+        raise InvalidRequestError(f"unknown command {name!r}")
+    return op(engine, arguments)

@@ -1,0 +1,171 @@
+"""The engine core as a process of its own: `python -m engine.core_proc`.
+
+One per GPU, with no Django and no Celery: the step loop, scheduler, KV manager and
+model, and nothing else under its interpreter lock (vLLM V1 splits its EngineCore from
+its API server for the same reason: on a GPU a step takes milliseconds, and Python work
+beside it under one lock is taken from the GPU). Its worker talks to it over two ZMQ
+sockets, messages packed with msgpack:
+
+  worker -> core   ["add", id, request_id, prompt, sampling params, priority, job_id]
+                   ["cmd", id, name, arguments, deadline]   (an operator command)
+                   ["stop", request_id]                     (its text hit a stop string)
+                   ["shutdown"]
+  core -> worker   ["ready", describe_config, metrics]
+                   ["out", [CoreOutput.to_wire(), ...]]     (one per step: every request
+                                                             that progressed or ended)
+                   ["failed", [request_id, ...], message]   (a step raised)
+                   ["reply", id, True, result] or ["reply", id, False, [error, message]]
+                   ["metrics", metrics]                     (a few times a second)
+
+Commands and new requests are applied between two steps. A command whose deadline has
+passed when the core reaches it is dropped (its caller has given up) and answered
+`CommandExpired`, so a late operator action never lands after its caller saw a timeout. The
+core exits when its worker does.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+
+import msgpack
+import zmq
+
+from engine.commands import run_command
+from engine.config import EngineConfig
+from engine.errors import CommandExpired, EngineError, InvalidRequestError
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+
+log = logging.getLogger("engine.core")
+
+IDLE_POLL_MS = 50  # how long an idle core waits for input before looking again
+METRICS_S = 0.25  # metrics are sent this often
+
+
+def pack(message: list) -> bytes:
+    return msgpack.packb(message, use_bin_type=True)
+
+
+def unpack(data: bytes) -> list:
+    return msgpack.unpackb(data, raw=False)
+
+
+class CoreServer:
+    def __init__(self, engine: LLMEngine, inbox: zmq.Socket, outbox: zmq.Socket) -> None:
+        self.engine = engine
+        self.inbox = inbox  # PULL: the worker's messages
+        self.outbox = outbox  # PUSH: to the worker
+        self.parent = os.getppid()
+        self._next_metrics = 0.0
+
+    def run(self) -> None:
+        engine = self.engine
+        self._send(["ready", engine.describe_config(), engine.metrics()])
+        while True:
+            busy = engine.has_unfinished_requests()
+            if not self._take_input(0 if busy else IDLE_POLL_MS):
+                return
+            if engine.has_unfinished_requests():
+                self._step()
+            now = time.monotonic()
+            if now >= self._next_metrics:
+                self._next_metrics = now + METRICS_S
+                self._send(["metrics", engine.metrics()])
+                if os.getppid() != self.parent:  # the worker is gone: so are we
+                    log.warning("engine core: its worker exited; stopping")
+                    return
+
+    def _send(self, message: list) -> None:
+        self.outbox.send(pack(message))
+
+    def _take_input(self, timeout_ms: int) -> bool:
+        """Apply every message waiting (waiting up to timeout_ms for the first); False
+        once told to shut down."""
+        if not self.inbox.poll(timeout_ms):
+            return True
+        while True:
+            try:
+                message = unpack(self.inbox.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                return True
+            if message[0] == "shutdown":
+                return False
+            self._apply(message)
+
+    def _apply(self, message: list) -> None:
+        kind = message[0]
+        if kind == "stop":
+            self.engine.finish_request(message[1])
+            return
+        call_id = message[1]
+        try:
+            if kind == "add":
+                _, _, request_id, prompt, params, priority, job_id = message
+                self.engine.add_request(request_id, prompt, SamplingParams(**params),
+                                        priority=priority, job_id=job_id)
+                result = None
+            elif kind == "cmd":
+                _, _, name, arguments, deadline = message
+                if deadline is not None and time.time() > deadline:
+                    raise CommandExpired(f"{name}: its caller had stopped waiting; not applied")
+                result = run_command(self.engine, name, dict(arguments or {}))
+            else:
+                raise InvalidRequestError(f"unknown message {kind!r}")
+        except EngineError as e:
+            self._send(["reply", call_id, False, [type(e).__name__, str(e)]])
+            return
+        except (KeyError, TypeError, ValueError) as e:
+            self._send(["reply", call_id, False, ["InvalidRequestError", f"bad arguments: {e}"]])
+            return
+        except Exception as e:  # reported to the caller; the core keeps serving
+            log.exception("engine core: %s failed", kind)
+            self._send(["reply", call_id, False, [type(e).__name__, str(e)]])
+            return
+        self._send(["reply", call_id, True, result])
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step_core()
+        except Exception as e:
+            log.exception("engine step failed")
+            failed = self.engine.recover_from_failed_step()
+            self._send(["failed", failed, f"engine step failed: {type(e).__name__}: {e}"])
+            return
+        if outputs:
+            self._send(["out", [o.to_wire() for o in outputs]])
+
+
+def serve(config: EngineConfig, input_address: str, output_address: str) -> None:
+    """Build the engine and serve until told to stop (or the worker is gone)."""
+    context = zmq.Context()
+    inbox = context.socket(zmq.PULL)
+    inbox.connect(input_address)
+    outbox = context.socket(zmq.PUSH)
+    outbox.connect(output_address)
+    try:
+        engine = LLMEngine(config, detokenize=False)
+        CoreServer(engine, inbox, outbox).run()
+    finally:
+        inbox.close(linger=0)
+        outbox.close(linger=1000)
+        context.term()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Run an engine core for its worker.")
+    parser.add_argument("--config", required=True, help="EngineConfig fields as JSON")
+    parser.add_argument("--input", required=True, help="ZMQ address to read messages from")
+    parser.add_argument("--output", required=True, help="ZMQ address to send messages to")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=os.environ.get("KVOPS_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s engine-core: %(message)s")
+    serve(EngineConfig(**json.loads(args.config)), args.input, args.output)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,35 @@
+"""The HTTP handler for the OpenAI-compatible API (/v1): Django without the page
+middleware.
+
+The page middleware (sessions, CSRF, messages, clickjacking, static files) is written
+for synchronous code: under ASGI each one moves the request to a worker thread and
+back, a dozen trips per request. /v1 uses none of it (bearer tokens, JSON, no cookies),
+and at hundreds of requests a second those trips are most of its cost, so /v1 requests
+go straight to their views. The views still check the Host header against
+ALLOWED_HOSTS (kvops.openai_api calls request.get_host()).
+"""
+from __future__ import annotations
+
+from django.core.handlers.asgi import ASGIHandler
+from django.core.handlers.exception import convert_exception_to_response
+
+API_PREFIX = "/v1/"
+
+
+class BareASGIHandler(ASGIHandler):
+    """Django's ASGI handler with no middleware at all."""
+
+    def load_middleware(self, is_async: bool = False) -> None:
+        self._view_middleware = []
+        self._template_response_middleware = []
+        self._exception_middleware = []
+        get_response = self._get_response_async if is_async else self._get_response
+        self._middleware_chain = convert_exception_to_response(get_response)
+
+
+def split_api(api_app, other_app):
+    """An ASGI app that sends /v1/ requests to api_app and the rest to other_app."""
+    async def app(scope, receive, send):
+        target = api_app if scope.get("path", "").startswith(API_PREFIX) else other_app
+        await target(scope, receive, send)
+    return app

@@ -1,0 +1,243 @@
+"""The worker's side of an engine core process (engine/core_proc.py): it starts the
+process, sends it requests, stop-string ends and operator commands, and hands each
+step's outputs to the output processor, like EngineService does for an engine on a
+thread of the worker.
+
+If the core process dies (killed, out of memory), every request it was running fails
+with the reason, every waiting command is answered with it, and a new core is started;
+after MAX_RESTARTS in a row the worker reports itself dead (`alive` is False, so its
+heartbeat stops and the reaper moves its jobs elsewhere).
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import logging
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
+import zmq
+
+from engine import EngineConfig, EngineError, errors
+from engine.core_proc import pack, unpack
+from engine.outputs import CoreOutput
+from kvops.engine_service import OutputSink, load_tokenizer, render_chat
+
+log = logging.getLogger(__name__)
+
+MAX_RESTARTS = 3  # core deaths in a row before the worker gives up
+POLL_MS = 200
+
+
+class CoreDied(EngineError):
+    """The engine core process exited while this was in flight."""
+
+
+_ERRORS: dict[str, type[EngineError]] = {
+    cls.__name__: cls for cls in (errors.UnknownRequestError, errors.InvalidStateError,
+                                  errors.NotEnoughBlocksError, errors.InvalidRequestError,
+                                  errors.PrefixNotCachedError, errors.CommandExpired)}
+
+
+def _error(name: str, message: str) -> EngineError:
+    cls = _ERRORS.get(name)
+    return cls(message) if cls is not None else EngineError(f"{name}: {message}")
+
+
+class EngineCoreClient:
+    def __init__(self, config: EngineConfig, sink: OutputSink | None = None,
+                 startup_timeout_s: float = 900.0) -> None:
+        self.name = config.name
+        self.config = config
+        self.instance = ""  # set by the worker when it registers (Engine.instance)
+        self.sink = sink  # gets every step's outputs
+        self.startup_timeout_s = startup_timeout_s
+        self.latest_metrics: dict = {}  # refreshed from the core's metrics messages
+        self.described: dict = {}  # the core's describe_config(), from its ready message
+        self.tokenizer = None  # loaded here from the described model, for chat templates
+        self.restarts = 0  # core deaths in a row
+        self._dir = tempfile.mkdtemp(prefix="kvops-core-")
+        self._context = zmq.Context()
+        self._to_core = self._context.socket(zmq.PUSH)
+        self._to_core.bind(f"ipc://{self._dir}/in")
+        self._from_core = self._context.socket(zmq.PULL)
+        self._from_core.bind(f"ipc://{self._dir}/out")
+        self._send_lock = threading.Lock()  # a ZMQ socket is used by one thread at a time
+        self._lock = threading.Lock()
+        self._calls: dict[int, Future] = {}  # under _lock
+        self._in_flight: set[str] = set()  # request ids the core runs; under _lock
+        self._ids = itertools.count(1)
+        self._ready = threading.Event()
+        self._stopping = False
+        self._dead = False  # gave up restarting
+        self._proc: subprocess.Popen | None = None
+        self._reader = threading.Thread(target=self._read, name=f"engine-core-{self.name}",
+                                        daemon=True)
+
+    # --- lifecycle ---------------------------------------------------------------------
+    def start(self) -> None:
+        self._spawn()
+        self._reader.start()
+        if not self._ready.wait(self.startup_timeout_s):
+            raise EngineError(f"engine core {self.name} did not start within "
+                              f"{self.startup_timeout_s:.0f} s")
+        if self._dead:
+            raise EngineError(f"engine core {self.name} could not start (see the log)")
+
+    def _spawn(self) -> None:
+        self._ready.clear()
+        fields = {f.name: getattr(self.config, f.name) for f in dataclasses.fields(self.config)}
+        self._proc = subprocess.Popen([
+            sys.executable, "-m", "engine.core_proc", "--config", json.dumps(fields),
+            "--input", f"ipc://{self._dir}/in", "--output", f"ipc://{self._dir}/out"])
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._stopping = True
+        self._send(["shutdown"])
+        if self._proc is not None:
+            try:
+                self._proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+        self._reader.join(timeout_s)
+        self._to_core.close(linger=0)
+        self._from_core.close(linger=0)
+        self._context.term()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    @property
+    def alive(self) -> bool:
+        return self._reader.is_alive() and not self._dead and self._ready.is_set()
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
+    # --- calls from the worker's threads -----------------------------------------------
+    def command(self, name: str, arguments: dict, timeout_s: float = 30.0) -> Any:
+        """An operator command by name (engine/commands.py), applied between two steps.
+        One deadline for both sides: past it the core drops the command."""
+        return self._call(["cmd", None, name, arguments, time.time() + timeout_s], timeout_s)
+
+    def submit(self, request_id: str, prompt: str | list[int], params: dict,
+               priority: int = 0, job_id: str | None = None) -> None:
+        """Add a request; raises InvalidRequestError (bad prompt/params) synchronously.
+        Its outputs go to the sink."""
+        with self._lock:
+            self._in_flight.add(request_id)
+        try:
+            self._call(["add", None, request_id, prompt, dict(params), priority, job_id], 60.0)
+        except BaseException:
+            with self._lock:
+                self._in_flight.discard(request_id)
+            raise
+
+    def finish_request(self, request_id: str) -> None:
+        """End a request whose text reached a stop string (does not wait)."""
+        self._send(["stop", request_id])
+
+    def describe_config(self) -> dict:
+        return dict(self.described)
+
+    def render_chat(self, messages: list[dict]) -> str:
+        return render_chat(self.tokenizer, messages)
+
+    def _call(self, message: list, timeout_s: float) -> Any:
+        if not self.alive:
+            raise EngineError(f"engine {self.name} is not running")
+        call_id = next(self._ids)
+        message[1] = call_id
+        future: Future = Future()
+        with self._lock:
+            self._calls[call_id] = future
+        self._send(message)
+        try:
+            return future.result(timeout_s)
+        except FutureTimeout:
+            raise TimeoutError(f"engine {self.name} did not answer within {timeout_s:g} s") \
+                from None
+        finally:
+            with self._lock:
+                self._calls.pop(call_id, None)
+
+    def _send(self, message: list) -> None:
+        with self._send_lock:
+            self._to_core.send(pack(message))
+
+    # --- the reader thread ---------------------------------------------------------------
+    def _read(self) -> None:
+        while not self._stopping:
+            if self._from_core.poll(POLL_MS):
+                self._dispatch(unpack(self._from_core.recv()))
+                continue
+            code = self._proc.poll() if self._proc is not None else None
+            if code is not None and not self._stopping:
+                self._core_died(code)
+                if self._dead:
+                    return
+
+    def _dispatch(self, message: list) -> None:
+        kind = message[0]
+        if kind == "out":
+            outputs = [CoreOutput.from_wire(row) for row in message[1]]
+            ended = [o.request_id for o in outputs if o.finished]
+            if ended:
+                with self._lock:
+                    self._in_flight.difference_update(ended)
+            if self.sink is not None:
+                self.sink.push(outputs)
+        elif kind == "reply":
+            _, call_id, ok, result = message
+            with self._lock:
+                future = self._calls.get(call_id)
+            if future is not None and not future.done():
+                if ok:
+                    future.set_result(result)
+                else:
+                    future.set_exception(_error(*result))
+        elif kind == "metrics":
+            self.latest_metrics = message[1]
+        elif kind == "failed":
+            _, request_ids, reason = message
+            with self._lock:
+                self._in_flight.difference_update(request_ids)
+            if self.sink is not None:
+                self.sink.fail(request_ids, reason)
+        elif kind == "ready":
+            self.described, self.latest_metrics = message[1], message[2]
+            if self.tokenizer is None:
+                self.tokenizer = load_tokenizer(self.described)
+            self.restarts = 0
+            self._ready.set()
+            log.info("engine core %s ready (pid %s)", self.name, self.pid)
+
+    def _core_died(self, code: int) -> None:
+        how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+        reason = f"the engine core process of {self.name} stopped ({how})"
+        log.error("%s", reason)
+        self._ready.clear()
+        with self._lock:
+            calls, self._calls = dict(self._calls), {}
+            lost, self._in_flight = sorted(self._in_flight), set()
+        for future in calls.values():
+            if not future.done():
+                future.set_exception(CoreDied(reason))
+        if lost and self.sink is not None:
+            self.sink.fail(lost, reason)
+        self.restarts += 1
+        if self.restarts > MAX_RESTARTS:
+            log.error("engine core %s died %d times in a row: the worker reports itself dead",
+                      self.name, self.restarts)
+            self._dead = True
+            self._ready.set()  # wakes start() if it is still waiting
+            return
+        self._spawn()

@@ -1,0 +1,169 @@
+"""The engine core in its own process (engine/core_proc.py) and its worker-side client:
+requests and operator commands through the process boundary, expired commands dropped,
+and a core killed mid-stream (its requests fail with the reason, a new core takes over;
+through the service, the stream ends with an error instead of hanging)."""
+import asyncio
+import os
+import signal
+import subprocess
+import threading
+import time
+
+import pytest
+
+from engine import EngineConfig, InvalidRequestError, LLMEngine, SamplingParams, \
+    UnknownRequestError
+from engine.errors import CommandExpired
+from kvops.engine_client import EngineCoreClient
+from kvops.localstack import Stack
+from kvops.sse_client import stream_completion
+from tests.service.test_jobs_api import expected_text
+
+CONFIG = dict(simulate=True, vocab_size=1000, num_gpu_blocks=256, simulate_step_ms=5)
+
+
+class ListSink:
+    """Collects what the client hands to its output processor."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.tokens: dict[str, list[int]] = {}
+        self.finished: dict[str, str] = {}
+        self.failed: dict[str, str] = {}
+
+    def push(self, outputs) -> None:
+        with self.cond:
+            for o in outputs:
+                self.tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+                if o.finished:
+                    self.finished[o.request_id] = o.finish_reason
+            self.cond.notify_all()
+
+    def fail(self, request_ids, message) -> None:
+        with self.cond:
+            for request_id in request_ids:
+                self.failed[request_id] = message
+            self.cond.notify_all()
+
+    def wait(self, predicate, what: str, timeout_s: float = 60) -> None:
+        with self.cond:
+            if not self.cond.wait_for(predicate, timeout_s):
+                raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture
+def core():
+    sink = ListSink()
+    client = EngineCoreClient(EngineConfig(name="core-test", **CONFIG), sink)
+    client.start()
+    yield client, sink
+    client.stop()
+
+
+def test_requests_and_commands_cross_the_process_boundary(core):
+    client, sink = core
+    client.submit("r1", "hello core", {"max_tokens": 12, "temperature": 0.0})
+    sink.wait(lambda: "r1" in sink.finished, "r1 to finish")
+    alone = LLMEngine(EngineConfig(**CONFIG)).generate(
+        ["hello core"], SamplingParams(max_tokens=12))[0]
+    assert sink.tokens["r1"] == alone.output_token_ids
+    assert sink.finished["r1"] == "length"
+    assert client.describe_config()["num_gpu_blocks"] == 256
+    assert client.command("metrics", {})["num_generation_tokens"] == 12
+    with pytest.raises(UnknownRequestError):
+        client.command("abort", {"request_id": "nobody"})
+    with pytest.raises(InvalidRequestError):
+        client.submit("r1", "", {"max_tokens": 4})  # an empty prompt
+    with pytest.raises(InvalidRequestError):
+        client.command("teleport", {})
+
+
+def test_an_expired_command_is_dropped_not_applied_late(core):
+    client, sink = core
+    client.submit("long", "a long one", {"max_tokens": 3000, "ignore_eos": True})
+    sink.wait(lambda: len(sink.tokens.get("long", [])) >= 2, "tokens of the long request")
+    with pytest.raises(CommandExpired):
+        client._call(["cmd", None, "abort", {"request_id": "long"}, time.time() - 1], 10)
+    assert "long" not in sink.finished
+    assert client.command("abort", {"request_id": "long"})["status"] == "aborted"
+    sink.wait(lambda: sink.finished.get("long") == "abort", "the abort to be reported")
+
+
+def test_a_killed_core_fails_its_requests_and_a_new_one_takes_over(core):
+    client, sink = core
+    client.submit("victim", "doomed", {"max_tokens": 3000, "ignore_eos": True})
+    sink.wait(lambda: len(sink.tokens.get("victim", [])) >= 2, "tokens of the victim")
+    first = client.pid
+    os.kill(first, signal.SIGKILL)
+    sink.wait(lambda: "victim" in sink.failed, "the victim to fail")
+    assert "SIGKILL" in sink.failed["victim"]
+    deadline = time.monotonic() + 60
+    while not (client.alive and client.pid != first):
+        assert time.monotonic() < deadline, "no new core"
+        time.sleep(0.05)
+    client.submit("after", "still serving", {"max_tokens": 5})
+    sink.wait(lambda: "after" in sink.finished, "a request on the new core")
+
+
+@pytest.fixture(scope="module")
+def process_stack(tmp_path_factory):
+    s = Stack(tmp_path_factory.mktemp("core-stack"))
+    try:
+        s.start_web()
+        s.start_engine("proc", core="process", simulate=1, vocab_size=32000,
+                       num_gpu_blocks=512, max_num_seqs=16, simulate_step_ms=20)
+        yield s
+    finally:
+        s.stop()
+
+
+def core_pid(stack: Stack) -> int:
+    worker = stack.procs["engine-proc"].pid
+    out = subprocess.run(["pgrep", "-P", str(worker), "-f", "engine.core_proc"],
+                         capture_output=True, text=True)
+    return int(out.stdout.split()[0])
+
+
+def test_the_service_streams_through_a_core_process(process_stack):
+    async def main():
+        return await stream_completion(process_stack.url, process_stack.tokens["alice"],
+                                       {"model": "simulated-v1", "prompt": "via core",
+                                        "max_tokens": 20, "temperature": 0})
+    result = asyncio.run(main())
+    assert result.error is None and result.text == expected_text("via core", 20)
+
+
+def test_a_core_killed_mid_stream_ends_the_stream_with_an_error(process_stack):
+    async def main():
+        task = asyncio.create_task(stream_completion(
+            process_stack.url, process_stack.tokens["alice"],
+            {"model": "simulated-v1", "prompt": "cut short", "max_tokens": 3000,
+             "ignore_eos": True}))
+        while True:  # until the job runs and has said something
+            jobs = await asyncio.to_thread(
+                lambda: process_stack.api("GET", "/api/jobs/?status=running").json())
+            rows = jobs["results"] if isinstance(jobs, dict) else jobs
+            if any(r["num_output_tokens"] > 0 for r in rows):
+                break
+            await asyncio.sleep(0.05)
+        os.kill(core_pid(process_stack), signal.SIGKILL)
+        return await asyncio.wait_for(task, 60)
+
+    result = asyncio.run(main())
+    assert result.error is not None and "engine core" in result.error, result.error
+    jobs = process_stack.api("GET", "/api/jobs/").json()
+    rows = jobs["results"] if isinstance(jobs, dict) else jobs
+    job = next(r for r in rows if r["prompt"] == "cut short")
+    assert job["status"] == "failed" and "SIGKILL" in job["error"], job
+
+    async def after():
+        return await stream_completion(process_stack.url, process_stack.tokens["alice"],
+                                       {"model": "simulated-v1", "prompt": "next one",
+                                        "max_tokens": 8, "temperature": 0})
+    deadline = time.monotonic() + 60
+    while True:  # the worker starts a new core; until then jobs are refused or wait
+        result = asyncio.run(after())
+        if result.error is None:
+            break
+        assert time.monotonic() < deadline, result.error
+    assert result.text == expected_text("next one", 8)
