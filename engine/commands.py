@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from engine.block_hash import short
 from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
@@ -69,6 +70,7 @@ OPERATOR_COMMANDS: dict[str, Callable[[LLMEngine, dict], Any]] = {
     "unpin": lambda e, a: e.unpin_prefix(_prompt_arg(a), a.get("cache_salt")),
     "snapshot": lambda e, a: e.snapshot(compact=bool(a.get("compact", True))),
     "metrics": lambda e, a: e.metrics(),
+    "prefix-hashes": lambda e, a: [short(h) for h in e.kv.gpu.cached],
     "inject-fault": _inject_fault,
 }
 

@@ -9,6 +9,7 @@ sockets, messages packed with msgpack:
   worker -> core   ["add", id, request_id, prompt, sampling params, priority, job_id]
                    ["cmd", id, name, arguments, deadline]   (an operator command)
                    ["stop", request_id]                     (its text hit a stop string)
+                   ["kvask", id, kind, argument]            (a question to the KV view)
                    ["shutdown"]
   core -> worker   ["ready", describe_config, metrics]
                    ["out", [CoreOutput.to_wire(), ...]]     (one per step: every request
@@ -16,6 +17,8 @@ sockets, messages packed with msgpack:
                    ["failed", [request_id, ...], message]   (a step raised)
                    ["reply", id, True, result] or ["reply", id, False, [error, message]]
                    ["metrics", metrics]                     (a few times a second)
+                   ["kv", item]                             (the live KV view, engine/kv_feed.py:
+                                                             up to 10 a second)
 
 Commands and new requests are applied between two steps. A command whose deadline has
 passed when the core reaches it is dropped (its caller has given up) and answered
@@ -29,6 +32,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 
 import msgpack
@@ -37,6 +41,7 @@ import zmq
 from engine.commands import run_command
 from engine.config import EngineConfig
 from engine.errors import CommandExpired, EngineError, InvalidRequestError
+from engine.kv_feed import KVFeed
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 
@@ -58,7 +63,9 @@ class CoreServer:
     def __init__(self, engine: LLMEngine, inbox: zmq.Socket, outbox: zmq.Socket) -> None:
         self.engine = engine
         self.inbox = inbox  # PULL: the worker's messages
-        self.outbox = outbox  # PUSH: to the worker
+        self.outbox = outbox  # PUSH: to the worker; the loop and the feed's thread send
+        self._send_lock = threading.Lock()
+        self.feed = KVFeed(engine.config.name, lambda item: self._send(["kv", item]))
         self.parent = os.getppid()
         self._next_metrics = 0.0
 
@@ -71,6 +78,7 @@ class CoreServer:
                 return
             if engine.has_unfinished_requests():
                 self._step()
+            self.feed(engine)
             now = time.monotonic()
             if now >= self._next_metrics:
                 self._next_metrics = now + METRICS_S
@@ -80,7 +88,9 @@ class CoreServer:
                     return
 
     def _send(self, message: list) -> None:
-        self.outbox.send(pack(message))
+        data = pack(message)
+        with self._send_lock:
+            self.outbox.send(data)
 
     def _take_input(self, timeout_ms: int) -> bool:
         """Apply every message waiting (waiting up to timeout_ms for the first); False
@@ -102,6 +112,10 @@ class CoreServer:
             self.engine.finish_request(message[1])
             return
         call_id = message[1]
+        if kind == "kvask":  # answered by the feed's thread, the loop goes on
+            self.feed.ask(message[2], message[3], lambda ok, result: self._send(
+                ["reply", call_id, ok, result if ok else ["LookupError", str(result)]]))
+            return
         try:
             if kind == "add":
                 _, _, request_id, prompt, params, priority, job_id = message
@@ -148,7 +162,11 @@ def serve(config: EngineConfig, input_address: str, output_address: str) -> None
     outbox.connect(output_address)
     try:
         engine = LLMEngine(config, detokenize=False)
-        CoreServer(engine, inbox, outbox).run()
+        server = CoreServer(engine, inbox, outbox)
+        try:
+            server.run()
+        finally:
+            server.feed.close()
     finally:
         inbox.close(linger=0)
         outbox.close(linger=1000)

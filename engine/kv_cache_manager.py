@@ -35,6 +35,9 @@ class Allocation:
     copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) copy-on-write
 
 
+_NOTHING_ALLOCATED = Allocation()  # the decode fast path's answer (never modified)
+
+
 @dataclass(slots=True)
 class SwapResult:
     mapping: list[tuple[int, int]]  # (src block, dst block) to copy, src pool -> dst pool
@@ -49,6 +52,7 @@ class KVCacheManager:
         self.gpu = BlockPool(num_gpu_blocks, enable_caching, events, "gpu")
         self.cpu = BlockPool(num_cpu_blocks, False, events, "cpu")
         self.req_to_blocks: dict[str, list[KVBlock]] = {}  # GPU block table
+        self._step_ids: dict[str, tuple[list, list[int]]] = {}  # step_block_ids cache
         self.req_to_cpu_blocks: dict[str, list[KVBlock]] = {}  # CPU table while swapped
         self._num_offered: dict[str, int] = {}  # leading blocks already offered to the cache
         self.prefix_cache_queries = 0  # prompt tokens looked up (tokens)
@@ -105,7 +109,7 @@ class KVCacheManager:
             # Decode fast path: the last block still has room.
             if total_tokens // self.block_size > self._num_offered[rid]:
                 self._offer_to_cache(request, total_tokens)
-            return Allocation()
+            return _NOTHING_ALLOCATED
         reuse: list[KVBlock] = []
         cow_src: KVBlock | None = None
         if match is not None and match.blocks:
@@ -159,6 +163,7 @@ class KVCacheManager:
         rid = request.request_id
         self._num_offered.pop(rid, None)
         table = self.req_to_blocks.pop(rid, [])
+        self._step_ids.pop(rid, None)
         if table:
             self.gpu.free(reversed(table))
             self._events.emit("BlockRemoved", request_id=rid,
@@ -185,6 +190,7 @@ class KVCacheManager:
         self.req_to_cpu_blocks[rid] = cpu_blocks
         self._num_offered.pop(rid, None)
         del self.req_to_blocks[rid]
+        self._step_ids.pop(rid, None)
         self.gpu.free(reversed(table))  # cached ones stay findable until reused
         return SwapResult(mapping)
 
@@ -280,6 +286,23 @@ class KVCacheManager:
     # --- introspection ---------------------------------------------------------------
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+
+    def step_block_ids(self, request_id: str) -> list[int]:
+        """The request's GPU block ids for this step's batch, without rebuilding the list
+        every step: a table only grows (by extend) while its request holds it, so the
+        ids list made last step is extended. The list is shared: read it, never keep
+        it past the step."""
+        table = self.req_to_blocks.get(request_id)
+        if table is None:
+            return []
+        cached = self._step_ids.get(request_id)
+        if cached is None or cached[0] is not table:
+            cached = (table, [b.block_id for b in table])
+            self._step_ids[request_id] = cached
+        ids = cached[1]
+        if len(ids) < len(table):
+            ids.extend(b.block_id for b in table[len(ids):])
+        return ids
 
     def cpu_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_cpu_blocks.get(request_id, ())]

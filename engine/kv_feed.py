@@ -20,6 +20,7 @@ import time
 import uuid
 import zlib
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -142,6 +143,16 @@ class KVFeed:
         with the answer."""
         self._asks.put((kind, argument, reply))
         self._wake.set()
+
+    def ask_wait(self, kind: str, argument: Any, timeout_s: float) -> Any:
+        """ask(), waiting for the answer; LookupError if the feed cannot answer (no
+        capture yet), TimeoutError if it does not in time."""
+        future: Future = Future()
+        self.ask(kind, argument, lambda ok, result: future.set_result((ok, result)))
+        ok, result = future.result(timeout_s)
+        if not ok:
+            raise LookupError(result)
+        return result
 
     @property
     def idle(self) -> bool:

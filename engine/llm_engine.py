@@ -23,6 +23,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.snapshot import build_snapshot
 
+_ENDED = frozenset({RequestStatus.FINISHED, RequestStatus.ABORTED})
 SIMULATED_MAX_MODEL_LEN = 4096
 SIMULATED_NUM_GPU_BLOCKS = 4096
 
@@ -146,12 +147,11 @@ class LLMEngine:
 
     @staticmethod
     def _core_output(request: Request, new_token_ids: list[int]) -> CoreOutput:
-        return CoreOutput(
-            request_id=request.request_id, new_token_ids=new_token_ids,
-            finished=request.status.is_finished, finish_reason=request.finish_reason,
-            num_prompt_tokens=len(request.prompt_token_ids),
-            num_cached_tokens=request.num_cached_tokens or 0,
-            num_preemptions=request.num_preemptions, request=request)
+        # Positional and without the status property: this runs for every request in
+        # every step.
+        return CoreOutput(request.request_id, new_token_ids, request.status in _ENDED,
+                          request.finish_reason, len(request.prompt_token_ids),
+                          request.num_cached_tokens or 0, request.num_preemptions, request)
 
     def _output(self, core: CoreOutput) -> RequestOutput:
         """The full output of a request, its text detokenised here (a stop string found

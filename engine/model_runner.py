@@ -44,6 +44,7 @@ class ModelRunner(Runner):
 
         folder = read_model_folder(resolve_model_path(config.model))
         self.folder = folder
+        self.model_path = str(folder.path)  # where the tokenizer is read from (describe_config)
         self.model_id = model_identity(folder, self._dtype)
         self.tokenizer = HFTokenizer.from_folder(folder.path, folder.eos_token_ids)
         self.vocab_size = folder.args.vocab_size

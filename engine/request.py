@@ -62,8 +62,9 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
-        if self.num_tokens % self.block_size == 0:
+        num_tokens = len(self.all_token_ids)
+        if num_tokens % self.block_size == 0:
             parent = self.block_hashes[-1] if self.block_hashes else self.root_hash
-            start = self.num_tokens // self.block_size - 1
+            start = num_tokens // self.block_size - 1
             self.block_hashes.extend(hash_blocks(
                 self.root_hash, self.all_token_ids, self.block_size, start=start, parent=parent))

@@ -94,7 +94,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(len(request.all_token_ids) - request.num_computed_tokens, budget)
             alloc = self.kv.allocate_slots(request, num_new)
             while alloc is None:
                 # Preempt the least important request not yet scheduled (the last one);
@@ -151,9 +151,8 @@ class Scheduler:
     def _add_scheduled(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
         start = request.num_computed_tokens
         out.scheduled.append(ScheduledRequest(
-            request=request, num_new_tokens=num_new, start=start,
-            block_ids=self.kv.block_ids(request.request_id),
-            samples=start + num_new == request.num_tokens))
+            request, num_new, start, self.kv.step_block_ids(request.request_id),
+            start + num_new == len(request.all_token_ids)))
 
     # --- after the model ran ---------------------------------------------------------
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
@@ -161,19 +160,21 @@ class Scheduler:
         Returns the requests that made progress, in batch order."""
         progressed, finished = [], []
         self.kv.uncomputed.clear()
+        counters = self.counters
+        running = RequestStatus.RUNNING
         for s in out.scheduled:
             request = s.request
-            if request.status != RequestStatus.RUNNING:
+            if request.status is not running:
                 continue
-            is_decode = s.samples and s.num_new_tokens == 1 and request.num_output_tokens > 0
+            is_decode = s.samples and s.num_new_tokens == 1 and request.output_token_ids
             if not is_decode:
-                self.counters.num_prompt_tokens += s.num_new_tokens
+                counters.num_prompt_tokens += s.num_new_tokens
             request.num_computed_tokens += s.num_new_tokens
             if not s.samples:
                 continue
             token = sampled[request.request_id]
             request.append_output_token(token)
-            self.counters.num_generation_tokens += 1
+            counters.num_generation_tokens += 1
             progressed.append(request)
             reason = self._stop_reason(request, token)
             if reason is not None:
@@ -188,7 +189,8 @@ class Scheduler:
             return "stop"
         if not params.ignore_eos and token in request.eos_token_ids:
             return "stop"
-        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+        if len(request.output_token_ids) >= params.max_tokens \
+                or len(request.all_token_ids) >= self.max_model_len:
             return "length"
         return None
 

@@ -87,9 +87,8 @@ class SimulatedRunner(Runner):
             for p in range(s.start, s.start + s.num_new_tokens):
                 prev = digest(prev, tokens[p])
                 cache[self._slot(s.block_ids, p)] = prev
-            if s.samples:
-                last = int(cache[self._slot(s.block_ids, s.start + s.num_new_tokens - 1)])
-                sampled[s.request.request_id] = next_token(last, self.vocab_size)
+            if s.samples:  # `prev` is the last slot's value, as just written
+                sampled[s.request.request_id] = next_token(prev, self.vocab_size)
         return sampled
 
     def _copy(self, src: np.ndarray, dst: np.ndarray, mapping: list[tuple[int, int]]) -> None:

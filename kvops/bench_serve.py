@@ -18,7 +18,6 @@ import argparse
 import asyncio
 import os
 import random
-import statistics
 import sys
 import tempfile
 import time
@@ -197,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="also the default model at this many streams (0: skip)")
     parser.add_argument("--real-tokens", type=int, default=64,
                         help="output tokens per stream with the default model")
-    parser.add_argument("--core", choices=("thread", "process"), default="thread",
+    parser.add_argument("--core", choices=("thread", "process"), default="process",
                         help="where the worker runs its engine (KVOPS_ENGINE_CORE)")
     parser.add_argument("--deadline", type=float, default=300.0,
                         help="seconds after which a stream counts as hung")

@@ -28,7 +28,7 @@ from channels.utils import await_many_dispatch
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from kvops import live, selectors, services
+from kvops import live, selectors
 from kvops.job_listener import JobFailed, JobListener, reload
 from kvops.models import Engine
 from kvops.stream_hub import StreamError, get_hub

@@ -21,6 +21,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
@@ -60,6 +61,7 @@ class EngineCoreClient:
         self.config = config
         self.instance = ""  # set by the worker when it registers (Engine.instance)
         self.sink = sink  # gets every step's outputs
+        self.on_kv_item: Callable[[dict], None] | None = None  # gets the KV view's items
         self.startup_timeout_s = startup_timeout_s
         self.latest_metrics: dict = {}  # refreshed from the core's metrics messages
         self.described: dict = {}  # the core's describe_config(), from its ready message
@@ -148,6 +150,15 @@ class EngineCoreClient:
     def describe_config(self) -> dict:
         return dict(self.described)
 
+    def attach_kv_view(self, on_item: Callable[[dict], None]) -> None:
+        """Hand the core's live KV view (engine/kv_feed.py) to on_item, on the reader
+        thread (on_item must not block)."""
+        self.on_kv_item = on_item
+
+    def ask_kv(self, kind: str, argument: Any, timeout_s: float) -> Any:
+        """A question to the core's KV view (see KVFeed.ask)."""
+        return self._call(["kvask", None, kind, argument], timeout_s)
+
     def render_chat(self, messages: list[dict]) -> str:
         return render_chat(self.tokenizer, messages)
 
@@ -206,6 +217,9 @@ class EngineCoreClient:
                     future.set_exception(_error(*result))
         elif kind == "metrics":
             self.latest_metrics = message[1]
+        elif kind == "kv":
+            if self.on_kv_item is not None:
+                self.on_kv_item(message[1])
         elif kind == "failed":
             _, request_ids, reason = message
             with self._lock:

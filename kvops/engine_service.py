@@ -20,13 +20,13 @@ from engine import EngineConfig, EngineError, InvalidRequestError, LLMEngine, Sa
 from engine.block_hash import hash_blocks, root_hash, short
 from engine.commands import run_command
 from engine.detokenizer import SimTokenizer
+from engine.kv_feed import KVFeed
 from engine.outputs import CoreOutput
 
 log = logging.getLogger(__name__)
 
 __all__ = ["EngineService", "OutputSink", "EngineError", "load_tokenizer", "InvalidRequestError",
-           "config_from_env", "PromptInspector",
-           "short_hashes_of_cache", "render_chat"]
+           "config_from_env", "PromptInspector", "render_chat"]
 
 
 def render_chat(tokenizer, messages: list[dict]) -> str:
@@ -50,11 +50,6 @@ def load_tokenizer(config: dict):
     except (OSError, EngineError) as e:
         log.warning("tokenizer of %s not readable here: %s", config["model_path"], e)
         return None
-
-
-def short_hashes_of_cache(engine: LLMEngine) -> list[str]:
-    """Short hashes of every block in the engine's prefix cache (call on its loop thread)."""
-    return [short(h) for h in engine.kv.gpu.cached]
 
 
 class PromptInspector:
@@ -134,6 +129,7 @@ class EngineService:
         self.latest_metrics: dict = self.engine.metrics()  # refreshed by the loop thread
         self._commands: queue.Queue[tuple[Callable[[], Any], Future]] = queue.Queue()
         self._hooks: list[Callable[[LLMEngine], None]] = []
+        self.feed: KVFeed | None = None  # the live KV view, once attached
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"engine-{self.name}",
@@ -147,6 +143,20 @@ class EngineService:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout_s)
+        if self.feed is not None:
+            self.feed.close(timeout_s)
+
+    def attach_kv_view(self, on_item: Callable[[dict], None]) -> None:
+        """Produce the engine's live KV view (engine/kv_feed.py); on_item gets its items
+        on the feed's thread."""
+        self.feed = KVFeed(self.name, on_item)
+        self.add_hook(self.feed)
+
+    def ask_kv(self, kind: str, argument: Any, timeout_s: float) -> Any:
+        """A question to the KV view (see KVFeed.ask)."""
+        if self.feed is None:
+            raise LookupError("this engine produces no KV view (attach_kv_view)")
+        return self.feed.ask_wait(kind, argument, timeout_s)
 
     def add_hook(self, hook: Callable[[LLMEngine], None]) -> None:
         """Run hook(engine) on the loop thread after each step and each idle tick."""

@@ -27,7 +27,6 @@ import json
 import logging
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -106,14 +105,3 @@ class TextAssembler:
     @property
     def has_hole(self) -> bool:
         return bool(self.pending)
-
-
-def merge_updates(updates: list[dict[str, Any]]) -> dict[str, Any]:
-    """Several updates of one job as one (the newest state wins, texts are assembled by
-    the caller); used to coalesce what a listener missed while it was busy."""
-    merged: dict[str, Any] = {}
-    for u in updates:
-        if "state" in u:
-            merged["state"] = u["state"]
-        merged["n"] = max(merged.get("n", 0), u.get("n", 0))
-    return merged

@@ -1,9 +1,9 @@
 """Which engine holds which cached prefix: an index in Redis for prefix-aware routing.
 
-Engine side: PrefixIndexPublisher (a hook on the engine loop thread) mirrors the engine's
-prefix cache into a Redis set of short block hashes, from the engine's KV events
-(BlockStored adds, BlockEvicted removes, AllBlocksCleared empties), with a full
-rewrite now and then to repair any drift (a lost write, a Redis restart).
+Worker side: PrefixIndex mirrors the engine's prefix cache into a Redis set of short
+block hashes, from the prefix changes its KV feed reports (blocks stored, evicted, the
+cache cleared; engine/kv_feed.py), with a full rewrite now and then (the engine's
+`prefix-hashes` command) to repair any drift (a lost write, a Redis restart).
 Router side: cached_prefix_blocks() counts how many leading blocks of a prompt an
 engine holds.
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 from kvops import live
 
@@ -20,45 +21,45 @@ INDEX_KEY = "kvops:prefix:{engine}"
 RESYNC_S = 30.0
 
 
-class PrefixIndexPublisher:
-    def __init__(self, engine_name: str, engine) -> None:
+class PrefixIndex:
+    def __init__(self, engine_name: str, source: Any) -> None:
         self.key = INDEX_KEY.format(engine=engine_name)
-        self.queue = engine.events.subscribe(maxlen=1_000_000)
-        self._last_full = 0.0
+        self.source = source  # sends the engine commands (EngineService, EngineCoreClient)
+        self._last_full = float("-inf")
 
-    def __call__(self, engine) -> None:
-        events = self.queue.take()
-        now = time.monotonic()
+    def apply(self, changes: dict) -> None:
+        """One feed item's prefix changes (see engine.kv_feed.prefix_changes)."""
+        if not (changes["stored"] or changes["evicted"] or changes["cleared"]):
+            return
         try:
-            if now - self._last_full > RESYNC_S or self.queue.num_dropped:
-                self.queue.num_dropped = 0
-                self._rewrite(engine)
-                self._last_full = now
-            elif events:
-                self._apply(events)
+            pipe = live.redis_client().pipeline(transaction=False)
+            if changes["cleared"]:
+                pipe.delete(self.key)
+            if changes["stored"]:
+                pipe.sadd(self.key, *changes["stored"])
+            if changes["evicted"]:
+                pipe.srem(self.key, *changes["evicted"])
+            pipe.execute()
         except Exception as e:  # Redis away: the next full rewrite repairs the index
             log.warning("prefix index update failed: %s", e)
-            self._last_full = 0.0
+            self._last_full = float("-inf")
 
-    def _apply(self, events) -> None:
-        pipe = live.redis_client().pipeline(transaction=False)
-        for event in events:
-            if event.type == "BlockStored" and event.block_hashes:
-                pipe.sadd(self.key, *event.block_hashes)
-            elif event.type == "BlockEvicted" and event.block_hashes:
-                pipe.srem(self.key, *[h for h in event.block_hashes if h])
-            elif event.type == "AllBlocksCleared":
-                pipe.delete(self.key)
-        pipe.execute()
-
-    def _rewrite(self, engine) -> None:
-        from kvops.engine_service import short_hashes_of_cache
-        hashes = short_hashes_of_cache(engine)
-        pipe = live.redis_client().pipeline(transaction=True)
-        pipe.delete(self.key)
-        for i in range(0, len(hashes), 10_000):
-            pipe.sadd(self.key, *hashes[i:i + 10_000])
-        pipe.execute()
+    def maybe_rewrite(self) -> None:
+        """Write the whole index from the engine's cache, every RESYNC_S."""
+        now = time.monotonic()
+        if now - self._last_full < RESYNC_S:
+            return
+        self._last_full = now
+        try:
+            hashes = self.source.command("prefix-hashes", {})
+            pipe = live.redis_client().pipeline(transaction=True)
+            pipe.delete(self.key)
+            for i in range(0, len(hashes), 10_000):
+                pipe.sadd(self.key, *hashes[i:i + 10_000])
+            pipe.execute()
+        except Exception as e:  # the engine or Redis busy or away: try again soon
+            log.warning("prefix index rewrite failed: %s", e)
+            self._last_full = now - RESYNC_S + 1.0
 
 
 def cached_prefix_blocks(engine_name: str, short_hashes: list[str]) -> int:

@@ -48,9 +48,10 @@ def _start_engine(sender=None, **kwargs) -> None:
     from kvops.engine_service import EngineService, config_from_env
     from kvops.job_stream import StreamProducer
     from kvops.output_processor import OutputProcessor
+    from kvops.publisher import EnginePublisher
 
     config = config_from_env(os.environ)
-    mode = os.environ.get("KVOPS_ENGINE_CORE", "thread")
+    mode = os.environ.get("KVOPS_ENGINE_CORE", "process")
     log.info("starting engine %s (core: %s)", config.name, mode)
     if mode == "process":
         _service = EngineCoreClient(config)
@@ -59,16 +60,13 @@ def _start_engine(sender=None, **kwargs) -> None:
     else:
         raise SystemExit(f"KVOPS_ENGINE_CORE={mode!r}: use `thread` or `process`")
     _service.start()  # no request before the sink is set: the worker takes no job yet
+    if _service.tokenizer is None:
+        raise SystemExit(f"engine {config.name}: its tokenizer is not readable from the worker "
+                         f"({_service.describe_config().get('model_path')})")
     _processor = OutputProcessor(config.name, StreamProducer(live.redis_client(), config.name),
                                  _service.tokenizer, _service.finish_request)
     _service.sink = _processor
-    if mode == "thread":  # the live KV view reads the engine in this process
-        from kvops.prefix_index import PrefixIndexPublisher
-        from kvops.publisher import EnginePublisher
-        _service.add_hook(EnginePublisher(config.name))
-        # Subscribing to the engine's events happens on its loop thread, like all engine calls.
-        _service.add_hook(_service.call(lambda engine: PrefixIndexPublisher(config.name,
-                                                                           engine)))
+    _service.attach_kv_view(EnginePublisher(config.name, source=_service).on_item)
     hostname = getattr(sender, "hostname", None) or f"engine-{config.name}@{socket.gethostname()}"
     describe = _service.describe_config()
     _service.instance = uuid.uuid4().hex

@@ -4,7 +4,7 @@ import pytest
 
 from engine import SamplingParams
 from engine.snapshot import decode_array
-from kvops.kv_mirror import EVENT_MAX_BLOCKS, Capturer, KVMirror, event_record
+from engine.kv_view import EVENT_MAX_BLOCKS, Capturer, KVMirror, event_record
 from tests.dashboard.churn import Churn, churn_engine
 from tests.dashboard.live_client import ARRAYS, LiveState
 

@@ -51,6 +51,6 @@ async def settle(publisher: EnginePublisher, engine) -> int:
     """Let the publisher catch up with the engine; the seq of its last delta."""
     publisher(engine)
     await asyncio.to_thread(wait_for, lambda: publisher.mirror.version == engine.version
-                            and publisher._pending is None, "publisher caught up")
+                            and publisher.idle, "publisher caught up")
     await asyncio.sleep(0.05)
     return publisher.mirror.seq

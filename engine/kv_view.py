@@ -3,7 +3,7 @@
 
 `Capturer.capture()` runs on the engine's loop thread and only copies references and
 counters, so a step never waits for the dashboard. `KVMirror.apply()` runs on the
-publisher's thread: it turns a capture into per-block numpy arrays, diffs them with the
+feed thread (engine/kv_feed.py): it turns a capture into per-block numpy arrays, diffs them with the
 previous ones and returns the delta. `KVMirror.snapshot()` builds the same document as
 `engine.snapshot(compact=True)` from the mirror.
 
