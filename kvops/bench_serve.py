@@ -51,8 +51,10 @@ def make_workload(n: int, lo: int, hi: int, seed: int = 0) -> Workload:
 
 def engine_config(args, streams: int, real: bool) -> dict:
     """The engine's settings, as KVOPS_ENGINE_* values and EngineConfig fields alike."""
-    if real:
-        return dict(max_num_seqs=max(32, streams), max_num_batched_tokens=2048)
+    if real:  # the default model, named by its folder (a stack has its own data dir)
+        from engine.model_runner import resolve_model_path
+        return dict(model=str(resolve_model_path(None)), max_num_seqs=max(32, streams),
+                    max_num_batched_tokens=2048)
     return dict(simulate=True, vocab_size=SIM_VOCAB, simulate_step_ms=args.step_ms,
                 max_num_seqs=max(256, streams), num_gpu_blocks=65536,
                 max_num_batched_tokens=8192)
