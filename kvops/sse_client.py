@@ -33,14 +33,20 @@ class StreamResult:
         return [b - a for a, b in zip(t, t[1:])]
 
 
+def completion_request(url: str, token: str, body: dict) -> bytes:
+    """The bytes of a streamed /v1/completions request (HTTP/1.0, so the answer comes
+    without chunked encoding and the connection closes at its end)."""
+    netloc = urlparse(url).netloc
+    payload = json.dumps({**body, "stream": True}).encode()
+    return (f"POST /v1/completions HTTP/1.0\r\nHost: {netloc}\r\n"
+            f"Authorization: Bearer {token}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(payload)}\r\n\r\n").encode() + payload
+
+
 async def stream_completion(url: str, token: str, body: dict) -> StreamResult:
     """POST body (with stream=true) to url's /v1/completions and read the stream to its
     end. Never raises for what the server does: the result says it."""
     parsed = urlparse(url)
-    payload = json.dumps({**body, "stream": True}).encode()
-    head = (f"POST /v1/completions HTTP/1.0\r\nHost: {parsed.netloc}\r\n"
-            f"Authorization: Bearer {token}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(payload)}\r\n\r\n").encode()
     result = StreamResult(sent_at=time.perf_counter())
     try:
         reader, writer = await asyncio.open_connection(parsed.hostname, parsed.port)
@@ -48,7 +54,7 @@ async def stream_completion(url: str, token: str, body: dict) -> StreamResult:
         result.error = f"connect: {e}"
         return result
     try:
-        writer.write(head + payload)
+        writer.write(completion_request(url, token, body))
         await writer.drain()
         header = await reader.readuntil(b"\r\n\r\n")
         result.status = int(header.split(b" ", 2)[1])

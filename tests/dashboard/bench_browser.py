@@ -30,7 +30,8 @@ CHROMIUM = "/usr/bin/chromium"
 
 
 def start_engine(name: str, blocks: int, num_requests: int, step_ms: float):
-    """EngineService + EnginePublisher in this process, registered and beating."""
+    """EngineService (its KV feed attached) + EnginePublisher in this process, as a worker
+    with KVOPS_ENGINE_CORE=thread runs them; registered and beating."""
     from django.utils import timezone
 
     from engine import EngineConfig, SamplingParams
@@ -43,9 +44,9 @@ def start_engine(name: str, blocks: int, num_requests: int, step_ms: float):
                           max_num_batched_tokens=8192, simulate_step_ms=step_ms,
                           preemption_mode="swap")
     service = EngineService(config)
-    publisher = EnginePublisher(name)
-    service.add_hook(publisher)
     service.start()
+    publisher = EnginePublisher(name, source=service)  # as a worker wires them
+    service.attach_kv_view(publisher.on_item)
     fields = {f.name for f in Engine._meta.fields}
     row = {"worker": f"engine-{name}@{socket.gethostname()}", "host": socket.gethostname(),
            "config": service.call(lambda e: e.describe_config()), "status": "ready",
@@ -154,7 +155,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     workdir = Path(tempfile.mkdtemp(prefix="kvops-bench-"))
     stack = Stack(workdir)
-    os.environ.update({k: stack.env[k] for k in ("DATABASE_URL", "KVOPS_DATA_DIR")})
+    # The engine and publisher in this process must use the stack's database and its
+    # Redis database (the stack picks its own number), or the page never hears them.
+    os.environ.update({k: stack.env[k] for k in ("DATABASE_URL", "KVOPS_DATA_DIR",
+                                                  "REDIS_URL")})
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "kvops.settings")
     import django
     django.setup()
@@ -163,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
         service, publisher, stop = start_engine("big", args.blocks, args.requests, args.step_ms)
         time.sleep(5)  # past the first prefill burst
         row = measure(stack.url, "big", args.seconds, args.screenshot)
-        s = publisher.stats
+        s = service.feed.stats
         row["engine deltas"] = s.deltas
         row["hook ms/capture"] = round(1000 * s.capture_s / max(1, s.captures), 2)
         row["publisher ms/delta"] = round(1000 * s.publish_s / max(1, s.deltas), 2)

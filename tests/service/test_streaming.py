@@ -2,7 +2,6 @@
 GPU step, through the job stream. Correctness only (every stream ends, in order, equal to
 its unstreamed answer); the speed is measured by `python -m kvops.bench_serve`."""
 import asyncio
-import json
 import random
 import socket
 from urllib.parse import urlparse
@@ -11,7 +10,7 @@ import openai
 import pytest
 
 from kvops.localstack import Stack
-from kvops.sse_client import stream_completion
+from kvops.sse_client import completion_request, stream_completion
 from tests.service.test_jobs_api import expected_text
 
 STREAMS = 256
@@ -75,12 +74,8 @@ def test_a_client_that_disconnects_cancels_its_job_and_frees_its_blocks(gpu_pace
     async def main():
         url = urlparse(gpu_paced.url)
         reader, writer = await asyncio.open_connection(url.hostname, url.port)
-        body = json.dumps({"model": MODEL, "prompt": "leave early", "max_tokens": 3000,
-                           "ignore_eos": True, "stream": True}).encode()
-        writer.write((f"POST /v1/completions HTTP/1.0\r\nHost: {url.netloc}\r\n"
-                      f"Authorization: Bearer {gpu_paced.tokens['alice']}\r\n"
-                      f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
-                      ).encode() + body)
+        writer.write(completion_request(gpu_paced.url, gpu_paced.tokens["alice"], {
+            "model": MODEL, "prompt": "leave early", "max_tokens": 3000, "ignore_eos": True}))
         await writer.drain()
         seen = b""
         while seen.count(b"data: ") < 3:  # it streams
@@ -117,12 +112,8 @@ def test_a_client_that_stops_reading_does_not_hold_up_the_others(gpu_paced):
         url = urlparse(gpu_paced.url)
         stuck = socket.create_connection((url.hostname, url.port))
         stuck.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        body = json.dumps({"model": MODEL, "prompt": "never read", "max_tokens": 2000,
-                           "ignore_eos": True, "stream": True}).encode()
-        stuck.sendall((f"POST /v1/completions HTTP/1.0\r\nHost: {url.netloc}\r\n"
-                       f"Authorization: Bearer {gpu_paced.tokens['alice']}\r\n"
-                       f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
-                       ).encode() + body)
+        stuck.sendall(completion_request(gpu_paced.url, gpu_paced.tokens["alice"], {
+            "model": MODEL, "prompt": "never read", "max_tokens": 2000, "ignore_eos": True}))
         try:
             others = await asyncio.gather(*[
                 stream_completion(gpu_paced.url, gpu_paced.tokens["alice"],
