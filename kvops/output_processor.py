@@ -178,8 +178,8 @@ class OutputProcessor:
                 self._write_progress()
             except Exception:  # kept dirty: written with the next batch
                 log.exception("writing the progress of %d jobs failed", len(self._jobs))
-        endings = [self._end(t) for t in ended]
-        self._send([u for u in endings if u is not None])
+        if ended:
+            self._send(self._end(ended))
         for request_id, message in failed:
             t = self._jobs.pop(request_id, None)
             if t is not None:
@@ -187,21 +187,27 @@ class OutputProcessor:
                 t.handle.set("failed")
         self.stats.flushes += 1
 
-    def _end(self, t: _Tracked) -> dict | None:
-        """Write an ended attempt's final state, wake its task, and return the state
-        update for the stream (None when there is nothing to announce)."""
-        del self._jobs[t.request_id]
+    def _end(self, ended: list[_Tracked]) -> list[dict]:
+        """Write the final state of attempts that ended (one transaction), wake their
+        tasks, and return the state updates to announce."""
+        for t in ended:
+            del self._jobs[t.request_id]
         try:
-            job = services.finish_job(_final_state(t))
-        except Exception:  # the task fails the job itself, with the reason
-            log.exception("could not write the end of job %s", t.job_id)
-            t.handle.set("error")
-            return None
-        if job is None:
-            t.handle.set("fenced")
-            return None
-        t.handle.set(job.status)
-        return state_update(job.pk, t.attempt, services.job_payload(job))
+            jobs = {job.pk: job for job in services.finish_jobs([_final_state(t) for t in ended])}
+        except Exception:  # their tasks fail the jobs themselves, with the reason
+            log.exception("could not write the end of %d jobs", len(ended))
+            for t in ended:
+                t.handle.set("error")
+            return []
+        updates = []
+        for t in ended:
+            job = jobs.get(t.job_id)
+            if job is None:
+                t.handle.set("fenced")
+                continue
+            t.handle.set(job.status)
+            updates.append(state_update(job.pk, t.attempt, services.job_payload(job)))
+        return updates
 
     def _absorb(self, t: _Tracked, out: CoreOutput, updates: list[dict]) -> None:
         if out.new_token_ids:

@@ -184,33 +184,63 @@ def record_progress(deltas: list[ProgressDelta]) -> None:
         cursor.executemany(sql, rows)
 
 
-def finish_job(final: FinalState) -> Job | None:
-    """The attempt ended: finished, or aborted (cancelled by its owner or an operator).
-    Writes the final state; None if the job is no longer this attempt's (it ended, or
-    runs again elsewhere)."""
-    with transaction.atomic():
-        job = Job.objects.select_for_update().filter(pk=final.job_id).first()
-        if job is None or job.is_terminal or job.request_id != final.request_id:
-            return None
-        job.output_text = final.text
-        job.output_token_ids = final.token_ids
-        job.num_output_tokens = len(final.token_ids)
-        job.num_prompt_tokens = final.num_prompt_tokens
-        job.num_cached_tokens = final.num_cached_tokens
-        job.num_preemptions = final.num_preemptions
-        job.first_token_at = job.first_token_at or final.first_token_at
-        job.finish_reason = final.finish_reason
-        if final.finish_reason == "abort":
-            reason = "cancelled by its owner" if job.cancel_requested \
-                else f"aborted by an operator on engine {job.engine}"
-            _end(job, Job.Status.CANCELLED, error=reason)
-        else:
-            _end(job, Job.Status.FINISHED)
-        job.save(update_fields=[
-            "output_text", "output_token_ids", "num_output_tokens", "num_prompt_tokens",
-            "num_cached_tokens", "num_preemptions", "first_token_at", "finish_reason",
-            *END_FIELDS])
-    metrics_store.observe_job(job)
+def finish_jobs(finals: list[FinalState]) -> list[Job]:
+    """Attempts that ended: finished, or aborted (cancelled by their owner or an
+    operator). Writes their final state in one transaction and returns the jobs, as
+    stored, that were still those attempts' (a job that ended meanwhile, or runs again
+    elsewhere, is left alone). Plain SQL for the finished ones, for the output
+    processor's sake (hundreds can end in one step); an abort needs the row to word its
+    reason, and takes the ORM."""
+    finished: list[int] = []
+    aborted: list[Job] = []
+    table = connection.ops.quote_name(Job._meta.db_table)
+    sql = (f"UPDATE {table} SET output_text = %s, output_token_ids = %s, "
+           "num_output_tokens = %s, num_prompt_tokens = %s, num_cached_tokens = %s, "
+           "num_preemptions = %s, first_token_at = COALESCE(first_token_at, %s), "
+           "finish_reason = %s, status = %s, error = '', finished_at = %s "
+           "WHERE id = %s AND request_id = %s AND status IN (%s, %s)")
+    token_ids = Job._meta.get_field("output_token_ids")
+    when = connection.ops.adapt_datetimefield_value
+    now = when(timezone.now())
+    with transaction.atomic(), connection.cursor() as cursor:
+        for f in finals:
+            if f.finish_reason == "abort":
+                job = _finish_aborted(f)
+                if job is not None:
+                    aborted.append(job)
+                continue
+            cursor.execute(sql, (
+                f.text, token_ids.get_db_prep_value(f.token_ids, connection),
+                len(f.token_ids), f.num_prompt_tokens, f.num_cached_tokens, f.num_preemptions,
+                when(f.first_token_at), f.finish_reason, Job.Status.FINISHED, now, f.job_id,
+                f.request_id, Job.Status.RUNNING, Job.Status.QUEUED))
+            if cursor.rowcount:
+                finished.append(f.job_id)
+    jobs = list(Job.objects.filter(pk__in=finished)) + aborted
+    for job in jobs:
+        metrics_store.observe_job(job)
+    return jobs
+
+
+def _finish_aborted(final: FinalState) -> Job | None:
+    job = Job.objects.select_for_update().filter(pk=final.job_id).first()
+    if job is None or job.is_terminal or job.request_id != final.request_id:
+        return None
+    job.output_text = final.text
+    job.output_token_ids = final.token_ids
+    job.num_output_tokens = len(final.token_ids)
+    job.num_prompt_tokens = final.num_prompt_tokens
+    job.num_cached_tokens = final.num_cached_tokens
+    job.num_preemptions = final.num_preemptions
+    job.first_token_at = job.first_token_at or final.first_token_at
+    job.finish_reason = final.finish_reason
+    reason = "cancelled by its owner" if job.cancel_requested \
+        else f"aborted by an operator on engine {job.engine}"
+    _end(job, Job.Status.CANCELLED, error=reason)
+    job.save(update_fields=[
+        "output_text", "output_token_ids", "num_output_tokens", "num_prompt_tokens",
+        "num_cached_tokens", "num_preemptions", "first_token_at", "finish_reason",
+        *END_FIELDS])
     return job
 
 

@@ -99,7 +99,7 @@ def test_a_stale_attempt_writes_nothing():
                                                      3, 0, 0, timezone.now())])
     final = services.FinalState(job.pk, f"job-{job.pk}-1", "stale end", [1, 2], 3, 0, 0,
                                 "length", None)
-    assert services.finish_job(final) is None
+    assert services.finish_jobs([final]) == []
     job.refresh_from_db()
     assert (job.status, job.output_text, job.num_output_tokens) == ("running", "fresh", 2)
     assert job.first_token_at == first  # kept from the first write
