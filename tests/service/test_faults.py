@@ -64,10 +64,10 @@ def test_sigkill_a_worker_mid_job(faulty):
 
 def test_redis_restart_loses_nothing(faulty):
     ids = submit(faulty, 12, max_tokens=100)
-    time.sleep(0.5)
+    faulty.wait_running(ids[0], timeout_s=60)  # Redis goes away under running jobs
     faulty.redis_proc.kill()
     faulty.redis_proc.wait()
-    time.sleep(1.0)
+    time.sleep(1.0)  # the outage itself: Redis stays down this long
     from tests.session_redis import start_redis
     faulty.redis_proc = start_redis(faulty.redis_port, str(faulty.workdir))
     jobs = [faulty.wait_job(i, timeout_s=120) for i in ids]
