@@ -54,7 +54,8 @@ def engine_config(args, streams: int, real: bool) -> dict:
     if real:  # the default model, named by its folder (a stack has its own data dir)
         from engine.model_runner import resolve_model_path
         return dict(model=str(resolve_model_path(None)), max_num_seqs=max(32, streams),
-                    max_num_batched_tokens=2048)
+                    max_num_batched_tokens=2048, device=args.real_device,
+                    dtype=args.real_dtype)
     return dict(simulate=True, vocab_size=SIM_VOCAB, simulate_step_ms=args.step_ms,
                 max_num_seqs=max(256, streams), num_gpu_blocks=65536,
                 max_num_batched_tokens=8192)
@@ -198,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="also the default model at this many streams (0: skip)")
     parser.add_argument("--real-tokens", type=int, default=64,
                         help="output tokens per stream with the default model")
+    parser.add_argument("--real-device", default="auto", help="device of the default model")
+    parser.add_argument("--real-dtype", default="auto", help="dtype of the default model")
     parser.add_argument("--core", choices=("thread", "process"), default="process",
                         help="where the worker runs its engine (KVOPS_ENGINE_CORE)")
     parser.add_argument("--deadline", type=float, default=300.0,

@@ -1,0 +1,14 @@
+"""`python -m kvops.bench_serve` runs from a checkout as the README shows it (a small
+concurrency, so it stays short); its figures are not checked here, only that every
+stream ended and the table came out."""
+from kvops import bench_serve
+
+
+def test_bench_serve_runs_and_loses_no_stream(capsys):
+    assert bench_serve.main(["--streams", "8", "--step-ms", "5", "--deadline", "120"]) == 0
+    out = capsys.readouterr().out
+    assert "delivered tok/s" in out and "engine alone tok/s" in out
+    row = next(line for line in out.splitlines() if line.startswith("simulator"))
+    columns = row.split("core)", 1)[1].split()  # after "simulator, 5 ms step (process core)"
+    assert columns[0] == "8"  # streams
+    assert columns[-5:-3] == ["0", "0"]  # lost, hung
