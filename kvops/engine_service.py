@@ -1,10 +1,13 @@
-"""The service's one way into the engine (DESIGN.md: kvops/ reaches the engine only
-through this module).
+"""The engine on a thread of the worker (KVOPS_ENGINE_CORE=thread), and what both ways
+into the engine share: the sink protocol, tokenizers and chat templates, prompt
+inspection, and the KVOPS_ENGINE_* configuration. The default way is the engine core
+process (kvops/engine_client.py), which offers the same calls.
 
 EngineService owns an LLMEngine and the thread that drives it. Everything that touches
 the engine runs on that thread: job tasks submit requests and operator commands as
-callables, the loop applies them between two steps, and outputs go back to each
-request's handle. Hooks run on the loop thread after every step (live publishing).
+callables, the loop applies them between two steps, and each step's token ids go to the
+sink (the output processor). Hooks run on the loop thread after every step (the live KV
+view's feed).
 """
 from __future__ import annotations
 

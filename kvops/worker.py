@@ -1,8 +1,10 @@
-"""Engine worker bootstrap: one LLMEngine per Celery worker process.
+"""Engine worker bootstrap: one engine per Celery worker process.
 
-A worker started with KVOPS_ENGINE_WORKER=1 builds its engine when Celery initialises
-(configuration from KVOPS_ENGINE_* variables), registers an Engine row, beats its heart,
-keeps the latest KV snapshot in Redis, and answers the `kvops_engine` control command.
+A worker started with KVOPS_ENGINE_WORKER=1 starts its engine when Celery initialises
+(configuration from KVOPS_ENGINE_* variables): an engine core process of its own by
+default, or a thread (KVOPS_ENGINE_CORE=thread). It wires the output processor and the
+live KV view's publisher to it, registers an Engine row, beats its heart, and answers the
+`kvops_engine` control command.
 Start one with `python manage.py engine_worker --name NAME`.
 """
 from __future__ import annotations
