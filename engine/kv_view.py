@@ -2,9 +2,9 @@
 (the dashboard's live data; the wire format is described in docs/live-protocol.md).
 
 `Capturer.capture()` runs on the engine's loop thread and only copies references and
-counters, so a step never waits for the dashboard. `KVMirror.apply()` runs on the
-feed thread (engine/kv_feed.py): it turns a capture into per-block numpy arrays, diffs them with the
-previous ones and returns the delta. `KVMirror.snapshot()` builds the same document as
+counters, so a step never waits for the dashboard. `KVMirror.apply()` runs on the feed
+thread (engine/kv_feed.py): it turns a capture into per-block numpy arrays, diffs them
+with the previous ones and returns the delta. `KVMirror.snapshot()` builds the same document as
 `engine.snapshot(compact=True)` from the mirror.
 
 Why a capture may be read on another thread: a block table (a list) only ever grows by

@@ -163,16 +163,22 @@ class LLMEngine:
             if detok.stopped and not request.status.is_finished:
                 self.scheduler.finish(request, RequestStatus.FINISHED, "stop")
         finished = request.status.is_finished
-        text = detok.text if detok is not None else ""
         delta = detok.take_delta(finished) if detok is not None else ""
+        output = self._request_output(request, delta)
         if finished:
             self._detok.pop(request.request_id, None)
+        return output
+
+    def _request_output(self, request: Request, text_delta: str = "") -> RequestOutput:
+        """A request's output as it stands (its text so far, if this engine keeps it)."""
+        detok = self._detok.get(request.request_id)
         return RequestOutput(
             request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
-            output_token_ids=list(request.output_token_ids), text=text,
-            finished=finished, finish_reason=request.finish_reason,
+            output_token_ids=list(request.output_token_ids),
+            text=detok.text if detok is not None else "",
+            finished=request.status.is_finished, finish_reason=request.finish_reason,
             num_cached_tokens=request.num_cached_tokens or 0,
-            num_preemptions=request.num_preemptions, text_delta=delta)
+            num_preemptions=request.num_preemptions, text_delta=text_delta)
 
     def generate(self, prompts: list[str | list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
@@ -218,13 +224,7 @@ class LLMEngine:
         self.version += 1
         request = self.scheduler.abort(request_id)
         self._pending.append(request)
-        detok = self._detok.get(request_id)
-        return RequestOutput(
-            request_id=request_id, prompt_token_ids=request.prompt_token_ids,
-            output_token_ids=list(request.output_token_ids),
-            text=detok.text if detok is not None else "", finished=True,
-            finish_reason=request.finish_reason, num_cached_tokens=request.num_cached_tokens or 0,
-            num_preemptions=request.num_preemptions)
+        return self._request_output(request)
 
     def finish_request(self, request_id: str, reason: str = "stop") -> bool:
         """End a request as finished (its caller found a stop string in its text); the

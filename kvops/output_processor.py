@@ -173,13 +173,13 @@ class OutputProcessor:
                 if t.finish_reason is not None:
                     ended.append(t)
         self._send(updates)  # progress: to the stream at once, to the database in batches
-        if ended or failed or write_db:
+        if ended:  # their final rows carry all their text: no progress write for them
+            self._send(self._end(ended))
+        if write_db:
             try:
                 self._write_progress()
             except Exception:  # kept dirty: written with the next batch
                 log.exception("writing the progress of %d jobs failed", len(self._jobs))
-        if ended:
-            self._send(self._end(ended))
         for request_id, message in failed:
             t = self._jobs.pop(request_id, None)
             if t is not None:

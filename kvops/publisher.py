@@ -9,7 +9,7 @@ group, events and metrics to their Redis histories, a summary to `engine-summary
 prefix changes to the routing index. It answers the consumers' snapshot and block-table
 queries by asking the feed, and keeps the latest full snapshot in Redis for the REST API.
 
-On the wire a delta or snapshot is zlib-compressed JSON (`encode`), sent as a binary
+On the wire a delta or snapshot is zlib-compressed JSON (`engine.kv_feed.encode`), sent as a binary
 websocket frame as it is: encoded once by the feed, whatever the number of clients.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any, Protocol
 from channels.exceptions import ChannelFull
 from django.conf import settings
 
-from engine.kv_feed import KVFeed, decode, encode  # noqa: F401  (decode, encode: for tests)
+from engine.kv_feed import KVFeed
 from kvops import live
 from kvops.prefix_index import PrefixIndex
 
@@ -59,14 +59,11 @@ class _OwnFeed:
     def ask_kv(self, kind: str, argument: Any, timeout_s: float) -> Any:
         return self.feed.ask_wait(kind, argument, timeout_s)
 
-    def command(self, name: str, arguments: dict, timeout_s: float = 30.0) -> Any:
-        raise RuntimeError("a publisher with its own feed cannot send engine commands")
-
 
 class EnginePublisher:
     def __init__(self, name: str, source: KVSource | None = None, interval_s: float = 0.1,
                  store_interval_s: float = 1.0, summary_interval_s: float = 0.5,
-                 metrics_interval_s: float = 1.0, prefix_index: bool | None = None) -> None:
+                 metrics_interval_s: float = 1.0) -> None:
         """source: where the engine's feed runs; None: the publisher runs a feed of its
         own (capturing every interval_s) and is used as a hook on an engine in this
         process."""
@@ -75,14 +72,15 @@ class EnginePublisher:
         self.summary_interval_s = summary_interval_s
         self.metrics_interval_s = metrics_interval_s
         self.feed: KVFeed | None = None  # only when the publisher runs its own
+        # The routing index needs the engine's cached hashes now and then (a command),
+        # so it is kept only where commands reach the engine: not with a feed of our own.
+        self.prefix_index: PrefixIndex | None = None
         if source is None:
             self.feed = KVFeed(name, self.on_item, interval_s=interval_s)
             source = _OwnFeed(self.feed)
+        else:
+            self.prefix_index = PrefixIndex(name, source)
         self.source = source
-        # The routing index needs the engine's cached hashes now and then (a command):
-        # kept only where commands reach the engine.
-        with_index = not isinstance(source, _OwnFeed) if prefix_index is None else prefix_index
-        self.prefix_index = PrefixIndex(name, source) if with_index else None
         self.errors = 0
         self.deltas_sent = 0
         self.last_seq = 0  # of the last item handled

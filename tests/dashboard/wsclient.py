@@ -9,7 +9,8 @@ import time
 from channels.routing import URLRouter
 from channels.testing import WebsocketCommunicator
 
-from kvops.publisher import EnginePublisher, decode
+from engine.kv_feed import decode
+from kvops.publisher import EnginePublisher
 from kvops.ws_routing import websocket_urlpatterns
 
 APP = URLRouter(websocket_urlpatterns)
