@@ -11,12 +11,12 @@ from typing import Any, AsyncIterator
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
-from django.db import transaction
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
 from rest_framework.authtoken.models import Token
 
 from kvops import limits, selectors, services
+from kvops.admission import get_admissions
 from kvops.job_listener import JobFailed, JobListener, cancel_abandoned
 from kvops.models import Job
 from kvops.prompt_check import PromptTooLong, check_prompt_fits
@@ -112,20 +112,24 @@ def _check_model(model: Any) -> str:
     return model
 
 
-@sync_to_async
-def _admit(user, sub: Subscription, model: Any, chat: bool, kwargs: dict) -> Job:
+def _checks(model: Any, chat: bool):
+    """The checks a call passes before it is stored (run in the admission batch)."""
+    def check(new: services.NewJob) -> None:
+        _check_model(model)
+        try:
+            check_prompt_fits(new.prompt, new.messages)
+        except PromptTooLong as e:
+            raise BadRequest(str(e), "messages" if chat else "prompt") from None
+    return check
+
+
+async def _admit(user, sub: Subscription, model: Any, chat: bool, kwargs: dict) -> Job:
     """Check the model and the prompt's length, store the job, and bind the listener to
-    it before the commit dispatches it (so the listener sees every update): one trip to
-    a worker thread per request."""
-    _check_model(model)
-    try:
-        check_prompt_fits(kwargs.get("prompt", ""), kwargs.get("messages"))
-    except PromptTooLong as e:
-        raise BadRequest(str(e), "messages" if chat else "prompt") from None
-    with transaction.atomic():
-        job = services.create_job(user, source=Job.Source.OPENAI, **kwargs)
-        sub.hub.bind(sub, job.pk)
-        return job
+    it before the commit dispatches it (so the listener sees every update). Calls that
+    arrive together are stored together (kvops/admission.py)."""
+    new = services.NewJob(user, source=Job.Source.OPENAI, **kwargs)
+    return await get_admissions().admit(new, _checks(model, chat),
+                                        lambda job: sub.hub.bind(sub, job.pk))
 
 
 def _usage(state: dict) -> dict:

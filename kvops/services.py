@@ -22,28 +22,67 @@ class Conflict(Exception):
 
 
 # --- jobs, web side -----------------------------------------------------------------------
+@dataclass(slots=True)
+class NewJob:
+    """What a client asked for (create_jobs stores it)."""
+    owner: object
+    params: dict
+    prompt: str = ""
+    messages: list | None = None
+    priority: int = 0
+    engine: str = ""
+    source: str = Job.Source.API
+
+
 def create_job(owner, *, params: dict, prompt: str = "", messages: list | None = None,
                priority: int = 0, engine: str = "", source: str = Job.Source.API) -> Job:
     """Store a job and enqueue it once the transaction commits (never before: the
     worker must find the row)."""
-    job = Job.objects.create(owner=owner, prompt=prompt, messages=messages, params=params,
-                             priority=priority, requested_engine=engine, source=source)
-    transaction.on_commit(lambda: dispatch_job(job.pk, job))
-    return job
+    return create_jobs([NewJob(owner, params, prompt, messages, priority, engine, source)])[0]
 
 
-def dispatch_job(job_id: int, job: Job | None = None) -> None:
-    """Route the job and send its task (job: the row as just stored, if at hand)."""
+def create_jobs(new: list[NewJob], on_stored=None) -> list[Job]:
+    """Store jobs in one INSERT and send their tasks once the transaction commits.
+
+    Each job is routed first, so its row holds its queue decision and task id from the
+    start (no second write; a worker that takes the task finds the row complete), and a
+    routing failure (Redis away) stores nothing. on_stored(jobs), if given, runs inside
+    the transaction (the /v1 path binds its listeners there)."""
     from kvops.routing import choose_queue
+
+    jobs, queues = [], []
+    for n in new:
+        job = Job(owner=n.owner, prompt=n.prompt, messages=n.messages, params=n.params,
+                  priority=n.priority, requested_engine=n.engine, source=n.source,
+                  celery_task_id=str(uuid.uuid4()))
+        queue, job.routing = choose_queue(job)
+        jobs.append(job)
+        queues.append(queue)
+    with transaction.atomic():
+        Job.objects.bulk_create(jobs)
+        if on_stored is not None:
+            on_stored(jobs)
+        transaction.on_commit(lambda: _send_tasks(jobs, queues))
+    return jobs
+
+
+def _send_tasks(jobs: list[Job], queues: list[str]) -> None:
     from kvops.tasks import run_job  # the task module imports this one
 
-    if job is None:
-        job = Job.objects.get(pk=job_id)
+    for job, queue in zip(jobs, queues):
+        run_job.apply_async(args=[job.pk], queue=queue, task_id=job.celery_task_id)
+
+
+def dispatch_job(job_id: int) -> None:
+    """Route a stored job again and send it a new task (a re-run: the old task id, still
+    in the broker perhaps, becomes stale)."""
+    from kvops.routing import choose_queue
+
+    job = Job.objects.get(pk=job_id)
     queue, routing = choose_queue(job)
-    # The id is chosen here so the row is complete before any worker can see the task.
     task_id = str(uuid.uuid4())
     Job.objects.filter(pk=job.pk).update(celery_task_id=task_id, routing=routing)
-    run_job.apply_async(args=[job.pk], queue=queue, task_id=task_id)
+    _send_tasks([Job(pk=job.pk, celery_task_id=task_id)], [queue])
 
 
 def cancel_job(job: Job) -> Job:
@@ -97,45 +136,78 @@ def job_payload(job: Job) -> dict:
 MAX_ATTEMPTS = 3  # a job whose workers keep dying is failed, not retried forever
 
 
+@dataclass(slots=True)
+class Claim:
+    """A task delivery asking to run its job on this worker."""
+    job_id: int
+    engine: str
+    instance: str
+    task_id: str
+
+
+CLAIM_FIELDS = ["attempts", "status", "engine", "engine_instance", "request_id", "started_at",
+                "first_token_at", "output_text", "output_token_ids", "finish_reason", "error",
+                "num_output_tokens", "num_cached_tokens", "num_preemptions"]
+
+
 def claim_job(job_id: int, engine: str, instance: str, task_id: str) -> Job | None:
-    """Mark a job running on this worker. None if this delivery must not run it: the job
-    ended or was cancelled, or the delivery is stale (the job was re-dispatched under a
-    new task id, or it runs on a live worker already). A job whose worker died runs again
-    from its prompt."""
+    """Mark a job running on this worker (claim_jobs, for one)."""
+    return claim_jobs([Claim(job_id, engine, instance, task_id)])[0]
+
+
+def claim_jobs(claims: list[Claim]) -> list[Job | None]:
+    """Mark jobs running on this worker, in one transaction. Per claim: the job, or None
+    if this delivery must not run it: the job ended or was cancelled, or the delivery is
+    stale (the job was re-dispatched under a new task id, or it runs on a live worker
+    already). A job whose worker died runs again from its prompt."""
+    out: list[Job | None] = []
+    claimed, ended = {}, {}
     with transaction.atomic():
-        job = Job.objects.select_for_update().filter(pk=job_id).first()
-        if job is None or job.is_terminal:
-            return None
-        if task_id and job.celery_task_id and task_id != job.celery_task_id:
-            return None
-        if job.status == Job.Status.RUNNING and job.engine_instance in live_instances():
-            return None
-        if job.cancel_requested:
-            _end(job, Job.Status.CANCELLED, error="cancelled before it started")
-            job.save(update_fields=END_FIELDS)
-            _publish_job(job)
-            return None
-        if job.attempts >= MAX_ATTEMPTS:
-            _end(job, Job.Status.FAILED, error=f"gave up after {job.attempts} attempts: the "
-                                               "workers running it stopped each time")
-            job.save(update_fields=END_FIELDS)
-            _publish_job(job)
-            return None
-        job.attempts += 1
-        job.status = Job.Status.RUNNING
-        job.engine = engine
-        job.engine_instance = instance
-        job.request_id = f"job-{job.pk}-{job.attempts}"
-        job.started_at = timezone.now()
-        job.first_token_at = None
-        job.output_text, job.output_token_ids, job.finish_reason, job.error = "", [], "", ""
-        job.num_output_tokens = job.num_cached_tokens = job.num_preemptions = 0
-        job.save(update_fields=[
-            "attempts", "status", "engine", "engine_instance", "request_id", "started_at",
-            "first_token_at", "output_text", "output_token_ids", "finish_reason", "error",
-            "num_output_tokens", "num_cached_tokens", "num_preemptions"])
-    _publish_job(job)
-    return job
+        rows = Job.objects.select_for_update().in_bulk([c.job_id for c in claims])
+        live = live_instances()
+        for c in claims:  # in order: a second delivery of a job sees the first's claim
+            job = rows.get(c.job_id)
+            verdict = None if job is None else _claim(job, c, live)
+            out.append(job if verdict == "run" else None)
+            if verdict == "run":
+                claimed[job.pk] = job
+            elif verdict == "ended":
+                ended[job.pk] = job
+        if claimed:
+            Job.objects.bulk_update(list(claimed.values()), CLAIM_FIELDS)
+        if ended:
+            Job.objects.bulk_update(list(ended.values()), END_FIELDS)
+    for job in {**ended, **claimed}.values():
+        _publish_job(job)
+    return out
+
+
+def _claim(job: Job, c: Claim, live: set[str]) -> str | None:
+    """Returns "run" (the job is now this delivery's), "ended" (it ends here: cancelled,
+    or out of attempts) or None (not this delivery's to run)."""
+    if job.is_terminal:
+        return None
+    if c.task_id and job.celery_task_id and c.task_id != job.celery_task_id:
+        return None
+    if job.status == Job.Status.RUNNING and job.engine_instance in live:
+        return None
+    if job.cancel_requested:
+        _end(job, Job.Status.CANCELLED, error="cancelled before it started")
+        return "ended"
+    if job.attempts >= MAX_ATTEMPTS:
+        _end(job, Job.Status.FAILED, error=f"gave up after {job.attempts} attempts: the "
+                                           "workers running it stopped each time")
+        return "ended"
+    job.attempts += 1
+    job.status = Job.Status.RUNNING
+    job.engine = c.engine
+    job.engine_instance = c.instance
+    job.request_id = f"job-{job.pk}-{job.attempts}"
+    job.started_at = timezone.now()
+    job.first_token_at = None
+    job.output_text, job.output_token_ids, job.finish_reason, job.error = "", [], "", ""
+    job.num_output_tokens = job.num_cached_tokens = job.num_preemptions = 0
+    return "run"
 
 
 @dataclass(slots=True)

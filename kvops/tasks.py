@@ -8,9 +8,13 @@ from django.conf import settings
 
 from kvops import services
 from kvops.engine_service import EngineError
+from kvops.group_commit import GroupCommit
 from kvops.worker import get_engine_service, get_output_processor
 
 log = logging.getLogger(__name__)
+
+# Deliveries that arrive together (a burst of jobs) claim their jobs in one transaction.
+claim = GroupCommit(services.claim_jobs)
 
 
 @shared_task(bind=True, name="kvops.run_job")
@@ -22,7 +26,7 @@ def run_job(self, job_id: int) -> str:
     wakes this thread when the job has ended."""
     service = get_engine_service()
     processor = get_output_processor()
-    job = services.claim_job(job_id, service.name, service.instance, self.request.id or "")
+    job = claim(services.Claim(job_id, service.name, service.instance, self.request.id or ""))
     if job is None:
         return "skipped"
     handle = processor.track(job.pk, job.request_id, job.attempts,
