@@ -59,6 +59,9 @@ class Job(models.Model):
                               db_index=True)
     request_id = models.CharField(max_length=64, blank=True)
     celery_task_id = models.CharField(max_length=64, blank=True)
+    dispatched_at = models.DateTimeField(
+        null=True, blank=True, help_text="when its task reached the broker (null: not yet; "
+                                         "the reaper sends it)")
     attempts = models.PositiveIntegerField(default=0)
     cancel_requested = models.BooleanField(default=False)
     output_text = models.TextField(blank=True)

@@ -67,10 +67,26 @@ def create_jobs(new: list[NewJob], on_stored=None) -> list[Job]:
 
 
 def _send_tasks(jobs: list[Job], queues: list[str]) -> None:
+    """Send the jobs' tasks and mark those the broker took. Never raises: a job whose send
+    failed (Redis away, or this process died first) stays queued without dispatched_at,
+    and the reaper sends it (reap: the outbox pass). The client's job exists either way."""
     from kvops.tasks import run_job  # the task module imports this one
 
+    sent = []
     for job, queue in zip(jobs, queues):
-        run_job.apply_async(args=[job.pk], queue=queue, task_id=job.celery_task_id)
+        try:
+            run_job.apply_async(args=[job.pk], queue=queue, task_id=job.celery_task_id)
+        except Exception as e:  # noqa: BLE001  (the outbox pass sends it later)
+            log.warning("job %s: its task could not be sent (%s); the reaper sends it later",
+                        job.pk, e)
+            continue
+        sent.append(job.pk)
+    if sent:
+        try:
+            Job.objects.filter(pk__in=sent).update(dispatched_at=timezone.now())
+        except Exception as e:  # noqa: BLE001  (then the reaper sends them again: harmless,
+            # a job runs once whichever delivery claims it)
+            log.warning("jobs %s: could not mark them sent: %s", sent, e)
 
 
 def dispatch_job(job_id: int) -> None:
@@ -81,8 +97,22 @@ def dispatch_job(job_id: int) -> None:
     job = Job.objects.get(pk=job_id)
     queue, routing = choose_queue(job)
     task_id = str(uuid.uuid4())
-    Job.objects.filter(pk=job.pk).update(celery_task_id=task_id, routing=routing)
+    Job.objects.filter(pk=job.pk).update(celery_task_id=task_id, routing=routing,
+                                         dispatched_at=None)
     _send_tasks([Job(pk=job.pk, celery_task_id=task_id)], [queue])
+
+
+def send_unsent(older_than_s: float) -> list[int]:
+    """The outbox pass: queued jobs whose task never reached the broker (its send failed,
+    or the web process died between the commit and the send) are sent now. Returns their
+    ids."""
+    cutoff = timezone.now() - timedelta(seconds=older_than_s)
+    ids = list(Job.objects.filter(status=Job.Status.QUEUED, dispatched_at__isnull=True,
+                                  queued_at__lt=cutoff).values_list("pk", flat=True))
+    for job_id in ids:
+        log.warning("job %s: its task was never sent; sending it now", job_id)
+        dispatch_job(job_id)
+    return ids
 
 
 def cancel_job(job: Job) -> Job:
@@ -360,7 +390,8 @@ def requeue_job(job_id: int, reason: str) -> bool:
 def reap() -> list[int]:
     """Find jobs nobody will finish and move them on. Running jobs whose worker process
     is gone (heartbeat stopped, or the engine restarted) run again elsewhere; queued jobs
-    routed to a dead engine are routed again. Returns the ids touched."""
+    routed to a dead engine are routed again; queued jobs whose task was never sent are
+    sent. Returns the ids touched."""
     cutoff = timezone.now() - timedelta(seconds=settings.KVOPS_ENGINE_DEAD_AFTER_S)
     Engine.objects.filter(status=Engine.Status.READY, last_heartbeat__lt=cutoff) \
         .update(status=Engine.Status.DEAD)
@@ -375,6 +406,7 @@ def reap() -> list[int]:
         target = (job.routing or {}).get("engine")
         if target in dead_names and requeue_job(job.pk, f"engine {target} is not running"):
             touched.append(job.pk)
+    touched += send_unsent(settings.KVOPS_OUTBOX_AFTER_S)
     return touched
 
 

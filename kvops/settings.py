@@ -134,6 +134,9 @@ KVOPS_CONTROL_TIMEOUT_S = float(os.environ.get("KVOPS_CONTROL_TIMEOUT_S", 5))
 KVOPS_SSE_MAX_CHUNKS_PER_S = float(os.environ.get("KVOPS_SSE_MAX_CHUNKS_PER_S", 5000))
 KVOPS_HEARTBEAT_S = float(os.environ.get("KVOPS_HEARTBEAT_S", 2))
 KVOPS_ENGINE_DEAD_AFTER_S = float(os.environ.get("KVOPS_ENGINE_DEAD_AFTER_S", 15))
+# A queued job whose task has not reached the broker this long after its commit is sent
+# by the reaper (the send failed, or the web process died before it).
+KVOPS_OUTBOX_AFTER_S = float(os.environ.get("KVOPS_OUTBOX_AFTER_S", 10))
 KVOPS_EVENT_HISTORY = int(os.environ.get("KVOPS_EVENT_HISTORY", 10_000))  # KV events kept per engine
 KVOPS_METRICS_HISTORY = int(os.environ.get("KVOPS_METRICS_HISTORY", 3600))  # metric points (1/s)
 

@@ -78,6 +78,21 @@ def test_redis_restart_loses_nothing(faulty):
     assert faulty.wait_job(later, timeout_s=60)["status"] == "finished"
 
 
+def test_a_job_submitted_while_redis_is_away_is_answered_201_and_runs(faulty):
+    """The broker is unreachable when the job commits: the client gets its 201 (the job
+    exists), and the job runs once Redis is back (outbox; kvops/services.send_unsent)."""
+    faulty.redis_proc.kill()
+    faulty.redis_proc.wait()
+    try:  # a job naming its engine: its routing needs no Redis, only its send does
+        r = faulty.api("POST", "/api/jobs/", json={"prompt": "while Redis is away",
+                                                  "max_tokens": 5, "engine": "one"})
+    finally:
+        from tests.session_redis import start_redis
+        faulty.redis_proc = start_redis(faulty.redis_port, str(faulty.workdir))
+    assert r.status_code == 201, r.text
+    assert faulty.wait_job(r.json()["id"], timeout_s=120)["status"] == "finished"
+
+
 def test_a_failing_step_fails_its_jobs_only(faulty):
     long_ids = submit(faulty, 2, max_tokens=400)
     faulty.wait(lambda: all(faulty.api("GET", f"/api/jobs/{i}/").json()["status"] == "running"

@@ -1,0 +1,62 @@
+"""Accepted means it ends: a job whose task could not be sent (the broker away at its
+commit, or the web process dead before the send) is stored all the same, and the
+reaper's outbox pass sends it. Against a real database and the test session's Redis."""
+from datetime import timedelta
+
+import pytest
+from django.contrib.auth.models import User
+from django.utils import timezone
+from kombu.exceptions import OperationalError
+
+from kvops import live, services
+from kvops.models import Job
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def queued_messages(queue: str) -> list[str]:
+    """The raw task messages waiting in a broker queue (kombu keeps a Redis list)."""
+    return [raw.decode() for raw in live.redis_client().lrange(queue, 0, -1)]
+
+
+@pytest.fixture()
+def owner():
+    return User.objects.create_user("outbox-user", password="x-pass-12345")
+
+
+@pytest.fixture()
+def broker_down(monkeypatch):
+    """The broker refuses every send (what kombu raises once its retries are spent)."""
+    def refuse(*args, **kwargs):
+        raise OperationalError("Error 111 connecting to 127.0.0.1:6379. Connection refused.")
+    monkeypatch.setattr("kvops.tasks.run_job.apply_async", refuse)
+    return monkeypatch
+
+
+def test_a_job_whose_send_fails_is_stored_then_sent_by_the_reaper(owner, broker_down):
+    queue = "engine.outbox-a"
+    live.redis_client().delete(queue)
+    job = services.create_job(owner, params={"max_tokens": 4}, prompt="hi",
+                              engine="outbox-a")  # no exception: the job exists
+    job.refresh_from_db()
+    assert job.status == Job.Status.QUEUED and job.dispatched_at is None
+    assert services.send_unsent(older_than_s=60) == []  # not due yet
+
+    broker_down.undo()  # the broker is back
+    Job.objects.filter(pk=job.pk).update(queued_at=timezone.now() - timedelta(minutes=5))
+    assert job.pk in services.reap()
+    job.refresh_from_db()
+    assert job.dispatched_at is not None and job.celery_task_id
+    assert [m for m in queued_messages(queue) if job.celery_task_id in m]
+    assert services.send_unsent(older_than_s=0) == []  # sent once, not again
+
+
+def test_a_sent_job_is_marked_and_left_alone(owner):
+    queue = "engine.outbox-b"
+    live.redis_client().delete(queue)
+    job = services.create_job(owner, params={"max_tokens": 4}, prompt="hi",
+                              engine="outbox-b")
+    job.refresh_from_db()
+    assert job.dispatched_at is not None
+    assert len([m for m in queued_messages(queue) if job.celery_task_id in m]) == 1
+    assert services.send_unsent(older_than_s=0) == []
