@@ -176,6 +176,8 @@ async def _handle(request: HttpRequest, chat: bool) -> HttpResponse:
         return _error(400, str(e), e.param)
     except LookupError as e:
         return _error(404, str(e), "model", code="model_not_found")
+    except services.Unavailable as e:
+        return _error(503, str(e), type_="service_unavailable")
     created = int(time.time())
     ident = f"{'chatcmpl' if chat else 'cmpl'}-{job.pk}"
     listener = JobListener(sub, job)

@@ -9,6 +9,7 @@ from datetime import datetime, timedelta
 from django.conf import settings
 from django.db import connection, transaction
 from django.utils import timezone
+from redis.exceptions import RedisError
 
 from kvops import control, live, metrics_store
 from kvops.models import Engine, Job, OperatorAction
@@ -19,6 +20,10 @@ log = logging.getLogger(__name__)
 
 class Conflict(Exception):
     """The object is in a state where the change makes no sense (HTTP 409)."""
+
+
+class Unavailable(Exception):
+    """A service the call needs (Redis) is unreachable now; nothing was stored (HTTP 503)."""
 
 
 # --- jobs, web side -----------------------------------------------------------------------
@@ -55,7 +60,11 @@ def create_jobs(new: list[NewJob], on_stored=None) -> list[Job]:
         job = Job(owner=n.owner, prompt=n.prompt, messages=n.messages, params=n.params,
                   priority=n.priority, requested_engine=n.engine, source=n.source,
                   celery_task_id=str(uuid.uuid4()))
-        queue, job.routing = choose_queue(job)
+        try:
+            queue, job.routing = choose_queue(job)
+        except (RedisError, OSError) as e:
+            raise Unavailable(f"jobs cannot be routed now (Redis is unreachable: {e}); "
+                              "nothing was stored, try again") from None
         jobs.append(job)
         queues.append(queue)
     with transaction.atomic():

@@ -6,7 +6,7 @@ from django.shortcuts import get_object_or_404
 from drf_spectacular.utils import OpenApiParameter, extend_schema, inline_serializer
 from rest_framework import mixins, permissions, serializers, status, viewsets
 from rest_framework.decorators import action
-from rest_framework.exceptions import NotFound, ValidationError
+from rest_framework.exceptions import APIException, NotFound, ValidationError
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
@@ -16,6 +16,12 @@ from kvops.api.serializers import (EmptySerializer, EngineSerializer, EvictSeria
                                    OperatorActionSerializer, PrefixSerializer)
 from kvops.models import Engine, Job
 from kvops.prompt_check import PromptTooLong, check_prompt_fits
+
+
+class ServiceUnavailable(APIException):
+    status_code = 503
+    default_detail = "a service this call needs is unreachable; try again"
+    default_code = "service_unavailable"
 
 
 class IsOperator(permissions.BasePermission):
@@ -55,10 +61,13 @@ class JobViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.Retrieve
             check_prompt_fits(kwargs["prompt"], kwargs["messages"], kwargs["engine"])
         except PromptTooLong as e:
             raise ValidationError({"prompt": [str(e)]}) from None
-        with transaction.atomic():
-            # A token means a program; a session means someone on the pages.
-            source = Job.Source.API if request.auth is not None else Job.Source.WEB
-            job = services.create_job(request.user, source=source, **kwargs)
+        try:
+            with transaction.atomic():
+                # A token means a program; a session means someone on the pages.
+                source = Job.Source.API if request.auth is not None else Job.Source.WEB
+                job = services.create_job(request.user, source=source, **kwargs)
+        except services.Unavailable as e:
+            raise ServiceUnavailable(str(e)) from None
         return Response(JobSerializer(job).data, status=status.HTTP_201_CREATED)
 
     @extend_schema(request=None, responses={200: JobSerializer})

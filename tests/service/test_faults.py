@@ -86,6 +86,12 @@ def test_a_job_submitted_while_redis_is_away_is_answered_201_and_runs(faulty):
     try:  # a job naming its engine: its routing needs no Redis, only its send does
         r = faulty.api("POST", "/api/jobs/", json={"prompt": "while Redis is away",
                                                   "max_tokens": 5, "engine": "one"})
+        # One that names none cannot be routed (round-robin counts turns in Redis):
+        # refused with a 503 that says so, and not stored.
+        before = faulty.api("GET", "/api/jobs/").json()["count"]
+        refused = faulty.api("POST", "/api/jobs/", json={"prompt": "routed", "max_tokens": 5})
+        assert refused.status_code == 503 and "nothing was stored" in refused.text, refused.text
+        assert faulty.api("GET", "/api/jobs/").json()["count"] == before
     finally:
         from tests.session_redis import start_redis
         faulty.redis_proc = start_redis(faulty.redis_port, str(faulty.workdir))
