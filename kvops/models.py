@@ -59,6 +59,9 @@ class Job(models.Model):
                               db_index=True)
     request_id = models.CharField(max_length=64, blank=True)
     celery_task_id = models.CharField(max_length=64, blank=True)
+    idempotency_key = models.CharField(
+        max_length=128, blank=True, default="",
+        help_text="the client's Idempotency-Key: a retried submission returns this job")
     dispatched_at = models.DateTimeField(
         null=True, blank=True, help_text="when its task reached the broker (null: not yet; "
                                          "the reaper sends it)")
@@ -79,6 +82,9 @@ class Job(models.Model):
 
     class Meta:
         ordering = ["-id"]
+        constraints = [models.UniqueConstraint(
+            fields=["owner", "idempotency_key"], condition=~models.Q(idempotency_key=""),
+            name="job_idempotency_key_per_owner")]
 
     def __str__(self) -> str:
         return f"job {self.pk} ({self.status})"
@@ -96,11 +102,18 @@ class OperatorAction(models.Model):
     target = models.CharField(max_length=128, blank=True, help_text="request id, if any")
     params = models.JSONField(default=dict, blank=True)
     ok = models.BooleanField(default=False)
-    status_code = models.PositiveSmallIntegerField(default=0, help_text="HTTP status answered")
+    status_code = models.PositiveSmallIntegerField(default=0, help_text="HTTP status answered "
+                                                   "(0: not answered yet)")
     result = models.JSONField(default=dict, blank=True, help_text="the engine's answer")
+    idempotency_key = models.CharField(
+        max_length=128, blank=True, default="",
+        help_text="the client's Idempotency-Key: a retried action returns this answer")
 
     class Meta:
         ordering = ["-id"]
+        constraints = [models.UniqueConstraint(
+            fields=["user", "idempotency_key"], condition=~models.Q(idempotency_key=""),
+            name="action_idempotency_key_per_user")]
 
     def __str__(self) -> str:
         return f"{self.action} {self.target} on {self.engine}"

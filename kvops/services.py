@@ -7,11 +7,12 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from django.conf import settings
-from django.db import connection, transaction
+from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
 from redis.exceptions import RedisError
 
-from kvops import control, live, metrics_store
+from kvops import control, idempotency, live, metrics_store
+from kvops.idempotency import KeyReused
 from kvops.models import Engine, Job, OperatorAction
 from kvops.routing import SHARED_QUEUE, engine_queue  # noqa: F401  (re-exported)
 
@@ -37,13 +38,42 @@ class NewJob:
     priority: int = 0
     engine: str = ""
     source: str = Job.Source.API
+    idempotency_key: str = ""
 
 
-def create_job(owner, *, params: dict, prompt: str = "", messages: list | None = None,
-               priority: int = 0, engine: str = "", source: str = Job.Source.API) -> Job:
+def create_job(new: NewJob) -> Job:
     """Store a job and enqueue it once the transaction commits (never before: the
-    worker must find the row)."""
-    return create_jobs([NewJob(owner, params, prompt, messages, priority, engine, source)])[0]
+    worker must find the row). With an idempotency key, a job the owner already
+    submitted under it is returned instead, if it asked for the same thing
+    (idempotency.KeyReused if not)."""
+    if new.idempotency_key:
+        prior = prior_job(new)
+        if prior is not None:
+            return prior
+    try:
+        with transaction.atomic():
+            return create_jobs([new])[0]
+    except IntegrityError:
+        prior = prior_job(new) if new.idempotency_key else None
+        if prior is None:
+            raise
+        return prior  # a concurrent call with the same key stored it first
+
+
+def prior_job(new: NewJob) -> Job | None:
+    """The job its owner submitted under the same idempotency key, marked `replayed`;
+    None if there is none. KeyReused if that job asked for something else."""
+    prior = Job.objects.filter(owner=new.owner, idempotency_key=new.idempotency_key).first()
+    if prior is None:
+        return None
+    same = (prior.prompt, prior.messages, prior.params, prior.priority,
+            prior.requested_engine) == (new.prompt, new.messages, new.params, new.priority,
+                                        new.engine)
+    if not same:
+        raise KeyReused(f"{idempotency.HEADER} {new.idempotency_key!r} was used for another "
+                        f"request (job {prior.pk}); use a new key for a new job")
+    prior.replayed = True
+    return prior
 
 
 def create_jobs(new: list[NewJob], on_stored=None) -> list[Job]:
@@ -59,7 +89,7 @@ def create_jobs(new: list[NewJob], on_stored=None) -> list[Job]:
     for n in new:
         job = Job(owner=n.owner, prompt=n.prompt, messages=n.messages, params=n.params,
                   priority=n.priority, requested_engine=n.engine, source=n.source,
-                  celery_task_id=str(uuid.uuid4()))
+                  idempotency_key=n.idempotency_key, celery_task_id=str(uuid.uuid4()))
         try:
             queue, job.routing = choose_queue(job)
         except (RedisError, OSError) as e:
@@ -454,10 +484,30 @@ ERROR_STATUS = {"UnknownRequestError": 404, "InvalidStateError": 409,
                 "InvalidRequestError": 400, "CommandExpired": 504}
 
 
-def operator_action(user, engine: Engine, action: str, target: str,
-                    arguments: dict) -> tuple[int, dict]:
+def operator_action(user, engine: Engine, action: str, target: str, arguments: dict,
+                    idempotency_key: str = "") -> tuple[int, dict, bool]:
     """Send one operator command to the engine's worker, record it, and answer with
-    (HTTP status, body)."""
+    (HTTP status, body, replayed). With an idempotency key the row is stored first, so
+    a retry of the same action (replayed: True) gets the first answer and the command
+    is sent once; KeyReused if the key belongs to another action, or its first call is
+    not answered yet."""
+    params = {k: v for k, v in arguments.items() if k != "request_id"}
+    row = OperatorAction(user=user, engine=engine.name, action=action, target=target,
+                         params=params, idempotency_key=idempotency_key)
+    if idempotency_key:
+        try:
+            with transaction.atomic():
+                row.save()
+        except IntegrityError:
+            prior = OperatorAction.objects.get(user=user, idempotency_key=idempotency_key)
+            if (prior.engine, prior.action, prior.target, prior.params) != \
+                    (engine.name, action, target, params):
+                raise KeyReused(f"{idempotency.HEADER} {idempotency_key!r} was used for "
+                                f"another action ({prior.action} on {prior.engine})") from None
+            if not prior.status_code:
+                raise KeyReused(f"the first call with {idempotency.HEADER} "
+                                f"{idempotency_key!r} is still being answered") from None
+            return prior.status_code, prior.result, True
     reply = control.send_engine_command(engine.worker, action, arguments)
     if reply is None:
         status, body = 504, {"ok": False, "error": "Timeout",
@@ -467,8 +517,6 @@ def operator_action(user, engine: Engine, action: str, target: str,
         status, body = 200, reply
     else:
         status, body = ERROR_STATUS.get(reply.get("error"), 500), reply
-    OperatorAction.objects.create(
-        user=user, engine=engine.name, action=action, target=target,
-        params={k: v for k, v in arguments.items() if k != "request_id"},
-        ok=status == 200, status_code=status, result=body)
-    return status, body
+    row.ok, row.status_code, row.result = status == 200, status, body
+    row.save()
+    return status, body, False

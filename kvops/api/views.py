@@ -1,7 +1,6 @@
 """REST API (thin: validation in serializers, work in services, reads in selectors)."""
 from __future__ import annotations
 
-from django.db import transaction
 from django.shortcuts import get_object_or_404
 from drf_spectacular.utils import OpenApiParameter, extend_schema, inline_serializer
 from rest_framework import mixins, permissions, serializers, status, viewsets
@@ -10,7 +9,7 @@ from rest_framework.exceptions import APIException, NotFound, ValidationError
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from kvops import selectors, services
+from kvops import idempotency, selectors, services
 from kvops.api.serializers import (EmptySerializer, EngineSerializer, EvictSerializer,
                                    JobCreateSerializer, JobSerializer,
                                    OperatorActionSerializer, PrefixSerializer)
@@ -22,6 +21,35 @@ class ServiceUnavailable(APIException):
     status_code = 503
     default_detail = "a service this call needs is unreachable; try again"
     default_code = "service_unavailable"
+
+
+def _idempotency_key(request) -> str:
+    try:
+        return idempotency.key_of(request.headers)
+    except idempotency.BadKey as e:
+        raise ValidationError({idempotency.HEADER: [str(e)]}) from None
+
+
+def _answer(create) -> Response | None:
+    """Answer 201 with the job create() returns (None: no answer), marked
+    `Idempotent-Replayed: true` if it was stored by an earlier call with the same key."""
+    try:
+        job = create()
+    except services.Unavailable as e:
+        raise ServiceUnavailable(str(e)) from None
+    except idempotency.KeyReused as e:
+        raise KeyConflict(str(e)) from None
+    if job is None:
+        return None
+    response = Response(JobSerializer(job).data, status=status.HTTP_201_CREATED)
+    if getattr(job, "replayed", False):
+        response["Idempotent-Replayed"] = "true"
+    return response
+
+
+class KeyConflict(APIException):
+    status_code = 409
+    default_code = "idempotency_key_reused"
 
 
 class IsOperator(permissions.BasePermission):
@@ -50,25 +78,29 @@ class JobViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.Retrieve
 
     @extend_schema(
         request=JobCreateSerializer, responses={201: JobSerializer},
-        parameters=[OpenApiParameter("status", str, enum=Job.Status.values, required=False)])
+        parameters=[OpenApiParameter(
+            idempotency.HEADER, str, OpenApiParameter.HEADER, required=False,
+            description="a retried submission with the same key (per user) returns the "
+                        "job the first one stored; the same key for another job: 409")])
     def create(self, request, *args, **kwargs):
         serializer = JobCreateSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
         kwargs = serializer.job_kwargs()
+        key = _idempotency_key(request)
+        # A token means a program; a session means someone on the pages.
+        new = services.NewJob(request.user, source=Job.Source.API if request.auth is not None
+                              else Job.Source.WEB, idempotency_key=key, **kwargs)
+        if key:  # a retry gets the first answer, even if the engine has gone since
+            prior = _answer(lambda: services.prior_job(new))
+            if prior is not None:
+                return prior
         if kwargs["engine"] and not Engine.objects.filter(name=kwargs["engine"]).exists():
             raise NotFound(f"no engine named {kwargs['engine']!r}")
         try:
             check_prompt_fits(kwargs["prompt"], kwargs["messages"], kwargs["engine"])
         except PromptTooLong as e:
             raise ValidationError({"prompt": [str(e)]}) from None
-        try:
-            with transaction.atomic():
-                # A token means a program; a session means someone on the pages.
-                source = Job.Source.API if request.auth is not None else Job.Source.WEB
-                job = services.create_job(request.user, source=source, **kwargs)
-        except services.Unavailable as e:
-            raise ServiceUnavailable(str(e)) from None
-        return Response(JobSerializer(job).data, status=status.HTTP_201_CREATED)
+        return _answer(lambda: services.create_job(new))
 
     @extend_schema(request=None, responses={200: JobSerializer})
     @action(detail=True, methods=["post"])
@@ -114,21 +146,39 @@ OPERATOR_RESPONSES = {200: ACTION_RESULT, 400: ERROR, 403: ERROR, 404: ACTION_RE
                       409: ACTION_RESULT, 504: ACTION_RESULT}
 
 
+def _action_answer(request, engine: Engine, action: str, target: str,
+                   arguments: dict) -> Response:
+    try:
+        code, body, replayed = services.operator_action(
+            request.user, engine, action, target, arguments, _idempotency_key(request))
+    except idempotency.KeyReused as e:
+        raise KeyConflict(str(e)) from None
+    response = Response(body, status=code)
+    if replayed:
+        response["Idempotent-Replayed"] = "true"
+    return response
+
+
+IDEMPOTENCY_KEY = OpenApiParameter(
+    idempotency.HEADER, str, OpenApiParameter.HEADER, required=False,
+    description="a retried call with the same key (per user) gets the first call's answer, "
+                "and nothing happens twice; the same key for another request: 409")
+
+
 class RequestActionView(APIView):
     """POST /api/engines/<name>/requests/<request_id>/<action>/"""
     permission_classes = [permissions.IsAuthenticated, IsOperator]
     ACTIONS = ("preempt", "swap-out", "swap-in", "abort")
 
     @extend_schema(request=EmptySerializer, responses=OPERATOR_RESPONSES, parameters=[
-        OpenApiParameter("action", str, OpenApiParameter.PATH, enum=list(ACTIONS))])
+        OpenApiParameter("action", str, OpenApiParameter.PATH, enum=list(ACTIONS)),
+        IDEMPOTENCY_KEY])
     def post(self, request, name: str, request_id: str, action: str):
         if action not in self.ACTIONS:
             raise NotFound(f"unknown action {action!r}; one of {', '.join(self.ACTIONS)}")
         EmptySerializer(data=request.data or {}).is_valid(raise_exception=True)
         engine = get_object_or_404(Engine, name=name)
-        code, body = services.operator_action(request.user, engine, action, request_id,
-                                              {"request_id": request_id})
-        return Response(body, status=code)
+        return _action_answer(request, engine, action, request_id, {"request_id": request_id})
 
 
 class PrefixCacheActionView(APIView):
@@ -138,7 +188,8 @@ class PrefixCacheActionView(APIView):
                    "pin": PrefixSerializer, "unpin": PrefixSerializer}
 
     @extend_schema(request=PrefixSerializer, responses=OPERATOR_RESPONSES, parameters=[
-        OpenApiParameter("action", str, OpenApiParameter.PATH, enum=list(SERIALIZERS))])
+        OpenApiParameter("action", str, OpenApiParameter.PATH, enum=list(SERIALIZERS)),
+        IDEMPOTENCY_KEY])
     def post(self, request, name: str, action: str):
         serializer_class = self.SERIALIZERS.get(action)
         if serializer_class is None:
@@ -147,5 +198,4 @@ class PrefixCacheActionView(APIView):
         serializer.is_valid(raise_exception=True)
         engine = get_object_or_404(Engine, name=name)
         arguments = {k: v for k, v in serializer.validated_data.items() if v is not None}
-        code, body = services.operator_action(request.user, engine, action, "", arguments)
-        return Response(body, status=code)
+        return _action_answer(request, engine, action, "", arguments)

@@ -111,3 +111,23 @@ def test_prompt_over_the_model_limit_is_a_400(stack):
     r = stack.api("POST", "/api/jobs/", json={"prompt": "y" * 4095, "max_tokens": 1})
     assert r.status_code == 201  # the longest prompt that fits
 
+
+
+def test_a_retried_submission_with_an_idempotency_key_stores_one_job(stack):
+    body = {"prompt": "submitted twice", "max_tokens": 3}
+    key = {"Idempotency-Key": "retry-me-1"}
+    first = stack.api("POST", "/api/jobs/", json=body, headers=dict(key))
+    again = stack.api("POST", "/api/jobs/", json=body, headers=dict(key))
+    assert first.status_code == again.status_code == 201, (first.text, again.text)
+    assert again.json()["id"] == first.json()["id"]
+    assert again.headers.get("Idempotent-Replayed") == "true"
+    assert "Idempotent-Replayed" not in first.headers
+    # Another user's key is theirs: the same key stores alice a job of her own.
+    hers = stack.api("POST", "/api/jobs/", json=body, headers=dict(key), user="alice")
+    assert hers.status_code == 201 and hers.json()["id"] != first.json()["id"]
+    # The same key for another job is refused; a key that is not one is a 400.
+    other = stack.api("POST", "/api/jobs/", json={**body, "max_tokens": 4}, headers=dict(key))
+    assert other.status_code == 409 and "another request" in other.text, other.text
+    bad = stack.api("POST", "/api/jobs/", json=body, headers={"Idempotency-Key": "k" * 129})
+    assert bad.status_code == 400 and "Idempotency-Key" in bad.text
+    assert stack.wait_job(first.json()["id"])["status"] == "finished"

@@ -131,3 +131,22 @@ def test_a_worker_that_does_not_answer_is_a_504(stack):
                  "name='ghost', worker='engine-ghost@nowhere', status='ready')")
     r = stack.api("POST", "/api/engines/ghost/prefix-cache/reset/")
     assert r.status_code == 504 and "did not answer" in r.json()["message"]
+
+
+def test_a_retried_action_with_an_idempotency_key_happens_once(stack):
+    def evicts() -> int:  # every action recorded so far (other tests' too)
+        return stack.api("GET", "/api/actions/").json()["count"]
+
+    before = evicts()
+    key = {"Idempotency-Key": "evict-once-1"}
+    first = stack.api("POST", "/api/engines/sim/prefix-cache/evict/", json={"num_blocks": 1},
+                      headers=dict(key))
+    assert first.status_code == 200, first.text
+    again = stack.api("POST", "/api/engines/sim/prefix-cache/evict/", json={"num_blocks": 1},
+                      headers=dict(key))
+    assert again.status_code == 200 and again.json() == first.json()
+    assert again.headers.get("Idempotent-Replayed") == "true"
+    assert "Idempotent-Replayed" not in first.headers
+    assert evicts() == before + 1  # sent and recorded once
+    other = stack.api("POST", "/api/engines/sim/prefix-cache/reset/", headers=dict(key))
+    assert other.status_code == 409 and "another action" in other.text, other.text

@@ -36,8 +36,8 @@ def broker_down(monkeypatch):
 def test_a_job_whose_send_fails_is_stored_then_sent_by_the_reaper(owner, broker_down):
     queue = "engine.outbox-a"
     live.redis_client().delete(queue)
-    job = services.create_job(owner, params={"max_tokens": 4}, prompt="hi",
-                              engine="outbox-a")  # no exception: the job exists
+    job = services.create_job(services.NewJob(owner, {"max_tokens": 4}, "hi",
+                                             engine="outbox-a"))  # no exception: the job exists
     job.refresh_from_db()
     assert job.status == Job.Status.QUEUED and job.dispatched_at is None
     assert services.send_unsent(older_than_s=60) == []  # not due yet
@@ -54,8 +54,8 @@ def test_a_job_whose_send_fails_is_stored_then_sent_by_the_reaper(owner, broker_
 def test_a_sent_job_is_marked_and_left_alone(owner):
     queue = "engine.outbox-b"
     live.redis_client().delete(queue)
-    job = services.create_job(owner, params={"max_tokens": 4}, prompt="hi",
-                              engine="outbox-b")
+    job = services.create_job(services.NewJob(owner, {"max_tokens": 4}, "hi",
+                                             engine="outbox-b"))
     job.refresh_from_db()
     assert job.dispatched_at is not None
     assert len([m for m in queued_messages(queue) if job.celery_task_id in m]) == 1
