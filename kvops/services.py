@@ -398,6 +398,10 @@ def fail_job(job_id: int, error: str, request_id: str | None = None) -> None:
     _publish_job(job)
 
 
+def cancel_was_requested(job_id: int) -> bool:
+    return Job.objects.filter(pk=job_id, cancel_requested=True).exists()
+
+
 def live_instances() -> set[str]:
     """Worker processes whose heartbeat is fresh."""
     cutoff = timezone.now() - timedelta(seconds=settings.KVOPS_ENGINE_DEAD_AFTER_S)

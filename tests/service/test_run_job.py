@@ -1,0 +1,86 @@
+"""The job task in this process, on a real engine loop (the simulator, thread core), the
+worker's output processor, the database and the test session's Redis: whatever goes
+wrong once a job is claimed, it ends and its engine request goes; a cancel that comes
+between the claim and the submit is not lost."""
+import pytest
+from django.contrib.auth.models import User
+from django.db import DatabaseError
+
+from engine import EngineConfig
+from kvops import live, services, worker
+from kvops.engine_service import EngineService
+from kvops.job_stream import StreamProducer
+from kvops.models import Job
+from kvops.output_processor import OutputProcessor
+from kvops.tasks import run_job
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture()
+def engine_worker(monkeypatch):
+    """This process as an engine worker named `inproc` (what kvops.worker sets up)."""
+    service = EngineService(EngineConfig(name="inproc", simulate=True, vocab_size=1000,
+                                         num_gpu_blocks=128, simulate_step_ms=5))
+    service.start()
+    processor = OutputProcessor("inproc", StreamProducer(live.redis_client(), "inproc"),
+                                service.tokenizer, service.finish_request, db_interval_s=0.05)
+    service.sink = processor
+    service.instance = "inproc-1"
+    monkeypatch.setattr(worker, "_service", service)
+    monkeypatch.setattr(worker, "_processor", processor)
+    try:
+        yield service
+    finally:
+        processor.close()
+        service.stop()
+
+
+def new_job(max_tokens: int) -> Job:
+    owner, _ = User.objects.get_or_create(username="run-job-user")
+    job = services.create_job(services.NewJob(owner, {"max_tokens": max_tokens,
+                                                      "ignore_eos": True}, "a prompt",
+                                              engine="inproc"))
+    job.refresh_from_db()
+    return job
+
+
+def run(job: Job) -> str:
+    """The task, as a worker runs it for this delivery (same task id)."""
+    return run_job.apply(args=[job.pk], task_id=job.celery_task_id).get()
+
+
+def test_a_job_runs_to_its_end(engine_worker):
+    job = new_job(8)
+    assert run(job) == "finished"
+    job.refresh_from_db()
+    assert job.status == Job.Status.FINISHED and job.num_output_tokens == 8
+
+
+def test_an_unexpected_error_after_the_claim_fails_the_job_and_aborts_its_request(
+        engine_worker, monkeypatch):
+    def broken(job_id):  # the first database read after the submit fails
+        raise DatabaseError("disk I/O error")
+    monkeypatch.setattr(services, "cancel_was_requested", broken)
+    job = new_job(1000)
+    assert run(job) == "failed"
+    job.refresh_from_db()
+    assert job.status == Job.Status.FAILED and "disk I/O error" in job.error
+    # Its engine request was aborted: nothing runs on, no block is held.
+    assert not engine_worker.call(lambda engine: engine.has_unfinished_requests())
+    assert engine_worker.call(lambda engine: engine.kv.gpu.num_free) == 128
+
+
+def test_a_cancel_between_claim_and_submit_is_not_lost(engine_worker, monkeypatch):
+    submit = engine_worker.submit
+
+    def cancel_then_submit(request_id, *args):
+        # The owner cancels now: the job is running but its engine request does not exist
+        # yet, so the abort cancel_job asks for has nothing to abort.
+        services.cancel_job(Job.objects.get(request_id=request_id))
+        submit(request_id, *args)
+    monkeypatch.setattr(engine_worker, "submit", cancel_then_submit)
+    job = new_job(1000)  # seconds of steps, unless cancelled
+    assert run(job) == "cancelled"
+    job.refresh_from_db()
+    assert job.status == Job.Status.CANCELLED
