@@ -15,6 +15,7 @@ from urllib.parse import urlparse, urlunparse
 
 import requests
 
+from kvops.private_file import ensure_secret_key
 from kvops.run import daphne_endpoint
 
 REPO = Path(__file__).resolve().parents[1]
@@ -38,6 +39,7 @@ def free_port() -> int:
 class Stack:
     def __init__(self, workdir: Path, env: dict | None = None) -> None:
         self.workdir = workdir
+        ensure_secret_key(workdir)  # as `make run` does (DJANGO_SECRET_KEY, if set, wins)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.env = dict(os.environ,

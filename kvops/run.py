@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from urllib.parse import urlparse
 
+from kvops.private_file import ensure_secret_key
+
 REPO = Path(__file__).resolve().parent.parent
 # Connections the web server's socket queues before it accepts them. Twisted's default
 # (50) resets connections when hundreds of clients connect at once.
@@ -92,6 +94,8 @@ def main() -> int:
     signal.signal(signal.SIGTERM, _stop)
     data_dir = Path(os.environ.setdefault("KVOPS_DATA_DIR", str(REPO / "data")))
     data_dir.mkdir(parents=True, exist_ok=True)
+    if not os.environ.get("DJANGO_SECRET_KEY"):
+        ensure_secret_key(data_dir)  # on first run; kept across runs (sessions survive)
     redis_url = os.environ.setdefault("REDIS_URL", "redis://127.0.0.1:6379/0")
     port = int(os.environ.get("KVOPS_PORT", "8000"))
     children: list[subprocess.Popen] = []

@@ -19,9 +19,44 @@ def env_bool(name: str, default: bool) -> bool:
 
 
 DEBUG = env_bool("KVOPS_DEBUG", False)
-SECRET_KEY = os.environ.get("DJANGO_SECRET_KEY") or "kvops-insecure-dev-key-set-DJANGO_SECRET_KEY"
+DEV_SECRET_KEY = "kvops-insecure-dev-key-set-DJANGO_SECRET_KEY"
+
+
+def _secret_key() -> str:
+    """DJANGO_SECRET_KEY, else the data dir's key file (`make run` writes one on first
+    run); the public development key only with KVOPS_DEBUG on."""
+    key = os.environ.get("DJANGO_SECRET_KEY", "")
+    if not key:
+        path = DATA_DIR / "secret_key"
+        key = path.read_text().strip() if path.is_file() else ""
+    if key:
+        return key
+    if DEBUG:
+        return DEV_SECRET_KEY
+    from django.core.exceptions import ImproperlyConfigured
+    raise ImproperlyConfigured(
+        "no secret key: set DJANGO_SECRET_KEY to a long random string (for example the "
+        "output of `python -c 'import secrets; print(secrets.token_urlsafe(50))'`), or put "
+        f"one in {DATA_DIR / 'secret_key'} (`make run` writes one there on first run); "
+        "KVOPS_DEBUG=1 allows the public development key")
+
+
+SECRET_KEY = _secret_key()
 ALLOWED_HOSTS = os.environ.get("KVOPS_ALLOWED_HOSTS", "127.0.0.1,localhost,[::1]").split(",")
 CSRF_TRUSTED_ORIGINS = [o for o in os.environ.get("KVOPS_CSRF_TRUSTED_ORIGINS", "").split(",") if o]
+
+# Behind a TLS-terminating proxy (KVOPS_HTTPS=1): secure cookies, HSTS, redirects to
+# https, and the proxy's X-Forwarded-Proto trusted. The health and metrics probes stay
+# reachable over plain http from inside the network.
+HTTPS = env_bool("KVOPS_HTTPS", False)
+if HTTPS:
+    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+    SECURE_SSL_REDIRECT = True
+    SECURE_REDIRECT_EXEMPT = [r"^healthz$", r"^metrics$"]
+    SESSION_COOKIE_SECURE = CSRF_COOKIE_SECURE = True
+    SECURE_HSTS_SECONDS = int(os.environ.get("KVOPS_HSTS_SECONDS", 31_536_000))
+    SECURE_HSTS_INCLUDE_SUBDOMAINS = env_bool("KVOPS_HSTS_INCLUDE_SUBDOMAINS", True)
+    SECURE_HSTS_PRELOAD = env_bool("KVOPS_HSTS_PRELOAD", True)
 
 INSTALLED_APPS = [
     "daphne",

@@ -47,3 +47,6 @@ os.environ["REDIS_URL"] = f"redis://127.0.0.1:{_redis_port}/0"
 os.environ["KVOPS_TEST_WORKDIR"] = _workdir
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Settings refuse to start without a secret key (KVOPS_DEBUG off): one per test session,
+# inherited by the stacks the tests start.
+os.environ.setdefault("DJANGO_SECRET_KEY", "kvops-test-session-" + os.urandom(24).hex())

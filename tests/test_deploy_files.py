@@ -1,10 +1,17 @@
 """docker-compose.yml and the Dockerfile cannot run here (no Docker engine): check that
 they are well-formed and that every command they run exists in the project."""
+import os
 import re
+import secrets
 import shlex
+import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import yaml
+
+from kvops.private_file import ensure_secret_key
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -62,7 +69,8 @@ def test_engines_get_one_gpu_each_and_shared_services():
         assert devices["driver"] == "nvidia" and devices["capabilities"] == ["gpu"]
         assert devices["device_ids"] == [env["CUDA_VISIBLE_DEVICES"]]
         gpus.append(env["CUDA_VISIBLE_DEVICES"])
-        assert env["REDIS_URL"].startswith("redis://redis:")
+        assert env["REDIS_URL"].startswith("redis://:${REDIS_PASSWORD") \
+            and env["REDIS_URL"].endswith("@redis:6379/0")  # Redis wants a password
         assert env["DATABASE_URL"].startswith("postgres://") and "@postgres:" in env["DATABASE_URL"]
         assert "healthcheck" in svc and "models:/data" in svc["volumes"]
     assert len(set(gpus)) == len(gpus)
@@ -80,3 +88,49 @@ def test_dockerfile_installs_like_make_setup():
                 assert target in makefile_targets(), f"make {target} does not exist"
     cmd = next(l for l in lines if l.startswith("CMD"))
     assert "kvops.asgi:application" in cmd
+
+
+def test_compose_has_no_open_defaults():
+    """No `*` host, no default secret key, a password on Redis that every REDIS_URL
+    carries, HTTPS settings passed through."""
+    services = compose()["services"]
+    redis_cmd = services["redis"]["command"]
+    assert "--requirepass" in redis_cmd
+    assert redis_cmd[redis_cmd.index("--requirepass") + 1].startswith("${REDIS_PASSWORD:?")
+    for name, svc in services.items():
+        env = svc.get("environment", {})
+        if "DJANGO_SECRET_KEY" not in env:
+            continue
+        assert env["DJANGO_SECRET_KEY"].startswith("${DJANGO_SECRET_KEY:?"), name  # no default
+        assert "*" not in env["KVOPS_ALLOWED_HOSTS"], name
+        assert "${REDIS_PASSWORD" in env["REDIS_URL"], name
+        assert env["KVOPS_HTTPS"].startswith("${KVOPS_HTTPS"), name
+
+
+def manage(*args: str, env: dict) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("DJANGO_SECRET_KEY", "KVOPS_DEBUG", "KVOPS_HTTPS")}
+    return subprocess.run([sys.executable, "manage.py", *args], cwd=REPO, env={**base, **env},
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_the_production_env_passes_check_deploy(tmp_path):
+    """The env the README's "Running in production" section gives: no warnings."""
+    out = manage("check", "--deploy", "--fail-level", "WARNING", env={
+        "DJANGO_SECRET_KEY": secrets.token_urlsafe(50), "KVOPS_HTTPS": "1",
+        "KVOPS_ALLOWED_HOSTS": "kvops.example.org", "KVOPS_DATA_DIR": str(tmp_path)})
+    assert out.returncode == 0 and "no issues" in out.stdout, out.stdout + out.stderr
+
+
+def test_no_secret_key_refuses_to_start_unless_debug(tmp_path):
+    out = manage("check", env={"KVOPS_DATA_DIR": str(tmp_path)})
+    assert out.returncode != 0 and "DJANGO_SECRET_KEY" in out.stderr, out.stderr
+    assert manage("check", env={"KVOPS_DATA_DIR": str(tmp_path),
+                                "KVOPS_DEBUG": "1"}).returncode == 0
+    # The data dir's key file, as `make run` writes it on first run, is used.
+    key = ensure_secret_key(tmp_path)
+    assert manage("check", env={"KVOPS_DATA_DIR": str(tmp_path)}).returncode == 0
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600
+    first = key.read_text()
+    ensure_secret_key(tmp_path)  # never written over
+    assert key.read_text() == first and len(first.strip()) >= 50

@@ -47,6 +47,8 @@ def test_make_run_serves_and_stops(tmp_path):
                DATABASE_URL=f"sqlite:///{tmp_path / 'db.sqlite3'}",
                DJANGO_SUPERUSER_PASSWORD="make-run-test-pw",
                KVOPS_ENGINE_MAX_NUM_SEQS="8", KVOPS_ENGINE_KV_CACHE_MEMORY_BYTES=str(64 << 20))
+    env.pop("DJANGO_SECRET_KEY", None)  # as a new user: make run writes data/secret_key
+    env.pop("KVOPS_DEBUG", None)
     log = tmp_path / "make-run.log"
     # SIGINT ignored on the way in, as a shell that starts a job in the background hands
     # it down: Ctrl-C (SIGINT to the group) must still stop the stack.
@@ -63,6 +65,8 @@ def test_make_run_serves_and_stops(tmp_path):
         text = log.read_text()
         assert "starting a private redis-server" in text
         assert f"kvops is starting at {url}/" in text
+        key = REPO / "data" / "secret_key"  # written on the first run, for the owner only
+        assert key.is_file() and (key.stat().st_mode & 0o777) == 0o600
         session = requests.Session()
         login = session.get(f"{url}/accounts/login/", timeout=10)
         assert login.status_code == 200

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 
+from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from kvops import limits
@@ -50,6 +51,8 @@ class ChatMessageSerializer(StrictMixin, serializers.Serializer):
                                     trim_whitespace=False)
 
 
+@extend_schema_field({"oneOf": [{"type": "string"},
+                                {"type": "array", "items": {"type": "string"}, "maxItems": 8}]})
 class StopField(serializers.Field):
     """A string or a list of up to 8 non-empty strings."""
 

@@ -7,6 +7,8 @@ from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand
 
+from kvops.private_file import create_private
+
 
 class Command(BaseCommand):
     help = "Create the first admin account (password printed and saved under the data dir)."
@@ -27,9 +29,8 @@ class Command(BaseCommand):
                               "(password from DJANGO_SUPERUSER_PASSWORD)")
             return
         password = secrets.token_urlsafe(12)
+        creds.unlink(missing_ok=True)  # a stale file of an earlier database
         User.objects.create_superuser(username, email, password)
-        creds.parent.mkdir(parents=True, exist_ok=True)
-        creds.write_text(f"username: {username}\npassword: {password}\n")
-        creds.chmod(0o600)
+        create_private(creds, f"username: {username}\npassword: {password}\n")
         self.stdout.write(f"[kvops] created admin account: username {username!r}, "
                           f"password {password!r} (also in {creds})")
