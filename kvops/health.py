@@ -1,8 +1,12 @@
-"""GET /healthz: 200 when the database and Redis answer; lists engines."""
+"""GET /healthz: 200 when the database and Redis answer, else 503. Anyone may ask (load
+balancers, compose): they get the status only. A signed-in user or a token holder also
+gets each check's error and the engines."""
 from __future__ import annotations
 
-from django.db import connection
+from django.db import DatabaseError, connection
 from django.http import HttpRequest, JsonResponse
+from rest_framework.authentication import TokenAuthentication
+from rest_framework.exceptions import AuthenticationFailed
 
 from kvops import live, selectors
 
@@ -28,5 +32,19 @@ def healthz(request: HttpRequest) -> JsonResponse:
                             "alive": selectors.engine_alive(engine),
                             "heartbeat_age_s": None if age is None else round(age, 1)})
     ok = all(v == "ok" for v in checks.values())
-    return JsonResponse({"ok": ok, "checks": checks, "engines": engines},
-                        status=200 if ok else 503)
+    status = 200 if ok else 503
+    if not _signed_in(request):
+        return JsonResponse({"ok": ok, "checks": {k: "ok" if v == "ok" else "error"
+                                                  for k, v in checks.items()},
+                             "engines_alive": sum(e["alive"] for e in engines)}, status=status)
+    return JsonResponse({"ok": ok, "checks": checks, "engines": engines,
+                         "engines_alive": sum(e["alive"] for e in engines)}, status=status)
+
+
+def _signed_in(request: HttpRequest) -> bool:
+    if getattr(request, "user", None) is not None and request.user.is_authenticated:
+        return True
+    try:
+        return TokenAuthentication().authenticate(request) is not None
+    except (AuthenticationFailed, DatabaseError):
+        return False

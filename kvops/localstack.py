@@ -89,7 +89,8 @@ class Stack:
         self.wait(lambda: self.engine_alive(name), f"engine {name}", 120)
 
     def engine_alive(self, name: str) -> bool:
-        r = requests.get(f"{self.url}/healthz", timeout=2)
+        r = requests.get(f"{self.url}/healthz", timeout=2,  # as admin: with the engines
+                         headers={"Authorization": f"Token {self.tokens['admin']}"})
         return any(e["name"] == name and e["alive"] for e in r.json()["engines"])
 
     def kill(self, name: str, sig: int = signal.SIGTERM) -> None:

@@ -1,6 +1,9 @@
 """GET /metrics: Prometheus text with vLLM-style names, labelled by engine."""
 from __future__ import annotations
 
+import hmac
+
+from django.conf import settings
 from django.http import HttpRequest, HttpResponse
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
@@ -60,6 +63,17 @@ class _Collector:
 
 
 def metrics(request: HttpRequest) -> HttpResponse:
+    """With KVOPS_METRICS_TOKEN set, only scrapers sending `Authorization: Bearer <it>`
+    are answered (Prometheus: `authorization: {credentials: ...}` in the scrape config)."""
+    token = settings.KVOPS_METRICS_TOKEN
+    if token:
+        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(),
+                                                                 token.encode()):
+            response = HttpResponse("metrics need `Authorization: Bearer <KVOPS_METRICS_TOKEN>`\n",
+                                    status=401, content_type="text/plain")
+            response["WWW-Authenticate"] = 'Bearer realm="metrics"'
+            return response
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Collector())
     return HttpResponse(generate_latest(registry),

@@ -69,6 +69,8 @@ INSTALLED_APPS = [
     "rest_framework",
     "rest_framework.authtoken",
     "drf_spectacular",
+    "drf_spectacular_sidecar",
+    "axes",
     "channels",
     "kvops",
 ]
@@ -82,7 +84,22 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "axes.middleware.AxesMiddleware",  # last: it answers locked-out logins
 ]
+
+# Login throttling (django-axes): after KVOPS_LOGIN_FAILURE_LIMIT failed logins for one
+# username from one address, that pair is locked out for KVOPS_LOGIN_LOCKOUT_MINUTES (a
+# 429 page); a successful login resets the count. Applies to the login page and the
+# admin's; API tokens are not passwords and are not affected.
+AUTHENTICATION_BACKENDS = [
+    "axes.backends.AxesStandaloneBackend",
+    "django.contrib.auth.backends.ModelBackend",
+]
+AXES_FAILURE_LIMIT = int(os.environ.get("KVOPS_LOGIN_FAILURE_LIMIT", 5))
+AXES_COOLOFF_TIME = float(os.environ.get("KVOPS_LOGIN_LOCKOUT_MINUTES", 15)) / 60  # hours
+AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
+AXES_RESET_ON_SUCCESS = True
+AXES_VERBOSE = False
 
 ROOT_URLCONF = "kvops.urls"
 ASGI_APPLICATION = "kvops.asgi.application"
@@ -111,9 +128,9 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     }
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
-AUTH_PASSWORD_VALIDATORS = [
-    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
-]
+AUTH_PASSWORD_VALIDATORS = [{"NAME": f"django.contrib.auth.password_validation.{name}"} for name in (
+    "UserAttributeSimilarityValidator", "MinimumLengthValidator", "CommonPasswordValidator",
+    "NumericPasswordValidator")]
 LOGIN_URL = "/accounts/login/"
 LOGIN_REDIRECT_URL = "/"
 LOGOUT_REDIRECT_URL = "/accounts/login/"
@@ -156,6 +173,10 @@ SPECTACULAR_SETTINGS = {
     "DESCRIPTION": "Jobs, engines and operator actions of a kvops deployment.",
     "VERSION": "1.0.0",
     "SERVE_INCLUDE_SCHEMA": False,
+    # Swagger UI's files come from this server (drf-spectacular-sidecar), not a CDN.
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    "REDOC_DIST": "SIDECAR",
     "COMPONENT_SPLIT_REQUEST": True,
 }
 
@@ -169,6 +190,8 @@ KVOPS_CONTROL_TIMEOUT_S = float(os.environ.get("KVOPS_CONTROL_TIMEOUT_S", 5))
 KVOPS_SSE_MAX_CHUNKS_PER_S = float(os.environ.get("KVOPS_SSE_MAX_CHUNKS_PER_S", 5000))
 KVOPS_HEARTBEAT_S = float(os.environ.get("KVOPS_HEARTBEAT_S", 2))
 KVOPS_ENGINE_DEAD_AFTER_S = float(os.environ.get("KVOPS_ENGINE_DEAD_AFTER_S", 15))
+# /metrics answers only `Authorization: Bearer <this>` when set (empty: anyone may scrape).
+KVOPS_METRICS_TOKEN = os.environ.get("KVOPS_METRICS_TOKEN", "")
 # A queued job whose task has not reached the broker this long after its commit is sent
 # by the reaper (the send failed, or the web process died before it).
 KVOPS_OUTBOX_AFTER_S = float(os.environ.get("KVOPS_OUTBOX_AFTER_S", 10))

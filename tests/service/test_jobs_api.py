@@ -131,3 +131,15 @@ def test_a_retried_submission_with_an_idempotency_key_stores_one_job(stack):
     bad = stack.api("POST", "/api/jobs/", json=body, headers={"Idempotency-Key": "k" * 129})
     assert bad.status_code == 400 and "Idempotency-Key" in bad.text
     assert stack.wait_job(first.json()["id"])["status"] == "finished"
+
+
+def test_the_api_docs_are_served_without_a_cdn(stack):
+    import re
+    page = stack.api("GET", "/api/docs/")
+    assert page.status_code == 200, page.text
+    assert "cdn.jsdelivr" not in page.text and "unpkg" not in page.text
+    scripts = re.findall(r'src="([^"]+\.js)"', page.text)
+    assert any("drf_spectacular_sidecar" in s for s in scripts), scripts
+    for src in scripts:  # every script comes from this server
+        assert src.startswith("/static/"), src
+        assert stack.api("GET", src, user=None).status_code == 200, src

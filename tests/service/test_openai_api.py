@@ -73,6 +73,9 @@ def test_metrics_and_healthz(stack, client):
     line = next(l for l in text.splitlines()
                 if l.startswith('kvops:e2e_request_latency_seconds_count{engine="sim"}'))
     assert float(line.split()[-1]) >= 1
-    health = requests.get(f"{stack.url}/healthz", timeout=10).json()
+    health = stack.api("GET", "/healthz").json()  # signed in: the checks and the engines
     assert health["ok"] and health["checks"] == {"database": "ok", "redis": "ok"}
     assert any(e["name"] == "sim" and e["alive"] for e in health["engines"])
+    anonymous = requests.get(f"{stack.url}/healthz", timeout=10).json()  # status only
+    assert set(anonymous) == {"ok", "checks", "engines_alive"} and anonymous["ok"]
+    assert anonymous["engines_alive"] >= 1

@@ -1,0 +1,83 @@
+"""Production defaults in this process: the first admin's password written for its
+owner only (0600, O_EXCL), /metrics behind its token, /healthz telling anonymous callers
+the status only."""
+import stat
+
+import pytest
+from django.contrib.auth.models import User
+from django.core.management import call_command
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def test_the_admin_credentials_file_is_private(tmp_path, settings, monkeypatch):
+    settings.DATA_DIR = tmp_path
+    monkeypatch.delenv("DJANGO_SUPERUSER_PASSWORD", raising=False)
+    (tmp_path / "admin-credentials.txt").write_text("stale, of an earlier database\n")
+    call_command("ensure_admin")
+    creds = tmp_path / "admin-credentials.txt"
+    assert stat.S_IMODE(creds.stat().st_mode) == 0o600
+    text = creds.read_text()
+    assert "stale" not in text
+    password = text.split("password: ")[1].strip()
+    assert User.objects.get(username="admin").check_password(password)
+
+
+def test_metrics_need_the_token_when_one_is_set(settings, rf):
+    from kvops.metrics_view import metrics
+    assert metrics(rf.get("/metrics")).status_code == 200  # no token set: open
+    settings.KVOPS_METRICS_TOKEN = "scrape-secret-1"
+    refused = metrics(rf.get("/metrics"))
+    assert refused.status_code == 401 and refused["WWW-Authenticate"].startswith("Bearer")
+    assert metrics(rf.get("/metrics", HTTP_AUTHORIZATION="Bearer wrong")).status_code == 401
+    ok = metrics(rf.get("/metrics", HTTP_AUTHORIZATION="Bearer scrape-secret-1"))
+    assert ok.status_code == 200 and b"kvops:" in ok.content
+
+
+def test_healthz_tells_anonymous_callers_the_status_only(rf, monkeypatch):
+    import json
+
+    from django.contrib.auth.models import AnonymousUser
+    from rest_framework.authtoken.models import Token
+
+    from kvops import health
+
+    def redis_down():
+        raise ConnectionError("Error 111 connecting to 10.0.0.7:6379. Connection refused.")
+    monkeypatch.setattr(health.live, "redis_client", redis_down)
+    request = rf.get("/healthz")
+    request.user = AnonymousUser()
+    answer = health.healthz(request)
+    body = json.loads(answer.content)
+    assert answer.status_code == 503 and body["checks"] == {"database": "ok", "redis": "error"}
+    assert "10.0.0.7" not in answer.content.decode() and "engines" not in body
+    token = Token.objects.create(user=User.objects.create_user("ops", password="x-pass-123"))
+    request = rf.get("/healthz", HTTP_AUTHORIZATION=f"Token {token.key}")
+    request.user = AnonymousUser()
+    body = json.loads(health.healthz(request).content)
+    assert "10.0.0.7" in body["checks"]["redis"] and body["engines"] == []
+
+
+def test_weak_passwords_are_refused():
+    from django.contrib.auth.password_validation import validate_password
+    from django.core.exceptions import ValidationError
+    user = User(username="carol")
+    for weak in ("password123", "83749261", "carol1234", "short"):
+        with pytest.raises(ValidationError):
+            validate_password(weak, user)
+    validate_password("mauve-tractor-41-lake", user)  # no error
+
+
+def test_repeated_failed_logins_lock_the_account_out(client, settings):
+    settings.AXES_FAILURE_LIMIT = 3
+    User.objects.create_user("dave", password="mauve-tractor-41-lake")
+
+    def login(password: str):
+        client.get("/accounts/login/")
+        return client.post("/accounts/login/", {"username": "dave", "password": password})
+
+    for _ in range(2):
+        assert login("guess").status_code == 200  # the form again, with its error
+    assert login("guess").status_code == 429  # the third failure locks the pair out
+    assert login("mauve-tractor-41-lake").status_code == 429  # even the right password
+    assert "_auth_user_id" not in client.session
