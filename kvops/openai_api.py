@@ -74,20 +74,22 @@ def _sampling(body: dict, default_max_tokens: int) -> dict:
         if body.get(name) not in (None, 0, 0.0):
             raise BadRequest(f"`{name}` is not supported (only 0)", name)
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    stop = body.get("stop") or []
-    if isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, list) or len(stop) > 8 or not all(isinstance(s, str) and s for s in stop):
-        raise BadRequest("`stop` must be a string or a list of up to 8 non-empty strings", "stop")
+    try:
+        stop = limits.stop_strings(body.get("stop"))
+    except limits.InvalidParam as e:
+        raise BadRequest(str(e), e.param) from None
     top_k = body.get("top_k")
+    top_p = _number(body, "top_p", 1.0, *limits.TOP_P)
+    if top_p <= limits.TOP_P[0]:
+        raise BadRequest(f"`top_p` must be greater than {limits.TOP_P[0]}", "top_p")
     return {
         "max_tokens": _number({"max_tokens": max_tokens}, "max_tokens", default_max_tokens, 1,
                               limits.MAX_TOKENS, integer=True),
-        "temperature": float(_number(body, "temperature", 1.0, 0.0, 2.0)),
-        "top_p": float(_number(body, "top_p", 1.0, 1e-9, 1.0)),
-        "top_k": None if top_k in (None, -1, 0) else _number(body, "top_k", None, 1, 1_000_000,
-                                                              integer=True),
-        "seed": _number(body, "seed", None, 0, 2**63 - 1, integer=True),
+        "temperature": float(_number(body, "temperature", 1.0, *limits.TEMPERATURE)),
+        "top_p": float(top_p),
+        "top_k": None if top_k in (None, -1, 0) else _number(body, "top_k", None, 1,
+                                                              limits.TOP_K_MAX, integer=True),
+        "seed": _number(body, "seed", None, 0, limits.SEED_MAX, integer=True),
         "stop": stop,
         "stop_token_ids": [],
         "ignore_eos": bool(body.get("ignore_eos", False)),
@@ -163,6 +165,7 @@ async def _handle(request: HttpRequest, chat: bool) -> HttpResponse:
         else:
             kwargs["prompt"] = _prompt(body.get("prompt"))
         kwargs["params"] = _sampling(body, default_max_tokens=256 if chat else 16)
+        kwargs["priority"] = limits.priority(body.get("priority"), user.is_staff)
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise BadRequest("`stream` must be a boolean", "stream")
@@ -173,6 +176,10 @@ async def _handle(request: HttpRequest, chat: bool) -> HttpResponse:
             sub.close()
             raise
     except BadRequest as e:
+        return _error(400, str(e), e.param)
+    except limits.NotAllowed as e:
+        return _error(403, str(e), e.param, type_="permission_error")
+    except limits.InvalidParam as e:
         return _error(400, str(e), e.param)
     except LookupError as e:
         return _error(404, str(e), "model", code="model_not_found")

@@ -51,19 +51,17 @@ class ChatMessageSerializer(StrictMixin, serializers.Serializer):
                                     trim_whitespace=False)
 
 
-@extend_schema_field({"oneOf": [{"type": "string"},
-                                {"type": "array", "items": {"type": "string"}, "maxItems": 8}]})
+@extend_schema_field({"oneOf": [{"type": "string", "maxLength": limits.MAX_STOP_CHARS},
+                                {"type": "array", "maxItems": limits.MAX_STOP_STRINGS,
+                                 "items": {"type": "string", "maxLength": limits.MAX_STOP_CHARS}}]})
 class StopField(serializers.Field):
-    """A string or a list of up to 8 non-empty strings."""
+    """A string or a list of non-empty strings (limits.stop_strings)."""
 
     def to_internal_value(self, data):
-        if isinstance(data, str):
-            data = [data]
-        if not isinstance(data, list) or not all(isinstance(s, str) and s for s in data):
-            raise serializers.ValidationError("must be a string or a list of non-empty strings")
-        if len(data) > 8 or any(len(s) > 256 for s in data):
-            raise serializers.ValidationError("at most 8 stop strings of at most 256 characters")
-        return data
+        try:
+            return limits.stop_strings(data)
+        except limits.InvalidParam as e:
+            raise serializers.ValidationError(str(e)) from None
 
     def to_representation(self, value):
         return value
@@ -75,20 +73,22 @@ class JobCreateSerializer(StrictMixin, serializers.Serializer):
     messages = ChatMessageSerializer(many=True, required=False, allow_empty=False)
     max_tokens = serializers.IntegerField(required=False, default=128, min_value=1,
                                           max_value=limits.MAX_TOKENS)
-    temperature = FiniteFloatField(required=False, default=0.0, min_value=0.0,
-                                         max_value=2.0)
-    top_p = FiniteFloatField(required=False, default=1.0, min_value=0.0, max_value=1.0)
+    temperature = FiniteFloatField(required=False, default=0.0, min_value=limits.TEMPERATURE[0],
+                                   max_value=limits.TEMPERATURE[1])
+    top_p = FiniteFloatField(required=False, default=1.0, min_value=limits.TOP_P[0],
+                             max_value=limits.TOP_P[1])
     top_k = serializers.IntegerField(required=False, allow_null=True, default=None, min_value=1,
-                                     max_value=1_000_000)
+                                     max_value=limits.TOP_K_MAX)
     seed = serializers.IntegerField(required=False, allow_null=True, default=None,
-                                    min_value=0, max_value=2**63 - 1)
+                                    min_value=0, max_value=limits.SEED_MAX)
     stop = StopField(required=False, default=list)
     stop_token_ids = serializers.ListField(child=serializers.IntegerField(min_value=0,
                                                                           max_value=2**31 - 1),
-                                           required=False, default=list, max_length=64)
+                                           required=False, default=list,
+                                           max_length=limits.MAX_STOP_TOKEN_IDS)
     ignore_eos = serializers.BooleanField(required=False, default=False)
-    priority = serializers.IntegerField(required=False, default=0, min_value=-1000,
-                                        max_value=1000)
+    priority = serializers.IntegerField(required=False, default=0, min_value=limits.PRIORITY[0],
+                                        max_value=limits.PRIORITY[1])
     engine = TextField(required=False, default="", allow_blank=True, max_length=64)
 
     def validate_top_p(self, value):

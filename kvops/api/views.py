@@ -5,11 +5,12 @@ from django.shortcuts import get_object_or_404
 from drf_spectacular.utils import OpenApiParameter, extend_schema, inline_serializer
 from rest_framework import mixins, permissions, serializers, status, viewsets
 from rest_framework.decorators import action
-from rest_framework.exceptions import APIException, NotFound, ValidationError
+from rest_framework.exceptions import (APIException, NotFound, PermissionDenied,
+                                       ValidationError)
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from kvops import idempotency, selectors, services
+from kvops import idempotency, limits, selectors, services
 from kvops.api.serializers import (EmptySerializer, EngineSerializer, EvictSerializer,
                                    JobCreateSerializer, JobSerializer,
                                    OperatorActionSerializer, PrefixSerializer)
@@ -87,6 +88,10 @@ class JobViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.Retrieve
         serializer = JobCreateSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
         kwargs = serializer.job_kwargs()
+        try:
+            limits.priority(kwargs["priority"], request.user.is_staff)
+        except limits.NotAllowed as e:
+            raise PermissionDenied({"priority": [str(e)]}) from None
         key = _idempotency_key(request)
         # A token means a program; a session means someone on the pages.
         new = services.NewJob(request.user, source=Job.Source.API if request.auth is not None

@@ -79,3 +79,30 @@ def test_metrics_and_healthz(stack, client):
     anonymous = requests.get(f"{stack.url}/healthz", timeout=10).json()  # status only
     assert set(anonymous) == {"ok", "checks", "engines_alive"} and anonymous["ok"]
     assert anonymous["engines_alive"] >= 1
+
+
+def test_rest_and_v1_apply_the_same_rules(stack):
+    """One set of rules (kvops/limits.py): the same request is refused by both APIs, in
+    the same words; a priority below 0 is for staff only, on both."""
+    import requests
+
+    def v1(body: dict, user: str = "admin") -> requests.Response:
+        return requests.post(f"{stack.url}/v1/completions", timeout=30, json={
+            "model": "simulated-v1", "prompt": "rules", "max_tokens": 2, **body},
+            headers={"Authorization": f"Bearer {stack.tokens[user]}"})
+
+    def rest(body: dict, user: str = "admin") -> requests.Response:
+        return stack.api("POST", "/api/jobs/", json={"prompt": "rules", "max_tokens": 2,
+                                                     **body}, user=user)
+
+    long_stop = {"stop": ["x" * 257]}
+    a, b = v1(long_stop), rest(long_stop)
+    assert a.status_code == b.status_code == 400, (a.text, b.text)
+    assert "at most 256 characters" in a.json()["error"]["message"]
+    assert "at most 256 characters" in b.text
+    for call in (v1, rest):
+        refused = call({"priority": -5}, user="alice")
+        assert refused.status_code == 403 and "only staff" in refused.text, refused.text
+        assert call({"priority": 5}, user="alice").status_code in (200, 201)
+        assert call({"priority": -5}, user="admin").status_code in (200, 201)
+        assert call({"priority": 5000}).status_code == 400
