@@ -27,7 +27,8 @@ MAX_BATCH = 256  # jobs in one transaction
 class Admission:
     """One call waiting to be stored."""
     new: services.NewJob
-    check: Any  # check(new) raises the call's error, or returns None
+    check: Any  # check(new, accepted) raises the call's error (accepted: the owner's
+    # jobs earlier in the same batch)
     bind: Any  # bind(job) inside the transaction
     future: asyncio.Future = field(default=None)
 
@@ -74,12 +75,15 @@ def _store(batch: list[Admission]) -> list[Job | BaseException]:
     try:
         results: list[Job | BaseException | None] = []
         good: list[Admission] = []
+        accepted: dict[int, int] = {}  # per owner: jobs of this batch not stored yet
         for item in batch:
+            owner = item.new.owner.pk
             try:
-                item.check(item.new)
+                item.check(item.new, accepted.get(owner, 0))
             except Exception as e:  # noqa: BLE001  (that call's own error, e.g. a 400)
                 results.append(e)
                 continue
+            accepted[owner] = accepted.get(owner, 0) + 1
             results.append(None)
             good.append(item)
         if good:

@@ -21,6 +21,7 @@ from kvops.job_listener import JobFailed, JobListener, cancel_abandoned
 from kvops.models import Job
 from kvops.prompt_check import PromptTooLong, check_prompt_fits
 from kvops.stream_hub import Subscription, get_hub
+from kvops.throttles import TooManyJobs, allow_submission, check_job_cap
 
 
 
@@ -116,7 +117,8 @@ def _check_model(model: Any) -> str:
 
 def _checks(model: Any, chat: bool):
     """The checks a call passes before it is stored (run in the admission batch)."""
-    def check(new: services.NewJob) -> None:
+    def check(new: services.NewJob, accepted: int) -> None:
+        check_job_cap(new.owner, accepted)
         _check_model(model)
         try:
             check_prompt_fits(new.prompt, new.messages)
@@ -153,6 +155,15 @@ async def _handle(request: HttpRequest, chat: bool) -> HttpResponse:
     if user is None:
         return _error(401, "missing or invalid API key: send `Authorization: Bearer <token>`",
                       type_="authentication_error", code="invalid_api_key")
+    if not user.is_staff:
+        wait = await sync_to_async(allow_submission)(user)
+        if wait is not None:
+            rate = settings.REST_FRAMEWORK["DEFAULT_THROTTLE_RATES"]["jobs"]
+            response = _error(429, f"too many requests: at most {rate} (KVOPS_JOB_RATE); "
+                                   f"retry in {wait:.0f} s", type_="rate_limit_exceeded",
+                              code="rate_limit_exceeded")
+            response["Retry-After"] = str(max(1, round(wait)))
+            return response
     try:
         body = _parse(request)
         model = body.get("model")
@@ -185,6 +196,8 @@ async def _handle(request: HttpRequest, chat: bool) -> HttpResponse:
         return _error(404, str(e), "model", code="model_not_found")
     except services.Unavailable as e:
         return _error(503, str(e), type_="service_unavailable")
+    except TooManyJobs as e:
+        return _error(429, str(e), type_="rate_limit_exceeded", code="too_many_jobs")
     created = int(time.time())
     ident = f"{'chatcmpl' if chat else 'cmpl'}-{job.pk}"
     listener = JobListener(sub, job)

@@ -167,7 +167,15 @@ REST_FRAMEWORK = {
     "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
     "PAGE_SIZE": 50,
     "EXCEPTION_HANDLER": "kvops.api.errors.exception_handler",
+    # Job submissions per user (kvops/throttles.py; staff exempt): REST and /v1 alike.
+    "DEFAULT_THROTTLE_RATES": {"jobs": os.environ.get("KVOPS_JOB_RATE", "3000/min") or None},
 }
+KVOPS_MAX_JOBS_PER_USER = int(os.environ.get("KVOPS_MAX_JOBS_PER_USER", 1024))  # 0: no cap
+
+# The cache holds the rate limits' counts: in Redis, so every web process shares them.
+CACHES = {"default": {"BACKEND": "django.core.cache.backends.redis.RedisCache",
+                      "LOCATION": REDIS_URL, "KEY_PREFIX": "kvops:cache",
+                      "OPTIONS": {"socket_connect_timeout": 2, "socket_timeout": 2}}}
 SPECTACULAR_SETTINGS = {
     "TITLE": "kvops API",
     "DESCRIPTION": "Jobs, engines and operator actions of a kvops deployment.",

@@ -16,6 +16,7 @@ from kvops.api.serializers import (EmptySerializer, EngineSerializer, EvictSeria
                                    OperatorActionSerializer, PrefixSerializer)
 from kvops.models import Engine, Job
 from kvops.prompt_check import PromptTooLong, check_prompt_fits
+from kvops.throttles import JobSubmitThrottle, TooManyJobs, check_job_cap
 
 
 class ServiceUnavailable(APIException):
@@ -48,6 +49,11 @@ def _answer(create) -> Response | None:
     return response
 
 
+class TooManyJobsError(APIException):
+    status_code = 429
+    default_code = "too_many_jobs"
+
+
 class KeyConflict(APIException):
     status_code = 409
     default_code = "idempotency_key_reused"
@@ -64,6 +70,9 @@ class JobViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.Retrieve
                  viewsets.GenericViewSet):
     serializer_class = JobSerializer
     queryset = Job.objects.none()  # the schema's view of it; requests use get_queryset
+
+    def get_throttles(self):
+        return [JobSubmitThrottle()] if self.action == "create" else []
 
     def get_queryset(self):
         qs = selectors.jobs_visible_to(self.request.user)
@@ -106,6 +115,10 @@ class JobViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.Retrieve
             check_prompt_fits(kwargs["prompt"], kwargs["messages"], kwargs["engine"])
         except PromptTooLong as e:
             raise ValidationError({"prompt": [str(e)]}) from None
+        try:
+            check_job_cap(request.user)
+        except TooManyJobs as e:
+            raise TooManyJobsError(str(e)) from None
         return _answer(lambda: services.create_job(new))
 
     @extend_schema(request=None, responses={200: JobSerializer})
