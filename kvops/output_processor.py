@@ -246,8 +246,15 @@ class OutputProcessor:
                 t.num_prompt_tokens, t.num_cached_tokens, t.num_preemptions, first))
         if not deltas:
             return
-        services.record_progress(deltas)
+        fenced = services.record_progress(deltas)
         self.stats.db_writes += 1
+        for request_id in fenced:  # its job runs elsewhere now, or ended: stop this one
+            t = self._jobs.pop(request_id, None)
+            if t is not None:
+                log.warning("job %s: attempt %s no longer owns it; stopping its request",
+                            t.job_id, request_id)
+                self.on_stop(request_id)
+                t.handle.set("fenced")
         for t in self._jobs.values():
             if t.dirty:
                 t.unwritten.clear()

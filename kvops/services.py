@@ -307,11 +307,13 @@ class FinalState:
     first_token_at: datetime | None
 
 
-def record_progress(deltas: list[ProgressDelta]) -> None:
+def record_progress(deltas: list[ProgressDelta]) -> set[str]:
     """Append what running jobs produced: one statement run for every job
     (executemany) in one transaction. Each row is matched on its attempt (request id),
-    so a stale attempt writes nothing. Plain SQL: the ORM's form of this (a CASE per
-    field) costs milliseconds of Python per job, which the worker cannot spare."""
+    so a stale attempt writes nothing; returns the request ids of such attempts (their
+    job runs again elsewhere, or ended: the caller stops them). Plain SQL: the ORM's
+    form of this (a CASE per field) costs milliseconds of Python per job, which the
+    worker cannot spare."""
     table = connection.ops.quote_name(Job._meta.db_table)
     sql = (f"UPDATE {table} SET output_text = output_text || %s, num_output_tokens = %s, "
            "num_prompt_tokens = %s, num_cached_tokens = %s, num_preemptions = %s, "
@@ -323,6 +325,12 @@ def record_progress(deltas: list[ProgressDelta]) -> None:
              Job.Status.RUNNING) for d in deltas]
     with transaction.atomic(), connection.cursor() as cursor:
         cursor.executemany(sql, rows)
+        if cursor.rowcount == -1 or cursor.rowcount >= len(rows):
+            return set()
+    # Some row did not match (rare): find which attempts lost their job.
+    owned = set(Job.objects.filter(pk__in=[d.job_id for d in deltas], status=Job.Status.RUNNING)
+                .values_list("pk", "request_id"))
+    return {d.request_id for d in deltas if (d.job_id, d.request_id) not in owned}
 
 
 def finish_jobs(finals: list[FinalState]) -> list[Job]:

@@ -99,6 +99,38 @@ def test_a_job_submitted_while_redis_is_away_is_answered_201_and_runs(faulty):
     assert faulty.wait_job(r.json()["id"], timeout_s=120)["status"] == "finished"
 
 
+def test_a_frozen_worker_thought_dead_cannot_finish_the_job_again(faulty):
+    """SIGSTOP a worker (and its engine core) past the dead-after time: the job runs again
+    on the other engine and finishes there. SIGCONT: the old attempt finds the job is no
+    longer its own, writes nothing, and stops its engine request."""
+    job_id = None
+    for _ in range(4):  # round-robin: one of the first two lands on engine one
+        (candidate,) = submit(faulty, 1, max_tokens=300)  # ~6 s at 20 ms a step
+        faulty.wait_running(candidate, timeout_s=60)
+        if faulty.api("GET", f"/api/jobs/{candidate}/").json()["engine"] == "one":
+            job_id = candidate
+            break
+    assert job_id is not None
+    frozen = faulty.procs["engine-one"]
+    os.killpg(frozen.pid, signal.SIGSTOP)  # the worker and its core, mid-job
+    try:
+        done = faulty.wait_job(job_id, timeout_s=120)
+    finally:
+        os.killpg(frozen.pid, signal.SIGCONT)
+    assert done["status"] == "finished" and done["engine"] == "two" and done["attempts"] == 2
+    assert done["num_output_tokens"] == 300
+
+    def one_idle() -> bool:  # the old attempt's request is stopped, not run to its end
+        one = next(e for e in faulty.api("GET", "/api/engines/").json() if e["name"] == "one")
+        return one["alive"] and one["metrics"].get("running", 1) == 0
+    faulty.wait(one_idle, "engine one idle again", 60)
+    one = next(e for e in faulty.api("GET", "/api/engines/").json() if e["name"] == "one")
+    assert one["metrics"]["num_generation_tokens"] < 300  # stopped, not run to its end
+    after = faulty.api("GET", f"/api/jobs/{job_id}/").json()
+    assert (after["status"], after["output_text"], after["finished_at"], after["attempts"]) == \
+        (done["status"], done["output_text"], done["finished_at"], 2)  # ended once
+
+
 def test_a_failing_step_fails_its_jobs_only(faulty):
     long_ids = submit(faulty, 2, max_tokens=400)
     faulty.wait(lambda: all(faulty.api("GET", f"/api/jobs/{i}/").json()["status"] == "running"

@@ -11,6 +11,7 @@ from django.utils import timezone
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from kvops import live, services
+from engine.outputs import CoreOutput
 from kvops.job_stream import STREAM_KEY, StreamProducer, TextAssembler, decode_entry
 from kvops.models import Job
 from kvops.output_processor import OutputProcessor
@@ -90,8 +91,10 @@ def test_output_processor_streams_and_writes_every_job_in_batches():
 def test_a_stale_attempt_writes_nothing():
     owner = User.objects.create_user("u2")
     job = running_job(owner, attempt=2)
-    services.record_progress([services.ProgressDelta(job.pk, f"job-{job.pk}-1", "stale", 5,
-                                                     3, 0, 0)])
+    fenced = services.record_progress([
+        services.ProgressDelta(job.pk, f"job-{job.pk}-1", "stale", 5, 3, 0, 0),
+        services.ProgressDelta(job.pk, job.request_id, "", 0, 3, 0, 0)])
+    assert fenced == {f"job-{job.pk}-1"}  # the stale attempt is told, the owner is not
     first = timezone.now()
     services.record_progress([services.ProgressDelta(job.pk, job.request_id, "fre", 1,
                                                      3, 0, 0, first)])
@@ -103,6 +106,26 @@ def test_a_stale_attempt_writes_nothing():
     job.refresh_from_db()
     assert (job.status, job.output_text, job.num_output_tokens) == ("running", "fresh", 2)
     assert job.first_token_at == first  # kept from the first write
+
+
+def test_an_attempt_that_lost_its_job_stops_its_engine_request():
+    """The job ran again elsewhere (this worker was thought dead): the next progress write
+    finds the row fenced, and the processor stops the request and wakes its task."""
+    owner = User.objects.create_user("u4")
+    job = running_job(owner, attempt=1)
+    stopped: list[str] = []
+    processor = OutputProcessor("e", StreamProducer(live.redis_client(), "e"),
+                                LLMEngine(EngineConfig(simulate=True, vocab_size=1000,
+                                                       num_gpu_blocks=64)).tokenizer,
+                                stopped.append, db_interval_s=0.05)
+    handle = processor.track(job.pk, job.request_id, 1, None)
+    Job.objects.filter(pk=job.pk).update(request_id=f"job-{job.pk}-2", attempts=2)
+    processor.push([CoreOutput(job.request_id, [5, 6], False, None, 3, 0, 0)])
+    assert handle.wait(20) == "fenced"
+    processor.close()
+    assert stopped == [job.request_id]
+    job.refresh_from_db()
+    assert job.output_text == "" and job.request_id.endswith("-2")
 
 
 @pytest.mark.asyncio
