@@ -90,6 +90,7 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[BlockHash, KVBlock] = {}  # hash -> the one block holding it
+        self.num_pinned = 0  # blocks held by a pin: no request can ever have them
         self._events = events
 
     # --- queries -------------------------------------------------------------------
@@ -212,11 +213,13 @@ class BlockPool:
             return False
         self.touch([block])
         block.pinned = True
+        self.num_pinned += 1
         return True
 
     def unpin(self, block: KVBlock) -> bool:
         if not block.pinned:
             return False
         block.pinned = False
+        self.num_pinned -= 1
         self.free([block])
         return True

@@ -328,6 +328,8 @@ class KVCacheManager:
                         f"invariant: {pool.pool} block {block.block_id} is free iff ref_cnt 0")
             if len(in_queue) + sum(1 for b in pool.blocks if b.ref_cnt > 0) != pool.num_blocks:
                 raise AssertionError(f"invariant: {pool.pool} free + held != total")
+            if pool.num_pinned != sum(b.pinned for b in pool.blocks):
+                raise AssertionError(f"invariant: {pool.pool} pinned count is wrong")
             for block_hash, block in pool.cached.items():
                 if block.block_hash != block_hash:
                     raise AssertionError(f"invariant: hash map points at block {block.block_id} "

@@ -12,7 +12,7 @@ import time
 from engine.block_hash import hash_blocks, root_hash
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, SimTokenizer
-from engine.errors import InvalidRequestError, PrefixNotCachedError
+from engine.errors import InvalidRequestError, NotEnoughBlocksError, PrefixNotCachedError
 from engine.events import EventLog, KVEvent
 from engine.kv_cache_manager import KVCacheManager, cdiv
 from engine.outputs import CoreOutput, RequestOutput
@@ -81,10 +81,18 @@ class LLMEngine:
             raise InvalidRequestError("params must be a SamplingParams")
         token_ids = self._prompt_ids(prompt)
         need_tokens = min(len(token_ids) + params.max_tokens, self.max_model_len)
-        if cdiv(need_tokens, self.config.block_size) > self.kv.gpu.num_blocks:
+        need = cdiv(need_tokens, self.config.block_size)
+        if need > self.kv.gpu.num_blocks:
             raise InvalidRequestError(
-                f"request needs {cdiv(need_tokens, self.config.block_size)} KV blocks for "
-                f"{need_tokens} tokens; the pool has {self.kv.gpu.num_blocks}: lower max_tokens")
+                f"request needs {need} KV blocks for {need_tokens} tokens; the pool has "
+                f"{self.kv.gpu.num_blocks}: lower max_tokens")
+        if self.kv.gpu.num_pinned and need > self._usable_blocks(token_ids, cache_salt):
+            # It would preempt itself for ever: pinned blocks are never freed.
+            raise InvalidRequestError(
+                f"request needs {need} KV blocks for {need_tokens} tokens; the pool has "
+                f"{self.kv.gpu.num_blocks}, of which {self.kv.gpu.num_pinned} are pinned "
+                f"(only {self._usable_blocks(token_ids, cache_salt)} can be its): lower "
+                "max_tokens, or unpin prefixes")
         request = Request(
             request_id=request_id, prompt_token_ids=token_ids, sampling_params=params,
             arrival_time=time.time() if arrival_time is None else arrival_time,
@@ -95,6 +103,14 @@ class LLMEngine:
             self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
         self.scheduler.add(request)
         self.version += 1
+
+    def _usable_blocks(self, token_ids: list[int], cache_salt: str | None) -> int:
+        """Blocks a request with this prompt could ever hold: the unpinned ones, plus the
+        pinned blocks of its own cached prefix (it shares those)."""
+        hashes = hash_blocks(root_hash(self.runner.model_id, cache_salt), token_ids,
+                             self.config.block_size)
+        shared = sum(b.pinned for b in self.kv.cached_chain(hashes))
+        return self.kv.gpu.num_blocks - self.kv.gpu.num_pinned + shared
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -273,9 +289,27 @@ class LLMEngine:
         """Pin the cached blocks of this prefix so they are never evicted."""
         self.version += 1
         blocks = self._prefix_blocks(prompt, cache_salt)
+        self._check_pin_leaves_room(blocks)
         newly = self.kv.pin(blocks)
         return {"block_ids": [b.block_id for b in blocks], "num_newly_pinned": len(newly),
                 "num_tokens": len(blocks) * self.config.block_size}
+
+    def _check_pin_leaves_room(self, blocks: list) -> None:
+        """NotEnoughBlocksError if, with these blocks pinned too, a request already here
+        could never hold all the blocks it needs (it would preempt itself for ever)."""
+        pinned = {b.block_id for b in self.kv.gpu.blocks if b.pinned} | \
+            {b.block_id for b in blocks}
+        free_for_all = self.kv.gpu.num_blocks - len(pinned)
+        bs = self.config.block_size
+        for request in self.scheduler.requests.values():
+            need = cdiv(min(request.num_prompt_tokens + request.sampling_params.max_tokens,
+                            self.max_model_len), bs)
+            own = sum(b in pinned for b in self.kv.block_ids(request.request_id))
+            if need > free_for_all + own:
+                raise NotEnoughBlocksError(
+                    f"pinning {len(blocks)} blocks would leave {free_for_all} unpinned blocks "
+                    f"of {self.kv.gpu.num_blocks}; request {request.request_id} needs {need}: "
+                    "it could never run. Pin later, or a shorter prefix")
 
     def unpin_prefix(self, prompt: str | list[int], cache_salt: str | None = None) -> dict:
         self.version += 1

@@ -213,6 +213,43 @@ def test_pin_survives_eviction_and_pressure():
     engine.kv.check_invariants()
 
 
+def test_a_request_that_only_fits_without_the_pinned_blocks_is_refused():
+    """16 blocks of 4 tokens, 4 of them pinned: a request needing 13 could never hold them
+    all (it would preempt itself for ever); one whose prompt starts with the pinned
+    prefix shares those blocks, and runs."""
+    engine = sim_engine(num_gpu_blocks=16)
+    prefix = list(range(500, 516))  # 4 blocks
+    engine.generate([prefix + [1]], greedy(1))
+    engine.pin_prefix(prefix)
+    with pytest.raises(InvalidRequestError, match="4 are pinned"):
+        engine.add_request("big", list(range(600, 620)), greedy(30))  # 50 tokens: 13 blocks
+    (out,) = engine.generate([prefix + list(range(600, 604))], greedy(30))
+    assert out.output_token_ids == expected(prefix + list(range(600, 604)), 30)
+    assert out.num_preemptions == 0
+    engine.add_request("fits", list(range(600, 620)), greedy(24))  # 44 tokens: 11 blocks
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.kv.check_invariants()
+
+
+def test_a_pin_that_would_starve_a_request_already_there_is_refused():
+    engine = sim_engine(num_gpu_blocks=16)
+    prefix = list(range(500, 516))
+    engine.generate([prefix + [1]], greedy(1))
+    engine.add_request("long", list(range(700, 720)), greedy(30))  # 13 blocks, unrelated
+    engine.step()
+    with pytest.raises(NotEnoughBlocksError, match="request long needs 13"):
+        engine.pin_prefix(prefix)
+    assert engine.kv.gpu.num_pinned == 0
+    while engine.has_unfinished_requests():
+        engine.step()
+    pinned = engine.pin_prefix(prefix)["block_ids"]  # nobody left to starve (what the
+    assert engine.kv.gpu.num_pinned == len(pinned) > 0  # long request left cached of it)
+    engine.reset_prefix_cache()
+    assert engine.kv.gpu.num_pinned == 0
+    engine.kv.check_invariants()
+
+
 def test_evict_and_reset_drop_cached_blocks():
     engine = sim_engine()
     engine.generate([list(range(40))], greedy(1))
