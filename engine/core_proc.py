@@ -6,7 +6,8 @@ its API server for the same reason: on a GPU a step takes milliseconds, and Pyth
 beside it under one lock is taken from the GPU). Its worker talks to it over two ZMQ
 sockets, messages packed with msgpack:
 
-  worker -> core   ["add", id, request_id, prompt, sampling params, priority, job_id]
+  worker -> core   ["add", id, request_id, prompt, sampling params, priority, job_id,
+                    cache_salt]
                    ["cmd", id, name, arguments, deadline]   (an operator command)
                    ["stop", request_id]                     (its text hit a stop string)
                    ["kvask", id, kind, argument]            (a question to the KV view)
@@ -118,9 +119,10 @@ class CoreServer:
             return
         try:
             if kind == "add":
-                _, _, request_id, prompt, params, priority, job_id = message
+                _, _, request_id, prompt, params, priority, job_id, cache_salt = message
                 self.engine.add_request(request_id, prompt, SamplingParams(**params),
-                                        priority=priority, job_id=job_id)
+                                        priority=priority, job_id=job_id,
+                                        cache_salt=cache_salt)
                 result = None
             elif kind == "cmd":
                 _, _, name, arguments, deadline = message

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from engine.block_hash import BlockHash, short
+from engine.block_hash import BlockHash, hash_blocks, short
 from engine.block_pool import BlockPool, KVBlock
 from engine.events import EventLog
 from engine.request import Request
@@ -74,6 +74,10 @@ class KVCacheManager:
             if block is None:
                 break
             blocks.append(block)
+        if request.pinned_root is not None and self.gpu.num_pinned:
+            shared = self._pinned_prefix(request)
+            if len(shared) > len(blocks):
+                blocks = shared  # its own later blocks are still cached under its salt
         covered = len(blocks) * self.block_size
         if covered >= request.num_tokens and blocks[-1].block_id in self.uncomputed:
             blocks.pop()  # it would need a copy of data not written yet: recompute it
@@ -82,6 +86,17 @@ class KVCacheManager:
         # hit covers every token, that token is rewritten in a copy of the last block.
         num_computed = min(covered, request.num_tokens - 1)
         return PrefixMatch(blocks, num_computed, cow=covered > num_computed)
+
+    def _pinned_prefix(self, request: Request) -> list[KVBlock]:
+        """The leading pinned blocks of the request's tokens in the unsalted chain."""
+        out = []
+        for block_hash in hash_blocks(request.pinned_root, request.all_token_ids,
+                                      self.block_size):
+            block = self.gpu.get_cached(block_hash)
+            if block is None or not block.pinned:
+                break
+            out.append(block)
+        return out
 
     def record_prefix_query(self, request: Request, match: PrefixMatch) -> None:
         self.prefix_cache_queries += request.num_tokens

@@ -97,6 +97,7 @@ class LLMEngine:
             request_id=request_id, prompt_token_ids=token_ids, sampling_params=params,
             arrival_time=time.time() if arrival_time is None else arrival_time,
             index=next(self._indices), root_hash=root_hash(self.runner.model_id, cache_salt),
+            pinned_root=root_hash(self.runner.model_id, None) if cache_salt else None,
             block_size=self.config.block_size, priority=priority, job_id=job_id,
             eos_token_ids=self.tokenizer.eos_token_ids)
         if self.detokenize:
@@ -107,9 +108,11 @@ class LLMEngine:
     def _usable_blocks(self, token_ids: list[int], cache_salt: str | None) -> int:
         """Blocks a request with this prompt could ever hold: the unpinned ones, plus the
         pinned blocks of its own cached prefix (it shares those)."""
-        hashes = hash_blocks(root_hash(self.runner.model_id, cache_salt), token_ids,
-                             self.config.block_size)
-        shared = sum(b.pinned for b in self.kv.cached_chain(hashes))
+        shared = 0
+        for salt in {cache_salt, None}:  # a salted request shares pinned unsalted blocks
+            hashes = hash_blocks(root_hash(self.runner.model_id, salt), token_ids,
+                                 self.config.block_size)
+            shared = max(shared, sum(b.pinned for b in self.kv.cached_chain(hashes)))
         return self.kv.gpu.num_blocks - self.kv.gpu.num_pinned + shared
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:

@@ -32,6 +32,9 @@ class Request:
     priority: int = 0  # lower runs first under the priority policy
     job_id: str | None = None  # the service's job, for the dashboard
     eos_token_ids: tuple[int, ...] = ()  # the model's EOS ids (several for some chat models)
+    # With a cache salt: the unsalted chain's root. Pinned blocks are published by an
+    # operator on purpose, so a salted request may share those (and only those).
+    pinned_root: BlockHash | None = None
     # Everything below is owned by the Scheduler (the engine's output path appends tokens).
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

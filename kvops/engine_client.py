@@ -131,13 +131,15 @@ class EngineCoreClient:
         return self._call(["cmd", None, name, arguments, time.time() + timeout_s], timeout_s)
 
     def submit(self, request_id: str, prompt: str | list[int], params: dict,
-               priority: int = 0, job_id: str | None = None) -> None:
+               priority: int = 0, job_id: str | None = None,
+               cache_salt: str | None = None) -> None:
         """Add a request; raises InvalidRequestError (bad prompt/params) synchronously.
         Its outputs go to the sink."""
         with self._lock:
             self._in_flight.add(request_id)
         try:
-            self._call(["add", None, request_id, prompt, dict(params), priority, job_id], 60.0)
+            self._call(["add", None, request_id, prompt, dict(params), priority, job_id,
+                        cache_salt], 60.0)
         except BaseException:
             with self._lock:
                 self._in_flight.discard(request_id)

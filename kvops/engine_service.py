@@ -78,11 +78,12 @@ class PromptInspector:
             return None
         return tokenizer.encode(render_chat(tokenizer, messages) if messages else prompt)
 
-    def short_hashes(self, config: dict, token_ids: list[int] | None) -> list[str]:
-        """Short hashes of the full blocks of token_ids under this engine."""
+    def short_hashes(self, config: dict, token_ids: list[int] | None,
+                     cache_salt: str | None = None) -> list[str]:
+        """Short hashes of the full blocks of token_ids under this engine (and salt)."""
         if not token_ids or not config.get("block_size") or not config.get("model"):
             return []
-        root = root_hash(config["model"])
+        root = root_hash(config["model"], cache_salt)
         return [short(h) for h in hash_blocks(root, token_ids, int(config["block_size"]))]
 
 
@@ -188,12 +189,14 @@ class EngineService:
         return self.call(lambda engine: run_command(engine, name, arguments), timeout_s)
 
     def submit(self, request_id: str, prompt: str | list[int], params: dict,
-               priority: int = 0, job_id: str | None = None) -> None:
+               priority: int = 0, job_id: str | None = None,
+               cache_salt: str | None = None) -> None:
         """Add a request; raises InvalidRequestError (bad prompt/params) synchronously.
         Its outputs go to the sink."""
         sampling = SamplingParams(**params) if isinstance(params, dict) else params
         self.call(lambda engine: engine.add_request(request_id, prompt, sampling,
-                                                    priority=priority, job_id=job_id))
+                                                    priority=priority, job_id=job_id,
+                                                    cache_salt=cache_salt))
 
     def finish_request(self, request_id: str) -> None:
         """End a request whose text reached a stop string (applied between two steps;

@@ -14,6 +14,7 @@ import os
 from kvops import live, prefix_index, selectors
 from kvops.engine_service import PromptInspector
 from kvops.models import Engine, Job
+from kvops.tenancy import cache_salt
 
 SHARED_QUEUE = "jobs"
 inspector = PromptInspector()  # shared with prompt validation (kvops.prompt_check)
@@ -61,9 +62,10 @@ def choose_queue(job: Job) -> tuple[str, dict]:
         return engine_queue(chosen.name), {
             "policy": mode, "engine": chosen.name, "reason": f"turn {i} of {len(engines)} engines"}
     cached, hashes = {}, {}
+    salt = cache_salt(job.owner)  # its blocks are found under its owner's salt only
     for engine in engines:
         token_ids = inspector.token_ids(engine.config, job.prompt, job.messages)
-        hashes[engine.name] = inspector.short_hashes(engine.config, token_ids)
+        hashes[engine.name] = inspector.short_hashes(engine.config, token_ids, salt)
         cached[engine.name] = prefix_index.cached_prefix_blocks(engine.name, hashes[engine.name])
     load = {e.name: _load(e) for e in engines}
     chosen = min(engines, key=lambda e: (-cached[e.name], load[e.name], e.name))

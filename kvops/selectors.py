@@ -64,6 +64,19 @@ def operator_actions() -> QuerySet[OperatorAction]:
     return OperatorAction.objects.select_related("user")
 
 
+PROMPT_PARAMS = ("prompt", "token_ids")  # a pin's prefix may be someone's prompt
+HIDDEN = "(hidden: staff only)"
+
+
+def action_params_for(action: OperatorAction, viewer) -> dict:
+    """The action's parameters as this viewer may see them: prompts (a pinned or evicted
+    prefix) only for staff."""
+    params = dict(action.params or {})
+    if getattr(viewer, "is_staff", False):
+        return params
+    return {k: HIDDEN if k in PROMPT_PARAMS else v for k, v in params.items()}
+
+
 def served_models() -> dict[str, list[str]]:
     """Model name -> engines serving it (live ones)."""
     out: dict[str, list[str]] = {}

@@ -232,7 +232,8 @@ def claim_jobs(claims: list[Claim]) -> list[Job | None]:
     out: list[Job | None] = []
     claimed, ended = {}, {}
     with transaction.atomic():
-        rows = Job.objects.select_for_update().in_bulk([c.job_id for c in claims])
+        rows = Job.objects.select_for_update(of=("self",)).select_related("owner") \
+            .in_bulk([c.job_id for c in claims])  # the owner: its cache salt
         live = live_instances()
         for c in claims:  # in order: a second delivery of a job sees the first's claim
             job = rows.get(c.job_id)

@@ -171,6 +171,13 @@ REST_FRAMEWORK = {
     "DEFAULT_THROTTLE_RATES": {"jobs": os.environ.get("KVOPS_JOB_RATE", "3000/min") or None},
 }
 KVOPS_MAX_JOBS_PER_USER = int(os.environ.get("KVOPS_MAX_JOBS_PER_USER", 1024))  # 0: no cap
+# Prefix-cache isolation: `user` (each non-staff user's own cache; staff and pinned
+# prefixes shared) or `global` (one cache for all). See kvops/tenancy.py.
+KVOPS_PREFIX_SHARING = os.environ.get("KVOPS_PREFIX_SHARING", "user")
+if KVOPS_PREFIX_SHARING not in ("user", "global"):
+    from django.core.exceptions import ImproperlyConfigured
+    raise ImproperlyConfigured(f"KVOPS_PREFIX_SHARING={KVOPS_PREFIX_SHARING!r}: use `user` "
+                               "or `global`")
 
 # The cache holds the rate limits' counts: in Redis, so every web process shares them.
 CACHES = {"default": {"BACKEND": "django.core.cache.backends.redis.RedisCache",

@@ -9,6 +9,7 @@ from django.conf import settings
 from kvops import services
 from kvops.engine_service import EngineError
 from kvops.group_commit import GroupCommit
+from kvops.tenancy import cache_salt
 from kvops.worker import get_engine_service, get_output_processor
 
 log = logging.getLogger(__name__)
@@ -58,7 +59,8 @@ def _run_claimed(service, job) -> str:
                              (job.params or {}).get("stop"))
     try:
         prompt = service.render_chat(job.messages) if job.messages else job.prompt
-        service.submit(job.request_id, prompt, job.params, job.priority, str(job.pk))
+        service.submit(job.request_id, prompt, job.params, job.priority, str(job.pk),
+                       cache_salt=cache_salt(job.owner))
     except EngineError as e:
         processor.untrack(job.request_id)
         services.fail_job(job.pk, str(e), request_id=job.request_id)

@@ -156,6 +156,13 @@ class OperatorActionSerializer(serializers.ModelSerializer):
                   "status_code", "result"]
         read_only_fields = fields
 
+    def to_representation(self, instance):
+        from kvops.selectors import action_params_for
+        data = super().to_representation(instance)
+        request = self.context.get("request")
+        data["params"] = action_params_for(instance, getattr(request, "user", None))
+        return data
+
 
 class EvictSerializer(StrictMixin, serializers.Serializer):
     num_blocks = serializers.IntegerField(required=False, allow_null=True, default=None,

@@ -364,3 +364,31 @@ def test_a_failed_step_ends_its_batch_and_leaks_nothing():
     p = list(range(1, 30))
     (out,) = engine.generate([p], greedy(5))
     assert out.output_token_ids == expected(p, 5)  # nothing stale was left in the cache
+
+
+def test_cache_salts_keep_users_apart_but_share_pinned_prefixes():
+    """A salted request never hits another salt's (or the unsalted) cache, so it cannot
+    learn what others sent; blocks an operator pinned (unsalted) are shared with all."""
+    engine = sim_engine()
+    secret = list(range(300, 324))  # 6 blocks
+    engine.generate([secret + [1]], greedy(1))  # unsalted: another user's, say
+    engine.add_request("b1", secret + [2], greedy(1), cache_salt="user-b")
+    engine.add_request("a2", secret + [3], greedy(1), cache_salt="user-a")
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert done["b1"].num_cached_tokens == 0 and done["a2"].num_cached_tokens == 0
+    engine.add_request("a3", secret + [4], greedy(1), cache_salt="user-a")  # its own: a hit
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert done["a3"].num_cached_tokens == 24
+
+    system = list(range(900, 916))  # 4 blocks, published by an operator
+    engine.generate([system + [5]], greedy(1))
+    engine.pin_prefix(system)
+    engine.add_request("b2", system + [6, 7], greedy(3), cache_salt="user-b")
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert done["b2"].num_cached_tokens == 16
+    assert done["b2"].output_token_ids == expected(system + [6, 7], 3)
+    engine.kv.check_invariants()

@@ -143,3 +143,51 @@ def test_the_api_docs_are_served_without_a_cdn(stack):
     for src in scripts:  # every script comes from this server
         assert src.startswith("/static/"), src
         assert stack.api("GET", src, user=None).status_code == 200, src
+
+
+def test_users_do_not_share_prefix_caches_but_share_pinned_prefixes(stack):
+    """KVOPS_PREFIX_SHARING=user (the default): alice's blocks are hers; a staff user's
+    same prompt finds nothing of them; a prefix an operator pinned is shared with all."""
+    def run(prompt: str, user: str) -> dict:
+        r = stack.api("POST", "/api/jobs/", json={"prompt": prompt, "max_tokens": 2}, user=user)
+        assert r.status_code == 201, r.text
+        return stack.wait_job(r.json()["id"], user=user)
+
+    private = "alice keeps this preamble to herself, block after block. " * 3
+    run(private + "one", "alice")
+    assert run(private + "two", "alice")["num_cached_tokens"] >= 96  # her own cache
+    assert run(private + "three", "admin")["num_cached_tokens"] == 0  # not another user's
+
+    published = "Operators publish this system prompt to everyone, on purpose. " * 3
+    run(published + "warm", "admin")
+    pin = stack.api("POST", "/api/engines/sim/prefix-cache/pin/", json={"prompt": published})
+    assert pin.status_code == 200, pin.text
+    try:
+        pinned_tokens = len(pin.json()["result"]["block_ids"]) * 16
+        assert pinned_tokens >= 96
+        assert run(published + "question", "alice")["num_cached_tokens"] >= pinned_tokens
+        # The operator log shows the pinned prompt to staff only.
+        logged = [a for a in stack.api("GET", "/api/actions/", user="alice").json()["results"]
+                  if a["action"] == "pin"][0]
+        assert logged["params"]["prompt"] == "(hidden: staff only)"
+        page = signed_in(stack, "alice", "alice-pass-123").get(f"{stack.url}/actions/",
+                                                                timeout=30)
+        assert page.url.endswith("/actions/") and "pin" in page.text
+        assert published not in page.text and "(hidden: staff only)" in page.text
+        staff_view = [a for a in stack.api("GET", "/api/actions/").json()["results"]
+                      if a["action"] == "pin"][0]
+        assert staff_view["params"]["prompt"] == published
+    finally:
+        stack.api("POST", "/api/engines/sim/prefix-cache/unpin/", json={"prompt": published})
+
+
+def signed_in(stack, username: str, password: str):
+    """A browser-like session, logged in through the login page."""
+    import requests
+    session = requests.Session()
+    session.get(f"{stack.url}/accounts/login/", timeout=30)
+    r = session.post(f"{stack.url}/accounts/login/", timeout=30, data={
+        "username": username, "password": password,
+        "csrfmiddlewaretoken": session.cookies["csrftoken"]}, headers={"Referer": stack.url})
+    assert r.status_code == 200 and not r.url.endswith("/login/"), r.url
+    return session

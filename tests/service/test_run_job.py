@@ -74,11 +74,11 @@ def test_an_unexpected_error_after_the_claim_fails_the_job_and_aborts_its_reques
 def test_a_cancel_between_claim_and_submit_is_not_lost(engine_worker, monkeypatch):
     submit = engine_worker.submit
 
-    def cancel_then_submit(request_id, *args):
+    def cancel_then_submit(request_id, *args, **kwargs):
         # The owner cancels now: the job is running but its engine request does not exist
         # yet, so the abort cancel_job asks for has nothing to abort.
         services.cancel_job(Job.objects.get(request_id=request_id))
-        submit(request_id, *args)
+        submit(request_id, *args, **kwargs)
     monkeypatch.setattr(engine_worker, "submit", cancel_then_submit)
     job = new_job(1000)  # seconds of steps, unless cancelled
     assert run(job) == "cancelled"
