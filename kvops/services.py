@@ -14,7 +14,7 @@ from redis.exceptions import RedisError
 from kvops import control, idempotency, live, metrics_store
 from kvops.idempotency import KeyReused
 from kvops.models import Engine, Job, OperatorAction
-from kvops.routing import SHARED_QUEUE, engine_queue  # noqa: F401  (re-exported)
+from kvops.routing import SHARED_QUEUE, engine_queue  # (also re-exported)
 
 log = logging.getLogger(__name__)
 
@@ -141,17 +141,35 @@ def dispatch_job(job_id: int) -> None:
     _send_tasks([Job(pk=job.pk, celery_task_id=task_id)], [queue])
 
 
-def send_unsent(older_than_s: float) -> list[int]:
+def send_unsent(older_than_s: float, resend_after_s: float | None = None) -> list[int]:
     """The outbox pass: queued jobs whose task never reached the broker (its send failed,
-    or the web process died between the commit and the send) are sent now. Returns their
-    ids."""
-    cutoff = timezone.now() - timedelta(seconds=older_than_s)
+    or the web process died between the commit and the send) are sent now; with
+    resend_after_s, jobs still queued that long after their send get their task sent
+    again under the same id (a message the broker lost; if both arrive, the first claim
+    wins and the other is skipped). Returns the ids sent."""
+    now = timezone.now()
     ids = list(Job.objects.filter(status=Job.Status.QUEUED, dispatched_at__isnull=True,
-                                  queued_at__lt=cutoff).values_list("pk", flat=True))
+                                  queued_at__lt=now - timedelta(seconds=older_than_s))
+               .values_list("pk", flat=True))
     for job_id in ids:
         log.warning("job %s: its task was never sent; sending it now", job_id)
         dispatch_job(job_id)
+    if resend_after_s:
+        stale = list(Job.objects.filter(
+            status=Job.Status.QUEUED,
+            dispatched_at__lt=now - timedelta(seconds=resend_after_s)))
+        for job in stale:
+            log.warning("job %s: still queued %.0f s after its task was sent; sending it "
+                        "again", job.pk, (now - job.dispatched_at).total_seconds())
+        _send_tasks(stale, [choose_queue_of(job) for job in stale])
+        ids += [job.pk for job in stale]
     return ids
+
+
+def choose_queue_of(job: Job) -> str:
+    """The queue the job's routing decision named (the shared queue if none)."""
+    target = (job.routing or {}).get("engine")
+    return engine_queue(target) if target else SHARED_QUEUE
 
 
 def cancel_job(job: Job) -> Job:
@@ -458,7 +476,7 @@ def reap() -> list[int]:
         target = (job.routing or {}).get("engine")
         if target in dead_names and requeue_job(job.pk, f"engine {target} is not running"):
             touched.append(job.pk)
-    touched += send_unsent(settings.KVOPS_OUTBOX_AFTER_S)
+    touched += send_unsent(settings.KVOPS_OUTBOX_AFTER_S, settings.KVOPS_RESEND_AFTER_S)
     return touched
 
 

@@ -210,6 +210,9 @@ KVOPS_METRICS_TOKEN = os.environ.get("KVOPS_METRICS_TOKEN", "")
 # A queued job whose task has not reached the broker this long after its commit is sent
 # by the reaper (the send failed, or the web process died before it).
 KVOPS_OUTBOX_AFTER_S = float(os.environ.get("KVOPS_OUTBOX_AFTER_S", 10))
+# A job still queued this long after its task was sent gets the task sent again, same
+# id (a message lost by the broker; the first delivery to claim it runs it).
+KVOPS_RESEND_AFTER_S = float(os.environ.get("KVOPS_RESEND_AFTER_S", 900))
 KVOPS_EVENT_HISTORY = int(os.environ.get("KVOPS_EVENT_HISTORY", 10_000))  # KV events kept per engine
 KVOPS_METRICS_HISTORY = int(os.environ.get("KVOPS_METRICS_HISTORY", 3600))  # metric points (1/s)
 

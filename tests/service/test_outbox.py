@@ -60,3 +60,19 @@ def test_a_sent_job_is_marked_and_left_alone(owner):
     assert job.dispatched_at is not None
     assert len([m for m in queued_messages(queue) if job.celery_task_id in m]) == 1
     assert services.send_unsent(older_than_s=0) == []
+
+
+def test_a_job_queued_long_after_its_send_is_sent_again_under_the_same_id(owner):
+    queue = "engine.outbox-c"
+    live.redis_client().delete(queue)
+    lost = services.create_job(services.NewJob(owner, {"max_tokens": 4}, "hi",
+                                               engine="outbox-c"))
+    fresh = services.create_job(services.NewJob(owner, {"max_tokens": 4}, "ho",
+                                                engine="outbox-c"))
+    Job.objects.filter(pk=lost.pk).update(dispatched_at=timezone.now() - timedelta(hours=1))
+    assert services.send_unsent(older_than_s=10, resend_after_s=900) == [lost.pk]
+    lost.refresh_from_db()
+    assert len([m for m in queued_messages(queue) if lost.celery_task_id in m]) == 2
+    assert len([m for m in queued_messages(queue) if fresh.celery_task_id in m]) == 1
+    assert timezone.now() - lost.dispatched_at < timedelta(minutes=1)  # not again at once
+    assert services.send_unsent(older_than_s=10, resend_after_s=900) == []
