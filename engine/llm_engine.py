@@ -157,8 +157,12 @@ class LLMEngine:
         sampled = self.runner.execute(out)
         progressed = self.scheduler.update_from_output(out, sampled)
         self._inflight = None
-        for request in progressed:
-            outputs.append(self._core_output(request, [request.output_token_ids[-1]]))
+        # As _core_output, inline: this runs for every request in every step.
+        ended_states = _ENDED
+        outputs += [CoreOutput(r.request_id, [r.output_token_ids[-1]],
+                               r.status in ended_states, r.finish_reason,
+                               len(r.prompt_token_ids), r.num_cached_tokens or 0,
+                               r.num_preemptions, r) for r in progressed]
         now = time.time()
         self._prompt_rate.record(now, self.scheduler.counters.num_prompt_tokens)
         self._gen_rate.record(now, self.scheduler.counters.num_generation_tokens)

@@ -91,23 +91,33 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        # Every running request passes here every step: names are bound once, and the
+        # ScheduledRequest is built inline (see _add_scheduled).
+        running, allocate, step_ids = self.running, self.kv.allocate_slots, \
+            self.kv.step_block_ids
+        scheduled = out.scheduled
         i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            num_new = min(len(request.all_token_ids) - request.num_computed_tokens, budget)
-            alloc = self.kv.allocate_slots(request, num_new)
+        while i < len(running) and budget > 0:
+            request = running[i]
+            start = request.num_computed_tokens
+            num_tokens = len(request.all_token_ids)
+            num_new = min(num_tokens - start, budget)
+            alloc = allocate(request, num_new)
             while alloc is None:
                 # Preempt the least important request not yet scheduled (the last one);
                 # if that is this request, it gives way itself.
-                victim = self.running[-1]
+                victim = running[-1]
                 self._preempt(victim, out, by_operator=False)
                 if victim is request:
                     break
-                alloc = self.kv.allocate_slots(request, num_new)
+                alloc = allocate(request, num_new)
             if alloc is None:
                 continue  # `request` was removed from running; index i now holds the next
-            out.copies.extend(alloc.copies)
-            self._add_scheduled(out, request, num_new)
+            if alloc.copies:
+                out.copies.extend(alloc.copies)
+            scheduled.append(ScheduledRequest(request, num_new, start,
+                                              step_ids(request.request_id),
+                                              start + num_new == num_tokens))
             budget -= num_new
             i += 1
         return budget
@@ -162,6 +172,7 @@ class Scheduler:
         self.kv.uncomputed.clear()
         counters = self.counters
         running = RequestStatus.RUNNING
+        max_model_len = self.max_model_len
         for s in out.scheduled:
             request = s.request
             if request.status is not running:
@@ -176,23 +187,16 @@ class Scheduler:
             request.append_output_token(token)
             counters.num_generation_tokens += 1
             progressed.append(request)
-            reason = self._stop_reason(request, token)
-            if reason is not None:
-                finished.append((request, reason))
+            params = request.sampling_params  # a stop token, EOS, or the length limit
+            if token in params.stop_token_ids or (
+                    not params.ignore_eos and token in request.eos_token_ids):
+                finished.append((request, "stop"))
+            elif len(request.output_token_ids) >= params.max_tokens \
+                    or len(request.all_token_ids) >= max_model_len:
+                finished.append((request, "length"))
         for request, reason in finished:
             self.finish(request, RequestStatus.FINISHED, reason)
         return progressed
-
-    def _stop_reason(self, request: Request, token: int) -> str | None:
-        params = request.sampling_params
-        if token in params.stop_token_ids:
-            return "stop"
-        if not params.ignore_eos and token in request.eos_token_ids:
-            return "stop"
-        if len(request.output_token_ids) >= params.max_tokens \
-                or len(request.all_token_ids) >= self.max_model_len:
-            return "length"
-        return None
 
     def finish(self, request: Request, status: RequestStatus, reason: str) -> None:
         """End a live request (finished or aborted) and release all its blocks."""

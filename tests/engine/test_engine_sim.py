@@ -92,7 +92,7 @@ def test_swap_that_copies_nothing_changes_the_output():
     for _ in range(4):
         engine.step()
     engine.swap_out("x")
-    engine.runner.gpu_cache[:] = 0  # whatever was left on the device is gone
+    engine.runner.gpu_cache[:] = [0] * len(engine.runner.gpu_cache)  # the device was wiped
     engine.swap_in("x")
     out = run_all(engine)["x"]
     assert out.output_token_ids != expected(p, 10)
@@ -111,7 +111,7 @@ def test_operator_commands_mid_decode():
     for _ in range(3):  # parked: stays swapped while others run
         engine.step()
         assert engine.scheduler.requests["a"].status.value == "swapped"
-    engine.runner.gpu_cache[:] = 0  # swap-in must restore every byte it needs
+    engine.runner.gpu_cache[:] = [0] * len(engine.runner.gpu_cache)  # swap-in restores all
     engine.swap_in("a")
     engine.preempt("b")
     assert engine.scheduler.requests["b"].status.value == "waiting"
