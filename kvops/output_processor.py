@@ -14,6 +14,7 @@ the stream finds the final row in the database.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -32,6 +33,13 @@ log = logging.getLogger(__name__)
 
 DB_INTERVAL_S = 0.25  # running jobs' progress reaches the database this often
 IDLE_WAIT_S = 1.0
+# Stream updates per second this worker aims at, over all its jobs: flushes are spaced by
+# (jobs / this) seconds, at most MAX_FLUSH_GAP_S, and a flush carries one update per job
+# with every token it gained since the last one. With few jobs that is every step; with
+# hundreds, a few steps' tokens travel together and the per-update work (here, in Redis
+# and in every web process) stays bounded however fast the engine steps.
+UPDATES_PER_S = float(os.environ.get("KVOPS_STREAM_UPDATES_PER_S", 10_000))
+MAX_FLUSH_GAP_S = 0.05
 
 
 class JobHandle:
@@ -139,9 +147,14 @@ class OutputProcessor:
     # --- the processor thread ------------------------------------------------------------
     def _run(self) -> None:
         next_db = time.monotonic() + self.db_interval_s
+        last_flush = 0.0
         while not self._stop.is_set():
             self._wake.wait(min(IDLE_WAIT_S, max(0.0, next_db - time.monotonic())))
+            gap = min(MAX_FLUSH_GAP_S, len(self._jobs) / UPDATES_PER_S)
+            if gap > 0:  # let a few steps' outputs gather (see UPDATES_PER_S)
+                self._stop.wait(max(0.0, last_flush + gap - time.monotonic()))
             self._wake.clear()
+            last_flush = time.monotonic()
             cpu = time.thread_time()
             try:
                 now = time.monotonic()
@@ -166,10 +179,13 @@ class OutputProcessor:
             self._gone.clear()
         updates: list[dict] = []
         ended: list[_Tracked] = []
+        by_request: dict[str, list[CoreOutput]] = {}  # a job's outputs of several steps
         for out in outputs:
-            t = self._jobs.get(out.request_id)
+            by_request.setdefault(out.request_id, []).append(out)
+        for request_id, outs in by_request.items():
+            t = self._jobs.get(request_id)
             if t is not None and t.finish_reason is None:
-                self._absorb(t, out, updates)
+                self._absorb(t, outs, updates)
                 if t.finish_reason is not None:
                     ended.append(t)
         self._send(updates)  # progress: to the stream at once, to the database in batches
@@ -209,15 +225,23 @@ class OutputProcessor:
             updates.append(state_update(job.pk, t.attempt, services.job_payload(job)))
         return updates
 
-    def _absorb(self, t: _Tracked, out: CoreOutput, updates: list[dict]) -> None:
-        if out.new_token_ids:
-            t.token_ids.extend(out.new_token_ids)
-            t.detok.add(out.new_token_ids)
-        if out.finished:
-            t.finish_reason = out.finish_reason or ""
-        elif t.detok.stopped:  # a stop string: the job ends here, the engine is told
-            t.finish_reason = "stop"
-            self.on_stop(t.request_id)
+    def _absorb(self, t: _Tracked, outs: list[CoreOutput], updates: list[dict]) -> None:
+        """One job's outputs since the last flush (in step order): one update. Step by
+        step for the text, so that a stop string ends the job at the step that made it
+        (tokens the engine produced after it are not the job's)."""
+        for out in outs:
+            if out.new_token_ids:
+                t.token_ids.extend(out.new_token_ids)
+                t.detok.add(out.new_token_ids)
+            if t.detok.stopped:  # a stop string: the job ends here
+                t.finish_reason = "stop"
+                if not out.finished:
+                    self.on_stop(t.request_id)  # the engine is told
+                break
+            if out.finished:
+                t.finish_reason = out.finish_reason or ""
+                break
+        out = outs[-1]
         n = len(t.token_ids)
         if n and t.first_token_at is None:
             t.first_token_at = timezone.now()
