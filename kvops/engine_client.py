@@ -31,7 +31,8 @@ import zmq
 from engine import EngineConfig, EngineError, errors
 from engine.core_proc import pack, unpack
 from engine.outputs import CoreOutput
-from kvops.engine_service import OutputSink, load_tokenizer, render_chat
+from kvops.engine_service import OutputSink
+from kvops.prompts import load_tokenizer, render_chat
 
 log = logging.getLogger(__name__)
 

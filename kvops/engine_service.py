@@ -1,7 +1,8 @@
 """The engine on a thread of the worker (KVOPS_ENGINE_CORE=thread), and what both ways
-into the engine share: the sink protocol, tokenizers and chat templates, prompt
-inspection, and the KVOPS_ENGINE_* configuration. The default way is the engine core
-process (kvops/engine_client.py), which offers the same calls.
+into the engine share: the sink protocol and the KVOPS_ENGINE_* configuration. The
+default way is the engine core process (kvops/engine_client.py), which offers the same
+calls. Tokenizers, chat templates and prompt inspection are in kvops/prompts.py,
+operator commands in engine/commands.py.
 
 EngineService owns an LLMEngine and the thread that drives it. Everything that touches
 the engine runs on that thread: job tasks submit requests and operator commands as
@@ -20,71 +21,15 @@ from concurrent.futures import Future
 from typing import Any, Protocol
 
 from engine import EngineConfig, EngineError, InvalidRequestError, LLMEngine, SamplingParams
-from engine.block_hash import hash_blocks, root_hash, short
 from engine.commands import run_command
-from engine.detokenizer import SimTokenizer
 from engine.kv_feed import KVFeed
 from engine.outputs import CoreOutput
+from kvops.prompts import render_chat
 
 log = logging.getLogger(__name__)
 
-__all__ = ["EngineService", "OutputSink", "EngineError", "load_tokenizer", "InvalidRequestError",
-           "config_from_env", "PromptInspector", "render_chat"]
-
-
-def render_chat(tokenizer, messages: list[dict]) -> str:
-    """The tokenizer's chat template applied to messages; a plain transcript for the
-    simulator, which has no template."""
-    if hasattr(tokenizer, "apply_chat_template"):
-        return tokenizer.apply_chat_template(messages)
-    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
-
-
-def load_tokenizer(config: dict):
-    """The tokenizer of an engine described by describe_config(): the simulator's, or the
-    model folder's (None if that folder is not readable from this process)."""
-    if config.get("simulate"):
-        return SimTokenizer()
-    if not config.get("model_path"):
-        return None
-    from engine.hf_tokenizer import HFTokenizer
-    try:
-        return HFTokenizer.from_folder(config["model_path"])
-    except (OSError, EngineError) as e:
-        log.warning("tokenizer of %s not readable here: %s", config["model_path"], e)
-        return None
-
-
-class PromptInspector:
-    """The web side's view of a prompt as a given engine will see it: its token ids (the
-    engine's tokenizer and chat template) and its block hashes (block size and model
-    identity), without running the engine. Engines are described by their registered
-    config (LLMEngine.describe_config)."""
-
-    def __init__(self) -> None:
-        self._tokenizers: dict[tuple, Any] = {}
-
-    def _tokenizer(self, config: dict):
-        key = (bool(config.get("simulate")), config.get("model_path"))
-        if key not in self._tokenizers:
-            self._tokenizers[key] = load_tokenizer(config)
-        return self._tokenizers[key]
-
-    def token_ids(self, config: dict, prompt: str, messages: list[dict] | None) -> list[int] | None:
-        """The prompt's token ids, or None if this engine's tokenizer is not readable
-        from here (its model folder is on another machine)."""
-        tokenizer = self._tokenizer(config)
-        if tokenizer is None:
-            return None
-        return tokenizer.encode(render_chat(tokenizer, messages) if messages else prompt)
-
-    def short_hashes(self, config: dict, token_ids: list[int] | None,
-                     cache_salt: str | None = None) -> list[str]:
-        """Short hashes of the full blocks of token_ids under this engine (and salt)."""
-        if not token_ids or not config.get("block_size") or not config.get("model"):
-            return []
-        root = root_hash(config["model"], cache_salt)
-        return [short(h) for h in hash_blocks(root, token_ids, int(config["block_size"]))]
+__all__ = ["EngineService", "OutputSink", "EngineError", "InvalidRequestError",
+           "config_from_env"]
 
 
 class OutputSink(Protocol):

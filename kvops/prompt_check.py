@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from kvops import selectors
-from kvops.routing import inspector
+from kvops.prompts import inspector
 
 
 class PromptTooLong(ValueError):

@@ -12,12 +12,11 @@ from __future__ import annotations
 import os
 
 from kvops import live, prefix_index, selectors
-from kvops.engine_service import PromptInspector
 from kvops.models import Engine, Job
+from kvops.prompts import inspector
 from kvops.tenancy import cache_salt
 
 SHARED_QUEUE = "jobs"
-inspector = PromptInspector()  # shared with prompt validation (kvops.prompt_check)
 
 
 def engine_queue(name: str) -> str:

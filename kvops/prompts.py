@@ -1,0 +1,71 @@
+"""Prompts as an engine will see them, from any process: tokenizers (the simulator's, or
+a model folder's), chat templates, and the web side's inspection of a prompt (its token
+ids and block hashes under an engine's registered config) for validation and routing."""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from engine import EngineError
+from engine.block_hash import hash_blocks, root_hash, short
+from engine.detokenizer import SimTokenizer
+
+log = logging.getLogger(__name__)
+
+
+def render_chat(tokenizer, messages: list[dict]) -> str:
+    """The tokenizer's chat template applied to messages; a plain transcript for the
+    simulator, which has no template."""
+    if hasattr(tokenizer, "apply_chat_template"):
+        return tokenizer.apply_chat_template(messages)
+    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+
+
+def load_tokenizer(config: dict):
+    """The tokenizer of an engine described by describe_config(): the simulator's, or the
+    model folder's (None if that folder is not readable from this process)."""
+    if config.get("simulate"):
+        return SimTokenizer()
+    if not config.get("model_path"):
+        return None
+    from engine.hf_tokenizer import HFTokenizer
+    try:
+        return HFTokenizer.from_folder(config["model_path"])
+    except (OSError, EngineError) as e:
+        log.warning("tokenizer of %s not readable here: %s", config["model_path"], e)
+        return None
+
+
+class PromptInspector:
+    """The web side's view of a prompt as a given engine will see it: its token ids (the
+    engine's tokenizer and chat template) and its block hashes (block size and model
+    identity), without running the engine. Engines are described by their registered
+    config (LLMEngine.describe_config)."""
+
+    def __init__(self) -> None:
+        self._tokenizers: dict[tuple, Any] = {}
+
+    def _tokenizer(self, config: dict):
+        key = (bool(config.get("simulate")), config.get("model_path"))
+        if key not in self._tokenizers:
+            self._tokenizers[key] = load_tokenizer(config)
+        return self._tokenizers[key]
+
+    def token_ids(self, config: dict, prompt: str, messages: list[dict] | None) -> list[int] | None:
+        """The prompt's token ids, or None if this engine's tokenizer is not readable
+        from here (its model folder is on another machine)."""
+        tokenizer = self._tokenizer(config)
+        if tokenizer is None:
+            return None
+        return tokenizer.encode(render_chat(tokenizer, messages) if messages else prompt)
+
+    def short_hashes(self, config: dict, token_ids: list[int] | None,
+                     cache_salt: str | None = None) -> list[str]:
+        """Short hashes of the full blocks of token_ids under this engine (and salt)."""
+        if not token_ids or not config.get("block_size") or not config.get("model"):
+            return []
+        root = root_hash(config["model"], cache_salt)
+        return [short(h) for h in hash_blocks(root, token_ids, int(config["block_size"]))]
+
+
+inspector = PromptInspector()  # this process's, shared by validation and routing
