@@ -17,7 +17,17 @@ API_PREFIX = "/v1/"
 
 
 class BareASGIHandler(ASGIHandler):
-    """Django's ASGI handler with no middleware at all."""
+    """Django's ASGI handler with no middleware at all, and no thread of its own per
+    request: Django's handler opens a ThreadSensitiveContext for each request, so the
+    first synchronous call of each one (the request_started signal, at the least)
+    starts a new thread and the end of the request joins it. /v1 views do their
+    synchronous work with thread_sensitive=False or in short calls, so its requests
+    share asgiref's one thread-sensitive thread instead."""
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            raise ValueError(f"Django can only handle ASGI/HTTP connections, not {scope['type']}.")
+        await self.handle(scope, receive, send)
 
     def load_middleware(self, is_async: bool = False) -> None:
         self._view_middleware = []

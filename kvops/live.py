@@ -78,11 +78,17 @@ _producer: StreamProducer | None = None
 def publish_job_state(job_id: int, attempt: int, payload: dict[str, Any]) -> None:
     """A job's status changed: tell its listeners on the job stream. Raises the Redis
     error if it could not (listeners then see a gap and end with an error)."""
+    publish_job_states([(job_id, attempt, payload)])
+
+
+def publish_job_states(states: list[tuple[int, int, dict[str, Any]]]) -> None:
+    """Several jobs' new states in one stream entry (job_id, attempt, payload each)."""
     global _producer
     with _producer_lock:
         if _producer is None:
             _producer = StreamProducer(redis_client())
-        _producer.send([state_update(job_id, attempt, payload)])
+        _producer.send([state_update(job_id, attempt, payload)
+                        for job_id, attempt, payload in states])
 
 
 # --- engine live data (the engine-side publisher and the websocket consumers) -------------

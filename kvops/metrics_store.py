@@ -15,29 +15,33 @@ HISTOGRAMS = {"time_to_first_token_seconds": TTFT_BUCKETS,
               "e2e_request_latency_seconds": E2E_BUCKETS}
 
 
-def _observe(name: str, engine: str, value: float) -> None:
+def _observe(pipe, name: str, engine: str, value: float) -> None:
     key = HIST_KEY.format(name=name, engine=engine)
-    pipe = live.redis_client().pipeline()
     for bound in HISTOGRAMS[name]:
         if value <= bound:
             pipe.hincrby(key, repr(bound), 1)
     pipe.hincrby(key, "+Inf", 1)
     pipe.hincrbyfloat(key, "sum", value)
-    pipe.sadd("kvops:hist:engines", engine)
-    pipe.execute()
 
 
-def observe_job(job) -> None:
-    """Record a finished job's TTFT and end-to-end latency (best effort)."""
+def observe_jobs(jobs) -> None:
+    """Record finished jobs' TTFT and end-to-end latency (best effort), in one Redis
+    round trip."""
+    if not jobs:
+        return
     try:
-        if job.first_token_at and job.started_at:
-            _observe("time_to_first_token_seconds", job.engine,
-                     (job.first_token_at - job.queued_at).total_seconds())
-        if job.finished_at:
-            _observe("e2e_request_latency_seconds", job.engine,
-                     (job.finished_at - job.queued_at).total_seconds())
+        pipe = live.redis_client().pipeline(transaction=False)
+        for job in jobs:
+            if job.first_token_at and job.started_at:
+                _observe(pipe, "time_to_first_token_seconds", job.engine,
+                         (job.first_token_at - job.queued_at).total_seconds())
+            if job.finished_at:
+                _observe(pipe, "e2e_request_latency_seconds", job.engine,
+                         (job.finished_at - job.queued_at).total_seconds())
+        pipe.sadd("kvops:hist:engines", *{job.engine for job in jobs})
+        pipe.execute()
     except Exception as e:
-        log.warning("could not record latency of job %s: %s", job.pk, e)
+        log.warning("could not record latency of jobs %s: %s", [j.pk for j in jobs], e)
 
 
 def read_histograms() -> dict[str, dict[str, dict[str, float]]]:

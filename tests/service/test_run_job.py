@@ -59,7 +59,7 @@ def test_a_job_runs_to_its_end(engine_worker):
 
 def test_an_unexpected_error_after_the_claim_fails_the_job_and_aborts_its_request(
         engine_worker, monkeypatch):
-    def broken(job_id):  # the first database read after the submit fails
+    def broken(job_id):  # the first read after the submit fails
         raise DatabaseError("disk I/O error")
     monkeypatch.setattr(services, "cancel_was_requested", broken)
     job = new_job(1000)
