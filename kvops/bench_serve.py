@@ -23,6 +23,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlparse, urlunparse
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.capacity import format_table
@@ -158,7 +159,9 @@ def bench_level(args, streams: int, real: bool, tmp: Path) -> dict:
     alone_s = engine_alone(config, work)
     workdir = tmp / f"{'real' if real else 'sim'}-{streams}"
     workdir.mkdir()
-    stack = Stack(workdir)
+    database = fresh_database(args.database_url, f"kvops_bench_{workdir.name}".replace("-", "_")) \
+        if args.database_url else None
+    stack = Stack(workdir, env={"DATABASE_URL": database} if database else None)
     try:
         stack.start_web()
         stack.start_engine("bench", threads=streams + 16, core=args.core, **config)
@@ -169,10 +172,31 @@ def bench_level(args, streams: int, real: bool, tmp: Path) -> dict:
                                 make_workload(1, 4, 4), 60))
         row = measure(stack, model, work, alone_s, args.deadline)
         row["engine"] = ("default model" if real else f"simulator, {args.step_ms:g} ms step") \
-            + f" ({args.core} core)"
+            + f" ({args.core} core{', PostgreSQL' if database else ''})"
         return row
     finally:
         stack.stop()
+        if database:
+            drop_database(database)
+
+
+def _admin_connection(url: str):
+    import psycopg
+    parsed = urlparse(url)
+    return psycopg.connect(urlunparse(parsed._replace(path="/postgres")), autocommit=True)
+
+
+def fresh_database(url: str, name: str) -> str:
+    """A new, empty PostgreSQL database named `name` on url's server; its URL."""
+    with _admin_connection(url) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}"')
+        conn.execute(f'CREATE DATABASE "{name}"')
+    return urlunparse(urlparse(url)._replace(path=f"/{name}"))
+
+
+def drop_database(url: str) -> None:
+    with _admin_connection(url) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{urlparse(url).path.lstrip("/")}" WITH (FORCE)')
 
 
 def print_table(rows: list[dict]) -> None:
@@ -203,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--real-dtype", default="auto", help="dtype of the default model")
     parser.add_argument("--core", choices=("thread", "process"), default="process",
                         help="where the worker runs its engine (KVOPS_ENGINE_CORE)")
+    parser.add_argument("--database-url", default="",
+                        help="a PostgreSQL server (postgres://user@host:port/any) to run the "
+                             "stacks on, a fresh database each, instead of SQLite files")
     parser.add_argument("--deadline", type=float, default=300.0,
                         help="seconds after which a stream counts as hung")
     args = parser.parse_args(argv)
