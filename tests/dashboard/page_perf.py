@@ -18,6 +18,19 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
+def signed_in_page(playwright, url: str, width: int):
+    """Headless Chromium, signed in as the stack's admin: (browser, page)."""
+    browser = playwright.chromium.launch(executable_path=CHROMIUM, args=[
+        "--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+    page = browser.new_page(viewport={"width": width, "height": 1000})
+    page.goto(f"{url}/accounts/login/")
+    page.fill("input[name=username]", "admin")
+    page.fill("input[name=password]", "admin-pass-123")
+    page.click("button[type=submit]")
+    page.wait_for_url(f"{url}/")
+    return browser, page
+
+
 def measure(url: str, name: str, seconds: float, screenshot: Path | None,
             measuring: threading.Event | None = None) -> dict:
     """Open the engine page as admin; after its first snapshot and 3 s to settle, measure
@@ -25,14 +38,7 @@ def measure(url: str, name: str, seconds: float, screenshot: Path | None,
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=[
-            "--no-sandbox", "--disable-gpu", "--disable-background-networking"])
-        page = browser.new_page(viewport={"width": 1500, "height": 1000})
-        page.goto(f"{url}/accounts/login/")
-        page.fill("input[name=username]", "admin")
-        page.fill("input[name=password]", "admin-pass-123")
-        page.click("button[type=submit]")
-        page.wait_for_url(f"{url}/")
+        browser, page = signed_in_page(p, url, width=1500)
         opened = time.time()
         page.goto(f"{url}/engines/{name}/")
         page.wait_for_function("window.kvopsPerf && kvopsPerf.snapshots >= 1", timeout=60000)

@@ -14,9 +14,8 @@ import time
 from pathlib import Path
 
 import tests.session_redis  # noqa: F401  (a private redis-server; sets REDIS_URL first)
+from tests.dashboard.page_perf import signed_in_page
 from tests.service.stack import Stack
-
-CHROMIUM = "/usr/bin/chromium"
 SYSTEM = "You are kvops, a careful assistant. Answer briefly and cite the block tables. " * 3
 
 
@@ -49,14 +48,7 @@ def capture(stack: Stack, out: Path) -> None:
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=[
-            "--no-sandbox", "--disable-gpu", "--disable-background-networking"])
-        page = browser.new_page(viewport={"width": 1440, "height": 1000})
-        page.goto(f"{stack.url}/accounts/login/")
-        page.fill("input[name=username]", "admin")
-        page.fill("input[name=password]", "admin-pass-123")
-        page.click("button[type=submit]")
-        page.wait_for_url(f"{stack.url}/")
+        browser, page = signed_in_page(p, stack.url, width=1440)
         page.goto(f"{stack.url}/engines/gpu0/")
         page.wait_for_function("window.kvopsPerf && kvopsPerf.deltas >= 10")
         time.sleep(6)  # charts gather a few points
