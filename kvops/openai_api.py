@@ -40,6 +40,7 @@ class BadRequest(Exception):
 
 TOKEN_CACHE_S = 5.0  # a deleted token or deactivated user is refused this long after, at most
 _token_users: dict[str, tuple[float, Any]] = {}  # key -> (checked at, user)
+_token_lookups: dict[tuple, asyncio.Future] = {}  # (event loop, key) -> its lookup under way
 
 
 async def _authenticate(request: HttpRequest):
@@ -55,7 +56,15 @@ async def _authenticate(request: HttpRequest):
     cached = _token_users.get(key)
     if cached is not None and now - cached[0] < TOKEN_CACHE_S:
         return cached[1]
-    user = await sync_to_async(_token_user, thread_sensitive=False)(key)
+    # One lookup per key at a time: a burst of calls with a new key waits for the first
+    # one's answer instead of each opening a database connection.
+    slot = (asyncio.get_running_loop(), key)
+    pending = _token_lookups.get(slot)
+    if pending is None:
+        pending = _token_lookups[slot] = asyncio.ensure_future(
+            sync_to_async(_token_user, thread_sensitive=False)(key))
+        pending.add_done_callback(lambda _: _token_lookups.pop(slot, None))
+    user = await asyncio.shield(pending)
     if len(_token_users) > 10_000:  # keys that stopped coming are dropped now and then
         _token_users.clear()
     _token_users[key] = (now, user)

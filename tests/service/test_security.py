@@ -6,6 +6,7 @@ import stat
 import pytest
 from django.contrib.auth.models import User
 from django.core.management import call_command
+from rest_framework.authtoken.models import Token
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -38,7 +39,6 @@ def test_healthz_tells_anonymous_callers_the_status_only(rf, monkeypatch):
     import json
 
     from django.contrib.auth.models import AnonymousUser
-    from rest_framework.authtoken.models import Token
 
     from kvops import health
 
@@ -81,3 +81,29 @@ def test_repeated_failed_logins_lock_the_account_out(client, settings):
     assert login("guess").status_code == 429  # the third failure locks the pair out
     assert login("mauve-tractor-41-lake").status_code == 429  # even the right password
     assert "_auth_user_id" not in client.session
+
+
+@pytest.mark.asyncio
+async def test_a_burst_of_v1_calls_looks_a_token_up_once(monkeypatch, rf):
+    """/v1 bearer tokens: one database lookup for a burst with a new key (not one per
+    call), the answer kept TOKEN_CACHE_S; an unknown key is no user."""
+    import asyncio
+
+    from kvops import openai_api
+
+    user = await User.objects.acreate(username="bursty")
+    token = await Token.objects.acreate(user=user)
+    lookups = []
+    real = openai_api._token_user
+
+    def counted(key):
+        lookups.append(key)
+        return real(key)
+    monkeypatch.setattr(openai_api, "_token_user", counted)
+    monkeypatch.setattr(openai_api, "_token_users", {})
+    request = rf.post("/v1/completions", HTTP_AUTHORIZATION=f"Bearer {token.key}")
+    users = await asyncio.gather(*(openai_api._authenticate(request) for _ in range(20)))
+    assert all(u is not None and u.pk == user.pk for u in users)
+    assert lookups == [token.key]
+    bad = rf.post("/v1/completions", HTTP_AUTHORIZATION="Bearer not-a-token")
+    assert await openai_api._authenticate(bad) is None
