@@ -86,13 +86,12 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"request needs {need} KV blocks for {need_tokens} tokens; the pool has "
                 f"{self.kv.gpu.num_blocks}: lower max_tokens")
-        if self.kv.gpu.num_pinned and need > self._usable_blocks(token_ids, cache_salt):
-            # It would preempt itself for ever: pinned blocks are never freed.
+        usable = self._usable_blocks(token_ids, cache_salt) if self.kv.gpu.num_pinned else need
+        if need > usable:  # it would preempt itself for ever: pinned blocks are never freed
             raise InvalidRequestError(
                 f"request needs {need} KV blocks for {need_tokens} tokens; the pool has "
                 f"{self.kv.gpu.num_blocks}, of which {self.kv.gpu.num_pinned} are pinned "
-                f"(only {self._usable_blocks(token_ids, cache_salt)} can be its): lower "
-                "max_tokens, or unpin prefixes")
+                f"(only {usable} can be its): lower max_tokens, or unpin prefixes")
         request = Request(
             request_id=request_id, prompt_token_ids=token_ids, sampling_params=params,
             arrival_time=time.time() if arrival_time is None else arrival_time,

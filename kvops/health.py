@@ -33,12 +33,13 @@ def healthz(request: HttpRequest) -> JsonResponse:
                             "heartbeat_age_s": None if age is None else round(age, 1)})
     ok = all(v == "ok" for v in checks.values())
     status = 200 if ok else 503
+    alive = sum(e["alive"] for e in engines)
     if not _signed_in(request):
         return JsonResponse({"ok": ok, "checks": {k: "ok" if v == "ok" else "error"
                                                   for k, v in checks.items()},
-                             "engines_alive": sum(e["alive"] for e in engines)}, status=status)
+                             "engines_alive": alive}, status=status)
     return JsonResponse({"ok": ok, "checks": checks, "engines": engines,
-                         "engines_alive": sum(e["alive"] for e in engines)}, status=status)
+                         "engines_alive": alive}, status=status)
 
 
 def _signed_in(request: HttpRequest) -> bool:

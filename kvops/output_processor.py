@@ -5,22 +5,22 @@ The engine loop hands over each step's outputs (token ids, engine.CoreOutput) as
 list (`push`, a list append); this module's thread does the rest, so per-token work
 never runs in a job's task thread or on the engine loop. It detokenises (as vLLM's
 frontend does) and checks stop strings: a job whose text reaches one ends here, and
-the engine is told to stop its request (`on_stop`). Per flush it writes one job-stream entry holding every job that
-moved, and, a few times a second, one bulk database write of all running jobs'
-progress (text appended, never rewritten). A job that ended is written to the database
-first, then announced on the stream (and its task woken): a client that sees the end on
-the stream finds the final row in the database.
+the engine is told to stop its request (`on_stop`). Per flush it writes one job-stream
+entry holding every job that moved, and, a few times a second, one bulk database write
+of all running jobs' progress (text appended, never rewritten). A job that ended is
+written to the database first, then announced on the stream (and its task woken): a
+client that sees the end on the stream finds the final row in the database.
 """
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 
+from django.conf import settings
 from django.db import connection
 from django.utils import timezone
 
@@ -33,12 +33,11 @@ log = logging.getLogger(__name__)
 
 DB_INTERVAL_S = 0.25  # running jobs' progress reaches the database this often
 IDLE_WAIT_S = 1.0
-# Stream updates per second this worker aims at, over all its jobs: flushes are spaced by
-# (jobs / this) seconds, at most MAX_FLUSH_GAP_S, and a flush carries one update per job
-# with every token it gained since the last one. With few jobs that is every step; with
-# hundreds, a few steps' tokens travel together and the per-update work (here, in Redis
-# and in every web process) stays bounded however fast the engine steps.
-UPDATES_PER_S = float(os.environ.get("KVOPS_STREAM_UPDATES_PER_S", 10_000))
+# Flushes are spaced by (jobs / settings.KVOPS_STREAM_UPDATES_PER_S) seconds, at most
+# MAX_FLUSH_GAP_S, and a flush carries one update per job with every token it gained since
+# the last one. With few jobs that is every step; with hundreds, a few steps' tokens
+# travel together and the per-update work (here, in Redis and in every web process) stays
+# bounded however fast the engine steps.
 MAX_FLUSH_GAP_S = 0.05
 
 
@@ -150,8 +149,8 @@ class OutputProcessor:
         last_flush = 0.0
         while not self._stop.is_set():
             self._wake.wait(min(IDLE_WAIT_S, max(0.0, next_db - time.monotonic())))
-            gap = min(MAX_FLUSH_GAP_S, len(self._jobs) / UPDATES_PER_S)
-            if gap > 0:  # let a few steps' outputs gather (see UPDATES_PER_S)
+            gap = min(MAX_FLUSH_GAP_S, len(self._jobs) / settings.KVOPS_STREAM_UPDATES_PER_S)
+            if gap > 0:  # let a few steps' outputs gather (see MAX_FLUSH_GAP_S)
                 self._stop.wait(max(0.0, last_flush + gap - time.monotonic()))
             self._wake.clear()
             last_flush = time.monotonic()

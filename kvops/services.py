@@ -161,12 +161,12 @@ def send_unsent(older_than_s: float, resend_after_s: float | None = None) -> lis
         for job in stale:
             log.warning("job %s: still queued %.0f s after its task was sent; sending it "
                         "again", job.pk, (now - job.dispatched_at).total_seconds())
-        _send_tasks(stale, [choose_queue_of(job) for job in stale])
+        _send_tasks(stale, [_queue_of(job) for job in stale])
         ids += [job.pk for job in stale]
     return ids
 
 
-def choose_queue_of(job: Job) -> str:
+def _queue_of(job: Job) -> str:
     """The queue the job's routing decision named (the shared queue if none)."""
     target = (job.routing or {}).get("engine")
     return engine_queue(target) if target else SHARED_QUEUE
@@ -244,11 +244,6 @@ CLAIM_FIELDS = ["attempts", "status", "engine", "engine_instance", "request_id",
                 "num_output_tokens", "num_cached_tokens", "num_preemptions"]
 
 
-def claim_job(job_id: int, engine: str, instance: str, task_id: str) -> Job | None:
-    """Mark a job running on this worker (claim_jobs, for one)."""
-    return claim_jobs([Claim(job_id, engine, instance, task_id)])[0]
-
-
 def claim_jobs(claims: list[Claim]) -> list[Job | None]:
     """Mark jobs running on this worker, in one transaction. Per claim: the job, or None
     if this delivery must not run it: the job ended or was cancelled, or the delivery is
@@ -271,7 +266,7 @@ def claim_jobs(claims: list[Claim]) -> list[Job | None]:
         if claimed:
             _update_rows(list(claimed.values()), CLAIM_FIELDS)
         if ended:
-            Job.objects.bulk_update(list(ended.values()), END_FIELDS)
+            _update_rows(list(ended.values()), END_FIELDS)
     _publish_jobs(list({**ended, **claimed}.values()))
     return out
 
@@ -520,7 +515,7 @@ def reap() -> list[int]:
 
 def redispatch_queued(reason: str) -> int:
     """Send every queued job again (the broker lost its messages, e.g. Redis restarted).
-    Stale deliveries are ignored by claim_job, so a job still in the broker runs once."""
+    Stale deliveries are ignored by claim_jobs, so a job still in the broker runs once."""
     n = 0
     for job_id in Job.objects.filter(status=Job.Status.QUEUED).values_list("pk", flat=True):
         log.warning("re-dispatching job %s: %s", job_id, reason)

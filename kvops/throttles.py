@@ -7,6 +7,7 @@ rather than refused (the rest of the job path says what is wrong)."""
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
 from django.conf import settings
 from redis.exceptions import RedisError
@@ -39,11 +40,7 @@ class JobSubmitThrottle(UserRateThrottle):
 def allow_submission(user) -> float | None:
     """None if the user may submit a job now, else the seconds to wait (Retry-After)."""
     throttle = JobSubmitThrottle()
-
-    class _Request:  # what the throttle reads of a request
-        pass
-    request = _Request()
-    request.user = user
+    request = SimpleNamespace(user=user)  # what the throttle reads of a request
     return None if throttle.allow_request(request, None) else (throttle.wait() or 1.0)
 
 
