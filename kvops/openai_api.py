@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from functools import partial
 from typing import Any, AsyncIterator
 
 from asgiref.sync import sync_to_async
@@ -231,6 +232,7 @@ async def _handle(request: HttpRequest, chat: bool) -> HttpResponse:
     created = int(time.time())
     ident = f"{'chatcmpl' if chat else 'cmpl'}-{job.pk}"
     listener = JobListener(sub, job)
+    sub.on_cut_off = partial(cancel_abandoned, job.pk)
     if stream:
         response = StreamingHttpResponse(_sse(listener, ident, model, created, chat),
                                          content_type="text/event-stream")

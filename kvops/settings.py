@@ -204,6 +204,9 @@ KVOPS_CONTROL_TIMEOUT_S = float(os.environ.get("KVOPS_CONTROL_TIMEOUT_S", 5))
 # streams: each stream's chunks are spaced by (streams / this) seconds, and the tokens
 # produced meanwhile travel together (as vLLM's stream interval does).
 KVOPS_SSE_MAX_CHUNKS_PER_S = float(os.environ.get("KVOPS_SSE_MAX_CHUNKS_PER_S", 5000))
+# A streaming client that reads nothing for this long while its job produces is cut off
+# and its job cancelled (kvops/stream_hub.py).
+KVOPS_STREAM_STALL_S = float(os.environ.get("KVOPS_STREAM_STALL_S", 30))
 # Job-stream updates a worker aims at per second over all its jobs (kvops/output_processor.py).
 KVOPS_STREAM_UPDATES_PER_S = float(os.environ.get("KVOPS_STREAM_UPDATES_PER_S", 10_000))
 KVOPS_HEARTBEAT_S = float(os.environ.get("KVOPS_HEARTBEAT_S", 2))

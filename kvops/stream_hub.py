@@ -5,8 +5,10 @@ A listener (an SSE response, a job websocket, a non-streaming /v1 call) opens a
 Subscription before its job can produce anything (`open()` fixes the reader's position
 first, `bind()` names the job, inside the transaction that creates it), so it misses no
 update. The reader never waits for a listener: each has a bounded queue, and one that
-falls too far behind is cut off with an error (its owner ends the stream and cancels the
-job). If Redis fails, or an entry is missing (a producer's sequence number skipped),
+falls too far behind (MAX_BACKLOG updates waiting, or nothing read for
+KVOPS_STREAM_STALL_S while updates wait: its socket is full because the client stopped
+reading) is cut off with an error, and its `on_cut_off` runs (a /v1 stream cancels its
+job, so a stuck client does not hold an engine slot until max_tokens). If Redis fails, or an entry is missing (a producer's sequence number skipped),
 the listeners that may have lost an update end with an error too; none is left waiting.
 """
 from __future__ import annotations
@@ -14,7 +16,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 import weakref
+from typing import Callable
 
 import redis.asyncio as aioredis
 from django.conf import settings
@@ -44,14 +48,20 @@ class Subscription:
         self.job_id: int | None = None  # set by bind
         self.engine: str | None = None  # engine of the last update (for gap reports)
         self.error: str | None = None
+        self.on_cut_off: Callable[[], None] | None = None  # runs if the reader falls behind
         self._queue: asyncio.Queue = asyncio.Queue()
+        self._last_read = hub.clock()  # when the listener last asked for updates
 
     def deliver(self, update: dict, engine: str) -> None:
         """Reader side (the event loop's thread)."""
         if self.error is not None:
             return
         if self._queue.qsize() >= MAX_BACKLOG:
-            self.fail(f"this client fell more than {MAX_BACKLOG} updates behind its job")
+            self.cut_off(f"this client fell more than {MAX_BACKLOG} updates behind its job")
+            return
+        if not self._queue.empty() and self.hub.clock() - self._last_read > self.hub.stall_s:
+            self.cut_off(f"this client read nothing for {self.hub.stall_s:g} s while its "
+                         "job went on")
             return
         if engine:
             self.engine = engine
@@ -62,12 +72,24 @@ class Subscription:
             self.error = message
             self._queue.put_nowait(_FAILED)
 
+    def cut_off(self, message: str) -> None:
+        if self.error is not None:
+            return
+        log.info("job %s: a listener was cut off: %s", self.job_id, message)
+        self.fail(message)
+        if self.on_cut_off is not None:
+            self.on_cut_off()
+
     async def next_batch(self, timeout_s: float | None) -> list[dict]:
         """Every update waiting now, or the next one (TimeoutError after timeout_s);
         StreamError once the subscription failed."""
         if self.error is not None and self._queue.empty():
             raise StreamError(self.error)
-        items = [await asyncio.wait_for(self._queue.get(), timeout_s)]
+        self._last_read = self.hub.clock()
+        try:
+            items = [await asyncio.wait_for(self._queue.get(), timeout_s)]
+        finally:
+            self._last_read = self.hub.clock()
         while not self._queue.empty():
             items.append(self._queue.get_nowait())
         if any(item is _FAILED for item in items):
@@ -81,7 +103,10 @@ class Subscription:
 class JobStreamHub:
     """One per event loop (a web process has one): the reader task and the listeners."""
 
-    def __init__(self, redis_url: str) -> None:
+    def __init__(self, redis_url: str, stall_s: float | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.stall_s = settings.KVOPS_STREAM_STALL_S if stall_s is None else stall_s
+        self.clock = clock
         self._redis = aioredis.Redis.from_url(redis_url, socket_connect_timeout=5,
                                               health_check_interval=30)
         self._lock = threading.Lock()  # bind() runs on worker threads (sync_to_async)

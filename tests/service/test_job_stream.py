@@ -156,6 +156,42 @@ async def test_hub_delivers_in_order_and_ends_listeners_on_a_gap():
     hub._task.cancel()
 
 
+@pytest.mark.asyncio
+async def test_a_listener_that_stops_reading_is_cut_off_and_its_owner_told():
+    """Updates keep coming for a listener that has not asked for any in longer than the
+    stall limit (its client's socket is full): it is cut off with an error and its
+    on_cut_off runs once; a listener that keeps reading is not touched."""
+    from django.conf import settings
+    now = [0.0]
+    hub = JobStreamHub(settings.REDIS_URL, stall_s=30, clock=lambda: now[0])
+    stuck, reader = await hub.subscribe(201), await hub.subscribe(202)
+    cut = []
+    stuck.on_cut_off = lambda: cut.append(stuck.job_id)
+    reader.on_cut_off = lambda: cut.append(reader.job_id)
+    producer = StreamProducer(live.redis_client(), "e1")
+
+    async def send(offset: int) -> None:
+        await asyncio.to_thread(producer.send, [
+            {"job": job, "attempt": 1, "offset": offset, "text": "x", "n": offset + 1}
+            for job in (201, 202)])
+        assert [u["offset"] for u in await reader.next_batch(10)] == [offset]
+
+    for offset in range(3):  # the stuck one has updates waiting, but only 20 s went by
+        await send(offset)
+        now[0] += 10
+    assert cut == [] and stuck.error is None
+    now[0] += 11  # 31 s since it last asked
+    await send(3)
+    assert cut == [201]
+    with pytest.raises(StreamError, match="read nothing for 30 s"):
+        await stuck.next_batch(10)
+    await send(4)  # nothing more is queued for it, and it is not told twice
+    assert cut == [201] and reader.error is None
+    stuck.close()
+    reader.close()
+    hub._task.cancel()
+
+
 def test_a_stop_string_ends_the_job_in_the_worker_and_stops_the_engine_request():
     owner = User.objects.create_user("u3")
     config = EngineConfig(simulate=True, vocab_size=1000, num_gpu_blocks=256)

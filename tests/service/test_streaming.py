@@ -106,8 +106,10 @@ def test_a_client_that_disconnects_cancels_its_job_and_frees_its_blocks(gpu_pace
 
 
 def test_a_client_that_stops_reading_does_not_hold_up_the_others(gpu_paced):
-    """One client asks for a long stream and never reads it; the server's buffer takes
-    its output (bounded by its max_tokens) and the other streams run at full pace."""
+    """One client asks for a long stream and never reads it; the socket buffers take its
+    output and the other streams run at full pace. (Once its socket is full and it has
+    read nothing for KVOPS_STREAM_STALL_S, it is cut off and its job cancelled: tested on
+    the hub in test_job_stream.py, as filling a loopback socket's megabytes takes minutes.)"""
     async def main():
         url = urlparse(gpu_paced.url)
         stuck = socket.create_connection((url.hostname, url.port))
