@@ -126,8 +126,11 @@ class EngineService:
         try:
             return future.result(timeout=timeout_s)
         except TimeoutError:
-            future.cancel()  # not started yet: the loop drops it, so it never lands late
-            raise
+            if future.cancel():  # not started yet: the loop drops it, so it never lands late
+                raise
+            # It started just before the deadline: it is being applied, so wait for it
+            # (one command between two steps) and report what it did, never "not applied".
+            return future.result()
 
     def command(self, name: str, arguments: dict, timeout_s: float = 30.0) -> Any:
         """An operator command by name (engine/commands.py)."""

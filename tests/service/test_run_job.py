@@ -84,3 +84,40 @@ def test_a_cancel_between_claim_and_submit_is_not_lost(engine_worker, monkeypatc
     assert run(job) == "cancelled"
     job.refresh_from_db()
     assert job.status == Job.Status.CANCELLED
+
+
+def test_a_command_past_its_timeout_is_dropped_if_not_started_and_reported_if_it_was():
+    """The thread core's side of "one deadline": a command still queued when its caller
+    stops waiting is never applied; one the loop had already started is applied, and its
+    caller gets its result (not a "not applied" that would be false)."""
+    import threading
+    import time
+
+    service = EngineService(EngineConfig(name="deadline", simulate=True, vocab_size=1000,
+                                         num_gpu_blocks=64))
+    service.start()
+    try:
+        started, release, applied = threading.Event(), threading.Event(), []
+
+        def slow(engine):
+            started.set()
+            release.wait(30)
+            applied.append("slow")
+            return "done"
+
+        results = {}
+        caller = threading.Thread(target=lambda: results.update(
+            slow=service.call(slow, timeout_s=0.2)))
+        caller.start()
+        assert started.wait(30)
+        # The loop is busy with `slow`, so this one cannot start before its timeout.
+        with pytest.raises(TimeoutError):
+            service.call(lambda engine: applied.append("queued"), timeout_s=0.2)
+        time.sleep(0.3)  # `slow`'s caller is now past its 0.2 s timeout too
+        release.set()
+        caller.join(30)
+        assert results == {"slow": "done"}
+        service.call(lambda engine: None)  # the loop has passed the dropped command
+        assert applied == ["slow"]
+    finally:
+        service.stop()
