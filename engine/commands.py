@@ -10,9 +10,10 @@ from collections.abc import Callable
 from typing import Any
 
 from engine.block_hash import short
-from engine.errors import InvalidRequestError
+from engine.errors import EngineError, InvalidRequestError
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
 
 
 def _int_or_none(value: Any, name: str) -> int | None:
@@ -80,3 +81,21 @@ def run_command(engine: LLMEngine, name: str, arguments: dict) -> Any:
     if op is None or (name == "inject-fault" and not engine.config.fault_injection):
         raise InvalidRequestError(f"unknown command {name!r}")
     return op(engine, arguments)
+
+
+def add_requests(engine: LLMEngine, items: list[list]) -> list[list[str] | None]:
+    """Add several requests between two steps: items are [request_id, prompt, sampling
+    params (a dict), priority, job_id, cache_salt]. Per item None (added) or
+    [error type, message] (refused, e.g. a prompt too long): one bad request does not
+    stop the others."""
+    results: list[list[str] | None] = []
+    for request_id, prompt, params, priority, job_id, cache_salt in items:
+        try:
+            engine.add_request(request_id, prompt, SamplingParams(**dict(params)),
+                               priority=priority, job_id=job_id, cache_salt=cache_salt)
+            results.append(None)
+        except EngineError as e:
+            results.append([type(e).__name__, str(e)])
+        except (KeyError, TypeError, ValueError) as e:
+            results.append(["InvalidRequestError", f"bad arguments: {e}"])
+    return results

@@ -8,6 +8,8 @@ sockets, messages packed with msgpack:
 
   worker -> core   ["add", id, request_id, prompt, sampling params, priority, job_id,
                     cache_salt]
+                   ["adds", id, [[request_id, prompt, ...as add...], ...]]  (a burst; the
+                                                 reply holds None or [error, message] each)
                    ["cmd", id, name, arguments, deadline]   (an operator command)
                    ["stop", request_id]                     (its text hit a stop string)
                    ["kvask", id, kind, argument]            (a question to the KV view)
@@ -39,7 +41,7 @@ import time
 import msgpack
 import zmq
 
-from engine.commands import run_command
+from engine.commands import add_requests, run_command
 from engine.config import EngineConfig
 from engine.errors import CommandExpired, EngineError, InvalidRequestError
 from engine.kv_feed import KVFeed
@@ -124,6 +126,8 @@ class CoreServer:
                                         priority=priority, job_id=job_id,
                                         cache_salt=cache_salt)
                 result = None
+            elif kind == "adds":
+                result = add_requests(self.engine, message[2])
             elif kind == "cmd":
                 _, _, name, arguments, deadline = message
                 if deadline is not None and time.time() > deadline:

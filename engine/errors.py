@@ -31,3 +31,15 @@ class PrefixNotCachedError(EngineError):
 
 class CommandExpired(EngineError):
     """A command reached the engine after its caller's deadline: it was not applied."""
+
+
+def error_from_wire(name: str, message: str) -> EngineError:
+    """The error a core process reported as [type name, message], raised again on the
+    caller's side (an unknown name becomes a plain EngineError naming it)."""
+    cls = _BY_NAME.get(name)
+    return cls(message) if cls is not None else EngineError(f"{name}: {message}")
+
+
+_BY_NAME: dict[str, type[EngineError]] = {
+    cls.__name__: cls for cls in (UnknownRequestError, InvalidStateError, NotEnoughBlocksError,
+                                  InvalidRequestError, PrefixNotCachedError, CommandExpired)}

@@ -28,7 +28,8 @@ from typing import Any
 
 import zmq
 
-from engine import EngineConfig, EngineError, errors
+from engine import EngineConfig, EngineError
+from engine.errors import error_from_wire
 from engine.core_proc import pack, unpack
 from engine.outputs import CoreOutput
 from kvops.engine_service import OutputSink
@@ -42,17 +43,6 @@ POLL_MS = 200
 
 class CoreDied(EngineError):
     """The engine core process exited while this was in flight."""
-
-
-_ERRORS: dict[str, type[EngineError]] = {
-    cls.__name__: cls for cls in (errors.UnknownRequestError, errors.InvalidStateError,
-                                  errors.NotEnoughBlocksError, errors.InvalidRequestError,
-                                  errors.PrefixNotCachedError, errors.CommandExpired)}
-
-
-def _error(name: str, message: str) -> EngineError:
-    cls = _ERRORS.get(name)
-    return cls(message) if cls is not None else EngineError(f"{name}: {message}")
 
 
 class EngineCoreClient:
@@ -146,6 +136,24 @@ class EngineCoreClient:
                 self._in_flight.discard(request_id)
             raise
 
+    def submit_many(self, items: list[list]) -> list[EngineError | None]:
+        """Add several requests in one message, applied between the same two steps:
+        items as engine.commands.add_requests takes them. Per item None (added) or the
+        error that refused it. Their outputs go to the sink."""
+        ids = [item[0] for item in items]
+        with self._lock:
+            self._in_flight.update(ids)
+        try:
+            replies = self._call(["adds", None, [list(item) for item in items]], 60.0)
+        except BaseException:
+            with self._lock:
+                self._in_flight.difference_update(ids)
+            raise
+        refusals = [None if r is None else error_from_wire(*r) for r in replies]
+        with self._lock:
+            self._in_flight.difference_update(i for i, e in zip(ids, refusals) if e is not None)
+        return refusals
+
     def finish_request(self, request_id: str) -> None:
         """End a request whose text reached a stop string (does not wait)."""
         self._send(["stop", request_id])
@@ -217,7 +225,7 @@ class EngineCoreClient:
                 if ok:
                     future.set_result(result)
                 else:
-                    future.set_exception(_error(*result))
+                    future.set_exception(error_from_wire(*result))
         elif kind == "metrics":
             self.latest_metrics = message[1]
         elif kind == "kv":

@@ -21,7 +21,8 @@ from concurrent.futures import Future
 from typing import Any, Protocol
 
 from engine import EngineConfig, EngineError, InvalidRequestError, LLMEngine, SamplingParams
-from engine.commands import run_command
+from engine.commands import add_requests, run_command
+from engine.errors import error_from_wire
 from engine.kv_feed import KVFeed
 from engine.outputs import CoreOutput
 from kvops.prompts import render_chat
@@ -145,6 +146,13 @@ class EngineService:
         self.call(lambda engine: engine.add_request(request_id, prompt, sampling,
                                                     priority=priority, job_id=job_id,
                                                     cache_salt=cache_salt))
+
+    def submit_many(self, items: list[list]) -> list[EngineError | None]:
+        """Add several requests between the same two steps (items as
+        engine.commands.add_requests takes them); per item None or the error that
+        refused it."""
+        replies = self.call(lambda engine: add_requests(engine, items))
+        return [None if r is None else error_from_wire(*r) for r in replies]
 
     def finish_request(self, request_id: str) -> None:
         """End a request whose text reached a stop string (applied between two steps;

@@ -28,30 +28,39 @@ class GroupCommit(Generic[T, R]):
         self.write = write  # items -> one result per item, in order
         self.max_batch = max_batch
         self._lock = threading.Lock()
-        self._waiting: list[_Slot] = []
+        self._waiting: list[list[_Slot]] = []  # one list per call
         self._writing = False
 
     def __call__(self, item: T) -> R:
-        slot = _Slot(item)
+        return self.many([item])[0]
+
+    def many(self, items: list[T]) -> list[R]:
+        """Each item's result, in order. The items of one call are written in the same
+        batch (all or none: one error raises for all of them)."""
+        slots = [_Slot(item) for item in items]
+        if not slots:
+            return []
         with self._lock:
-            self._waiting.append(slot)
+            self._waiting.append(slots)
             lead = not self._writing
             self._writing = True
         if lead:
             self._lead()
-        slot.done.wait()
-        if slot.error is not None:
-            raise slot.error
-        return slot.result
+        for slot in slots:
+            slot.done.wait()
+        if slots[0].error is not None:
+            raise slots[0].error
+        return [slot.result for slot in slots]
 
     def _lead(self) -> None:
         while True:
             with self._lock:
-                batch = self._waiting[:self.max_batch]
-                del self._waiting[:self.max_batch]
-                if not batch:
+                if not self._waiting:
                     self._writing = False
                     return
+                batch = self._waiting.pop(0)  # a call larger than max_batch goes alone
+                while self._waiting and len(batch) + len(self._waiting[0]) <= self.max_batch:
+                    batch = batch + self._waiting.pop(0)
             try:
                 results = self.write([s.item for s in batch])
                 for slot, result in zip(batch, results, strict=True):

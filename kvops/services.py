@@ -76,20 +76,24 @@ def prior_job(new: NewJob) -> Job | None:
     return prior
 
 
+MAX_JOBS_PER_TASK = 64  # jobs admitted together for one engine travel in one task
+
+
 def create_jobs(new: list[NewJob], on_stored=None) -> list[Job]:
     """Store jobs in one INSERT and send their tasks once the transaction commits.
 
     Each job is routed first, so its row holds its queue decision and task id from the
     start (no second write; a worker that takes the task finds the row complete), and a
-    routing failure (Redis away) stores nothing. on_stored(jobs), if given, runs inside
-    the transaction (the /v1 path binds its listeners there)."""
+    routing failure (Redis away) stores nothing. Jobs routed to the same queue share a
+    task (up to MAX_JOBS_PER_TASK each): one delivery for a burst. on_stored(jobs), if
+    given, runs inside the transaction (the /v1 path binds its listeners there)."""
     from kvops.routing import choose_queue
 
     jobs, queues = [], []
     for n in new:
         job = Job(owner=n.owner, prompt=n.prompt, messages=n.messages, params=n.params,
                   priority=n.priority, requested_engine=n.engine, source=n.source,
-                  idempotency_key=n.idempotency_key, celery_task_id=str(uuid.uuid4()))
+                  idempotency_key=n.idempotency_key)
         try:
             queue, job.routing = choose_queue(job)
         except (RedisError, OSError) as e:
@@ -97,6 +101,14 @@ def create_jobs(new: list[NewJob], on_stored=None) -> list[Job]:
                               "nothing was stored, try again") from None
         jobs.append(job)
         queues.append(queue)
+    per_queue: dict[str, list[Job]] = {}
+    for job, queue in zip(jobs, queues):
+        per_queue.setdefault(queue, []).append(job)
+    for group in per_queue.values():
+        for start in range(0, len(group), MAX_JOBS_PER_TASK):
+            task_id = str(uuid.uuid4())
+            for job in group[start:start + MAX_JOBS_PER_TASK]:
+                job.celery_task_id = task_id
     with transaction.atomic():
         Job.objects.bulk_create(jobs)
         if on_stored is not None:
@@ -106,20 +118,24 @@ def create_jobs(new: list[NewJob], on_stored=None) -> list[Job]:
 
 
 def _send_tasks(jobs: list[Job], queues: list[str]) -> None:
-    """Send the jobs' tasks and mark those the broker took. Never raises: a job whose send
-    failed (Redis away, or this process died first) stays queued without dispatched_at,
-    and the reaper sends it (reap: the outbox pass). The client's job exists either way."""
-    from kvops.tasks import run_job  # the task module imports this one
+    """Send the jobs' tasks (one per queue and task id, holding its jobs) and mark those
+    the broker took. Never raises: a job whose send failed (Redis away, or this process
+    died first) stays queued without dispatched_at, and the reaper sends it (reap: the
+    outbox pass). The client's job exists either way."""
+    from kvops.tasks import run_jobs  # the task module imports this one
 
-    sent = []
+    tasks: dict[tuple[str, str], list[int]] = {}
     for job, queue in zip(jobs, queues):
+        tasks.setdefault((queue, job.celery_task_id), []).append(job.pk)
+    sent = []
+    for (queue, task_id), job_ids in tasks.items():
         try:
-            run_job.apply_async(args=[job.pk], queue=queue, task_id=job.celery_task_id)
+            run_jobs.apply_async(args=[job_ids], queue=queue, task_id=task_id)
         except Exception as e:  # noqa: BLE001  (the outbox pass sends it later)
-            log.warning("job %s: its task could not be sent (%s); the reaper sends it later",
-                        job.pk, e)
+            log.warning("jobs %s: their task could not be sent (%s); the reaper sends it "
+                        "later", job_ids, e)
             continue
-        sent.append(job.pk)
+        sent += job_ids
     if sent:
         try:
             Job.objects.filter(pk__in=sent).update(dispatched_at=timezone.now())
@@ -449,17 +465,22 @@ def _flag_cancel(job_id: int) -> None:
     request) looks there after its submit, cheaply."""
     try:
         live.redis_client().set(CANCEL_FLAG_KEY.format(job=job_id), 1, ex=CANCEL_FLAG_TTL_S)
-    except Exception as e:  # noqa: BLE001  (then cancel_was_requested reads the row)
+    except Exception as e:  # noqa: BLE001  (then cancels_requested reads the row)
         log.warning("job %s: cancel flag not set in Redis: %s", job_id, e)
 
 
-def cancel_was_requested(job_id: int) -> bool:
-    """Has the job's cancellation been asked for? Redis' flag (no database connection
-    for every job's task); the row itself if Redis does not answer."""
+def cancels_requested(job_ids: list[int]) -> set[int]:
+    """Which of these jobs' cancellation has been asked for? Redis' flags, in one call
+    (no database connection for every job's task); the rows themselves if Redis does not
+    answer."""
+    if not job_ids:
+        return set()
     try:
-        return bool(live.redis_client().exists(CANCEL_FLAG_KEY.format(job=job_id)))
+        flags = live.redis_client().mget([CANCEL_FLAG_KEY.format(job=j) for j in job_ids])
+        return {j for j, flag in zip(job_ids, flags) if flag is not None}
     except Exception:  # noqa: BLE001
-        return Job.objects.filter(pk=job_id, cancel_requested=True).exists()
+        return set(Job.objects.filter(pk__in=job_ids, cancel_requested=True)
+                   .values_list("pk", flat=True))
 
 
 def live_instances() -> set[str]:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 from celery import shared_task
 from django.conf import settings
@@ -14,71 +15,98 @@ from kvops.worker import get_engine_service, get_output_processor
 
 log = logging.getLogger(__name__)
 
-# Deliveries that arrive together (a burst of jobs) claim their jobs in one transaction.
+# Deliveries that arrive together claim their jobs in one transaction (a delivery's own
+# jobs always in the same one: all claimed or none).
 claim = GroupCommit(services.claim_jobs)
 
 
 CLAIM_RETRIES = 5  # a delivery whose claim fails (database away) is sent again this often
 
 
-@shared_task(bind=True, name="kvops.run_job")
-def run_job(self, job_id: int) -> str:
-    """Run one job on this worker's engine until it ends.
+@shared_task(bind=True, name="kvops.run_jobs")
+def run_jobs(self, job_ids: list[int]) -> list[str]:
+    """Run jobs on this worker's engine until each ends; one outcome per job.
 
-    The task holds its Celery delivery (acks late) while the job runs, but does no
-    per-token work: the output processor streams and stores every job's progress, and
-    wakes this thread when the job has ended. Whatever goes wrong once the job is
-    claimed, the job ends (failed, with the reason) and its engine request is aborted;
-    a claim that fails is tried again (a new delivery under the same task id)."""
+    Jobs admitted together for one engine travel as one task (services._send_tasks):
+    Celery's cost is per delivery, and in a burst of hundreds of streams that cost, on
+    the worker's one interpreter, is what delays the first tokens. The task holds its
+    delivery (acks late) while its jobs run, but does no per-token work: the output
+    processor streams and stores every job's progress, and wakes this thread when a job
+    has ended. Whatever goes wrong once the jobs are claimed, each ends (failed, with the
+    reason) and its engine request is aborted; a claim that fails is tried again (a new
+    delivery under the same task id)."""
     service = get_engine_service()
     try:
-        job = claim(services.Claim(job_id, service.name, service.instance,
-                                   self.request.id or ""))
-    except Exception as e:  # noqa: BLE001  (the database is away: the job is still queued)
-        log.warning("job %s could not be claimed: %s", job_id, e)
+        jobs = claim.many([services.Claim(job_id, service.name, service.instance,
+                                          self.request.id or "") for job_id in job_ids])
+    except Exception as e:  # noqa: BLE001  (the database is away: the jobs are still queued)
+        log.warning("jobs %s could not be claimed: %s", job_ids, e)
         if self.request.retries >= CLAIM_RETRIES:
-            _fail_quietly(job_id, f"could not be started: {type(e).__name__}: {e}", None)
-            return "failed"
+            for job_id in job_ids:
+                _fail_quietly(job_id, f"could not be started: {type(e).__name__}: {e}", None)
+            return ["failed"] * len(job_ids)
         raise self.retry(exc=e, countdown=min(2 ** self.request.retries, 30),
                          max_retries=CLAIM_RETRIES)
-    if job is None:
-        return "skipped"
+    claimed = [job for job in jobs if job is not None]
+    outcomes: dict[int, str] = {}
     try:
-        return _run_claimed(service, job)
-    except Exception as e:  # noqa: BLE001  (anything: the job must not stay `running`)
-        log.exception("job %s: running it failed", job.pk)
-        get_output_processor().untrack(job.request_id)
-        _abort_quietly(service, job.request_id)
-        _fail_quietly(job.pk, f"{type(e).__name__}: {e}", job.request_id)
-        return "failed"
+        _run_claimed(service, claimed, outcomes)
+    except Exception as e:  # noqa: BLE001  (anything: no job may stay `running`)
+        log.exception("jobs %s: running them failed", [job.pk for job in claimed])
+        for job in claimed:
+            if job.pk not in outcomes:
+                get_output_processor().untrack(job.request_id)
+                _abort_quietly(service, job.request_id)
+                _fail_quietly(job.pk, f"{type(e).__name__}: {e}", job.request_id)
+                outcomes[job.pk] = "failed"
+    return [outcomes.get(job_id, "skipped") for job_id in job_ids]
 
 
-def _run_claimed(service, job) -> str:
+def _run_claimed(service, jobs: list, outcomes: dict[int, str]) -> None:
+    """Submit the claimed jobs in one message to the engine and wait for each to end,
+    recording each job's outcome as it is known."""
+    if not jobs:
+        return
     processor = get_output_processor()
-    handle = processor.track(job.pk, job.request_id, job.attempts,
-                             (job.params or {}).get("stop"))
-    try:
-        prompt = service.render_chat(job.messages) if job.messages else job.prompt
-        service.submit(job.request_id, prompt, job.params, job.priority, str(job.pk),
-                       cache_salt=cache_salt(job.owner))
-    except EngineError as e:
-        processor.untrack(job.request_id)
-        services.fail_job(job.pk, str(e), request_id=job.request_id)
-        return "rejected"
+    items, handles = [], {}
+    for job in jobs:
+        handles[job.pk] = processor.track(job.pk, job.request_id, job.attempts,
+                                          (job.params or {}).get("stop"))
+        try:
+            prompt = service.render_chat(job.messages) if job.messages else job.prompt
+        except Exception as e:  # noqa: BLE001  (that job's messages: it alone fails)
+            processor.untrack(job.request_id)
+            services.fail_job(job.pk, f"its chat could not be rendered: {e}", job.request_id)
+            outcomes[job.pk] = "rejected"
+            continue
+        items.append([job.request_id, prompt, job.params or {}, job.priority, str(job.pk),
+                      cache_salt(job.owner)])
+    submitted = [job for job in jobs if job.pk not in outcomes]
+    refusals = service.submit_many(items) if items else []
+    running = []
+    for job, refusal in zip(submitted, refusals, strict=True):
+        if isinstance(refusal, EngineError):
+            processor.untrack(job.request_id)
+            services.fail_job(job.pk, str(refusal), request_id=job.request_id)
+            outcomes[job.pk] = "rejected"
+        else:
+            running.append(job)
     # A cancel that came between the claim and the submit found no engine request to
     # abort: look again now that there is one.
-    if services.cancel_was_requested(job.pk):
-        _abort_quietly(service, job.request_id)
-    outcome = handle.wait(settings.KVOPS_JOB_TIMEOUT_S)
-    if outcome is None:
-        processor.untrack(job.request_id)
-        _abort_quietly(service, job.request_id)
-        services.fail_job(job.pk, f"request {job.request_id} ran past "
-                                  f"{settings.KVOPS_JOB_TIMEOUT_S:.0f} s", job.request_id)
-        return "timeout"
-    if outcome == "error":  # its end could not be written: try once more, as a failure
-        services.fail_job(job.pk, "the job's result could not be stored", job.request_id)
-    return outcome
+    for job_id in services.cancels_requested([job.pk for job in running]):
+        _abort_quietly(service, next(j.request_id for j in running if j.pk == job_id))
+    deadline = time.monotonic() + settings.KVOPS_JOB_TIMEOUT_S
+    for job in running:
+        outcome = handles[job.pk].wait(max(0.0, deadline - time.monotonic()))
+        if outcome is None:
+            processor.untrack(job.request_id)
+            _abort_quietly(service, job.request_id)
+            services.fail_job(job.pk, f"request {job.request_id} ran past "
+                                      f"{settings.KVOPS_JOB_TIMEOUT_S:.0f} s", job.request_id)
+            outcome = "timeout"
+        elif outcome == "error":  # its end could not be written: try once more, as a failure
+            services.fail_job(job.pk, "the job's result could not be stored", job.request_id)
+        outcomes[job.pk] = outcome
 
 
 def _abort_quietly(service, request_id: str) -> None:

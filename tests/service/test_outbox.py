@@ -29,7 +29,7 @@ def broker_down(monkeypatch):
     """The broker refuses every send (what kombu raises once its retries are spent)."""
     def refuse(*args, **kwargs):
         raise OperationalError("Error 111 connecting to 127.0.0.1:6379. Connection refused.")
-    monkeypatch.setattr("kvops.tasks.run_job.apply_async", refuse)
+    monkeypatch.setattr("kvops.tasks.run_jobs.apply_async", refuse)
     return monkeypatch
 
 

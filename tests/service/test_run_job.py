@@ -12,7 +12,7 @@ from kvops.engine_service import EngineService
 from kvops.job_stream import StreamProducer
 from kvops.models import Job
 from kvops.output_processor import OutputProcessor
-from kvops.tasks import run_job
+from kvops.tasks import run_jobs
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -47,7 +47,8 @@ def new_job(max_tokens: int) -> Job:
 
 def run(job: Job) -> str:
     """The task, as a worker runs it for this delivery (same task id)."""
-    return run_job.apply(args=[job.pk], task_id=job.celery_task_id).get()
+    [outcome] = run_jobs.apply(args=[[job.pk]], task_id=job.celery_task_id).get()
+    return outcome
 
 
 def test_a_job_runs_to_its_end(engine_worker):
@@ -59,9 +60,9 @@ def test_a_job_runs_to_its_end(engine_worker):
 
 def test_an_unexpected_error_after_the_claim_fails_the_job_and_aborts_its_request(
         engine_worker, monkeypatch):
-    def broken(job_id):  # the first read after the submit fails
+    def broken(job_ids):  # the first read after the submit fails
         raise DatabaseError("disk I/O error")
-    monkeypatch.setattr(services, "cancel_was_requested", broken)
+    monkeypatch.setattr(services, "cancels_requested", broken)
     job = new_job(1000)
     assert run(job) == "failed"
     job.refresh_from_db()
@@ -72,18 +73,41 @@ def test_an_unexpected_error_after_the_claim_fails_the_job_and_aborts_its_reques
 
 
 def test_a_cancel_between_claim_and_submit_is_not_lost(engine_worker, monkeypatch):
-    submit = engine_worker.submit
+    submit_many = engine_worker.submit_many
 
-    def cancel_then_submit(request_id, *args, **kwargs):
+    def cancel_then_submit(items):
         # The owner cancels now: the job is running but its engine request does not exist
         # yet, so the abort cancel_job asks for has nothing to abort.
-        services.cancel_job(Job.objects.get(request_id=request_id))
-        submit(request_id, *args, **kwargs)
-    monkeypatch.setattr(engine_worker, "submit", cancel_then_submit)
+        for item in items:
+            services.cancel_job(Job.objects.get(request_id=item[0]))
+        return submit_many(items)
+    monkeypatch.setattr(engine_worker, "submit_many", cancel_then_submit)
     job = new_job(1000)  # seconds of steps, unless cancelled
     assert run(job) == "cancelled"
     job.refresh_from_db()
     assert job.status == Job.Status.CANCELLED
+
+
+def test_jobs_admitted_together_run_as_one_task_and_each_ends_on_its_own(engine_worker):
+    """A burst for one engine is one task (one delivery, one claim, one submit message);
+    a job the engine refuses fails alone, and each job gets its own outcome."""
+    owner, _ = User.objects.get_or_create(username="run-job-user")
+    jobs = services.create_jobs([
+        services.NewJob(owner, {"max_tokens": n, "ignore_eos": True}, prompt, engine="inproc")
+        for prompt, n in (("first", 5), ("x" * 5000, 5), ("third", 9))])
+    assert len({job.celery_task_id for job in jobs}) == 1
+    outcomes = run_jobs.apply(args=[[job.pk for job in jobs]],
+                              task_id=jobs[0].celery_task_id).get()
+    assert outcomes == ["finished", "rejected", "finished"]
+    for job in jobs:
+        job.refresh_from_db()
+    assert [job.status for job in jobs] == ["finished", "failed", "finished"]
+    assert [job.num_output_tokens for job in (jobs[0], jobs[2])] == [5, 9]
+    assert "prompt" in jobs[1].error
+    # A second delivery of the same task (a redelivery) runs none of them again.
+    again = run_jobs.apply(args=[[job.pk for job in jobs]],
+                           task_id=jobs[0].celery_task_id).get()
+    assert again == ["skipped"] * 3
 
 
 def test_a_command_past_its_timeout_is_dropped_if_not_started_and_reported_if_it_was():
