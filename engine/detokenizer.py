@@ -18,9 +18,11 @@ class IncrementalDetokenizer:
     """Decodes a window of recent tokens instead of the whole output each time: the
     text of ids[prefix:read] is stable, and ids[prefix:] adds the new text after it."""
 
-    def __init__(self, tokenizer: Tokenizer, stop: list[str]) -> None:
+    def __init__(self, tokenizer: Tokenizer, stop: list[str], min_tokens: int = 0) -> None:
         self._tokenizer = tokenizer
         self._stop = stop
+        self._min_tokens = min_tokens  # stop strings count once this many tokens are out
+        self._stop_from = 0  # stop strings are looked for from here in self.text
         self._max_stop_len = max((len(s) for s in stop), default=0)
         self._ids: list[int] = []
         self._prefix_offset = 0
@@ -42,9 +44,11 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._ids)
         start = len(self.text)
         self.text += new_text[len(prefix_text):]
-        if self._stop:
+        if len(self._ids) <= self._min_tokens:  # too early: this text cannot stop it
+            self._stop_from = len(self.text)
+        elif self._stop:
             # A stop string may straddle the old text and the new.
-            search_from = max(0, start - self._max_stop_len + 1)
+            search_from = max(self._stop_from, start - self._max_stop_len + 1)
             hits = [i for i in (self.text.find(s, search_from) for s in self._stop) if i >= 0]
             if hits:
                 self.stopped = True

@@ -80,6 +80,10 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("params must be a SamplingParams")
         token_ids = self._prompt_ids(prompt)
+        vocab = self.runner.vocab_size
+        if any(t >= vocab for t in params.token_ids_used()):
+            raise InvalidRequestError(f"stop_token_ids and logit_bias name token ids beyond "
+                                      f"the vocabulary (ids must be below {vocab})")
         need_tokens = min(len(token_ids) + params.max_tokens, self.max_model_len)
         need = cdiv(need_tokens, self.config.block_size)
         if need > self.kv.gpu.num_blocks:
@@ -100,7 +104,8 @@ class LLMEngine:
             block_size=self.config.block_size, priority=priority, job_id=job_id,
             eos_token_ids=self.tokenizer.eos_token_ids)
         if self.detokenize:
-            self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
+            self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop,
+                                                             params.min_tokens)
         self.scheduler.add(request)
         self.version += 1
 

@@ -1,4 +1,7 @@
-"""Next-token sampling: greedy, temperature, top-k, top-p, per-request seeds.
+"""Next-token sampling: logits processors (min_tokens, logit_bias, repetition, frequency
+and presence penalties), then greedy, or temperature, min-p, top-k, top-p and a draw
+with per-request seeds. Every step is a tensor op over the batch's rows (penalties
+count tokens with one scatter over the batch, not a Python loop over the vocabulary).
 
 Randomness is stateless: the noise for a request's k-th output token comes from a
 generator seeded with token_seed(request seed, k). A request preempted and recomputed
@@ -9,7 +12,7 @@ here (the scheduler and the detokenizer own them).
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,6 +26,10 @@ class SamplingRow:
     params: SamplingParams
     seed: int  # the request's base seed (see request_seed)
     num_output_tokens: int  # tokens the request has generated so far
+    # For the logits processors (the request's own lists, not copies):
+    prompt_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
+    eos_token_ids: tuple[int, ...] = ()
 
 
 def request_seed(params: SamplingParams, engine_seed: int, request_id: str) -> int:
@@ -41,6 +48,7 @@ def token_seed(seed: int, num_output_tokens: int) -> int:
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
     """logits: [num_rows, vocab] float32. Returns one token id per row."""
+    logits = process_logits(logits, rows)
     greedy = [r.params.greedy for r in rows]
     if all(greedy):
         return logits.argmax(dim=-1).tolist()
@@ -52,11 +60,90 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
     return tokens
 
 
+def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """The logits every way of choosing the token sees (greedy included), as vLLM orders
+    them: min_tokens masks EOS and stop_token_ids, logit_bias adds its biases, then the
+    repetition penalty (divides a positive logit, multiplies a negative one, for tokens of
+    the prompt or the output), the frequency penalty (times the token's count in the
+    output) and the presence penalty (once per token in the output). Returns logits
+    itself when no row asks for any of these."""
+    too_short = [i for i, r in enumerate(rows) if r.num_output_tokens < r.params.min_tokens]
+    biased = [i for i, r in enumerate(rows) if r.params.logit_bias]
+    penalised = [i for i, r in enumerate(rows) if r.params.penalised]
+    if not (too_short or biased or penalised):
+        return logits
+    logits = logits.clone()
+    device = logits.device
+    if too_short:
+        row_idx, token_idx = [], []
+        for i in too_short:
+            params = rows[i].params
+            stops = set(params.stop_token_ids)
+            if not params.ignore_eos:
+                stops.update(rows[i].eos_token_ids)
+            row_idx += [i] * len(stops)
+            token_idx += sorted(stops)
+        logits[torch.tensor(row_idx, dtype=torch.long, device=device),
+               torch.tensor(token_idx, dtype=torch.long, device=device)] = float("-inf")
+    if biased:
+        row_idx, token_idx, values = [], [], []
+        for i in biased:
+            bias = rows[i].params.logit_bias
+            row_idx += [i] * len(bias)
+            token_idx += list(bias)
+            values += list(bias.values())
+        index = (torch.tensor(row_idx, dtype=torch.long, device=device),
+                 torch.tensor(token_idx, dtype=torch.long, device=device))
+        logits.index_put_(index, torch.tensor(values, dtype=logits.dtype, device=device),
+                          accumulate=True)
+    if penalised:
+        logits[penalised] = apply_penalties(logits[penalised], [rows[i] for i in penalised])
+    return logits
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Repetition, frequency and presence penalties for every row at once."""
+    num_rows, vocab = logits.shape
+    device = logits.device
+    output_counts = _token_counts([r.output_token_ids for r in rows], vocab, device)
+    in_prompt = _token_counts([r.prompt_token_ids for r in rows], vocab, device) > 0
+    in_output = output_counts > 0
+
+    def column(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=logits.dtype, device=device)[:, None]
+
+    repetition = column([r.params.repetition_penalty for r in rows]).expand(num_rows, vocab)
+    repetition = torch.where(in_prompt | in_output, repetition, torch.ones_like(repetition))
+    logits = torch.where(logits > 0, logits / repetition, logits * repetition)
+    logits = logits - column([r.params.frequency_penalty for r in rows]) * output_counts
+    return logits - column([r.params.presence_penalty for r in rows]) * in_output
+
+
+def _token_counts(token_lists: list[list[int]], vocab: int, device) -> torch.Tensor:
+    """[rows, vocab]: how often each token occurs in each row's list (one scatter_add
+    over the lists padded with an extra column that is then dropped)."""
+    width = max((len(t) for t in token_lists), default=0)
+    padded = torch.full((len(token_lists), width), vocab, dtype=torch.long)
+    for i, tokens in enumerate(token_lists):
+        padded[i, :len(tokens)] = torch.as_tensor(tokens, dtype=torch.long)
+    padded = padded.to(device)
+    counts = torch.zeros((len(token_lists), vocab + 1), dtype=torch.float32, device=device)
+    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
+    return counts[:, :vocab]
+
+
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Temperature, then top-k, then top-p (HF's order), vectorised over rows."""
+    """Temperature, then min-p, then top-k, then top-p (vLLM's order), vectorised over
+    rows."""
     temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype,
                          device=logits.device)
     logits = logits / temps[:, None]
+    min_p = [p.min_p for p in params]
+    if max(min_p) > 0.0:
+        probs = logits.softmax(dim=-1)
+        floor = probs.amax(dim=-1, keepdim=True) * torch.tensor(
+            min_p, dtype=probs.dtype, device=logits.device)[:, None]
+        logits = logits.masked_fill(probs < floor, float("-inf"))
     vocab = logits.shape[-1]
     top_k = [min(p.top_k, vocab) if p.top_k is not None else vocab for p in params]
     top_p = [p.top_p for p in params]

@@ -16,6 +16,15 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)  # stop strings, excluded from the text
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # Applied to the logits before temperature, in this order (as vLLM does): min_tokens
+    # and logit_bias, then the repetition, frequency and presence penalties; min_p after
+    # temperature, with top-k and top-p.
+    min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    repetition_penalty: float = 1.0  # > 1 discourages tokens of the prompt and the output
+    frequency_penalty: float = 0.0  # minus this times each token's count in the output
+    presence_penalty: float = 0.0  # minus this for each token present in the output
+    min_p: float = 0.0  # drops tokens below min_p times the best token's probability
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -35,10 +44,46 @@ class SamplingParams:
         _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
                "stop_token_ids must be a list of non-negative integers")
         _check(isinstance(self.ignore_eos, bool), "ignore_eos must be a boolean")
+        _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+               f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
+        if self.logit_bias is not None:
+            _check(isinstance(self.logit_bias, dict), "logit_bias must be a map of token id "
+                                                      "to bias")
+            bias = {}
+            for token, value in self.logit_bias.items():
+                # JSON (and so a stored job) has string keys: "50256" is token 50256
+                if isinstance(token, str) and token.isdigit():
+                    token = int(token)
+                _check(_is_int(token) and token >= 0,
+                       f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
+                _check(_is_number(value) and -100.0 <= value <= 100.0,
+                       f"logit_bias values must be numbers in [-100, 100], got {value!r}")
+                bias[token] = float(value)
+            self.logit_bias = bias or None
+        _check(_is_number(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 10.0,
+               f"repetition_penalty must be a number in (0, 10], got "
+               f"{self.repetition_penalty!r}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            _check(_is_number(value) and -2.0 <= value <= 2.0,
+                   f"{name} must be a number in [-2, 2], got {value!r}")
+        _check(_is_number(self.min_p) and 0.0 <= self.min_p <= 1.0,
+               f"min_p must be a number in [0, 1], got {self.min_p!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalised(self) -> bool:
+        """Does any penalty change this request's logits?"""
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
+                or self.presence_penalty != 0.0)
+
+    def token_ids_used(self) -> list[int]:
+        """Token ids this request names (stop_token_ids, logit_bias): each must be in the
+        model's vocabulary."""
+        return [*self.stop_token_ids, *(self.logit_bias or ())]
 
 
 def _is_int(x: object) -> bool:

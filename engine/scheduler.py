@@ -188,8 +188,9 @@ class Scheduler:
             counters.num_generation_tokens += 1
             progressed.append(request)
             params = request.sampling_params  # a stop token, EOS, or the length limit
-            if token in params.stop_token_ids or (
-                    not params.ignore_eos and token in request.eos_token_ids):
+            if len(request.output_token_ids) > params.min_tokens and (
+                    token in params.stop_token_ids
+                    or (not params.ignore_eos and token in request.eos_token_ids)):
                 finished.append((request, "stop"))
             elif len(request.output_token_ids) >= params.max_tokens \
                     or len(request.all_token_ids) >= max_model_len:

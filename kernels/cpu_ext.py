@@ -18,6 +18,7 @@ many-row matmuls go to MKL or to the packed kernel too is measured once per proc
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import shutil
@@ -179,10 +180,21 @@ def _cpu_flags() -> str:
 
 
 def _build_and_load() -> None:
-    from torch.utils import cpp_extension
-
     directory = build_dir()
     directory.mkdir(parents=True, exist_ok=True)
+    # torch's own build lock is a plain file that a build killed midway leaves behind,
+    # and every later build then waits on it forever. Builders take this lock first (the
+    # kernel drops it when its holder dies), so while it is held no other build is under
+    # way and a `lock` file left in the directory is a dead build's: remove it.
+    with open(directory.parent / f"{directory.name}.build-lock", "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        (directory / "lock").unlink(missing_ok=True)
+        _load(directory)
+
+
+def _load(directory: Path) -> None:
+    from torch.utils import cpp_extension
+
     # cpp_extension runs `ninja` from PATH; the virtualenv's (the ninja package) is not
     # on it unless the venv is activated.
     venv_bin = Path(sys.executable).parent

@@ -40,6 +40,8 @@ class JobListener:
         self.text = TextAssembler()
         self.state: dict = services.job_payload(job)
         self.num_output_tokens = job.num_output_tokens
+        self.num_prompt_tokens = job.num_prompt_tokens  # both also in the stream's updates
+        self.num_cached_tokens = job.num_cached_tokens
         self.text.add(job.attempts, 0, job.output_text)
         self._last_reload = float("-inf")
 
@@ -51,8 +53,12 @@ class JobListener:
         if not self.text.add(update["attempt"], update["offset"], update["text"]):
             return  # an older attempt's
         self.num_output_tokens = update["n"]
+        if "p" in update:
+            self.num_prompt_tokens, self.num_cached_tokens = update["p"], update["c"]
         if "state" in update:
             self.state = update["state"]
+            self.num_prompt_tokens = self.state.get("num_prompt_tokens", self.num_prompt_tokens)
+            self.num_cached_tokens = self.state.get("num_cached_tokens", self.num_cached_tokens)
 
     async def updates(self) -> AsyncIterator[None]:
         """Yields after each batch of updates, until the job ends. Raises JobFailed if

@@ -13,6 +13,11 @@ TOP_P = (0.0, 1.0)  # 0 excluded
 TOP_K_MAX = 1_000_000
 SEED_MAX = 2**63 - 1
 PRIORITY = (-1000, 1000)  # lower runs first under the priority policy; below 0: staff only
+PENALTY = (-2.0, 2.0)  # presence_penalty, frequency_penalty (OpenAI's range)
+REPETITION_PENALTY = (0.0, 10.0)  # 0 excluded; 1 is off
+MIN_P = (0.0, 1.0)
+LOGIT_BIAS = (-100.0, 100.0)
+MAX_LOGIT_BIAS_ENTRIES = 1024
 
 
 class InvalidParam(ValueError):
@@ -54,3 +59,40 @@ def priority(value, is_staff: bool) -> int:
         raise NotAllowed("priority", "only staff may set a priority below 0 (it runs ahead "
                                      "of everyone's jobs); use 0 or more")
     return value
+
+
+def sampling_params(params: dict) -> dict:
+    """The job's sampling parameters as the engine will take them, or InvalidParam naming
+    the field the engine refuses (min_tokens above max_tokens, a bad logit_bias key...):
+    both APIs answer 400 before the job exists rather than failing it on the engine."""
+    from engine.errors import InvalidRequestError
+    from engine.sampling_params import SamplingParams
+    try:
+        SamplingParams(**params)
+    except InvalidRequestError as e:
+        message = str(e)
+        raise InvalidParam(message.split(" ", 1)[0], message) from None
+    return params
+
+
+def logit_bias(value) -> dict | None:
+    """A map of token id (a string of digits, as JSON has it, or an integer) to a bias in
+    LOGIT_BIAS, at most MAX_LOGIT_BIAS_ENTRIES of them; keys come back as strings."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise InvalidParam("logit_bias", "`logit_bias` must be an object mapping token ids "
+                                         "to biases")
+    if len(value) > MAX_LOGIT_BIAS_ENTRIES:
+        raise InvalidParam("logit_bias", f"`logit_bias`: at most {MAX_LOGIT_BIAS_ENTRIES} "
+                                         "entries")
+    out = {}
+    for key, bias in value.items():
+        if not str(key).isdigit():
+            raise InvalidParam("logit_bias", f"`logit_bias` keys must be token ids, not {key!r}")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) \
+                or not LOGIT_BIAS[0] <= bias <= LOGIT_BIAS[1]:
+            raise InvalidParam("logit_bias", f"`logit_bias` values must be numbers in "
+                                             f"[{LOGIT_BIAS[0]:g}, {LOGIT_BIAS[1]:g}]")
+        out[str(int(key))] = float(bias)
+    return out or None

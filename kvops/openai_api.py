@@ -92,29 +92,58 @@ def _number(body: dict, name: str, default: float, lo: float, hi: float,
     return value
 
 
-def _sampling(body: dict, default_max_tokens: int) -> dict:
-    n = body.get("n", 1)
-    if n != 1:
-        raise BadRequest("only n=1 is supported", "n")
-    harmless = {"best_of": (None, 1), "echo": (None, False), "logprobs": (None, False),
-                "top_logprobs": (None, 0), "logit_bias": (None, {}), "tools": (None, []),
-                "functions": (None, []), "suffix": (None, ""), "response_format": (None,)}
-    for name, allowed in harmless.items():
-        if name in body and body[name] not in allowed:
+# Every field a call may send: honoured, or refused with a 400 naming it; an unknown
+# field is refused too (a typo must not pass for a default). vLLM's extra sampling fields
+# (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids, priority)
+# are taken as vLLM takes them.
+COMMON_FIELDS = {"model", "stream", "stream_options", "max_tokens", "temperature", "top_p",
+                 "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
+                 "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
+                 "logit_bias", "n", "priority", "user"}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "logprobs", "best_of", "suffix"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
+                               "response_format", "tools", "tool_choice", "functions",
+                               "function_call", "parallel_tool_calls"}
+# Known fields not served yet, with the value that asks for nothing (accepted).
+NOT_SUPPORTED = {"echo": (False,), "logprobs": (False, 0), "top_logprobs": (0,),
+                 "best_of": (1,), "suffix": ("",), "response_format": ({"type": "text"},),
+                 "tools": ([],), "tool_choice": ("none",), "functions": ([],),
+                 "function_call": ("none",), "parallel_tool_calls": (False, True)}
+
+
+def _sampling(body: dict, default_max_tokens: int, chat: bool) -> dict:
+    known = CHAT_FIELDS if chat else COMPLETION_FIELDS
+    unknown = sorted(set(body) - known)
+    if unknown:
+        raise BadRequest(f"unknown field `{unknown[0]}`", unknown[0])
+    for name, nothing in NOT_SUPPORTED.items():
+        if body.get(name) is not None and body[name] not in nothing:
             raise BadRequest(f"`{name}` is not supported", name)
-    for name in ("presence_penalty", "frequency_penalty"):
-        if body.get(name) not in (None, 0, 0.0):
-            raise BadRequest(f"`{name}` is not supported (only 0)", name)
+    n = body.get("n", 1)
+    if n not in (None, 1) or isinstance(n, bool):
+        raise BadRequest("only n=1 is supported", "n")
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise BadRequest("`user` must be a string", "user")
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     try:
         stop = limits.stop_strings(body.get("stop"))
+        logit_bias = limits.logit_bias(body.get("logit_bias"))
     except limits.InvalidParam as e:
         raise BadRequest(str(e), e.param) from None
     top_k = body.get("top_k")
     top_p = _number(body, "top_p", 1.0, *limits.TOP_P)
     if top_p <= limits.TOP_P[0]:
         raise BadRequest(f"`top_p` must be greater than {limits.TOP_P[0]}", "top_p")
-    return {
+    stop_token_ids = body.get("stop_token_ids") or []
+    if not isinstance(stop_token_ids, list) or len(stop_token_ids) > limits.MAX_STOP_TOKEN_IDS \
+            or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                       for t in stop_token_ids):
+        raise BadRequest(f"`stop_token_ids` must be a list of at most "
+                         f"{limits.MAX_STOP_TOKEN_IDS} token ids", "stop_token_ids")
+    repetition = _number(body, "repetition_penalty", 1.0, *limits.REPETITION_PENALTY)
+    if repetition <= limits.REPETITION_PENALTY[0]:
+        raise BadRequest("`repetition_penalty` must be greater than 0", "repetition_penalty")
+    params = {
         "max_tokens": _number({"max_tokens": max_tokens}, "max_tokens", default_max_tokens, 1,
                               limits.MAX_TOKENS, integer=True),
         "temperature": float(_number(body, "temperature", 1.0, *limits.TEMPERATURE)),
@@ -123,9 +152,44 @@ def _sampling(body: dict, default_max_tokens: int) -> dict:
                                                               limits.TOP_K_MAX, integer=True),
         "seed": _number(body, "seed", None, 0, limits.SEED_MAX, integer=True),
         "stop": stop,
-        "stop_token_ids": [],
-        "ignore_eos": bool(body.get("ignore_eos", False)),
+        "stop_token_ids": stop_token_ids,
+        "ignore_eos": _flag(body, "ignore_eos"),
+        "min_tokens": _number(body, "min_tokens", 0, 0, limits.MAX_TOKENS, integer=True),
+        "min_p": float(_number(body, "min_p", 0.0, *limits.MIN_P)),
+        "presence_penalty": float(_number(body, "presence_penalty", 0.0, *limits.PENALTY)),
+        "frequency_penalty": float(_number(body, "frequency_penalty", 0.0, *limits.PENALTY)),
+        "repetition_penalty": float(repetition),
+        "logit_bias": logit_bias,
     }
+    try:
+        return limits.sampling_params(params)
+    except limits.InvalidParam as e:
+        raise BadRequest(str(e), e.param) from None
+
+
+def _flag(body: dict, name: str) -> bool:
+    value = body.get(name, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise BadRequest(f"`{name}` must be a boolean", name)
+    return value
+
+
+def _stream_options(body: dict, stream: bool) -> dict:
+    """`stream_options`: include_usage (a last chunk with the usage) and, as vLLM has it,
+    continuous_usage_stats (the usage so far in every chunk)."""
+    options = body.get("stream_options")
+    if options is None:
+        return {}
+    if not stream:
+        raise BadRequest("`stream_options` is only allowed with `stream: true`", "stream_options")
+    if not isinstance(options, dict):
+        raise BadRequest("`stream_options` must be an object", "stream_options")
+    unknown = sorted(set(options) - {"include_usage", "continuous_usage_stats"})
+    if unknown:
+        raise BadRequest(f"unknown field `stream_options.{unknown[0]}`", "stream_options")
+    return {name: _flag(options, name) for name in ("include_usage", "continuous_usage_stats")}
 
 
 def _parse(request: HttpRequest) -> dict:
@@ -168,10 +232,14 @@ async def _admit(user, sub: Subscription, model: Any, chat: bool, kwargs: dict) 
 
 
 def _usage(state: dict) -> dict:
-    prompt, output = state.get("num_prompt_tokens", 0), state.get("num_output_tokens", 0)
+    """OpenAI's usage object from a job's state."""
+    return _usage_of(state.get("num_prompt_tokens", 0), state.get("num_output_tokens", 0),
+                     state.get("num_cached_tokens", 0))
+
+
+def _usage_of(prompt: int, output: int, cached: int) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": output,
-            "total_tokens": prompt + output,
-            "prompt_tokens_details": {"cached_tokens": state.get("num_cached_tokens", 0)}}
+            "total_tokens": prompt + output, "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def _finish_reason(state: dict) -> str | None:
@@ -206,11 +274,10 @@ async def _handle(request: HttpRequest, chat: bool) -> HttpResponse:
             kwargs["messages"] = [_message(m) for m in messages]
         else:
             kwargs["prompt"] = _prompt(body.get("prompt"))
-        kwargs["params"] = _sampling(body, default_max_tokens=256 if chat else 16)
+        kwargs["params"] = _sampling(body, default_max_tokens=256 if chat else 16, chat=chat)
         kwargs["priority"] = limits.priority(body.get("priority"), user.is_staff)
-        stream = body.get("stream", False)
-        if not isinstance(stream, bool):
-            raise BadRequest("`stream` must be a boolean", "stream")
+        stream = _flag(body, "stream")
+        stream_options = _stream_options(body, stream)
         sub = await get_hub().open()
         try:
             job = await _admit(user, sub, model, chat, kwargs)
@@ -234,7 +301,8 @@ async def _handle(request: HttpRequest, chat: bool) -> HttpResponse:
     listener = JobListener(sub, job)
     sub.on_cut_off = partial(cancel_abandoned, job.pk)
     if stream:
-        response = StreamingHttpResponse(_sse(listener, ident, model, created, chat),
+        response = StreamingHttpResponse(_sse(listener, ident, model, created, chat,
+                                              **stream_options),
                                          content_type="text/event-stream")
         response["Cache-Control"] = "no-cache"
         response["X-Accel-Buffering"] = "no"
@@ -290,10 +358,13 @@ def _prompt(prompt: Any) -> str:
 
 
 async def _sse(listener: JobListener, ident: str, model: str, created: int,
-               chat: bool) -> AsyncIterator[str]:
+               chat: bool, include_usage: bool = False,
+               continuous_usage_stats: bool = False) -> AsyncIterator[str]:
     """The job's output as server-sent events: each chunk holds all the text produced
     since the previous one, and chunks are spaced so that a web process sends at most
-    KVOPS_SSE_MAX_CHUNKS_PER_S of them, however many streams it serves."""
+    KVOPS_SSE_MAX_CHUNKS_PER_S of them, however many streams it serves. include_usage
+    adds a last chunk with the usage (no choices), continuous_usage_stats the usage so
+    far to every chunk (stream_options)."""
     kind = "chat.completion.chunk" if chat else "text_completion"
 
     def chunk(delta_text: str | None, finish: str | None, first: bool = False) -> str:
@@ -307,6 +378,9 @@ async def _sse(listener: JobListener, ident: str, model: str, created: int,
                       "logprobs": None}
         data = {"id": ident, "object": kind, "created": created, "model": model,
                 "choices": [choice]}
+        if continuous_usage_stats:
+            data["usage"] = _usage_of(listener.num_prompt_tokens, listener.num_output_tokens,
+                                      listener.num_cached_tokens)
         return f"data: {json.dumps(data)}\n\n"
 
     def error(message: str) -> str:
@@ -334,6 +408,10 @@ async def _sse(listener: JobListener, ident: str, model: str, created: int,
                     yield error(f"the job failed: {state.get('error')}")
                 else:
                     yield chunk(None, _finish_reason(state) or "stop")
+                    if include_usage:
+                        yield "data: " + json.dumps({
+                            "id": ident, "object": kind, "created": created, "model": model,
+                            "choices": [], "usage": _usage(state)}) + "\n\n"
         except JobFailed as e:
             yield error(f"the job's updates were lost: {e}")
         yield "data: [DONE]\n\n"

@@ -110,11 +110,11 @@ class OutputProcessor:
 
     # --- any thread ----------------------------------------------------------------------
     def track(self, job_id: int, request_id: str, attempt: int,
-              stop: list[str] | None = None) -> JobHandle:
+              stop: list[str] | None = None, min_tokens: int = 0) -> JobHandle:
         """Follow this attempt's outputs (call before submitting the request); `stop`:
-        its stop strings."""
+        its stop strings, which count once min_tokens tokens are out."""
         handle = JobHandle()
-        detok = IncrementalDetokenizer(self.tokenizer, list(stop or []))
+        detok = IncrementalDetokenizer(self.tokenizer, list(stop or []), min_tokens)
         with self._lock:
             self._new[request_id] = _Tracked(job_id, request_id, attempt, handle, detok)
         return handle
@@ -246,8 +246,11 @@ class OutputProcessor:
             t.first_token_at = timezone.now()
         delta = t.detok.take_delta(t.finish_reason is not None)
         if delta or n != t.num_output_tokens:
-            updates.append({"job": t.job_id, "attempt": t.attempt, "offset": t.chars,
-                            "text": delta, "n": n})
+            update = {"job": t.job_id, "attempt": t.attempt, "offset": t.chars,
+                      "text": delta, "n": n}
+            if out.num_prompt_tokens != t.num_prompt_tokens:  # the attempt's first update
+                update["p"], update["c"] = out.num_prompt_tokens, out.num_cached_tokens
+            updates.append(update)
         if delta:
             t.text.append(delta)
             t.unwritten.append(delta)

@@ -70,8 +70,9 @@ def _run_claimed(service, jobs: list, outcomes: dict[int, str]) -> None:
     processor = get_output_processor()
     items, handles = [], {}
     for job in jobs:
+        params = job.params or {}
         handles[job.pk] = processor.track(job.pk, job.request_id, job.attempts,
-                                          (job.params or {}).get("stop"))
+                                          params.get("stop"), params.get("min_tokens") or 0)
         try:
             prompt = service.render_chat(job.messages) if job.messages else job.prompt
         except Exception as e:  # noqa: BLE001  (that job's messages: it alone fails)

@@ -10,7 +10,8 @@ from kvops import limits
 from kvops.models import Engine, Job, OperatorAction
 
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
-                   "stop_token_ids", "ignore_eos")
+                   "stop_token_ids", "ignore_eos", "min_tokens", "min_p", "presence_penalty",
+                   "frequency_penalty", "repetition_penalty", "logit_bias")
 
 
 class StrictMixin:
@@ -67,6 +68,22 @@ class StopField(serializers.Field):
         return value
 
 
+@extend_schema_field({"type": "object", "additionalProperties": {
+    "type": "number", "minimum": limits.LOGIT_BIAS[0], "maximum": limits.LOGIT_BIAS[1]},
+    "maxProperties": limits.MAX_LOGIT_BIAS_ENTRIES})
+class LogitBiasField(serializers.Field):
+    """Token id -> bias (limits.logit_bias)."""
+
+    def to_internal_value(self, data):
+        try:
+            return limits.logit_bias(data)
+        except limits.InvalidParam as e:
+            raise serializers.ValidationError(str(e)) from None
+
+    def to_representation(self, value):
+        return value
+
+
 class JobCreateSerializer(StrictMixin, serializers.Serializer):
     prompt = TextField(required=False, max_length=limits.MAX_PROMPT_CHARS,
                                    trim_whitespace=False)
@@ -87,11 +104,28 @@ class JobCreateSerializer(StrictMixin, serializers.Serializer):
                                            required=False, default=list,
                                            max_length=limits.MAX_STOP_TOKEN_IDS)
     ignore_eos = serializers.BooleanField(required=False, default=False)
+    min_tokens = serializers.IntegerField(required=False, default=0, min_value=0,
+                                          max_value=limits.MAX_TOKENS)
+    min_p = FiniteFloatField(required=False, default=0.0, min_value=limits.MIN_P[0],
+                             max_value=limits.MIN_P[1])
+    presence_penalty = FiniteFloatField(required=False, default=0.0,
+                                        min_value=limits.PENALTY[0], max_value=limits.PENALTY[1])
+    frequency_penalty = FiniteFloatField(required=False, default=0.0,
+                                         min_value=limits.PENALTY[0], max_value=limits.PENALTY[1])
+    repetition_penalty = FiniteFloatField(required=False, default=1.0,
+                                          min_value=limits.REPETITION_PENALTY[0],
+                                          max_value=limits.REPETITION_PENALTY[1])
+    logit_bias = LogitBiasField(required=False, default=None, allow_null=True)
     priority = serializers.IntegerField(required=False, default=0, min_value=limits.PRIORITY[0],
                                         max_value=limits.PRIORITY[1])
     engine = TextField(required=False, default="", allow_blank=True, max_length=64)
 
     def validate_top_p(self, value):
+        if value <= 0.0:
+            raise serializers.ValidationError("must be greater than 0")
+        return value
+
+    def validate_repetition_penalty(self, value):
         if value <= 0.0:
             raise serializers.ValidationError("must be greater than 0")
         return value
@@ -102,6 +136,10 @@ class JobCreateSerializer(StrictMixin, serializers.Serializer):
         if has_prompt == has_messages:
             raise serializers.ValidationError(
                 {"prompt": ["give exactly one of `prompt` (non-empty text) or `messages`"]})
+        try:
+            limits.sampling_params({k: attrs[k] for k in SAMPLING_FIELDS if k in attrs})
+        except limits.InvalidParam as e:
+            raise serializers.ValidationError({e.param: [str(e)]}) from None
         return attrs
 
     def job_kwargs(self) -> dict:

@@ -33,3 +33,49 @@ def test_unseeded_requests_use_the_engine_seed(tiny_model):
     c = make_engine(folder, seed=2).generate(PROMPTS[:2], sampled(None))
     assert [o.output_token_ids for o in a] == [o.output_token_ids for o in b]
     assert [o.output_token_ids for o in a] != [o.output_token_ids for o in c]
+
+
+def test_repetition_penalty_and_logit_bias_match_transformers(tiny_model):
+    """Greedy with a repetition penalty and a logit bias equals transformers' generate
+    with its RepetitionPenalty and SequenceBias processors, also through preemption."""
+    from tests.models.tiny import hf_greedy
+    folder = tiny_model("gqa64")
+    plain = [o.output_token_ids for o in make_engine(folder).generate(
+        PROMPTS, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))]
+    banned = plain[0][1]  # a token greedy picks: the bias must steer away from it
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
+                            repetition_penalty=1.8, logit_bias={banned: -100.0})
+    expected = hf_greedy(folder, PROMPTS, 12, repetition_penalty=1.8,
+                         sequence_bias={(banned,): -100.0})
+    assert expected != plain
+    assert all(banned not in e for e in expected)
+    assert [o.output_token_ids for o in make_engine(folder).generate(PROMPTS, params)] \
+        == expected
+    engine = make_engine(folder, num_gpu_blocks=16, enable_prefix_caching=False)
+    assert [o.output_token_ids for o in engine.generate(PROMPTS, params)] == expected
+    assert engine.metrics()["num_preemptions"] > 0
+
+
+def test_min_tokens_holds_off_stop_tokens(tiny_model):
+    folder = tiny_model("gqa64")
+    plain = make_engine(folder).generate(
+        PROMPTS[:1], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0]
+    stop = plain.output_token_ids[1]
+    early = make_engine(folder).generate(PROMPTS[:1], SamplingParams(
+        max_tokens=12, temperature=0.0, ignore_eos=True, stop_token_ids=[stop]))[0]
+    assert early.output_token_ids == plain.output_token_ids[:2] and early.finish_reason == "stop"
+    held = make_engine(folder).generate(PROMPTS[:1], SamplingParams(
+        max_tokens=12, temperature=0.0, ignore_eos=True, stop_token_ids=[stop],
+        min_tokens=5))[0]
+    assert stop not in held.output_token_ids[:5] and len(held.output_token_ids) > 5
+
+
+def test_token_ids_beyond_the_vocabulary_are_refused(tiny_model):
+    import pytest
+
+    from engine.errors import InvalidRequestError
+    engine = make_engine(tiny_model("gqa64"))
+    vocab = SPECS["gqa64"].vocab_size
+    for params in (SamplingParams(stop_token_ids=[vocab]), SamplingParams(logit_bias={vocab: 1})):
+        with pytest.raises(InvalidRequestError, match="beyond the vocabulary"):
+            engine.add_request("r", PROMPTS[0], params)

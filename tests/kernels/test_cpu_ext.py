@@ -58,3 +58,20 @@ def test_the_environment_decides_the_large_matmuls(monkeypatch):
     monkeypatch.setenv("KVOPS_LARGE_MATMULS", "openblas")
     with pytest.raises(ValueError, match="KVOPS_LARGE_MATMULS='openblas'"):
         cpu_ext.matmul_choice()
+
+
+def test_a_lock_left_by_a_killed_build_does_not_block_the_next(tmp_path):
+    """torch's build lock is a plain file: a build killed midway leaves it, and torch
+    would wait on it for ever. A new process (under the builders' own lock) removes it
+    and loads the kernels."""
+    import subprocess
+    import sys
+
+    directory = cpu_ext.build_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "lock").touch()
+    loaded = subprocess.run(
+        [sys.executable, "-c", "from kernels import cpu_ext; cpu_ext.ops(); print('loaded')"],
+        capture_output=True, text=True, timeout=600)
+    assert "loaded" in loaded.stdout, loaded.stderr[-2000:]
+    assert not (directory / "lock").exists()

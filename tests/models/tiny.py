@@ -95,9 +95,11 @@ def _save_tokenizer(folder: Path, vocab_size: int) -> None:
     }))
 
 
-def hf_greedy(folder: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+def hf_greedy(folder: Path, prompts: list[list[int]], max_tokens: int,
+              **generate_kwargs) -> list[list[int]]:
     """transformers' greedy continuation of each prompt (float32, one at a time so no
-    padding is involved), never stopping early at EOS."""
+    padding is involved), never stopping early at EOS; generate_kwargs go to generate
+    (its logits processors: repetition_penalty, sequence_bias...)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
@@ -107,7 +109,7 @@ def hf_greedy(folder: Path, prompts: list[list[int]], max_tokens: int) -> list[l
         for prompt in prompts:
             ids = torch.tensor([prompt])
             gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                                 do_sample=False, pad_token_id=0)
+                                 do_sample=False, pad_token_id=0, **generate_kwargs)
             outs.append(gen[0, len(prompt):].tolist())
     return outs
 

@@ -95,6 +95,16 @@ def test_rest_and_v1_apply_the_same_rules(stack):
         return stack.api("POST", "/api/jobs/", json={"prompt": "rules", "max_tokens": 2,
                                                      **body}, user=user)
 
+    for body, words in [({"stop": ["x" * 257]}, "at most 256 characters"),
+                        ({"min_tokens": 3}, "min_tokens must be an integer in [0, max_tokens]"),
+                        ({"logit_bias": {"5": 200}}, "values must be numbers in [-100, 100]"),
+                        ({"presence_penalty": 2.5}, "presence_penalty")]:
+        a, b = v1(body), rest(body)
+        assert a.status_code == b.status_code == 400, (body, a.text, b.text)
+        assert words in a.json()["error"]["message"] and words in b.text, (a.text, b.text)
+    ok = {"min_tokens": 1, "logit_bias": {"5": -2}, "frequency_penalty": 0.3,
+          "repetition_penalty": 1.1, "min_p": 0.05}
+    assert v1(ok).status_code == 200 and rest(ok).status_code == 201
     long_stop = {"stop": ["x" * 257]}
     a, b = v1(long_stop), rest(long_stop)
     assert a.status_code == b.status_code == 400, (a.text, b.text)
@@ -106,3 +116,56 @@ def test_rest_and_v1_apply_the_same_rules(stack):
         assert call({"priority": 5}, user="alice").status_code in (200, 201)
         assert call({"priority": -5}, user="admin").status_code in (200, 201)
         assert call({"priority": 5000}).status_code == 400
+
+
+def test_stream_options_usage_last_chunk_and_continuous(client):
+    chunks = list(client.completions.create(
+        model="simulated-v1", prompt="count me", max_tokens=9, stream=True,
+        stream_options={"include_usage": True}))
+    *body, last = chunks
+    assert last.choices == [] and last.usage.completion_tokens == 9
+    assert last.usage.prompt_tokens == len("count me")
+    assert last.usage.prompt_tokens_details.cached_tokens >= 0
+    assert all(c.usage is None for c in body)
+    assert "".join(c.choices[0].text for c in body) == expected_text("count me", 9)
+    chunks = list(client.chat.completions.create(
+        model="simulated-v1", max_tokens=6, stream=True,
+        messages=[{"role": "user", "content": "hi"}],
+        extra_body={"stream_options": {"include_usage": True, "continuous_usage_stats": True}}))
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == 6  # grows to the total
+    assert all(c.usage.prompt_tokens > 0 for c in chunks[1:])
+    assert chunks[-1].choices == []
+
+
+def test_every_field_is_honoured_or_refused_by_name(client):
+    """vLLM's sampling fields are taken; fields not served yet, unknown fields, and bad
+    values get a 400 that names the field; none is ignored."""
+    r = client.completions.create(
+        model="simulated-v1", prompt="fields", max_tokens=6, temperature=0.5, seed=3,
+        presence_penalty=0.5, frequency_penalty=-0.5, logit_bias={"7": 3}, user="u-1",
+        extra_body={"repetition_penalty": 1.2, "min_tokens": 2, "min_p": 0.1, "top_k": 20,
+                    "stop_token_ids": [5], "ignore_eos": True})
+    assert r.usage.completion_tokens >= 2
+    refused = [({"logprobs": 2}, "logprobs"), ({"echo": True}, "echo"),
+               ({"best_of": 2}, "best_of"), ({"suffix": "x"}, "suffix"),
+               ({"extra_body": {"frobnicate": 1}}, "frobnicate"),
+               ({"extra_body": {"min_tokens": 9}}, "min_tokens"),  # above max_tokens
+               ({"presence_penalty": 3}, "presence_penalty"),
+               ({"logit_bias": {"x": 1}}, "logit_bias"),
+               ({"stream_options": {"include_usage": True}}, "stream_options"),  # no stream
+               ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty")]
+    for kwargs, name in refused:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model="simulated-v1", prompt="x", max_tokens=4, **kwargs)
+        assert e.value.body["param"] == name, (kwargs, e.value.body)
+        assert name in e.value.body["message"]
+    for kwargs, name in [({"response_format": {"type": "json_object"}}, "response_format"),
+                         ({"tools": [{"type": "function", "function": {"name": "f"}}]},
+                          "tools"),
+                         ({"logprobs": True}, "logprobs")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="simulated-v1", max_tokens=4,
+                                           messages=[{"role": "user", "content": "x"}],
+                                           **kwargs)
+        assert e.value.body["param"] == name

@@ -56,3 +56,27 @@ def test_openai_chat_on_the_model(tiny_stack):
     cut = want.index(2) if 2 in want else len(want)  # EOS ends a chat turn
     assert r.choices[0].message.content == tok.decode(want[:cut])
     assert r.usage.prompt_tokens == len(ids)
+
+
+def test_penalties_through_both_apis_match_transformers(tiny_stack):
+    """repetition_penalty and logit_bias reach the model's sampler from /v1 and from the
+    REST API: greedy output equals transformers' generate with the same processors."""
+    prompt = "w5 w17 w33 w101 w7 w64 w12 w99 w3 w150 w42"
+    ids = HFTokenizer.from_folder(tiny_stack.model_folder).encode(prompt)
+    plain = hf_greedy(tiny_stack.model_folder, [ids], 10)[0]
+    banned = plain[0]
+    want = hf_greedy(tiny_stack.model_folder, [ids], 10, repetition_penalty=1.6,
+                     sequence_bias={(banned,): -100.0})[0]
+    assert want != plain
+    client = openai.OpenAI(base_url=f"{tiny_stack.url}/v1", api_key=tiny_stack.tokens["alice"],
+                           max_retries=0, timeout=120)
+    r = client.completions.create(model="gqa16", prompt=prompt, max_tokens=10, temperature=0,
+                                  logit_bias={str(banned): -100},
+                                  extra_body={"repetition_penalty": 1.6, "ignore_eos": True})
+    job = tiny_stack.wait_job(int(r.id.split("-")[1]))
+    assert job["output_token_ids"] == want
+    rest = tiny_stack.wait_job(tiny_stack.api("POST", "/api/jobs/", json={
+        "prompt": prompt, "max_tokens": 10, "temperature": 0, "ignore_eos": True,
+        "repetition_penalty": 1.6, "logit_bias": {str(banned): -100}}).json()["id"],
+        timeout_s=120)
+    assert rest["output_token_ids"] == want
