@@ -74,7 +74,8 @@ class SimTokenizer:
     _SYLLABLES = ["ka", "lo", "mi", "ne", "ru", "sa", "to", "vi",
                   "be", "du", "fo", "ga", "hi", "jo", "pu", "ze"]
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        # no special tokens here: add_special_tokens changes nothing
         return list(text.encode("utf-8"))
 
     def decode(self, token_ids: list[int]) -> str:

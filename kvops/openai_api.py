@@ -22,6 +22,7 @@ from kvops.admission import get_admissions
 from kvops.job_listener import JobFailed, JobListener, cancel_abandoned
 from kvops.models import Job
 from kvops.prompt_check import PromptTooLong, check_prompt_fits
+from kvops.prompts import inspector, render_chat
 from kvops.stream_hub import Subscription, get_hub
 from kvops.throttles import TooManyJobs, allow_submission, check_job_cap
 
@@ -441,3 +442,96 @@ async def models(request: HttpRequest) -> HttpResponse:
     return JsonResponse({"object": "list", "data": [
         {"id": name, "object": "model", "created": 0, "owned_by": "kvops",
          "kvops_engines": engines} for name, engines in sorted(served.items())]})
+
+
+# --- /tokenize and /detokenize, as vLLM serves them ----------------------------------------
+
+TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens",
+                   "add_generation_prompt", "return_token_strs"}
+
+
+async def _tokenizer_call(request: HttpRequest, fields: set[str]):
+    """Common checks of the two endpoints: (body, engine config, tokenizer) or an error
+    response."""
+    request.get_host()
+    if request.method != "POST":
+        return _error(405, "use POST")
+    user = await _authenticate(request)
+    if user is None:
+        return _error(401, "missing or invalid API key: send `Authorization: Bearer <token>`",
+                      type_="authentication_error", code="invalid_api_key")
+    try:
+        body = _parse(request)
+        unknown = sorted(set(body) - fields)
+        if unknown:
+            raise BadRequest(f"unknown field `{unknown[0]}`", unknown[0])
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            raise BadRequest("`model` is required", "model")
+        config = await sync_to_async(_engine_config_of, thread_sensitive=False)(model)
+    except BadRequest as e:
+        return _error(400, str(e), e.param)
+    except LookupError as e:
+        return _error(404, str(e), "model", code="model_not_found")
+    tokenizer = inspector._tokenizer(config)
+    if tokenizer is None:
+        return _error(503, f"the tokenizer of {model!r} is not readable from this web process "
+                           "(its model folder is on the engine's machine)",
+                      type_="service_unavailable")
+    return body, config, tokenizer
+
+
+def _engine_config_of(model: str) -> dict:
+    served = selectors.served_models()
+    if model not in served:
+        raise LookupError(f"model {model!r} is not served here; GET /v1/models lists them")
+    engine = next(e for e in selectors.recent_engines() if e.name == served[model][0])
+    return engine.config
+
+
+@csrf_exempt
+async def tokenize(request: HttpRequest) -> HttpResponse:
+    """{"model", "prompt"} or {"model", "messages"} -> the token ids the engine will see:
+    {"count", "max_model_len", "tokens"} (and "token_strs" if return_token_strs)."""
+    checked = await _tokenizer_call(request, TOKENIZE_FIELDS)
+    if isinstance(checked, HttpResponse):
+        return checked
+    body, config, tokenizer = checked
+    try:
+        add_special = _flag({"a": body.get("add_special_tokens", True)}, "a")
+        if "messages" in body:
+            messages = body["messages"]
+            if "prompt" in body or not isinstance(messages, list) or not messages:
+                raise BadRequest("send `prompt` or a non-empty list of `messages`", "messages")
+            if not _flag({"a": body.get("add_generation_prompt", True)}, "a"):
+                raise BadRequest("only add_generation_prompt: true is supported",
+                                 "add_generation_prompt")
+            text = render_chat(tokenizer, [_message(m) for m in messages])
+            tokens = tokenizer.encode(text)
+        else:
+            text = _prompt(body.get("prompt"))
+            tokens = tokenizer.encode(text) if add_special \
+                else tokenizer.encode(text, add_special_tokens=False)
+        return_strs = _flag(body, "return_token_strs")
+    except BadRequest as e:
+        return _error(400, str(e), e.param)
+    answer: dict[str, Any] = {"count": len(tokens), "max_model_len": config.get("max_model_len"),
+                              "tokens": tokens}
+    if return_strs:
+        answer["token_strs"] = [tokenizer.decode([t]) for t in tokens]
+    return JsonResponse(answer)
+
+
+@csrf_exempt
+async def detokenize(request: HttpRequest) -> HttpResponse:
+    """{"model", "tokens": [ids]} -> {"prompt": their text}."""
+    checked = await _tokenizer_call(request, {"model", "tokens"})
+    if isinstance(checked, HttpResponse):
+        return checked
+    body, config, tokenizer = checked
+    tokens = body.get("tokens")
+    vocab = config.get("vocab_size") or 2**31
+    if not isinstance(tokens, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in tokens):
+        return _error(400, f"`tokens` must be a list of token ids in [0, {vocab})", "tokens")
+    return JsonResponse({"prompt": tokenizer.decode(tokens)})

@@ -17,6 +17,8 @@ urlpatterns = [
     path("v1/completions", openai_api.completions),
     path("v1/chat/completions", openai_api.chat_completions),
     path("v1/models", openai_api.models),
+    path("tokenize", openai_api.tokenize),  # vLLM serves these two at the root
+    path("detokenize", openai_api.detokenize),
     path("metrics", metrics_view.metrics, name="metrics"),
     path("healthz", health.healthz, name="healthz"),
 ]

@@ -169,3 +169,32 @@ def test_every_field_is_honoured_or_refused_by_name(client):
                                            messages=[{"role": "user", "content": "x"}],
                                            **kwargs)
         assert e.value.body["param"] == name
+
+
+def test_tokenize_and_detokenize_as_vllm_serves_them(stack):
+    import requests
+
+    def call(path: str, body: dict) -> requests.Response:
+        return requests.post(f"{stack.url}/{path}", json=body, timeout=30,
+                             headers={"Authorization": f"Bearer {stack.tokens['alice']}"})
+
+    r = call("tokenize", {"model": "simulated-v1", "prompt": "héllo", "return_token_strs": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["tokens"] == list("héllo".encode()) and body["count"] == 6
+    assert body["max_model_len"] > 6 and len(body["token_strs"]) == 6
+    chat = call("tokenize", {"model": "simulated-v1",
+                             "messages": [{"role": "user", "content": "hi"}]}).json()
+    assert chat["tokens"] == list("user: hi\nassistant: ".encode())
+    back = call("detokenize", {"model": "simulated-v1", "tokens": [1, 2, 3]})
+    assert back.status_code == 200 and back.json()["prompt"]
+    for path, bad, param in [("tokenize", {"model": "simulated-v1"}, "prompt"),
+                             ("tokenize", {"model": "simulated-v1", "prompt": "x", "foo": 1},
+                              "foo"),
+                             ("detokenize", {"model": "simulated-v1", "tokens": [-1]}, "tokens"),
+                             ("detokenize", {"model": "simulated-v1", "tokens": "12"}, "tokens")]:
+        r = call(path, bad)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert call("tokenize", {"model": "nope", "prompt": "x"}).status_code == 404
+    assert requests.post(f"{stack.url}/tokenize", json={"model": "simulated-v1", "prompt": "x"},
+                         timeout=30).status_code == 401

@@ -80,3 +80,17 @@ def test_penalties_through_both_apis_match_transformers(tiny_stack):
         "repetition_penalty": 1.6, "logit_bias": {str(banned): -100}}).json()["id"],
         timeout_s=120)
     assert rest["output_token_ids"] == want
+
+
+def test_tokenize_matches_the_engines_tokenizer(tiny_stack):
+    import requests
+    prompt = "w5 w17 w33"
+    want = HFTokenizer.from_folder(tiny_stack.model_folder).encode(prompt)
+    r = requests.post(f"{tiny_stack.url}/tokenize", json={"model": "gqa16", "prompt": prompt},
+                      headers={"Authorization": f"Bearer {tiny_stack.tokens['alice']}"},
+                      timeout=30)
+    assert r.status_code == 200 and r.json()["tokens"] == want, r.text
+    back = requests.post(f"{tiny_stack.url}/detokenize", json={"model": "gqa16", "tokens": want},
+                         headers={"Authorization": f"Bearer {tiny_stack.tokens['alice']}"},
+                         timeout=30)
+    assert back.json()["prompt"].strip() == prompt
