@@ -203,7 +203,7 @@ KVOPS_CONTROL_TIMEOUT_S = float(os.environ.get("KVOPS_CONTROL_TIMEOUT_S", 5))
 # Server-sent-event chunks one web process sends per second, at most, over all its
 # streams: each stream's chunks are spaced by (streams / this) seconds, and the tokens
 # produced meanwhile travel together (as vLLM's stream interval does).
-KVOPS_SSE_MAX_CHUNKS_PER_S = float(os.environ.get("KVOPS_SSE_MAX_CHUNKS_PER_S", 5000))
+KVOPS_SSE_MAX_CHUNKS_PER_S = float(os.environ.get("KVOPS_SSE_MAX_CHUNKS_PER_S", 6400))
 # A streaming client that reads nothing for this long while its job produces is cut off
 # and its job cancelled (kvops/stream_hub.py).
 KVOPS_STREAM_STALL_S = float(os.environ.get("KVOPS_STREAM_STALL_S", 30))
