@@ -166,7 +166,14 @@ class LLMEngine:
         outputs += [CoreOutput(r.request_id, [r.output_token_ids[-1]],
                                r.status in ended_states, r.finish_reason,
                                len(r.prompt_token_ids), r.num_cached_tokens or 0,
-                               r.num_preemptions, r) for r in progressed]
+                               r.num_preemptions, None, r) for r in progressed]
+        logprobs = self.runner.logprobs
+        if logprobs:  # only requests that asked for them
+            for o in outputs:
+                entry = logprobs.get(o.request_id)
+                if entry is not None:
+                    o.logprobs = [entry]
+                    o.request.output_logprobs.append(entry)
         now = time.time()
         self._prompt_rate.record(now, self.scheduler.counters.num_prompt_tokens)
         self._gen_rate.record(now, self.scheduler.counters.num_generation_tokens)
@@ -178,7 +185,8 @@ class LLMEngine:
         # every step.
         return CoreOutput(request.request_id, new_token_ids, request.status in _ENDED,
                           request.finish_reason, len(request.prompt_token_ids),
-                          request.num_cached_tokens or 0, request.num_preemptions, request)
+                          request.num_cached_tokens or 0, request.num_preemptions, None,
+                          request)
 
     def _output(self, core: CoreOutput) -> RequestOutput:
         """The full output of a request, its text detokenised here (a stop string found
@@ -205,7 +213,9 @@ class LLMEngine:
             text=detok.text if detok is not None else "",
             finished=request.status.is_finished, finish_reason=request.finish_reason,
             num_cached_tokens=request.num_cached_tokens or 0,
-            num_preemptions=request.num_preemptions, text_delta=text_delta)
+            num_preemptions=request.num_preemptions, text_delta=text_delta,
+            logprobs=list(request.output_logprobs)
+            if request.sampling_params.logprobs is not None else None)
 
     def generate(self, prompts: list[str | list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:

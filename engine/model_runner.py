@@ -24,7 +24,7 @@ from engine.hf_tokenizer import HFTokenizer
 from engine.loader import (ModelFolder, ModelLoadError, load_model, model_identity,
                            read_model_folder)
 from engine.runner import Runner
-from engine.sampler import SamplingRow, request_seed, sample
+from engine.sampler import SamplingRow, request_seed, sample, token_logprobs
 from engine.scheduler import SchedulerOutput
 
 DEFAULT_CPU_KV_BYTES = 512 * 1024 ** 2
@@ -86,6 +86,8 @@ class ModelRunner(Runner):
         logits = self.model(batch.input_ids, batch.positions, self.kv_cache, self.attention,
                             self.attention.plan(batch.attention), batch.logits_indices)
         tokens = sample(logits, batch.sampling_rows)
+        for i, entry in token_logprobs(logits, batch.sampling_rows, tokens).items():
+            self.logprobs[batch.sampling_ids[i]] = entry
         return dict(zip(batch.sampling_ids, tokens))
 
     def _prepare(self, out: SchedulerOutput) -> "StepBatch":

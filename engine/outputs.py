@@ -16,6 +16,8 @@ class RequestOutput:
     num_cached_tokens: int  # prompt tokens served from the prefix cache at admission
     num_preemptions: int  # times the request lost its GPU blocks
     text_delta: str = ""  # text added since the previous output of this request
+    # per output token [sampled logprob, top ids, top logprobs] (SamplingParams.logprobs)
+    logprobs: list[list] | None = None
 
 
 @dataclass(slots=True)
@@ -29,12 +31,14 @@ class CoreOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     num_preemptions: int
+    logprobs: list[list] | None = None  # per new token, if asked: see Request.output_logprobs
     request: Any = field(default=None, repr=False)  # the Request, in-process only
 
     def to_wire(self) -> list:
         """The fields as a list, for IPC (the request object stays behind)."""
         return [self.request_id, self.new_token_ids, self.finished, self.finish_reason,
-                self.num_prompt_tokens, self.num_cached_tokens, self.num_preemptions]
+                self.num_prompt_tokens, self.num_cached_tokens, self.num_preemptions,
+                self.logprobs]
 
     @classmethod
     def from_wire(cls, row: list) -> CoreOutput:

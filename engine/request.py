@@ -38,6 +38,8 @@ class Request:
     # Everything below is owned by the Scheduler (the engine's output path appends tokens).
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
+    # [sampled logprob, top ids, top logprobs] per output token, if its params ask
+    output_logprobs: list[list] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)  # prompt + output, kept in step
     num_computed_tokens: int = 0  # tokens whose K/V is in the cache
     num_cached_tokens: int | None = None  # prefix-cache hit at first admission

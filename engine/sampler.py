@@ -60,6 +60,28 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
     return tokens
 
 
+def token_logprobs(logits: torch.Tensor, rows: list[SamplingRow],
+                   tokens: list[int]) -> dict[int, list]:
+    """For the rows whose request asked for logprobs: row index -> [the sampled token's
+    log-probability, the ids of the `logprobs` most likely tokens, their
+    log-probabilities], from the raw logits (log_softmax before any processor)."""
+    wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    if not wanted:
+        return {}
+    logprobs = logits[wanted].float().log_softmax(dim=-1)
+    index = torch.tensor([tokens[i] for i in wanted], device=logits.device)
+    chosen = logprobs.gather(1, index[:, None])[:, 0].tolist()
+    k = max(rows[i].params.logprobs for i in wanted)
+    if k:
+        top_values, top_ids = logprobs.topk(k, dim=-1)
+        top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    out = {}
+    for j, i in enumerate(wanted):
+        n = rows[i].params.logprobs
+        out[i] = [chosen[j], top_ids[j][:n] if n else [], top_values[j][:n] if n else []]
+    return out
+
+
 def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """The logits every way of choosing the token sees (greedy included), as vLLM orders
     them: min_tokens masks EOS and stop_token_ids, logit_bias adds its biases, then the

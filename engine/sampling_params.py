@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 from engine.errors import InvalidRequestError
 
 
+MAX_LOGPROBS = 20  # most likely tokens reported per sampled token, at most
+
+
 @dataclass(slots=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -25,6 +28,10 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # minus this times each token's count in the output
     presence_penalty: float = 0.0  # minus this for each token present in the output
     min_p: float = 0.0  # drops tokens below min_p times the best token's probability
+    # Log-probabilities of each sampled token and of the `logprobs` most likely tokens at
+    # its place (None: none), from the model's raw logits (vLLM's default logprobs_mode,
+    # raw_logprobs: before penalties, bias and temperature).
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -67,6 +74,10 @@ class SamplingParams:
             value = getattr(self, name)
             _check(_is_number(value) and -2.0 <= value <= 2.0,
                    f"{name} must be a number in [-2, 2], got {value!r}")
+        _check(self.logprobs is None or (_is_int(self.logprobs)
+                                         and 0 <= self.logprobs <= MAX_LOGPROBS),
+               f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got "
+               f"{self.logprobs!r}")
         _check(_is_number(self.min_p) and 0.0 <= self.min_p <= 1.0,
                f"min_p must be a number in [0, 1], got {self.min_p!r}")
 

@@ -89,7 +89,12 @@ class SimulatedRunner(Runner):
                 prev = digest(prev, tokens[p])
                 cache[ids[p // bs] * bs + p % bs] = prev
             if s.samples:  # `prev` is the last slot's value, as just written
-                sampled[s.request.request_id] = prev % vocab  # next_token
+                sampled[s.request.request_id] = token = prev % vocab  # next_token
+                if s.request.sampling_params.logprobs is not None:
+                    # The stand-in model is deterministic: its token has probability 1.
+                    self.logprobs[s.request.request_id] = [
+                        0.0, [token] if s.request.sampling_params.logprobs else [],
+                        [0.0] if s.request.sampling_params.logprobs else []]
         return sampled
 
     def _copy(self, src: list[int], dst: list[int], mapping: list[tuple[int, int]]) -> None:

@@ -42,6 +42,8 @@ class JobListener:
         self.num_output_tokens = job.num_output_tokens
         self.num_prompt_tokens = job.num_prompt_tokens  # both also in the stream's updates
         self.num_cached_tokens = job.num_cached_tokens
+        self.logprobs: list[list] = []  # [token, logprob, top] per token, if asked
+        self._logprobs_attempt = job.attempts
         self.text.add(job.attempts, 0, job.output_text)
         self._last_reload = float("-inf")
 
@@ -53,6 +55,10 @@ class JobListener:
         if not self.text.add(update["attempt"], update["offset"], update["text"]):
             return  # an older attempt's
         self.num_output_tokens = update["n"]
+        if "lp" in update:
+            if update["attempt"] != self._logprobs_attempt:  # a re-run starts again
+                self.logprobs, self._logprobs_attempt = [], update["attempt"]
+            self.logprobs += update["lp"]
         if "p" in update:
             self.num_prompt_tokens, self.num_cached_tokens = update["p"], update["c"]
         if "state" in update:

@@ -18,6 +18,7 @@ REPETITION_PENALTY = (0.0, 10.0)  # 0 excluded; 1 is off
 MIN_P = (0.0, 1.0)
 LOGIT_BIAS = (-100.0, 100.0)
 MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_LOGPROBS = 20  # as engine.sampling_params.MAX_LOGPROBS
 
 
 class InvalidParam(ValueError):

@@ -106,8 +106,7 @@ CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", 
                                "response_format", "tools", "tool_choice", "functions",
                                "function_call", "parallel_tool_calls"}
 # Known fields not served yet, with the value that asks for nothing (accepted).
-NOT_SUPPORTED = {"echo": (False,), "logprobs": (False, 0), "top_logprobs": (0,),
-                 "best_of": (1,), "suffix": ("",), "response_format": ({"type": "text"},),
+NOT_SUPPORTED = {"echo": (False,), "best_of": (1,), "suffix": ("",), "response_format": ({"type": "text"},),
                  "tools": ([],), "tool_choice": ("none",), "functions": ([],),
                  "function_call": ("none",), "parallel_tool_calls": (False, True)}
 
@@ -141,6 +140,7 @@ def _sampling(body: dict, default_max_tokens: int, chat: bool) -> dict:
                        for t in stop_token_ids):
         raise BadRequest(f"`stop_token_ids` must be a list of at most "
                          f"{limits.MAX_STOP_TOKEN_IDS} token ids", "stop_token_ids")
+    logprobs = _logprobs(body, chat)
     repetition = _number(body, "repetition_penalty", 1.0, *limits.REPETITION_PENALTY)
     if repetition <= limits.REPETITION_PENALTY[0]:
         raise BadRequest("`repetition_penalty` must be greater than 0", "repetition_penalty")
@@ -161,11 +161,27 @@ def _sampling(body: dict, default_max_tokens: int, chat: bool) -> dict:
         "frequency_penalty": float(_number(body, "frequency_penalty", 0.0, *limits.PENALTY)),
         "repetition_penalty": float(repetition),
         "logit_bias": logit_bias,
+        "logprobs": logprobs,
     }
     try:
         return limits.sampling_params(params)
     except limits.InvalidParam as e:
         raise BadRequest(str(e), e.param) from None
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """How many most likely tokens to report per sampled token, or None: completions'
+    `logprobs` (an integer), chat's `logprobs` (a boolean) with `top_logprobs`."""
+    if chat:
+        if not _flag(body, "logprobs"):
+            if body.get("top_logprobs") not in (None, 0):
+                raise BadRequest("`top_logprobs` needs `logprobs: true`", "top_logprobs")
+            return None
+        return _number(body, "top_logprobs", 0, 0, limits.MAX_LOGPROBS, integer=True)
+    value = body.get("logprobs")
+    if value is None:
+        return None
+    return _number(body, "logprobs", None, 0, limits.MAX_LOGPROBS, integer=True)
 
 
 def _flag(body: dict, name: str) -> bool:
@@ -230,6 +246,28 @@ async def _admit(user, sub: Subscription, model: Any, chat: bool, kwargs: dict) 
     new = services.NewJob(user, source=Job.Source.OPENAI, **kwargs)
     return await get_admissions().admit(new, _checks(model, chat),
                                         lambda job: sub.hub.bind(sub, job.pk))
+
+
+def _format_logprobs(entries: list[list], chat: bool, text_offset: int) -> dict:
+    """The worker's [token, logprob, [[token, logprob], ...]] per token in OpenAI's shape:
+    chat's `content` list, or the completions' parallel lists (text_offset: where the
+    first token's text starts in the output)."""
+    def number(logprob: float) -> float:
+        return max(logprob, -9999.0)  # -inf is not JSON (OpenAI's floor)
+
+    if chat:
+        return {"content": [
+            {"token": token, "logprob": number(logprob), "bytes": list(token.encode()),
+             "top_logprobs": [{"token": t, "logprob": number(v), "bytes": list(t.encode())}
+                              for t, v in top]}
+            for token, logprob, top in entries]}
+    offsets = []
+    for token, _, _ in entries:
+        offsets.append(text_offset)
+        text_offset += len(token)
+    return {"tokens": [e[0] for e in entries], "token_logprobs": [number(e[1]) for e in entries],
+            "top_logprobs": [{t: number(v) for t, v in e[2]} for e in entries],
+            "text_offset": offsets}
 
 
 def _usage(state: dict) -> dict:
@@ -303,6 +341,7 @@ async def _handle(request: HttpRequest, chat: bool) -> HttpResponse:
     sub.on_cut_off = partial(cancel_abandoned, job.pk)
     if stream:
         response = StreamingHttpResponse(_sse(listener, ident, model, created, chat,
+                                              job.params.get("logprobs") is not None,
                                               **stream_options),
                                          content_type="text/event-stream")
         response["Cache-Control"] = "no-cache"
@@ -324,6 +363,8 @@ async def _handle(request: HttpRequest, chat: bool) -> HttpResponse:
         return _error(500, f"the job failed: {state.get('error')}", type_="server_error")
     choice: dict[str, Any] = {"index": 0, "finish_reason": _finish_reason(state),
                               "logprobs": None}
+    if job.params.get("logprobs") is not None:
+        choice["logprobs"] = _format_logprobs(listener.logprobs, chat, 0)
     if chat:
         choice["message"] = {"role": "assistant", "content": listener.text.text}
     else:
@@ -359,7 +400,7 @@ def _prompt(prompt: Any) -> str:
 
 
 async def _sse(listener: JobListener, ident: str, model: str, created: int,
-               chat: bool, include_usage: bool = False,
+               chat: bool, logprobs: bool = False, include_usage: bool = False,
                continuous_usage_stats: bool = False) -> AsyncIterator[str]:
     """The job's output as server-sent events: each chunk holds all the text produced
     since the previous one, and chunks are spaced so that a web process sends at most
@@ -367,16 +408,24 @@ async def _sse(listener: JobListener, ident: str, model: str, created: int,
     adds a last chunk with the usage (no choices), continuous_usage_stats the usage so
     far to every chunk (stream_options)."""
     kind = "chat.completion.chunk" if chat else "text_completion"
+    logprobs_sent, text_offset = 0, 0  # entries of listener.logprobs streamed; their text
 
     def chunk(delta_text: str | None, finish: str | None, first: bool = False) -> str:
+        nonlocal logprobs_sent, text_offset
+        entries = None
+        if logprobs and not first:  # the tokens produced since the previous chunk
+            new = listener.logprobs[logprobs_sent:]
+            logprobs_sent += len(new)
+            entries = _format_logprobs(new, chat, text_offset)
+            text_offset += sum(len(e[0]) for e in new)
         if chat:
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
             if delta_text:
                 delta["content"] = delta_text
-            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": entries}
         else:
             choice = {"index": 0, "text": delta_text or "", "finish_reason": finish,
-                      "logprobs": None}
+                      "logprobs": entries}
         data = {"id": ident, "object": kind, "created": created, "model": model,
                 "choices": [choice]}
         if continuous_usage_stats:

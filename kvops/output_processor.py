@@ -76,6 +76,7 @@ class _Tracked:
     num_preemptions: int = 0
     first_token_at: datetime | None = None
     first_token_written: bool = False
+    logprobs: list[list] = field(default_factory=list)  # for the next update (if asked)
     dirty: bool = False  # progress not in the database yet
 
 
@@ -224,6 +225,13 @@ class OutputProcessor:
             updates.append(state_update(job.pk, t.attempt, services.job_payload(job)))
         return updates
 
+    def _token_logprobs(self, token_ids: list[int], entries: list[list]) -> list[list]:
+        """The engine's [logprob, top ids, top logprobs] per token, with token texts:
+        [token, logprob, [[token, logprob], ...]] (what the OpenAI answers show)."""
+        decode = self.tokenizer.decode
+        return [[decode([token]), logprob, [[decode([i]), v] for i, v in zip(ids, values)]]
+                for token, (logprob, ids, values) in zip(token_ids, entries)]
+
     def _absorb(self, t: _Tracked, outs: list[CoreOutput], updates: list[dict]) -> None:
         """One job's outputs since the last flush (in step order): one update. Step by
         step for the text, so that a stop string ends the job at the step that made it
@@ -232,6 +240,8 @@ class OutputProcessor:
             if out.new_token_ids:
                 t.token_ids.extend(out.new_token_ids)
                 t.detok.add(out.new_token_ids)
+                if out.logprobs:
+                    t.logprobs += self._token_logprobs(out.new_token_ids, out.logprobs)
             if t.detok.stopped:  # a stop string: the job ends here
                 t.finish_reason = "stop"
                 if not out.finished:
@@ -250,6 +260,8 @@ class OutputProcessor:
                       "text": delta, "n": n}
             if out.num_prompt_tokens != t.num_prompt_tokens:  # the attempt's first update
                 update["p"], update["c"] = out.num_prompt_tokens, out.num_cached_tokens
+            if t.logprobs:
+                update["lp"], t.logprobs = t.logprobs, []
             updates.append(update)
         if delta:
             t.text.append(delta)

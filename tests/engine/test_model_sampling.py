@@ -79,3 +79,50 @@ def test_token_ids_beyond_the_vocabulary_are_refused(tiny_model):
     for params in (SamplingParams(stop_token_ids=[vocab]), SamplingParams(logit_bias={vocab: 1})):
         with pytest.raises(InvalidRequestError, match="beyond the vocabulary"):
             engine.add_request("r", PROMPTS[0], params)
+
+
+def hf_log_softmax(folder, prompt: list[int], output: list[int]):
+    """transformers' log-softmax over the vocabulary at each output position."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt + output])).logits[0].float()
+    return logits.log_softmax(-1)[len(prompt) - 1:len(prompt) - 1 + len(output)]
+
+
+def test_logprobs_match_transformers_log_softmax(tiny_model):
+    """Raw logprobs (before penalties and temperature, vLLM's default): the sampled
+    token's and the k most likely, equal to transformers' log-softmax at each position;
+    greedy's token is the most likely; a preempted and recomputed request reports the
+    same values."""
+    import torch
+    folder = tiny_model("gqa64")
+    greedy_params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=3)
+    sampled_params = SamplingParams(max_tokens=6, temperature=1.0, seed=7, ignore_eos=True,
+                                    logprobs=0, repetition_penalty=1.3)
+    outs = make_engine(folder).generate(PROMPTS[:2], greedy_params)
+    sampled = make_engine(folder).generate(PROMPTS[2:3], sampled_params)[0]
+    for prompt, out in zip(PROMPTS[:2], outs):
+        reference = hf_log_softmax(folder, prompt, out.output_token_ids)
+        assert len(out.logprobs) == len(out.output_token_ids) == 6
+        for row, token, (logprob, top_ids, top_values) in zip(
+                reference, out.output_token_ids, out.logprobs):
+            want_values, want_ids = row.topk(3)
+            assert top_ids[0] == token and top_ids == want_ids.tolist()
+            torch.testing.assert_close(torch.tensor(top_values), want_values, atol=1e-4,
+                                       rtol=1e-4)
+            assert abs(logprob - row[token].item()) < 1e-4
+    reference = hf_log_softmax(folder, PROMPTS[2], sampled.output_token_ids)
+    for row, token, (logprob, top_ids, top_values) in zip(
+            reference, sampled.output_token_ids, sampled.logprobs):
+        assert top_ids == [] and abs(logprob - row[token].item()) < 1e-4
+    engine = make_engine(folder, num_gpu_blocks=16, enable_prefix_caching=False)
+    again = engine.generate(PROMPTS, greedy_params)
+    assert engine.metrics()["num_preemptions"] > 0
+    for alone, together in zip(outs, again[:2]):
+        assert together.output_token_ids == alone.output_token_ids
+        for a, b in zip(alone.logprobs, together.logprobs):
+            assert a[1] == b[1] and abs(a[0] - b[0]) < 1e-4
+    assert make_engine(folder).generate(PROMPTS[:1], SamplingParams(max_tokens=2))[0] \
+        .logprobs is None

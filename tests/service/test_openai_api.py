@@ -147,7 +147,7 @@ def test_every_field_is_honoured_or_refused_by_name(client):
         extra_body={"repetition_penalty": 1.2, "min_tokens": 2, "min_p": 0.1, "top_k": 20,
                     "stop_token_ids": [5], "ignore_eos": True})
     assert r.usage.completion_tokens >= 2
-    refused = [({"logprobs": 2}, "logprobs"), ({"echo": True}, "echo"),
+    refused = [({"echo": True}, "echo"),
                ({"best_of": 2}, "best_of"), ({"suffix": "x"}, "suffix"),
                ({"extra_body": {"frobnicate": 1}}, "frobnicate"),
                ({"extra_body": {"min_tokens": 9}}, "min_tokens"),  # above max_tokens
@@ -162,8 +162,7 @@ def test_every_field_is_honoured_or_refused_by_name(client):
         assert name in e.value.body["message"]
     for kwargs, name in [({"response_format": {"type": "json_object"}}, "response_format"),
                          ({"tools": [{"type": "function", "function": {"name": "f"}}]},
-                          "tools"),
-                         ({"logprobs": True}, "logprobs")]:
+                          "tools")]:
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model="simulated-v1", max_tokens=4,
                                            messages=[{"role": "user", "content": "x"}],
@@ -198,3 +197,43 @@ def test_tokenize_and_detokenize_as_vllm_serves_them(stack):
     assert call("tokenize", {"model": "nope", "prompt": "x"}).status_code == 404
     assert requests.post(f"{stack.url}/tokenize", json={"model": "simulated-v1", "prompt": "x"},
                          timeout=30).status_code == 401
+
+
+def test_logprobs_streamed_and_unstreamed_in_openai_shape(client):
+    """The simulated model is deterministic: each token's logprob is 0 and the only
+    likely token is itself; the shapes are OpenAI's, one entry per token."""
+    r = client.completions.create(model="simulated-v1", prompt="lp", max_tokens=5,
+                                  logprobs=2)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert lp.token_logprobs == [0.0] * 5 and "".join(lp.tokens) == r.choices[0].text
+    assert [list(t) for t in lp.top_logprobs] == [[tok] for tok in lp.tokens]
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(5)]
+    chunks = list(client.completions.create(model="simulated-v1", prompt="lp", max_tokens=5,
+                                            logprobs=0, stream=True))
+    tokens = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    assert tokens == lp.tokens
+    chat = client.chat.completions.create(model="simulated-v1", max_tokens=4, logprobs=True,
+                                          top_logprobs=1,
+                                          messages=[{"role": "user", "content": "hi"}])
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4 and all(c.logprob == 0.0 and c.top_logprobs[0].token == c.token
+                                     for c in content)
+    assert "".join(c.token for c in content) == chat.choices[0].message.content
+    assert content[0].bytes == list(content[0].token.encode())
+    stream = client.chat.completions.create(model="simulated-v1", max_tokens=4, logprobs=True,
+                                            stream=True,
+                                            messages=[{"role": "user", "content": "hi"}])
+    streamed = [c.token for chunk in stream if chunk.choices and chunk.choices[0].logprobs
+                for c in chunk.choices[0].logprobs.content]
+    assert streamed == [c.token for c in content]
+    plain = client.completions.create(model="simulated-v1", prompt="lp", max_tokens=2)
+    assert plain.choices[0].logprobs is None
+    for kwargs, name in [({"logprobs": 21}, "logprobs"), ({"echo": True, "logprobs": 1}, "echo")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model="simulated-v1", prompt="x", max_tokens=2, **kwargs)
+        assert e.value.body["param"] == name
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="simulated-v1", max_tokens=2, top_logprobs=2,
+                                       messages=[{"role": "user", "content": "x"}])
+    assert e.value.body["param"] == "top_logprobs"

@@ -94,3 +94,25 @@ def test_tokenize_matches_the_engines_tokenizer(tiny_stack):
                          headers={"Authorization": f"Bearer {tiny_stack.tokens['alice']}"},
                          timeout=30)
     assert back.json()["prompt"].strip() == prompt
+
+
+def test_logprobs_through_v1_match_transformers(tiny_stack):
+    import torch
+    from transformers import AutoModelForCausalLM
+    prompt = "w5 w17 w33 w101 w7"
+    tokenizer = HFTokenizer.from_folder(tiny_stack.model_folder)
+    ids = tokenizer.encode(prompt)
+    client = openai.OpenAI(base_url=f"{tiny_stack.url}/v1", api_key=tiny_stack.tokens["alice"],
+                           max_retries=0, timeout=120)
+    r = client.completions.create(model="gqa16", prompt=prompt, max_tokens=5, temperature=0,
+                                  logprobs=2, extra_body={"ignore_eos": True})
+    out = tiny_stack.wait_job(int(r.id.split("-")[1]))["output_token_ids"]
+    model = AutoModelForCausalLM.from_pretrained(tiny_stack.model_folder,
+                                                 dtype=torch.float32).eval()
+    with torch.inference_mode():
+        reference = model(torch.tensor([ids + out])).logits[0].log_softmax(-1)[len(ids) - 1:-1]
+    lp = r.choices[0].logprobs
+    assert lp.tokens == [tokenizer.decode([t]) for t in out]
+    for row, token, got, top in zip(reference, out, lp.token_logprobs, lp.top_logprobs):
+        assert abs(got - row[token].item()) < 1e-4
+        assert abs(max(top.values()) - row.max().item()) < 1e-4 and len(top) <= 2
