@@ -63,6 +63,7 @@ class LLMEngine:
         self._indices = itertools.count(1)  # request index 0 means "no owner" in snapshots
         self._snapshot_seq = itertools.count(1)
         self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._structured = None  # engine/structured.py, built on the first constrained request
         self._pending: list[Request] = []  # ended by abort or finish_request, not reported yet
         self._inflight = None  # the SchedulerOutput being run, until its update is done
         self._prompt_rate = RateMeter()
@@ -96,18 +97,29 @@ class LLMEngine:
                 f"request needs {need} KV blocks for {need_tokens} tokens; the pool has "
                 f"{self.kv.gpu.num_blocks}, of which {self.kv.gpu.num_pinned} are pinned "
                 f"(only {usable} can be its): lower max_tokens, or unpin prefixes")
+        grammar = self._grammar(params) if params.structured is not None else None
         request = Request(
             request_id=request_id, prompt_token_ids=token_ids, sampling_params=params,
             arrival_time=time.time() if arrival_time is None else arrival_time,
             index=next(self._indices), root_hash=root_hash(self.runner.model_id, cache_salt),
             pinned_root=root_hash(self.runner.model_id, None) if cache_salt else None,
             block_size=self.config.block_size, priority=priority, job_id=job_id,
-            eos_token_ids=self.tokenizer.eos_token_ids)
+            eos_token_ids=self.tokenizer.eos_token_ids, grammar=grammar)
         if self.detokenize:
             self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop,
                                                              params.min_tokens)
         self.scheduler.add(request)
         self.version += 1
+
+    def _grammar(self, params: SamplingParams):
+        """A matcher for the request's constraint (engine/structured.py)."""
+        if self.config.simulate:
+            raise InvalidRequestError("structured output needs a model with logits; the "
+                                      "simulated engine has none")
+        if self._structured is None:
+            from engine.structured import StructuredOutputs
+            self._structured = StructuredOutputs(self.tokenizer, self.runner.vocab_size)
+        return self._structured.matcher(params.structured)
 
     def _usable_blocks(self, token_ids: list[int], cache_salt: str | None) -> int:
         """Blocks a request with this prompt could ever hold: the unpinned ones, plus the

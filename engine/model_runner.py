@@ -114,7 +114,7 @@ class ModelRunner(Runner):
                     request.sampling_params,
                     request_seed(request.sampling_params, self.config.seed, request.request_id),
                     request.num_output_tokens, request.prompt_token_ids,
-                    request.output_token_ids, request.eos_token_ids))
+                    request.output_token_ids, request.eos_token_ids, request.grammar))
         dev = self._device
         slot_mapping = torch.from_numpy(np.concatenate(slots)).to(dev)
         return StepBatch(

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.block_hash import BlockHash, hash_blocks
 from engine.sampling_params import SamplingParams
@@ -40,6 +41,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     # [sampled logprob, top ids, top logprobs] per output token, if its params ask
     output_logprobs: list[list] = field(default_factory=list)
+    grammar: Any = field(default=None, repr=False)  # its structured-output matcher, if any
     all_token_ids: list[int] = field(default_factory=list)  # prompt + output, kept in step
     num_computed_tokens: int = 0  # tokens whose K/V is in the cache
     num_cached_tokens: int | None = None  # prefix-cache hit at first admission

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -30,6 +31,7 @@ class SamplingRow:
     prompt_token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
     eos_token_ids: tuple[int, ...] = ()
+    grammar: Any = None  # the request's structured-output matcher (engine/structured.py)
 
 
 def request_seed(params: SamplingParams, engine_seed: int, request_id: str) -> int:
@@ -47,8 +49,23 @@ def token_seed(seed: int, num_output_tokens: int) -> int:
 
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
-    """logits: [num_rows, vocab] float32. Returns one token id per row."""
-    logits = process_logits(logits, rows)
+    """logits: [num_rows, vocab] float32. Returns one token id per row. Rows with a
+    grammar draw only tokens it allows, and it is told the token drawn."""
+    grammars = [r.grammar for r in rows]
+    constrained = any(g is not None for g in grammars)
+    if constrained:
+        from engine.structured import apply_grammars
+        logits = logits.clone()  # the raw logits stay as they are, for logprobs
+        apply_grammars(logits, grammars)
+    tokens = _choose(process_logits(logits, rows), rows)
+    if constrained:
+        for grammar, token in zip(grammars, tokens):
+            if grammar is not None and not grammar.is_terminated():
+                grammar.accept_token(token)
+    return tokens
+
+
+def _choose(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
     greedy = [r.params.greedy for r in rows]
     if all(greedy):
         return logits.argmax(dim=-1).tolist()

@@ -32,6 +32,9 @@ class SamplingParams:
     # its place (None: none), from the model's raw logits (vLLM's default logprobs_mode,
     # raw_logprobs: before penalties, bias and temperature).
     logprobs: int | None = None
+    # A constraint on the output (engine/structured.py): {"json": schema},
+    # {"json_object": true}, {"regex": ...}, {"choice": [...]} or {"grammar": EBNF}.
+    structured: dict | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -78,6 +81,9 @@ class SamplingParams:
                                          and 0 <= self.logprobs <= MAX_LOGPROBS),
                f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got "
                f"{self.logprobs!r}")
+        if self.structured is not None:
+            from engine.structured import check_spec
+            check_spec(self.structured)
         _check(_is_number(self.min_p) and 0.0 <= self.min_p <= 1.0,
                f"min_p must be a number in [0, 1], got {self.min_p!r}")
 

@@ -190,7 +190,8 @@ class Scheduler:
             params = request.sampling_params  # a stop token, EOS, or the length limit
             if len(request.output_token_ids) > params.min_tokens and (
                     token in params.stop_token_ids
-                    or (not params.ignore_eos and token in request.eos_token_ids)):
+                    or (not params.ignore_eos and token in request.eos_token_ids)) \
+                    or (request.grammar is not None and request.grammar.is_terminated()):
                 finished.append((request, "stop"))
             elif len(request.output_token_ids) >= params.max_tokens \
                     or len(request.all_token_ids) >= max_model_len:

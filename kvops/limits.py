@@ -97,3 +97,18 @@ def logit_bias(value) -> dict | None:
                                              f"[{LOGIT_BIAS[0]:g}, {LOGIT_BIAS[1]:g}]")
         out[str(int(key))] = float(bias)
     return out or None
+
+
+def structured(value, param: str) -> dict | None:
+    """A structured-output constraint (engine/structured.py: json, json_object, regex,
+    choice or grammar), checked and compiled to a grammar here so that a bad schema or
+    regex is a 400 before the job exists."""
+    if value is None:
+        return None
+    from engine.errors import InvalidRequestError
+    from engine.structured import grammar_of
+    try:
+        grammar_of(value)
+    except InvalidRequestError as e:
+        raise InvalidParam(param, f"`{param}`: {e}") from None
+    return value

@@ -99,14 +99,15 @@ def _number(body: dict, name: str, default: float, lo: float, hi: float,
 # are taken as vLLM takes them.
 COMMON_FIELDS = {"model", "stream", "stream_options", "max_tokens", "temperature", "top_p",
                  "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
+                 "response_format", "structured_outputs",
                  "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
                  "logit_bias", "n", "priority", "user"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "logprobs", "best_of", "suffix"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
-                               "response_format", "tools", "tool_choice", "functions",
-                               "function_call", "parallel_tool_calls"}
+                               "tools", "tool_choice", "functions", "function_call",
+                               "parallel_tool_calls"}
 # Known fields not served yet, with the value that asks for nothing (accepted).
-NOT_SUPPORTED = {"echo": (False,), "best_of": (1,), "suffix": ("",), "response_format": ({"type": "text"},),
+NOT_SUPPORTED = {"echo": (False,), "best_of": (1,), "suffix": ("",),
                  "tools": ([],), "tool_choice": ("none",), "functions": ([],),
                  "function_call": ("none",), "parallel_tool_calls": (False, True)}
 
@@ -141,6 +142,7 @@ def _sampling(body: dict, default_max_tokens: int, chat: bool) -> dict:
         raise BadRequest(f"`stop_token_ids` must be a list of at most "
                          f"{limits.MAX_STOP_TOKEN_IDS} token ids", "stop_token_ids")
     logprobs = _logprobs(body, chat)
+    structured = _structured(body)
     repetition = _number(body, "repetition_penalty", 1.0, *limits.REPETITION_PENALTY)
     if repetition <= limits.REPETITION_PENALTY[0]:
         raise BadRequest("`repetition_penalty` must be greater than 0", "repetition_penalty")
@@ -162,9 +164,42 @@ def _sampling(body: dict, default_max_tokens: int, chat: bool) -> dict:
         "repetition_penalty": float(repetition),
         "logit_bias": logit_bias,
         "logprobs": logprobs,
+        "structured": structured,
     }
     try:
         return limits.sampling_params(params)
+    except limits.InvalidParam as e:
+        raise BadRequest(str(e), e.param) from None
+
+
+def _structured(body: dict) -> dict | None:
+    """OpenAI's `response_format` (json_object, or json_schema with its schema) or vLLM's
+    `structured_outputs` (json, json_object, regex, choice or grammar): the constraint
+    the engine applies (engine/structured.py), compiled here once to refuse a bad one."""
+    response_format, vllm = body.get("response_format"), body.get("structured_outputs")
+    if response_format is not None and vllm is not None:
+        raise BadRequest("send `response_format` or `structured_outputs`, not both",
+                         "structured_outputs")
+    param, spec = "structured_outputs", vllm
+    if response_format is not None:
+        param = "response_format"
+        kind = response_format.get("type") if isinstance(response_format, dict) else None
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            spec = {"json_object": True}
+        elif kind == "json_schema":
+            json_schema = response_format.get("json_schema")
+            if not isinstance(json_schema, dict) or not isinstance(json_schema.get("schema"),
+                                                                   dict):
+                raise BadRequest("`response_format.json_schema.schema` must be a JSON schema "
+                                 "object", param)
+            spec = {"json": json_schema["schema"]}
+        else:
+            raise BadRequest("`response_format.type` must be text, json_object or "
+                             "json_schema", param)
+    try:
+        return limits.structured(spec, param)
     except limits.InvalidParam as e:
         raise BadRequest(str(e), e.param) from None
 
@@ -219,6 +254,12 @@ def _parse(request: HttpRequest) -> dict:
     return body
 
 
+def _simulated_only(model: str) -> bool:
+    """Are all the live engines that serve this model simulators?"""
+    names = set(selectors.served_models().get(model, ()))
+    return all(e.config.get("simulate") for e in selectors.recent_engines() if e.name in names)
+
+
 def _check_model(model: Any) -> str:
     if not isinstance(model, str) or not model:
         raise BadRequest("`model` is required", "model")
@@ -227,11 +268,14 @@ def _check_model(model: Any) -> str:
     return model
 
 
-def _checks(model: Any, chat: bool):
+def _checks(model: Any, chat: bool, structured_param: str = "structured_outputs"):
     """The checks a call passes before it is stored (run in the admission batch)."""
     def check(new: services.NewJob, accepted: int) -> None:
         check_job_cap(new.owner, accepted)
         _check_model(model)
+        if new.params.get("structured") and _simulated_only(model):
+            raise BadRequest("structured output needs a model with logits; the engines "
+                             f"serving {model!r} simulate one", structured_param)
         try:
             check_prompt_fits(new.prompt, new.messages)
         except PromptTooLong as e:
@@ -239,12 +283,13 @@ def _checks(model: Any, chat: bool):
     return check
 
 
-async def _admit(user, sub: Subscription, model: Any, chat: bool, kwargs: dict) -> Job:
+async def _admit(user, sub: Subscription, model: Any, chat: bool, kwargs: dict,
+                 structured_param: str = "structured_outputs") -> Job:
     """Check the model and the prompt's length, store the job, and bind the listener to
     it before the commit dispatches it (so the listener sees every update). Calls that
     arrive together are stored together (kvops/admission.py)."""
     new = services.NewJob(user, source=Job.Source.OPENAI, **kwargs)
-    return await get_admissions().admit(new, _checks(model, chat),
+    return await get_admissions().admit(new, _checks(model, chat, structured_param),
                                         lambda job: sub.hub.bind(sub, job.pk))
 
 
@@ -319,7 +364,9 @@ async def _handle(request: HttpRequest, chat: bool) -> HttpResponse:
         stream_options = _stream_options(body, stream)
         sub = await get_hub().open()
         try:
-            job = await _admit(user, sub, model, chat, kwargs)
+            job = await _admit(user, sub, model, chat, kwargs,
+                               "response_format" if "response_format" in body
+                               else "structured_outputs")
         except BaseException:
             sub.close()
             raise

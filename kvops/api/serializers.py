@@ -84,6 +84,21 @@ class LogitBiasField(serializers.Field):
         return value
 
 
+@extend_schema_field({"type": "object", "description": "one of json (a JSON schema), "
+                      "json_object (true), regex, choice (a list of strings), grammar (EBNF)"})
+class StructuredField(serializers.Field):
+    """A structured-output constraint (limits.structured), as vLLM's structured_outputs."""
+
+    def to_internal_value(self, data):
+        try:
+            return limits.structured(data, "structured_outputs")
+        except limits.InvalidParam as e:
+            raise serializers.ValidationError(str(e)) from None
+
+    def to_representation(self, value):
+        return value
+
+
 class JobCreateSerializer(StrictMixin, serializers.Serializer):
     prompt = TextField(required=False, max_length=limits.MAX_PROMPT_CHARS,
                                    trim_whitespace=False)
@@ -116,6 +131,7 @@ class JobCreateSerializer(StrictMixin, serializers.Serializer):
                                           min_value=limits.REPETITION_PENALTY[0],
                                           max_value=limits.REPETITION_PENALTY[1])
     logit_bias = LogitBiasField(required=False, default=None, allow_null=True)
+    structured_outputs = StructuredField(required=False, default=None, allow_null=True)
     priority = serializers.IntegerField(required=False, default=0, min_value=limits.PRIORITY[0],
                                         max_value=limits.PRIORITY[1])
     engine = TextField(required=False, default="", allow_blank=True, max_length=64)
@@ -147,7 +163,8 @@ class JobCreateSerializer(StrictMixin, serializers.Serializer):
         return {
             "prompt": data.get("prompt", ""),
             "messages": [dict(m) for m in data["messages"]] if data.get("messages") else None,
-            "params": {k: data[k] for k in SAMPLING_FIELDS},
+            "params": {**{k: data[k] for k in SAMPLING_FIELDS},
+                       "structured": data["structured_outputs"]},
             "priority": data["priority"],
             "engine": data["engine"],
         }

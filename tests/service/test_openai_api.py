@@ -237,3 +237,26 @@ def test_logprobs_streamed_and_unstreamed_in_openai_shape(client):
         client.chat.completions.create(model="simulated-v1", max_tokens=2, top_logprobs=2,
                                        messages=[{"role": "user", "content": "x"}])
     assert e.value.body["param"] == "top_logprobs"
+
+
+def test_structured_output_is_refused_on_a_simulated_engine_and_checked(client, stack):
+    """The simulator has no logits to constrain: a 400 naming the field, before any job
+    exists; a bad schema is a 400 too (compiled at admission), on both APIs."""
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="simulated-v1", max_tokens=4,
+                                       messages=[{"role": "user", "content": "x"}],
+                                       response_format={"type": "json_object"})
+    assert e.value.body["param"] == "response_format" and "logits" in e.value.body["message"]
+    bad_schema = {"type": "json_schema",
+                  "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="simulated-v1", max_tokens=4,
+                                       messages=[{"role": "user", "content": "x"}],
+                                       response_format=bad_schema)
+    assert e.value.body["param"] == "response_format"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="simulated-v1", prompt="x", max_tokens=4,
+                                  extra_body={"structured_outputs": {"regex": "(unclosed"}})
+    assert e.value.body["param"] == "structured_outputs"
+    r = stack.api("POST", "/api/jobs/", json={"prompt": "x", "structured_outputs": {"choice": []}})
+    assert r.status_code == 400 and "structured_outputs" in r.text

@@ -116,3 +116,58 @@ def test_logprobs_through_v1_match_transformers(tiny_stack):
     for row, token, got, top in zip(reference, out, lp.token_logprobs, lp.top_logprobs):
         assert abs(got - row[token].item()) < 1e-4
         assert abs(max(top.values()) - row.max().item()) < 1e-4 and len(top) <= 2
+
+
+@pytest.fixture(scope="module")
+def default_stack(tmp_path_factory):
+    """The service on the real default model (SmolLM2-135M-Instruct, float32, CPU)."""
+    from engine.default_model import default_model_dir
+    if not (default_model_dir() / "config.json").is_file():
+        pytest.skip("default model not converted (run `make setup`)")
+    s = Stack(Path(tmp_path_factory.mktemp("default-stack")))
+    try:
+        s.start_web()
+        s.start_engine("smol", model=str(default_model_dir()), device="cpu", dtype="float32",
+                       attention_backend="torch", num_gpu_blocks=256, max_num_seqs=8)
+        yield s
+    finally:
+        s.stop()
+
+
+def test_structured_output_on_the_default_model(default_stack):
+    """response_format json_schema (chat, streamed and not), json_object, vLLM's
+    structured_outputs choice (completions) and the REST API: every answer parses and
+    validates."""
+    import json
+
+    import jsonschema
+    schema = {"type": "object", "additionalProperties": False, "required": ["city", "sunny"],
+              "properties": {"city": {"type": "string", "maxLength": 24},
+                             "sunny": {"type": "boolean"}}}
+    client = openai.OpenAI(base_url=f"{default_stack.url}/v1",
+                           api_key=default_stack.tokens["alice"], max_retries=0, timeout=300)
+    (model,) = [m.id for m in client.models.list()]
+    messages = [{"role": "user", "content": "The weather in Paris, as JSON."}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "weather", "schema": schema,
+                                                  "strict": True}}
+    r = client.chat.completions.create(model=model, messages=messages, max_tokens=60,
+                                       temperature=0, response_format=fmt)
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=model, messages=messages, max_tokens=60, temperature=0.8, seed=2, stream=True,
+        response_format=fmt))
+    jsonschema.validate(json.loads(streamed), schema)
+    any_object = client.chat.completions.create(  # (the weather prompt makes it loop)
+        model=model, max_tokens=100, temperature=0, response_format={"type": "json_object"},
+        messages=[{"role": "user", "content": "Give a JSON object with a name and an age."}]
+    ).choices[0]
+    assert any_object.finish_reason == "stop"
+    assert isinstance(json.loads(any_object.message.content), dict)
+    choice = client.completions.create(model=model, prompt="Is the sky blue? Answer:",
+                                       max_tokens=5, temperature=0,
+                                       extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert choice.choices[0].text in ("yes", "no")
+    job = default_stack.wait_job(default_stack.api("POST", "/api/jobs/", json={
+        "messages": messages, "max_tokens": 60, "structured_outputs": {"json": schema}})
+        .json()["id"], timeout_s=300)
+    jsonschema.validate(json.loads(job["output_text"]), schema)
