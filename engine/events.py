@@ -18,6 +18,8 @@ EVENT_TYPES = (
     "Pinned",  # blocks pinned (one reference held by the pin)
     "Unpinned",
     "Finished",  # a request ended (finish reason in detail)
+    "Forked",  # a request with n > 1 became its n samples, sharing its blocks
+    "CopiedOnWrite",  # a sample copied the shared, partly filled block it was to write
 )
 
 

@@ -55,6 +55,9 @@ class KVCacheManager:
         self._step_ids: dict[str, tuple[list, list[int]]] = {}  # step_block_ids cache
         self.req_to_cpu_blocks: dict[str, list[KVBlock]] = {}  # CPU table while swapped
         self._num_offered: dict[str, int] = {}  # leading blocks already offered to the cache
+        # Samples of a fork whose partly filled last block may still be shared: the first
+        # write into it copies it (allocate_slots).
+        self._shared_tail: set[str] = set()
         self.prefix_cache_queries = 0  # prompt tokens looked up (tokens)
         self.prefix_cache_hits = 0  # of which found cached (tokens)
         # Blocks registered in the cache during this schedule, whose K/V the coming
@@ -118,6 +121,8 @@ class KVCacheManager:
         nothing, when the GPU pool has too few free blocks.
         """
         rid = request.request_id
+        if rid in self._shared_tail:
+            return self._allocate_unshared(request, num_new_tokens)
         table = self.req_to_blocks.get(rid, [])
         total_tokens = request.num_computed_tokens + num_new_tokens
         if match is None and table and cdiv(total_tokens, self.block_size) <= len(table):
@@ -151,6 +156,43 @@ class KVCacheManager:
         self._offer_to_cache(request, total_tokens)
         return result
 
+    def fork(self, parent: Request, child: Request) -> None:
+        """Give a sample of a fork the parent's blocks (one more reference each). Its
+        partly filled last block, if any, stays shared until the sample writes into it."""
+        table = self.req_to_blocks.get(parent.request_id, [])
+        self.gpu.touch(table)
+        self.req_to_blocks[child.request_id] = list(table)
+        self._num_offered[child.request_id] = self._num_offered.get(parent.request_id, 0)
+        if parent.num_computed_tokens % self.block_size:
+            self._shared_tail.add(child.request_id)
+
+    def _allocate_unshared(self, request: Request, num_new_tokens: int) -> Allocation | None:
+        """allocate_slots for a sample whose last block may be shared: if a sibling still
+        holds it, this request writes into a copy (copy-on-write); the last holder keeps
+        the original. None, changing nothing, when the pool is short."""
+        rid = request.request_id
+        table = self.req_to_blocks[rid]
+        shared = table[-1]
+        if shared.ref_cnt == 1:  # the others copied it or left: it is this request's alone
+            self._shared_tail.discard(rid)
+            return self.allocate_slots(request, num_new_tokens)
+        total_tokens = request.num_computed_tokens + num_new_tokens
+        num_new_blocks = max(cdiv(total_tokens, self.block_size) - len(table), 0)
+        if 1 + num_new_blocks > self.gpu.num_free:
+            return None
+        copy, *grown = self.gpu.take_new(1 + num_new_blocks)
+        self.gpu.free([shared])  # this request's reference (a sibling still holds it)
+        table[-1] = copy
+        table.extend(grown)
+        self._step_ids.pop(rid, None)  # the table changed in place
+        self._shared_tail.discard(rid)
+        self._events.emit("CopiedOnWrite", request_id=rid,
+                          block_ids=[shared.block_id, copy.block_id],
+                          ref_cnts=[shared.ref_cnt, copy.ref_cnt],
+                          num_tokens=request.num_computed_tokens)
+        self._offer_to_cache(request, total_tokens)
+        return Allocation(new_blocks=[copy, *grown], copies=[(shared.block_id, copy.block_id)])
+
     def _offer_to_cache(self, request: Request, num_tokens: int) -> None:
         """Register the request's blocks that will be full after num_tokens are computed."""
         if not self.enable_caching:
@@ -177,6 +219,7 @@ class KVCacheManager:
         evicted before its head), and any CPU blocks it holds."""
         rid = request.request_id
         self._num_offered.pop(rid, None)
+        self._shared_tail.discard(rid)
         table = self.req_to_blocks.pop(rid, [])
         self._step_ids.pop(rid, None)
         if table:
@@ -204,6 +247,7 @@ class KVCacheManager:
         mapping = [(g.block_id, c.block_id) for g, c in zip(table, cpu_blocks)]
         self.req_to_cpu_blocks[rid] = cpu_blocks
         self._num_offered.pop(rid, None)
+        self._shared_tail.discard(rid)
         del self.req_to_blocks[rid]
         self._step_ids.pop(rid, None)
         self.gpu.free(reversed(table))  # cached ones stay findable until reused

@@ -6,6 +6,7 @@ queues them and applies them between steps).
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 
@@ -64,6 +65,7 @@ class LLMEngine:
         self._snapshot_seq = itertools.count(1)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._structured = None  # engine/structured.py, built on the first constrained request
+        self.scheduler.make_sample = self._make_sample
         self._pending: list[Request] = []  # ended by abort or finish_request, not reported yet
         self._inflight = None  # the SchedulerOutput being run, until its update is done
         self._prompt_rate = RateMeter()
@@ -104,12 +106,34 @@ class LLMEngine:
             index=next(self._indices), root_hash=root_hash(self.runner.model_id, cache_salt),
             pinned_root=root_hash(self.runner.model_id, None) if cache_salt else None,
             block_size=self.config.block_size, priority=priority, job_id=job_id,
-            eos_token_ids=self.tokenizer.eos_token_ids, grammar=grammar)
+            eos_token_ids=self.tokenizer.eos_token_ids, grammar=grammar,
+            held_back=1 if params.n > 1 else 0)
         if self.detokenize:
             self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop,
                                                              params.min_tokens)
         self.scheduler.add(request)
         self.version += 1
+
+    def _make_sample(self, parent: Request, i: int) -> Request:
+        """Sample i of a forked request: the parent's prompt and place, its own id
+        ("<parent>/<i>"), seed (the parent's + i, if it has one), detokenizer and grammar
+        matcher. The scheduler gives it the parent's blocks."""
+        params = dataclasses.replace(
+            parent.sampling_params, n=1,
+            seed=None if parent.sampling_params.seed is None else parent.sampling_params.seed + i)
+        request_id = f"{parent.request_id}/{i}"
+        self._detok.pop(parent.request_id, None)  # the parent itself never outputs
+        if self.detokenize:
+            self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop,
+                                                             params.min_tokens)
+        return Request(
+            request_id=request_id, prompt_token_ids=parent.prompt_token_ids,
+            sampling_params=params, arrival_time=parent.arrival_time,
+            index=next(self._indices), root_hash=parent.root_hash,
+            pinned_root=parent.pinned_root, block_size=parent.block_size,
+            priority=parent.priority, job_id=parent.job_id, eos_token_ids=parent.eos_token_ids,
+            grammar=self._grammar(params) if params.structured is not None else None,
+            parent_id=parent.request_id, sample_index=i)
 
     def _grammar(self, params: SamplingParams):
         """A matcher for the request's constraint (engine/structured.py)."""
@@ -242,12 +266,23 @@ class LLMEngine:
         ids = [f"{base}{i}" for i in range(len(prompts))]
         for rid, prompt, p in zip(ids, prompts, params):
             self.add_request(rid, prompt, p)
+        # A prompt with n > 1 ends when its n samples have.
+        waiting = {sid for rid, p in zip(ids, params)
+                   for sid in ([rid] if p.n == 1 else [f"{rid}/{i}" for i in range(p.n)])}
         final: dict[str, RequestOutput] = {}
-        while len(final) < len(ids):
+        while waiting:
             for o in self.step():
                 if o.finished:
                     final[o.request_id] = o
-        return [final[rid] for rid in ids]
+                    waiting.discard(o.request_id)
+        outputs = []
+        for rid, p in zip(ids, params):
+            if p.n == 1:
+                outputs.append(final[rid])
+                continue
+            samples = [final[f"{rid}/{i}"] for i in range(p.n)]
+            outputs.append(dataclasses.replace(samples[0], request_id=rid, samples=samples))
+        return outputs
 
     def recover_from_failed_step(self) -> list[str]:
         """After step() raised: end the requests of the failed batch (their K/V may be
@@ -271,9 +306,9 @@ class LLMEngine:
         """End a request now; the next step reports it (finish_reason "abort"). Returns
         its output so far."""
         self.version += 1
-        request = self.scheduler.abort(request_id)
-        self._pending.append(request)
-        return self._request_output(request)
+        ended = self.scheduler.abort(request_id)
+        self._pending.extend(ended)
+        return self._request_output(ended[-1])
 
     def finish_request(self, request_id: str, reason: str = "stop") -> bool:
         """End a request as finished (its caller found a stop string in its text); the

@@ -18,6 +18,9 @@ class RequestOutput:
     text_delta: str = ""  # text added since the previous output of this request
     # per output token [sampled logprob, top ids, top logprobs] (SamplingParams.logprobs)
     logprobs: list[list] | None = None
+    # n > 1 (LLMEngine.generate): every sample's output, in order; the fields above are
+    # sample 0's
+    samples: list[RequestOutput] | None = None
 
 
 @dataclass(slots=True)

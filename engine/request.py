@@ -36,6 +36,12 @@ class Request:
     # With a cache salt: the unsalted chain's root. Pinned blocks are published by an
     # operator on purpose, so a salted request may share those (and only those).
     pinned_root: BlockHash | None = None
+    # Parallel sampling: a request with n > 1 holds back its last prompt token (computes
+    # all but it, never samples) and then forks into its samples, "<id>/<i>", each of
+    # which computes that token in blocks shared with the others and samples on its own.
+    held_back: int = 0  # 1 while it waits to fork
+    parent_id: str | None = None  # a sample's: the request it forked from
+    sample_index: int = 0  # a sample's place among its siblings
     # Everything below is owned by the Scheduler (the engine's output path appends tokens).
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

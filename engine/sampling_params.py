@@ -7,6 +7,7 @@ from engine.errors import InvalidRequestError
 
 
 MAX_LOGPROBS = 20  # most likely tokens reported per sampled token, at most
+MAX_N = 16  # parallel samples of one prompt, at most
 
 
 @dataclass(slots=True)
@@ -35,6 +36,10 @@ class SamplingParams:
     # A constraint on the output (engine/structured.py): {"json": schema},
     # {"json_object": true}, {"regex": ...}, {"choice": [...]} or {"grammar": EBNF}.
     structured: dict | None = None
+    # Parallel sampling: n sequences from one prompt. The prompt is computed once; then
+    # the request forks into n samples that share its blocks (the partly filled last one
+    # copied on its first write). With a seed, sample i uses seed + i.
+    n: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -81,6 +86,8 @@ class SamplingParams:
                                          and 0 <= self.logprobs <= MAX_LOGPROBS),
                f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got "
                f"{self.logprobs!r}")
+        _check(_is_int(self.n) and 1 <= self.n <= MAX_N,
+               f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
         if self.structured is not None:
             from engine.structured import check_spec
             check_spec(self.structured)

@@ -11,6 +11,7 @@ fought over in the same step.
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
@@ -69,6 +70,10 @@ class Scheduler:
         self.swapped: collections.deque[Request] = collections.deque()
         self.recently_finished: collections.deque[Request] = collections.deque(maxlen=64)
         self.counters = SchedulerCounters()
+        # Parallel sampling: the engine makes a fork's samples (it numbers requests and
+        # gives each its own detokenizer and grammar); live forks' sample ids by parent.
+        self.make_sample: Callable[[Request, int], Request] | None = None
+        self.forks: dict[str, list[str]] = {}
 
     # --- queue management ----------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -100,7 +105,7 @@ class Scheduler:
         while i < len(running) and budget > 0:
             request = running[i]
             start = request.num_computed_tokens
-            num_tokens = len(request.all_token_ids)
+            num_tokens = len(request.all_token_ids) - request.held_back
             num_new = min(num_tokens - start, budget)
             alloc = allocate(request, num_new)
             while alloc is None:
@@ -117,7 +122,8 @@ class Scheduler:
                 out.copies.extend(alloc.copies)
             scheduled.append(ScheduledRequest(request, num_new, start,
                                               step_ids(request.request_id),
-                                              start + num_new == num_tokens))
+                                              start + num_new == num_tokens
+                                              and not request.held_back))
             budget -= num_new
             i += 1
         return budget
@@ -131,8 +137,9 @@ class Scheduler:
             if not self._swap_in(request, out.swap_in):
                 break
             if budget > 0:
-                num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-                alloc = self.kv.allocate_slots(request, num_new)
+                num_new = min(request.num_tokens - request.held_back
+                              - request.num_computed_tokens, budget)
+                alloc = self.kv.allocate_slots(request, num_new) if num_new > 0 else None
                 if alloc is not None:
                     self._add_scheduled(out, request, num_new)
                     budget -= num_new
@@ -143,7 +150,8 @@ class Scheduler:
             request = self.waiting.peek()
             match = self.kv.find_prefix(request)
             request.num_computed_tokens = match.num_computed_tokens
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(request.num_tokens - request.held_back
+                          - request.num_computed_tokens, budget)
             alloc = self.kv.allocate_slots(request, num_new, match)
             if alloc is None:
                 request.num_computed_tokens = 0
@@ -155,6 +163,9 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.copies.extend(alloc.copies)
+            if num_new == 0:  # a fork whose prompt but the last token was all cached
+                self._fork(request)
+                continue
             self._add_scheduled(out, request, num_new)
             budget -= num_new
 
@@ -162,7 +173,7 @@ class Scheduler:
         start = request.num_computed_tokens
         out.scheduled.append(ScheduledRequest(
             request, num_new, start, self.kv.step_block_ids(request.request_id),
-            start + num_new == len(request.all_token_ids)))
+            start + num_new == len(request.all_token_ids)))  # never for a fork's parent
 
     # --- after the model ran ---------------------------------------------------------
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
@@ -182,6 +193,9 @@ class Scheduler:
                 counters.num_prompt_tokens += s.num_new_tokens
             request.num_computed_tokens += s.num_new_tokens
             if not s.samples:
+                if request.held_back and \
+                        request.num_computed_tokens == len(request.all_token_ids) - 1:
+                    self._fork(request)  # its prompt but the last token is computed
                 continue
             token = sampled[request.request_id]
             request.append_output_token(token)
@@ -200,6 +214,32 @@ class Scheduler:
             self.finish(request, RequestStatus.FINISHED, reason)
         return progressed
 
+    def _fork(self, parent: Request) -> None:
+        """Replace a running request with n > 1 by its n samples, in its place in the
+        running order. Each gets the parent's blocks (one more reference each) and its
+        progress (all but the last prompt token computed), computes that last token
+        itself (copying the shared, partly filled block first) and samples on its own."""
+        n = parent.sampling_params.n
+        samples = [self.make_sample(parent, i) for i in range(n)]
+        for sample in samples:
+            self.kv.fork(parent, sample)
+            sample.num_computed_tokens = parent.num_computed_tokens
+            sample.num_cached_tokens = parent.num_cached_tokens
+            sample.status = RequestStatus.RUNNING
+            self.requests[sample.request_id] = sample
+        at = self.running.index(parent)
+        self.running[at:at + 1] = samples
+        table = self.kv.block_ids(parent.request_id)
+        self.kv.free(parent)
+        del self.requests[parent.request_id]
+        parent.status = RequestStatus.FINISHED
+        parent.finish_reason = "forked"
+        self.forks[parent.request_id] = [s.request_id for s in samples]
+        self.events.emit("Forked", request_id=parent.request_id, block_ids=table,
+                         ref_cnts=[b.ref_cnt for b in self.kv.req_to_blocks.get(
+                             samples[0].request_id, [])],
+                         num_tokens=parent.num_computed_tokens, detail=f"{n} samples")
+
     def finish(self, request: Request, status: RequestStatus, reason: str) -> None:
         """End a live request (finished or aborted) and release all its blocks."""
         if request.status == RequestStatus.RUNNING:
@@ -213,6 +253,10 @@ class Scheduler:
         request.finish_reason = reason
         request.num_computed_tokens = 0
         del self.requests[request.request_id]
+        if request.parent_id is not None:  # the fork is over once its last sample is
+            siblings = self.forks.get(request.parent_id, ())
+            if not any(s in self.requests for s in siblings):
+                self.forks.pop(request.parent_id, None)
         self.recently_finished.append(request)
         self.events.emit("Finished", request_id=request.request_id, detail=reason,
                          num_tokens=request.num_tokens)
@@ -282,10 +326,15 @@ class Scheduler:
                 f"cannot {action} request {request.request_id!r}: it is {request.status.value}, "
                 f"not {status.value}")
 
-    def abort(self, request_id: str) -> Request:
-        request = self.get_live(request_id)
-        self.finish(request, RequestStatus.ABORTED, "abort")
-        return request
+    def abort(self, request_id: str) -> list[Request]:
+        """End a request, or every live sample of a forked request (by its id)."""
+        if request_id in self.forks:
+            ended = [self.requests[s] for s in self.forks[request_id] if s in self.requests]
+        else:
+            ended = [self.get_live(request_id)]
+        for request in ended:
+            self.finish(request, RequestStatus.ABORTED, "abort")
+        return ended
 
     def preempt(self, request_id: str) -> Request:
         request = self.get_live(request_id)

@@ -126,3 +126,30 @@ def test_logprobs_match_transformers_log_softmax(tiny_model):
             assert a[1] == b[1] and abs(a[0] - b[0]) < 1e-4
     assert make_engine(folder).generate(PROMPTS[:1], SamplingParams(max_tokens=2))[0] \
         .logprobs is None
+
+
+def test_forked_samples_on_the_model(tiny_model):
+    """n > 1 on real logits: greedy samples equal one greedy request; with a seed, sample
+    i equals a single request seeded seed + i; without one, samples differ; through
+    preemption the same."""
+    folder = tiny_model("gqa64")
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    (alone,) = make_engine(folder).generate(PROMPTS[:1], greedy)
+    (forked,) = make_engine(folder).generate(
+        PROMPTS[:1], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, n=3))
+    assert [s.output_token_ids for s in forked.samples] == [alone.output_token_ids] * 3
+
+    def seeded(seed, n=1):
+        return SamplingParams(max_tokens=10, temperature=1.0, seed=seed, ignore_eos=True, n=n)
+    (fork,) = make_engine(folder).generate(PROMPTS[1:2], seeded(40, n=3))
+    singles = [make_engine(folder).generate(PROMPTS[1:2], seeded(40 + i))[0].output_token_ids
+               for i in range(3)]
+    assert [s.output_token_ids for s in fork.samples] == singles
+    (free,) = make_engine(folder).generate(PROMPTS[1:2], SamplingParams(
+        max_tokens=10, temperature=1.0, ignore_eos=True, n=3))
+    assert len({tuple(s.output_token_ids) for s in free.samples}) > 1
+    engine = make_engine(folder, num_gpu_blocks=16, enable_prefix_caching=False)
+    others = PROMPTS[:1] + PROMPTS[2:]
+    outs = engine.generate(PROMPTS[1:2] + others, [seeded(40, n=3)] + [greedy] * len(others))
+    assert engine.metrics()["num_preemptions"] > 0
+    assert [s.output_token_ids for s in outs[0].samples] == singles

@@ -39,13 +39,27 @@ class EngineMachine(RuleBasedStateMachine):
         self.prompts[rid] = (prompt, max_tokens)
         self.requests.append(self.engine.scheduler.requests[rid])
 
+    @rule(prefix=st.sampled_from(PREFIXES), suffix=st.lists(st.integers(0, 999), max_size=6),
+          max_tokens=st.integers(1, 12), n=st.integers(2, 3))
+    def fork(self, prefix, suffix, max_tokens, n):
+        """n samples of one prompt: shared blocks, copy-on-write of the partial one."""
+        prompt = prefix + suffix
+        rid = f"r{self.n}"
+        self.n += 1
+        self.engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, n=n))
+        self.prompts[rid] = (prompt, max_tokens)
+        self.requests.append(self.engine.scheduler.requests[rid])
+
     @rule(n=st.integers(1, 3))
     def step(self, n):
         for _ in range(n):
             for out in self.engine.step():
                 if out.finished and out.finish_reason != "abort":
-                    prompt, max_tokens = self.prompts[out.request_id]
+                    # a sample "r3/1" of a fork is checked against its parent's prompt
+                    prompt, max_tokens = self.prompts[out.request_id.split("/")[0]]
                     assert out.output_token_ids == expected(prompt, max_tokens)
+            self.requests.extend(r for r in self.engine.scheduler.requests.values()
+                                 if r.parent_id is not None and r not in self.requests)
 
     def _pick(self, data, status):
         live = [r.request_id for r in self.engine.scheduler.requests.values()
