@@ -312,13 +312,16 @@ class LLMEngine:
 
     def finish_request(self, request_id: str, reason: str = "stop") -> bool:
         """End a request as finished (its caller found a stop string in its text); the
-        next step reports it. False if it had ended already."""
-        request = self.scheduler.requests.get(request_id)
-        if request is None:
+        next step reports it. False if it had ended already. A forked request's id ends
+        all its live samples."""
+        ids = self.scheduler.forks.get(request_id, [request_id])
+        ended = [self.scheduler.requests[i] for i in ids if i in self.scheduler.requests]
+        if not ended:
             return False
         self.version += 1
-        self.scheduler.finish(request, RequestStatus.FINISHED, reason)
-        self._pending.append(request)
+        for request in ended:
+            self.scheduler.finish(request, RequestStatus.FINISHED, reason)
+        self._pending.extend(ended)
         return True
 
     def preempt(self, request_id: str) -> dict:

@@ -212,9 +212,19 @@ class EngineCoreClient:
         if kind == "out":
             outputs = [CoreOutput.from_wire(row) for row in message[1]]
             ended = [o.request_id for o in outputs if o.finished]
+            # A forked request's samples ("<id>/<i>") stand for it from their first
+            # output on: they are what a dead core leaves to fail.
+            samples = [o.request_id for o in outputs if "/" in o.request_id
+                       and not o.finished and o.request_id not in self._in_flight]
+            if samples:
+                with self._lock:
+                    self._in_flight.update(samples)
+                    self._in_flight.difference_update(s.rsplit("/", 1)[0] for s in samples)
             if ended:
                 with self._lock:
                     self._in_flight.difference_update(ended)
+                    self._in_flight.difference_update(e.rsplit("/", 1)[0] for e in ended
+                                                      if "/" in e)
             if self.sink is not None:
                 self.sink.push(outputs)
         elif kind == "reply":

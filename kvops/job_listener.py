@@ -43,6 +43,10 @@ class JobListener:
         self.num_prompt_tokens = job.num_prompt_tokens  # both also in the stream's updates
         self.num_cached_tokens = job.num_cached_tokens
         self.logprobs: list[list] = []  # [token, logprob, top] per token, if asked
+        # n > 1: samples 1.. (self.text and the counts above are sample 0's); their text
+        # is on the stream only, and in the row's `samples` once the job has ended
+        self.sample_texts: dict[int, TextAssembler] = {}
+        self.sample_tokens: dict[int, int] = {}
         self._logprobs_attempt = job.attempts
         self.text.add(job.attempts, 0, job.output_text)
         self._last_reload = float("-inf")
@@ -51,7 +55,25 @@ class JobListener:
     def finished(self) -> bool:
         return bool(self.state.get("finished"))
 
+    def text_of(self, index: int) -> str:
+        """Sample `index`'s text so far (0: the job's own)."""
+        if index == 0:
+            return self.text.text
+        assembler = self.sample_texts.get(index)
+        return assembler.text if assembler is not None else ""
+
+    @property
+    def num_all_output_tokens(self) -> int:
+        """Tokens produced so far, every sample's."""
+        return self.num_output_tokens + sum(self.sample_tokens.values())
+
     def apply(self, update: dict) -> None:
+        index = update.get("i", 0)
+        if index:
+            assembler = self.sample_texts.setdefault(index, TextAssembler())
+            if assembler.add(update["attempt"], update["offset"], update["text"]):
+                self.sample_tokens[index] = update["n"]
+            return
         if not self.text.add(update["attempt"], update["offset"], update["text"]):
             return  # an older attempt's
         self.num_output_tokens = update["n"]

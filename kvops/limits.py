@@ -19,6 +19,7 @@ MIN_P = (0.0, 1.0)
 LOGIT_BIAS = (-100.0, 100.0)
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_LOGPROBS = 20  # as engine.sampling_params.MAX_LOGPROBS
+MAX_N = 16  # as engine.sampling_params.MAX_N
 
 
 class InvalidParam(ValueError):

@@ -69,6 +69,10 @@ class Job(models.Model):
     cancel_requested = models.BooleanField(default=False)
     output_text = models.TextField(blank=True)
     output_token_ids = models.JSONField(default=list, blank=True)
+    samples = models.JSONField(
+        default=list, blank=True,
+        help_text="with n > 1: every sample's {text, token_ids, finish_reason}, in order "
+                  "(output_text and output_token_ids hold sample 0's)")
     finish_reason = models.CharField(max_length=16, blank=True)
     error = models.TextField(blank=True)
     num_prompt_tokens = models.PositiveIntegerField(default=0)

@@ -120,9 +120,7 @@ def _sampling(body: dict, default_max_tokens: int, chat: bool) -> dict:
     for name, nothing in NOT_SUPPORTED.items():
         if body.get(name) is not None and body[name] not in nothing:
             raise BadRequest(f"`{name}` is not supported", name)
-    n = body.get("n", 1)
-    if n not in (None, 1) or isinstance(n, bool):
-        raise BadRequest("only n=1 is supported", "n")
+    n = _number(body, "n", 1, 1, limits.MAX_N, integer=True)
     if body.get("user") is not None and not isinstance(body["user"], str):
         raise BadRequest("`user` must be a string", "user")
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
@@ -142,6 +140,8 @@ def _sampling(body: dict, default_max_tokens: int, chat: bool) -> dict:
         raise BadRequest(f"`stop_token_ids` must be a list of at most "
                          f"{limits.MAX_STOP_TOKEN_IDS} token ids", "stop_token_ids")
     logprobs = _logprobs(body, chat)
+    if n > 1 and logprobs is not None:
+        raise BadRequest("logprobs with n > 1 are not served yet", "logprobs")
     structured = _structured(body)
     repetition = _number(body, "repetition_penalty", 1.0, *limits.REPETITION_PENALTY)
     if repetition <= limits.REPETITION_PENALTY[0]:
@@ -165,6 +165,7 @@ def _sampling(body: dict, default_max_tokens: int, chat: bool) -> dict:
         "logit_bias": logit_bias,
         "logprobs": logprobs,
         "structured": structured,
+        "n": n,
     }
     try:
         return limits.sampling_params(params)
@@ -316,8 +317,11 @@ def _format_logprobs(entries: list[list], chat: bool, text_offset: int) -> dict:
 
 
 def _usage(state: dict) -> dict:
-    """OpenAI's usage object from a job's state."""
-    return _usage_of(state.get("num_prompt_tokens", 0), state.get("num_output_tokens", 0),
+    """OpenAI's usage object from a job's state (every sample's tokens, with n > 1)."""
+    samples = state.get("samples") or ()
+    output = sum(len(s["token_ids"]) for s in samples) if samples \
+        else state.get("num_output_tokens", 0)
+    return _usage_of(state.get("num_prompt_tokens", 0), output,
                      state.get("num_cached_tokens", 0))
 
 
@@ -389,7 +393,7 @@ async def _handle(request: HttpRequest, chat: bool) -> HttpResponse:
     if stream:
         response = StreamingHttpResponse(_sse(listener, ident, model, created, chat,
                                               job.params.get("logprobs") is not None,
-                                              **stream_options),
+                                              n=job.params.get("n") or 1, **stream_options),
                                          content_type="text/event-stream")
         response["Cache-Control"] = "no-cache"
         response["X-Accel-Buffering"] = "no"
@@ -408,16 +412,23 @@ async def _handle(request: HttpRequest, chat: bool) -> HttpResponse:
     state = listener.state
     if state.get("status") == Job.Status.FAILED:
         return _error(500, f"the job failed: {state.get('error')}", type_="server_error")
-    choice: dict[str, Any] = {"index": 0, "finish_reason": _finish_reason(state),
-                              "logprobs": None}
-    if job.params.get("logprobs") is not None:
-        choice["logprobs"] = _format_logprobs(listener.logprobs, chat, 0)
-    if chat:
-        choice["message"] = {"role": "assistant", "content": listener.text.text}
-    else:
-        choice["text"] = listener.text.text
+    # n > 1: every sample's outcome is in the row's `samples`
+    outcomes = state.get("samples") or [{"text": listener.text.text,
+                                         "finish_reason": _finish_reason(state)}]
+    choices = []
+    for index, outcome in enumerate(outcomes):
+        choice: dict[str, Any] = {"index": index,
+                                  "finish_reason": outcome["finish_reason"] or None,
+                                  "logprobs": None}
+        if job.params.get("logprobs") is not None:
+            choice["logprobs"] = _format_logprobs(listener.logprobs, chat, 0)
+        if chat:
+            choice["message"] = {"role": "assistant", "content": outcome["text"]}
+        else:
+            choice["text"] = outcome["text"]
+        choices.append(choice)
     return JsonResponse({"id": ident, "object": "chat.completion" if chat else "text_completion",
-                         "created": created, "model": model, "choices": [choice],
+                         "created": created, "model": model, "choices": choices,
                          "usage": _usage(state), "kvops_job_id": job.pk})
 
 
@@ -446,18 +457,24 @@ def _prompt(prompt: Any) -> str:
     return prompt
 
 
+class _Diverged(Exception):
+    """A re-run's text does not continue what was streamed."""
+
+
 async def _sse(listener: JobListener, ident: str, model: str, created: int,
                chat: bool, logprobs: bool = False, include_usage: bool = False,
-               continuous_usage_stats: bool = False) -> AsyncIterator[str]:
+               continuous_usage_stats: bool = False, n: int = 1) -> AsyncIterator[str]:
     """The job's output as server-sent events: each chunk holds all the text produced
     since the previous one, and chunks are spaced so that a web process sends at most
     KVOPS_SSE_MAX_CHUNKS_PER_S of them, however many streams it serves. include_usage
     adds a last chunk with the usage (no choices), continuous_usage_stats the usage so
-    far to every chunk (stream_options)."""
+    far to every chunk (stream_options). With n > 1 each sample's chunks carry its
+    `index`."""
     kind = "chat.completion.chunk" if chat else "text_completion"
     logprobs_sent, text_offset = 0, 0  # entries of listener.logprobs streamed; their text
 
-    def chunk(delta_text: str | None, finish: str | None, first: bool = False) -> str:
+    def chunk(delta_text: str | None, finish: str | None, first: bool = False,
+              index: int = 0) -> str:
         nonlocal logprobs_sent, text_offset
         entries = None
         if logprobs and not first:  # the tokens produced since the previous chunk
@@ -469,48 +486,61 @@ async def _sse(listener: JobListener, ident: str, model: str, created: int,
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
             if delta_text:
                 delta["content"] = delta_text
-            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": entries}
+            choice = {"index": index, "delta": delta, "finish_reason": finish,
+                      "logprobs": entries}
         else:
-            choice = {"index": 0, "text": delta_text or "", "finish_reason": finish,
+            choice = {"index": index, "text": delta_text or "", "finish_reason": finish,
                       "logprobs": entries}
         data = {"id": ident, "object": kind, "created": created, "model": model,
                 "choices": [choice]}
         if continuous_usage_stats:
-            data["usage"] = _usage_of(listener.num_prompt_tokens, listener.num_output_tokens,
-                                      listener.num_cached_tokens)
+            data["usage"] = _usage_of(listener.num_prompt_tokens,
+                                      listener.num_all_output_tokens, listener.num_cached_tokens)
         return f"data: {json.dumps(data)}\n\n"
 
     def error(message: str) -> str:
         return f"data: {json.dumps({'error': {'message': message, 'type': 'server_error'}})}\n\n"
 
     max_rate = settings.KVOPS_SSE_MAX_CHUNKS_PER_S
-    sent = ""  # text streamed so far
+    sent = [""] * n  # each sample's text streamed so far
     try:
         if chat:
-            yield chunk(None, None, first=True)
+            for index in range(n):
+                yield chunk(None, None, first=True, index=index)
         try:
             async for _ in listener.updates():
-                text = listener.text.text
-                if not text.startswith(sent):  # a re-run (its worker died) said otherwise
-                    yield error("the job ran again after its engine stopped, and its new "
-                                "output differs from what was streamed; retry the request")
-                    break
-                if len(text) > len(sent):
-                    yield chunk(text[len(sent):], None)
-                    sent = text
+                moved = False
+                for index in range(n):
+                    text = listener.text_of(index)
+                    if not text.startswith(sent[index]):  # a re-run (its worker died)
+                        raise _Diverged
+                    if len(text) > len(sent[index]):
+                        yield chunk(text[len(sent[index]):], None, index=index)
+                        sent[index], moved = text, True
+                if moved:
                     await asyncio.sleep(listener.sub.hub.num_listeners / max_rate)
             else:
                 state = listener.state
                 if state.get("status") == Job.Status.FAILED:
                     yield error(f"the job failed: {state.get('error')}")
                 else:
-                    yield chunk(None, _finish_reason(state) or "stop")
+                    # The final row holds every sample's whole text: send what the stream
+                    # had not carried yet (samples 1.. are not in the progress writes).
+                    outcomes = state.get("samples") or [
+                        {"text": listener.text.text, "finish_reason": _finish_reason(state)}]
+                    for index, outcome in enumerate(outcomes):
+                        if len(outcome["text"]) > len(sent[index]):
+                            yield chunk(outcome["text"][len(sent[index]):], None, index=index)
+                        yield chunk(None, outcome["finish_reason"] or "stop", index=index)
                     if include_usage:
                         yield "data: " + json.dumps({
                             "id": ident, "object": kind, "created": created, "model": model,
                             "choices": [], "usage": _usage(state)}) + "\n\n"
         except JobFailed as e:
             yield error(f"the job's updates were lost: {e}")
+        except _Diverged:
+            yield error("the job ran again after its engine stopped, and its new output "
+                        "differs from what was streamed; retry the request")
         yield "data: [DONE]\n\n"
     finally:
         listener.sub.close()

@@ -78,6 +78,16 @@ class _Tracked:
     first_token_written: bool = False
     logprobs: list[list] = field(default_factory=list)  # for the next update (if asked)
     dirty: bool = False  # progress not in the database yet
+    # n > 1: this is sample `index` of the attempt `parent_id`; `siblings` (one list for
+    # them all, in order) end the job together, and sample 0's progress is the row's.
+    index: int = 0
+    parent_id: str | None = None
+    siblings: list[_Tracked] | None = None
+
+    @property
+    def attempt_id(self) -> str:
+        """The request id the job row knows (the parent's, for a sample)."""
+        return self.parent_id or self.request_id
 
 
 @dataclass(slots=True)
@@ -102,6 +112,7 @@ class OutputProcessor:
         self._failed: list[tuple[str, str]] = []  # (request id, why), under _lock
         self._new: dict[str, _Tracked] = {}  # tracked by tasks, not yet seen here; under _lock
         self._gone: set[str] = set()  # untracked by tasks; under _lock
+        self._forks: dict[str, list[_Tracked]] = {}  # n > 1: samples by parent id; under _lock
         self._jobs: dict[str, _Tracked] = {}  # processor thread only
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -111,20 +122,38 @@ class OutputProcessor:
 
     # --- any thread ----------------------------------------------------------------------
     def track(self, job_id: int, request_id: str, attempt: int,
-              stop: list[str] | None = None, min_tokens: int = 0) -> JobHandle:
+              stop: list[str] | None = None, min_tokens: int = 0, n: int = 1) -> JobHandle:
         """Follow this attempt's outputs (call before submitting the request); `stop`:
-        its stop strings, which count once min_tokens tokens are out."""
+        its stop strings, which count once min_tokens tokens are out. With n > 1 the
+        engine forks the request into samples "<request_id>/<i>": each is followed, and
+        the job ends when all have."""
         handle = JobHandle()
-        detok = IncrementalDetokenizer(self.tokenizer, list(stop or []), min_tokens)
+
+        def tracked(rid: str, **kw) -> _Tracked:
+            detok = IncrementalDetokenizer(self.tokenizer, list(stop or []), min_tokens)
+            return _Tracked(job_id, rid, attempt, handle, detok, **kw)
+
+        if n == 1:
+            new = [tracked(request_id)]
+        else:
+            new = [tracked(f"{request_id}/{i}", index=i, parent_id=request_id)
+                   for i in range(n)]
+            for t in new:
+                t.siblings = new
         with self._lock:
-            self._new[request_id] = _Tracked(job_id, request_id, attempt, handle, detok)
+            for t in new:
+                self._new[t.request_id] = t
+            if n > 1:
+                self._forks[request_id] = new
         return handle
 
     def untrack(self, request_id: str) -> None:
         """Stop following an attempt whose task gave up on it."""
         with self._lock:
-            self._new.pop(request_id, None)
-            self._gone.add(request_id)
+            ids = [t.request_id for t in self._forks.pop(request_id, ())] or [request_id]
+            for rid in ids:
+                self._new.pop(rid, None)
+                self._gone.add(rid)
         self._wake.set()
 
     def close(self, timeout_s: float = 5.0) -> None:
@@ -186,8 +215,10 @@ class OutputProcessor:
             t = self._jobs.get(request_id)
             if t is not None and t.finish_reason is None:
                 self._absorb(t, outs, updates)
-                if t.finish_reason is not None:
-                    ended.append(t)
+                if t.finish_reason is not None and (
+                        t.siblings is None or all(s.finish_reason is not None
+                                                  for s in t.siblings)):
+                    ended.append(t.siblings[0] if t.siblings else t)
         self._send(updates)  # progress: to the stream at once, to the database in batches
         if ended:  # their final rows carry all their text: no progress write for them
             self._send(self._end(ended))
@@ -197,17 +228,29 @@ class OutputProcessor:
             except Exception:  # kept dirty: written with the next batch
                 log.exception("writing the progress of %d jobs failed", len(self._jobs))
         for request_id, message in failed:
-            t = self._jobs.pop(request_id, None)
-            if t is not None:
-                services.fail_job(t.job_id, message, request_id=t.request_id)
+            members = self._pop_attempt(request_id)
+            if members:
+                t = members[0]
+                services.fail_job(t.job_id, message, request_id=t.attempt_id)
                 t.handle.set("failed")
         self.stats.flushes += 1
+
+    def _pop_attempt(self, request_id: str) -> list[_Tracked]:
+        """Stop following the attempt this id names (a request, a fork's parent, or one
+        of its samples): its tracked entries, all samples of a fork."""
+        t = self._jobs.get(request_id)
+        parent = t.parent_id if t is not None else request_id
+        with self._lock:
+            members = self._forks.pop(parent, None) or ([t] if t is not None else [])
+        for m in members:
+            self._jobs.pop(m.request_id, None)
+        return members
 
     def _end(self, ended: list[_Tracked]) -> list[dict]:
         """Write the final state of attempts that ended (one transaction), wake their
         tasks, and return the state updates to announce."""
         for t in ended:
-            del self._jobs[t.request_id]
+            self._pop_attempt(t.request_id)
         try:
             jobs = {job.pk: job for job in services.finish_jobs([_final_state(t) for t in ended])}
         except Exception:  # their tasks fail the jobs themselves, with the reason
@@ -258,6 +301,8 @@ class OutputProcessor:
         if delta or n != t.num_output_tokens:
             update = {"job": t.job_id, "attempt": t.attempt, "offset": t.chars,
                       "text": delta, "n": n}
+            if t.siblings is not None:
+                update["i"] = t.index
             if out.num_prompt_tokens != t.num_prompt_tokens:  # the attempt's first update
                 update["p"], update["c"] = out.num_prompt_tokens, out.num_cached_tokens
             if t.logprobs:
@@ -276,23 +321,24 @@ class OutputProcessor:
     def _write_progress(self) -> None:
         deltas = []
         for t in self._jobs.values():
-            if not t.dirty:
+            if not t.dirty or t.index:  # a fork's row follows its sample 0
                 continue
             first = t.first_token_at if not t.first_token_written else None
             deltas.append(services.ProgressDelta(
-                t.job_id, t.request_id, "".join(t.unwritten), t.num_output_tokens,
+                t.job_id, t.attempt_id, "".join(t.unwritten), t.num_output_tokens,
                 t.num_prompt_tokens, t.num_cached_tokens, t.num_preemptions, first))
         if not deltas:
             return
         fenced = services.record_progress(deltas)
         self.stats.db_writes += 1
         for request_id in fenced:  # its job runs elsewhere now, or ended: stop this one
-            t = self._jobs.pop(request_id, None)
-            if t is not None:
+            members = self._pop_attempt(request_id if request_id in self._jobs
+                                        else f"{request_id}/0")
+            if members:
                 log.warning("job %s: attempt %s no longer owns it; stopping its request",
-                            t.job_id, request_id)
-                self.on_stop(request_id)
-                t.handle.set("fenced")
+                            members[0].job_id, request_id)
+                self.on_stop(request_id)  # a fork's parent id stops all its samples
+                members[0].handle.set("fenced")
         for t in self._jobs.values():
             if t.dirty:
                 t.unwritten.clear()
@@ -308,8 +354,12 @@ class OutputProcessor:
 
 
 def _final_state(t: _Tracked) -> services.FinalState:
+    """The row's final state: the attempt's (a fork's: sample 0's, with every sample's
+    outcome in `samples`)."""
+    samples = [{"text": "".join(s.text), "token_ids": list(s.token_ids),
+                "finish_reason": s.finish_reason or ""} for s in t.siblings or ()]
     return services.FinalState(
-        job_id=t.job_id, request_id=t.request_id, text="".join(t.text),
+        job_id=t.job_id, request_id=t.attempt_id, text="".join(t.text),
         token_ids=list(t.token_ids), num_prompt_tokens=t.num_prompt_tokens,
         num_cached_tokens=t.num_cached_tokens, num_preemptions=t.num_preemptions,
-        finish_reason=t.finish_reason or "", first_token_at=t.first_token_at)
+        finish_reason=t.finish_reason or "", first_token_at=t.first_token_at, samples=samples)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from django.conf import settings
@@ -239,7 +239,7 @@ def job_payload(job: Job) -> dict:
             "num_prompt_tokens": job.num_prompt_tokens,
             "finished": job.is_terminal, "error": job.error, "engine": job.engine,
             "request_id": job.request_id, "num_cached_tokens": job.num_cached_tokens,
-            "num_preemptions": job.num_preemptions}
+            "num_preemptions": job.num_preemptions, "samples": job.samples}
 
 
 # --- jobs, worker side ------------------------------------------------------------------
@@ -256,8 +256,8 @@ class Claim:
 
 
 CLAIM_FIELDS = ["attempts", "status", "engine", "engine_instance", "request_id", "started_at",
-                "first_token_at", "output_text", "output_token_ids", "finish_reason", "error",
-                "num_output_tokens", "num_cached_tokens", "num_preemptions"]
+                "first_token_at", "output_text", "output_token_ids", "samples", "finish_reason",
+                "error", "num_output_tokens", "num_cached_tokens", "num_preemptions"]
 
 
 def claim_jobs(claims: list[Claim]) -> list[Job | None]:
@@ -325,6 +325,7 @@ def _claim(job: Job, c: Claim, live: set[str]) -> str | None:
     job.started_at = timezone.now()
     job.first_token_at = None
     job.output_text, job.output_token_ids, job.finish_reason, job.error = "", [], "", ""
+    job.samples = []
     job.num_output_tokens = job.num_cached_tokens = job.num_preemptions = 0
     return "run"
 
@@ -355,6 +356,7 @@ class FinalState:
     num_preemptions: int
     finish_reason: str
     first_token_at: datetime | None
+    samples: list[dict] = field(default_factory=list)  # n > 1: every sample's outcome
 
 
 def record_progress(deltas: list[ProgressDelta]) -> set[str]:
@@ -396,9 +398,10 @@ def finish_jobs(finals: list[FinalState]) -> list[Job]:
     sql = (f"UPDATE {table} SET output_text = %s, output_token_ids = %s, "
            "num_output_tokens = %s, num_prompt_tokens = %s, num_cached_tokens = %s, "
            "num_preemptions = %s, first_token_at = COALESCE(first_token_at, %s), "
-           "finish_reason = %s, status = %s, error = '', finished_at = %s "
+           "finish_reason = %s, samples = %s, status = %s, error = '', finished_at = %s "
            "WHERE id = %s AND request_id = %s AND status IN (%s, %s)")
     token_ids = Job._meta.get_field("output_token_ids")
+    samples = Job._meta.get_field("samples")
     when = connection.ops.adapt_datetimefield_value
     now = when(timezone.now())
     with transaction.atomic(), connection.cursor() as cursor:
@@ -411,7 +414,8 @@ def finish_jobs(finals: list[FinalState]) -> list[Job]:
             cursor.execute(sql, (
                 f.text, token_ids.get_db_prep_value(f.token_ids, connection),
                 len(f.token_ids), f.num_prompt_tokens, f.num_cached_tokens, f.num_preemptions,
-                when(f.first_token_at), f.finish_reason, Job.Status.FINISHED, now, f.job_id,
+                when(f.first_token_at), f.finish_reason,
+                samples.get_db_prep_value(f.samples, connection), Job.Status.FINISHED, now, f.job_id,
                 f.request_id, Job.Status.RUNNING, Job.Status.QUEUED))
             if cursor.rowcount:
                 finished.append(f.job_id)
@@ -432,12 +436,13 @@ def _finish_aborted(final: FinalState) -> Job | None:
     job.num_preemptions = final.num_preemptions
     job.first_token_at = job.first_token_at or final.first_token_at
     job.finish_reason = final.finish_reason
+    job.samples = final.samples
     reason = "cancelled by its owner" if job.cancel_requested \
         else f"aborted by an operator on engine {job.engine}"
     _end(job, Job.Status.CANCELLED, error=reason)
     job.save(update_fields=[
         "output_text", "output_token_ids", "num_output_tokens", "num_prompt_tokens",
-        "num_cached_tokens", "num_preemptions", "first_token_at", "finish_reason",
+        "num_cached_tokens", "num_preemptions", "first_token_at", "finish_reason", "samples",
         *END_FIELDS])
     return job
 

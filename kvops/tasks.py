@@ -72,7 +72,8 @@ def _run_claimed(service, jobs: list, outcomes: dict[int, str]) -> None:
     for job in jobs:
         params = job.params or {}
         handles[job.pk] = processor.track(job.pk, job.request_id, job.attempts,
-                                          params.get("stop"), params.get("min_tokens") or 0)
+                                          params.get("stop"), params.get("min_tokens") or 0,
+                                          params.get("n") or 1)
         try:
             prompt = service.render_chat(job.messages) if job.messages else job.prompt
         except Exception as e:  # noqa: BLE001  (that job's messages: it alone fails)

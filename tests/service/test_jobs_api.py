@@ -191,3 +191,23 @@ def signed_in(stack, username: str, password: str):
         "csrfmiddlewaretoken": session.cookies["csrftoken"]}, headers={"Referer": stack.url})
     assert r.status_code == 200 and not r.url.endswith("/login/"), r.url
     return session
+
+
+def test_cancel_a_running_job_with_samples(stack):
+    """n > 1: cancelling the job aborts every sample (the parent's request id names them
+    all), the job ends once, and no sample is left on the engine."""
+    r = stack.api("POST", "/api/jobs/", json={"prompt": "forked long one", "max_tokens": 3000,
+                                              "n": 3, "ignore_eos": True})
+    job_id = r.json()["id"]
+    stack.wait(lambda: stack.api("GET", f"/api/jobs/{job_id}/").json()["num_output_tokens"] > 0,
+               "samples producing", 30)
+    assert stack.api("POST", f"/api/jobs/{job_id}/cancel/").status_code == 200
+    done = stack.wait_job(job_id)
+    assert done["status"] == "cancelled" and len(done["samples"]) == 3
+    assert all(s["finish_reason"] == "abort" for s in done["samples"])
+
+    def samples_gone() -> bool:
+        snapshot = stack.api("GET", f"/api/engines/{done['engine']}/").json()["snapshot"]
+        return not any(q["request_id"].startswith(done["request_id"] + "/")
+                       for q in snapshot["requests"])
+    stack.wait(samples_gone, "the samples to leave the engine", 30)

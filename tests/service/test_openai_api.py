@@ -54,7 +54,7 @@ def test_errors_are_openai_shaped(client, stack):
         client.completions.create(model="simulated-v1", prompt="x", max_tokens=0)
     assert "max_tokens" in str(e.value)
     with pytest.raises(openai.BadRequestError):
-        client.completions.create(model="simulated-v1", prompt="x", n=3)
+        client.completions.create(model="simulated-v1", prompt="x", n=30)
     bad = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
@@ -260,3 +260,37 @@ def test_structured_output_is_refused_on_a_simulated_engine_and_checked(client, 
     assert e.value.body["param"] == "structured_outputs"
     r = stack.api("POST", "/api/jobs/", json={"prompt": "x", "structured_outputs": {"choice": []}})
     assert r.status_code == 400 and "structured_outputs" in r.text
+
+
+def test_n_samples_through_both_apis(client, stack):
+    """n > 1: the engine forks the request; every sample comes back (the simulated model
+    is deterministic, so each equals the single answer), as n choices, streamed with
+    their index, and as the REST job's `samples`; usage counts every sample's tokens."""
+    one = expected_text("fork me", 6)
+    r = client.completions.create(model="simulated-v1", prompt="fork me", max_tokens=6, n=3)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.text for c in r.choices] == [one] * 3
+    assert all(c.finish_reason == "length" for c in r.choices)
+    assert r.usage.completion_tokens == 18
+    texts: dict[int, str] = {}
+    finishes = {}
+    for chunk in client.completions.create(model="simulated-v1", prompt="fork me",
+                                           max_tokens=6, n=2, stream=True):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            if c.finish_reason:
+                finishes[c.index] = c.finish_reason
+    assert texts == {0: one, 1: one} and finishes == {0: "length", 1: "length"}
+    chat = client.chat.completions.create(model="simulated-v1", max_tokens=4, n=2,
+                                          messages=[{"role": "user", "content": "hi"}])
+    assert len(chat.choices) == 2 and chat.choices[0].message.content \
+        == chat.choices[1].message.content
+    job = stack.wait_job(stack.api("POST", "/api/jobs/", json={
+        "prompt": "fork me", "max_tokens": 6, "n": 2, "temperature": 0}).json()["id"])
+    assert job["status"] == "finished" and [s["text"] for s in job["samples"]] == [one] * 2
+    assert job["output_text"] == one
+    for kwargs, name in [({"n": 17}, "n"), ({"n": 2, "logprobs": 1}, "logprobs"),
+                         ({"best_of": 3}, "best_of")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model="simulated-v1", prompt="x", max_tokens=2, **kwargs)
+        assert e.value.body["param"] == name
