@@ -88,6 +88,35 @@ def test_output_processor_streams_and_writes_every_job_in_batches():
         assert mine[-1]["state"]["finished"] and mine[-1]["state"]["status"] == "finished"
 
 
+def test_a_forked_job_ends_once_all_its_samples_have_and_a_dead_core_fails_it():
+    """n > 1: the samples' outputs ('<request>/<i>') are followed; the job ends when the
+    last sample does, with every sample's outcome; a failure reported for the parent's
+    id (a core that died before any sample's output) fails the job, once."""
+    owner = User.objects.create_user("u5")
+    engine = LLMEngine(EngineConfig(simulate=True, vocab_size=1000, num_gpu_blocks=256),
+                       detokenize=False)
+    processor = OutputProcessor("e", StreamProducer(live.redis_client(), "e"),
+                                engine.tokenizer, engine.finish_request, db_interval_s=0.05)
+    forked, doomed = running_job(owner), running_job(owner)
+    handle = processor.track(forked.pk, forked.request_id, 1, n=3)
+    lost = processor.track(doomed.pk, doomed.request_id, 1, n=2)
+    engine.add_request(forked.request_id, "fork", SamplingParams(max_tokens=6, n=3))
+    engine.step_core()  # the parent's prefill: no output yet
+    engine.abort(f"{forked.request_id}/1")  # one sample ends early
+    while engine.has_unfinished_requests():
+        processor.push(engine.step_core())
+    assert handle.wait(20) == "finished"
+    processor.fail([doomed.request_id], "the engine core process stopped")
+    assert lost.wait(20) == "failed"
+    processor.close()
+    forked.refresh_from_db()
+    doomed.refresh_from_db()
+    assert [s["finish_reason"] for s in forked.samples] == ["length", "abort", "length"]
+    assert len(forked.samples[0]["token_ids"]) == 6 and forked.num_output_tokens == 6
+    assert forked.output_text == forked.samples[0]["text"] != ""
+    assert doomed.status == "failed" and "core" in doomed.error
+
+
 def test_a_stale_attempt_writes_nothing():
     owner = User.objects.create_user("u2")
     job = running_job(owner, attempt=2)
