@@ -34,6 +34,11 @@ def _error(status: int, message: str, param: str | None = None,
                                    "code": code}}, status=status)
 
 
+def _unauthorized() -> JsonResponse:
+    return _error(401, "missing or invalid API key: send `Authorization: Bearer <token>`",
+                  type_="authentication_error", code="invalid_api_key")
+
+
 class BadRequest(Exception):
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
@@ -340,8 +345,7 @@ async def _handle(request: HttpRequest, chat: bool) -> HttpResponse:
         return _error(405, "use POST")
     user = await _authenticate(request)
     if user is None:
-        return _error(401, "missing or invalid API key: send `Authorization: Bearer <token>`",
-                      type_="authentication_error", code="invalid_api_key")
+        return _unauthorized()
     if not user.is_staff:
         wait = await sync_to_async(allow_submission)(user)
         if wait is not None:
@@ -562,8 +566,7 @@ async def models(request: HttpRequest) -> HttpResponse:
     request.get_host()
     user = await _authenticate(request)
     if user is None:
-        return _error(401, "missing or invalid API key: send `Authorization: Bearer <token>`",
-                      type_="authentication_error", code="invalid_api_key")
+        return _unauthorized()
     served = await sync_to_async(selectors.served_models)()
     return JsonResponse({"object": "list", "data": [
         {"id": name, "object": "model", "created": 0, "owned_by": "kvops",
@@ -584,8 +587,7 @@ async def _tokenizer_call(request: HttpRequest, fields: set[str]):
         return _error(405, "use POST")
     user = await _authenticate(request)
     if user is None:
-        return _error(401, "missing or invalid API key: send `Authorization: Bearer <token>`",
-                      type_="authentication_error", code="invalid_api_key")
+        return _unauthorized()
     try:
         body = _parse(request)
         unknown = sorted(set(body) - fields)
