@@ -46,6 +46,24 @@ function renderFacts() {
   $("#cancel").hidden = TERMINAL.has(job.status);
 }
 
+// n > 1: every sample's text and finish reason, once the job has ended.
+function showSamples(samples) {
+  $("#samples-panel").hidden = samples.length === 0;
+  const box = $("#samples");
+  box.replaceChildren(...samples.map((s, i) => {
+    const div = document.createElement("div");
+    div.className = "output sample";
+    div.style.cssText = "min-height:0;margin-bottom:6px";
+    const label = document.createElement("b");
+    label.textContent = String(i);
+    const reason = document.createElement("span");
+    reason.className = "muted";
+    reason.textContent = ` ${s.finish_reason || ""} `;
+    div.append(label, reason, document.createTextNode(s.text));
+    return div;
+  }));
+}
+
 function showState(message) {
   const status = message.status;
   $("#status").textContent = status;
@@ -56,6 +74,7 @@ function showState(message) {
   if (!TERMINAL.has(status)) out.insertAdjacentHTML("beforeend", '<span class="caret"></span>');
   if (atBottom) out.scrollTop = out.scrollHeight;
   $("#out-count").textContent = `${num(message.num_output_tokens)} tokens`;
+  showSamples(message.samples || []);
   $("#error").textContent = message.error || "";
   if (job) {  // the live counts, until the row is read again
     for (const k of ["num_output_tokens", "num_cached_tokens", "num_preemptions", "engine", "request_id"]) {

@@ -132,3 +132,20 @@ def test_dashboard_end_to_end(login, stack):
     page.goto(f"{stack.url}/engines/sim/?request={request_id}")
     page.wait_for_selector(f'.vrow[data-request="{request_id}"] button[data-action="abort"]')
     operator_action(page, request_id, "abort")  # leave the engine idle
+
+
+def test_the_job_page_shows_every_sample_of_a_forked_job(login, stack):
+    """n > 1: the page follows sample 0 live and, once the job has ended, lists every
+    sample with its finish reason (from the socket, then on a fresh load from the row)."""
+    page, errors = login(stack, "admin", "admin-pass-123")
+    job_id = stack.api("POST", "/api/jobs/", json={"prompt": "three ways", "max_tokens": 40,
+                                                    "n": 3, "ignore_eos": True}).json()["id"]
+    page.goto(f"{stack.url}/jobs/{job_id}/")
+    page.wait_for_function("document.querySelectorAll('#samples .sample').length === 3")
+    texts = page.eval_on_selector_all("#samples .sample", "els => els.map(e => e.textContent)")
+    job = stack.wait_job(job_id)
+    assert [t.split(" ", 2)[2] for t in texts] == [s["text"] for s in job["samples"]]
+    assert all("length" in t for t in texts)
+    page.reload()
+    assert len(page.query_selector_all("#samples .sample")) == 3
+    assert not errors
