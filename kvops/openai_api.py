@@ -112,7 +112,7 @@ CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", 
                                "tools", "tool_choice", "functions", "function_call",
                                "parallel_tool_calls"}
 # Known fields not served yet, with the value that asks for nothing (accepted).
-NOT_SUPPORTED = {"echo": (False,), "best_of": (1,), "suffix": ("",),
+NOT_SUPPORTED = {"best_of": (1,), "suffix": ("",),
                  "tools": ([],), "tool_choice": ("none",), "functions": ([],),
                  "function_call": ("none",), "parallel_tool_calls": (False, True)}
 
@@ -370,6 +370,10 @@ async def _handle(request: HttpRequest, chat: bool) -> HttpResponse:
         kwargs["priority"] = limits.priority(body.get("priority"), user.is_staff)
         stream = _flag(body, "stream")
         stream_options = _stream_options(body, stream)
+        echo = "" if chat or not _flag(body, "echo") else kwargs["prompt"]
+        if echo and kwargs["params"]["logprobs"] is not None:
+            raise BadRequest("`echo` with `logprobs` needs the prompt's logprobs, which are "
+                             "not served yet", "echo")
         sub = await get_hub().open()
         try:
             job = await _admit(user, sub, model, chat, kwargs,
@@ -397,7 +401,8 @@ async def _handle(request: HttpRequest, chat: bool) -> HttpResponse:
     if stream:
         response = StreamingHttpResponse(_sse(listener, ident, model, created, chat,
                                               job.params.get("logprobs") is not None,
-                                              n=job.params.get("n") or 1, **stream_options),
+                                              n=job.params.get("n") or 1, echo=echo,
+                                              **stream_options),
                                          content_type="text/event-stream")
         response["Cache-Control"] = "no-cache"
         response["X-Accel-Buffering"] = "no"
@@ -429,7 +434,7 @@ async def _handle(request: HttpRequest, chat: bool) -> HttpResponse:
         if chat:
             choice["message"] = {"role": "assistant", "content": outcome["text"]}
         else:
-            choice["text"] = outcome["text"]
+            choice["text"] = echo + outcome["text"]
         choices.append(choice)
     return JsonResponse({"id": ident, "object": "chat.completion" if chat else "text_completion",
                          "created": created, "model": model, "choices": choices,
@@ -467,13 +472,14 @@ class _Diverged(Exception):
 
 async def _sse(listener: JobListener, ident: str, model: str, created: int,
                chat: bool, logprobs: bool = False, include_usage: bool = False,
-               continuous_usage_stats: bool = False, n: int = 1) -> AsyncIterator[str]:
+               continuous_usage_stats: bool = False, n: int = 1,
+               echo: str = "") -> AsyncIterator[str]:
     """The job's output as server-sent events: each chunk holds all the text produced
     since the previous one, and chunks are spaced so that a web process sends at most
     KVOPS_SSE_MAX_CHUNKS_PER_S of them, however many streams it serves. include_usage
     adds a last chunk with the usage (no choices), continuous_usage_stats the usage so
     far to every chunk (stream_options). With n > 1 each sample's chunks carry its
-    `index`."""
+    `index`. `echo` (completions): the prompt, sent first."""
     kind = "chat.completion.chunk" if chat else "text_completion"
     logprobs_sent, text_offset = 0, 0  # entries of listener.logprobs streamed; their text
 
@@ -511,6 +517,9 @@ async def _sse(listener: JobListener, ident: str, model: str, created: int,
         if chat:
             for index in range(n):
                 yield chunk(None, None, first=True, index=index)
+        elif echo:
+            for index in range(n):
+                yield chunk(echo, None, first=True, index=index)
         try:
             async for _ in listener.updates():
                 moved = False

@@ -147,7 +147,7 @@ def test_every_field_is_honoured_or_refused_by_name(client):
         extra_body={"repetition_penalty": 1.2, "min_tokens": 2, "min_p": 0.1, "top_k": 20,
                     "stop_token_ids": [5], "ignore_eos": True})
     assert r.usage.completion_tokens >= 2
-    refused = [({"echo": True}, "echo"),
+    refused = [({"echo": True, "logprobs": 1}, "echo"),
                ({"best_of": 2}, "best_of"), ({"suffix": "x"}, "suffix"),
                ({"extra_body": {"frobnicate": 1}}, "frobnicate"),
                ({"extra_body": {"min_tokens": 9}}, "min_tokens"),  # above max_tokens
@@ -229,7 +229,7 @@ def test_logprobs_streamed_and_unstreamed_in_openai_shape(client):
     assert streamed == [c.token for c in content]
     plain = client.completions.create(model="simulated-v1", prompt="lp", max_tokens=2)
     assert plain.choices[0].logprobs is None
-    for kwargs, name in [({"logprobs": 21}, "logprobs"), ({"echo": True, "logprobs": 1}, "echo")]:
+    for kwargs, name in [({"logprobs": 21}, "logprobs"), ({"echo": True, "logprobs": 0}, "echo")]:
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(model="simulated-v1", prompt="x", max_tokens=2, **kwargs)
         assert e.value.body["param"] == name
@@ -294,3 +294,12 @@ def test_n_samples_through_both_apis(client, stack):
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(model="simulated-v1", prompt="x", max_tokens=2, **kwargs)
         assert e.value.body["param"] == name
+
+
+def test_echo_puts_the_prompt_before_the_completion(client):
+    r = client.completions.create(model="simulated-v1", prompt="echo me", max_tokens=5,
+                                  echo=True, n=2)
+    assert [c.text for c in r.choices] == ["echo me" + expected_text("echo me", 5)] * 2
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="simulated-v1", prompt="echo me", max_tokens=5, echo=True, stream=True))
+    assert streamed == "echo me" + expected_text("echo me", 5)
