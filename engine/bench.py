@@ -140,6 +140,33 @@ def run_constrained(engine: LLMEngine, w: Workload, repeats: int = 2) -> tuple[f
     return best[0], best[1]
 
 
+def run_parallel(engine: LLMEngine, w: Workload, n: int) -> dict:
+    """The workload with n samples per prompt (sampled, seeded), against n separate
+    requests per prompt: seconds, output tokens, and prompt tokens computed by each (a
+    fork computes its prompt once; separate requests share only full blocks through the
+    prefix cache, so each computes its last partial block)."""
+    out = {}
+    for label in ("fork", "separate"):
+        engine.reset_prefix_cache()
+        before = engine.metrics()["num_prompt_tokens"]
+        if label == "fork":
+            prompts = w.prompts
+            params = [SamplingParams(max_tokens=k, temperature=1.0, seed=7, ignore_eos=True,
+                                     n=n) for k in w.output_lens]
+        else:
+            prompts = [p for p in w.prompts for _ in range(n)]
+            params = [SamplingParams(max_tokens=k, temperature=1.0, seed=7 + i, ignore_eos=True)
+                      for k in w.output_lens for i in range(n)]
+        t = time.perf_counter()
+        outs = engine.generate(prompts, params)
+        seconds = time.perf_counter() - t
+        produced = sum(len(s.output_token_ids) for o in outs for s in (o.samples or [o]))
+        assert produced == n * w.output_tokens
+        out[label] = {"seconds": seconds, "tokens": produced,
+                      "prompt_tokens": engine.metrics()["num_prompt_tokens"] - before}
+    return out
+
+
 def run_hf(model, w: Workload, batch_size: int) -> float:
     """Static batches in arrival order, left-padded; each batch runs to its longest output."""
     t = time.perf_counter()
@@ -216,6 +243,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="both systems' dtype (and the matmul rate's)")
     p.add_argument("--repeats", type=int, default=1, help="runs per system; the best is shown")
+    p.add_argument("--parallel", type=int, default=0, metavar="N",
+                   help="also run the first workload with N samples per prompt (a fork) "
+                        "against N separate requests per prompt")
     p.add_argument("--structured", action="store_true",
                    help="also time the first workload under a grammar against unconstrained")
     args = p.parse_args(argv)
@@ -264,6 +294,15 @@ def main(argv: list[str] | None = None) -> int:
                     best[r.system] = r
         print_table(w, list(best.values()), peak)
         print(f"load average after: {_loadavg()}")
+    if args.parallel:
+        w = workloads[0]
+        result = run_parallel(engine, w, args.parallel)
+        prompt_tokens = sum(len(p) for p in w.prompts)
+        print(f"\nn={args.parallel} samples per prompt on {w.name!r} ({prompt_tokens} prompt "
+              "tokens):")
+        for label, r in result.items():
+            print(f"  {label:<9} {r['tokens'] / r['seconds']:7.1f} output tok/s, "
+                  f"{r['prompt_tokens']} prompt tokens computed")
     if args.structured:
         w = workloads[0]
         plain_s, constrained_s = run_constrained(engine, w)

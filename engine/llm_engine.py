@@ -83,6 +83,9 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("params must be a SamplingParams")
         token_ids = self._prompt_ids(prompt)
+        if params.n > self.config.max_num_seqs:
+            raise InvalidRequestError(f"n={params.n} samples cannot run together: this engine "
+                                      f"runs at most {self.config.max_num_seqs} sequences")
         vocab = self.runner.vocab_size
         if any(t >= vocab for t in params.token_ids_used()):
             raise InvalidRequestError(f"stop_token_ids and logit_bias name token ids beyond "

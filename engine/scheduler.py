@@ -129,11 +129,14 @@ class Scheduler:
         return budget
 
     def _resume_swapped(self, out: SchedulerOutput, budget: int) -> int:
+        reserved = self._reserved() if any(r.held_back for r in self.swapped) else 0
         for request in list(self.swapped):
             if request.parked:
                 continue
-            if len(self.running) >= self.config.max_num_seqs:
+            extra = request.sampling_params.n - 1 if request.held_back else 0
+            if len(self.running) + reserved + 1 + extra > self.config.max_num_seqs:
                 break
+            reserved += extra
             if not self._swap_in(request, out.swap_in):
                 break
             if budget > 0:
@@ -145,9 +148,20 @@ class Scheduler:
                     budget -= num_new
         return budget
 
+    def _reserved(self) -> int:
+        """Running slots that requests about to fork will take beyond their own one."""
+        return sum(r.sampling_params.n - 1 for r in self.running if r.held_back)
+
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        if not self.waiting:
+            return
+        reserved = self._reserved()
+        while self.waiting and budget > 0 and \
+                len(self.running) + reserved < self.config.max_num_seqs:
             request = self.waiting.peek()
+            extra = request.sampling_params.n - 1 if request.held_back else 0
+            if len(self.running) + reserved + 1 + extra > self.config.max_num_seqs:
+                break  # its samples will all run: wait until there is room for them
             match = self.kv.find_prefix(request)
             request.num_computed_tokens = match.num_computed_tokens
             num_new = min(request.num_tokens - request.held_back
@@ -166,6 +180,7 @@ class Scheduler:
             if num_new == 0:  # a fork whose prompt but the last token was all cached
                 self._fork(request)
                 continue
+            reserved += extra
             self._add_scheduled(out, request, num_new)
             budget -= num_new
 

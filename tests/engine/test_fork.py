@@ -97,3 +97,18 @@ def test_n_out_of_range_is_refused():
     for n in (0, 17, 2.5):
         with pytest.raises(InvalidRequestError, match="n must be"):
             SamplingParams(n=n)
+
+
+def test_samples_count_against_max_num_seqs():
+    """A fork is admitted only when all its samples fit in the running batch, and n above
+    max_num_seqs is refused (it could never run)."""
+    engine = sim_engine(max_num_seqs=4)
+    with pytest.raises(InvalidRequestError, match="at most 4 sequences"):
+        engine.add_request("big", [1, 2, 3], SamplingParams(n=5))
+    engine.add_request("a", list(range(10, 20)), SamplingParams(max_tokens=20, n=3))
+    engine.add_request("b", list(range(30, 40)), SamplingParams(max_tokens=20, n=2))
+    for _ in range(6):
+        engine.step()
+        assert len(engine.scheduler.running) <= 4
+    final = run_all(engine)
+    assert sorted(final) == ["a/0", "a/1", "a/2", "b/0", "b/1"]
