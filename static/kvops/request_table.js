@@ -20,6 +20,29 @@ const ACTIONS = {
   waiting: [["abort", "Abort"]],
 };
 
+// The samples of a forked request ("<request>/<i>", n > 1) stay together, in sample
+// order, where the first of them sorts.
+function groupSamples(rows) {
+  const groups = new Map();
+  for (const r of rows) {
+    const slash = r.request_id.lastIndexOf("/");
+    const key = slash < 0 ? r.request_id : r.request_id.slice(0, slash);
+    if (!groups.has(key)) groups.set(key, []);
+    groups.get(key).push(r);
+  }
+  const out = [];
+  for (const members of groups.values()) {
+    if (members.length > 1) members.sort((a, b) => sampleIndex(a) - sampleIndex(b));
+    out.push(...members);
+  }
+  return out;
+}
+
+function sampleIndex(r) {
+  const slash = r.request_id.lastIndexOf("/");
+  return slash < 0 ? -1 : Number(r.request_id.slice(slash + 1));
+}
+
 function sortValue(r, key) {
   if (key === "blocks") return r.block_table.length + r.cpu_block_table.length;
   if (key === "status") return STATUS_ORDER[r.status] ?? 9;
@@ -99,7 +122,7 @@ export class RequestTable {
       const x = sortValue(a, sortKey), y = sortValue(b, sortKey);
       return (x < y ? -dir : x > y ? dir : 0) || a.index - b.index;
     });
-    this.rows = rows.map((r) => r.index);
+    this.rows = groupSamples(rows).map((r) => r.index);
     this.spacer.style.height = `${rows.length * ROW_HEIGHT}px`;
     this.renderRows();
   }
@@ -126,11 +149,11 @@ export class RequestTable {
 
   createRow(r) {
     const el = document.createElement("div");
-    el.className = "vrow";
+    el.className = r.request_id.includes("/") ? "vrow sample" : "vrow";
     el.dataset.index = r.index;
     el.dataset.request = r.request_id;
     el.innerHTML = `<div class="hue" style="background:${ownerCss(r.index)}"></div>
-      <div class="mono" title="${esc(r.request_id)}">${esc(r.request_id)}</div>
+      <div class="mono" title="${esc(r.request_id)}${r.request_id.includes("/") ? " (a sample of a request with n > 1: the samples share its prompt's blocks)" : ""}">${esc(r.request_id)}</div>
       <div>${r.job_id ? `<a href="/jobs/${esc(r.job_id)}/">${esc(r.job_id)}</a>` : "–"}</div>
       <div></div>${'<div class="num"></div>'.repeat(7)}<div class="actions"></div>`;
     el.cells = [...el.children];

@@ -149,3 +149,31 @@ def test_the_job_page_shows_every_sample_of_a_forked_job(login, stack):
     page.reload()
     assert len(page.query_selector_all("#samples .sample")) == 3
     assert not errors
+
+
+def test_the_engine_page_keeps_a_forks_samples_together(login, stack):
+    """n > 1 on the engine page: the samples are rows next to each other, in order,
+    marked as samples; their shared blocks carry ref count 3 in the snapshot; the log
+    shows the fork."""
+    page, errors = login(stack, "admin", "admin-pass-123")
+    job_id = stack.api("POST", "/api/jobs/", json={
+        "prompt": "a long forked story " * 6, "max_tokens": 3000, "n": 3,
+        "ignore_eos": True}).json()["id"]
+    stack.wait(lambda: stack.api("GET", f"/api/jobs/{job_id}/").json()["status"] == "running",
+               "the job running", 30)
+    parent = stack.api("GET", f"/api/jobs/{job_id}/").json()["request_id"]
+    page.goto(f"{stack.url}/engines/sim/")
+    page.wait_for_function("window.kvopsPerf && kvopsPerf.snapshots >= 1")
+    page.fill("#req-search", parent)
+    page.wait_for_selector(f'.vrow.sample[data-request="{parent}/2"]')
+    order = page.evaluate("""(parent) => [...document.querySelectorAll('.vrow')]
+        .sort((a, b) => parseFloat(a.style.top) - parseFloat(b.style.top))
+        .map(e => e.dataset.request).filter(r => r.startsWith(parent))""", parent)
+    assert order == [f"{parent}/{i}" for i in range(3)], order
+    shared = page.evaluate("""(parent) => { const s = kvops.state();
+        const a = s.requestById(parent + "/0"), b = s.requestById(parent + "/1");
+        return a.block_table.filter(id => b.block_table.includes(id)).length; }""", parent)
+    assert shared >= 1  # the prompt's full blocks, held by every sample
+    page.wait_for_selector(f'#events .ev:has-text("Forked"):has-text("{parent}")')
+    stack.api("POST", f"/api/jobs/{job_id}/cancel/")
+    assert not errors, errors
