@@ -17,7 +17,7 @@ from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpRe
 from django.views.decorators.csrf import csrf_exempt
 from rest_framework.authtoken.models import Token
 
-from kvops import limits, selectors, services
+from kvops import limits, selectors, services, tool_calls
 from kvops.admission import get_admissions
 from kvops.job_listener import JobFailed, JobListener, cancel_abandoned
 from kvops.models import Job
@@ -112,9 +112,7 @@ CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", 
                                "tools", "tool_choice", "functions", "function_call",
                                "parallel_tool_calls"}
 # Known fields not served yet, with the value that asks for nothing (accepted).
-NOT_SUPPORTED = {"best_of": (1,), "suffix": ("",),
-                 "tools": ([],), "tool_choice": ("none",), "functions": ([],),
-                 "function_call": ("none",), "parallel_tool_calls": (False, True)}
+NOT_SUPPORTED = {"best_of": (1,), "suffix": ("",)}
 
 
 def _sampling(body: dict, default_max_tokens: int, chat: bool) -> dict:
@@ -148,6 +146,19 @@ def _sampling(body: dict, default_max_tokens: int, chat: bool) -> dict:
     if n > 1 and logprobs is not None:
         raise BadRequest("logprobs with n > 1 are not served yet", "logprobs")
     structured = _structured(body)
+    try:
+        tools = tool_calls.parse(body) if chat else None
+    except tool_calls.ToolError as e:
+        raise BadRequest(str(e), e.param) from None
+    if tools is not None:
+        if structured is not None:
+            raise BadRequest("tool calls are constrained already: send `tools` or a "
+                             "structured output, not both", "tools")
+        if n > 1:
+            raise BadRequest("tool calls with n > 1 are not served yet", "n")
+        structured = limits.structured(tools["structured"], "tools")
+    if not isinstance(body.get("parallel_tool_calls", True), bool):
+        raise BadRequest("`parallel_tool_calls` must be a boolean", "parallel_tool_calls")
     repetition = _number(body, "repetition_penalty", 1.0, *limits.REPETITION_PENALTY)
     if repetition <= limits.REPETITION_PENALTY[0]:
         raise BadRequest("`repetition_penalty` must be greater than 0", "repetition_penalty")
@@ -173,9 +184,12 @@ def _sampling(body: dict, default_max_tokens: int, chat: bool) -> dict:
         "n": n,
     }
     try:
-        return limits.sampling_params(params)
+        limits.sampling_params(params)
     except limits.InvalidParam as e:
         raise BadRequest(str(e), e.param) from None
+    if tools is not None:  # the worker keeps this for the answer, not for the engine
+        params["tool_call"] = {"kind": tools["kind"], "names": tools["names"]}
+    return params
 
 
 def _structured(body: dict) -> dict | None:
@@ -377,7 +391,8 @@ async def _handle(request: HttpRequest, chat: bool) -> HttpResponse:
         sub = await get_hub().open()
         try:
             job = await _admit(user, sub, model, chat, kwargs,
-                               "response_format" if "response_format" in body
+                               "tools" if kwargs["params"].get("tool_call")
+                               else "response_format" if "response_format" in body
                                else "structured_outputs")
         except BaseException:
             sub.close()
@@ -402,6 +417,8 @@ async def _handle(request: HttpRequest, chat: bool) -> HttpResponse:
         response = StreamingHttpResponse(_sse(listener, ident, model, created, chat,
                                               job.params.get("logprobs") is not None,
                                               n=job.params.get("n") or 1, echo=echo,
+                                              tool_call=job.params.get("tool_call"),
+                                              call_id=f"call_{job.pk}",
                                               **stream_options),
                                          content_type="text/event-stream")
         response["Cache-Control"] = "no-cache"
@@ -433,6 +450,17 @@ async def _handle(request: HttpRequest, chat: bool) -> HttpResponse:
             choice["logprobs"] = _format_logprobs(listener.logprobs, chat, 0)
         if chat:
             choice["message"] = {"role": "assistant", "content": outcome["text"]}
+            tool_call = job.params.get("tool_call")
+            if tool_call is not None and outcome["finish_reason"] != "abort":
+                try:
+                    calls = tool_calls.calls_of(tool_call, outcome["text"], f"call_{job.pk}")
+                except ValueError:  # cut off by max_tokens: the text as it is
+                    calls = None
+                if calls:
+                    choice["message"] = {"role": "assistant", "content": None,
+                                         "tool_calls": calls}
+                    if tool_call["kind"] == "required" and outcome["finish_reason"] == "stop":
+                        choice["finish_reason"] = "tool_calls"
         else:
             choice["text"] = echo + outcome["text"]
         choices.append(choice)
@@ -473,13 +501,16 @@ class _Diverged(Exception):
 async def _sse(listener: JobListener, ident: str, model: str, created: int,
                chat: bool, logprobs: bool = False, include_usage: bool = False,
                continuous_usage_stats: bool = False, n: int = 1,
-               echo: str = "") -> AsyncIterator[str]:
+               echo: str = "", tool_call: dict | None = None,
+               call_id: str = "") -> AsyncIterator[str]:
     """The job's output as server-sent events: each chunk holds all the text produced
     since the previous one, and chunks are spaced so that a web process sends at most
     KVOPS_SSE_MAX_CHUNKS_PER_S of them, however many streams it serves. include_usage
     adds a last chunk with the usage (no choices), continuous_usage_stats the usage so
     far to every chunk (stream_options). With n > 1 each sample's chunks carry its
-    `index`. `echo` (completions): the prompt, sent first."""
+    `index`. `echo` (completions): the prompt, sent first. With a tool call the text is
+    the call: a named function's arguments stream as tool_calls deltas; a `required`
+    list of calls is sent whole once it is complete."""
     kind = "chat.completion.chunk" if chat else "text_completion"
     logprobs_sent, text_offset = 0, 0  # entries of listener.logprobs streamed; their text
 
@@ -494,7 +525,9 @@ async def _sse(listener: JobListener, ident: str, model: str, created: int,
             text_offset += sum(len(e[0]) for e in new)
         if chat:
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
-            if delta_text:
+            if delta_text and tool_call is not None:
+                delta["tool_calls"] = [{"index": 0, "function": {"arguments": delta_text}}]
+            elif delta_text:
                 delta["content"] = delta_text
             choice = {"index": index, "delta": delta, "finish_reason": finish,
                       "logprobs": entries}
@@ -511,17 +544,30 @@ async def _sse(listener: JobListener, ident: str, model: str, created: int,
     def error(message: str) -> str:
         return f"data: {json.dumps({'error': {'message': message, 'type': 'server_error'}})}\n\n"
 
+    def tool_call_chunk(calls: list[dict] | None, finish: str | None) -> str:
+        delta = {"tool_calls": calls} if calls else {}
+        return "data: " + json.dumps({
+            "id": ident, "object": kind, "created": created, "model": model,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish,
+                         "logprobs": None}]}) + "\n\n"
+
     max_rate = settings.KVOPS_SSE_MAX_CHUNKS_PER_S
     sent = [""] * n  # each sample's text streamed so far
     try:
         if chat:
             for index in range(n):
                 yield chunk(None, None, first=True, index=index)
+            if tool_call is not None and tool_call["kind"] == "named":
+                yield tool_call_chunk([{"index": 0, "id": f"{call_id}-0", "type": "function",
+                                        "function": {"name": tool_call["names"][0],
+                                                     "arguments": ""}}], None)
         elif echo:
             for index in range(n):
                 yield chunk(echo, None, first=True, index=index)
         try:
             async for _ in listener.updates():
+                if tool_call is not None and tool_call["kind"] == "required":
+                    continue  # sent whole at the end
                 moved = False
                 for index in range(n):
                     text = listener.text_of(index)
@@ -541,6 +587,20 @@ async def _sse(listener: JobListener, ident: str, model: str, created: int,
                     # had not carried yet (samples 1.. are not in the progress writes).
                     outcomes = state.get("samples") or [
                         {"text": listener.text.text, "finish_reason": _finish_reason(state)}]
+                    if tool_call is not None and tool_call["kind"] == "required":
+                        try:
+                            calls = tool_calls.calls_of(tool_call, outcomes[0]["text"], call_id)
+                        except ValueError:  # cut off: its text as it is
+                            calls = None
+                        if calls:
+                            yield tool_call_chunk([{"index": i, **c} for i, c in enumerate(calls)],
+                                                  None)
+                            yield tool_call_chunk(None, "tool_calls"
+                                                  if outcomes[0]["finish_reason"] == "stop"
+                                                  else outcomes[0]["finish_reason"])
+                            outcomes = []
+                        else:
+                            tool_call = None  # as text, below
                     for index, outcome in enumerate(outcomes):
                         if len(outcome["text"]) > len(sent[index]):
                             yield chunk(outcome["text"][len(sent[index]):], None, index=index)

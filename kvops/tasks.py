@@ -20,6 +20,9 @@ log = logging.getLogger(__name__)
 claim = GroupCommit(services.claim_jobs)
 
 
+# Job params the service keeps for itself (how to shape the answer), not the engine's.
+SERVICE_PARAMS = ("tool_call",)
+
 CLAIM_RETRIES = 5  # a delivery whose claim fails (database away) is sent again this often
 
 
@@ -81,7 +84,8 @@ def _run_claimed(service, jobs: list, outcomes: dict[int, str]) -> None:
             services.fail_job(job.pk, f"its chat could not be rendered: {e}", job.request_id)
             outcomes[job.pk] = "rejected"
             continue
-        items.append([job.request_id, prompt, job.params or {}, job.priority, str(job.pk),
+        engine_params = {k: v for k, v in params.items() if k not in SERVICE_PARAMS}
+        items.append([job.request_id, prompt, engine_params, job.priority, str(job.pk),
                       cache_salt(job.owner)])
     submitted = [job for job in jobs if job.pk not in outcomes]
     refusals = service.submit_many(items) if items else []

@@ -303,3 +303,23 @@ def test_echo_puts_the_prompt_before_the_completion(client):
     streamed = "".join(c.choices[0].text for c in client.completions.create(
         model="simulated-v1", prompt="echo me", max_tokens=5, echo=True, stream=True))
     assert streamed == "echo me" + expected_text("echo me", 5)
+
+
+def test_tools_refusals_name_the_field(client):
+    messages = [{"role": "user", "content": "x"}]
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    for kwargs, name in [({"tools": [tool]}, "tool_choice"),  # "auto", the default
+                         ({"tools": [tool], "tool_choice": "auto"}, "tool_choice"),
+                         ({"tools": [tool], "tool_choice": {"type": "function",
+                                                            "function": {"name": "g"}}},
+                          "tool_choice"),
+                         ({"tools": [{"type": "function"}], "tool_choice": "required"}, "tools"),
+                         ({"tools": [tool], "tool_choice": "required"}, "tools"),  # simulator
+                         ({"tool_choice": "required"}, "tool_choice")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="simulated-v1", max_tokens=2,
+                                           messages=messages, **kwargs)
+        assert e.value.body["param"] == name, (kwargs, e.value.body)
+    r = client.chat.completions.create(model="simulated-v1", max_tokens=2, messages=messages,
+                                       tools=[tool], tool_choice="none")
+    assert r.choices[0].message.content and not r.choices[0].message.tool_calls

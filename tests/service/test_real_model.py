@@ -171,3 +171,56 @@ def test_structured_output_on_the_default_model(default_stack):
         "messages": messages, "max_tokens": 60, "structured_outputs": {"json": schema}})
         .json()["id"], timeout_s=300)
     jsonschema.validate(json.loads(job["output_text"]), schema)
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
+                   "properties": {"city": {"type": "string", "maxLength": 24},
+                                  "unit": {"enum": ["celsius", "fahrenheit"]}}}}}
+TIME_TOOL = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "additionalProperties": False,
+                                       "required": ["zone"],
+                                       "properties": {"zone": {"type": "string",
+                                                               "maxLength": 12}}}}}
+
+
+def test_tool_calls_on_the_default_model(default_stack):
+    """A named tool_choice and `required`, streamed and not: tool_calls in OpenAI's shape
+    whose arguments validate against the tool's parameters."""
+    import json
+
+    import jsonschema
+    client = openai.OpenAI(base_url=f"{default_stack.url}/v1",
+                           api_key=default_stack.tokens["alice"], max_retries=0, timeout=300)
+    (model,) = [m.id for m in client.models.list()]
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r = client.chat.completions.create(model=model, messages=messages, max_tokens=60,
+                                       temperature=0, tools=[WEATHER_TOOL, TIME_TOOL],
+                                       tool_choice=named)
+    (call,) = r.choices[0].message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather"
+    assert r.choices[0].message.content is None
+    jsonschema.validate(json.loads(call.function.arguments),
+                        WEATHER_TOOL["function"]["parameters"])
+    name, arguments = None, ""
+    for chunk in client.chat.completions.create(model=model, messages=messages, max_tokens=60,
+                                                temperature=0, tools=[WEATHER_TOOL],
+                                                tool_choice=named, stream=True):
+        for delta in chunk.choices[0].delta.tool_calls or ():
+            name = delta.function.name or name
+            arguments += delta.function.arguments or ""
+    assert name == "get_weather" and json.loads(arguments) == json.loads(call.function.arguments)
+    r = client.chat.completions.create(model=model, messages=messages, max_tokens=120,
+                                       temperature=0, tools=[WEATHER_TOOL, TIME_TOOL],
+                                       tool_choice="required", parallel_tool_calls=False)
+    assert r.choices[0].finish_reason == "tool_calls"
+    (call,) = r.choices[0].message.tool_calls
+    tool = {"get_weather": WEATHER_TOOL, "get_time": TIME_TOOL}[call.function.name]
+    jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+    streamed = [d for chunk in client.chat.completions.create(
+        model=model, messages=messages, max_tokens=120, temperature=0,
+        tools=[WEATHER_TOOL, TIME_TOOL], tool_choice="required", stream=True)
+        for d in chunk.choices[0].delta.tool_calls or ()]
+    assert streamed and streamed[0].function.name in ("get_weather", "get_time")

@@ -1,0 +1,84 @@
+"""Tool calls on /v1/chat/completions, the way vLLM serves a named or required
+tool_choice: the output is constrained (engine/structured.py) to the called function's
+arguments (a named function) or to a JSON list of {name, parameters} calls (`required`),
+and the answer carries OpenAI's `tool_calls` instead of text.
+
+`tool_choice: "auto"` needs a chat template that defines a tool-call format and a parser
+for it; it is refused (400) until one is served. `"none"` (and no tools) leaves the
+answer as text.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+MAX_TOOLS = 64
+
+
+class ToolError(ValueError):
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def parse(body: dict) -> dict | None:
+    """The call mode asked for: {"kind": "named" | "required", "names": [...],
+    "structured": the constraint}, or None (no tools, or tool_choice "none")."""
+    tools = body.get("tools")
+    choice = body.get("tool_choice")
+    if body.get("functions") or body.get("function_call") not in (None, "none"):
+        raise ToolError("`functions` and `function_call` are deprecated: send `tools` and "
+                        "`tool_choice`", "functions")
+    if not tools:
+        if choice not in (None, "none"):
+            raise ToolError("`tool_choice` needs `tools`", "tool_choice")
+        return None
+    if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
+        raise ToolError(f"`tools` must be a list of at most {MAX_TOOLS} tools", "tools")
+    schemas: dict[str, dict] = {}
+    for tool in tools:
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not (isinstance(tool, dict) and tool.get("type") == "function"
+                and isinstance(function, dict) and isinstance(function.get("name"), str)
+                and function["name"]):
+            raise ToolError("each tool must be {\"type\": \"function\", \"function\": "
+                            "{\"name\": ..., \"parameters\": {...}}}", "tools")
+        parameters = function.get("parameters", {"type": "object"})
+        if not isinstance(parameters, dict):
+            raise ToolError(f"tool {function['name']!r}: `parameters` must be a JSON schema",
+                            "tools")
+        schemas[function["name"]] = parameters or {"type": "object"}
+    if choice == "none":
+        return None
+    if choice in (None, "auto"):
+        raise ToolError("tool_choice \"auto\" (the default with tools) is not served: it "
+                        "needs a chat template with a tool-call format; send tool_choice "
+                        "\"required\" or {\"type\": \"function\", \"function\": {\"name\": "
+                        "...}}", "tool_choice")
+    if choice == "required":
+        calls = {"anyOf": [{"type": "object", "additionalProperties": False,
+                            "required": ["name", "parameters"],
+                            "properties": {"name": {"const": name}, "parameters": schema}}
+                           for name, schema in schemas.items()]}
+        array: dict[str, Any] = {"type": "array", "minItems": 1, "items": calls}
+        if body.get("parallel_tool_calls") is False:
+            array["maxItems"] = 1
+        return {"kind": "required", "names": list(schemas), "structured": {"json": array}}
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    if not (isinstance(choice, dict) and choice.get("type") == "function" and name):
+        raise ToolError("`tool_choice` must be \"none\", \"auto\", \"required\" or "
+                        "{\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice")
+    if name not in schemas:
+        raise ToolError(f"tool_choice names {name!r}, which is not in `tools`", "tool_choice")
+    return {"kind": "named", "names": [name], "structured": {"json": schemas[name]}}
+
+
+def calls_of(mode: dict, text: str, call_id: str) -> list[dict]:
+    """OpenAI's tool_calls for the constrained output `text` (call ids call_id-<i>)."""
+    if mode["kind"] == "named":
+        calls = [(mode["names"][0], text)]
+    else:
+        calls = [(c["name"], json.dumps(c["parameters"])) for c in json.loads(text)]
+    return [{"id": f"{call_id}-{i}", "type": "function",
+             "function": {"name": name, "arguments": arguments}}
+            for i, (name, arguments) in enumerate(calls)]
