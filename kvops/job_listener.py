@@ -47,6 +47,7 @@ class JobListener:
         # is on the stream only, and in the row's `samples` once the job has ended
         self.sample_texts: dict[int, TextAssembler] = {}
         self.sample_tokens: dict[int, int] = {}
+        self.sample_logprobs: dict[int, list[list]] = {}
         self._logprobs_attempt = job.attempts
         self.text.add(job.attempts, 0, job.output_text)
         self._last_reload = float("-inf")
@@ -62,6 +63,10 @@ class JobListener:
         assembler = self.sample_texts.get(index)
         return assembler.text if assembler is not None else ""
 
+    def logprobs_of(self, index: int) -> list[list]:
+        """Sample `index`'s logprob entries so far (0: the job's own)."""
+        return self.logprobs if index == 0 else self.sample_logprobs.get(index, [])
+
     @property
     def num_all_output_tokens(self) -> int:
         """Tokens produced so far, every sample's."""
@@ -71,8 +76,12 @@ class JobListener:
         index = update.get("i", 0)
         if index:
             assembler = self.sample_texts.setdefault(index, TextAssembler())
+            attempt = assembler.attempt
             if assembler.add(update["attempt"], update["offset"], update["text"]):
                 self.sample_tokens[index] = update["n"]
+                if assembler.attempt != attempt:  # a re-run starts again
+                    self.sample_logprobs.pop(index, None)
+                self.sample_logprobs.setdefault(index, []).extend(update.get("lp", ()))
             return
         if not self.text.add(update["attempt"], update["offset"], update["text"]):
             return  # an older attempt's

@@ -143,8 +143,6 @@ def _sampling(body: dict, default_max_tokens: int, chat: bool) -> dict:
         raise BadRequest(f"`stop_token_ids` must be a list of at most "
                          f"{limits.MAX_STOP_TOKEN_IDS} token ids", "stop_token_ids")
     logprobs = _logprobs(body, chat)
-    if n > 1 and logprobs is not None:
-        raise BadRequest("logprobs with n > 1 are not served yet", "logprobs")
     structured = _structured(body)
     try:
         tools = tool_calls.parse(body) if chat else None
@@ -447,7 +445,7 @@ async def _handle(request: HttpRequest, chat: bool) -> HttpResponse:
                                   "finish_reason": outcome["finish_reason"] or None,
                                   "logprobs": None}
         if job.params.get("logprobs") is not None:
-            choice["logprobs"] = _format_logprobs(listener.logprobs, chat, 0)
+            choice["logprobs"] = _format_logprobs(listener.logprobs_of(index), chat, 0)
         if chat:
             choice["message"] = {"role": "assistant", "content": outcome["text"]}
             tool_call = job.params.get("tool_call")
@@ -512,17 +510,17 @@ async def _sse(listener: JobListener, ident: str, model: str, created: int,
     the call: a named function's arguments stream as tool_calls deltas; a `required`
     list of calls is sent whole once it is complete."""
     kind = "chat.completion.chunk" if chat else "text_completion"
-    logprobs_sent, text_offset = 0, 0  # entries of listener.logprobs streamed; their text
+    logprobs_sent = [0] * n  # each sample's logprob entries streamed so far
+    text_offset = [0] * n  # and the characters of their tokens
 
     def chunk(delta_text: str | None, finish: str | None, first: bool = False,
               index: int = 0) -> str:
-        nonlocal logprobs_sent, text_offset
         entries = None
         if logprobs and not first:  # the tokens produced since the previous chunk
-            new = listener.logprobs[logprobs_sent:]
-            logprobs_sent += len(new)
-            entries = _format_logprobs(new, chat, text_offset)
-            text_offset += sum(len(e[0]) for e in new)
+            new = listener.logprobs_of(index)[logprobs_sent[index]:]
+            logprobs_sent[index] += len(new)
+            entries = _format_logprobs(new, chat, text_offset[index])
+            text_offset[index] += sum(len(e[0]) for e in new)
         if chat:
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
             if delta_text and tool_call is not None:

@@ -162,7 +162,7 @@ def test_every_field_is_honoured_or_refused_by_name(client):
         assert name in e.value.body["message"]
     for kwargs, name in [({"response_format": {"type": "json_object"}}, "response_format"),
                          ({"tools": [{"type": "function", "function": {"name": "f"}}]},
-                          "tools")]:
+                          "tool_choice")]:  # "auto", the default with tools
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model="simulated-v1", max_tokens=4,
                                            messages=[{"role": "user", "content": "x"}],
@@ -289,8 +289,18 @@ def test_n_samples_through_both_apis(client, stack):
         "prompt": "fork me", "max_tokens": 6, "n": 2, "temperature": 0}).json()["id"])
     assert job["status"] == "finished" and [s["text"] for s in job["samples"]] == [one] * 2
     assert job["output_text"] == one
-    for kwargs, name in [({"n": 17}, "n"), ({"n": 2, "logprobs": 1}, "logprobs"),
-                         ({"best_of": 3}, "best_of")]:
+    r = client.completions.create(model="simulated-v1", prompt="fork me", max_tokens=6, n=2,
+                                  logprobs=1)
+    for c in r.choices:  # each sample its own logprobs
+        assert "".join(c.logprobs.tokens) == c.text and c.logprobs.token_logprobs == [0.0] * 6
+    tokens: dict[int, list] = {}
+    for chunk in client.completions.create(model="simulated-v1", prompt="fork me",
+                                           max_tokens=6, n=2, logprobs=0, stream=True):
+        for c in chunk.choices:
+            if c.logprobs:
+                tokens.setdefault(c.index, []).extend(c.logprobs.tokens)
+    assert tokens == {0: r.choices[0].logprobs.tokens, 1: r.choices[1].logprobs.tokens}
+    for kwargs, name in [({"n": 17}, "n"), ({"best_of": 3}, "best_of")]:
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(model="simulated-v1", prompt="x", max_tokens=2, **kwargs)
         assert e.value.body["param"] == name
