@@ -170,8 +170,8 @@ class EngineCoreClient:
         """A question to the core's KV view (see KVFeed.ask)."""
         return self._call(["kvask", None, kind, argument], timeout_s)
 
-    def render_chat(self, messages: list[dict]) -> str:
-        return render_chat(self.tokenizer, messages)
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        return render_chat(self.tokenizer, messages, tools)
 
     def _call(self, message: list, timeout_s: float) -> Any:
         if not self.alive:

@@ -160,9 +160,9 @@ class EngineService:
         self._commands.put((lambda: self.engine.finish_request(request_id), Future()))
         self._wake.set()
 
-    def render_chat(self, messages: list[dict]) -> str:
-        """The model's chat template applied to messages, ready for generation."""
-        return render_chat(self.engine.tokenizer, messages)
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        """The model's chat template applied to messages (and tools), ready for generation."""
+        return render_chat(self.engine.tokenizer, messages, tools)
 
     @property
     def tokenizer(self):

@@ -185,8 +185,9 @@ def _sampling(body: dict, default_max_tokens: int, chat: bool) -> dict:
         limits.sampling_params(params)
     except limits.InvalidParam as e:
         raise BadRequest(str(e), e.param) from None
-    if tools is not None:  # the worker keeps this for the answer, not for the engine
-        params["tool_call"] = {"kind": tools["kind"], "names": tools["names"]}
+    if tools is not None:  # the worker keeps this for the prompt and the answer
+        params["tool_call"] = {"kind": tools["kind"], "names": tools["names"],
+                               "tools": body["tools"]}
     return params
 
 

@@ -13,10 +13,13 @@ from engine.detokenizer import SimTokenizer
 log = logging.getLogger(__name__)
 
 
-def render_chat(tokenizer, messages: list[dict]) -> str:
-    """The tokenizer's chat template applied to messages; a plain transcript for the
-    simulator, which has no template."""
+def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> str:
+    """The tokenizer's chat template applied to messages (and `tools`, OpenAI's list, for
+    templates that render them); a plain transcript for the simulator, which has no
+    template."""
     if hasattr(tokenizer, "apply_chat_template"):
+        if tools:
+            return tokenizer.apply_chat_template(messages, tools=tools)
         return tokenizer.apply_chat_template(messages)
     return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
 

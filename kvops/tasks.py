@@ -78,7 +78,8 @@ def _run_claimed(service, jobs: list, outcomes: dict[int, str]) -> None:
                                           params.get("stop"), params.get("min_tokens") or 0,
                                           params.get("n") or 1)
         try:
-            prompt = service.render_chat(job.messages) if job.messages else job.prompt
+            tools = (params.get("tool_call") or {}).get("tools")
+            prompt = service.render_chat(job.messages, tools) if job.messages else job.prompt
         except Exception as e:  # noqa: BLE001  (that job's messages: it alone fails)
             processor.untrack(job.request_id)
             services.fail_job(job.pk, f"its chat could not be rendered: {e}", job.request_id)

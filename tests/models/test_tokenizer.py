@@ -87,3 +87,27 @@ def test_template_errors_surface(tmp_path, tiny_model):
     (folder / "chat_template.jinja").write_text("{{ raise_exception('only user turns') }}")
     with pytest.raises(Exception, match="only user turns"):
         HFTokenizer.from_folder(folder).apply_chat_template(MESSAGES)
+
+
+def test_tools_reach_a_template_that_renders_them(tmp_path, tiny_model):
+    """A chat with `tools` (the /v1 tool calls) is rendered with them where the model's
+    template uses them, as transformers renders it; a template without them ignores them."""
+    from transformers import AutoTokenizer
+
+    from kvops.prompts import render_chat
+    folder = tmp_path / "tools"
+    shutil.copytree(tiny_model("gqa16"), folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = (
+        "{% if tools %}<tools>{% for t in tools %}{{ t.function.name }};{% endfor %}"
+        "</tools>{% endif %}{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}")
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    tok = HFTokenizer.from_folder(folder)
+    rendered = render_chat(tok, MESSAGES[1:2], tools)
+    assert rendered.startswith("<tools>get_weather;</tools>user: Hi there")
+    assert rendered == AutoTokenizer.from_pretrained(folder).apply_chat_template(
+        MESSAGES[1:2], tools=tools, add_generation_prompt=True, tokenize=False)
+    plain = HFTokenizer.from_folder(tiny_model("gqa16"))
+    assert render_chat(plain, MESSAGES[1:2], tools) == render_chat(plain, MESSAGES[1:2])
