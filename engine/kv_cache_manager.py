@@ -69,8 +69,9 @@ class KVCacheManager:
     # --- admission -------------------------------------------------------------------
     def find_prefix(self, request: Request) -> PrefixMatch:
         """Longest run of cached blocks for the request's tokens (not yet referenced)."""
-        if not self.enable_caching:
-            return PrefixMatch([], 0, False)
+        if not self.enable_caching or (request.sampling_params.prompt_logprobs is not None
+                                       and len(request.prompt_logprobs) < request.num_prompt_tokens):
+            return PrefixMatch([], 0, False)  # (its prompt's logprobs need every position)
         blocks = []
         for block_hash in request.block_hashes:
             block = self.gpu.get_cached(block_hash)

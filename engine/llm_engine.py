@@ -83,6 +83,9 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("params must be a SamplingParams")
         token_ids = self._prompt_ids(prompt)
+        if params.prompt_logprobs is not None and self.config.simulate:
+            raise InvalidRequestError("prompt logprobs need a model with logits; the "
+                                      "simulated engine has none")
         if params.n > self.config.max_num_seqs:
             raise InvalidRequestError(f"n={params.n} samples cannot run together: this engine "
                                       f"runs at most {self.config.max_num_seqs} sequences")
@@ -136,7 +139,8 @@ class LLMEngine:
             pinned_root=parent.pinned_root, block_size=parent.block_size,
             priority=parent.priority, job_id=parent.job_id, eos_token_ids=parent.eos_token_ids,
             grammar=self._grammar(params) if params.structured is not None else None,
-            parent_id=parent.request_id, sample_index=i)
+            parent_id=parent.request_id, sample_index=i,
+            prompt_logprobs=list(parent.prompt_logprobs))
 
     def _grammar(self, params: SamplingParams):
         """A matcher for the request's constraint (engine/structured.py)."""
@@ -198,6 +202,8 @@ class LLMEngine:
         self.version += 1
         self._inflight = out
         sampled = self.runner.execute(out)
+        if self.runner.prompt_logprobs:  # before update_from_output, which may fork
+            self._keep_prompt_logprobs(out, self.runner.prompt_logprobs)
         progressed = self.scheduler.update_from_output(out, sampled)
         self._inflight = None
         # As _core_output, inline: this runs for every request in every step.
@@ -206,6 +212,10 @@ class LLMEngine:
                                r.status in ended_states, r.finish_reason,
                                len(r.prompt_token_ids), r.num_cached_tokens or 0,
                                r.num_preemptions, None, r) for r in progressed]
+        for o in outputs:  # the prompt's logprobs travel once, with the first token
+            if o.request.prompt_logprobs and len(o.request.output_token_ids) == 1 \
+                    and o.new_token_ids:
+                o.prompt_logprobs = o.request.prompt_logprobs
         logprobs = self.runner.logprobs
         if logprobs:  # only requests that asked for them
             for o in outputs:
@@ -217,6 +227,20 @@ class LLMEngine:
         self._prompt_rate.record(now, self.scheduler.counters.num_prompt_tokens)
         self._gen_rate.record(now, self.scheduler.counters.num_generation_tokens)
         return outputs
+
+    @staticmethod
+    def _keep_prompt_logprobs(out, computed: dict[str, list]) -> None:
+        """Append this step's prompt-token logprobs to their requests, in prompt order
+        (positions a recompute scores again are not appended twice)."""
+        requests = {s.request.request_id: s.request for s in out.scheduled}
+        for request_id, entries in computed.items():
+            request = requests[request_id]
+            kept = request.prompt_logprobs
+            if not kept:
+                kept.append([request.prompt_token_ids[0], None, [], []])
+            for position, logprob, ids, values in entries:
+                if position == len(kept) - 1:
+                    kept.append([request.prompt_token_ids[position + 1], logprob, ids, values])
 
     @staticmethod
     def _core_output(request: Request, new_token_ids: list[int]) -> CoreOutput:
@@ -254,7 +278,9 @@ class LLMEngine:
             num_cached_tokens=request.num_cached_tokens or 0,
             num_preemptions=request.num_preemptions, text_delta=text_delta,
             logprobs=list(request.output_logprobs)
-            if request.sampling_params.logprobs is not None else None)
+            if request.sampling_params.logprobs is not None else None,
+            prompt_logprobs=list(request.prompt_logprobs)
+            if request.sampling_params.prompt_logprobs is not None else None)
 
     def generate(self, prompts: list[str | list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:

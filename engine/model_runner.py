@@ -10,7 +10,7 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -85,10 +85,27 @@ class ModelRunner(Runner):
         batch = self._prepare(out)
         logits = self.model(batch.input_ids, batch.positions, self.kv_cache, self.attention,
                             self.attention.plan(batch.attention), batch.logits_indices)
+        num_sampled = len(batch.sampling_rows)
+        if batch.prompt_rows:
+            self._prompt_logprobs(logits[num_sampled:], batch.prompt_rows)
+            logits = logits[:num_sampled]
         tokens = sample(logits, batch.sampling_rows)
         for i, entry in token_logprobs(logits, batch.sampling_rows, tokens).items():
             self.logprobs[batch.sampling_ids[i]] = entry
         return dict(zip(batch.sampling_ids, tokens))
+
+    def _prompt_logprobs(self, logits: torch.Tensor, rows: list[tuple]) -> None:
+        """Log-probabilities of prompt tokens: each row (request id, position, the next
+        prompt token, k) scores the token that follows its position."""
+        logprobs = logits.float().log_softmax(dim=-1)
+        targets = torch.tensor([r[2] for r in rows], device=logits.device)
+        chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()
+        k = max(r[3] for r in rows)
+        if k:
+            top_values, top_ids = (t.tolist() for t in logprobs.topk(k, dim=-1))
+        for j, (request_id, position, _, n) in enumerate(rows):
+            self.prompt_logprobs.setdefault(request_id, []).append(
+                (position, chosen[j], top_ids[j][:n] if n else [], top_values[j][:n] if n else []))
 
     def _prepare(self, out: SchedulerOutput) -> "StepBatch":
         bs = self.block_size
@@ -97,6 +114,7 @@ class ModelRunner(Runner):
         slots: list[np.ndarray] = []
         tables, seq_lens, query_start_loc = [], [], [0]
         logits_rows, sampling_ids, sampling_rows = [], [], []
+        prompt_rows, prompt_logits_rows = [], []  # SamplingParams.prompt_logprobs
         for s in out.scheduled:
             request, start, n = s.request, s.start, s.num_new_tokens
             input_ids.extend(request.all_token_ids[start:start + n])
@@ -107,6 +125,15 @@ class ModelRunner(Runner):
             tables.append(s.block_ids)
             seq_lens.append(start + n)
             query_start_loc.append(query_start_loc[-1] + n)
+            k = request.sampling_params.prompt_logprobs
+            if k is not None:
+                # Positions p whose next token is a prompt token not scored yet.
+                first = max(start, len(request.prompt_logprobs) - 1, 0)
+                last = min(start + n, len(request.prompt_token_ids) - 1)
+                for p in range(first, last):
+                    prompt_logits_rows.append(query_start_loc[-2] + p - start)
+                    prompt_rows.append((request.request_id, p,
+                                        request.prompt_token_ids[p + 1], k))
             if s.samples:
                 logits_rows.append(query_start_loc[-1] - 1)
                 sampling_ids.append(request.request_id)
@@ -120,9 +147,10 @@ class ModelRunner(Runner):
         return StepBatch(
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
             positions=torch.from_numpy(np.concatenate(positions)).to(dev),
-            logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=dev),
+            logits_indices=torch.tensor(logits_rows + prompt_logits_rows, dtype=torch.int64,
+                                        device=dev),
             attention=AttentionBatch(bs, tables, seq_lens, query_start_loc, slot_mapping),
-            sampling_ids=sampling_ids, sampling_rows=sampling_rows)
+            sampling_ids=sampling_ids, sampling_rows=sampling_rows, prompt_rows=prompt_rows)
 
     # --- block copies -------------------------------------------------------------------
     def swap_out(self, mapping: list[tuple[int, int]]) -> None:
@@ -229,6 +257,9 @@ class StepBatch:
     attention: AttentionBatch
     sampling_ids: list[str]  # request ids, one per logits row
     sampling_rows: list[SamplingRow]
+    # after the sampling rows in logits_indices: (request id, position, next prompt
+    # token, k) per prompt position scored (SamplingParams.prompt_logprobs)
+    prompt_rows: list[tuple] = field(default_factory=list)
 
 
 def _copy_blocks(src: torch.Tensor, dst: torch.Tensor, mapping: list[tuple[int, int]]) -> None:

@@ -18,6 +18,9 @@ class RequestOutput:
     text_delta: str = ""  # text added since the previous output of this request
     # per output token [sampled logprob, top ids, top logprobs] (SamplingParams.logprobs)
     logprobs: list[list] | None = None
+    # per prompt token [token id, logprob (None for the first), top ids, top logprobs]
+    # (SamplingParams.prompt_logprobs)
+    prompt_logprobs: list[list] | None = None
     # n > 1 (LLMEngine.generate): every sample's output, in order; the fields above are
     # sample 0's
     samples: list[RequestOutput] | None = None
@@ -36,12 +39,14 @@ class CoreOutput:
     num_preemptions: int
     logprobs: list[list] | None = None  # per new token, if asked: see Request.output_logprobs
     request: Any = field(default=None, repr=False)  # the Request, in-process only
+    # with the first token, if asked: see Request.prompt_logprobs
+    prompt_logprobs: list[list] | None = None
 
     def to_wire(self) -> list:
         """The fields as a list, for IPC (the request object stays behind)."""
         return [self.request_id, self.new_token_ids, self.finished, self.finish_reason,
                 self.num_prompt_tokens, self.num_cached_tokens, self.num_preemptions,
-                self.logprobs]
+                self.logprobs, None, self.prompt_logprobs]
 
     @classmethod
     def from_wire(cls, row: list) -> CoreOutput:

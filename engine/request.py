@@ -47,6 +47,9 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     # [sampled logprob, top ids, top logprobs] per output token, if its params ask
     output_logprobs: list[list] = field(default_factory=list)
+    # SamplingParams.prompt_logprobs: per prompt token [token id, logprob, top ids, top
+    # logprobs] (the first token's logprob None), filled as its prefill chunks run
+    prompt_logprobs: list[list] = field(default_factory=list)
     grammar: Any = field(default=None, repr=False)  # its structured-output matcher, if any
     all_token_ids: list[int] = field(default_factory=list)  # prompt + output, kept in step
     num_computed_tokens: int = 0  # tokens whose K/V is in the cache

@@ -18,11 +18,15 @@ class Runner(abc.ABC):
     # After each step: request id -> [sampled token's logprob, top ids, top logprobs], for
     # the requests that asked (SamplingParams.logprobs).
     logprobs: dict[str, list] = {}
+    # After each step: request id -> [(position, logprob, top ids, top logprobs), ...] of
+    # the prompt tokens whose logprobs this step computed (SamplingParams.prompt_logprobs).
+    prompt_logprobs: dict[str, list] = {}
 
     def execute(self, out: SchedulerOutput) -> dict[str, int]:
         """Run one step: block copies in order (swap out, swap in, copy-on-write), then the
         forward pass. Returns the sampled token of every scheduled request that samples."""
         self.logprobs = {}
+        self.prompt_logprobs = {}
         self.swap_out(out.swap_out)
         self.swap_in(out.swap_in)
         self.copy_blocks(out.copies)

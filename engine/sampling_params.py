@@ -33,6 +33,9 @@ class SamplingParams:
     # its place (None: none), from the model's raw logits (vLLM's default logprobs_mode,
     # raw_logprobs: before penalties, bias and temperature).
     logprobs: int | None = None
+    # The same for each prompt token (vLLM's prompt_logprobs): the request then computes
+    # its whole prompt, without the prefix cache's help.
+    prompt_logprobs: int | None = None
     # A constraint on the output (engine/structured.py): {"json": schema},
     # {"json_object": true}, {"regex": ...}, {"choice": [...]} or {"grammar": EBNF}.
     structured: dict | None = None
@@ -82,6 +85,10 @@ class SamplingParams:
             value = getattr(self, name)
             _check(_is_number(value) and -2.0 <= value <= 2.0,
                    f"{name} must be a number in [-2, 2], got {value!r}")
+        _check(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs)
+                                                and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+               f"prompt_logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got "
+               f"{self.prompt_logprobs!r}")
         _check(self.logprobs is None or (_is_int(self.logprobs)
                                          and 0 <= self.logprobs <= MAX_LOGPROBS),
                f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got "

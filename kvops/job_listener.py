@@ -43,6 +43,7 @@ class JobListener:
         self.num_prompt_tokens = job.num_prompt_tokens  # both also in the stream's updates
         self.num_cached_tokens = job.num_cached_tokens
         self.logprobs: list[list] = []  # [token, logprob, top] per token, if asked
+        self.prompt_logprobs: list[list] | None = None  # the same per prompt token (echo)
         # n > 1: samples 1.. (self.text and the counts above are sample 0's); their text
         # is on the stream only, and in the row's `samples` once the job has ended
         self.sample_texts: dict[int, TextAssembler] = {}
@@ -90,6 +91,8 @@ class JobListener:
             if update["attempt"] != self._logprobs_attempt:  # a re-run starts again
                 self.logprobs, self._logprobs_attempt = [], update["attempt"]
             self.logprobs += update["lp"]
+        if "plp" in update:
+            self.prompt_logprobs = update["plp"]
         if "p" in update:
             self.num_prompt_tokens, self.num_cached_tokens = update["p"], update["c"]
         if "state" in update:

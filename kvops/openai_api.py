@@ -292,6 +292,10 @@ def _checks(model: Any, chat: bool, structured_param: str = "structured_outputs"
     def check(new: services.NewJob, accepted: int) -> None:
         check_job_cap(new.owner, accepted)
         _check_model(model)
+        if new.params.get("prompt_logprobs") is not None and _simulated_only(model):
+            raise BadRequest("`echo` with `logprobs` needs the prompt's logprobs, which a "
+                             f"model with logits computes; the engines serving {model!r} "
+                             "simulate one", "echo")
         if new.params.get("structured") and _simulated_only(model):
             raise BadRequest("structured output needs a model with logits; the engines "
                              f"serving {model!r} simulate one", structured_param)
@@ -316,8 +320,8 @@ def _format_logprobs(entries: list[list], chat: bool, text_offset: int) -> dict:
     """The worker's [token, logprob, [[token, logprob], ...]] per token in OpenAI's shape:
     chat's `content` list, or the completions' parallel lists (text_offset: where the
     first token's text starts in the output)."""
-    def number(logprob: float) -> float:
-        return max(logprob, -9999.0)  # -inf is not JSON (OpenAI's floor)
+    def number(logprob: float | None) -> float | None:
+        return None if logprob is None else max(logprob, -9999.0)  # -inf is not JSON
 
     if chat:
         return {"content": [
@@ -330,7 +334,8 @@ def _format_logprobs(entries: list[list], chat: bool, text_offset: int) -> dict:
         offsets.append(text_offset)
         text_offset += len(token)
     return {"tokens": [e[0] for e in entries], "token_logprobs": [number(e[1]) for e in entries],
-            "top_logprobs": [{t: number(v) for t, v in e[2]} for e in entries],
+            "top_logprobs": [{t: number(v) for t, v in e[2]} if e[1] is not None else None
+                             for e in entries],
             "text_offset": offsets}
 
 
@@ -384,9 +389,8 @@ async def _handle(request: HttpRequest, chat: bool) -> HttpResponse:
         stream = _flag(body, "stream")
         stream_options = _stream_options(body, stream)
         echo = "" if chat or not _flag(body, "echo") else kwargs["prompt"]
-        if echo and kwargs["params"]["logprobs"] is not None:
-            raise BadRequest("`echo` with `logprobs` needs the prompt's logprobs, which are "
-                             "not served yet", "echo")
+        if echo and kwargs["params"]["logprobs"] is not None:  # the prompt's too (vLLM's
+            kwargs["params"]["prompt_logprobs"] = kwargs["params"]["logprobs"]  # way)
         sub = await get_hub().open()
         try:
             job = await _admit(user, sub, model, chat, kwargs,
@@ -446,7 +450,8 @@ async def _handle(request: HttpRequest, chat: bool) -> HttpResponse:
                                   "finish_reason": outcome["finish_reason"] or None,
                                   "logprobs": None}
         if job.params.get("logprobs") is not None:
-            choice["logprobs"] = _format_logprobs(listener.logprobs_of(index), chat, 0)
+            prompt = listener.prompt_logprobs or [] if echo else []
+            choice["logprobs"] = _format_logprobs(prompt + listener.logprobs_of(index), chat, 0)
         if chat:
             choice["message"] = {"role": "assistant", "content": outcome["text"]}
             tool_call = job.params.get("tool_call")
@@ -512,12 +517,14 @@ async def _sse(listener: JobListener, ident: str, model: str, created: int,
     list of calls is sent whole once it is complete."""
     kind = "chat.completion.chunk" if chat else "text_completion"
     logprobs_sent = [0] * n  # each sample's logprob entries streamed so far
-    text_offset = [0] * n  # and the characters of their tokens
+    text_offset = [len(echo)] * n  # and where the next one's text starts
 
     def chunk(delta_text: str | None, finish: str | None, first: bool = False,
               index: int = 0) -> str:
         entries = None
-        if logprobs and not first:  # the tokens produced since the previous chunk
+        if logprobs and first and echo:  # the prompt's tokens
+            entries = _format_logprobs(listener.prompt_logprobs or [], chat, 0)
+        elif logprobs and not first:  # the tokens produced since the previous chunk
             new = listener.logprobs_of(index)[logprobs_sent[index]:]
             logprobs_sent[index] += len(new)
             entries = _format_logprobs(new, chat, text_offset[index])
@@ -560,13 +567,18 @@ async def _sse(listener: JobListener, ident: str, model: str, created: int,
                 yield tool_call_chunk([{"index": 0, "id": f"{call_id}-0", "type": "function",
                                         "function": {"name": tool_call["names"][0],
                                                      "arguments": ""}}], None)
-        elif echo:
+        elif echo and not logprobs:
             for index in range(n):
                 yield chunk(echo, None, first=True, index=index)
+        echo_pending = bool(echo) and logprobs  # sent with the prompt's logprobs
         try:
             async for _ in listener.updates():
                 if tool_call is not None and tool_call["kind"] == "required":
                     continue  # sent whole at the end
+                if echo_pending and listener.prompt_logprobs is not None:
+                    for index in range(n):
+                        yield chunk(echo, None, first=True, index=index)
+                    echo_pending = False
                 moved = False
                 for index in range(n):
                     text = listener.text_of(index)
@@ -582,6 +594,9 @@ async def _sse(listener: JobListener, ident: str, model: str, created: int,
                 if state.get("status") == Job.Status.FAILED:
                     yield error(f"the job failed: {state.get('error')}")
                 else:
+                    if echo_pending:
+                        for index in range(n):
+                            yield chunk(echo, None, first=True, index=index)
                     # The final row holds every sample's whole text: send what the stream
                     # had not carried yet (samples 1.. are not in the progress writes).
                     outcomes = state.get("samples") or [

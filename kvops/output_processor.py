@@ -77,6 +77,7 @@ class _Tracked:
     first_token_at: datetime | None = None
     first_token_written: bool = False
     logprobs: list[list] = field(default_factory=list)  # for the next update (if asked)
+    prompt_logprobs: list[list] | None = None  # likewise, once
     dirty: bool = False  # progress not in the database yet
     # n > 1: this is sample `index` of the attempt `parent_id`; `siblings` (one list for
     # them all, in order) end the job together, and sample 0's progress is the row's.
@@ -285,6 +286,9 @@ class OutputProcessor:
                 t.detok.add(out.new_token_ids)
                 if out.logprobs:
                     t.logprobs += self._token_logprobs(out.new_token_ids, out.logprobs)
+                if out.prompt_logprobs:
+                    t.prompt_logprobs = self._token_logprobs(
+                        [e[0] for e in out.prompt_logprobs], [e[1:] for e in out.prompt_logprobs])
             if t.detok.stopped:  # a stop string: the job ends here
                 t.finish_reason = "stop"
                 if not out.finished:
@@ -307,6 +311,8 @@ class OutputProcessor:
                 update["p"], update["c"] = out.num_prompt_tokens, out.num_cached_tokens
             if t.logprobs:
                 update["lp"], t.logprobs = t.logprobs, []
+            if t.prompt_logprobs:
+                update["plp"], t.prompt_logprobs = t.prompt_logprobs, None
             updates.append(update)
         if delta:
             t.text.append(delta)

@@ -153,3 +153,32 @@ def test_forked_samples_on_the_model(tiny_model):
     outs = engine.generate(PROMPTS[1:2] + others, [seeded(40, n=3)] + [greedy] * len(others))
     assert engine.metrics()["num_preemptions"] > 0
     assert [s.output_token_ids for s in outs[0].samples] == singles
+
+
+def test_prompt_logprobs_match_transformers(tiny_model):
+    """Every prompt token's logprob (and the k most likely at its place), as transformers
+    scores the prompt; computed in chunks, never skipped by a prefix-cache hit, and
+    handed to a fork's samples."""
+    import torch
+    folder = tiny_model("gqa64")
+    prompt = PROMPTS[3]
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, prompt_logprobs=2)
+    engine = make_engine(folder, max_num_batched_tokens=8)  # the prompt in several chunks
+    (first,) = engine.generate([prompt], params)
+    reference = hf_log_softmax(folder, prompt[:1], prompt[1:])  # position p scores p + 1
+    entries = first.prompt_logprobs
+    assert [e[0] for e in entries] == prompt and entries[0][1:] == [None, [], []]
+    for row, token, (_, logprob, top_ids, top_values) in zip(reference, prompt[1:],
+                                                             entries[1:]):
+        assert abs(logprob - row[token].item()) < 1e-4
+        want_values, want_ids = row.topk(2)
+        assert top_ids == want_ids.tolist()
+        torch.testing.assert_close(torch.tensor(top_values), want_values, atol=1e-4, rtol=1e-4)
+    (again,) = engine.generate([prompt], params)  # its blocks are cached now: not used
+    assert again.num_cached_tokens == 0 and again.prompt_logprobs == entries
+    (forked,) = make_engine(folder).generate(
+        [prompt], SamplingParams(max_tokens=2, temperature=0.0, n=2, prompt_logprobs=2))
+    for sample in forked.samples:
+        assert [e[0] for e in sample.prompt_logprobs] == prompt
+        assert all(abs(a[1] - b[1]) < 1e-4 for a, b in zip(sample.prompt_logprobs[1:],
+                                                            entries[1:]))

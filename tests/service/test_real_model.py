@@ -224,3 +224,34 @@ def test_tool_calls_on_the_default_model(default_stack):
         tools=[WEATHER_TOOL, TIME_TOOL], tool_choice="required", stream=True)
         for d in chunk.choices[0].delta.tool_calls or ()]
     assert streamed and streamed[0].function.name in ("get_weather", "get_time")
+
+
+def test_echo_with_logprobs_scores_the_prompt(tiny_stack):
+    """echo + logprobs (what evaluation harnesses send): the prompt's tokens come first,
+    the first with no logprob, the rest as transformers scores them; then the answer's;
+    streamed the same way."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    prompt = "w5 w17 w33 w101 w7 w64"
+    tokenizer = HFTokenizer.from_folder(tiny_stack.model_folder)
+    ids = tokenizer.encode(prompt)
+    client = openai.OpenAI(base_url=f"{tiny_stack.url}/v1", api_key=tiny_stack.tokens["alice"],
+                           max_retries=0, timeout=120)
+    r = client.completions.create(model="gqa16", prompt=prompt, max_tokens=3, temperature=0,
+                                  logprobs=1, echo=True, extra_body={"ignore_eos": True})
+    out = tiny_stack.wait_job(int(r.id.split("-")[1]))["output_token_ids"]
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text.startswith(prompt)
+    assert lp.tokens == [tokenizer.decode([t]) for t in ids + out]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    model = AutoModelForCausalLM.from_pretrained(tiny_stack.model_folder,
+                                                 dtype=torch.float32).eval()
+    with torch.inference_mode():
+        reference = model(torch.tensor([ids + out])).logits[0].log_softmax(-1)
+    for position, (token, got) in enumerate(zip((ids + out)[1:], lp.token_logprobs[1:])):
+        assert abs(got - reference[position][token].item()) < 1e-4
+    streamed = [t for c in client.completions.create(
+        model="gqa16", prompt=prompt, max_tokens=3, temperature=0, logprobs=1, echo=True,
+        stream=True, extra_body={"ignore_eos": True}) if c.choices[0].logprobs
+        for t in c.choices[0].logprobs.tokens]
+    assert streamed == lp.tokens
