@@ -149,12 +149,13 @@ def _sampling(body: dict, default_max_tokens: int, chat: bool) -> dict:
     except tool_calls.ToolError as e:
         raise BadRequest(str(e), e.param) from None
     if tools is not None:
-        if structured is not None:
+        if structured is not None and tools["structured"] is not None:
             raise BadRequest("tool calls are constrained already: send `tools` or a "
                              "structured output, not both", "tools")
         if n > 1:
             raise BadRequest("tool calls with n > 1 are not served yet", "n")
-        structured = limits.structured(tools["structured"], "tools")
+        if tools["structured"] is not None:
+            structured = limits.structured(tools["structured"], "tools")
     if not isinstance(body.get("parallel_tool_calls", True), bool):
         raise BadRequest("`parallel_tool_calls` must be a boolean", "parallel_tool_calls")
     repetition = _number(body, "repetition_penalty", 1.0, *limits.REPETITION_PENALTY)
@@ -273,6 +274,21 @@ def _parse(request: HttpRequest) -> dict:
     return body
 
 
+def _calls_tools(model: str) -> bool:
+    """Does the chat template of this model's engines write tool calls the way `auto`
+    parses them? (An engine whose tokenizer is not readable here is given the benefit of
+    the doubt.)"""
+    names = set(selectors.served_models().get(model, ()))
+    for engine in selectors.recent_engines():
+        if engine.name in names:
+            tokenizer = inspector._tokenizer(engine.config)
+            if tokenizer is None:
+                return True
+            if tool_calls.template_calls_tools(getattr(tokenizer, "chat_template", None)):
+                return True
+    return False
+
+
 def _simulated_only(model: str) -> bool:
     """Are all the live engines that serve this model simulators?"""
     names = set(selectors.served_models().get(model, ()))
@@ -296,6 +312,12 @@ def _checks(model: Any, chat: bool, structured_param: str = "structured_outputs"
             raise BadRequest("`echo` with `logprobs` needs the prompt's logprobs, which a "
                              f"model with logits computes; the engines serving {model!r} "
                              "simulate one", "echo")
+        tool_call = new.params.get("tool_call")
+        if tool_call is not None and tool_call["kind"] == "auto" and not _calls_tools(model):
+            raise BadRequest(f"tool_choice \"auto\" (the default with tools) needs a chat "
+                             f"template that writes tool calls ({tool_calls.CALL_START}...); "
+                             f"{model!r}'s does not: send tool_choice \"required\" or a named "
+                             "function", "tool_choice")
         if new.params.get("structured") and _simulated_only(model):
             raise BadRequest("structured output needs a model with logits; the engines "
                              f"serving {model!r} simulate one", structured_param)
@@ -461,9 +483,11 @@ async def _handle(request: HttpRequest, chat: bool) -> HttpResponse:
                 except ValueError:  # cut off by max_tokens: the text as it is
                     calls = None
                 if calls:
-                    choice["message"] = {"role": "assistant", "content": None,
+                    content = tool_calls.split_auto(outcome["text"], tool_call)[0] \
+                        if tool_call["kind"] == "auto" else None
+                    choice["message"] = {"role": "assistant", "content": content,
                                          "tool_calls": calls}
-                    if tool_call["kind"] == "required" and outcome["finish_reason"] == "stop":
+                    if tool_call["kind"] != "named" and outcome["finish_reason"] == "stop":
                         choice["finish_reason"] = "tool_calls"
         else:
             choice["text"] = echo + outcome["text"]
@@ -531,7 +555,7 @@ async def _sse(listener: JobListener, ident: str, model: str, created: int,
             text_offset[index] += sum(len(e[0]) for e in new)
         if chat:
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
-            if delta_text and tool_call is not None:
+            if delta_text and tool_call is not None and tool_call["kind"] == "named":
                 delta["tool_calls"] = [{"index": 0, "function": {"arguments": delta_text}}]
             elif delta_text:
                 delta["content"] = delta_text
@@ -571,6 +595,7 @@ async def _sse(listener: JobListener, ident: str, model: str, created: int,
             for index in range(n):
                 yield chunk(echo, None, first=True, index=index)
         echo_pending = bool(echo) and logprobs  # sent with the prompt's logprobs
+        auto = tool_call is not None and tool_call["kind"] == "auto"
         try:
             async for _ in listener.updates():
                 if tool_call is not None and tool_call["kind"] == "required":
@@ -582,6 +607,8 @@ async def _sse(listener: JobListener, ident: str, model: str, created: int,
                 moved = False
                 for index in range(n):
                     text = listener.text_of(index)
+                    if auto:  # content up to a call; the calls are sent at the end
+                        text = tool_calls.visible_auto(text, final=False)
                     if not text.startswith(sent[index]):  # a re-run (its worker died)
                         raise _Diverged
                     if len(text) > len(sent[index]):
@@ -601,6 +628,20 @@ async def _sse(listener: JobListener, ident: str, model: str, created: int,
                     # had not carried yet (samples 1.. are not in the progress writes).
                     outcomes = state.get("samples") or [
                         {"text": listener.text.text, "finish_reason": _finish_reason(state)}]
+                    if auto:
+                        text = outcomes[0]["text"]
+                        calls = tool_calls.calls_of(tool_call, text, call_id)
+                        # with calls, the content before the first; without, all of it
+                        rest = (tool_calls.visible_auto(text, final=True) if calls
+                                else text)[len(sent[0]):]
+                        if rest:
+                            yield chunk(rest, None)
+                        if calls:
+                            yield tool_call_chunk([{"index": i, **c} for i, c in enumerate(calls)],
+                                                  None)
+                        yield tool_call_chunk(None, "tool_calls" if calls and outcomes[0][
+                            "finish_reason"] == "stop" else outcomes[0]["finish_reason"] or "stop")
+                        outcomes = []
                     if tool_call is not None and tool_call["kind"] == "required":
                         try:
                             calls = tool_calls.calls_of(tool_call, outcomes[0]["text"], call_id)

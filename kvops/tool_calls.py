@@ -3,16 +3,21 @@ tool_choice: the output is constrained (engine/structured.py) to the called func
 arguments (a named function) or to a JSON list of {name, parameters} calls (`required`),
 and the answer carries OpenAI's `tool_calls` instead of text.
 
-`tool_choice: "auto"` needs a chat template that defines a tool-call format and a parser
-for it; it is refused (400) until one is served. `"none"` (and no tools) leaves the
-answer as text.
+`tool_choice: "auto"` (the default with tools) lets the model decide, for chat templates
+that write calls the Hermes way (Qwen2.5, Hermes, and others): `<tool_call>{"name": ...,
+"arguments": {...}}</tool_call>` blocks in the text, rendered into the prompt with the
+tools and parsed out of the answer. A template without that format gets a 400.
+`"none"` (and no tools) leaves the answer as text.
 """
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 MAX_TOOLS = 64
+CALL_START, CALL_END = "<tool_call>", "</tool_call>"
+_CALL = re.compile(re.escape(CALL_START) + r"\s*(.*?)\s*" + re.escape(CALL_END), re.DOTALL)
 
 
 class ToolError(ValueError):
@@ -50,11 +55,8 @@ def parse(body: dict) -> dict | None:
         schemas[function["name"]] = parameters or {"type": "object"}
     if choice == "none":
         return None
-    if choice in (None, "auto"):
-        raise ToolError("tool_choice \"auto\" (the default with tools) is not served: it "
-                        "needs a chat template with a tool-call format; send tool_choice "
-                        "\"required\" or {\"type\": \"function\", \"function\": {\"name\": "
-                        "...}}", "tool_choice")
+    if choice in (None, "auto"):  # checked against the model's template at admission
+        return {"kind": "auto", "names": list(schemas), "structured": None}
     if choice == "required":
         calls = {"anyOf": [{"type": "object", "additionalProperties": False,
                             "required": ["name", "parameters"],
@@ -73,10 +75,48 @@ def parse(body: dict) -> dict | None:
     return {"kind": "named", "names": [name], "structured": {"json": schemas[name]}}
 
 
+def template_calls_tools(chat_template: str | None) -> bool:
+    """Does this chat template write tool calls the way `auto` parses them?"""
+    return bool(chat_template) and CALL_START in chat_template
+
+
+def split_auto(text: str, mode: dict) -> tuple[str | None, list[tuple[str, str]]]:
+    """An `auto` answer: (its content, or None when it is only calls; the calls as
+    (name, arguments JSON)). Blocks that do not parse as a call of a given tool stay in
+    the content."""
+    calls, kept, end = [], [], 0
+    for match in _CALL.finditer(text):
+        try:
+            call = json.loads(match.group(1))
+            name, arguments = call["name"], call.get("arguments", {})
+        except (ValueError, KeyError, TypeError):
+            continue
+        if name not in mode["names"]:
+            continue
+        kept.append(text[end:match.start()])
+        end = match.end()
+        calls.append((name, arguments if isinstance(arguments, str) else json.dumps(arguments)))
+    kept.append(text[end:])
+    content = "".join(kept).strip()
+    return (content or None) if calls else text, calls
+
+
+def visible_auto(text: str, final: bool) -> str:
+    """The part of an `auto` answer that streams as content now: up to the first call
+    (and, until the end, short of what could be the start of one)."""
+    start = text.find(CALL_START)
+    if start >= 0:
+        return text[:start]
+    return text if final else text[:max(0, len(text) - len(CALL_START) + 1)]
+
+
 def calls_of(mode: dict, text: str, call_id: str) -> list[dict]:
-    """OpenAI's tool_calls for the constrained output `text` (call ids call_id-<i>)."""
+    """OpenAI's tool_calls for the output `text` (call ids call_id-<i>); for `auto`, the
+    calls it made (possibly none)."""
     if mode["kind"] == "named":
         calls = [(mode["names"][0], text)]
+    elif mode["kind"] == "auto":
+        calls = split_auto(text, mode)[1]
     else:
         calls = [(c["name"], json.dumps(c["parameters"])) for c in json.loads(text)]
     return [{"id": f"{call_id}-{i}", "type": "function",

@@ -1,5 +1,7 @@
 """The service with a real model: an engine worker on a tiny random Llama, its greedy
 output over REST and the OpenAI API equal to transformers' on the same weights."""
+import json
+import re
 from pathlib import Path
 
 import openai
@@ -138,7 +140,6 @@ def test_structured_output_on_the_default_model(default_stack):
     """response_format json_schema (chat, streamed and not), json_object, vLLM's
     structured_outputs choice (completions) and the REST API: every answer parses and
     validates."""
-    import json
 
     import jsonschema
     schema = {"type": "object", "additionalProperties": False, "required": ["city", "sunny"],
@@ -188,7 +189,6 @@ TIME_TOOL = {"type": "function", "function": {
 def test_tool_calls_on_the_default_model(default_stack):
     """A named tool_choice and `required`, streamed and not: tool_calls in OpenAI's shape
     whose arguments validate against the tool's parameters."""
-    import json
 
     import jsonschema
     client = openai.OpenAI(base_url=f"{default_stack.url}/v1",
@@ -255,3 +255,70 @@ def test_echo_with_logprobs_scores_the_prompt(tiny_stack):
         stream=True, extra_body={"ignore_eos": True}) if c.choices[0].logprobs
         for t in c.choices[0].logprobs.tokens]
     assert streamed == lp.tokens
+
+
+HERMES_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nYou may call these tools:\n<tools>"
+    "{% for t in tools %}{{ t.function | tojson }}{% endfor %}</tools>\nAnswer a call as "
+    "<tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call><|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def hermes_stack(tmp_path_factory):
+    """The default model with a chat template that writes tool calls the Hermes way."""
+    import shutil
+
+    from engine.default_model import default_model_dir
+    source = default_model_dir()
+    if not (source / "config.json").is_file():
+        pytest.skip("default model not converted (run `make setup`)")
+    folder = tmp_path_factory.mktemp("hermes") / "SmolLM2-hermes"
+    folder.mkdir()
+    for item in source.iterdir():
+        if item.name == "tokenizer_config.json":
+            config = json.loads(item.read_text())
+            config["chat_template"] = HERMES_TEMPLATE
+            (folder / item.name).write_text(json.dumps(config))
+        elif item.suffix == ".safetensors":
+            (folder / item.name).symlink_to(item)
+        else:
+            shutil.copy(item, folder / item.name)
+    s = Stack(Path(tmp_path_factory.mktemp("hermes-stack")))
+    try:
+        s.start_web()
+        s.start_engine("hermes", model=str(folder), device="cpu", dtype="float32",
+                       attention_backend="torch", num_gpu_blocks=256, max_num_seqs=8)
+        yield s
+    finally:
+        s.stop()
+
+
+def test_auto_tool_calls_are_parsed_from_a_hermes_template(hermes_stack):
+    """tool_choice auto on a template that writes <tool_call> blocks: the tools reach the
+    prompt, and a call in the answer comes back as tool_calls (the model is steered into
+    one with a regex, as a 135M model rarely calls on its own), streamed and not; an
+    answer without a call is plain content."""
+    client = openai.OpenAI(base_url=f"{hermes_stack.url}/v1",
+                           api_key=hermes_stack.tokens["alice"], max_retries=0, timeout=300)
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    steer = {"structured_outputs": {"regex": re.escape(call)}}
+    r = client.chat.completions.create(model="SmolLM2-hermes", messages=messages,
+                                       max_tokens=60, temperature=0, tools=[WEATHER_TOOL],
+                                       extra_body=steer)
+    assert r.choices[0].finish_reason == "tool_calls"
+    (made,) = r.choices[0].message.tool_calls
+    assert made.function.name == "get_weather"
+    assert json.loads(made.function.arguments) == {"city": "Paris"}
+    chunks = list(client.chat.completions.create(
+        model="SmolLM2-hermes", messages=messages, max_tokens=60, temperature=0,
+        tools=[WEATHER_TOOL], stream=True, extra_body=steer))
+    streamed = [d for c in chunks for d in c.choices[0].delta.tool_calls or ()]
+    assert [d.function.name for d in streamed] == ["get_weather"]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert not "".join(c.choices[0].delta.content or "" for c in chunks).strip()
+    plain = client.chat.completions.create(model="SmolLM2-hermes", messages=messages,
+                                           max_tokens=8, temperature=0, tools=[WEATHER_TOOL])
+    assert plain.choices[0].message.tool_calls is None and plain.choices[0].message.content
