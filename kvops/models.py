@@ -69,6 +69,12 @@ class Job(models.Model):
     cancel_requested = models.BooleanField(default=False)
     output_text = models.TextField(blank=True)
     output_token_ids = models.JSONField(default=list, blank=True)
+    output_logprobs = models.JSONField(
+        default=list, blank=True,
+        help_text="with logprobs: per output token [token, logprob, [[token, logprob], ...]]")
+    prompt_logprobs = models.JSONField(
+        default=list, blank=True,
+        help_text="with prompt_logprobs: the same per prompt token (the first's logprob null)")
     samples = models.JSONField(
         default=list, blank=True,
         help_text="with n > 1: every sample's {text, token_ids, finish_reason}, in order "

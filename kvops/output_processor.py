@@ -78,6 +78,8 @@ class _Tracked:
     first_token_written: bool = False
     logprobs: list[list] = field(default_factory=list)  # for the next update (if asked)
     prompt_logprobs: list[list] | None = None  # likewise, once
+    all_logprobs: list[list] = field(default_factory=list)  # every one, for the row
+    all_prompt_logprobs: list[list] = field(default_factory=list)
     dirty: bool = False  # progress not in the database yet
     # n > 1: this is sample `index` of the attempt `parent_id`; `siblings` (one list for
     # them all, in order) end the job together, and sample 0's progress is the row's.
@@ -285,9 +287,11 @@ class OutputProcessor:
                 t.token_ids.extend(out.new_token_ids)
                 t.detok.add(out.new_token_ids)
                 if out.logprobs:
-                    t.logprobs += self._token_logprobs(out.new_token_ids, out.logprobs)
+                    entries = self._token_logprobs(out.new_token_ids, out.logprobs)
+                    t.logprobs += entries
+                    t.all_logprobs += entries
                 if out.prompt_logprobs:
-                    t.prompt_logprobs = self._token_logprobs(
+                    t.prompt_logprobs = t.all_prompt_logprobs = self._token_logprobs(
                         [e[0] for e in out.prompt_logprobs], [e[1:] for e in out.prompt_logprobs])
             if t.detok.stopped:  # a stop string: the job ends here
                 t.finish_reason = "stop"
@@ -363,9 +367,12 @@ def _final_state(t: _Tracked) -> services.FinalState:
     """The row's final state: the attempt's (a fork's: sample 0's, with every sample's
     outcome in `samples`)."""
     samples = [{"text": "".join(s.text), "token_ids": list(s.token_ids),
-                "finish_reason": s.finish_reason or ""} for s in t.siblings or ()]
+                "finish_reason": s.finish_reason or "",
+                **({"logprobs": s.all_logprobs} if s.all_logprobs else {})}
+               for s in t.siblings or ()]
     return services.FinalState(
         job_id=t.job_id, request_id=t.attempt_id, text="".join(t.text),
         token_ids=list(t.token_ids), num_prompt_tokens=t.num_prompt_tokens,
         num_cached_tokens=t.num_cached_tokens, num_preemptions=t.num_preemptions,
-        finish_reason=t.finish_reason or "", first_token_at=t.first_token_at, samples=samples)
+        finish_reason=t.finish_reason or "", first_token_at=t.first_token_at, samples=samples,
+        logprobs=t.all_logprobs, prompt_logprobs=t.all_prompt_logprobs)

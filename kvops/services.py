@@ -256,8 +256,9 @@ class Claim:
 
 
 CLAIM_FIELDS = ["attempts", "status", "engine", "engine_instance", "request_id", "started_at",
-                "first_token_at", "output_text", "output_token_ids", "samples", "finish_reason",
-                "error", "num_output_tokens", "num_cached_tokens", "num_preemptions"]
+                "first_token_at", "output_text", "output_token_ids", "samples", "output_logprobs",
+                "prompt_logprobs", "finish_reason", "error", "num_output_tokens",
+                "num_cached_tokens", "num_preemptions"]
 
 
 def claim_jobs(claims: list[Claim]) -> list[Job | None]:
@@ -325,7 +326,7 @@ def _claim(job: Job, c: Claim, live: set[str]) -> str | None:
     job.started_at = timezone.now()
     job.first_token_at = None
     job.output_text, job.output_token_ids, job.finish_reason, job.error = "", [], "", ""
-    job.samples = []
+    job.samples, job.output_logprobs, job.prompt_logprobs = [], [], []
     job.num_output_tokens = job.num_cached_tokens = job.num_preemptions = 0
     return "run"
 
@@ -357,6 +358,8 @@ class FinalState:
     finish_reason: str
     first_token_at: datetime | None
     samples: list[dict] = field(default_factory=list)  # n > 1: every sample's outcome
+    logprobs: list[list] = field(default_factory=list)  # if asked: see Job.output_logprobs
+    prompt_logprobs: list[list] = field(default_factory=list)
 
 
 def record_progress(deltas: list[ProgressDelta]) -> set[str]:
@@ -398,10 +401,12 @@ def finish_jobs(finals: list[FinalState]) -> list[Job]:
     sql = (f"UPDATE {table} SET output_text = %s, output_token_ids = %s, "
            "num_output_tokens = %s, num_prompt_tokens = %s, num_cached_tokens = %s, "
            "num_preemptions = %s, first_token_at = COALESCE(first_token_at, %s), "
-           "finish_reason = %s, samples = %s, status = %s, error = '', finished_at = %s "
+           "finish_reason = %s, samples = %s, output_logprobs = %s, prompt_logprobs = %s, "
+           "status = %s, error = '', finished_at = %s "
            "WHERE id = %s AND request_id = %s AND status IN (%s, %s)")
     token_ids = Job._meta.get_field("output_token_ids")
     samples = Job._meta.get_field("samples")
+    logprobs = Job._meta.get_field("output_logprobs")
     when = connection.ops.adapt_datetimefield_value
     now = when(timezone.now())
     with transaction.atomic(), connection.cursor() as cursor:
@@ -415,7 +420,10 @@ def finish_jobs(finals: list[FinalState]) -> list[Job]:
                 f.text, token_ids.get_db_prep_value(f.token_ids, connection),
                 len(f.token_ids), f.num_prompt_tokens, f.num_cached_tokens, f.num_preemptions,
                 when(f.first_token_at), f.finish_reason,
-                samples.get_db_prep_value(f.samples, connection), Job.Status.FINISHED, now, f.job_id,
+                samples.get_db_prep_value(f.samples, connection),
+                logprobs.get_db_prep_value(f.logprobs, connection),
+                logprobs.get_db_prep_value(f.prompt_logprobs, connection),
+                Job.Status.FINISHED, now, f.job_id,
                 f.request_id, Job.Status.RUNNING, Job.Status.QUEUED))
             if cursor.rowcount:
                 finished.append(f.job_id)
@@ -437,13 +445,14 @@ def _finish_aborted(final: FinalState) -> Job | None:
     job.first_token_at = job.first_token_at or final.first_token_at
     job.finish_reason = final.finish_reason
     job.samples = final.samples
+    job.output_logprobs, job.prompt_logprobs = final.logprobs, final.prompt_logprobs
     reason = "cancelled by its owner" if job.cancel_requested \
         else f"aborted by an operator on engine {job.engine}"
     _end(job, Job.Status.CANCELLED, error=reason)
     job.save(update_fields=[
         "output_text", "output_token_ids", "num_output_tokens", "num_prompt_tokens",
         "num_cached_tokens", "num_preemptions", "first_token_at", "finish_reason", "samples",
-        *END_FIELDS])
+        "output_logprobs", "prompt_logprobs", *END_FIELDS])
     return job
 
 

@@ -11,7 +11,8 @@ from kvops.models import Engine, Job, OperatorAction
 
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
                    "stop_token_ids", "ignore_eos", "min_tokens", "min_p", "presence_penalty",
-                   "frequency_penalty", "repetition_penalty", "logit_bias", "n")
+                   "frequency_penalty", "repetition_penalty", "logit_bias", "n", "logprobs",
+                   "prompt_logprobs")
 
 
 class StrictMixin:
@@ -134,6 +135,12 @@ class JobCreateSerializer(StrictMixin, serializers.Serializer):
     structured_outputs = StructuredField(required=False, default=None, allow_null=True)
     n = serializers.IntegerField(required=False, default=1, min_value=1, max_value=limits.MAX_N,
                                  help_text="samples of the prompt (the job's `samples`)")
+    logprobs = serializers.IntegerField(
+        required=False, default=None, allow_null=True, min_value=0, max_value=limits.MAX_LOGPROBS,
+        help_text="the job's `output_logprobs`: each token's and the k most likely")
+    prompt_logprobs = serializers.IntegerField(
+        required=False, default=None, allow_null=True, min_value=0, max_value=limits.MAX_LOGPROBS,
+        help_text="the job's `prompt_logprobs`: the same for each prompt token")
     priority = serializers.IntegerField(required=False, default=0, min_value=limits.PRIORITY[0],
                                         max_value=limits.PRIORITY[1])
     engine = TextField(required=False, default="", allow_blank=True, max_length=64)
@@ -179,7 +186,8 @@ class JobSerializer(serializers.ModelSerializer):
         model = Job
         fields = ["id", "status", "owner", "source", "engine", "requested_engine", "routing",
                   "request_id", "prompt", "messages", "params", "priority", "output_text",
-                  "output_token_ids", "samples", "finish_reason", "num_prompt_tokens",
+                  "output_token_ids", "output_logprobs", "prompt_logprobs", "samples",
+                  "finish_reason", "num_prompt_tokens",
                   "num_cached_tokens",
                   "num_output_tokens", "num_preemptions", "attempts", "error", "queued_at",
                   "started_at", "first_token_at", "finished_at"]

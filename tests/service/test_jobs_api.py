@@ -206,8 +206,9 @@ def test_cancel_a_running_job_with_samples(stack):
     assert done["status"] == "cancelled" and len(done["samples"]) == 3
     assert all(s["finish_reason"] == "abort" for s in done["samples"])
 
-    def samples_gone() -> bool:
+    def blocks_freed() -> bool:  # (ended requests stay listed a while, without blocks)
         snapshot = stack.api("GET", f"/api/engines/{done['engine']}/").json()["snapshot"]
-        return not any(q["request_id"].startswith(done["request_id"] + "/")
-                       for q in snapshot["requests"])
-    stack.wait(samples_gone, "the samples to leave the engine", 30)
+        return not any(q["block_table"] or q["status"] in ("running", "waiting", "swapped")
+                       for q in snapshot["requests"]
+                       if q["request_id"].startswith(done["request_id"] + "/"))
+    stack.wait(blocks_freed, "the samples to release their blocks", 30)

@@ -322,3 +322,27 @@ def test_auto_tool_calls_are_parsed_from_a_hermes_template(hermes_stack):
     plain = client.chat.completions.create(model="SmolLM2-hermes", messages=messages,
                                            max_tokens=8, temperature=0, tools=[WEATHER_TOOL])
     assert plain.choices[0].message.tool_calls is None and plain.choices[0].message.content
+
+
+def test_rest_jobs_keep_their_logprobs(tiny_stack):
+    """logprobs and prompt_logprobs on the REST API: stored on the job, in the same shape
+    as /v1 shows them, with transformers' values."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    prompt = "w5 w17 w33 w101"
+    tokenizer = HFTokenizer.from_folder(tiny_stack.model_folder)
+    ids = tokenizer.encode(prompt)
+    job = tiny_stack.wait_job(tiny_stack.api("POST", "/api/jobs/", json={
+        "prompt": prompt, "max_tokens": 3, "temperature": 0, "ignore_eos": True,
+        "logprobs": 2, "prompt_logprobs": 1}).json()["id"], timeout_s=120)
+    out = job["output_token_ids"]
+    model = AutoModelForCausalLM.from_pretrained(tiny_stack.model_folder,
+                                                 dtype=torch.float32).eval()
+    with torch.inference_mode():
+        reference = model(torch.tensor([ids + out])).logits[0].log_softmax(-1)
+    assert [e[0] for e in job["prompt_logprobs"]] == [tokenizer.decode([t]) for t in ids]
+    assert job["prompt_logprobs"][0][1] is None
+    scored = job["prompt_logprobs"][1:] + job["output_logprobs"]
+    for position, (token, entry) in enumerate(zip((ids + out)[1:], scored)):
+        assert abs(entry[1] - reference[position][token].item()) < 1e-4
+    assert all(len(e[2]) == 2 for e in job["output_logprobs"])
