@@ -77,6 +77,11 @@ def test_penalties_through_both_apis_match_transformers(tiny_stack):
                                   extra_body={"repetition_penalty": 1.6, "ignore_eos": True})
     job = tiny_stack.wait_job(int(r.id.split("-")[1]))
     assert job["output_token_ids"] == want
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="gqa16", prompt=prompt, max_tokens=10, temperature=0, stream=True,
+        logit_bias={str(banned): -100}, extra_body={"repetition_penalty": 1.6,
+                                                    "ignore_eos": True}))
+    assert streamed == r.choices[0].text
     rest = tiny_stack.wait_job(tiny_stack.api("POST", "/api/jobs/", json={
         "prompt": prompt, "max_tokens": 10, "temperature": 0, "ignore_eos": True,
         "repetition_penalty": 1.6, "logit_bias": {str(banned): -100}}).json()["id"],
