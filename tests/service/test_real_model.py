@@ -12,6 +12,20 @@ from kvops.localstack import Stack
 from tests.models.tiny import SPECS, build_tiny_model, hf_greedy
 
 
+def client_of(stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{stack.url}/v1", api_key=stack.tokens["alice"],
+                         max_retries=0, timeout=300)
+
+
+def hf_logprobs(folder, token_ids: list[int]):
+    """transformers' log-softmax at every position of token_ids (row p scores p + 1)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        return model(torch.tensor([token_ids])).logits[0].log_softmax(-1)
+
+
 @pytest.fixture(scope="module")
 def tiny_stack(tmp_path_factory):
     folder = build_tiny_model(SPECS["gqa16"], Path(tmp_path_factory.mktemp("models")))
@@ -45,8 +59,7 @@ def test_rest_job_matches_transformers(tiny_stack):
 
 
 def test_openai_chat_on_the_model(tiny_stack):
-    client = openai.OpenAI(base_url=f"{tiny_stack.url}/v1", api_key=tiny_stack.tokens["alice"],
-                           max_retries=0, timeout=120)
+    client = client_of(tiny_stack)
     (model,) = [m.id for m in client.models.list()]
     assert model == "gqa16"
     messages = [{"role": "user", "content": "w9 w8 w7"}]
@@ -70,8 +83,7 @@ def test_penalties_through_both_apis_match_transformers(tiny_stack):
     want = hf_greedy(tiny_stack.model_folder, [ids], 10, repetition_penalty=1.6,
                      sequence_bias={(banned,): -100.0})[0]
     assert want != plain
-    client = openai.OpenAI(base_url=f"{tiny_stack.url}/v1", api_key=tiny_stack.tokens["alice"],
-                           max_retries=0, timeout=120)
+    client = client_of(tiny_stack)
     r = client.completions.create(model="gqa16", prompt=prompt, max_tokens=10, temperature=0,
                                   logit_bias={str(banned): -100},
                                   extra_body={"repetition_penalty": 1.6, "ignore_eos": True})
@@ -104,20 +116,14 @@ def test_tokenize_matches_the_engines_tokenizer(tiny_stack):
 
 
 def test_logprobs_through_v1_match_transformers(tiny_stack):
-    import torch
-    from transformers import AutoModelForCausalLM
     prompt = "w5 w17 w33 w101 w7"
     tokenizer = HFTokenizer.from_folder(tiny_stack.model_folder)
     ids = tokenizer.encode(prompt)
-    client = openai.OpenAI(base_url=f"{tiny_stack.url}/v1", api_key=tiny_stack.tokens["alice"],
-                           max_retries=0, timeout=120)
+    client = client_of(tiny_stack)
     r = client.completions.create(model="gqa16", prompt=prompt, max_tokens=5, temperature=0,
                                   logprobs=2, extra_body={"ignore_eos": True})
     out = tiny_stack.wait_job(int(r.id.split("-")[1]))["output_token_ids"]
-    model = AutoModelForCausalLM.from_pretrained(tiny_stack.model_folder,
-                                                 dtype=torch.float32).eval()
-    with torch.inference_mode():
-        reference = model(torch.tensor([ids + out])).logits[0].log_softmax(-1)[len(ids) - 1:-1]
+    reference = hf_logprobs(tiny_stack.model_folder, ids + out)[len(ids) - 1:-1]
     lp = r.choices[0].logprobs
     assert lp.tokens == [tokenizer.decode([t]) for t in out]
     for row, token, got, top in zip(reference, out, lp.token_logprobs, lp.top_logprobs):
@@ -235,13 +241,10 @@ def test_echo_with_logprobs_scores_the_prompt(tiny_stack):
     """echo + logprobs (what evaluation harnesses send): the prompt's tokens come first,
     the first with no logprob, the rest as transformers scores them; then the answer's;
     streamed the same way."""
-    import torch
-    from transformers import AutoModelForCausalLM
     prompt = "w5 w17 w33 w101 w7 w64"
     tokenizer = HFTokenizer.from_folder(tiny_stack.model_folder)
     ids = tokenizer.encode(prompt)
-    client = openai.OpenAI(base_url=f"{tiny_stack.url}/v1", api_key=tiny_stack.tokens["alice"],
-                           max_retries=0, timeout=120)
+    client = client_of(tiny_stack)
     r = client.completions.create(model="gqa16", prompt=prompt, max_tokens=3, temperature=0,
                                   logprobs=1, echo=True, extra_body={"ignore_eos": True})
     out = tiny_stack.wait_job(int(r.id.split("-")[1]))["output_token_ids"]
@@ -249,10 +252,7 @@ def test_echo_with_logprobs_scores_the_prompt(tiny_stack):
     assert r.choices[0].text.startswith(prompt)
     assert lp.tokens == [tokenizer.decode([t]) for t in ids + out]
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
-    model = AutoModelForCausalLM.from_pretrained(tiny_stack.model_folder,
-                                                 dtype=torch.float32).eval()
-    with torch.inference_mode():
-        reference = model(torch.tensor([ids + out])).logits[0].log_softmax(-1)
+    reference = hf_logprobs(tiny_stack.model_folder, ids + out)
     for position, (token, got) in enumerate(zip((ids + out)[1:], lp.token_logprobs[1:])):
         assert abs(got - reference[position][token].item()) < 1e-4
     streamed = [t for c in client.completions.create(
@@ -332,8 +332,6 @@ def test_auto_tool_calls_are_parsed_from_a_hermes_template(hermes_stack):
 def test_rest_jobs_keep_their_logprobs(tiny_stack):
     """logprobs and prompt_logprobs on the REST API: stored on the job, in the same shape
     as /v1 shows them, with transformers' values."""
-    import torch
-    from transformers import AutoModelForCausalLM
     prompt = "w5 w17 w33 w101"
     tokenizer = HFTokenizer.from_folder(tiny_stack.model_folder)
     ids = tokenizer.encode(prompt)
@@ -341,10 +339,7 @@ def test_rest_jobs_keep_their_logprobs(tiny_stack):
         "prompt": prompt, "max_tokens": 3, "temperature": 0, "ignore_eos": True,
         "logprobs": 2, "prompt_logprobs": 1}).json()["id"], timeout_s=120)
     out = job["output_token_ids"]
-    model = AutoModelForCausalLM.from_pretrained(tiny_stack.model_folder,
-                                                 dtype=torch.float32).eval()
-    with torch.inference_mode():
-        reference = model(torch.tensor([ids + out])).logits[0].log_softmax(-1)
+    reference = hf_logprobs(tiny_stack.model_folder, ids + out)
     assert [e[0] for e in job["prompt_logprobs"]] == [tokenizer.decode([t]) for t in ids]
     assert job["prompt_logprobs"][0][1] is None
     scored = job["prompt_logprobs"][1:] + job["output_logprobs"]
