@@ -49,11 +49,13 @@ class AttentionBackend(Protocol):
 class TorchAttention:
     name = "torch"
 
-    def __init__(self, device: torch.device, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, device: torch.device, dtype: torch.dtype = torch.float32,
+                 cpu_kernels: bool = True) -> None:
         from kernels import cpu_ext
 
         self.device = device
-        self.native = cpu_ext.usable_for(device, dtype)  # the C++ attention kernels
+        # the C++ attention kernels, where they build and the engine wants them
+        self.native = cpu_kernels and cpu_ext.usable_for(device, dtype)
 
     def plan(self, batch: AttentionBatch) -> "TorchPlan":
         from kernels.cpu_attention import plan_attention
@@ -133,12 +135,14 @@ class TritonPlan:
 
 
 def make_attention_backend(name: str, device: torch.device,
-                           dtype: torch.dtype = torch.float32) -> AttentionBackend:
-    """name: "auto" | "torch" | "triton"; dtype: the KV cache's."""
+                           dtype: torch.dtype = torch.float32,
+                           cpu_kernels: bool = True) -> AttentionBackend:
+    """name: "auto" | "torch" | "triton"; dtype: the KV cache's; cpu_kernels: the torch
+    backend may use the C++ CPU kernels (EngineConfig.cpu_kernels)."""
     if name == "auto":
         name = "triton" if device.type == "cuda" and _triton_available() else "torch"
     if name == "torch":
-        return TorchAttention(device, dtype)
+        return TorchAttention(device, dtype, cpu_kernels)
     if name == "triton":
         if not _triton_available():
             raise AttentionBackendError(

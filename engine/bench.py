@@ -17,7 +17,7 @@ would flatter). --dtype bfloat16 runs both systems in bfloat16.
 from __future__ import annotations
 
 import argparse
-import os
+import dataclasses
 import random
 import time
 from dataclasses import dataclass
@@ -210,15 +210,7 @@ def print_table(w: Workload, results: list[Result], peak: float) -> None:
 
 
 def _engine_without_cpu_kernels(config: EngineConfig) -> LLMEngine:
-    previous = os.environ.get("KVOPS_CPU_KERNELS")
-    os.environ["KVOPS_CPU_KERNELS"] = "0"
-    try:
-        return LLMEngine(config)
-    finally:
-        if previous is None:
-            del os.environ["KVOPS_CPU_KERNELS"]
-        else:
-            os.environ["KVOPS_CPU_KERNELS"] = previous
+    return LLMEngine(dataclasses.replace(config, cpu_kernels=False))
 
 
 def _loadavg() -> str:
@@ -241,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--torch-paths", action="store_true",
-                   help="also run kvops with its C++ CPU kernels off (KVOPS_CPU_KERNELS=0)")
+                   help="also run kvops with its C++ CPU kernels off (cpu_kernels=False)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="both systems' dtype (and the matmul rate's)")
     p.add_argument("--repeats", type=int, default=1, help="runs per system; the best is shown")

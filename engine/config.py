@@ -7,6 +7,7 @@ from engine.errors import EngineError
 
 PREEMPTION_MODES = ("recompute", "swap")
 SCHEDULING_POLICIES = ("fcfs", "priority")
+LARGE_MATMULS = ("auto", "mkl", "packed", "measure")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
@@ -41,6 +42,13 @@ class EngineConfig:
     name: str = "default"  # engine name, shown in snapshots
     max_pending_events: int = 100_000  # KV events kept for take_events(); oldest dropped
     fault_injection: bool = False  # tests: the `inject-fault` command makes a step raise
+    # CPU, float32: the C++ kernels of kernels/cpu_ext.py (False: torch's paths), and who
+    # does prefill's many-row matmuls: "auto" decides by the CPU's maker (the packed
+    # kernel on AMD, where MKL takes a slow path; MKL elsewhere), "mkl" or "packed" say
+    # so, "measure" times both at start-up. All but "measure" run the same code on the
+    # same machine every time.
+    cpu_kernels: bool = True
+    large_matmuls: str = "auto"
 
     def __post_init__(self) -> None:
         _check(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0
@@ -68,6 +76,8 @@ class EngineConfig:
                "simulate_token_us must be in [0, 1000000]")
         _check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]")
         _check(self.max_pending_events >= 0, "max_pending_events must be >= 0")
+        _check(self.large_matmuls in LARGE_MATMULS,
+               f"large_matmuls must be one of {LARGE_MATMULS}, got {self.large_matmuls!r}")
         if self.preemption_mode == "swap" and self.num_cpu_blocks == 0:
             raise ConfigError("preemption_mode='swap' needs num_cpu_blocks > 0")
 

@@ -52,9 +52,9 @@ class ModelRunner(Runner):
         self.model = load_model(folder, self._dtype, self._device)
         self.model.setup_rope(self.max_model_len)
         self.attention = make_attention_backend(config.attention_backend, self._device,
-                                                self._dtype)
+                                                self._dtype, cpu_kernels=config.cpu_kernels)
         # None where the CPU kernels are off, else who does prefill's matmuls and why
-        self.matmul_choice = _use_cpu_kernels(self.model, self._device, self._dtype)
+        self.matmul_choice = _use_cpu_kernels(self.model, self._device, self._dtype, config)
         self.cpu_kernels = self.matmul_choice is not None
 
         args = folder.args
@@ -293,15 +293,16 @@ def _describe_kernels(choice) -> str:
             f"{choice.mkl_gflops:.0f} GFLOP/s, measured)")
 
 
-def _use_cpu_kernels(model: torch.nn.Module, device: torch.device, dtype: torch.dtype):
+def _use_cpu_kernels(model: torch.nn.Module, device: torch.device, dtype: torch.dtype,
+                     config: EngineConfig):
     """Turn on the fused C++ ops of kernels/cpu_ext.py for a float32 model on the CPU,
-    where they build (KVOPS_CPU_KERNELS=0 keeps the torch paths); None where they are
-    off, else who does the many-row matmuls and why."""
+    where they build and config.cpu_kernels asks; None where they are off, else who does
+    the many-row matmuls (config.large_matmuls) and why."""
     from kernels import cpu_ext
 
-    if not cpu_ext.usable_for(device, dtype):
+    if not config.cpu_kernels or not cpu_ext.usable_for(device, dtype):
         return None
-    choice = cpu_ext.matmul_choice()
+    choice = cpu_ext.matmul_choice(config.large_matmuls)
     model.use_cpu_kernels(cpu_ext.ops(), large_matmuls_packed=choice.packed)
     return choice
 

@@ -12,9 +12,9 @@ covers the sources, the compiler flags and this CPU's feature flags: a different
 machine (or edited sources) gets its own build. `make setup` builds it once; a
 machine without a compiler falls back to the torch paths, and says so once.
 
-KVOPS_CPU_KERNELS=0 turns them off (the torch paths run instead). Whether prefill's
-many-row matmuls go to MKL or to the packed kernel too is measured once per process
-(matmul_choice); KVOPS_LARGE_MATMULS=mkl|packed decides instead.
+KVOPS_CPU_KERNELS=0 turns them off process-wide (the torch paths run instead; an engine
+turns them off with EngineConfig.cpu_kernels=False). Whether prefill's many-row matmuls
+go to MKL or to the packed kernel too is EngineConfig.large_matmuls (matmul_choice).
 """
 from __future__ import annotations
 
@@ -103,16 +103,21 @@ PACKED_MARGIN = 1.1
 CHOICE_SHAPE = (512, 1024, 1536)  # rows, K, N: a prefill-sized matmul of a small model
 
 
-def matmul_choice() -> MatmulChoice:
-    """Time MKL and the packed kernel on one prefill-sized float32 matmul (best of a few,
-    interleaved; once per process and thread count, about 50 ms).
-    KVOPS_LARGE_MATMULS=packed or =mkl decides without measuring."""
-    forced = os.environ.get("KVOPS_LARGE_MATMULS", "").strip().lower()
-    if forced in ("packed", "mkl"):
-        return MatmulChoice(float(forced == "packed"), float(forced == "mkl"),
-                            "KVOPS_LARGE_MATMULS")
-    if forced:
-        raise ValueError(f"KVOPS_LARGE_MATMULS={forced!r}: expected 'packed' or 'mkl'")
+def matmul_choice(mode: str = "auto") -> MatmulChoice:
+    """Who does prefill's many-row float32 matmuls (EngineConfig.large_matmuls): "mkl" or
+    "packed" as said; "auto" by the CPU's maker (AMD: the packed kernel, as MKL takes a
+    path at about half its rate there; others: MKL); "measure" times both on one
+    prefill-sized matmul (best of a few, interleaved; once per process and thread count,
+    about 50 ms), the faster by more than PACKED_MARGIN winning."""
+    if mode in ("packed", "mkl"):
+        return MatmulChoice(float(mode == "packed"), float(mode == "mkl"),
+                            f"large_matmuls={mode}")
+    if mode == "auto":
+        packed = cpu_vendor() == "AuthenticAMD"
+        return MatmulChoice(float(packed), float(not packed),
+                            f"auto: {cpu_vendor() or 'unknown'} CPU")
+    if mode != "measure":
+        raise ValueError(f"large_matmuls={mode!r}: expected auto, mkl, packed or measure")
     key = ("choice", torch.get_num_threads())
     with _lock:
         cached = _state.get(key)
@@ -121,6 +126,18 @@ def matmul_choice() -> MatmulChoice:
         with _lock:
             _state[key] = cached
     return cached
+
+
+def cpu_vendor() -> str:
+    """The CPU's vendor_id (GenuineIntel, AuthenticAMD, ...), or "" if unknown."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
 
 
 def _measure_choice() -> MatmulChoice:

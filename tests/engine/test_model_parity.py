@@ -55,15 +55,14 @@ def test_plain_batch_matches_transformers(tiny_model, name):
 
 @pytest.mark.parametrize("name", sorted(SPECS))
 def test_torch_paths_without_the_cpu_kernels(tiny_model, name, monkeypatch):
-    """KVOPS_CPU_KERNELS=0: gathered-attention decodes, cascade prefixes and torch's
+    """cpu_kernels=False: gathered-attention decodes, cascade prefixes and torch's
     element-wise ops (the fallback where no compiler is) give the same tokens."""
-    monkeypatch.setenv("KVOPS_CPU_KERNELS", "0")
     folder = tiny_model(name)
     vocab = SPECS[name].vocab_size
     prefix = random_prompts(vocab, [26], seed=7)[0]
     prompts = random_prompts(vocab, LENGTHS, seed=1) + random_prompts(vocab, [3, 9], seed=2,
                                                                      prefix=prefix)
-    engine = make_engine(folder)
+    engine = make_engine(folder, cpu_kernels=False)
     assert not engine.runner.cpu_kernels and not engine.runner.attention.native
     assert outputs(engine.generate(prompts, greedy())) == hf_greedy(folder, prompts, MAX_TOKENS)
 
@@ -78,14 +77,14 @@ def test_cpu_kernels_are_on_by_default(tiny_model):
 @pytest.mark.parametrize("name", ["gqa16", "mha32", "qwen2", "linear"])
 @pytest.mark.parametrize("who", ["packed", "mkl"])
 def test_prefill_matmuls_by_either_kernel(tiny_model, name, who, monkeypatch):
-    """Which kernel does a prefill's many-row matmuls is measured per CPU; each gives
-    transformers' tokens (the prompts make a first step of more rows than decoding's)."""
+    """Which kernel does a prefill's many-row matmuls is EngineConfig.large_matmuls; each
+    gives transformers' tokens (the prompts make a first step of more rows than
+    decoding's)."""
     if os.environ.get("KVOPS_CPU_KERNELS") == "0":
         pytest.skip("KVOPS_CPU_KERNELS=0 turns them off")
-    monkeypatch.setenv("KVOPS_LARGE_MATMULS", who)
     folder = tiny_model(name)
     prompts = random_prompts(SPECS[name].vocab_size, LENGTHS + [150], seed=3)
-    engine = make_engine(folder)
+    engine = make_engine(folder, large_matmuls=who)
     modules = list(engine.runner.model.modules())
     limits = {m.packed_max_rows for m in modules if isinstance(m, Linear) and m.packed is not None}
     limits |= {m.swiglu_max_rows for m in modules if isinstance(m, FeedForward)}

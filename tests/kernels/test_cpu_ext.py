@@ -33,31 +33,38 @@ def test_turned_off_by_the_environment(monkeypatch):
 
 
 def test_the_large_matmul_choice(monkeypatch):
-    """Measured once per process: both rates are real, and packed means clearly faster."""
-    if not cpu_ext.available():
-        import pytest
+    """Deterministic unless asked to measure: "auto" by the CPU's maker, "mkl" and
+    "packed" as said; "measure" once per process, both rates real, packed meaning
+    clearly faster."""
+    import pytest
 
+    if not cpu_ext.available():
         pytest.skip("the CPU kernels are not built here")
-    monkeypatch.delenv("KVOPS_LARGE_MATMULS", raising=False)
-    choice = cpu_ext.matmul_choice()
+    auto = cpu_ext.matmul_choice("auto")
+    assert auto.packed == (cpu_ext.cpu_vendor() == "AuthenticAMD")
+    assert auto.source.startswith("auto") and cpu_ext.matmul_choice("auto") == auto
+    assert cpu_ext.matmul_choice("packed").packed and not cpu_ext.matmul_choice("mkl").packed
+    with pytest.raises(ValueError, match="large_matmuls"):
+        cpu_ext.matmul_choice("fastest")
+    choice = cpu_ext.matmul_choice("measure")
     assert choice.source == "measured"
     assert choice.packed_gflops > 1 and choice.mkl_gflops > 1
     assert choice.packed == (choice.packed_gflops > cpu_ext.PACKED_MARGIN * choice.mkl_gflops)
-    assert cpu_ext.matmul_choice() is choice
+    assert cpu_ext.matmul_choice("measure") is choice
     print(f"many-row float32 matmuls here: packed {choice.packed_gflops:.0f}, "
           f"MKL {choice.mkl_gflops:.0f} GFLOP/s")
 
 
-def test_the_environment_decides_the_large_matmuls(monkeypatch):
+def test_the_engine_config_carries_the_switches():
+    """EngineConfig.cpu_kernels and .large_matmuls (KVOPS_ENGINE_CPU_KERNELS and
+    KVOPS_ENGINE_LARGE_MATMULS, like every engine setting); a bad choice is refused."""
     import pytest
 
-    monkeypatch.setenv("KVOPS_LARGE_MATMULS", "packed")
-    assert cpu_ext.matmul_choice().packed
-    monkeypatch.setenv("KVOPS_LARGE_MATMULS", "MKL")
-    assert not cpu_ext.matmul_choice().packed
-    monkeypatch.setenv("KVOPS_LARGE_MATMULS", "openblas")
-    with pytest.raises(ValueError, match="KVOPS_LARGE_MATMULS='openblas'"):
-        cpu_ext.matmul_choice()
+    from engine.config import EngineConfig
+    from engine.errors import EngineError
+    assert EngineConfig().large_matmuls == "auto" and EngineConfig().cpu_kernels
+    with pytest.raises(EngineError, match="large_matmuls"):
+        EngineConfig(large_matmuls="openblas")
 
 
 def test_a_lock_left_by_a_killed_build_does_not_block_the_next(tmp_path):
