@@ -53,51 +53,50 @@ class ChatMessageSerializer(StrictMixin, serializers.Serializer):
                                     trim_whitespace=False)
 
 
-@extend_schema_field({"oneOf": [{"type": "string", "maxLength": limits.MAX_STOP_CHARS},
-                                {"type": "array", "maxItems": limits.MAX_STOP_STRINGS,
-                                 "items": {"type": "string", "maxLength": limits.MAX_STOP_CHARS}}]})
-class StopField(serializers.Field):
-    """A string or a list of non-empty strings (limits.stop_strings)."""
+class LimitsField(serializers.Field):
+    """A field checked by one of kvops/limits.py's rules (`check`), so both APIs refuse
+    the same values in the same words; the value is stored as the rule returns it."""
+
+    def check(self, data):
+        raise NotImplementedError
 
     def to_internal_value(self, data):
         try:
-            return limits.stop_strings(data)
+            return self.check(data)
         except limits.InvalidParam as e:
             raise serializers.ValidationError(str(e)) from None
 
     def to_representation(self, value):
         return value
+
+
+@extend_schema_field({"oneOf": [{"type": "string", "maxLength": limits.MAX_STOP_CHARS},
+                                {"type": "array", "maxItems": limits.MAX_STOP_STRINGS,
+                                 "items": {"type": "string", "maxLength": limits.MAX_STOP_CHARS}}]})
+class StopField(LimitsField):
+    """A string or a list of non-empty strings (limits.stop_strings)."""
+
+    def check(self, data):
+        return limits.stop_strings(data)
 
 
 @extend_schema_field({"type": "object", "additionalProperties": {
     "type": "number", "minimum": limits.LOGIT_BIAS[0], "maximum": limits.LOGIT_BIAS[1]},
     "maxProperties": limits.MAX_LOGIT_BIAS_ENTRIES})
-class LogitBiasField(serializers.Field):
+class LogitBiasField(LimitsField):
     """Token id -> bias (limits.logit_bias)."""
 
-    def to_internal_value(self, data):
-        try:
-            return limits.logit_bias(data)
-        except limits.InvalidParam as e:
-            raise serializers.ValidationError(str(e)) from None
-
-    def to_representation(self, value):
-        return value
+    def check(self, data):
+        return limits.logit_bias(data)
 
 
 @extend_schema_field({"type": "object", "description": "one of json (a JSON schema), "
                       "json_object (true), regex, choice (a list of strings), grammar (EBNF)"})
-class StructuredField(serializers.Field):
+class StructuredField(LimitsField):
     """A structured-output constraint (limits.structured), as vLLM's structured_outputs."""
 
-    def to_internal_value(self, data):
-        try:
-            return limits.structured(data, "structured_outputs")
-        except limits.InvalidParam as e:
-            raise serializers.ValidationError(str(e)) from None
-
-    def to_representation(self, value):
-        return value
+    def check(self, data):
+        return limits.structured(data, "structured_outputs")
 
 
 class JobCreateSerializer(StrictMixin, serializers.Serializer):
