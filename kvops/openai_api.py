@@ -116,10 +116,7 @@ NOT_SUPPORTED = {"best_of": (1,), "suffix": ("",)}
 
 
 def _sampling(body: dict, default_max_tokens: int, chat: bool) -> dict:
-    known = CHAT_FIELDS if chat else COMPLETION_FIELDS
-    unknown = sorted(set(body) - known)
-    if unknown:
-        raise BadRequest(f"unknown field `{unknown[0]}`", unknown[0])
+    _refuse_unknown(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
     for name, nothing in NOT_SUPPORTED.items():
         if body.get(name) is not None and body[name] not in nothing:
             raise BadRequest(f"`{name}` is not supported", name)
@@ -192,6 +189,12 @@ def _sampling(body: dict, default_max_tokens: int, chat: bool) -> dict:
     return params
 
 
+def _refuse_unknown(body: dict, known: set[str]) -> None:
+    unknown = sorted(set(body) - known)
+    if unknown:
+        raise BadRequest(f"unknown field `{unknown[0]}`", unknown[0])
+
+
 def _structured(body: dict) -> dict | None:
     """OpenAI's `response_format` (json_object, or json_schema with its schema) or vLLM's
     `structured_outputs` (json, json_object, regex, choice or grammar): the constraint
@@ -233,16 +236,13 @@ def _logprobs(body: dict, chat: bool) -> int | None:
                 raise BadRequest("`top_logprobs` needs `logprobs: true`", "top_logprobs")
             return None
         return _number(body, "top_logprobs", 0, 0, limits.MAX_LOGPROBS, integer=True)
-    value = body.get("logprobs")
-    if value is None:
-        return None
     return _number(body, "logprobs", None, 0, limits.MAX_LOGPROBS, integer=True)
 
 
-def _flag(body: dict, name: str) -> bool:
-    value = body.get(name, False)
+def _flag(body: dict, name: str, default: bool = False) -> bool:
+    value = body.get(name, default)
     if value is None:
-        return False
+        return default
     if not isinstance(value, bool):
         raise BadRequest(f"`{name}` must be a boolean", name)
     return value
@@ -278,21 +278,17 @@ def _calls_tools(model: str) -> bool:
     """Does the chat template of this model's engines write tool calls the way `auto`
     parses them? (An engine whose tokenizer is not readable here is given the benefit of
     the doubt.)"""
-    names = set(selectors.served_models().get(model, ()))
-    for engine in selectors.recent_engines():
-        if engine.name in names:
-            tokenizer = inspector._tokenizer(engine.config)
-            if tokenizer is None:
-                return True
-            if tool_calls.template_calls_tools(getattr(tokenizer, "chat_template", None)):
-                return True
+    for engine in selectors.engines_serving(model):
+        tokenizer = inspector.tokenizer(engine.config)
+        if tokenizer is None or tool_calls.template_calls_tools(
+                getattr(tokenizer, "chat_template", None)):
+            return True
     return False
 
 
 def _simulated_only(model: str) -> bool:
     """Are all the live engines that serve this model simulators?"""
-    names = set(selectors.served_models().get(model, ()))
-    return all(e.config.get("simulate") for e in selectors.recent_engines() if e.name in names)
+    return all(e.config.get("simulate") for e in selectors.engines_serving(model))
 
 
 def _check_model(model: Any) -> str:
@@ -714,18 +710,14 @@ async def _tokenizer_call(request: HttpRequest, fields: set[str]):
         return _unauthorized()
     try:
         body = _parse(request)
-        unknown = sorted(set(body) - fields)
-        if unknown:
-            raise BadRequest(f"unknown field `{unknown[0]}`", unknown[0])
+        _refuse_unknown(body, fields)
         model = body.get("model")
-        if not isinstance(model, str) or not model:
-            raise BadRequest("`model` is required", "model")
         config = await sync_to_async(_engine_config_of, thread_sensitive=False)(model)
     except BadRequest as e:
         return _error(400, str(e), e.param)
     except LookupError as e:
         return _error(404, str(e), "model", code="model_not_found")
-    tokenizer = inspector._tokenizer(config)
+    tokenizer = inspector.tokenizer(config)
     if tokenizer is None:
         return _error(503, f"the tokenizer of {model!r} is not readable from this web process "
                            "(its model folder is on the engine's machine)",
@@ -733,12 +725,9 @@ async def _tokenizer_call(request: HttpRequest, fields: set[str]):
     return body, config, tokenizer
 
 
-def _engine_config_of(model: str) -> dict:
-    served = selectors.served_models()
-    if model not in served:
-        raise LookupError(f"model {model!r} is not served here; GET /v1/models lists them")
-    engine = next(e for e in selectors.recent_engines() if e.name == served[model][0])
-    return engine.config
+def _engine_config_of(model: Any) -> dict:
+    """The config of an engine serving `model` (BadRequest / LookupError as _check_model)."""
+    return selectors.engines_serving(_check_model(model))[0].config
 
 
 @csrf_exempt
@@ -750,12 +739,12 @@ async def tokenize(request: HttpRequest) -> HttpResponse:
         return checked
     body, config, tokenizer = checked
     try:
-        add_special = _flag({"a": body.get("add_special_tokens", True)}, "a")
+        add_special = _flag(body, "add_special_tokens", default=True)
         if "messages" in body:
             messages = body["messages"]
             if "prompt" in body or not isinstance(messages, list) or not messages:
                 raise BadRequest("send `prompt` or a non-empty list of `messages`", "messages")
-            if not _flag({"a": body.get("add_generation_prompt", True)}, "a"):
+            if not _flag(body, "add_generation_prompt", default=True):
                 raise BadRequest("only add_generation_prompt: true is supported",
                                  "add_generation_prompt")
             text = render_chat(tokenizer, [_message(m) for m in messages])

@@ -48,7 +48,9 @@ class PromptInspector:
     def __init__(self) -> None:
         self._tokenizers: dict[tuple, Any] = {}
 
-    def _tokenizer(self, config: dict):
+    def tokenizer(self, config: dict):
+        """The engine's tokenizer (cached), or None if its model folder is not readable
+        from this process."""
         key = (bool(config.get("simulate")), config.get("model_path"))
         if key not in self._tokenizers:
             self._tokenizers[key] = load_tokenizer(config)
@@ -57,7 +59,7 @@ class PromptInspector:
     def token_ids(self, config: dict, prompt: str, messages: list[dict] | None) -> list[int] | None:
         """The prompt's token ids, or None if this engine's tokenizer is not readable
         from here (its model folder is on another machine)."""
-        tokenizer = self._tokenizer(config)
+        tokenizer = self.tokenizer(config)
         if tokenizer is None:
             return None
         return tokenizer.encode(render_chat(tokenizer, messages) if messages else prompt)

@@ -86,6 +86,11 @@ def served_models() -> dict[str, list[str]]:
     return out
 
 
+def engines_serving(model: str) -> list[Engine]:
+    """The live engines whose model clients call `model` (see served_models)."""
+    return [e for e in recent_engines() if engine_alive(e) and model_name(e) == model]
+
+
 def model_name(engine: Engine) -> str:
     """The name clients use for an engine's model: its folder name."""
     model = str(engine.config.get("model") or "unknown")

@@ -191,7 +191,9 @@ def test_tokenize_and_detokenize_as_vllm_serves_them(stack):
                              ("tokenize", {"model": "simulated-v1", "prompt": "x", "foo": 1},
                               "foo"),
                              ("detokenize", {"model": "simulated-v1", "tokens": [-1]}, "tokens"),
-                             ("detokenize", {"model": "simulated-v1", "tokens": "12"}, "tokens")]:
+                             ("detokenize", {"model": "simulated-v1", "tokens": "12"}, "tokens"),
+                             ("tokenize", {"model": "simulated-v1", "prompt": "x",
+                                           "add_special_tokens": "yes"}, "add_special_tokens")]:
         r = call(path, bad)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     assert call("tokenize", {"model": "nope", "prompt": "x"}).status_code == 404
