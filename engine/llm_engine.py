@@ -105,7 +105,7 @@ class LLMEngine:
                 f"request needs {need} KV blocks for {need_tokens} tokens; the pool has "
                 f"{self.kv.gpu.num_blocks}, of which {self.kv.gpu.num_pinned} are pinned "
                 f"(only {usable} can be its): lower max_tokens, or unpin prefixes")
-        grammar = self._grammar(params) if params.structured is not None else None
+        grammar = self._grammar(params)
         request = Request(
             request_id=request_id, prompt_token_ids=token_ids, sampling_params=params,
             arrival_time=time.time() if arrival_time is None else arrival_time,
@@ -114,9 +114,7 @@ class LLMEngine:
             block_size=self.config.block_size, priority=priority, job_id=job_id,
             eos_token_ids=self.tokenizer.eos_token_ids, grammar=grammar,
             held_back=1 if params.n > 1 else 0)
-        if self.detokenize:
-            self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop,
-                                                             params.min_tokens)
+        self._follow_text(request_id, params)
         self.scheduler.add(request)
         self.version += 1
 
@@ -129,21 +127,26 @@ class LLMEngine:
             seed=None if parent.sampling_params.seed is None else parent.sampling_params.seed + i)
         request_id = f"{parent.request_id}/{i}"
         self._detok.pop(parent.request_id, None)  # the parent itself never outputs
-        if self.detokenize:
-            self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop,
-                                                             params.min_tokens)
+        self._follow_text(request_id, params)
         return Request(
             request_id=request_id, prompt_token_ids=parent.prompt_token_ids,
             sampling_params=params, arrival_time=parent.arrival_time,
             index=next(self._indices), root_hash=parent.root_hash,
             pinned_root=parent.pinned_root, block_size=parent.block_size,
             priority=parent.priority, job_id=parent.job_id, eos_token_ids=parent.eos_token_ids,
-            grammar=self._grammar(params) if params.structured is not None else None,
-            parent_id=parent.request_id, sample_index=i,
+            grammar=self._grammar(params), parent_id=parent.request_id, sample_index=i,
             prompt_logprobs=list(parent.prompt_logprobs))
 
+    def _follow_text(self, request_id: str, params: SamplingParams) -> None:
+        """Detokenise the request's output here, if this engine keeps text."""
+        if self.detokenize:
+            self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop,
+                                                             params.min_tokens)
+
     def _grammar(self, params: SamplingParams):
-        """A matcher for the request's constraint (engine/structured.py)."""
+        """A matcher for the request's constraint (engine/structured.py), or None."""
+        if params.structured is None:
+            return None
         if self.config.simulate:
             raise InvalidRequestError("structured output needs a model with logits; the "
                                       "simulated engine has none")
@@ -343,8 +346,7 @@ class LLMEngine:
         """End a request as finished (its caller found a stop string in its text); the
         next step reports it. False if it had ended already. A forked request's id ends
         all its live samples."""
-        ids = self.scheduler.forks.get(request_id, [request_id])
-        ended = [self.scheduler.requests[i] for i in ids if i in self.scheduler.requests]
+        ended = self.scheduler.live_requests(request_id)
         if not ended:
             return False
         self.version += 1

@@ -24,7 +24,7 @@ from engine.hf_tokenizer import HFTokenizer
 from engine.loader import (ModelFolder, ModelLoadError, load_model, model_identity,
                            read_model_folder)
 from engine.runner import Runner
-from engine.sampler import SamplingRow, request_seed, sample, token_logprobs
+from engine.sampler import SamplingRow, logprobs_of, request_seed, sample, token_logprobs
 from engine.scheduler import SchedulerOutput
 
 DEFAULT_CPU_KV_BYTES = 512 * 1024 ** 2
@@ -97,15 +97,9 @@ class ModelRunner(Runner):
     def _prompt_logprobs(self, logits: torch.Tensor, rows: list[tuple]) -> None:
         """Log-probabilities of prompt tokens: each row (request id, position, the next
         prompt token, k) scores the token that follows its position."""
-        logprobs = logits.float().log_softmax(dim=-1)
-        targets = torch.tensor([r[2] for r in rows], device=logits.device)
-        chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()
-        k = max(r[3] for r in rows)
-        if k:
-            top_values, top_ids = (t.tolist() for t in logprobs.topk(k, dim=-1))
-        for j, (request_id, position, _, n) in enumerate(rows):
-            self.prompt_logprobs.setdefault(request_id, []).append(
-                (position, chosen[j], top_ids[j][:n] if n else [], top_values[j][:n] if n else []))
+        entries = logprobs_of(logits, [r[2] for r in rows], [r[3] for r in rows])
+        for (request_id, position, _, _), entry in zip(rows, entries):
+            self.prompt_logprobs.setdefault(request_id, []).append((position, *entry))
 
     def _prepare(self, out: SchedulerOutput) -> "StepBatch":
         bs = self.block_size

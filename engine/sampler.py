@@ -85,18 +85,23 @@ def token_logprobs(logits: torch.Tensor, rows: list[SamplingRow],
     wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     if not wanted:
         return {}
-    logprobs = logits[wanted].float().log_softmax(dim=-1)
-    index = torch.tensor([tokens[i] for i in wanted], device=logits.device)
+    entries = logprobs_of(logits[wanted], [tokens[i] for i in wanted],
+                          [rows[i].params.logprobs for i in wanted])
+    return dict(zip(wanted, entries))
+
+
+def logprobs_of(logits: torch.Tensor, targets: list[int], ks: list[int]) -> list[list]:
+    """Per row of logits [rows, vocab]: [log-probability of its target token, the ids of
+    its ks[row] most likely tokens, their log-probabilities], in one log_softmax, one
+    gather and one topk for all rows."""
+    logprobs = logits.float().log_softmax(dim=-1)
+    index = torch.tensor(targets, device=logits.device)
     chosen = logprobs.gather(1, index[:, None])[:, 0].tolist()
-    k = max(rows[i].params.logprobs for i in wanted)
+    k = max(ks)
     if k:
-        top_values, top_ids = logprobs.topk(k, dim=-1)
-        top_values, top_ids = top_values.tolist(), top_ids.tolist()
-    out = {}
-    for j, i in enumerate(wanted):
-        n = rows[i].params.logprobs
-        out[i] = [chosen[j], top_ids[j][:n] if n else [], top_values[j][:n] if n else []]
-    return out
+        top_values, top_ids = (t.tolist() for t in logprobs.topk(k, dim=-1))
+    return [[chosen[j], top_ids[j][:n] if n else [], top_values[j][:n] if n else []]
+            for j, n in enumerate(ks)]
 
 
 def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

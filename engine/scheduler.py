@@ -341,12 +341,15 @@ class Scheduler:
                 f"cannot {action} request {request.request_id!r}: it is {request.status.value}, "
                 f"not {status.value}")
 
+    def live_requests(self, request_id: str) -> list[Request]:
+        """The live request of this id, or the live samples of the forked request of this
+        id; [] if none."""
+        ids = self.forks.get(request_id, [request_id])
+        return [self.requests[i] for i in ids if i in self.requests]
+
     def abort(self, request_id: str) -> list[Request]:
         """End a request, or every live sample of a forked request (by its id)."""
-        if request_id in self.forks:
-            ended = [self.requests[s] for s in self.forks[request_id] if s in self.requests]
-        else:
-            ended = [self.get_live(request_id)]
+        ended = self.live_requests(request_id) or [self.get_live(request_id)]
         for request in ended:
             self.finish(request, RequestStatus.ABORTED, "abort")
         return ended
