@@ -42,14 +42,12 @@ class JobListener:
         self.num_output_tokens = job.num_output_tokens
         self.num_prompt_tokens = job.num_prompt_tokens  # both also in the stream's updates
         self.num_cached_tokens = job.num_cached_tokens
-        self.logprobs: list[list] = []  # [token, logprob, top] per token, if asked
-        self.prompt_logprobs: list[list] | None = None  # the same per prompt token (echo)
+        self.prompt_logprobs: list[list] | None = None  # per prompt token, if asked (echo)
         # n > 1: samples 1.. (self.text and the counts above are sample 0's); their text
         # is on the stream only, and in the row's `samples` once the job has ended
         self.sample_texts: dict[int, TextAssembler] = {}
         self.sample_tokens: dict[int, int] = {}
-        self.sample_logprobs: dict[int, list[list]] = {}
-        self._logprobs_attempt = job.attempts
+        self._logprobs: dict[int, list[list]] = {}  # per sample: [token, logprob, top]
         self.text.add(job.attempts, 0, job.output_text)
         self._last_reload = float("-inf")
 
@@ -66,7 +64,7 @@ class JobListener:
 
     def logprobs_of(self, index: int) -> list[list]:
         """Sample `index`'s logprob entries so far (0: the job's own)."""
-        return self.logprobs if index == 0 else self.sample_logprobs.get(index, [])
+        return self._logprobs.get(index, [])
 
     @property
     def num_all_output_tokens(self) -> int:
@@ -75,22 +73,18 @@ class JobListener:
 
     def apply(self, update: dict) -> None:
         index = update.get("i", 0)
-        if index:
-            assembler = self.sample_texts.setdefault(index, TextAssembler())
-            attempt = assembler.attempt
-            if assembler.add(update["attempt"], update["offset"], update["text"]):
-                self.sample_tokens[index] = update["n"]
-                if assembler.attempt != attempt:  # a re-run starts again
-                    self.sample_logprobs.pop(index, None)
-                self.sample_logprobs.setdefault(index, []).extend(update.get("lp", ()))
-            return
-        if not self.text.add(update["attempt"], update["offset"], update["text"]):
+        text = self.text if index == 0 else self.sample_texts.setdefault(index, TextAssembler())
+        attempt = text.attempt
+        if not text.add(update["attempt"], update["offset"], update["text"]):
             return  # an older attempt's
-        self.num_output_tokens = update["n"]
+        if text.attempt != attempt:  # a re-run starts again
+            self._logprobs.pop(index, None)
         if "lp" in update:
-            if update["attempt"] != self._logprobs_attempt:  # a re-run starts again
-                self.logprobs, self._logprobs_attempt = [], update["attempt"]
-            self.logprobs += update["lp"]
+            self._logprobs.setdefault(index, []).extend(update["lp"])
+        if index:
+            self.sample_tokens[index] = update["n"]
+            return
+        self.num_output_tokens = update["n"]
         if "plp" in update:
             self.prompt_logprobs = update["plp"]
         if "p" in update:

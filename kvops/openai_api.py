@@ -624,34 +624,24 @@ async def _sse(listener: JobListener, ident: str, model: str, created: int,
                     # had not carried yet (samples 1.. are not in the progress writes).
                     outcomes = state.get("samples") or [
                         {"text": listener.text.text, "finish_reason": _finish_reason(state)}]
-                    if auto:
-                        text = outcomes[0]["text"]
-                        calls = tool_calls.calls_of(tool_call, text, call_id)
-                        # with calls, the content before the first; without, all of it
-                        rest = (tool_calls.visible_auto(text, final=True) if calls
-                                else text)[len(sent[0]):]
-                        if rest:
-                            yield chunk(rest, None)
-                        if calls:
-                            yield tool_call_chunk([{"index": i, **c} for i, c in enumerate(calls)],
-                                                  None)
-                        yield tool_call_chunk(None, "tool_calls" if calls and outcomes[0][
-                            "finish_reason"] == "stop" else outcomes[0]["finish_reason"] or "stop")
-                        outcomes = []
-                    if tool_call is not None and tool_call["kind"] == "required":
+                    if tool_call is not None and tool_call["kind"] != "named":
+                        # auto or required: the calls, sent whole now that they are complete
+                        text, finish = outcomes[0]["text"], outcomes[0]["finish_reason"]
                         try:
-                            calls = tool_calls.calls_of(tool_call, outcomes[0]["text"], call_id)
-                        except ValueError:  # cut off: its text as it is
-                            calls = None
+                            calls = tool_calls.calls_of(tool_call, text, call_id)
+                        except ValueError:  # a required list cut off: its text as it is
+                            calls = []
                         if calls:
+                            before = tool_calls.visible_auto(text, final=True) if auto else ""
+                            if len(before) > len(sent[0]):  # auto's content before the calls
+                                yield chunk(before[len(sent[0]):], None)
                             yield tool_call_chunk([{"index": i, **c} for i, c in enumerate(calls)],
                                                   None)
-                            yield tool_call_chunk(None, "tool_calls"
-                                                  if outcomes[0]["finish_reason"] == "stop"
-                                                  else outcomes[0]["finish_reason"])
+                            yield tool_call_chunk(None, "tool_calls" if finish == "stop"
+                                                  else finish or "stop")
                             outcomes = []
                         else:
-                            tool_call = None  # as text, below
+                            tool_call = None  # no call: the text as it is, below
                     for index, outcome in enumerate(outcomes):
                         if len(outcome["text"]) > len(sent[index]):
                             yield chunk(outcome["text"][len(sent[index]):], None, index=index)

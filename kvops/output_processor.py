@@ -76,10 +76,11 @@ class _Tracked:
     num_preemptions: int = 0
     first_token_at: datetime | None = None
     first_token_written: bool = False
-    logprobs: list[list] = field(default_factory=list)  # for the next update (if asked)
-    prompt_logprobs: list[list] | None = None  # likewise, once
-    all_logprobs: list[list] = field(default_factory=list)  # every one, for the row
-    all_prompt_logprobs: list[list] = field(default_factory=list)
+    # If asked: per token [token, logprob, top], for the updates and the row
+    logprobs: list[list] = field(default_factory=list)
+    logprobs_sent: int = 0  # of them in updates already
+    prompt_logprobs: list[list] = field(default_factory=list)  # the same per prompt token
+    prompt_logprobs_sent: bool = False
     dirty: bool = False  # progress not in the database yet
     # n > 1: this is sample `index` of the attempt `parent_id`; `siblings` (one list for
     # them all, in order) end the job together, and sample 0's progress is the row's.
@@ -287,11 +288,9 @@ class OutputProcessor:
                 t.token_ids.extend(out.new_token_ids)
                 t.detok.add(out.new_token_ids)
                 if out.logprobs:
-                    entries = self._token_logprobs(out.new_token_ids, out.logprobs)
-                    t.logprobs += entries
-                    t.all_logprobs += entries
+                    t.logprobs += self._token_logprobs(out.new_token_ids, out.logprobs)
                 if out.prompt_logprobs:
-                    t.prompt_logprobs = t.all_prompt_logprobs = self._token_logprobs(
+                    t.prompt_logprobs = self._token_logprobs(
                         [e[0] for e in out.prompt_logprobs], [e[1:] for e in out.prompt_logprobs])
             if t.detok.stopped:  # a stop string: the job ends here
                 t.finish_reason = "stop"
@@ -313,10 +312,11 @@ class OutputProcessor:
                 update["i"] = t.index
             if out.num_prompt_tokens != t.num_prompt_tokens:  # the attempt's first update
                 update["p"], update["c"] = out.num_prompt_tokens, out.num_cached_tokens
-            if t.logprobs:
-                update["lp"], t.logprobs = t.logprobs, []
-            if t.prompt_logprobs:
-                update["plp"], t.prompt_logprobs = t.prompt_logprobs, None
+            if len(t.logprobs) > t.logprobs_sent:
+                update["lp"] = t.logprobs[t.logprobs_sent:]
+                t.logprobs_sent = len(t.logprobs)
+            if t.prompt_logprobs and not t.prompt_logprobs_sent:
+                update["plp"], t.prompt_logprobs_sent = t.prompt_logprobs, True
             updates.append(update)
         if delta:
             t.text.append(delta)
@@ -368,11 +368,11 @@ def _final_state(t: _Tracked) -> services.FinalState:
     outcome in `samples`)."""
     samples = [{"text": "".join(s.text), "token_ids": list(s.token_ids),
                 "finish_reason": s.finish_reason or "",
-                **({"logprobs": s.all_logprobs} if s.all_logprobs else {})}
+                **({"logprobs": s.logprobs} if s.logprobs else {})}
                for s in t.siblings or ()]
     return services.FinalState(
         job_id=t.job_id, request_id=t.attempt_id, text="".join(t.text),
         token_ids=list(t.token_ids), num_prompt_tokens=t.num_prompt_tokens,
         num_cached_tokens=t.num_cached_tokens, num_preemptions=t.num_preemptions,
         finish_reason=t.finish_reason or "", first_token_at=t.first_token_at, samples=samples,
-        logprobs=t.all_logprobs, prompt_logprobs=t.all_prompt_logprobs)
+        logprobs=t.logprobs, prompt_logprobs=t.prompt_logprobs)
