@@ -6,10 +6,9 @@ its API server for the same reason: on a GPU a step takes milliseconds, and Pyth
 beside it under one lock is taken from the GPU). Its worker talks to it over two ZMQ
 sockets, messages packed with msgpack:
 
-  worker -> core   ["add", id, request_id, prompt, sampling params, priority, job_id,
-                    cache_salt]
-                   ["adds", id, [[request_id, prompt, ...as add...], ...]]  (a burst; the
-                                                 reply holds None or [error, message] each)
+  worker -> core   ["adds", id, [[request_id, prompt, sampling params, priority, job_id,
+                                cache_salt], ...]]  (new requests; the reply holds None
+                                                    or [error, message] for each)
                    ["cmd", id, name, arguments, deadline]   (an operator command)
                    ["stop", request_id]                     (its text hit a stop string)
                    ["kvask", id, kind, argument]            (a question to the KV view)
@@ -46,7 +45,6 @@ from engine.config import EngineConfig
 from engine.errors import CommandExpired, EngineError, InvalidRequestError
 from engine.kv_feed import KVFeed
 from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
 
 log = logging.getLogger("engine.core")
 
@@ -120,13 +118,7 @@ class CoreServer:
                 ["reply", call_id, ok, result if ok else ["LookupError", str(result)]]))
             return
         try:
-            if kind == "add":
-                _, _, request_id, prompt, params, priority, job_id, cache_salt = message
-                self.engine.add_request(request_id, prompt, SamplingParams(**params),
-                                        priority=priority, job_id=job_id,
-                                        cache_salt=cache_salt)
-                result = None
-            elif kind == "adds":
+            if kind == "adds":
                 result = add_requests(self.engine, message[2])
             elif kind == "cmd":
                 _, _, name, arguments, deadline = message

@@ -126,15 +126,10 @@ class EngineCoreClient:
                cache_salt: str | None = None) -> None:
         """Add a request; raises InvalidRequestError (bad prompt/params) synchronously.
         Its outputs go to the sink."""
-        with self._lock:
-            self._in_flight.add(request_id)
-        try:
-            self._call(["add", None, request_id, prompt, dict(params), priority, job_id,
-                        cache_salt], 60.0)
-        except BaseException:
-            with self._lock:
-                self._in_flight.discard(request_id)
-            raise
+        [refusal] = self.submit_many([[request_id, prompt, params, priority, job_id,
+                                       cache_salt]])
+        if refusal is not None:
+            raise refusal
 
     def submit_many(self, items: list[list]) -> list[EngineError | None]:
         """Add several requests in one message, applied between the same two steps:

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Protocol
 
-from engine import EngineConfig, EngineError, InvalidRequestError, LLMEngine, SamplingParams
+from engine import EngineConfig, EngineError, InvalidRequestError, LLMEngine
 from engine.commands import add_requests, run_command
 from engine.errors import error_from_wire
 from engine.kv_feed import KVFeed
@@ -142,10 +142,10 @@ class EngineService:
                cache_salt: str | None = None) -> None:
         """Add a request; raises InvalidRequestError (bad prompt/params) synchronously.
         Its outputs go to the sink."""
-        sampling = SamplingParams(**params) if isinstance(params, dict) else params
-        self.call(lambda engine: engine.add_request(request_id, prompt, sampling,
-                                                    priority=priority, job_id=job_id,
-                                                    cache_salt=cache_salt))
+        [refusal] = self.submit_many([[request_id, prompt, params, priority, job_id,
+                                       cache_salt]])
+        if refusal is not None:
+            raise refusal
 
     def submit_many(self, items: list[list]) -> list[EngineError | None]:
         """Add several requests between the same two steps (items as
