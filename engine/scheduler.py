@@ -74,10 +74,13 @@ class Scheduler:
         # gives each its own detokenizer and grammar); live forks' sample ids by parent.
         self.make_sample: Callable[[Request, int], Request] | None = None
         self.forks: dict[str, list[str]] = {}
+        self.unforked: list[Request] = []  # live requests with n > 1 not forked yet (few)
 
     # --- queue management ----------------------------------------------------------
     def add(self, request: Request) -> None:
         self.requests[request.request_id] = request
+        if request.held_back:
+            self.unforked.append(request)
         self.waiting.push(request)
 
     def has_unfinished(self) -> bool:
@@ -129,7 +132,7 @@ class Scheduler:
         return budget
 
     def _resume_swapped(self, out: SchedulerOutput, budget: int) -> int:
-        reserved = self._reserved() if any(r.held_back for r in self.swapped) else 0
+        reserved = self._reserved() if self.unforked else 0
         for request in list(self.swapped):
             if request.parked:
                 continue
@@ -150,7 +153,8 @@ class Scheduler:
 
     def _reserved(self) -> int:
         """Running slots that requests about to fork will take beyond their own one."""
-        return sum(r.sampling_params.n - 1 for r in self.running if r.held_back)
+        running = RequestStatus.RUNNING
+        return sum(r.sampling_params.n - 1 for r in self.unforked if r.status is running)
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         if not self.waiting:
@@ -247,6 +251,7 @@ class Scheduler:
         table = self.kv.block_ids(parent.request_id)
         self.kv.free(parent)
         del self.requests[parent.request_id]
+        self.unforked.remove(parent)
         parent.status = RequestStatus.FINISHED
         parent.finish_reason = "forked"
         self.forks[parent.request_id] = [s.request_id for s in samples]
@@ -268,6 +273,8 @@ class Scheduler:
         request.finish_reason = reason
         request.num_computed_tokens = 0
         del self.requests[request.request_id]
+        if request.held_back:  # ended before it forked
+            self.unforked.remove(request)
         if request.parent_id is not None:  # the fork is over once its last sample is
             siblings = self.forks.get(request.parent_id, ())
             if not any(s in self.requests for s in siblings):

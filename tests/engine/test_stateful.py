@@ -116,6 +116,9 @@ class EngineMachine(RuleBasedStateMachine):
     @invariant()
     def bookkeeping(self):
         self.engine.kv.check_invariants()
+        scheduler = self.engine.scheduler  # the live requests that will fork, and only they
+        assert {id(r) for r in scheduler.unforked} == {
+            id(r) for r in scheduler.requests.values() if r.held_back}
 
     @invariant()
     def cached_blocks_hold_what_their_hash_says(self):
