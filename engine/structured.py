@@ -87,7 +87,7 @@ class StructuredOutputs:
         or this engine's tokenizer cannot be constrained (the simulator's)."""
         import xgrammar as xgr
 
-        key = json.dumps(check_spec(spec), sort_keys=True)
+        key = json.dumps(spec, sort_keys=True)  # (checked by SamplingParams and grammar_of)
         with self._lock:
             compiled = self._compiled.get(key)
             if compiled is None:
