@@ -1,6 +1,7 @@
 """Attention backends: how a layer stores its new K/V and attends through the block
-tables. The model calls `backend.forward(q, k, v, kv_layer, plan, scale)` once per
-layer; the runner calls `backend.plan(batch)` once per step.
+tables. The model's ops call `backend.forward(q, k, v, kv_layer, plan, scale)` once per
+layer (k and v None when a fused op of theirs already stored them); the runner calls
+`backend.plan(batch)` once per step.
 
 * "torch": kernels/cpu_attention.py (vectorised torch). The CPU path and the fallback;
   in float32 on a CPU its attention runs in the C++ kernels of kernels/cpu_ext.py
@@ -40,10 +41,11 @@ class AttentionBackend(Protocol):
     def plan(self, batch: AttentionBatch) -> object:
         """Per-step bookkeeping shared by every layer."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
-                plan: object, scale: float) -> torch.Tensor:
-        """Store k/v through the plan's slot mapping, then attend: q [T, H, D], k/v
-        [T, Hkv, D], kv_layer [2, num_blocks, block_size, Hkv, D] -> [T, H, D]."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                kv_layer: torch.Tensor, plan: object, scale: float) -> torch.Tensor:
+        """Store k/v through the plan's slot mapping (unless None: the caller stored
+        them), then attend: q [T, H, D], k/v [T, Hkv, D], kv_layer [2, num_blocks,
+        block_size, Hkv, D] -> [T, H, D]."""
 
 
 class TorchAttention:
@@ -64,25 +66,20 @@ class TorchAttention:
             batch.block_tables, batch.seq_lens, batch.query_start_loc, batch.block_size,
             self.device, native=self.native))
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
-                plan: "TorchPlan", scale: float) -> torch.Tensor:
-        """q: [T, H, D]; k, v: [T, Hkv, D]; kv_layer: [2, num_blocks, block_size, Hkv, D]."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                kv_layer: torch.Tensor, plan: "TorchPlan", scale: float) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, Hkv, D] or None; kv_layer: [2, num_blocks, block_size,
+        Hkv, D]."""
         from kernels.cpu_attention import paged_attention
 
+        if k is None:  # already in the cache (kvops::rope_store_kv put them there)
+            return paged_attention(q, kv_layer[0], kv_layer[1], plan.cpu, scale)
         num_blocks, block_size = kv_layer.shape[1], kv_layer.shape[2]
         # One scatter for K and V: [2, num_slots, Hkv * D] <- [2, T, Hkv * D]
         slots = kv_layer.view(2, num_blocks * block_size, -1)
         slots.index_copy_(1, plan.slot_mapping, torch.stack((k, v)).view(2, k.shape[0], -1))
         return paged_attention(q, kv_layer[0], kv_layer[1], plan.cpu, scale,
                                new_key=k, new_value=v)
-
-    def attend(self, q: torch.Tensor, kv_layer: torch.Tensor, plan: "TorchPlan",
-               scale: float) -> torch.Tensor:
-        """Attention alone, the batch's K/V already in kv_layer (the model's fused
-        kvops::rope_store_kv put them there)."""
-        from kernels.cpu_attention import paged_attention
-
-        return paged_attention(q, kv_layer[0], kv_layer[1], plan.cpu, scale)
 
 
 @dataclass(slots=True)
@@ -115,9 +112,10 @@ class TritonAttention:
                 self.device, non_blocking=True),
             max_seq_len=max(batch.seq_lens), max_query_len=max(query_lens))
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
-                plan: "TritonPlan", scale: float) -> torch.Tensor:
-        self._reshape_and_cache(k, v, kv_layer[0], kv_layer[1], plan.slot_mapping)
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                kv_layer: torch.Tensor, plan: "TritonPlan", scale: float) -> torch.Tensor:
+        if k is not None:
+            self._reshape_and_cache(k, v, kv_layer[0], kv_layer[1], plan.slot_mapping)
         return self._paged_attention(q, kv_layer[0], kv_layer[1], plan.block_tables,
                                      plan.seq_lens, plan.query_start_loc, scale,
                                      max_seq_len=plan.max_seq_len,

@@ -16,8 +16,9 @@ import torch
 from engine.errors import EngineError
 from engine.model import (SUPPORTED_ROPE_TYPES, Linear, ModelArgs, Transformer,
                           interleave_rope_rows)
+from engine.ops import ACTIVATIONS
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # Scaling fields each rope type needs (HF names).
 _ROPE_FIELDS = {
     "default": (),
@@ -71,8 +72,9 @@ def model_args_from_config(config: dict, folder: Path) -> ModelArgs:
             f"{where}: model_type {model_type!r} is not supported; kvops runs the Llama "
             f"family ({', '.join(SUPPORTED_MODEL_TYPES)})")
     act = config.get("hidden_act", "silu")
-    if act != "silu":
-        raise ModelLoadError(f"{where}: hidden_act {act!r} is not supported (only silu)")
+    if act not in ACTIVATIONS:
+        raise ModelLoadError(f"{where}: hidden_act {act!r} is not supported "
+                             f"({', '.join(ACTIVATIONS)} are)")
     try:
         dim, n_heads = int(config["hidden_size"]), int(config["num_attention_heads"])
         rope_theta, rope_type, rope_params = _rope(config, where)
@@ -92,6 +94,8 @@ def model_args_from_config(config: dict, folder: Path) -> ModelArgs:
             qkv_bias=model_type == "qwen2" or attention_bias,
             o_bias=model_type != "qwen2" and attention_bias,
             mlp_bias=bool(config.get("mlp_bias", False)),
+            qk_norm=model_type == "qwen3",
+            activation=act,
         )
     except KeyError as e:
         raise ModelLoadError(f"{where}: missing field {e.args[0]!r}") from None
@@ -118,7 +122,7 @@ def _rope(config: dict, where: Path) -> tuple[float, str, tuple[tuple[str, float
 
 
 def _sliding_window(config: dict) -> int | None:
-    if config.get("model_type") == "qwen2" and not config.get("use_sliding_window", False):
+    if config.get("model_type") in ("qwen2", "qwen3") and not config.get("use_sliding_window", False):
         return None
     window = config.get("sliding_window")
     return int(window) if window else None
@@ -215,6 +219,10 @@ def _fused_state_dict(folder: ModelFolder, dtype: torch.dtype,
             q, k, v = (take(f"{attn}{p}_proj.{part}") for p in "qkv")
             state[f"{dst}attention.wqkv.{part}"] = torch.cat([
                 interleave_rope_rows(q, args.n_heads), interleave_rope_rows(k, args.n_kv_heads), v])
+        if args.qk_norm:  # per head, in the rows' rotary order
+            for p in "qk":
+                state[f"{dst}attention.{p}_norm.weight"] = interleave_rope_rows(
+                    take(f"{attn}{p}_norm.weight"), 1)
         state[dst + "attention.wo.weight"] = take(attn + "o_proj.weight")
         if args.o_bias:
             state[dst + "attention.wo.bias"] = take(attn + "o_proj.bias")

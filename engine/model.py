@@ -1,17 +1,20 @@
-"""A Llama-family decoder (Llama, Mistral, Qwen2) over the paged KV cache.
+"""A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over the paged KV cache.
 
 gpt-fast style, top-down: Transformer -> Block -> Attention / FeedForward -> RMSNorm,
 rotary helpers. The batch is "varlen": the new tokens of every scheduled request are
 concatenated into one [num_tokens] row (prefill chunks and decodes together, no
 padding). Each layer writes its new K/V through the slot mapping and attends through
-the block tables; that is the attention backend's job (engine/attention.py), the
-model only computes q/k/v and hands them over.
+the block tables; that is the attention backend's job (engine/attention.py).
+
+The layers hold weights and say what is computed; how is the ops object's
+(engine/ops.py: plain torch by default, the C++ CPU kernels of kernels/cpu_ops.py
+where the runner picks them). There is one forward path whatever the ops.
 
 Weights follow HF names through engine/loader.py, with q/k/v fused into one matrix
 and gate/up into another, so a layer is five matmuls. The loader also reorders the
 rows of q and k inside each head from HF's two rotary halves to interleaved pairs, so
 RoPE is one complex multiplication (q.k is unchanged: both get the same order; the
-KV cache holds K in this order).
+KV cache holds K in this order; a per-head q/k norm's weight is reordered alike).
 """
 from __future__ import annotations
 
@@ -19,16 +22,12 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionBackend
+from engine.ops import ACTIVATIONS, TORCH_OPS, TorchOps, rms_norm
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-# Up to this many rows, kernels/csrc/small_gemm.cpp beats MKL on any x86 CPU (on Intel:
-# 1.4x at 64 rows, 0.9x at 128: python -m kernels.bench_cpu gemm); above it, matmuls go
-# to MKL unless the packed kernel measured faster at many rows too (on AMD: ~2x).
-PACKED_MAX_ROWS = 96
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +48,8 @@ class ModelArgs:
     qkv_bias: bool  # Qwen2, or Llama with attention_bias
     o_bias: bool  # Llama with attention_bias (Qwen2 has none on o_proj)
     mlp_bias: bool
+    qk_norm: bool = False  # Qwen3: RMSNorm on each q and k head before RoPE
+    activation: str = "silu"  # the MLP's gate activation (one of engine.ops.ACTIVATIONS)
 
     def __post_init__(self) -> None:
         if self.n_heads % self.n_kv_heads:
@@ -59,19 +60,19 @@ class ModelArgs:
         if self.rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(f"unsupported rope type {self.rope_type!r} "
                              f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"unsupported activation {self.activation!r} "
+                             f"(supported: {', '.join(ACTIVATIONS)})")
 
 
 @dataclass(slots=True)
 class StepContext:
     """What every layer of one forward pass shares."""
-    rope: torch.Tensor  # [num_tokens, 1, head_dim // 2] complex64: e^(i * position * freq)
+    rope: object  # ops.rope_rows of the rotation table at this step's positions
     kv_cache: torch.Tensor  # [n_layers, 2, num_blocks, block_size, n_kv_heads, head_dim]
     attention: AttentionBackend  # stores each layer's new K/V and attends through the tables
     plan: object  # the backend's per-step plan (gather indices, masks, ...)
-    fused: object | None = None  # torch.ops.kvops when the fused CPU ops are on
-    # [num_tokens, head_dim // 2, 2] float32 (cos, sin): set when RoPE and the K/V store
-    # run as one fused op and the attention backend reads K/V back from the cache
-    rope_pairs: torch.Tensor | None = None
+    ops: TorchOps  # how each layer's arithmetic runs (engine/ops.py)
 
 
 class Transformer(nn.Module):
@@ -85,29 +86,6 @@ class Transformer(nn.Module):
         if args.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rope: torch.Tensor | None = None  # [max_positions, head_dim // 2] complex64
-        # torch.ops.kvops (kernels/cpu_ext.py) once use_cpu_kernels() turned them on
-        self.fused_ops: object | None = None
-        self.lm_head_packed: torch.Tensor | None = None  # lm_head's weight for packed_linear
-
-    def use_cpu_kernels(self, ops: object, large_matmuls_packed: bool = False) -> None:
-        """Run RMSNorm, residual adds and SwiGLU's gating as the fused float32 CPU ops
-        of kernels/csrc/fused_ops.cpp, and few-row matmuls (decode steps, the LM head)
-        with kernels/csrc/small_gemm.cpp on a packed copy of each weight (the runner
-        calls this where they built). Many-row matmuls (prefill) go to the packed
-        kernel too when large_matmuls_packed (the runner measures which is faster on
-        this CPU: kernels.cpu_ext.matmul_choice), else to MKL on the plain layout. The
-        plain copy of a weight that only the packed kernels read is freed (with
-        large_matmuls_packed, all of them; the LM head's in any case, unless tied)."""
-        self.fused_ops = ops
-        max_rows = None if large_matmuls_packed else PACKED_MAX_ROWS
-        for layer in self.layers:
-            layer.attention.wqkv.use_packed(ops, max_rows)
-            layer.attention.wo.use_packed(ops, max_rows)
-            layer.feed_forward.use_packed(ops, max_rows)
-        self.lm_head_packed = ops.pack_weight(self.lm_head.weight.detach().t().contiguous())
-        if not self.args.tie_word_embeddings:  # (tied, it is the embedding table too)
-            self.lm_head.weight = nn.Parameter(self.lm_head.weight.new_empty(0, self.args.dim),
-                                               requires_grad=False)
 
     def setup_rope(self, max_positions: int) -> None:
         """Precompute the rotations of positions [0, max_positions) on the weights' device."""
@@ -118,34 +96,23 @@ class Transformer(nn.Module):
         self.rope = torch.polar(torch.ones_like(freqs), freqs)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                attention: AttentionBackend, plan: object,
-                logits_indices: torch.Tensor) -> torch.Tensor:
+                attention: AttentionBackend, plan: object, logits_indices: torch.Tensor,
+                ops: TorchOps = TORCH_OPS) -> torch.Tensor:
         """input_ids, positions: [num_tokens]; logits_indices: [num_sampled] rows whose
-        next-token logits are wanted. Returns float32 logits [num_sampled, vocab_size]."""
-        rope = self.rope[positions]  # [num_tokens, head_dim // 2] complex64
-        ctx = StepContext(rope=rope[:, None, :], kv_cache=kv_cache, attention=attention,
-                          plan=plan, fused=self.fused_ops)
-        if ctx.fused is not None and getattr(attention, "native", False):
-            ctx.rope_pairs = torch.view_as_real(rope).contiguous()
-        h = self.embed_tokens(input_ids)  # [num_tokens, dim]
-        if ctx.fused is not None:
-            h = self._fused_layers(h, ctx)[logits_indices]  # [num_sampled, dim]
-            return ctx.fused.packed_linear(h, self.lm_head_packed, self.args.vocab_size, None)
-        for i, layer in enumerate(self.layers):
-            h = layer(h, ctx, i)
-        h = self.norm(h[logits_indices])  # [num_sampled, dim]: the other rows need no logits
-        return self.lm_head(h).float()  # [num_sampled, vocab_size]
+        next-token logits are wanted. Returns float32 logits [num_sampled, vocab_size].
 
-    def _fused_layers(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        """The layers with each residual add fused into the RMSNorm after it (the next
-        layer's, and the final norm after the last). Returns the final-normed rows."""
-        ops, eps = ctx.fused, self.args.norm_eps
-        x = ops.rms_norm(h, self.layers[0].attention_norm.weight, eps)
+        Each residual add is fused with the norm after it (ops.add_rms_norm: the MLP's
+        input norm, or the next layer's); the last layer's MLP output is added alone,
+        and the final norm and the LM head see only the rows that sample."""
+        ctx = StepContext(rope=ops.rope_rows(self.rope, positions), kv_cache=kv_cache,
+                          attention=attention, plan=plan, ops=ops)
+        h = self.embed_tokens(input_ids)  # [num_tokens, dim]: the residual stream
+        x = ops.rms_norm(h, self.layers[0].attention_norm)
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            x = ops.add_rms_norm(h, layer.attention(x, ctx, i), layer.ffn_norm.weight, eps)
-            after = self.layers[i + 1].attention_norm if i + 1 < len(self.layers) else self.norm
-            x = ops.add_rms_norm(h, layer.feed_forward(x, ops), after.weight, eps)
-        return x
+            x = layer(h, x, ctx, i, self.layers[i + 1].attention_norm if i < last else None)
+        x = ops.rms_norm(h[logits_indices], self.norm)  # [num_sampled, dim]
+        return ops.lm_head(x, self)  # [num_sampled, vocab_size]
 
 
 class Block(nn.Module):
@@ -156,10 +123,16 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args)
 
-    def forward(self, h: torch.Tensor, ctx: StepContext, layer_idx: int) -> torch.Tensor:
-        # In place: h is this forward pass's own residual stream.
-        h.add_(self.attention(self.attention_norm(h), ctx, layer_idx))
-        return h.add_(self.feed_forward(self.ffn_norm(h)))
+    def forward(self, h: torch.Tensor, x: torch.Tensor, ctx: StepContext, layer_idx: int,
+                next_norm: "RMSNorm | None") -> torch.Tensor:
+        """h: the residual stream (updated in place); x: this layer's normed input.
+        Returns next_norm(h) after this layer, or h itself when next_norm is None."""
+        ops = ctx.ops
+        x = ops.add_rms_norm(h, self.attention(x, ctx, layer_idx), self.ffn_norm)
+        delta = self.feed_forward(x, ops)
+        if next_norm is None:
+            return h.add_(delta)
+        return ops.add_rms_norm(h, delta, next_norm)
 
 
 class Attention(nn.Module):
@@ -170,117 +143,61 @@ class Attention(nn.Module):
         self.wqkv = Linear(args.dim, q_size + 2 * kv_size, bias=args.qkv_bias)
         self.wo = Linear(q_size, args.dim, bias=args.o_bias)
         self.scale = args.head_dim ** -0.5
+        # Qwen3: RMSNorm over each q and k head before RoPE
+        self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
 
     def forward(self, x: torch.Tensor, ctx: StepContext, layer_idx: int) -> torch.Tensor:
-        T, H, Hkv, D = x.shape[0], self.n_heads, self.n_kv_heads, self.head_dim
-        qkv = self.wqkv(x)  # [T, (H + 2 * Hkv) * D]
-        if ctx.rope_pairs is not None:  # RoPE, and k/v into the cache, in one fused op
-            kv_layer = ctx.kv_cache[layer_idx]
-            q = ctx.fused.rope_store_kv(qkv, ctx.rope_pairs, kv_layer, ctx.plan.slot_mapping,
-                                        H, Hkv)  # [T, H, D]
-            o = ctx.attention.attend(q, kv_layer, ctx.plan, self.scale)
-            return self.wo(o.reshape(T, H * D))
-        # RoPE on q and k together: they are adjacent in qkv.
-        qk = apply_rope(qkv[:, :(H + Hkv) * D].view(T, H + Hkv, D), ctx.rope)
-        q, k = qk[:, :H], qk[:, H:]  # [T, H, D], [T, Hkv, D]
-        v = qkv[:, (H + Hkv) * D:].view(T, Hkv, D)  # [T, Hkv, D]
-        o = ctx.attention.forward(q, k, v, ctx.kv_cache[layer_idx], ctx.plan, self.scale)
-        return self.wo(o.reshape(T, H * D))  # o: [T, H, D]
+        ops = ctx.ops
+        qkv = ops.linear(x, self.wqkv)  # [T, (H + 2 * Hkv) * D]
+        if self.q_norm is not None:
+            ops.head_norm(qkv, self)
+        return ops.linear(ops.attention(qkv, self, ctx, layer_idx), self.wo)
 
 
 class FeedForward(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused in one matmul."""
+    """Gated MLP: down(act(gate(x)) * up(x)), gate and up fused in one matmul."""
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.intermediate_size = args.intermediate_size
+        self.activation = args.activation
         self.w_gate_up = Linear(args.dim, 2 * args.intermediate_size, bias=args.mlp_bias)
         self.w_down = Linear(args.intermediate_size, args.dim, bias=args.mlp_bias)
-        # With the CPU kernels (use_packed): gate_up's weight packed for
-        # kvops::packed_swiglu, which applies silu(gate) * up as it goes, so the
-        # [T, 2 * intermediate] product is never written out; for up to
-        # swiglu_max_rows rows (all, when None), MKL and silu_mul above that.
-        self.packed_gate_up: torch.Tensor | None = None
-        self.swiglu_max_rows: int | None = None
 
-    def use_packed(self, ops: object, max_rows: int | None) -> None:
-        self.packed_gate_up = ops.pack_gate_up(self.w_gate_up.weight_t.detach(),
-                                               self.intermediate_size)
-        self.swiglu_max_rows = max_rows
-        if max_rows is None:  # packed_swiglu takes every row: w_gate_up is never called
-            self.w_gate_up.drop_plain_weight()
-        self.w_down.use_packed(ops, max_rows)
-
-    def forward(self, x: torch.Tensor, fused: object | None = None) -> torch.Tensor:
-        if fused is not None and self.packed_gate_up is not None and (
-                self.swiglu_max_rows is None or x.shape[0] <= self.swiglu_max_rows):
-            return self.w_down(fused.packed_swiglu(x, self.packed_gate_up,
-                                                   self.intermediate_size, self.w_gate_up.bias))
-        gate_up = self.w_gate_up(x)  # [T, 2 * intermediate]
-        if fused is not None:
-            return self.w_down(fused.silu_mul(gate_up))
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.w_down(F.silu(gate).mul_(up))
+    def forward(self, x: torch.Tensor, ops: TorchOps) -> torch.Tensor:
+        return ops.linear(ops.gate_up_act(x, self), self.w_down)
 
 
 class Linear(nn.Module):
-    """x @ weight_t (+ bias) with the weight stored transposed, [in, out]: MKL's GEMM
-    is up to twice as fast that way for the few-row matmuls of decoding (and no slower
-    for prefill). The loader transposes HF's [out, in] weights once. With the CPU
-    kernels on, inputs of up to packed_max_rows rows (all, when None) go to
-    kvops::packed_linear."""
+    """A weight stored transposed, [in, out] (+ bias): MKL's GEMM is up to twice as fast
+    that way for the few-row matmuls of decoding (and no slower for prefill). The
+    loader transposes HF's [out, in] weights once; ops.linear multiplies."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
-        self.out_features = out_features
+        self.in_features, self.out_features = in_features, out_features
         self.weight_t = nn.Parameter(torch.empty(in_features, out_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        self.packed: torch.Tensor | None = None  # weight_t in small_gemm's panel layout
-        self.ops: object | None = None  # torch.ops.kvops, with packed
-        self.packed_max_rows: int | None = PACKED_MAX_ROWS
-
-    def use_packed(self, ops: object, max_rows: int | None = PACKED_MAX_ROWS) -> None:
-        self.ops, self.packed = ops, ops.pack_weight(self.weight_t.detach())
-        self.packed_max_rows = max_rows
-        if max_rows is None:  # the packed kernel takes every matmul
-            self.drop_plain_weight()
 
     def drop_plain_weight(self) -> None:
-        """Free weight_t once nothing reads it: the packed copy is then the only one, and
-        the weights take their size in memory once, not twice."""
-        self.weight_t = nn.Parameter(self.weight_t.new_empty(self.weight_t.shape[0], 0),
+        """Free weight_t once no ops read it (an ops object that keeps its own copy, as
+        CpuKernelOps does): the weights then take their size in memory once, not twice."""
+        self.weight_t = nn.Parameter(self.weight_t.new_empty(self.in_features, 0),
                                      requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in]
-        if self.packed is not None and (self.packed_max_rows is None
-                                        or x.shape[0] <= self.packed_max_rows):
-            return self.ops.packed_linear(x, self.packed, self.out_features, self.bias)
-        if self.bias is None:
-            return torch.mm(x, self.weight_t)
-        return torch.addmm(self.bias, x, self.weight_t)
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    """A norm's weight and eps; ops.rms_norm computes it. offset: Gemma stores w - 1 and
+    scales by 1 + w."""
+
+    def __init__(self, dim: int, eps: float, offset: float = 0.0) -> None:
         super().__init__()
-        self.eps = eps
+        self.eps, self.offset = eps, offset
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # As HF: normalise in float32, cast back, then scale. The norm is taken with
-        # vector_norm (one pass, no temporary) rather than x.pow(2).mean().
-        xf = x.float()
-        norm = torch.linalg.vector_norm(xf, dim=-1, keepdim=True)
-        inv_rms = torch.rsqrt(norm.square_().div_(x.shape[-1]).add_(self.eps))
-        return (xf * inv_rms).to(x.dtype).mul_(self.weight)
-
-
-def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, D] with rotary pairs interleaved (d = 2i, 2i + 1); rope:
-    [T, 1, D // 2] complex. Returns a new [T, heads, D] tensor in x's dtype."""
-    T, heads, D = x.shape
-    pairs = torch.view_as_complex(x.float().reshape(T, heads, D // 2, 2))
-    return torch.view_as_real(pairs * rope).view(T, heads, D).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps, self.offset)
 
 
 def interleave_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:

@@ -7,7 +7,6 @@ model with logits only for the rows that sample, and sample.
 """
 from __future__ import annotations
 
-import ctypes
 import os
 import sys
 from dataclasses import dataclass, field
@@ -26,9 +25,9 @@ from engine.loader import (ModelFolder, ModelLoadError, load_model, model_identi
 from engine.runner import Runner
 from engine.sampler import SamplingRow, logprobs_of, request_seed, sample, token_logprobs
 from engine.scheduler import SchedulerOutput
+from kernels.cpu_ops import choose_ops, tune_process
 
 DEFAULT_CPU_KV_BYTES = 512 * 1024 ** 2
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -39,7 +38,7 @@ class ModelRunner(Runner):
         self._device = resolve_device(config.device)
         self._dtype = resolve_dtype(config.dtype, self._device)
         if self._device.type == "cpu":
-            _reuse_freed_memory()
+            tune_process()
         self.device, self.dtype = self._device.type, str(self._dtype).removeprefix("torch.")
 
         folder = read_model_folder(resolve_model_path(config.model))
@@ -53,9 +52,10 @@ class ModelRunner(Runner):
         self.model.setup_rope(self.max_model_len)
         self.attention = make_attention_backend(config.attention_backend, self._device,
                                                 self._dtype, cpu_kernels=config.cpu_kernels)
-        # None where the CPU kernels are off, else who does prefill's matmuls and why
-        self.matmul_choice = _use_cpu_kernels(self.model, self._device, self._dtype, config)
-        self.cpu_kernels = self.matmul_choice is not None
+        # how the model's arithmetic runs: the C++ CPU kernels or plain torch
+        self.ops = choose_ops(config, self._device, self._dtype, self.attention)
+        self.ops.prepare(self.model)
+        self.cpu_kernels = self.ops.name != "torch"
 
         args = folder.args
         # One block of every layer's K and V.
@@ -77,14 +77,14 @@ class ModelRunner(Runner):
                   f"({self.num_gpu_blocks * self.block_bytes / 1024 ** 2:.0f} MiB, "
                   f"{self.num_gpu_blocks * self.block_size} tokens), "
                   f"{self.num_cpu_blocks} host swap blocks; max_model_len {self.max_model_len}; "
-                  f"C++ CPU kernels {_describe_kernels(self.matmul_choice)}")
+                  f"C++ CPU kernels {self.ops.describe() if self.cpu_kernels else 'off'}")
 
     # --- one step ---------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, out: SchedulerOutput) -> dict[str, int]:
         batch = self._prepare(out)
         logits = self.model(batch.input_ids, batch.positions, self.kv_cache, self.attention,
-                            self.attention.plan(batch.attention), batch.logits_indices)
+                            self.attention.plan(batch.attention), batch.logits_indices, self.ops)
         num_sampled = len(batch.sampling_rows)
         if batch.prompt_rows:
             self._prompt_logprobs(logits[num_sampled:], batch.prompt_rows)
@@ -233,7 +233,7 @@ class ModelRunner(Runner):
         self.model(torch.zeros(num_tokens, dtype=torch.int64, device=dev),
                    torch.tensor(positions, device=dev), cache, self.attention,
                    self.attention.plan(batch),
-                   torch.tensor([q - 1 for q in qsl[1:]], device=dev))
+                   torch.tensor([q - 1 for q in qsl[1:]], device=dev), self.ops)
         torch.cuda.synchronize(dev)
         del cache
 
@@ -262,43 +262,6 @@ def _copy_blocks(src: torch.Tensor, dst: torch.Tensor, mapping: list[tuple[int, 
     src_ids = torch.tensor([a for a, _ in mapping], dtype=torch.int64, device=src.device)
     dst_ids = torch.tensor([b for _, b in mapping], dtype=torch.int64, device=dst.device)
     dst.index_copy_(2, dst_ids, src.index_select(2, src_ids))  # blocks: [L, 2, n, bs, Hkv, D]
-
-
-def _reuse_freed_memory() -> None:
-    """glibc hands large freed blocks back to the OS and page-faults fresh ones in on
-    the next allocation: about 1 GB of page faults per 2048-token prefill step on the
-    default model, a fifth of its time. Keep freed memory in the heap for reuse instead
-    (a process-wide malloc setting; a no-op where the C library is not glibc)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(_M_MMAP_THRESHOLD, 1 << 30)  # serve big blocks from the heap...
-        libc.mallopt(_M_TRIM_THRESHOLD, 1 << 31)  # ...and do not give the heap back
-    except (OSError, AttributeError):
-        pass
-
-
-def _describe_kernels(choice) -> str:
-    if choice is None:
-        return "off"
-    who = "the packed kernel" if choice.packed else "MKL"
-    if choice.source != "measured":
-        return f"on; prefill matmuls by {who} ({choice.source})"
-    return (f"on; prefill matmuls by {who} (packed {choice.packed_gflops:.0f} vs MKL "
-            f"{choice.mkl_gflops:.0f} GFLOP/s, measured)")
-
-
-def _use_cpu_kernels(model: torch.nn.Module, device: torch.device, dtype: torch.dtype,
-                     config: EngineConfig):
-    """Turn on the fused C++ ops of kernels/cpu_ext.py for a float32 model on the CPU,
-    where they build and config.cpu_kernels asks; None where they are off, else who does
-    the many-row matmuls (config.large_matmuls) and why."""
-    from kernels import cpu_ext
-
-    if not config.cpu_kernels or not cpu_ext.usable_for(device, dtype):
-        return None
-    choice = cpu_ext.matmul_choice(config.large_matmuls)
-    model.use_cpu_kernels(cpu_ext.ops(), large_matmuls_packed=choice.packed)
-    return choice
 
 
 def _with_blocks(shape: tuple[int, ...], num_blocks: int) -> tuple[int, ...]:

@@ -9,7 +9,8 @@ import os
 import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.model import PACKED_MAX_ROWS, FeedForward, Linear
+from engine.model import Linear
+from kernels.cpu_ops import PACKED_MAX_ROWS, CpuKernelOps
 from tests.models.fixtures import tiny_model, tiny_root  # noqa: F401 (fixtures)
 from tests.models.tiny import SPECS, hf_greedy, random_prompts
 
@@ -63,7 +64,7 @@ def test_torch_paths_without_the_cpu_kernels(tiny_model, name, monkeypatch):
     prompts = random_prompts(vocab, LENGTHS, seed=1) + random_prompts(vocab, [3, 9], seed=2,
                                                                      prefix=prefix)
     engine = make_engine(folder, cpu_kernels=False)
-    assert not engine.runner.cpu_kernels and not engine.runner.attention.native
+    assert engine.runner.ops.name == "torch" and not engine.runner.attention.native
     assert outputs(engine.generate(prompts, greedy())) == hf_greedy(folder, prompts, MAX_TOKENS)
 
 
@@ -71,7 +72,7 @@ def test_cpu_kernels_are_on_by_default(tiny_model):
     if os.environ.get("KVOPS_CPU_KERNELS") == "0":
         pytest.skip("KVOPS_CPU_KERNELS=0 turns them off")
     engine = make_engine(tiny_model("gqa16"))
-    assert engine.runner.cpu_kernels and engine.runner.attention.native
+    assert isinstance(engine.runner.ops, CpuKernelOps) and engine.runner.attention.native
 
 
 @pytest.mark.parametrize("name", ["gqa16", "mha32", "qwen2", "linear"])
@@ -85,10 +86,12 @@ def test_prefill_matmuls_by_either_kernel(tiny_model, name, who, monkeypatch):
     folder = tiny_model(name)
     prompts = random_prompts(SPECS[name].vocab_size, LENGTHS + [150], seed=3)
     engine = make_engine(folder, large_matmuls=who)
+    ops = engine.runner.ops
+    assert ops.max_rows == (None if who == "packed" else PACKED_MAX_ROWS)
     modules = list(engine.runner.model.modules())
-    limits = {m.packed_max_rows for m in modules if isinstance(m, Linear) and m.packed is not None}
-    limits |= {m.swiglu_max_rows for m in modules if isinstance(m, FeedForward)}
-    assert limits == ({None} if who == "packed" else {PACKED_MAX_ROWS})
+    linears = [m for m in modules if isinstance(m, Linear)]
+    assert {id(m) for m in linears} == ops.packed.keys()  # each has its packed copy
+    assert len(ops.packed_gate_up) == SPECS[name].num_layers
     # the plain weights are kept only where MKL still reads them
     plain = [m.weight_t.numel() for m in modules if isinstance(m, Linear)]
     assert all(n == 0 for n in plain) if who == "packed" else all(n > 0 for n in plain)
@@ -176,3 +179,42 @@ def test_operator_swap_and_preempt_mid_decode(tiny_model):
     final = run_all(engine)
     assert [final[f"r{i}"].output_token_ids for i in range(4)] == expected
     assert final["r0"].num_preemptions == 1 and final["r1"].num_preemptions == 1
+
+
+# Every family in every KV situation: the engine's K/V for a request may come from the
+# prefix cache, be written over several chunked steps, be dropped and recomputed, or go
+# to host memory and back; the tokens must not change.
+SITUATIONS = {
+    "prefix-hit": dict(),
+    "chunked": dict(max_num_batched_tokens=7),
+    "recompute": dict(num_gpu_blocks=16, enable_prefix_caching=False),
+    "swap": dict(num_gpu_blocks=16, num_cpu_blocks=64, preemption_mode="swap",
+                 enable_prefix_caching=False),
+}
+
+
+@pytest.mark.parametrize("situation", sorted(SITUATIONS))
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_every_family_in_every_kv_situation(tiny_model, name, situation):
+    folder = tiny_model(name)
+    vocab = SPECS[name].vocab_size
+    if situation == "prefix-hit":
+        prefix = random_prompts(vocab, [13], seed=8)[0]  # 3 full blocks of 4, and a part
+        prompts = random_prompts(vocab, [5, 2, 9], seed=9, prefix=prefix)
+    else:
+        prompts = random_prompts(vocab, [20, 23, 18, 25, 21], seed=5)
+    expected = hf_greedy(folder, prompts, MAX_TOKENS)
+    engine = make_engine(folder, **SITUATIONS[situation])
+    if situation == "prefix-hit":
+        first, rest = engine.generate(prompts[:1], greedy()), engine.generate(prompts[1:], greedy())
+        assert all(o.num_cached_tokens >= 12 for o in rest)
+        got = outputs(first + rest)
+    else:
+        got = outputs(engine.generate(prompts, greedy()))
+    m = engine.metrics()
+    if situation == "recompute":
+        assert m["num_preemptions"] > 0
+    if situation == "swap":
+        assert m["num_swaps_out"] > 0 and m["num_swaps_in"] > 0
+    assert got == expected
+    assert engine.kv.gpu.num_free == engine.kv.gpu.num_blocks

@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.model import RMSNorm, apply_rope
+from engine.model import RMSNorm
+from engine.ops import apply_rope
 from kernels import cpu_ext
 
 pytestmark = pytest.mark.skipif(os.environ.get("KVOPS_CPU_KERNELS") == "0",

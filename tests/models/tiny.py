@@ -23,7 +23,7 @@ class TinySpec:
     num_layers: int = 2
     intermediate_size: int = 96
     tie_word_embeddings: bool = False
-    model_type: str = "llama"  # "llama" | "qwen2" | "mistral"
+    model_type: str = "llama"  # "llama" | "qwen2" | "qwen3" | "mistral"
     rope: dict | None = None  # rope_parameters beyond rope_theta, e.g. {"rope_type": "linear", ...}
     attention_bias: bool = False
     max_position_embeddings: int = 512
@@ -46,6 +46,9 @@ SPECS = {
     "mistral": TinySpec("mistral", vocab_size=233, hidden_size=64, num_heads=8, num_kv_heads=2,
                         head_dim=8, model_type="mistral", seed=5,
                         extra={"sliding_window": None}),
+    # Qwen3: a per-head q/k RMSNorm, and heads * head_dim wider than hidden_size
+    "qwen3": TinySpec("qwen3", vocab_size=241, hidden_size=48, num_heads=4, num_kv_heads=2,
+                      head_dim=32, model_type="qwen3", seed=6),
 }
 
 
@@ -68,10 +71,14 @@ def build_tiny_model(spec: TinySpec, root: Path) -> Path:
         # A wider init than the default 0.02 keeps logits apart, so float rounding
         # differences between two correct implementations do not flip an argmax.
         initializer_range=0.2, **({"attention_bias": spec.attention_bias}
-                                  if spec.model_type == "llama" else {}),
+                                  if spec.model_type in ("llama", "qwen3") else {}),
         **spec.extra)
     torch.manual_seed(spec.seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # norms start at 1 (or 0): make their weights tell heads apart
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(torch.randn_like(param) * 0.3)
     model.save_pretrained(folder)
     _save_tokenizer(folder, spec.vocab_size)
     return folder
