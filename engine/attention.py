@@ -42,10 +42,13 @@ class AttentionBackend(Protocol):
         """Per-step bookkeeping shared by every layer."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
-                kv_layer: torch.Tensor, plan: object, scale: float) -> torch.Tensor:
+                kv_layer: torch.Tensor, plan: object, scale: float, window: int | None = None,
+                softcap: float | None = None) -> torch.Tensor:
         """Store k/v through the plan's slot mapping (unless None: the caller stored
         them), then attend: q [T, H, D], k/v [T, Hkv, D], kv_layer [2, num_blocks,
-        block_size, Hkv, D] -> [T, H, D]."""
+        block_size, Hkv, D] -> [T, H, D]. window: the layer's sliding window (a query
+        sees itself and window - 1 tokens back; None: all); softcap: scores become
+        softcap * tanh(score / softcap) (Gemma 2)."""
 
 
 class TorchAttention:
@@ -64,20 +67,24 @@ class TorchAttention:
 
         return TorchPlan(batch.slot_mapping, plan_attention(
             batch.block_tables, batch.seq_lens, batch.query_start_loc, batch.block_size,
-            self.device, native=self.native))
+            self.device, native=self.native), batch)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
-                kv_layer: torch.Tensor, plan: "TorchPlan", scale: float) -> torch.Tensor:
+                kv_layer: torch.Tensor, plan: "TorchPlan", scale: float, window: int | None = None,
+                softcap: float | None = None) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hkv, D] or None; kv_layer: [2, num_blocks, block_size,
         Hkv, D]."""
         from kernels.cpu_attention import paged_attention
 
+        if k is not None:
+            num_blocks, block_size = kv_layer.shape[1], kv_layer.shape[2]
+            # One scatter for K and V: [2, num_slots, Hkv * D] <- [2, T, Hkv * D]
+            slots = kv_layer.view(2, num_blocks * block_size, -1)
+            slots.index_copy_(1, plan.slot_mapping, torch.stack((k, v)).view(2, k.shape[0], -1))
+        if window or softcap:
+            return _windowed(q, kv_layer, plan.batch, scale, window, softcap)
         if k is None:  # already in the cache (kvops::rope_store_kv put them there)
             return paged_attention(q, kv_layer[0], kv_layer[1], plan.cpu, scale)
-        num_blocks, block_size = kv_layer.shape[1], kv_layer.shape[2]
-        # One scatter for K and V: [2, num_slots, Hkv * D] <- [2, T, Hkv * D]
-        slots = kv_layer.view(2, num_blocks * block_size, -1)
-        slots.index_copy_(1, plan.slot_mapping, torch.stack((k, v)).view(2, k.shape[0], -1))
         return paged_attention(q, kv_layer[0], kv_layer[1], plan.cpu, scale,
                                new_key=k, new_value=v)
 
@@ -86,6 +93,17 @@ class TorchAttention:
 class TorchPlan:
     slot_mapping: torch.Tensor  # [T] int64
     cpu: object  # kernels.cpu_attention.CpuAttentionPlan
+    batch: AttentionBatch  # for the layers with a window or soft-capped scores
+
+
+def _windowed(q: torch.Tensor, kv_layer: torch.Tensor, batch: AttentionBatch, scale: float,
+              window: int | None, softcap: float | None) -> torch.Tensor:
+    """Layers with a sliding window or soft-capped scores: torch on any device (neither
+    the C++ nor the Triton kernels implement them yet)."""
+    from kernels.cpu_attention import windowed_attention
+
+    return windowed_attention(q, kv_layer[0], kv_layer[1], batch.block_tables, batch.seq_lens,
+                              batch.query_start_loc, scale, window, softcap)
 
 
 class TritonAttention:
@@ -110,12 +128,15 @@ class TritonAttention:
             seq_lens=torch.tensor(batch.seq_lens, dtype=torch.int32).to(self.device, non_blocking=True),
             query_start_loc=torch.tensor(batch.query_start_loc, dtype=torch.int32).to(
                 self.device, non_blocking=True),
-            max_seq_len=max(batch.seq_lens), max_query_len=max(query_lens))
+            max_seq_len=max(batch.seq_lens), max_query_len=max(query_lens), batch=batch)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
-                kv_layer: torch.Tensor, plan: "TritonPlan", scale: float) -> torch.Tensor:
+                kv_layer: torch.Tensor, plan: "TritonPlan", scale: float, window: int | None = None,
+                softcap: float | None = None) -> torch.Tensor:
         if k is not None:
             self._reshape_and_cache(k, v, kv_layer[0], kv_layer[1], plan.slot_mapping)
+        if window or softcap:
+            return _windowed(q, kv_layer, plan.batch, scale, window, softcap)
         return self._paged_attention(q, kv_layer[0], kv_layer[1], plan.block_tables,
                                      plan.seq_lens, plan.query_start_loc, scale,
                                      max_seq_len=plan.max_seq_len,
@@ -130,6 +151,7 @@ class TritonPlan:
     query_start_loc: torch.Tensor  # [S + 1] int32
     max_seq_len: int
     max_query_len: int
+    batch: AttentionBatch
 
 
 def make_attention_backend(name: str, device: torch.device,

@@ -18,7 +18,10 @@ from engine.model import (SUPPORTED_ROPE_TYPES, Linear, ModelArgs, Transformer,
                           interleave_rope_rows)
 from engine.ops import ACTIVATIONS
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
+_GEMMA = ("gemma2", "gemma3_text")
+# How often a global layer comes among sliding ones when config.json has no layer_types
+_GEMMA_PATTERN = {"gemma2": 2, "gemma3_text": 6}
 # Scaling fields each rope type needs (HF names).
 _ROPE_FIELDS = {
     "default": (),
@@ -67,18 +70,33 @@ def model_args_from_config(config: dict, folder: Path) -> ModelArgs:
     """HF config.json -> ModelArgs, refusing what the model code does not implement."""
     where = folder / "config.json"
     model_type = config.get("model_type")
+    if model_type == "gemma3":
+        raise ModelLoadError(f"{where}: model_type 'gemma3' is Gemma 3's vision-language "
+                             "model; kvops runs its text model (model_type 'gemma3_text', "
+                             "as gemma-3-1b ships)")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ModelLoadError(
-            f"{where}: model_type {model_type!r} is not supported; kvops runs the Llama "
-            f"family ({', '.join(SUPPORTED_MODEL_TYPES)})")
-    act = config.get("hidden_act", "silu")
+            f"{where}: model_type {model_type!r} is not supported; kvops runs "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+    gemma = model_type in _GEMMA
+    act = config.get("hidden_activation") or config.get("hidden_act", "silu")
     if act not in ACTIVATIONS:
         raise ModelLoadError(f"{where}: hidden_act {act!r} is not supported "
                              f"({', '.join(ACTIVATIONS)} are)")
     try:
         dim, n_heads = int(config["hidden_size"]), int(config["num_attention_heads"])
-        rope_theta, rope_type, rope_params = _rope(config, where)
+        rope = config.get("rope_parameters") or {}
+        local_rope = None
+        if "full_attention" in rope:  # Gemma 3: a RoPE per layer type
+            rope_theta, rope_type, rope_params = _rope(config, where, rope["full_attention"])
+            local_rope = _rope(config, where, rope.get("sliding_attention") or {
+                "rope_theta": config.get("rope_local_base_freq", 10000.0)})
+        else:
+            rope_theta, rope_type, rope_params = _rope(config, where)
+            if model_type == "gemma3_text":  # the older config.json layout
+                local_rope = (float(config.get("rope_local_base_freq", 10000.0)), "default", ())
         attention_bias = bool(config.get("attention_bias", False))
+        scalar = config.get("query_pre_attn_scalar") if gemma else None
         return ModelArgs(
             vocab_size=int(config["vocab_size"]),
             dim=dim,
@@ -90,12 +108,20 @@ def model_args_from_config(config: dict, folder: Path) -> ModelArgs:
             norm_eps=float(config.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta, rope_type=rope_type, rope_params=rope_params,
             max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", gemma)),
             qkv_bias=model_type == "qwen2" or attention_bias,
             o_bias=model_type != "qwen2" and attention_bias,
             mlp_bias=bool(config.get("mlp_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "gemma3_text"),
             activation=act,
+            norm_offset=1.0 if gemma else 0.0,
+            sandwich_norms=gemma,
+            scale_embeddings=gemma,
+            attn_scale=float(scalar) ** -0.5 if scalar else None,
+            attn_softcap=_float_or_none(config.get("attn_logit_softcapping")) if gemma else None,
+            final_softcap=_float_or_none(config.get("final_logit_softcapping")) if gemma else None,
+            layer_windows=_layer_windows(config, model_type),
+            local_rope=local_rope,
         )
     except KeyError as e:
         raise ModelLoadError(f"{where}: missing field {e.args[0]!r}") from None
@@ -103,10 +129,15 @@ def model_args_from_config(config: dict, folder: Path) -> ModelArgs:
         raise ModelLoadError(f"{where}: {e}") from None
 
 
-def _rope(config: dict, where: Path) -> tuple[float, str, tuple[tuple[str, float], ...]]:
+def _rope(config: dict, where: Path,
+          params: dict | None = None) -> tuple[float, str, tuple[tuple[str, float], ...]]:
+    """(theta, type, scaling fields) of config.json's RoPE, or of `params` (one layer
+    type's entry of Gemma 3's rope_parameters)."""
     # transformers >= 5 writes rope_parameters (with rope_theta inside); older
     # versions write rope_theta and rope_scaling.
-    params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    if params is None:
+        params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    params = dict(params)
     theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
@@ -122,10 +153,35 @@ def _rope(config: dict, where: Path) -> tuple[float, str, tuple[tuple[str, float
 
 
 def _sliding_window(config: dict) -> int | None:
-    if config.get("model_type") in ("qwen2", "qwen3") and not config.get("use_sliding_window", False):
+    """Qwen2/Qwen3 with use_sliding_window: contexts are kept within the window, so
+    that full attention equals the windowed one (which layers slide depends on
+    max_window_layers, not implemented). The other families' windows are applied by
+    the attention layers (_layer_windows)."""
+    if config.get("model_type") not in ("qwen2", "qwen3") or not config.get("use_sliding_window"):
         return None
     window = config.get("sliding_window")
     return int(window) if window else None
+
+
+def _layer_windows(config: dict, model_type: str) -> tuple[int, ...]:
+    """Each layer's sliding window (0: global): Mistral's and Phi-3's sliding_window
+    on every layer; Gemma's on its "sliding_attention" layers (config.json's
+    layer_types, or its fixed pattern); () when no layer slides."""
+    window = int(config.get("sliding_window") or 0)
+    n = int(config["num_hidden_layers"])
+    if not window or model_type not in ("mistral", "phi3") + _GEMMA:
+        return ()
+    if model_type in _GEMMA:
+        types = config.get("layer_types") or [
+            "full_attention" if (i + 1) % int(config.get("sliding_window_pattern")
+                                              or _GEMMA_PATTERN[model_type]) == 0
+            else "sliding_attention" for i in range(n)]
+        return tuple(window if t == "sliding_attention" else 0 for t in types)
+    return (window,) * n
+
+
+def _float_or_none(value) -> float | None:
+    return float(value) if value else None
 
 
 def _weight_files(folder: Path) -> tuple[Path, ...]:
@@ -203,6 +259,14 @@ def _fused_state_dict(folder: ModelFolder, dtype: torch.dtype,
                                  f"{', '.join(f.name for f in folder.weight_files)}")
         return hf.pop(name)
 
+    def fused_or_split(name: str, parts: tuple[str, ...], sizes: list[int]) -> list[torch.Tensor]:
+        """Phi-3 ships q/k/v (and gate/up) as one tensor: split it; others as parts."""
+        if name in hf:
+            return list(take(name).split(sizes))
+        return [take(p) for p in parts]
+
+    q_rows, kv_rows = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+    gemma = args.sandwich_norms
     state = {"embed_tokens.weight": take("model.embed_tokens.weight"),
              "norm.weight": take("model.norm.weight")}
     if args.tie_word_embeddings:
@@ -213,10 +277,17 @@ def _fused_state_dict(folder: ModelFolder, dtype: torch.dtype,
     for i in range(args.n_layers):
         src, dst = f"model.layers.{i}.", f"layers.{i}."
         state[dst + "attention_norm.weight"] = take(src + "input_layernorm.weight")
-        state[dst + "ffn_norm.weight"] = take(src + "post_attention_layernorm.weight")
+        if gemma:  # Gemma's post_attention_layernorm norms the attention's output
+            state[dst + "post_attention_norm.weight"] = take(src + "post_attention_layernorm.weight")
+            state[dst + "ffn_norm.weight"] = take(src + "pre_feedforward_layernorm.weight")
+            state[dst + "post_ffn_norm.weight"] = take(src + "post_feedforward_layernorm.weight")
+        else:
+            state[dst + "ffn_norm.weight"] = take(src + "post_attention_layernorm.weight")
         attn = src + "self_attn."
         for part in ("weight", "bias") if args.qkv_bias else ("weight",):
-            q, k, v = (take(f"{attn}{p}_proj.{part}") for p in "qkv")
+            q, k, v = fused_or_split(f"{attn}qkv_proj.{part}",
+                                     tuple(f"{attn}{p}_proj.{part}" for p in "qkv"),
+                                     [q_rows, kv_rows, kv_rows])
             state[f"{dst}attention.wqkv.{part}"] = torch.cat([
                 interleave_rope_rows(q, args.n_heads), interleave_rope_rows(k, args.n_kv_heads), v])
         if args.qk_norm:  # per head, in the rows' rotary order
@@ -227,8 +298,9 @@ def _fused_state_dict(folder: ModelFolder, dtype: torch.dtype,
         if args.o_bias:
             state[dst + "attention.wo.bias"] = take(attn + "o_proj.bias")
         mlp = src + "mlp."
-        state[dst + "feed_forward.w_gate_up.weight"] = torch.cat(
-            [take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")])
+        state[dst + "feed_forward.w_gate_up.weight"] = torch.cat(fused_or_split(
+            mlp + "gate_up_proj.weight", (mlp + "gate_proj.weight", mlp + "up_proj.weight"),
+            [args.intermediate_size] * 2))
         state[dst + "feed_forward.w_down.weight"] = take(mlp + "down_proj.weight")
         if args.mlp_bias:
             state[dst + "feed_forward.w_gate_up.bias"] = torch.cat(

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from engine.attention import AttentionBackend
-from engine.ops import ACTIVATIONS, TORCH_OPS, TorchOps, rms_norm
+from engine.ops import ACTIVATIONS, TORCH_OPS, TorchOps, rms_norm, soft_cap
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -48,8 +48,22 @@ class ModelArgs:
     qkv_bias: bool  # Qwen2, or Llama with attention_bias
     o_bias: bool  # Llama with attention_bias (Qwen2 has none on o_proj)
     mlp_bias: bool
-    qk_norm: bool = False  # Qwen3: RMSNorm on each q and k head before RoPE
+    qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm on each q and k head before RoPE
     activation: str = "silu"  # the MLP's gate activation (one of engine.ops.ACTIVATIONS)
+    # Gemma: norms scale by 1 + weight, each sublayer's output is normed too
+    # ("sandwich"), the embeddings are scaled by sqrt(dim)
+    norm_offset: float = 0.0
+    sandwich_norms: bool = False
+    scale_embeddings: bool = False
+    attn_scale: float | None = None  # None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar)
+    attn_softcap: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap)
+    final_softcap: float | None = None  # Gemma 2: the same on the logits
+    # Per layer: its sliding window in tokens (a query sees itself and window - 1
+    # tokens back), 0 for a global layer; () when every layer is global.
+    layer_windows: tuple[int, ...] = ()
+    # Gemma 3: the sliding layers' own RoPE (theta, type, params); None: the same as
+    # the global layers'
+    local_rope: tuple | None = None
 
     def __post_init__(self) -> None:
         if self.n_heads % self.n_kv_heads:
@@ -57,9 +71,12 @@ class ModelArgs:
                              f"n_kv_heads ({self.n_kv_heads})")
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
-        if self.rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(f"unsupported rope type {self.rope_type!r} "
-                             f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+        for rope_type in {self.rope_type, (self.local_rope or (0, "default"))[1]}:
+            if rope_type not in SUPPORTED_ROPE_TYPES:
+                raise ValueError(f"unsupported rope type {rope_type!r} "
+                                 f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+        if self.layer_windows and len(self.layer_windows) != self.n_layers:
+            raise ValueError(f"{len(self.layer_windows)} layer windows for {self.n_layers} layers")
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"unsupported activation {self.activation!r} "
                              f"(supported: {', '.join(ACTIVATIONS)})")
@@ -68,7 +85,7 @@ class ModelArgs:
 @dataclass(slots=True)
 class StepContext:
     """What every layer of one forward pass shares."""
-    rope: object  # ops.rope_rows of the rotation table at this step's positions
+    rope: list  # per rotation table, ops.rope_rows of it at this step's positions
     kv_cache: torch.Tensor  # [n_layers, 2, num_blocks, block_size, n_kv_heads, head_dim]
     attention: AttentionBackend  # stores each layer's new K/V and attends through the tables
     plan: object  # the backend's per-step plan (gather indices, masks, ...)
@@ -80,20 +97,26 @@ class Transformer(nn.Module):
         super().__init__()
         self.args = args
         self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
-        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.layers = nn.ModuleList(Block(args, i) for i in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps, args.norm_offset)
         self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.rope: torch.Tensor | None = None  # [max_positions, head_dim // 2] complex64
+        # Rotation tables, [max_positions, head_dim // 2] complex64 each: the global
+        # layers', then the sliding layers' where theirs differ (Attention.rope_index)
+        self.ropes: list[torch.Tensor] = []
 
     def setup_rope(self, max_positions: int) -> None:
         """Precompute the rotations of positions [0, max_positions) on the weights' device."""
         device = self.embed_tokens.weight.device
-        inv_freq = rope_inv_freq(self.args).to(device)  # [head_dim // 2]
         pos = torch.arange(max_positions, device=device, dtype=torch.float32)
-        freqs = pos[:, None] * inv_freq[None, :]  # [max_positions, head_dim // 2], as HF
-        self.rope = torch.polar(torch.ones_like(freqs), freqs)
+        a = self.args
+        self.ropes = []
+        for theta, rope_type, params in [(a.rope_theta, a.rope_type, a.rope_params)] + (
+                [a.local_rope] if a.local_rope else []):
+            inv_freq = rope_inv_freq(a.head_dim, theta, rope_type, params).to(device)
+            freqs = pos[:, None] * inv_freq[None, :]  # [max_positions, head_dim // 2], as HF
+            self.ropes.append(torch.polar(torch.ones_like(freqs), freqs))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 attention: AttentionBackend, plan: object, logits_indices: torch.Tensor,
@@ -104,48 +127,64 @@ class Transformer(nn.Module):
         Each residual add is fused with the norm after it (ops.add_rms_norm: the MLP's
         input norm, or the next layer's); the last layer's MLP output is added alone,
         and the final norm and the LM head see only the rows that sample."""
-        ctx = StepContext(rope=ops.rope_rows(self.rope, positions), kv_cache=kv_cache,
-                          attention=attention, plan=plan, ops=ops)
+        ctx = StepContext(rope=[ops.rope_rows(t, positions) for t in self.ropes],
+                          kv_cache=kv_cache, attention=attention, plan=plan, ops=ops)
         h = self.embed_tokens(input_ids)  # [num_tokens, dim]: the residual stream
+        if self.args.scale_embeddings:  # Gemma: by sqrt(dim), rounded to the dtype first
+            h.mul_(torch.tensor(self.args.dim ** 0.5, dtype=h.dtype))
         x = ops.rms_norm(h, self.layers[0].attention_norm)
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             x = layer(h, x, ctx, i, self.layers[i + 1].attention_norm if i < last else None)
         x = ops.rms_norm(h[logits_indices], self.norm)  # [num_sampled, dim]
-        return ops.lm_head(x, self)  # [num_sampled, vocab_size]
+        return soft_cap(ops.lm_head(x, self), self.args.final_softcap)  # [num_sampled, vocab]
 
 
 class Block(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, layer_idx: int) -> None:
         super().__init__()
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = Attention(args)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        norm = lambda: RMSNorm(args.dim, args.norm_eps, args.norm_offset)  # noqa: E731
+        self.attention_norm = norm()
+        self.attention = Attention(args, layer_idx)
+        self.ffn_norm = norm()
         self.feed_forward = FeedForward(args)
+        # Gemma: the attention's and the MLP's outputs are normed before the residual add
+        self.post_attention_norm = norm() if args.sandwich_norms else None
+        self.post_ffn_norm = norm() if args.sandwich_norms else None
 
     def forward(self, h: torch.Tensor, x: torch.Tensor, ctx: StepContext, layer_idx: int,
                 next_norm: "RMSNorm | None") -> torch.Tensor:
         """h: the residual stream (updated in place); x: this layer's normed input.
         Returns next_norm(h) after this layer, or h itself when next_norm is None."""
         ops = ctx.ops
-        x = ops.add_rms_norm(h, self.attention(x, ctx, layer_idx), self.ffn_norm)
+        delta = self.attention(x, ctx, layer_idx)
+        if self.post_attention_norm is not None:
+            delta = ops.rms_norm(delta, self.post_attention_norm)
+        x = ops.add_rms_norm(h, delta, self.ffn_norm)
         delta = self.feed_forward(x, ops)
+        if self.post_ffn_norm is not None:
+            delta = ops.rms_norm(delta, self.post_ffn_norm)
         if next_norm is None:
             return h.add_(delta)
         return ops.add_rms_norm(h, delta, next_norm)
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, layer_idx: int = 0) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
         q_size, kv_size = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
         self.wqkv = Linear(args.dim, q_size + 2 * kv_size, bias=args.qkv_bias)
         self.wo = Linear(q_size, args.dim, bias=args.o_bias)
-        self.scale = args.head_dim ** -0.5
-        # Qwen3: RMSNorm over each q and k head before RoPE
-        self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
-        self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
+        self.scale = args.attn_scale or args.head_dim ** -0.5
+        self.softcap = args.attn_softcap
+        self.window = (args.layer_windows[layer_idx] if args.layer_windows else 0) or None
+        # the sliding layers of a model with a local RoPE use the second table
+        self.rope_index = int(self.window is not None and args.local_rope is not None)
+        # Qwen3, Gemma 3: RMSNorm over each q and k head before RoPE
+        head_norm = lambda: RMSNorm(args.head_dim, args.norm_eps, args.norm_offset)  # noqa: E731
+        self.q_norm = head_norm() if args.qk_norm else None
+        self.k_norm = head_norm() if args.qk_norm else None
 
     def forward(self, x: torch.Tensor, ctx: StepContext, layer_idx: int) -> torch.Tensor:
         ops = ctx.ops
@@ -208,15 +247,15 @@ def interleave_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
         .reshape(w.shape)
 
 
-def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
-    """[head_dim // 2] float32 inverse frequencies, computed as HF does for each type."""
-    dim = args.head_dim
+def rope_inv_freq(dim: int, theta: float, rope_type: str,
+                  rope_params: tuple[tuple[str, float], ...]) -> torch.Tensor:
+    """[dim // 2] float32 inverse frequencies, computed as HF does for each type."""
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim
-    inv_freq = 1.0 / (args.rope_theta ** exponents)
-    params = dict(args.rope_params)
-    if args.rope_type == "linear":
+    inv_freq = 1.0 / (theta ** exponents)
+    params = dict(rope_params)
+    if rope_type == "linear":
         return inv_freq / params["factor"]
-    if args.rope_type == "llama3":
+    if rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, params)
     return inv_freq
 

@@ -70,10 +70,11 @@ class TorchOps:
         tables: qkv [T, (H + 2 Hkv) * D] -> [T, H * D]."""
         T, H, Hkv, D = qkv.shape[0], attn.n_heads, attn.n_kv_heads, attn.head_dim
         # RoPE on q and k together: they are adjacent in qkv.
-        qk = apply_rope(qkv[:, :(H + Hkv) * D].view(T, H + Hkv, D), ctx.rope)
+        qk = apply_rope(qkv[:, :(H + Hkv) * D].view(T, H + Hkv, D), ctx.rope[attn.rope_index])
         q, k = qk[:, :H], qk[:, H:]  # [T, H, D], [T, Hkv, D]
         v = qkv[:, (H + Hkv) * D:].view(T, Hkv, D)
-        o = ctx.attention.forward(q, k, v, ctx.kv_cache[layer_idx], ctx.plan, attn.scale)
+        o = ctx.attention.forward(q, k, v, ctx.kv_cache[layer_idx], ctx.plan, attn.scale,
+                                  window=attn.window, softcap=attn.softcap)
         return o.reshape(T, H * D)
 
     def lm_head(self, x: torch.Tensor, model: "Transformer") -> torch.Tensor:

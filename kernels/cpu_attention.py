@@ -371,3 +371,43 @@ def _decode_group(decodes: list[tuple[int, int, list[int]]], block_size: int,
         row_range=(rows[0], rows[-1] + 1) if consecutive else None,
         block_ids=torch.tensor(flat, dtype=torch.int64, device=device),
         num_seqs=len(decodes), max_blocks=max_blocks, mask=mask)
+
+
+# --- sliding windows and soft-capped scores ---------------------------------------------
+
+def windowed_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                       block_tables: list[list[int]], seq_lens: list[int],
+                       query_start_loc: list[int], scale: float, window: int | None = None,
+                       softcap: float | None = None) -> torch.Tensor:
+    """Attention of layers with a sliding window (a query at position p sees positions
+    p - window + 1 .. p) and/or soft-capped scores (cap * tanh(score / cap), Gemma 2),
+    on any device: one sequence at a time, reading only the blocks its window reaches,
+    scores in float32. The new tokens' K/V are already in the caches. Arguments as
+    plan_attention's and paged_attention's; returns [num_tokens, q_heads, head_dim]."""
+    num_tokens, num_heads, head_dim = q.shape
+    block_size, kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = num_heads // kv_heads
+    out = q.new_zeros(num_tokens, num_heads, head_dim)
+    for s, seq_len in enumerate(seq_lens):
+        q_start, q_end = query_start_loc[s], query_start_loc[s + 1]
+        q_len = q_end - q_start
+        if q_len == 0:
+            continue
+        first = max(0, seq_len - q_len - window + 1) if window else 0  # the first row's reach
+        b0, b1 = first // block_size, -(-seq_len // block_size)
+        blocks = torch.tensor(block_tables[s][b0:b1], dtype=torch.int64, device=q.device)
+        k = key_cache.index_select(0, blocks).flatten(0, 1).float()  # [n_slots, Hkv, D]
+        v = value_cache.index_select(0, blocks).flatten(0, 1).float()
+        k_pos = torch.arange(b0 * block_size, b1 * block_size, device=q.device)[None, :]
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
+        visible = k_pos <= q_pos  # [q_len, n_slots]; also hides the slots past seq_len
+        if window:
+            visible &= k_pos > q_pos - window
+        qs = q[q_start:q_end].float().view(q_len, kv_heads, group, head_dim)
+        scores = torch.einsum("nhgd,khd->hgnk", qs, k).mul_(scale)
+        if softcap:
+            scores.div_(softcap).tanh_().mul_(softcap)
+        probs = scores.masked_fill_(~visible, float("-inf")).softmax(dim=-1)
+        o = torch.einsum("hgnk,khd->nhgd", probs, v)
+        out[q_start:q_end] = o.reshape(q_len, num_heads, head_dim).to(q.dtype)
+    return out

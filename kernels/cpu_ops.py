@@ -116,9 +116,10 @@ class CpuKernelOps(TorchOps):
             return super().attention(qkv, attn, ctx, layer_idx)
         T, H = qkv.shape[0], attn.n_heads
         kv_layer = ctx.kv_cache[layer_idx]
-        q = self.k.rope_store_kv(qkv, ctx.rope, kv_layer, ctx.plan.slot_mapping,
+        q = self.k.rope_store_kv(qkv, ctx.rope[attn.rope_index], kv_layer, ctx.plan.slot_mapping,
                                  H, attn.n_kv_heads)  # [T, H, D], k and v in the cache
-        o = ctx.attention.forward(q, None, None, kv_layer, ctx.plan, attn.scale)
+        o = ctx.attention.forward(q, None, None, kv_layer, ctx.plan, attn.scale,
+                                  window=attn.window, softcap=attn.softcap)
         return o.reshape(T, H * attn.head_dim)
 
     def lm_head(self, x: torch.Tensor, model: "Transformer") -> torch.Tensor:

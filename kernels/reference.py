@@ -49,11 +49,14 @@ def paged_attention_ref(
     seq_lens: torch.Tensor,  # [num_seqs], context length including the new tokens
     query_start_loc: torch.Tensor,  # [num_seqs + 1]
     scale: float,
+    window: int | None = None,  # sliding window: a row sees window - 1 keys back, and itself
+    softcap: float | None = None,  # scores -> softcap * tanh(score / softcap)
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole paged context.
 
     Query row j of sequence s sits at position seq_lens[s] - q_len_s + j and sees keys
-    at positions 0..that position. Rows not owned by any sequence are left zero.
+    at positions 0..that position (with a window, only the last `window` of them).
+    Rows not owned by any sequence are left zero.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = key_cache.shape[2]
@@ -74,9 +77,13 @@ def paged_attention_ref(
         v = v.repeat_interleave(group, dim=1)
         qs = q[q_start:q_end].float()  # [q_len, num_q_heads, head_dim]
         scores = torch.einsum("qhd,khd->hqk", qs, k) * scale
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
         k_pos = torch.arange(seq_len, device=q.device)
         visible = k_pos[None, :] <= q_pos[:, None]  # [q_len, seq_len]
+        if window is not None:
+            visible = visible & (q_pos[:, None] - k_pos[None, :] < window)
         scores = scores.masked_fill(~visible, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, v)

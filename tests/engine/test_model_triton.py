@@ -32,3 +32,15 @@ def test_triton_backend_matches_transformers(tiny_model):
     expected = hf_greedy(folder, prompts + [prompts[0] + [5, 6]], 5)
     assert [o.output_token_ids for o in prefix_hit + outs] == expected[:1] + expected
     assert outs[2].num_cached_tokens >= 4
+
+
+def test_triton_backend_runs_sliding_and_soft_capped_layers(tiny_model):
+    """Gemma 2's sliding, soft-capped layers beside its global ones: the Triton backend
+    stores their K/V and hands their attention to the windowed torch path."""
+    folder = tiny_model("gemma2")
+    prompts = random_prompts(SPECS["gemma2"].vocab_size, [9, 3], seed=9)
+    engine = make_engine(folder, attention_backend="triton",
+                         device="cuda" if torch.cuda.is_available() else "cpu")
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    got = [o.output_token_ids for o in engine.generate(prompts, params)]
+    assert got == hf_greedy(folder, prompts, 4)

@@ -96,3 +96,23 @@ def test_decodes_sharing_a_prefix_attend_to_it_once(block_size, q_heads, kv_head
     got = paged_attention(q, kc, vc, plan, 0.3)
     torch.testing.assert_close(got, paged_attention_ref(q, kc, vc, bt, lens, qsl, 0.3),
                                atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("window,softcap", [(5, None), (1, None), (17, 2.0), (None, 3.0),
+                                            (300, None)])
+def test_windowed_and_soft_capped_attention(block_size, window, softcap):
+    """windowed_attention (sliding layers, Gemma 2's capped scores) against the
+    reference, on decodes, chunks that start inside and outside the window, and a
+    window longer than every context."""
+    from kernels.cpu_attention import windowed_attention
+
+    seqs = [(1, 1), (9, 1), (40, 1), (23, 23), (37, 6), (70, 31)]
+    q, kc, vc, bt, sl, qsl = make_batch(3, block_size, 6, 2, 16, seqs, num_blocks=200)
+    tables = [row[:-(-s // block_size)] for row, s in zip(bt.tolist(), sl.tolist())]
+    got = windowed_attention(q, kc, vc, tables, sl.tolist(), qsl.tolist(), 0.3, window, softcap)
+    want = paged_attention_ref(q, kc, vc, bt, sl, qsl, 0.3, window=window, softcap=softcap)
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
+    if window and window < 40:  # the window changes the answer
+        full = paged_attention_ref(q, kc, vc, bt, sl, qsl, 0.3, softcap=softcap)
+        assert not torch.allclose(got, full, atol=1e-3)

@@ -176,3 +176,35 @@ def test_default_model_missing_says_make_setup(monkeypatch, tmp_path):
     monkeypatch.setenv("KVOPS_DATA_DIR", str(tmp_path))
     with pytest.raises(ModelLoadError, match="make setup"):
         resolve_model_path(None)
+
+
+def test_gemma_layers_slide_by_config(tiny_model, tmp_path):
+    """Which Gemma layers slide: config.json's layer_types, else the family's pattern
+    (Gemma 2: every other layer; Gemma 3: five of every six, or sliding_window_pattern);
+    Mistral and Phi-3 slide on every layer; the window never caps max_model_len."""
+    folder = copy_of(tiny_model, tmp_path, "gemma3")
+    assert read_model_folder(folder).args.layer_windows == (7, 7, 0)
+    config = json.loads((folder / "config.json").read_text())
+    del config["layer_types"]
+    config["num_hidden_layers"] = 7
+    (folder / "config.json").write_text(json.dumps(config))
+    assert read_model_folder(folder).args.layer_windows == (7,) * 5 + (0, 7)
+    edit_config(folder, sliding_window_pattern=3)
+    assert read_model_folder(folder).args.layer_windows == (7, 7, 0, 7, 7, 0, 7)
+    edit_config(folder, model_type="gemma2", sliding_window_pattern=None)
+    assert read_model_folder(folder).args.layer_windows == (7, 0, 7, 0, 7, 0, 7)
+    assert read_model_folder(tiny_model("phi3")).args.layer_windows == (11, 11)
+    assert engine_for(tiny_model("mistral-window")).runner.max_model_len == 512
+
+
+def test_models_that_are_not_served_are_named(tiny_model, tmp_path):
+    folder = copy_of(tiny_model, tmp_path)
+    edit_config(folder, model_type="gemma3")
+    with pytest.raises(ModelLoadError, match="vision-language.*gemma3_text"):
+        read_model_folder(folder)
+    edit_config(folder, model_type="falcon")
+    with pytest.raises(ModelLoadError, match="'falcon' is not supported.*qwen3.*gemma2"):
+        read_model_folder(folder)
+    edit_config(folder, model_type="llama", hidden_act="relu")
+    with pytest.raises(ModelLoadError, match="hidden_act 'relu'"):
+        read_model_folder(folder)

@@ -49,6 +49,31 @@ SPECS = {
     # Qwen3: a per-head q/k RMSNorm, and heads * head_dim wider than hidden_size
     "qwen3": TinySpec("qwen3", vocab_size=241, hidden_size=48, num_heads=4, num_kv_heads=2,
                       head_dim=32, model_type="qwen3", seed=6),
+    # a window of 8 tokens on every layer: the prompts of the tests are longer
+    "mistral-window": TinySpec("mistral-window", vocab_size=223, hidden_size=64, num_heads=4,
+                               num_kv_heads=2, head_dim=16, model_type="mistral", seed=7,
+                               extra={"sliding_window": 8}),
+    # Phi-3: q/k/v in one tensor, gate/up in another, a window on every layer
+    "phi3": TinySpec("phi3", vocab_size=229, hidden_size=64, num_heads=4, num_kv_heads=2,
+                     head_dim=16, model_type="phi3", seed=8,
+                     extra={"sliding_window": 11, "original_max_position_embeddings": 512}),
+    # (Gemma ties its embeddings; tied, these tiny models' embeddings, scaled by
+    # sqrt(hidden), outweigh the layers and the output repeats the input)
+    # Gemma 2: sandwich norms (1 + w), GELU, scaled embeddings, soft-capped scores and
+    # logits, a sliding layer (window 6) then a global one
+    "gemma2": TinySpec("gemma2", vocab_size=251, hidden_size=64, num_heads=4, num_kv_heads=2,
+                       head_dim=16, model_type="gemma2", seed=9,
+                       extra={"sliding_window": 6, "query_pre_attn_scalar": 24,
+                              "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0,
+                              "hidden_activation": "gelu_pytorch_tanh"}),
+    # Gemma 3: q/k norms, and the sliding layers' own RoPE base; 3 layers, the last
+    # global, with a linear-scaled RoPE
+    "gemma3": TinySpec("gemma3", vocab_size=263, hidden_size=64, num_heads=4, num_kv_heads=1,
+                       head_dim=32, num_layers=3, model_type="gemma3_text", seed=10,
+                       rope={"rope_type": "linear", "factor": 4.0, "rope_theta": 100000.0},
+                       extra={"sliding_window": 7, "query_pre_attn_scalar": 32,
+                              "layer_types": ["sliding_attention", "sliding_attention",
+                                              "full_attention"]}),
 }
 
 
@@ -61,6 +86,9 @@ def build_tiny_model(spec: TinySpec, root: Path) -> Path:
         return folder
     rope = {"rope_theta": 10000.0, "rope_type": "default"}
     rope.update(spec.rope or {})
+    if spec.model_type == "gemma3_text":  # a RoPE per layer type
+        rope = {"full_attention": rope,
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}}
     config = AutoConfig.for_model(
         spec.model_type, vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_layers,
@@ -109,7 +137,10 @@ def hf_greedy(folder: Path, prompts: list[list[int]], max_tokens: int,
     (its logits processors: repetition_penalty, sequence_bias...)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    # Gemma 2's soft-capped scores need transformers' eager attention (SDPA has no cap)
+    gemma2 = json.loads((folder / "config.json").read_text())["model_type"] == "gemma2"
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, **({"attn_implementation": "eager"} if gemma2 else {})).eval()
     model.generation_config.eos_token_id = None
     outs = []
     with torch.inference_mode():
