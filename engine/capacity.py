@@ -53,7 +53,7 @@ def slot_usage(engine: LLMEngine) -> tuple[int, int]:
     fill: dict[int, int] = {}
     for rid, table in engine.kv.req_to_blocks.items():
         computed = engine.scheduler.requests[rid].num_computed_tokens
-        for i, block in enumerate(table):
+        for i, block in enumerate(table, start=engine.kv.window_freed(rid)):
             fill[block.block_id] = max(fill.get(block.block_id, 0),
                                        min(bs, max(computed - i * bs, 0)))
     return sum(fill.values()), len(fill) * bs
@@ -100,14 +100,16 @@ def replay_paged(trace: list[TraceRequest], config: EngineConfig,
 
 def replay_contiguous(trace: list[TraceRequest], total_slots: int, max_model_len: int,
                       max_num_seqs: int, max_num_batched_tokens: int,
-                      cost: StepCost = StepCost()) -> ReplayResult:
+                      cost: StepCost = StepCost(), window: int | None = None) -> ReplayResult:
     """Each admitted request reserves max_model_len contiguous slots until it ends, as a
-    server without paging must (it cannot know the output length in advance)."""
+    server without paging must (it cannot know the output length in advance). With a
+    sliding window on every layer, a ring buffer of the window's length instead."""
+    reserve = min(max_model_len, window) if window else max_model_len
     pending = list(trace)
     waiting: list[list[int]] = []  # [prompt_left, output_left, stored]
     running: list[list[int]] = []
     now, steps, used_sum, alloc_sum, conc_sum, peak = 0.0, 0, 0, 0, 0, 0
-    capacity = total_slots // max_model_len
+    capacity = total_slots // reserve
     if capacity == 0:
         raise ValueError("the pool cannot hold one max-length request")
     while pending or waiting or running:
@@ -136,8 +138,8 @@ def replay_contiguous(trace: list[TraceRequest], total_slots: int, max_model_len
         running = [r for r in running if r[1] > 0]
         steps += 1
         now += cost.seconds(batched)
-        used_sum += sum(r[2] for r in running)
-        alloc_sum += len(running) * max_model_len
+        used_sum += sum(min(r[2], reserve) for r in running)
+        alloc_sum += len(running) * reserve
         conc_sum += len(running)
         peak = max(peak, len(running))
     return ReplayResult(

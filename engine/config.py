@@ -37,6 +37,9 @@ class EngineConfig:
     vocab_size: int = 32000  # simulate only: the stand-in model's vocabulary
     simulate_step_ms: float = 0.0  # simulate only: wall time a step takes (GPU-like pacing)
     simulate_token_us: float = 0.0  # simulate only: and this much more per computed token
+    # simulate only: the stand-in model attends to this many last tokens on every layer
+    # (its requests give back the blocks out of reach, as a sliding-window model's do)
+    simulate_sliding_window: int | None = None
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of device memory the engine may use
     kv_cache_memory_bytes: int | None = None  # CPU: bytes for the KV pool (None: 512 MiB)
     name: str = "default"  # engine name, shown in snapshots
@@ -74,6 +77,8 @@ class EngineConfig:
         _check(0.0 <= self.simulate_step_ms <= 60_000, "simulate_step_ms must be in [0, 60000]")
         _check(0.0 <= self.simulate_token_us <= 1_000_000,
                "simulate_token_us must be in [0, 1000000]")
+        _check(self.simulate_sliding_window is None or self.simulate_sliding_window >= 2,
+               "simulate_sliding_window must be >= 2 or None")
         _check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]")
         _check(self.max_pending_events >= 0, "max_pending_events must be >= 0")
         _check(self.large_matmuls in LARGE_MATMULS,

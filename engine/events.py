@@ -20,6 +20,7 @@ EVENT_TYPES = (
     "Finished",  # a request ended (finish reason in detail)
     "Forked",  # a request with n > 1 became its n samples, sharing its blocks
     "CopiedOnWrite",  # a sample copied the shared, partly filled block it was to write
+    "WindowFreed",  # a request gave back blocks no layer's sliding window reaches any more
 )
 
 

@@ -4,6 +4,14 @@ KVCacheManager answers "can this request get slots for n more tokens?" with bloc
 None. It never chooses a victim: the Scheduler does. It owns the block tables and the
 prefix-cache bookkeeping (which of a request's blocks were offered to the cache, and
 the hit/query counters).
+
+Sliding windows: when every layer of the model attends only to the last `window`
+tokens, a request's leading blocks that no future token can see go back to the pool
+(cached ones stay findable by the prefix cache until reused). Its table then holds
+only the blocks from the first still visible one on: `req_to_blocks` lists live
+blocks, `_window_freed` counts the freed ones before them, and the ids the runner gets
+(step_block_ids) put -1 in their places, so that table position = token // block_size.
+With global layers too (Gemma) every block stays: they see the whole context.
 """
 from __future__ import annotations
 
@@ -46,9 +54,11 @@ class SwapResult:
 
 class KVCacheManager:
     def __init__(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int,
-                 enable_caching: bool, events: EventLog) -> None:
+                 enable_caching: bool, events: EventLog, sliding_window: int | None = None) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.sliding_window = sliding_window  # every layer's window, or None
+        self._window_freed: dict[str, int] = {}  # leading blocks a request gave back
         self.gpu = BlockPool(num_gpu_blocks, enable_caching, events, "gpu")
         self.cpu = BlockPool(num_cpu_blocks, False, events, "cpu")
         self.req_to_blocks: dict[str, list[KVBlock]] = {}  # GPU block table
@@ -122,11 +132,14 @@ class KVCacheManager:
         nothing, when the GPU pool has too few free blocks.
         """
         rid = request.request_id
+        if self.sliding_window is not None and match is None and rid in self.req_to_blocks:
+            self._free_out_of_window(request)
         if rid in self._shared_tail:
             return self._allocate_unshared(request, num_new_tokens)
         table = self.req_to_blocks.get(rid, [])
+        freed = self._window_freed.get(rid, 0) if self._window_freed else 0
         total_tokens = request.num_computed_tokens + num_new_tokens
-        if match is None and table and cdiv(total_tokens, self.block_size) <= len(table):
+        if match is None and table and cdiv(total_tokens, self.block_size) <= len(table) + freed:
             # Decode fast path: the last block still has room.
             if total_tokens // self.block_size > self._num_offered[rid]:
                 self._offer_to_cache(request, total_tokens)
@@ -139,7 +152,7 @@ class KVCacheManager:
             reuse = list(match.blocks)
             if match.cow:
                 cow_src = reuse.pop()
-        num_new_blocks = cdiv(total_tokens, self.block_size) - len(table) - len(reuse)
+        num_new_blocks = cdiv(total_tokens, self.block_size) - len(table) - freed - len(reuse)
         num_revived = sum(1 for b in reuse if b.ref_cnt == 0)
         if num_new_blocks + num_revived > self.gpu.num_free:
             return None
@@ -157,12 +170,38 @@ class KVCacheManager:
         self._offer_to_cache(request, total_tokens)
         return result
 
+    def _free_out_of_window(self, request: Request) -> None:
+        """Give back the request's leading blocks that its next token (at position
+        num_computed_tokens) and every later one cannot see: those ending at or before
+        position num_computed_tokens - window. The last block is always kept."""
+        rid = request.request_id
+        freed = self._window_freed.get(rid, 0)
+        table = self.req_to_blocks[rid]
+        first_visible = request.num_computed_tokens - self.sliding_window + 1
+        n = min(first_visible // self.block_size - freed, len(table) - 1)
+        if n <= 0:
+            return
+        gone, self.req_to_blocks[rid] = table[:n], table[n:]  # a new list: mirrors rebuild
+        self._window_freed[rid] = freed + n
+        self._step_ids.pop(rid, None)
+        self.gpu.free(reversed(gone))
+        self._events.emit("WindowFreed", request_id=rid, block_ids=[b.block_id for b in gone],
+                          ref_cnts=[b.ref_cnt for b in gone],
+                          num_tokens=(freed + n) * self.block_size,
+                          detail=f"out of the {self.sliding_window}-token window")
+
+    def window_freed(self, request_id: str) -> int:
+        """Leading blocks the request gave back because no layer's window reaches them."""
+        return self._window_freed.get(request_id, 0)
+
     def fork(self, parent: Request, child: Request) -> None:
         """Give a sample of a fork the parent's blocks (one more reference each). Its
         partly filled last block, if any, stays shared until the sample writes into it."""
         table = self.req_to_blocks.get(parent.request_id, [])
         self.gpu.touch(table)
         self.req_to_blocks[child.request_id] = list(table)
+        if parent.request_id in self._window_freed:
+            self._window_freed[child.request_id] = self._window_freed[parent.request_id]
         self._num_offered[child.request_id] = self._num_offered.get(parent.request_id, 0)
         if parent.num_computed_tokens % self.block_size:
             self._shared_tail.add(child.request_id)
@@ -178,7 +217,8 @@ class KVCacheManager:
             self._shared_tail.discard(rid)
             return self.allocate_slots(request, num_new_tokens)
         total_tokens = request.num_computed_tokens + num_new_tokens
-        num_new_blocks = max(cdiv(total_tokens, self.block_size) - len(table), 0)
+        num_new_blocks = max(cdiv(total_tokens, self.block_size) - len(table)
+                             - self._window_freed.get(rid, 0), 0)
         if 1 + num_new_blocks > self.gpu.num_free:
             return None
         copy, *grown = self.gpu.take_new(1 + num_new_blocks)
@@ -200,13 +240,15 @@ class KVCacheManager:
             return
         rid = request.request_id
         table = self.req_to_blocks[rid]
-        start = self._num_offered[rid]
+        freed = self._window_freed.get(rid, 0) if self._window_freed else 0
+        start = max(self._num_offered[rid], freed)
         end = min(num_tokens // self.block_size, len(request.block_hashes))
         stored = []
         for i in range(start, end):
-            if self.gpu.cache(table[i], request.block_hashes[i]):
-                stored.append(table[i])
-                self.uncomputed.add(table[i].block_id)
+            block = table[i - freed]
+            if self.gpu.cache(block, request.block_hashes[i]):
+                stored.append(block)
+                self.uncomputed.add(block.block_id)
         self._num_offered[rid] = max(start, end)
         if stored:
             self._events.emit("BlockStored", request_id=rid,
@@ -220,6 +262,7 @@ class KVCacheManager:
         evicted before its head), and any CPU blocks it holds."""
         rid = request.request_id
         self._num_offered.pop(rid, None)
+        self._window_freed.pop(rid, None)
         self._shared_tail.discard(rid)
         table = self.req_to_blocks.pop(rid, [])
         self._step_ids.pop(rid, None)
@@ -262,7 +305,7 @@ class KVCacheManager:
         if cpu_table is None:
             raise RuntimeError(f"invariant: {rid} holds no CPU blocks")
         hits: list[KVBlock] = []
-        if self.enable_caching:
+        if self.enable_caching and not self._window_freed.get(rid):  # (hits start at block 0)
             num_full = request.num_computed_tokens // self.block_size
             for block_hash in request.block_hashes[:num_full]:
                 block = self.gpu.get_cached(block_hash)
@@ -278,7 +321,7 @@ class KVCacheManager:
         mapping = [(c.block_id, g.block_id) for c, g in zip(cpu_table[len(hits):], new_blocks)]
         del self.req_to_cpu_blocks[rid]
         self.cpu.free(reversed(cpu_table))
-        self._num_offered[rid] = len(hits)
+        self._num_offered[rid] = len(hits) + self._window_freed.get(rid, 0)
         self._offer_to_cache(request, request.num_computed_tokens)
         return SwapResult(mapping, num_hit_blocks=len(hits))
 
@@ -357,11 +400,14 @@ class KVCacheManager:
             return []
         cached = self._step_ids.get(request_id)
         if cached is None or cached[0] is not table:
-            cached = (table, [b.block_id for b in table])
+            freed = self._window_freed.get(request_id, 0) if self._window_freed else 0
+            cached = (table, [-1] * freed + [b.block_id for b in table])
             self._step_ids[request_id] = cached
         ids = cached[1]
-        if len(ids) < len(table):
-            ids.extend(b.block_id for b in table[len(ids):])
+        gap = len(table) - len(ids) + (self._window_freed.get(request_id, 0)
+                                       if self._window_freed else 0)
+        if gap > 0:
+            ids.extend(b.block_id for b in table[len(table) - gap:])
         return ids
 
     def cpu_block_ids(self, request_id: str) -> list[int]:

@@ -37,7 +37,8 @@ def build_runner(config: EngineConfig) -> Runner:
         runner = SimulatedRunner(num_gpu, num_cpu, config.block_size, config.vocab_size,
                                  config.max_model_len or SIMULATED_MAX_MODEL_LEN,
                                  step_ms=config.simulate_step_ms,
-                                 token_us=config.simulate_token_us)
+                                 token_us=config.simulate_token_us,
+                                 sliding_window=config.simulate_sliding_window)
         runner.tokenizer = SimTokenizer()
         return runner
     from engine.model_runner import ModelRunner  # imports torch: only for real models
@@ -57,7 +58,7 @@ class LLMEngine:
         self.events = EventLog(config.max_pending_events)
         self.kv = KVCacheManager(config.block_size, self.runner.num_gpu_blocks,
                                  self.runner.num_cpu_blocks, config.enable_prefix_caching,
-                                 self.events)
+                                 self.events, sliding_window=self.runner.sliding_window)
         self.scheduler = Scheduler(config, self.kv, self.max_model_len, self.events)
         self.step_count = 0
         self.version = 0  # grows with every change to requests or blocks (for publishers)
@@ -95,6 +96,10 @@ class LLMEngine:
                                       f"the vocabulary (ids must be below {vocab})")
         need_tokens = min(len(token_ids) + params.max_tokens, self.max_model_len)
         need = cdiv(need_tokens, self.config.block_size)
+        window = self.runner.sliding_window
+        if window is not None:  # at most a window and a step's chunk held at once
+            need = min(need, cdiv(window + self.config.max_num_batched_tokens,
+                                  self.config.block_size) + 1)
         if need > self.kv.gpu.num_blocks:
             raise InvalidRequestError(
                 f"request needs {need} KV blocks for {need_tokens} tokens; the pool has "
@@ -457,6 +462,7 @@ class LLMEngine:
                 "scheduling_policy": self.config.scheduling_policy,
                 "enable_prefix_caching": self.config.enable_prefix_caching,
                 "simulate": self.config.simulate,
+                "sliding_window": self.runner.sliding_window,
                 "model_path": getattr(self.runner, "model_path", None)}
 
     def metrics(self) -> dict:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,7 +19,8 @@ from engine.model import (SUPPORTED_ROPE_TYPES, Linear, ModelArgs, Transformer,
                           interleave_rope_rows)
 from engine.ops import ACTIVATIONS
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text",
+                         "mixtral", "qwen3_moe")
 _GEMMA = ("gemma2", "gemma3_text")
 # How often a global layer comes among sliding ones when config.json has no layer_types
 _GEMMA_PATTERN = {"gemma2": 2, "gemma3_text": 6}
@@ -27,6 +29,7 @@ _ROPE_FIELDS = {
     "default": (),
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "longrope": ("short_factor", "long_factor"),
 }
 
 
@@ -112,7 +115,7 @@ def model_args_from_config(config: dict, folder: Path) -> ModelArgs:
             qkv_bias=model_type == "qwen2" or attention_bias,
             o_bias=model_type != "qwen2" and attention_bias,
             mlp_bias=bool(config.get("mlp_bias", False)),
-            qk_norm=model_type in ("qwen3", "gemma3_text"),
+            qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe"),
             activation=act,
             norm_offset=1.0 if gemma else 0.0,
             sandwich_norms=gemma,
@@ -122,6 +125,7 @@ def model_args_from_config(config: dict, folder: Path) -> ModelArgs:
             final_softcap=_float_or_none(config.get("final_logit_softcapping")) if gemma else None,
             layer_windows=_layer_windows(config, model_type),
             local_rope=local_rope,
+            **_moe_fields(config, model_type),
         )
     except KeyError as e:
         raise ModelLoadError(f"{where}: missing field {e.args[0]!r}") from None
@@ -149,7 +153,37 @@ def _rope(config: dict, where: Path,
     missing = [f for f in _ROPE_FIELDS[rope_type] if f not in params]
     if missing:
         raise ModelLoadError(f"{where}: rope type {rope_type!r} needs {', '.join(missing)}")
-    return theta, rope_type, tuple((f, float(params[f])) for f in _ROPE_FIELDS[rope_type])
+    fields = [(f, float(params[f])) for f in _ROPE_FIELDS[rope_type] if rope_type != "longrope"]
+    if rope_type == "longrope":
+        fields = _longrope_fields(config, params, where)
+    return theta, rope_type, tuple(fields)
+
+
+def _longrope_fields(config: dict, params: dict, where: Path) -> list[tuple[str, object]]:
+    """Phi-3's LongRoPE: per-frequency short and long factors, the length that divides
+    them (original_max_position_embeddings) and the scale of cos and sin
+    (attention_factor; by default sqrt(1 + ln(factor) / ln(original)), factor the
+    ratio of max_position_embeddings to the original, as transformers computes it)."""
+    original = params.get("original_max_position_embeddings",
+                          config.get("original_max_position_embeddings"))
+    if not original:
+        raise ModelLoadError(f"{where}: rope type 'longrope' needs "
+                             "original_max_position_embeddings")
+    original = int(original)
+    factor = params.get("factor") or int(config.get("max_position_embeddings", original)) / original
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = (math.sqrt(1 + math.log(factor) / math.log(original))
+                            if factor > 1.0 else 1.0)
+    half = int(config.get("head_dim") or int(config["hidden_size"]) // int(
+        config["num_attention_heads"])) // 2
+    short, long = (tuple(float(x) for x in params[f]) for f in ("short_factor", "long_factor"))
+    if len(short) != half or len(long) != half:
+        raise ModelLoadError(f"{where}: longrope's short_factor and long_factor need "
+                             f"head_dim / 2 = {half} entries each")
+    return [("short_factor", short), ("long_factor", long),
+            ("original_max_position_embeddings", float(original)),
+            ("attention_factor", float(attention_factor))]
 
 
 def _sliding_window(config: dict) -> int | None:
@@ -157,7 +191,8 @@ def _sliding_window(config: dict) -> int | None:
     that full attention equals the windowed one (which layers slide depends on
     max_window_layers, not implemented). The other families' windows are applied by
     the attention layers (_layer_windows)."""
-    if config.get("model_type") not in ("qwen2", "qwen3") or not config.get("use_sliding_window"):
+    if config.get("model_type") not in ("qwen2", "qwen3", "qwen3_moe") or not config.get(
+            "use_sliding_window"):
         return None
     window = config.get("sliding_window")
     return int(window) if window else None
@@ -169,7 +204,7 @@ def _layer_windows(config: dict, model_type: str) -> tuple[int, ...]:
     layer_types, or its fixed pattern); () when no layer slides."""
     window = int(config.get("sliding_window") or 0)
     n = int(config["num_hidden_layers"])
-    if not window or model_type not in ("mistral", "phi3") + _GEMMA:
+    if not window or model_type not in ("mistral", "mixtral", "phi3") + _GEMMA:
         return ()
     if model_type in _GEMMA:
         types = config.get("layer_types") or [
@@ -178,6 +213,27 @@ def _layer_windows(config: dict, model_type: str) -> tuple[int, ...]:
             else "sliding_attention" for i in range(n)]
         return tuple(window if t == "sliding_attention" else 0 for t in types)
     return (window,) * n
+
+
+def _moe_fields(config: dict, model_type: str) -> dict:
+    """ModelArgs' expert fields: Mixtral routes every layer through its experts and
+    renormalises the top-k weights; Qwen3-MoE does so on the layers that
+    decoder_sparse_step and mlp_only_layers leave sparse, renormalising when
+    norm_topk_prob says."""
+    if model_type == "mixtral":
+        return dict(n_experts=int(config["num_local_experts"]),
+                    n_experts_per_tok=int(config["num_experts_per_tok"]),
+                    moe_intermediate_size=int(config["intermediate_size"]))
+    if model_type == "qwen3_moe":
+        n, step = int(config["num_hidden_layers"]), int(config.get("decoder_sparse_step") or 1)
+        dense = set(config.get("mlp_only_layers") or ())
+        # (Hub configs say num_experts; transformers 5 writes num_local_experts)
+        return dict(n_experts=int(config.get("num_experts") or config["num_local_experts"]),
+                    n_experts_per_tok=int(config["num_experts_per_tok"]),
+                    moe_intermediate_size=int(config["moe_intermediate_size"]),
+                    moe_renormalize=bool(config.get("norm_topk_prob", False)),
+                    moe_layers=tuple(i not in dense and (i + 1) % step == 0 for i in range(n)))
+    return {}
 
 
 def _float_or_none(value) -> float | None:
@@ -297,6 +353,9 @@ def _fused_state_dict(folder: ModelFolder, dtype: torch.dtype,
         state[dst + "attention.wo.weight"] = take(attn + "o_proj.weight")
         if args.o_bias:
             state[dst + "attention.wo.bias"] = take(attn + "o_proj.bias")
+        if args.is_moe_layer(i):
+            state.update(_experts(take, hf, args, src, dst + "feed_forward."))
+            continue
         mlp = src + "mlp."
         state[dst + "feed_forward.w_gate_up.weight"] = torch.cat(fused_or_split(
             mlp + "gate_up_proj.weight", (mlp + "gate_proj.weight", mlp + "up_proj.weight"),
@@ -311,6 +370,38 @@ def _fused_state_dict(folder: ModelFolder, dtype: torch.dtype,
         raise ModelLoadError(f"{folder.path}: unexpected weights (not a plain Llama-family "
                              f"model?): {', '.join(sorted(leftover)[:5])}")
     _check_shapes(state, args, folder.path)
+    return state
+
+
+def _experts(take, hf: dict, args: ModelArgs, src: str, dst: str) -> dict[str, torch.Tensor]:
+    """One layer's router and experts, stacked as engine.model.MoE holds them:
+    experts_gate_up [E, dim, 2 * I] (gate then up), experts_down [E, I, dim]. Checkpoints
+    name them per expert (Mixtral's block_sparse_moe.experts.<e>.w1/w3/w2, Qwen3-MoE's
+    mlp.experts.<e>.gate_proj/up_proj/down_proj) or stacked as transformers 5 holds them
+    (experts.gate_up_proj [E, 2 * I, dim], experts.down_proj [E, dim, I])."""
+    mixtral = src + "block_sparse_moe.gate.weight" in hf
+    base = src + ("block_sparse_moe." if mixtral else "mlp.")
+    state = {dst + "router.weight": take(base + "gate.weight")}
+    if base + "experts.gate_up_proj" in hf:
+        state[dst + "experts_gate_up"] = take(base + "experts.gate_up_proj").transpose(1, 2)
+        state[dst + "experts_down"] = take(base + "experts.down_proj").transpose(1, 2)
+    else:
+        names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+        gate_up, down = [], []
+        for e in range(args.n_experts):
+            g, u, d = (take(f"{base}experts.{e}.{n}.weight") for n in names)
+            gate_up.append(torch.cat([g, u]).t())
+            down.append(d.t())
+        state[dst + "experts_gate_up"], state[dst + "experts_down"] = torch.stack(gate_up), torch.stack(down)
+    for name in ("experts_gate_up", "experts_down"):
+        state[dst + name] = state[dst + name].contiguous()
+    inter, expected = args.moe_intermediate_size, {
+        "experts_gate_up": (args.n_experts, args.dim, 2 * args.moe_intermediate_size),
+        "experts_down": (args.n_experts, args.moe_intermediate_size, args.dim)}
+    for name, shape in expected.items():
+        if tuple(state[dst + name].shape) != shape:
+            raise ModelLoadError(f"{src}: the experts' {name} is {tuple(state[dst + name].shape)}, "
+                                 f"config.json implies {shape} (intermediate size {inter})")
     return state
 
 
@@ -340,6 +431,6 @@ def _check_shapes(state: dict[str, torch.Tensor], args: ModelArgs, path: Path) -
         "layers.0.feed_forward.w_down.weight": (args.dim, args.intermediate_size),
     }
     for name, shape in expected.items():
-        if tuple(state[name].shape) != shape:
+        if name in state and tuple(state[name].shape) != shape:  # (an MoE layer has no MLP)
             raise ModelLoadError(f"{path}: {name} has shape {tuple(state[name].shape)}, "
                                  f"config.json implies {shape}")

@@ -27,7 +27,7 @@ from torch import nn
 from engine.attention import AttentionBackend
 from engine.ops import ACTIVATIONS, TORCH_OPS, TorchOps, rms_norm, soft_cap
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +64,18 @@ class ModelArgs:
     # Gemma 3: the sliding layers' own RoPE (theta, type, params); None: the same as
     # the global layers'
     local_rope: tuple | None = None
+    # Mixture of experts (Mixtral, Qwen3-MoE): n_experts > 0; each token goes to the
+    # top n_experts_per_tok experts by router softmax, their weights renormalised to
+    # sum to 1 when moe_renormalize. moe_layers: per layer, whether its MLP is the
+    # experts (() : every layer's is)
+    n_experts: int = 0
+    n_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    moe_renormalize: bool = True
+    moe_layers: tuple[bool, ...] = ()
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        return self.n_experts > 0 and (not self.moe_layers or self.moe_layers[layer_idx])
 
     def __post_init__(self) -> None:
         if self.n_heads % self.n_kv_heads:
@@ -77,6 +89,9 @@ class ModelArgs:
                                  f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
         if self.layer_windows and len(self.layer_windows) != self.n_layers:
             raise ValueError(f"{len(self.layer_windows)} layer windows for {self.n_layers} layers")
+        if self.n_experts and not 0 < self.n_experts_per_tok <= self.n_experts:
+            raise ValueError(f"num_experts_per_tok must be in [1, {self.n_experts}], "
+                             f"got {self.n_experts_per_tok}")
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"unsupported activation {self.activation!r} "
                              f"(supported: {', '.join(ACTIVATIONS)})")
@@ -114,9 +129,7 @@ class Transformer(nn.Module):
         self.ropes = []
         for theta, rope_type, params in [(a.rope_theta, a.rope_type, a.rope_params)] + (
                 [a.local_rope] if a.local_rope else []):
-            inv_freq = rope_inv_freq(a.head_dim, theta, rope_type, params).to(device)
-            freqs = pos[:, None] * inv_freq[None, :]  # [max_positions, head_dim // 2], as HF
-            self.ropes.append(torch.polar(torch.ones_like(freqs), freqs))
+            self.ropes.append(rope_table(pos, a.head_dim, theta, rope_type, params))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 attention: AttentionBackend, plan: object, logits_indices: torch.Tensor,
@@ -147,7 +160,7 @@ class Block(nn.Module):
         self.attention_norm = norm()
         self.attention = Attention(args, layer_idx)
         self.ffn_norm = norm()
-        self.feed_forward = FeedForward(args)
+        self.feed_forward = MoE(args) if args.is_moe_layer(layer_idx) else FeedForward(args)
         # Gemma: the attention's and the MLP's outputs are normed before the residual add
         self.post_attention_norm = norm() if args.sandwich_norms else None
         self.post_ffn_norm = norm() if args.sandwich_norms else None
@@ -208,6 +221,25 @@ class FeedForward(nn.Module):
         return ops.linear(ops.gate_up_act(x, self), self.w_down)
 
 
+class MoE(nn.Module):
+    """Mixture of experts: a router picks each token's top-k experts, each a gated
+    MLP; their outputs are summed with the routing weights (ops.moe runs them grouped
+    by expert). Expert weights are stacked and stored transposed, as Linear's."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.n_experts, self.top_k = args.n_experts, args.n_experts_per_tok
+        self.renormalize = args.moe_renormalize
+        self.intermediate_size = inter = args.moe_intermediate_size
+        self.activation = args.activation
+        self.router = Linear(args.dim, args.n_experts, bias=False)
+        self.experts_gate_up = nn.Parameter(torch.empty(args.n_experts, args.dim, 2 * inter))
+        self.experts_down = nn.Parameter(torch.empty(args.n_experts, inter, args.dim))
+
+    def forward(self, x: torch.Tensor, ops: TorchOps) -> torch.Tensor:
+        return ops.moe(x, self)
+
+
 class Linear(nn.Module):
     """A weight stored transposed, [in, out] (+ bias): MKL's GEMM is up to twice as fast
     that way for the few-row matmuls of decoding (and no slower for prefill). The
@@ -245,6 +277,30 @@ def interleave_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     rows = w.shape[0]
     return w.reshape(n_heads, 2, rows // n_heads // 2, *w.shape[1:]).transpose(1, 2) \
         .reshape(w.shape)
+
+
+def rope_table(pos: torch.Tensor, dim: int, theta: float, rope_type: str,
+               rope_params: tuple[tuple[str, object], ...]) -> torch.Tensor:
+    """e^(i * position * freq) for positions `pos` (float32): [len(pos), dim // 2]
+    complex64, as HF computes cos and sin.
+
+    longrope (Phi-3 128k, Phi-3.5): positions before original_max_position_embeddings
+    rotate by the short factors, later ones by the long factors, all scaled by
+    attention_factor. transformers switches every position of a sequence to the long
+    factors once it passes that length (re-rotating keys already used); here each
+    position keeps one rotation, so a cached key never changes. Below that length the
+    two agree exactly."""
+    if rope_type == "longrope":
+        p = dict(rope_params)
+        exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim
+        short, long = (1.0 / (torch.tensor(p[f], dtype=torch.float32) * theta ** exponents)
+                       for f in ("short_factor", "long_factor"))
+        before = (pos < p["original_max_position_embeddings"])[:, None]
+        freqs = pos[:, None] * torch.where(before, short.to(pos.device), long.to(pos.device))
+        return torch.polar(torch.full_like(freqs, p["attention_factor"]), freqs)
+    inv_freq = rope_inv_freq(dim, theta, rope_type, rope_params).to(pos.device)
+    freqs = pos[:, None] * inv_freq[None, :]  # [len(pos), dim // 2], as HF
+    return torch.polar(torch.ones_like(freqs), freqs)
 
 
 def rope_inv_freq(dim: int, theta: float, rope_type: str,

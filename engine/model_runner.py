@@ -25,7 +25,8 @@ from engine.loader import (ModelFolder, ModelLoadError, load_model, model_identi
 from engine.runner import Runner
 from engine.sampler import SamplingRow, logprobs_of, request_seed, sample, token_logprobs
 from engine.scheduler import SchedulerOutput
-from kernels.cpu_ops import choose_ops, tune_process
+from engine.ops import choose_ops
+from kernels.cpu_ops import tune_process
 
 DEFAULT_CPU_KV_BYTES = 512 * 1024 ** 2
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -48,6 +49,9 @@ class ModelRunner(Runner):
         self.tokenizer = HFTokenizer.from_folder(folder.path, folder.eos_token_ids)
         self.vocab_size = folder.args.vocab_size
         self.max_model_len = _max_model_len(config, folder)
+        windows = folder.args.layer_windows
+        # every layer slides: blocks older than the widest window can go back to the pool
+        self.sliding_window = max(windows) if windows and min(windows) > 0 else None
         self.model = load_model(folder, self._dtype, self._device)
         self.model.setup_rope(self.max_model_len)
         self.attention = make_attention_backend(config.attention_backend, self._device,
@@ -55,7 +59,7 @@ class ModelRunner(Runner):
         # how the model's arithmetic runs: the C++ CPU kernels or plain torch
         self.ops = choose_ops(config, self._device, self._dtype, self.attention)
         self.ops.prepare(self.model)
-        self.cpu_kernels = self.ops.name != "torch"
+        self.cpu_kernels = self.ops.name == "cpu-kernels"
 
         args = folder.args
         # One block of every layer's K and V.
@@ -77,7 +81,8 @@ class ModelRunner(Runner):
                   f"({self.num_gpu_blocks * self.block_bytes / 1024 ** 2:.0f} MiB, "
                   f"{self.num_gpu_blocks * self.block_size} tokens), "
                   f"{self.num_cpu_blocks} host swap blocks; max_model_len {self.max_model_len}; "
-                  f"C++ CPU kernels {self.ops.describe() if self.cpu_kernels else 'off'}")
+                  f"ops {self.ops.name}; C++ CPU kernels "
+                  f"{self.ops.describe() if self.cpu_kernels else 'off'}")
 
     # --- one step ---------------------------------------------------------------------
     @torch.inference_mode()

@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:  # (engine.model imports this module)
-    from engine.model import Attention, FeedForward, Linear, RMSNorm, StepContext, Transformer
+    from engine.model import (Attention, FeedForward, Linear, MoE, RMSNorm, StepContext,
+                              Transformer)
 
 
 class TorchOps:
@@ -52,6 +53,24 @@ class TorchOps:
     def rms_norm(self, x: torch.Tensor, norm: "RMSNorm") -> torch.Tensor:
         return rms_norm(x, norm.weight, norm.eps, norm.offset)
 
+    def route(self, x: torch.Tensor, moe: "MoE") -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's experts: (weights [T, k] float32, ids [T, k] int64), the top k of
+        the router's softmax (in float32), renormalised to sum to 1 if the model does."""
+        probs = torch.softmax(self.linear(x, moe.router).float(), dim=-1)
+        weights, ids = torch.topk(probs, moe.top_k, dim=-1)
+        if moe.renormalize:
+            weights /= weights.sum(dim=-1, keepdim=True)
+        return weights, ids
+
+    def moe(self, x: torch.Tensor, moe: "MoE") -> torch.Tensor:
+        """The experts' MLPs, grouped by expert (one pair of matmuls per expert that
+        has tokens): [T, dim] -> [T, dim]."""
+        from kernels.fused_moe import fused_moe_torch
+
+        weights, ids = self.route(x, moe)
+        return fused_moe_torch(x, moe.experts_gate_up, moe.experts_down, weights, ids,
+                               moe.activation)
+
     def add_rms_norm(self, h: torch.Tensor, delta: torch.Tensor, norm: "RMSNorm") -> torch.Tensor:
         """h += delta (h is the forward pass's own residual stream), then norm(h)."""
         return self.rms_norm(h.add_(delta), norm)
@@ -83,6 +102,19 @@ class TorchOps:
 
 
 TORCH_OPS = TorchOps()
+
+
+def choose_ops(config, device: torch.device, dtype: torch.dtype, backend) -> TorchOps:
+    """The runner's pick, once at start-up: with the Triton attention backend, Triton's
+    ops (its fused MoE kernel); for float32 on a CPU, the C++ kernels where they build
+    and config.cpu_kernels asks; plain torch otherwise."""
+    if backend.name == "triton":
+        from kernels.triton_ops import TritonOps
+
+        return TritonOps()
+    from kernels.cpu_ops import cpu_kernel_ops
+
+    return cpu_kernel_ops(config, device, dtype, backend) or TorchOps()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:

@@ -15,6 +15,9 @@ class Runner(abc.ABC):
     vocab_size: int
     device: str  # "cpu" | "cuda" | "simulated"
     dtype: str
+    # Every layer attends only to this many last tokens (None: some or all see the whole
+    # context): blocks out of reach are given back (engine/kv_cache_manager.py)
+    sliding_window: int | None = None
     # After each step: request id -> [sampled token's logprob, top ids, top logprobs], for
     # the requests that asked (SamplingParams.logprobs).
     logprobs: dict[str, list] = {}

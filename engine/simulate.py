@@ -38,6 +38,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--preemption-mode", choices=["recompute", "swap"], default="recompute")
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--sliding-window", type=int, default=None, metavar="TOKENS",
+                   help="every layer attends to this many last tokens (Mistral-style): "
+                        "requests give back the blocks out of reach")
     p.add_argument("--step-base-ms", type=float, default=10.0, help="simulated step overhead")
     p.add_argument("--step-token-ms", type=float, default=0.05, help="simulated cost per token")
     return p.parse_args(argv)
@@ -62,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
             max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             preemption_mode=args.preemption_mode,
-            enable_prefix_caching=not args.no_prefix_caching, max_pending_events=0)
+            enable_prefix_caching=not args.no_prefix_caching, max_pending_events=0,
+            simulate_sliding_window=args.sliding_window)
     except (ValueError, OSError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -70,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     paged = replay_paged(trace, config, cost)
     contiguous = replay_contiguous(trace, args.num_gpu_blocks * args.block_size,
                                    args.max_model_len, args.max_num_seqs,
-                                   args.max_num_batched_tokens, cost)
+                                   args.max_num_batched_tokens, cost, window=args.sliding_window)
     print(f"trace: {len(trace)} requests, {sum(r.prompt_len for r in trace)} prompt tokens, "
           f"{sum(r.output_len for r in trace)} output tokens; pool: {args.num_gpu_blocks} "
           f"blocks x {args.block_size} tokens; max_model_len {args.max_model_len}")

@@ -46,7 +46,7 @@ def reference_generate(token_ids: list[int], max_tokens: int, vocab_size: int) -
 class SimulatedRunner(Runner):
     def __init__(self, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int,
                  vocab_size: int, max_model_len: int, step_ms: float = 0.0,
-                 token_us: float = 0.0) -> None:
+                 token_us: float = 0.0, sliding_window: int | None = None) -> None:
         # Pacing: a step takes at least step_s + token_s per computed token, like a GPU
         # whose prefill cost grows with the tokens (so prefix-cache hits save time).
         self.step_s = step_ms / 1000.0
@@ -59,6 +59,10 @@ class SimulatedRunner(Runner):
         self.max_model_len = max_model_len
         self.device = "simulated"
         self.dtype = "uint64"
+        # The stand-in reads only the slot before a request's first new token, so any
+        # window of 2 or more gives the same tokens; it makes the KV manager free blocks
+        # as a sliding-window model's would (capacity planning, tests)
+        self.sliding_window = sliding_window
         # One 64-bit state per token slot: [num_blocks * block_size]. Python lists, not
         # numpy arrays: the step reads and writes single slots, which a list does several
         # times faster (this loop is part of every simulated step's time).

@@ -74,6 +74,8 @@ def request_entry(request: Request, engine: LLMEngine) -> dict:
         "arrival_time": request.arrival_time,
         "finish_reason": request.finish_reason,
         "block_table": kv.block_ids(request.request_id),
+        # leading blocks given back to the pool (sliding window): block_table starts after them
+        "window_freed_blocks": kv.window_freed(request.request_id),
         "cpu_block_table": kv.cpu_block_ids(request.request_id),
     }
 

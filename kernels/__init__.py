@@ -7,9 +7,11 @@ kv_cache is [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim].
 """
 
 from kernels.copy_blocks import copy_blocks
+from kernels.fused_moe import fused_moe, fused_moe_torch
 from kernels.paged_attention import paged_attention
 from kernels.reference import (
     copy_blocks_ref,
+    fused_moe_ref,
     paged_attention_ref,
     reshape_and_cache_ref,
     swap_blocks_ref,
@@ -20,6 +22,9 @@ from kernels.swap import swap_blocks
 __all__ = [
     "copy_blocks",
     "copy_blocks_ref",
+    "fused_moe",
+    "fused_moe_ref",
+    "fused_moe_torch",
     "paged_attention",
     "paged_attention_ref",
     "reshape_and_cache",

@@ -16,7 +16,7 @@ Weights only the packed kernels read are freed: the packed copy is then the only
 What the kernels do not cover (another activation than SiLU, Gemma's norm offset in a
 dtype other than float32) falls through to TorchOps, so any model runs.
 
-`choose_ops(config, device, dtype, backend)` is what the runner calls.
+engine.ops.choose_ops picks it where `cpu_kernel_ops` gives one.
 """
 from __future__ import annotations
 
@@ -126,15 +126,14 @@ class CpuKernelOps(TorchOps):
         return self.k.packed_linear(x, self.lm_head_packed, model.args.vocab_size, None)
 
 
-def choose_ops(config: "EngineConfig", device: torch.device, dtype: torch.dtype,
-               backend: "AttentionBackend") -> TorchOps:
-    """The ops a model runs with: CpuKernelOps for float32 on a CPU where the kernels
-    build and config.cpu_kernels asks (with config.large_matmuls deciding prefill's
-    matmuls), TorchOps otherwise."""
+def cpu_kernel_ops(config: "EngineConfig", device: torch.device, dtype: torch.dtype,
+                   backend: "AttentionBackend") -> CpuKernelOps | None:
+    """CpuKernelOps for float32 on a CPU where the kernels build and config.cpu_kernels
+    asks (config.large_matmuls deciding prefill's matmuls); None otherwise."""
     from kernels import cpu_ext
 
     if not config.cpu_kernels or not cpu_ext.usable_for(device, dtype):
-        return TorchOps()
+        return None
     return CpuKernelOps(cpu_ext.ops(), cpu_ext.matmul_choice(config.large_matmuls),
                         native_attention=getattr(backend, "native", False))
 

@@ -7,6 +7,8 @@ with the kernels.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -107,3 +109,34 @@ def swap_blocks_ref(
     """Copy every layer's K and V block src (in src_cache) -> dst (in dst_cache), one at a time."""
     for src, dst in block_mapping.tolist():
         dst_cache[:, :, dst] = src_cache[:, :, src].to(dst_cache.device)
+
+
+def fused_moe_ref(
+    x: torch.Tensor,  # [num_tokens, dim]
+    w_gate_up: torch.Tensor,  # [num_experts, dim, 2 * inter]: gate columns, then up columns
+    w_down: torch.Tensor,  # [num_experts, inter, dim]
+    topk_weights: torch.Tensor,  # [num_tokens, k]
+    topk_ids: torch.Tensor,  # [num_tokens, k] expert ids
+    activation: str = "silu",  # "silu" or "gelu_pytorch_tanh"
+) -> torch.Tensor:
+    """Mixture-of-experts MLP, one (token, expert) at a time, in fp32:
+    out[t] = sum_j topk_weights[t, j] * down_e(act(gate_e(x[t])) * up_e(x[t])), e = topk_ids[t, j]."""
+    num_experts = w_gate_up.shape[0]
+    inter = w_gate_up.shape[2] // 2
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for t in range(x.shape[0]):
+        for j in range(topk_ids.shape[1]):
+            e = int(topk_ids[t, j])
+            if not 0 <= e < num_experts:
+                raise ValueError(f"token {t}, slot {j}: expert {e} is not in 0..{num_experts - 1}")
+            xt = x[t].float()
+            gate = xt @ w_gate_up[e, :, :inter].float()
+            up = xt @ w_gate_up[e, :, inter:].float()
+            if activation == "silu":
+                act = gate / (1.0 + torch.exp(-gate))
+            elif activation == "gelu_pytorch_tanh":
+                act = 0.5 * gate * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (gate + 0.044715 * gate**3)))
+            else:
+                raise ValueError(f"unknown activation {activation!r}")
+            out[t] += float(topk_weights[t, j]) * ((act * up) @ w_down[e].float())
+    return out.to(x.dtype)

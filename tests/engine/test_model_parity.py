@@ -9,6 +9,7 @@ import os
 import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.errors import NotEnoughBlocksError
 from engine.model import Linear
 from kernels.cpu_ops import PACKED_MAX_ROWS, CpuKernelOps
 from tests.models.fixtures import tiny_model, tiny_root  # noqa: F401 (fixtures)
@@ -209,6 +210,8 @@ def test_every_family_in_every_kv_situation(tiny_model, name, situation):
         first, rest = engine.generate(prompts[:1], greedy()), engine.generate(prompts[1:], greedy())
         assert all(o.num_cached_tokens >= 12 for o in rest)
         got = outputs(first + rest)
+    elif situation in ("recompute", "swap"):
+        got = _under_pressure(engine, prompts, situation)
     else:
         got = outputs(engine.generate(prompts, greedy()))
     m = engine.metrics()
@@ -218,3 +221,34 @@ def test_every_family_in_every_kv_situation(tiny_model, name, situation):
         assert m["num_swaps_out"] > 0 and m["num_swaps_in"] > 0
     assert got == expected
     assert engine.kv.gpu.num_free == engine.kv.gpu.num_blocks
+
+
+def _under_pressure(engine: LLMEngine, prompts: list[list[int]], situation: str) -> list[list[int]]:
+    """Run the prompts in a pool too small for all of them, so the scheduler preempts
+    (by recompute or swap). A model whose layers all slide gives its old blocks back and
+    may never run short: then an operator preempts, or swaps out and back in, the first
+    request mid-decode."""
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, greedy())
+    final, parked = {}, None
+    for step in range(10_000):
+        if not engine.has_unfinished_requests():
+            break
+        if step == 8 and engine.runner.sliding_window and not engine.metrics()["num_preemptions"]:
+            rid = next(r.request_id for r in engine.scheduler.running)
+            if situation == "swap":
+                engine.swap_out(rid)
+                parked = rid
+            else:
+                engine.preempt(rid)
+        elif parked is not None:
+            try:  # an operator's swap-out waits for an operator's swap-in
+                engine.swap_in(parked)
+                parked = None
+            except NotEnoughBlocksError:
+                pass
+        for o in engine.step():
+            if o.finished:
+                final[o.request_id] = o
+        engine.kv.check_invariants()
+    return [final[f"r{i}"].output_token_ids for i in range(len(prompts))]

@@ -44,3 +44,16 @@ def test_triton_backend_runs_sliding_and_soft_capped_layers(tiny_model):
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     got = [o.output_token_ids for o in engine.generate(prompts, params)]
     assert got == hf_greedy(folder, prompts, 4)
+
+
+def test_triton_ops_run_the_experts_with_the_fused_moe_kernel(tiny_model):
+    """Qwen3-MoE on the Triton backend: TritonOps routes its MoE layers through
+    kernels.fused_moe (the interpreter here), with transformers' tokens."""
+    folder = tiny_model("qwen3moe")
+    prompts = random_prompts(SPECS["qwen3moe"].vocab_size, [6, 2], seed=9)
+    engine = make_engine(folder, attention_backend="triton",
+                         device="cuda" if torch.cuda.is_available() else "cpu")
+    assert engine.runner.ops.name == "triton"
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    got = [o.output_token_ids for o in engine.generate(prompts, params)]
+    assert got == hf_greedy(folder, prompts, 3)

@@ -208,3 +208,23 @@ def test_models_that_are_not_served_are_named(tiny_model, tmp_path):
     edit_config(folder, model_type="llama", hidden_act="relu")
     with pytest.raises(ModelLoadError, match="hidden_act 'relu'"):
         read_model_folder(folder)
+
+
+def test_longrope_rotates_past_the_original_length_by_the_long_factors(tiny_model):
+    """Phi-3's LongRoPE: positions from original_max_position_embeddings on rotate by
+    transformers' long-factor frequencies (what it uses once a sequence is that long),
+    the earlier ones by the short factors; both scaled by its attention factor."""
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    folder = tiny_model("phi3-longrope")
+    engine = engine_for(folder)
+    table = engine.runner.model.ropes[0]  # [max_model_len, head_dim / 2]
+    config = AutoConfig.from_pretrained(folder)
+    init = ROPE_INIT_FUNCTIONS["longrope"]
+    short, scale = init(config, "cpu")
+    long, _ = init(config, "cpu", seq_len=513)
+    assert scale != 1.0 and not torch.equal(short, long)
+    for pos, inv_freq in [(3, short), (511, short), (512, long), (1500, long)]:
+        want = torch.polar(torch.full_like(inv_freq, scale), pos * inv_freq)
+        torch.testing.assert_close(table[pos], want, atol=1e-5, rtol=1e-5)

@@ -23,7 +23,7 @@ class TinySpec:
     num_layers: int = 2
     intermediate_size: int = 96
     tie_word_embeddings: bool = False
-    model_type: str = "llama"  # "llama" | "qwen2" | "qwen3" | "mistral"
+    model_type: str = "llama"  # an HF model_type
     rope: dict | None = None  # rope_parameters beyond rope_theta, e.g. {"rope_type": "linear", ...}
     attention_bias: bool = False
     max_position_embeddings: int = 512
@@ -57,6 +57,15 @@ SPECS = {
     "phi3": TinySpec("phi3", vocab_size=229, hidden_size=64, num_heads=4, num_kv_heads=2,
                      head_dim=16, model_type="phi3", seed=8,
                      extra={"sliding_window": 11, "original_max_position_embeddings": 512}),
+    # Phi-3 128k's LongRoPE (short factors below original_max_position_embeddings, cos
+    # and sin scaled by sqrt(1 + ln 4 / ln 512)); the tests' sequences stay below 512
+    "phi3-longrope": TinySpec(
+        "phi3-longrope", vocab_size=227, hidden_size=64, num_heads=4, num_kv_heads=4,
+        head_dim=16, model_type="phi3", seed=13, max_position_embeddings=2048,
+        rope={"rope_type": "longrope",
+              "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
+              "long_factor": [1.0, 1.5, 2.2, 3.0, 4.1, 5.5, 7.0, 9.0]},
+        extra={"original_max_position_embeddings": 512, "sliding_window": None}),
     # (Gemma ties its embeddings; tied, these tiny models' embeddings, scaled by
     # sqrt(hidden), outweigh the layers and the output repeats the input)
     # Gemma 2: sandwich norms (1 + w), GELU, scaled embeddings, soft-capped scores and
@@ -74,6 +83,18 @@ SPECS = {
                        extra={"sliding_window": 7, "query_pre_attn_scalar": 32,
                               "layer_types": ["sliding_attention", "sliding_attention",
                                               "full_attention"]}),
+    # Mixtral: 4 experts, top 2 renormalised, on every layer
+    "mixtral": TinySpec("mixtral", vocab_size=269, hidden_size=48, num_heads=4, num_kv_heads=2,
+                        head_dim=16, model_type="mixtral", seed=11,
+                        extra={"num_local_experts": 4, "num_experts_per_tok": 2,
+                               "sliding_window": None}),
+    # Qwen3-MoE: 6 experts, top 2 not renormalised (norm_topk_prob off), q/k norms, the
+    # middle layer a dense MLP
+    "qwen3moe": TinySpec("qwen3moe", vocab_size=271, hidden_size=48, num_heads=4, num_kv_heads=2,
+                         head_dim=16, num_layers=3, model_type="qwen3_moe", seed=12,
+                         extra={"num_experts": 6, "num_experts_per_tok": 2,
+                                "moe_intermediate_size": 40, "norm_topk_prob": False,
+                                "decoder_sparse_step": 1, "mlp_only_layers": [1]}),
 }
 
 
@@ -99,7 +120,7 @@ def build_tiny_model(spec: TinySpec, root: Path) -> Path:
         # A wider init than the default 0.02 keeps logits apart, so float rounding
         # differences between two correct implementations do not flip an argmax.
         initializer_range=0.2, **({"attention_bias": spec.attention_bias}
-                                  if spec.model_type in ("llama", "qwen3") else {}),
+                                  if spec.model_type in ("llama", "qwen3", "qwen3_moe") else {}),
         **spec.extra)
     torch.manual_seed(spec.seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
