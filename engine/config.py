@@ -52,6 +52,9 @@ class EngineConfig:
     # same machine every time.
     cpu_kernels: bool = True
     large_matmuls: str = "auto"
+    # Split the model's heads and MLP across this many ranks (engine/parallel.py):
+    # processes the engine starts, gloo on CPU, NCCL and one GPU each on CUDA
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         _check(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0
@@ -81,6 +84,10 @@ class EngineConfig:
                "simulate_sliding_window must be >= 2 or None")
         _check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]")
         _check(self.max_pending_events >= 0, "max_pending_events must be >= 0")
+        _check(1 <= self.tensor_parallel_size <= 64,
+               f"tensor_parallel_size must be in [1, 64], got {self.tensor_parallel_size}")
+        _check(not (self.simulate and self.tensor_parallel_size > 1),
+               "tensor_parallel_size > 1 needs a real model (simulate=False)")
         _check(self.large_matmuls in LARGE_MATMULS,
                f"large_matmuls must be one of {LARGE_MATMULS}, got {self.large_matmuls!r}")
         if self.preemption_mode == "swap" and self.num_cpu_blocks == 0:

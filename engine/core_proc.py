@@ -165,6 +165,7 @@ def serve(config: EngineConfig, input_address: str, output_address: str) -> None
             server.run()
         finally:
             server.feed.close()
+            engine.close()  # a split model's other ranks
     finally:
         inbox.close(linger=0)
         outbox.close(linger=1000)

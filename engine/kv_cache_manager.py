@@ -194,6 +194,11 @@ class KVCacheManager:
         """Leading blocks the request gave back because no layer's window reaches them."""
         return self._window_freed.get(request_id, 0)
 
+    @property
+    def window_freed_counts(self) -> dict[str, int]:
+        """window_freed of every request that gave blocks back (read-only use)."""
+        return self._window_freed
+
     def fork(self, parent: Request, child: Request) -> None:
         """Give a sample of a fork the parent's blocks (one more reference each). Its
         partly filled last block, if any, stays shared until the sample writes into it."""

@@ -37,7 +37,8 @@ if TYPE_CHECKING:
 # A request as the dashboard lists it, in this order (a row is a tuple of these).
 REQUEST_FIELDS = ("request_id", "index", "job_id", "status", "num_prompt_tokens",
                   "num_computed_tokens", "num_output_tokens", "num_cached_tokens",
-                  "num_preemptions", "priority", "parked", "arrival_time", "finish_reason")
+                  "num_preemptions", "priority", "parked", "arrival_time", "finish_reason",
+                  "window_freed_blocks")
 _INDEX = REQUEST_FIELDS.index("index")
 _COMPUTED = REQUEST_FIELDS.index("num_computed_tokens")
 _OUTPUT = REQUEST_FIELDS.index("num_output_tokens")  # right after _COMPUTED (_only_progress)
@@ -49,10 +50,11 @@ _BLOCK_ID = attrgetter("block_id")
 log = logging.getLogger(__name__)
 
 
-def _request_row(r) -> tuple:
+def _request_row(r, window_freed: dict) -> tuple:
     return (r.request_id, r.index, r.job_id, r.status.value, len(r.prompt_token_ids),
             r.num_computed_tokens, len(r.output_token_ids), r.num_cached_tokens or 0,
-            r.num_preemptions, r.priority, r.parked, r.arrival_time, r.finish_reason)
+            r.num_preemptions, r.priority, r.parked, r.arrival_time, r.finish_reason,
+            window_freed.get(r.request_id, 0) if window_freed else 0)
 
 
 @dataclass(slots=True)
@@ -97,8 +99,10 @@ class Capturer:
         pins = full or any(e.type in PIN_EVENTS for e in events)
         sched, kv = engine.scheduler, engine.kv
         live = sched.requests
-        rows = [_request_row(r) for r in live.values()]
-        rows += [_request_row(r) for r in sched.recently_finished if r.request_id not in live]
+        freed = kv.window_freed_counts  # (sliding windows: leading blocks given back)
+        rows = [_request_row(r, freed) for r in live.values()]
+        rows += [_request_row(r, freed) for r in sched.recently_finished
+                 if r.request_id not in live]
         return Capture(
             ts=time.time(), step=engine.step_count, version=engine.version, requests=rows,
             gpu=_capture_pool(kv.gpu, kv.req_to_blocks, live, full, pins),

@@ -451,6 +451,12 @@ class LLMEngine:
     def take_events(self) -> list[KVEvent]:
         return self.events.take()
 
+    def close(self) -> None:
+        """Release what the runner started (a split model's rank processes)."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
+
     def describe_config(self) -> dict:
         return {"block_size": self.config.block_size, "num_gpu_blocks": self.kv.gpu.num_blocks,
                 "num_cpu_blocks": self.kv.cpu.num_blocks, "model": self.runner.model_id,
@@ -463,6 +469,9 @@ class LLMEngine:
                 "enable_prefix_caching": self.config.enable_prefix_caching,
                 "simulate": self.config.simulate,
                 "sliding_window": self.runner.sliding_window,
+                "tensor_parallel_size": getattr(self.runner, "tensor_parallel_size", 1),
+                # per rank: device, weight, KV and swap bytes (a real model)
+                "rank_memory": getattr(self.runner, "rank_memory", None),
                 "model_path": getattr(self.runner, "model_path", None)}
 
     def metrics(self) -> dict:

@@ -280,11 +280,19 @@ def model_identity(folder: ModelFolder, dtype: torch.dtype) -> str:
 
 # --- weights ---------------------------------------------------------------------------
 
-def load_model(folder: ModelFolder, dtype: torch.dtype, device: torch.device) -> Transformer:
-    """Build the model on `device` with the folder's weights in `dtype`."""
+def load_model(folder: ModelFolder, dtype: torch.dtype, device: torch.device,
+               tp=None) -> Transformer:
+    """Build the model on `device` with the folder's weights in `dtype`; with tp
+    (engine.parallel.TensorParallel), this rank's share of it."""
+    from engine import parallel
+
+    args = parallel.shard_args(folder.args, tp.size) if tp else folder.args
     with torch.device("meta"):
-        model = Transformer(folder.args)
-    state = _transposed_linears(model, _fused_state_dict(folder, dtype, device))
+        model = Transformer(args, tp)
+    state = _fused_state_dict(folder, dtype, device)
+    if tp:
+        state = parallel.shard_state(state, folder.args, tp.rank, tp.size)
+    state = _transposed_linears(model, state)
     expected = set(model.state_dict().keys())
     missing = expected - state.keys()
     if missing:

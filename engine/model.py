@@ -105,16 +105,21 @@ class StepContext:
     attention: AttentionBackend  # stores each layer's new K/V and attends through the tables
     plan: object  # the backend's per-step plan (gather indices, masks, ...)
     ops: TorchOps  # how each layer's arithmetic runs (engine/ops.py)
+    tp: object | None = None  # engine.parallel.TensorParallel when split across ranks
 
 
 class Transformer(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, tp: object | None = None) -> None:
+        """args: this rank's share when tp (engine.parallel.TensorParallel) is given;
+        the embedding and the LM head then hold this rank's slice of the vocabulary."""
         super().__init__()
-        self.args = args
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
+        self.args, self.tp = args, tp
+        # rows of the embedding and the LM head here (tp: a slice of the padded vocabulary)
+        self.vocab_rows = -(-args.vocab_size // tp.size) if tp else args.vocab_size
+        self.embed_tokens = nn.Embedding(self.vocab_rows, args.dim)
         self.layers = nn.ModuleList(Block(args, i) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps, args.norm_offset)
-        self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.lm_head = nn.Linear(args.dim, self.vocab_rows, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         # Rotation tables, [max_positions, head_dim // 2] complex64 each: the global
@@ -141,8 +146,8 @@ class Transformer(nn.Module):
         input norm, or the next layer's); the last layer's MLP output is added alone,
         and the final norm and the LM head see only the rows that sample."""
         ctx = StepContext(rope=[ops.rope_rows(t, positions) for t in self.ropes],
-                          kv_cache=kv_cache, attention=attention, plan=plan, ops=ops)
-        h = self.embed_tokens(input_ids)  # [num_tokens, dim]: the residual stream
+                          kv_cache=kv_cache, attention=attention, plan=plan, ops=ops, tp=self.tp)
+        h = self._embed(input_ids)  # [num_tokens, dim]: the residual stream
         if self.args.scale_embeddings:  # Gemma: by sqrt(dim), rounded to the dtype first
             h.mul_(torch.tensor(self.args.dim ** 0.5, dtype=h.dtype))
         x = ops.rms_norm(h, self.layers[0].attention_norm)
@@ -150,7 +155,18 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(h, x, ctx, i, self.layers[i + 1].attention_norm if i < last else None)
         x = ops.rms_norm(h[logits_indices], self.norm)  # [num_sampled, dim]
-        return soft_cap(ops.lm_head(x, self), self.args.final_softcap)  # [num_sampled, vocab]
+        logits = ops.lm_head(x, self)
+        if self.tp is not None:  # each rank has its slice of the vocabulary
+            logits = self.tp.all_gather_last(logits)[:, :self.args.vocab_size]
+        return soft_cap(logits, self.args.final_softcap)  # [num_sampled, vocab]
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp is None:
+            return self.embed_tokens(input_ids)
+        local = input_ids - self.tp.rank * self.vocab_rows  # rows of this rank's slice
+        outside = (local < 0) | (local >= self.vocab_rows)
+        h = self.embed_tokens(local.masked_fill(outside, 0))
+        return self.tp.all_reduce(h.masked_fill_(outside[:, None], 0.0))
 
 
 class Block(nn.Module):
@@ -169,12 +185,16 @@ class Block(nn.Module):
                 next_norm: "RMSNorm | None") -> torch.Tensor:
         """h: the residual stream (updated in place); x: this layer's normed input.
         Returns next_norm(h) after this layer, or h itself when next_norm is None."""
-        ops = ctx.ops
+        ops, tp = ctx.ops, ctx.tp
         delta = self.attention(x, ctx, layer_idx)
+        if tp is not None:  # each rank's heads' part of o_proj: summed
+            tp.all_reduce(delta)
         if self.post_attention_norm is not None:
             delta = ops.rms_norm(delta, self.post_attention_norm)
         x = ops.add_rms_norm(h, delta, self.ffn_norm)
         delta = self.feed_forward(x, ops)
+        if tp is not None:
+            tp.all_reduce(delta)
         if self.post_ffn_norm is not None:
             delta = ops.rms_norm(delta, self.post_ffn_norm)
         if next_norm is None:

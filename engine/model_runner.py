@@ -25,6 +25,7 @@ from engine.loader import (ModelFolder, ModelLoadError, load_model, model_identi
 from engine.runner import Runner
 from engine.sampler import SamplingRow, logprobs_of, request_seed, sample, token_logprobs
 from engine.scheduler import SchedulerOutput
+from engine import parallel
 from engine.ops import choose_ops
 from kernels.cpu_ops import tune_process
 
@@ -33,7 +34,9 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 class ModelRunner(Runner):
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, rank: int = 0, tp_address: str | None = None) -> None:
+        """rank, tp_address: a tensor-parallel rank other than 0 (engine/parallel.py
+        starts them); rank 0 is the engine's own runner and starts the others."""
         self.config = config
         self.block_size = config.block_size
         self._device = resolve_device(config.device)
@@ -43,6 +46,15 @@ class ModelRunner(Runner):
         self.device, self.dtype = self._device.type, str(self._dtype).removeprefix("torch.")
 
         folder = read_model_folder(resolve_model_path(config.model))
+        self.tp, self._rank_procs = None, []
+        if config.tensor_parallel_size > 1:
+            parallel.check_divisible(folder.args, config.tensor_parallel_size)
+            if rank == 0:
+                self._rank_procs, tp_address = parallel.start_ranks(
+                    config, config.tensor_parallel_size)
+            if self._device.type == "cuda":
+                self._device = torch.device("cuda", rank)
+            self.tp = parallel.init(rank, config.tensor_parallel_size, tp_address, self._device)
         self.folder = folder
         self.model_path = str(folder.path)  # where the tokenizer is read from (describe_config)
         self.model_id = model_identity(folder, self._dtype)
@@ -52,7 +64,7 @@ class ModelRunner(Runner):
         windows = folder.args.layer_windows
         # every layer slides: blocks older than the widest window can go back to the pool
         self.sliding_window = max(windows) if windows and min(windows) > 0 else None
-        self.model = load_model(folder, self._dtype, self._device)
+        self.model = load_model(folder, self._dtype, self._device, self.tp)
         self.model.setup_rope(self.max_model_len)
         self.attention = make_attention_backend(config.attention_backend, self._device,
                                                 self._dtype, cpu_kernels=config.cpu_kernels)
@@ -61,13 +73,16 @@ class ModelRunner(Runner):
         self.ops.prepare(self.model)
         self.cpu_kernels = self.ops.name == "cpu-kernels"
 
-        args = folder.args
-        # One block of every layer's K and V.
+        args = self.model.args  # (this rank's share of the heads)
+        # One block of every layer's K and V (this rank's heads).
         self.block_bytes = (args.n_layers * 2 * self.block_size * args.n_kv_heads
                             * args.head_dim * self._dtype.itemsize)
         self.num_gpu_blocks = config.num_gpu_blocks or self._blocks_from_memory()
         self.num_cpu_blocks = (self._default_cpu_blocks() if config.num_cpu_blocks is None
                                else config.num_cpu_blocks)
+        if self.tp is not None:  # every rank takes rank 0's pool sizes: one block table
+            self.num_gpu_blocks, self.num_cpu_blocks = self.tp.broadcast(
+                (self.num_gpu_blocks, self.num_cpu_blocks))
         shape = (args.n_layers, 2, self.block_size, args.n_kv_heads, args.head_dim)
         self.kv_cache = torch.zeros(_with_blocks(shape, self.num_gpu_blocks), dtype=self._dtype,
                                     device=self._device)
@@ -82,14 +97,67 @@ class ModelRunner(Runner):
                   f"{self.num_gpu_blocks * self.block_size} tokens), "
                   f"{self.num_cpu_blocks} host swap blocks; max_model_len {self.max_model_len}; "
                   f"ops {self.ops.name}; C++ CPU kernels "
-                  f"{self.ops.describe() if self.cpu_kernels else 'off'}")
+                  f"{self.ops.describe() if self.cpu_kernels else 'off'}"
+                  + (f"; tensor-parallel rank {self.tp.rank} of {self.tp.size}" if self.tp else ""))
+        weight_bytes = sum(t.numel() * t.element_size() for t in
+                           {id(t): t for t in self.model.state_dict().values()}.values())
+        mine = {"rank": rank, "device": str(self._device), "weight_bytes": weight_bytes,
+                "kv_bytes": self.kv_cache.numel() * self.kv_cache.element_size(),
+                "swap_bytes": self.cpu_cache.numel() * self.cpu_cache.element_size()}
+        # each rank's memory, for the dashboard (describe_config)
+        self.rank_memory = self.tp.all_gather_object(mine) if self.tp else [mine]
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.tp.size if self.tp else 1
+
+    # --- tensor parallelism -------------------------------------------------------------
+    def execute(self, out: SchedulerOutput) -> dict[str, int]:
+        """Rank 0 of a split model: the step's block copies and batch go to every rank
+        first, then all run them together."""
+        if self.tp is None:
+            return super().execute(out)
+        self.logprobs, self.prompt_logprobs = {}, {}
+        batch = self._prepare(out) if out.scheduled else None
+        self.tp.broadcast(("step", out.swap_out, out.swap_in, out.copies,
+                           batch.for_ranks() if batch else None))
+        self._swap_out(out.swap_out)
+        self._swap_in(out.swap_in)
+        self._copy_blocks(out.copies)
+        return self._forward_batch(batch) if batch else {}
+
+    def serve_rank(self) -> None:
+        """A rank other than 0: run what rank 0 broadcasts until it says stop."""
+        while True:
+            message = self.tp.broadcast()
+            if message[0] == "stop":
+                break
+            _, swap_out, swap_in, copies, batch = message
+            self._swap_out(swap_out)
+            self._swap_in(swap_in)
+            self._copy_blocks(copies)
+            if batch is not None:
+                self._run_model(batch.to(self._device))
+        parallel.shutdown(self.tp, [])
+
+    def close(self) -> None:
+        """Stop the other ranks (a split model); nothing to do otherwise."""
+        if self.tp is not None and self.tp.rank == 0:
+            parallel.shutdown(self.tp, self._rank_procs)
+            self.tp, self._rank_procs = None, []
 
     # --- one step ---------------------------------------------------------------------
-    @torch.inference_mode()
     def forward(self, out: SchedulerOutput) -> dict[str, int]:
-        batch = self._prepare(out)
-        logits = self.model(batch.input_ids, batch.positions, self.kv_cache, self.attention,
-                            self.attention.plan(batch.attention), batch.logits_indices, self.ops)
+        return self._forward_batch(self._prepare(out))
+
+    @torch.inference_mode()
+    def _run_model(self, batch: "StepBatch | RankBatch") -> torch.Tensor:
+        return self.model(batch.input_ids, batch.positions, self.kv_cache, self.attention,
+                          self.attention.plan(batch.attention), batch.logits_indices, self.ops)
+
+    @torch.inference_mode()
+    def _forward_batch(self, batch: "StepBatch") -> dict[str, int]:
+        logits = self._run_model(batch)
         num_sampled = len(batch.sampling_rows)
         if batch.prompt_rows:
             self._prompt_logprobs(logits[num_sampled:], batch.prompt_rows)
@@ -152,15 +220,33 @@ class ModelRunner(Runner):
             sampling_ids=sampling_ids, sampling_rows=sampling_rows, prompt_rows=prompt_rows)
 
     # --- block copies -------------------------------------------------------------------
+    # (An operator's swap between steps comes here directly: a split model's other ranks
+    # are told first. Within a step, execute sends them the copies with the batch.)
     def swap_out(self, mapping: list[tuple[int, int]]) -> None:
+        self._tell_ranks(mapping, [], [])
+        self._swap_out(mapping)
+
+    def swap_in(self, mapping: list[tuple[int, int]]) -> None:
+        self._tell_ranks([], mapping, [])
+        self._swap_in(mapping)
+
+    def copy_blocks(self, mapping: list[tuple[int, int]]) -> None:
+        self._tell_ranks([], [], mapping)
+        self._copy_blocks(mapping)
+
+    def _tell_ranks(self, swap_out: list, swap_in: list, copies: list) -> None:
+        if self.tp is not None and self.tp.rank == 0 and (swap_out or swap_in or copies):
+            self.tp.broadcast(("step", swap_out, swap_in, copies, None))
+
+    def _swap_out(self, mapping: list[tuple[int, int]]) -> None:
         if mapping:
             kernels.swap_blocks(self.kv_cache, self.cpu_cache, torch.tensor(mapping))
 
-    def swap_in(self, mapping: list[tuple[int, int]]) -> None:
+    def _swap_in(self, mapping: list[tuple[int, int]]) -> None:
         if mapping:
             kernels.swap_blocks(self.cpu_cache, self.kv_cache, torch.tensor(mapping))
 
-    def copy_blocks(self, mapping: list[tuple[int, int]]) -> None:
+    def _copy_blocks(self, mapping: list[tuple[int, int]]) -> None:
         if not mapping:
             return
         sources, dests = {a for a, _ in mapping}, {b for _, b in mapping}
@@ -259,6 +345,31 @@ class StepBatch:
     # after the sampling rows in logits_indices: (request id, position, next prompt
     # token, k) per prompt position scored (SamplingParams.prompt_logprobs)
     prompt_rows: list[tuple] = field(default_factory=list)
+
+    def for_ranks(self) -> "RankBatch":
+        """What the other tensor-parallel ranks need to run the same forward pass (its
+        tensors on the host: each rank moves them to its own device)."""
+        a = self.attention
+        return RankBatch(self.input_ids.cpu(), self.positions.cpu(), self.logits_indices.cpu(),
+                         AttentionBatch(a.block_size, a.block_tables, a.seq_lens,
+                                        a.query_start_loc, a.slot_mapping.cpu()))
+
+
+@dataclass(slots=True)
+class RankBatch:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    logits_indices: torch.Tensor
+    attention: AttentionBatch
+
+    def to(self, device: torch.device) -> "RankBatch":
+        if device.type == "cpu":
+            return self
+        a = self.attention
+        return RankBatch(self.input_ids.to(device), self.positions.to(device),
+                         self.logits_indices.to(device),
+                         AttentionBatch(a.block_size, a.block_tables, a.seq_lens,
+                                        a.query_start_loc, a.slot_mapping.to(device)))
 
 
 def _copy_blocks(src: torch.Tensor, dst: torch.Tensor, mapping: list[tuple[int, int]]) -> None:

@@ -123,7 +123,7 @@ class CpuKernelOps(TorchOps):
         return o.reshape(T, H * attn.head_dim)
 
     def lm_head(self, x: torch.Tensor, model: "Transformer") -> torch.Tensor:
-        return self.k.packed_linear(x, self.lm_head_packed, model.args.vocab_size, None)
+        return self.k.packed_linear(x, self.lm_head_packed, model.vocab_rows, None)
 
 
 def cpu_kernel_ops(config: "EngineConfig", device: torch.device, dtype: torch.dtype,

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The checks to run when a GPU is at hand (one script, for a short device lease):
-# the CUDA-marked kernel tests, the Triton kernel benchmark, and the default model in
+# the CUDA-marked kernel tests (attention, fused MoE), tiny models of several families on
+# the Triton backend, the Triton kernel benchmark, and the default model in
 # bfloat16 on the GPU, alone and through the whole service. Output goes to stdout and,
 # when $OUT is set (the device tool), to $OUT/gpu-check.log.
 set -uo pipefail
@@ -15,6 +16,8 @@ export PYTHONUNBUFFERED=1
   "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
   echo "== CUDA-marked tests"
   timeout 240 "$PY" -m pytest -q -m cuda tests/kernels
+  echo "== tiny models on CUDA: Triton attention, windowed layers, the fused MoE kernel"
+  timeout 180 "$PY" -m pytest -q tests/engine/test_model_triton.py
   echo "== kernels.bench"
   timeout 120 "$PY" -m kernels.bench
   echo "== engine alone, default model, bfloat16"

@@ -80,7 +80,7 @@ function loadSnapshot(snapshot) {
   }
   gpuMap.attach(state.gpu, state.evictRank, $("#gpu-wrap").clientWidth);
   cpuMap.attach(state.cpu, null, $("#cpu-wrap").clientWidth);
-  $("#gpu-caption").textContent = `${num(state.gpu.n)} blocks of ${state.config.block_size} tokens`;
+  $("#gpu-caption").textContent = `${num(state.gpu.n)} blocks of ${state.config.block_size} tokens${splitCaption(state.config)}`;
   $("#cpu-caption").textContent = `${num(state.cpu.n)} blocks`;
   table.setState(state);
   setConnection(snapshot.stale ? "stale" : "live");
@@ -233,6 +233,15 @@ function pickWanted() {
   if (!wanted || !state) return;
   const r = state.requestById(wanted);
   if (r) { wanted = null; select(r.index, true); }
+}
+
+// A model split across tensor-parallel ranks: how many, and what each rank holds.
+function splitCaption(config) {
+  const ranks = config.rank_memory || [];
+  if ((config.tensor_parallel_size || 1) < 2) return "";
+  const mib = (b) => `${num(Math.round(b / 1048576))} MiB`;
+  const each = ranks.map((r) => `rank ${r.rank} (${r.device}): ${mib(r.weight_bytes)} weights + ${mib(r.kv_bytes)} KV`);
+  return ` · split over ${config.tensor_parallel_size} ranks, each holding its heads' share of every block: ${each.join("; ")}`;
 }
 
 function chips(ids, poolName) {

@@ -228,3 +228,23 @@ def test_longrope_rotates_past_the_original_length_by_the_long_factors(tiny_mode
     for pos, inv_freq in [(3, short), (511, short), (512, long), (1500, long)]:
         want = torch.polar(torch.full_like(inv_freq, scale), pos * inv_freq)
         torch.testing.assert_close(table[pos], want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("stored", [torch.bfloat16, torch.float16])
+def test_half_precision_checkpoints_load(tiny_model, tmp_path, stored):
+    """Checkpoints stored in bfloat16 or float16 (as most on the Hub are) are cast to the
+    engine's dtype on load: float32 here gives transformers' tokens on the same file."""
+    from transformers import AutoModelForCausalLM
+
+    src = tiny_model("qwen3")
+    folder = tmp_path / "half"
+    AutoModelForCausalLM.from_pretrained(src, dtype=stored).save_pretrained(folder)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / f, folder / f)
+    from safetensors import safe_open
+    with safe_open(str(folder / "model.safetensors"), "pt") as st:
+        assert st.get_tensor("model.embed_tokens.weight").dtype == stored
+    prompts = random_prompts(SPECS["qwen3"].vocab_size, [9, 4], seed=3)
+    out = engine_for(folder).generate(prompts, SamplingParams(max_tokens=6, temperature=0.0,
+                                                              ignore_eos=True))
+    assert [o.output_token_ids for o in out] == hf_greedy(folder, prompts, 6)
