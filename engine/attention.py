@@ -98,8 +98,8 @@ class TorchPlan:
 
 def _windowed(q: torch.Tensor, kv_layer: torch.Tensor, batch: AttentionBatch, scale: float,
               window: int | None, softcap: float | None) -> torch.Tensor:
-    """Layers with a sliding window or soft-capped scores: torch on any device (neither
-    the C++ nor the Triton kernels implement them yet)."""
+    """Layers with a sliding window or soft-capped scores on the torch backend (the C++
+    kernels do not implement them; the Triton kernel does)."""
     from kernels.cpu_attention import windowed_attention
 
     return windowed_attention(q, kv_layer[0], kv_layer[1], batch.block_tables, batch.seq_lens,
@@ -135,12 +135,11 @@ class TritonAttention:
                 softcap: float | None = None) -> torch.Tensor:
         if k is not None:
             self._reshape_and_cache(k, v, kv_layer[0], kv_layer[1], plan.slot_mapping)
-        if window or softcap:
-            return _windowed(q, kv_layer, plan.batch, scale, window, softcap)
         return self._paged_attention(q, kv_layer[0], kv_layer[1], plan.block_tables,
                                      plan.seq_lens, plan.query_start_loc, scale,
                                      max_seq_len=plan.max_seq_len,
-                                     max_query_len=plan.max_query_len)
+                                     max_query_len=plan.max_query_len, window=window,
+                                     softcap=softcap)
 
 
 @dataclass(slots=True)

@@ -90,7 +90,8 @@ def attention_jobs(arch: int):
         types = {"out_ptr": f"*{t}", "part_acc_ptr": "*fp32", "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32",
                  "q_ptr": f"*{t}", "key_cache_ptr": f"*{t}", "value_cache_ptr": f"*{t}",
                  "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32",
-                 "qk_scale": "fp32", "num_seqs": "1" if case.num_seqs == 1 else "i32",
+                 "qk_scale": "fp32", "window": "i32", "softcap": "fp32",
+                 "num_seqs": "1" if case.num_seqs == 1 else "i32",
                  "stride_q_tok": "i32", "stride_q_head": "i32", "stride_block_table": "i32"}
         constants = attention_constants(case.dtype, case.num_q_heads, case.num_kv_heads, case.head_dim,
                                         case.block_size, plan, interpret=False)

@@ -48,6 +48,8 @@ def paged_attention(
     num_splits: int | None = None,
     max_seq_len: int | None = None,
     max_query_len: int | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal varlen attention of new tokens over their paged context; returns out.
 
@@ -66,7 +68,14 @@ def paged_attention(
         length and the batch so that few long decodes still fill the GPU.
     max_seq_len, max_query_len: optional host-side bounds used only to pick tile
         sizes and splits; default to bounds derived from shapes (no device sync).
+    window: a sliding-window layer: the query at position p sees keys p - window + 1
+        .. p only (the blocks before are never read: they may have been given back).
+    softcap: scores (scale * q.k) become softcap * tanh(score / softcap) (Gemma 2).
     """
+    if window is not None and window < 1:
+        raise ValueError(f"{_OP}: window must be >= 1 or None, got {window}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"{_OP}: softcap must be > 0 or None, got {softcap}")
     _check_args(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out)
     if num_splits is not None and not 1 <= num_splits <= 1024:
         raise ValueError(f"{_OP}: num_splits must be in 1..1024 or None, got {num_splits}")
@@ -87,13 +96,14 @@ def paged_attention(
         part_sum = torch.empty_like(part_max)
     _, block_size, num_kv_heads, _ = key_cache.shape
     constants = attention_constants(q.dtype, num_q_heads, num_kv_heads, head_dim, block_size, plan,
-                                    interpreting())
+                                    interpreting(), window=window is not None,
+                                    softcap=softcap is not None)
     grid = (num_tokens // plan.block_q + num_seqs, num_kv_heads, plan.num_splits)
     triton_kernels = load_kernels("kernels.paged_attention_kernel")
     triton_kernels.paged_attention_kernel[grid](
         out, part_acc, part_max, part_sum,
         q, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-        scale * _LOG2E, num_seqs,
+        scale * _LOG2E, window or 0, softcap or 0.0, num_seqs,
         q.stride(0), q.stride(1), block_tables.stride(0),
         **constants,
         num_warps=plan.num_warps,
@@ -107,7 +117,8 @@ def paged_attention(
 
 
 def attention_constants(dtype: torch.dtype, num_q_heads: int, num_kv_heads: int, head_dim: int,
-                        block_size: int, plan: LaunchPlan, interpret: bool) -> dict[str, object]:
+                        block_size: int, plan: LaunchPlan, interpret: bool, window: bool = False,
+                        softcap: bool = False) -> dict[str, object]:
     """The constexpr arguments of _paged_attention_kernel for one launch."""
     upcast = interpret and dtype == torch.bfloat16
     return {
@@ -123,6 +134,8 @@ def attention_constants(dtype: torch.dtype, num_q_heads: int, num_kv_heads: int,
         "NUM_SPLITS": plan.num_splits,
         "UPCAST": upcast,
         "DOT_PRECISION": "ieee" if (dtype == torch.float32 or upcast) else "tf32",
+        "WINDOW": window,
+        "SOFTCAP": softcap,
     }
 
 

@@ -37,6 +37,8 @@ def paged_attention_kernel(
     seq_lens_ptr,  # [num_seqs] int32, context length including the new tokens
     query_start_loc_ptr,  # [num_seqs + 1] int32
     qk_scale,  # softmax scale * log2(e)
+    window,  # WINDOW: a row at position p sees keys p - window + 1 .. p
+    softcap,  # SOFTCAP: scores (scale * q.k) become softcap * tanh(score / softcap)
     num_seqs,
     stride_q_tok,
     stride_q_head,
@@ -53,6 +55,8 @@ def paged_attention_kernel(
     NUM_SPLITS: tl.constexpr,
     UPCAST: tl.constexpr,  # compute in fp32 (the interpreter has no bf16 math)
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs so they are not rounded to tf32
+    WINDOW: tl.constexpr,  # a sliding-window layer (Mistral, Gemma's local layers)
+    SOFTCAP: tl.constexpr,  # soft-capped scores (Gemma 2)
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     tile_id = tl.program_id(0)
@@ -82,10 +86,14 @@ def paged_attention_kernel(
     if UPCAST:
         q = q.to(tl.float32)
 
-    # Keys this tile needs: 0 .. last row's position; this split takes an even share of tiles.
+    # Keys this tile needs: 0 (with a window: the first row's reach) .. the last row's
+    # position; this split takes an even share of tiles.
     kv_end = num_cached + tl.minimum(tile_q0 + BLOCK_Q, q_len)
-    tiles_per_split = tl.cdiv(tl.cdiv(kv_end, TILE_N), NUM_SPLITS)
-    kv_lo = split * tiles_per_split * TILE_N
+    kv_begin = 0
+    if WINDOW:
+        kv_begin = tl.maximum(num_cached + tile_q0 - window + 1, 0)
+    tiles_per_split = tl.cdiv(tl.cdiv(kv_end - kv_begin, TILE_N), NUM_SPLITS)
+    kv_lo = kv_begin + split * tiles_per_split * TILE_N
     kv_hi = tl.minimum(kv_end, kv_lo + tiles_per_split * TILE_N)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of the scores (log2 units)
@@ -106,7 +114,12 @@ def paged_attention_kernel(
             v = v.to(tl.float32)
 
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N]
+        if SOFTCAP:  # on the score itself (log2 units back and forth); tanh by exp2
+            capped = s * (0.6931471805599453 / softcap)
+            s = softcap * 1.4426950408889634 * (1.0 - 2.0 / (tl.math.exp2(capped * 2.8853900817779268) + 1.0))
         visible = (keys[None, :] <= row_pos[:, None]) & key_ok[None, :]
+        if WINDOW:
+            visible = visible & (keys[None, :] > row_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         # A row that has seen no visible key yet keeps m = -inf; shift by 0 to avoid inf - inf.

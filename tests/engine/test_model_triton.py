@@ -57,3 +57,17 @@ def test_triton_ops_run_the_experts_with_the_fused_moe_kernel(tiny_model):
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     got = [o.output_token_ids for o in engine.generate(prompts, params)]
     assert got == hf_greedy(folder, prompts, 3)
+
+
+def test_triton_kernel_skips_the_blocks_a_window_gave_back(tiny_model):
+    """Mistral with an 8-token window on the Triton backend: the request's leading
+    blocks go back to the pool as it decodes (-1 in its table), and the kernel, reading
+    only the window, gives transformers' tokens."""
+    folder = tiny_model("mistral-window")
+    prompts = random_prompts(SPECS["mistral-window"].vocab_size, [21], seed=9)
+    engine = make_engine(folder, attention_backend="triton",
+                         device="cuda" if torch.cuda.is_available() else "cpu")
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    got = [o.output_token_ids for o in engine.generate(prompts, params)]
+    assert got == hf_greedy(folder, prompts, 8)
+    assert any(e.type == "WindowFreed" for e in engine.take_events())

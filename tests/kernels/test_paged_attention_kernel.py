@@ -254,3 +254,34 @@ def test_cpu_tensors_without_interpreter_are_refused(monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="need CUDA tensors"):
         paged_attention(**valid_args())
+
+
+@pytest.mark.parametrize("block_size,num_splits", [(4, 1), (16, 3)])
+@pytest.mark.parametrize("window,softcap", [(5, None), (1, None), (16, 2.5), (None, 4.0),
+                                            (1000, None)])
+def test_sliding_window_and_soft_capped_scores(block_size: int, window, softcap, num_splits: int,
+                                               device: str) -> None:
+    """Sliding-window layers (Mistral, Gemma's local ones) and Gemma 2's soft-capped
+    scores, against the reference; blocks wholly before a sequence's window are filled
+    with NaN after the reference ran, so a kernel that reads them fails (they may have
+    been given back to the pool)."""
+    batch = build(MIXED + [(70, 6)], 6, 2, 32, block_size, torch.float32, device, seed=4)
+    ref = paged_attention_ref(batch.q, batch.key_cache, batch.value_cache, batch.block_tables,
+                              batch.seq_lens, batch.query_start_loc, batch.scale,
+                              window=window, softcap=softcap)
+    if window:
+        qsl, tables = batch.query_start_loc.tolist(), batch.block_tables.tolist()
+        for s, seq_len in enumerate(batch.seq_lens.tolist()):
+            first = seq_len - (qsl[s + 1] - qsl[s]) - window + 1  # the first row's reach
+            for b in range(max(first, 0) // block_size):
+                batch.key_cache[tables[s][b]] = float("nan")
+                batch.value_cache[tables[s][b]] = float("nan")
+    out = paged_attention(batch.q, batch.key_cache, batch.value_cache, batch.block_tables,
+                          batch.seq_lens, batch.query_start_loc, batch.scale,
+                          num_splits=num_splits, window=window, softcap=softcap)
+    rows = int(batch.query_start_loc[-1])
+    torch.testing.assert_close(out[:rows], ref[:rows], **TOLERANCES[torch.float32])
+    plain = paged_attention_ref(batch.q, batch.key_cache, batch.value_cache, batch.block_tables,
+                                batch.seq_lens, batch.query_start_loc, batch.scale)
+    if softcap or (window and window < 16):  # the option changes the answer
+        assert not torch.allclose(out[:rows], plain[:rows].nan_to_num(), atol=1e-3)
