@@ -99,8 +99,9 @@ class ModelRunner(Runner):
                   f"ops {self.ops.name}; C++ CPU kernels "
                   f"{self.ops.describe() if self.cpu_kernels else 'off'}"
                   + (f"; tensor-parallel rank {self.tp.rank} of {self.tp.size}" if self.tp else ""))
-        weight_bytes = sum(t.numel() * t.element_size() for t in
-                           {id(t): t for t in self.model.state_dict().values()}.values())
+        weight_bytes = self.ops.own_bytes() + sum(  # (tied weights once)
+            t.numel() * t.element_size()
+            for t in {id(t): t for t in self.model.state_dict().values()}.values())
         mine = {"rank": rank, "device": str(self._device), "weight_bytes": weight_bytes,
                 "kv_bytes": self.kv_cache.numel() * self.kv_cache.element_size(),
                 "swap_bytes": self.cpu_cache.numel() * self.cpu_cache.element_size()}

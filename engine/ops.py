@@ -32,6 +32,10 @@ class TorchOps:
     def describe(self) -> str:
         return self.name
 
+    def own_bytes(self) -> int:
+        """Memory of the weights this ops object keeps in its own layout."""
+        return 0
+
     # --- per step -----------------------------------------------------------------------
     def rope_rows(self, table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """This step's rotations from a model's table ([max_positions, D / 2] complex):

@@ -79,6 +79,10 @@ class CpuKernelOps(TorchOps):
             model.lm_head.weight = torch.nn.Parameter(
                 model.lm_head.weight.new_empty(0, model.args.dim), requires_grad=False)
 
+    def own_bytes(self) -> int:
+        tensors = [*self.packed.values(), *self.packed_gate_up.values(), self.lm_head_packed]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
     def _takes(self, x: torch.Tensor) -> bool:
         return self.max_rows is None or x.shape[0] <= self.max_rows
 
