@@ -12,7 +12,9 @@ TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 HIST_KEY = "kvops:hist:{name}:{engine}"
 HISTOGRAMS = {"time_to_first_token_seconds": TTFT_BUCKETS,
-              "e2e_request_latency_seconds": E2E_BUCKETS}
+              "e2e_request_latency_seconds": E2E_BUCKETS,
+              # from submission to the engine's taking the job (vLLM: request_queue_time)
+              "request_queue_time_seconds": TTFT_BUCKETS}
 
 
 def _observe(pipe, name: str, engine: str, value: float) -> None:
@@ -25,13 +27,16 @@ def _observe(pipe, name: str, engine: str, value: float) -> None:
 
 
 def observe_jobs(jobs) -> None:
-    """Record finished jobs' TTFT and end-to-end latency (best effort), in one Redis
-    round trip."""
+    """Record finished jobs' queue wait, TTFT and end-to-end latency (best effort), in
+    one Redis round trip."""
     if not jobs:
         return
     try:
         pipe = live.redis_client().pipeline(transaction=False)
         for job in jobs:
+            if job.started_at:
+                _observe(pipe, "request_queue_time_seconds", job.engine,
+                         max(0.0, (job.started_at - job.queued_at).total_seconds()))
             if job.first_token_at and job.started_at:
                 _observe(pipe, "time_to_first_token_seconds", job.engine,
                          (job.first_token_at - job.queued_at).total_seconds())
