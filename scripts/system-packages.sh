@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Debian packages kvops needs outside the virtualenv: redis-server (tests start private
-# ones; `make run` starts one when none answers), chromium (browser tests) and g++ (the
-# CPU kernels in kernels/csrc are compiled on the machine that runs them).
+# ones; `make run` starts one when none answers), chromium (browser tests), g++ (the
+# CPU kernels in kernels/csrc are compiled on the machine that runs them) and node (the
+# pages' JavaScript unit tests).
 # Installs only what is missing; does nothing when all are present.
 set -euo pipefail
 missing=()
 command -v redis-server >/dev/null || missing+=(redis-server)
 command -v chromium >/dev/null || missing+=(chromium)
 command -v g++ >/dev/null || missing+=(g++)
+command -v node >/dev/null || missing+=(nodejs)
 [ ${#missing[@]} -eq 0 ] && exit 0
 if [ "$(id -u)" -ne 0 ] || ! command -v apt-get >/dev/null; then
     echo "kvops needs these system packages: ${missing[*]} (install them, then re-run make setup)" >&2

@@ -30,21 +30,46 @@ export function sparkline(canvas, values, color = "#2f5bd3") {
   g.fill();
 }
 
+// The y axis: ticks from 0 at a 1-2-5 step (1, 2, 5, 10, 20, ...), at most `count`
+// steps, the last at or above `top` (it becomes the top of the scale). integer: counts
+// and rates of events, never a step under 1. Every tick is distinct, and so are their
+// labels (tickLabel): no "1, 1, 0" when the data peak at 1.
+export function niceTicks(top, { count = 2, integer = false } = {}) {
+  const peak = top > 0 && Number.isFinite(top) ? top : 1;
+  const raw = peak / count;
+  const magnitude = 10 ** Math.floor(Math.log10(raw));
+  let step = [1, 2, 5, 10].map((m) => m * magnitude).find((s) => s >= raw * (1 - 1e-9));
+  if (integer) step = Math.max(1, Math.round(step));
+  const steps = Math.max(1, Math.ceil(peak / step - 1e-9));
+  return Array.from({ length: steps + 1 }, (_, i) => Number((i * step).toPrecision(12)));
+}
+
+// A tick's label with as many decimals as the step between ticks needs.
+export function tickLabel(value, ticks) {
+  const step = ticks.length > 1 ? ticks[1] - ticks[0] : 1;
+  const decimals = Math.min(12, Math.max(0, -Math.floor(Math.log10(step) + 1e-9)));
+  return value.toFixed(decimals);
+}
+
 // series: [{label, color, values: [number|null], bars?: bool}], all the same length.
-// max: top of the scale (null: from the data); format: the label of the top value.
-export function timeChart(canvas, series, { max = null, format = (v) => v.toFixed(0) } = {}) {
+// max: top of the scale (null: from the data, rounded up to a tick); format: a tick's
+// label (default tickLabel); integer: the data are counts or event rates.
+export function timeChart(canvas, series, { max = null, format = null, integer = false } = {}) {
   const [g, w, h] = fit(canvas);
   const pad = { l: 34, r: 6, t: 6, b: 14 };
   const n = Math.max(...series.map((s) => s.values.length), 0);
-  const top = max ?? Math.max(1e-9, ...series.flatMap((s) => s.values.filter((v) => v != null)));
+  const ticks = niceTicks(max ?? Math.max(0, ...series.flatMap((s) => s.values.filter((v) => v != null))),
+                          { integer });
+  const top = max ?? ticks[ticks.length - 1];
   g.font = "10px system-ui, sans-serif";
   g.fillStyle = "#5d6678";
   g.strokeStyle = "#e3e6ec";
   g.lineWidth = 1;
-  for (const f of [0, 0.5, 1]) {
-    const y = pad.t + (1 - f) * (h - pad.t - pad.b);
+  for (const tick of ticks) {
+    if (tick > top * (1 + 1e-9)) break;
+    const y = pad.t + (1 - tick / top) * (h - pad.t - pad.b);
     g.beginPath(); g.moveTo(pad.l, y + 0.5); g.lineTo(w - pad.r, y + 0.5); g.stroke();
-    g.fillText(format(top * f), 2, y + 3);
+    g.fillText(format ? format(tick) : tickLabel(tick, ticks), 2, y + 3);
   }
   g.fillText(n > 1 ? `last ${n} s` : "", pad.l, h - 2);
   if (n < 2) return;

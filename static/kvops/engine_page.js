@@ -210,7 +210,7 @@ function drawCharts() {
   timeChart($("#chart-pre"), [
     { color: "#c62f2f", values: history.rate("num_preemptions"), bars: true },
     { color: "#8a5cd6", values: history.rate("num_swaps_out") },
-  ], { max: Math.max(1, ...history.rate("num_preemptions"), ...history.rate("num_swaps_out")) });
+  ], { integer: true });
   const last = state?.metrics || history.points[history.points.length - 1] || {};
   $("#now-kv").textContent = pct(last.kv_usage);
   $("#now-hit").textContent = `overall ${pct(cumulativeHitRate(last))}`;

@@ -1,0 +1,39 @@
+// node --test: the charts' axis ticks (static/kvops/charts.js), without a browser.
+import assert from "node:assert/strict";
+import test from "node:test";
+
+import { niceTicks, tickLabel } from "../../../static/kvops/charts.js";
+
+const labels = (ticks) => ticks.map((t) => tickLabel(t, ticks));
+
+test("event rates peaking at 1 get 0 and 1, not 1, 1, 0", () => {
+  const ticks = niceTicks(1, { integer: true });
+  assert.deepEqual(ticks, [0, 1]);
+  assert.deepEqual(labels(ticks), ["0", "1"]);
+});
+
+test("ticks are distinct, ascending, cover the peak, and so are their labels", () => {
+  for (const peak of [0, 1e-6, 0.003, 0.1, 0.37, 1, 1.5, 2, 3, 7, 9.99, 10, 11, 99, 101, 1234, 5e6]) {
+    for (const integer of [false, true]) {
+      const ticks = niceTicks(peak, { integer });
+      assert.equal(ticks[0], 0);
+      assert.ok(ticks.length >= 2 && ticks.length <= 4, `${peak}: ${ticks}`);
+      assert.ok(ticks[ticks.length - 1] >= peak, `${peak}: ${ticks}`);
+      for (let i = 1; i < ticks.length; i++) assert.ok(ticks[i] > ticks[i - 1]);
+      const shown = labels(ticks);
+      assert.equal(new Set(shown).size, shown.length, `${peak}: ${shown}`);
+      if (integer) assert.ok(ticks.every(Number.isInteger), `${peak}: ${ticks}`);
+    }
+  }
+});
+
+test("steps are 1, 2 or 5 times a power of ten", () => {
+  for (const peak of [0.37, 3, 7, 11, 99, 1234]) {
+    const ticks = niceTicks(peak);
+    const step = ticks[1] - ticks[0];
+    const mantissa = step / 10 ** Math.floor(Math.log10(step));
+    assert.ok([1, 2, 5].some((m) => Math.abs(m - mantissa) < 1e-9), `${peak}: step ${step}`);
+  }
+  assert.deepEqual(niceTicks(7), [0, 5, 10]);
+  assert.deepEqual(labels(niceTicks(0.37)), ["0.0", "0.2", "0.4"]);
+});
