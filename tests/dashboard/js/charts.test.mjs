@@ -37,3 +37,26 @@ test("steps are 1, 2 or 5 times a power of ten", () => {
   assert.deepEqual(niceTicks(7), [0, 5, 10]);
   assert.deepEqual(labels(niceTicks(0.37)), ["0.0", "0.2", "0.4"]);
 });
+
+// A canvas that records what is drawn on it.
+function recordingCanvas() {
+  const texts = [];
+  const g = new Proxy({ fillText: (t) => texts.push(t) }, {
+    get: (target, name) => (name in target ? target[name] : () => {}),
+    set: () => true,
+  });
+  return { texts, canvas: { clientWidth: 300, clientHeight: 120, width: 300, height: 120, getContext: () => g } };
+}
+
+test("the preemption chart's axis reads 0 and 1 when one preemption a second is the peak", async () => {
+  globalThis.window = { devicePixelRatio: 1 };
+  const { timeChart } = await import("../../../static/kvops/charts.js");
+  const { texts, canvas } = recordingCanvas();
+  timeChart(canvas, [{ color: "#c00", values: [0, 1, 0, 0], bars: true },
+                     { color: "#80c", values: [0, 0, 1, 0] }], { integer: true });
+  assert.deepEqual(texts.filter((t) => /^\d/.test(t)), ["0", "1"]);
+  const percent = recordingCanvas();
+  timeChart(percent.canvas, [{ color: "#00c", values: [0.2, 0.4] }],
+            { max: 1, format: (v) => `${Math.round(v * 100)}%` });
+  assert.deepEqual(percent.texts.filter((t) => t.endsWith("%")), ["0%", "50%", "100%"]);
+});
