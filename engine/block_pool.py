@@ -132,6 +132,8 @@ class BlockPool:
             block.ref_cnt = 1
             taken.append(block)
         if evicted:
+            if self._events.external is not None and self.pool == "gpu":
+                self._events.external.append(("removed", [h for _, h in evicted]))
             self._events.emit("BlockEvicted", pool=self.pool, detail="reuse",
                               block_ids=[b for b, _ in evicted],
                               block_hashes=[short(h) for _, h in evicted],

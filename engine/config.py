@@ -55,6 +55,10 @@ class EngineConfig:
     # Split the model's heads and MLP across this many ranks (engine/parallel.py):
     # processes the engine starts, gloo on CPU, NCCL and one GPU each on CUDA
     tensor_parallel_size: int = 1
+    # Publish prefix-cache events over ZMQ in vLLM's format (engine/kv_events_zmq.py):
+    # e.g. "tcp://*:5557"; and a ROUTER for replay requests, e.g. "tcp://*:5558"
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
 
     def __post_init__(self) -> None:
         _check(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0

@@ -248,19 +248,37 @@ class KVCacheManager:
         freed = self._window_freed.get(rid, 0) if self._window_freed else 0
         start = max(self._num_offered[rid], freed)
         end = min(num_tokens // self.block_size, len(request.block_hashes))
-        stored = []
+        stored, indices = [], []
         for i in range(start, end):
             block = table[i - freed]
             if self.gpu.cache(block, request.block_hashes[i]):
                 stored.append(block)
+                indices.append(i)
                 self.uncomputed.add(block.block_id)
         self._num_offered[rid] = max(start, end)
+        if stored and self._events.external is not None:
+            self._external_stored(request, indices)
         if stored:
             self._events.emit("BlockStored", request_id=rid,
                               block_ids=[b.block_id for b in stored],
                               block_hashes=[short(b.block_hash) for b in stored],
                               ref_cnts=[b.ref_cnt for b in stored],
                               num_tokens=end * self.block_size)
+
+    def _external_stored(self, request: Request, indices: list[int]) -> None:
+        """vLLM-style BlockStored records: one per run of consecutive block indices."""
+        bs, hashes = self.block_size, request.block_hashes
+        runs: list[list[int]] = []
+        for i in indices:
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        for run in runs:
+            first, last = run[0], run[-1]
+            self._events.external.append((
+                "stored", [hashes[i] for i in run], hashes[first - 1] if first else None,
+                list(request.all_token_ids[first * bs:(last + 1) * bs])))
 
     def free(self, request: Request) -> None:
         """Release the request's GPU blocks, last block first (so a chain's tail is
@@ -339,6 +357,8 @@ class KVCacheManager:
             if self.gpu.forget(block):
                 dropped.append((block_id, block_hash))
         self.uncomputed.clear()
+        if dropped and self._events.external is not None:
+            self._events.external.append(("removed", [h for _, h in dropped]))
         if dropped:
             self._events.emit("BlockEvicted", detail="step failed",
                               block_ids=[b for b, _ in dropped],
@@ -349,6 +369,8 @@ class KVCacheManager:
     # --- operator: evict, reset, pin ------------------------------------------------------
     def evict(self, n: int | None) -> int:
         victims = self.gpu.evict(n)
+        if victims and self._events.external is not None:
+            self._events.external.append(("removed", [h for _, h in victims]))
         if victims:
             self._events.emit("BlockEvicted", detail="operator",
                               block_ids=[b.block_id for b, _ in victims],
@@ -361,6 +383,8 @@ class KVCacheManager:
         for block in unpinned:
             self.gpu.unpin(block)
         n = self.gpu.forget_all_hashes()
+        if self._events.external is not None:
+            self._events.external.append(("cleared",))
         self._events.emit("AllBlocksCleared", num_tokens=n * self.block_size,
                           detail=f"{n} cached blocks forgotten, {len(unpinned)} unpinned")
         return {"num_blocks_forgotten": n, "num_blocks_unpinned": len(unpinned)}

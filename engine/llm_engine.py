@@ -71,6 +71,13 @@ class LLMEngine:
         self._inflight = None  # the SchedulerOutput being run, until its update is done
         self._prompt_rate = RateMeter()
         self._gen_rate = RateMeter()
+        self._kv_publisher = None  # engine/kv_events_zmq.py, with config.kv_events_endpoint
+        if config.kv_events_endpoint:
+            from engine.kv_events_zmq import ZmqKVEventPublisher
+
+            self._kv_publisher = ZmqKVEventPublisher(config.kv_events_endpoint,
+                                                     config.kv_events_replay_endpoint)
+            self.events.external = []
 
     # --- requests ------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
@@ -234,7 +241,16 @@ class LLMEngine:
         now = time.time()
         self._prompt_rate.record(now, self.scheduler.counters.num_prompt_tokens)
         self._gen_rate.record(now, self.scheduler.counters.num_generation_tokens)
+        if self.events.external:
+            self._publish_kv_events()
         return outputs
+
+    def _publish_kv_events(self) -> None:
+        """This step's (or command's) prefix-cache changes, as one vLLM KVEventBatch."""
+        from engine.kv_events_zmq import to_vllm
+
+        raw, self.events.external = self.events.external, []
+        self._kv_publisher.publish(to_vllm(raw, self.config.block_size))
 
     @staticmethod
     def _keep_prompt_logprobs(out, computed: dict[str, list]) -> None:
@@ -386,11 +402,17 @@ class LLMEngine:
         self.version += 1
         if n is not None and (not isinstance(n, int) or n < 0):
             raise InvalidRequestError("n must be a non-negative integer or None")
-        return self.kv.evict(n)
+        evicted = self.kv.evict(n)
+        if self.events.external:
+            self._publish_kv_events()
+        return evicted
 
     def reset_prefix_cache(self) -> dict:
         self.version += 1
-        return self.kv.reset_prefix_cache()
+        result = self.kv.reset_prefix_cache()
+        if self.events.external:
+            self._publish_kv_events()
+        return result
 
     def pin_prefix(self, prompt: str | list[int], cache_salt: str | None = None) -> dict:
         """Pin the cached blocks of this prefix so they are never evicted."""
@@ -452,7 +474,11 @@ class LLMEngine:
         return self.events.take()
 
     def close(self) -> None:
-        """Release what the runner started (a split model's rank processes)."""
+        """Release what the runner started (a split model's rank processes) and the KV
+        event publisher's sockets."""
+        if self._kv_publisher is not None:
+            self._kv_publisher.close()
+            self._kv_publisher = None
         close = getattr(self.runner, "close", None)
         if close is not None:
             close()
