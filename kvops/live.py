@@ -154,6 +154,18 @@ def recent_events(name: str, count: int) -> list[dict]:
     return [json.loads(fields[b"e"]) for _, fields in reversed(rows)]
 
 
+def events_page(name: str, after: str | None, limit: int) -> tuple[list[dict], str | None]:
+    """Stored KV events of the engine, oldest first: those after the stream id `after`
+    (exclusive; None: from the oldest kept), at most `limit`. Each event carries its
+    stream id as `id` ("<ms>-<n>", in order); returns them and the oldest id kept."""
+    client = redis_client()
+    key = EVENTS_KEY.format(name=name)
+    rows = client.xrange(key, min=f"({after}" if after else "-", max="+", count=limit)
+    oldest = client.xrange(key, min="-", max="+", count=1)
+    events = [{"id": row_id.decode(), **json.loads(fields[b"e"])} for row_id, fields in rows]
+    return events, (oldest[0][0].decode() if oldest else None)
+
+
 def append_metrics(name: str, point: dict, maxlen: int) -> None:
     """One point of the engine's metrics history (a Redis stream of about maxlen points)."""
     redis_client().xadd(METRICS_KEY.format(name=name),

@@ -1,6 +1,9 @@
 """REST API (thin: validation in serializers, work in services, reads in selectors)."""
 from __future__ import annotations
 
+import re
+from datetime import datetime, timezone
+
 from django.shortcuts import get_object_or_404
 from drf_spectacular.utils import OpenApiParameter, extend_schema, inline_serializer
 from rest_framework import mixins, permissions, serializers, status, viewsets
@@ -132,6 +135,9 @@ class JobViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.Retrieve
         return Response(JobSerializer(job).data)
 
 
+EVENTS_PAGE_MAX = 1000  # KV events per page of /api/engines/<name>/events/
+
+
 class EngineViewSet(viewsets.ReadOnlyModelViewSet):
     serializer_class = EngineSerializer
     lookup_field = "name"
@@ -147,6 +153,54 @@ class EngineViewSet(viewsets.ReadOnlyModelViewSet):
         engine = self.get_object()
         return Response({"engine": EngineSerializer(engine).data,
                          "snapshot": selectors.engine_snapshot(engine.name)})
+
+    @extend_schema(
+        parameters=[
+            OpenApiParameter("since", str, description="an event id from an earlier page (the "
+                             "events after it), or an ISO 8601 time (the events from it on); "
+                             "none: from the oldest kept"),
+            OpenApiParameter("limit", int, description=f"1-{EVENTS_PAGE_MAX} (default 100)")],
+        responses={200: inline_serializer("EngineEvents", {
+            "events": serializers.ListField(child=serializers.DictField()),
+            "next": serializers.CharField(allow_null=True),
+            "oldest": serializers.CharField(allow_null=True)})})
+    @action(detail=True, methods=["get"])
+    def events(self, request, name=None):
+        """The engine's stored KV event history, oldest first, a page at a time: pass
+        `next` back as `since` for the following page (null once none is left). The
+        history is bounded (KVOPS_EVENT_HISTORY events per engine): `oldest` says where
+        it begins now."""
+        from kvops import live
+
+        engine = self.get_object()
+        after = _events_cursor(request.query_params.get("since"))
+        try:
+            limit = int(request.query_params.get("limit", 100))
+        except ValueError:
+            raise ValidationError({"limit": "an integer"}) from None
+        if not 1 <= limit <= EVENTS_PAGE_MAX:
+            raise ValidationError({"limit": f"between 1 and {EVENTS_PAGE_MAX}"})
+        events, oldest = live.events_page(engine.name, after, limit)
+        return Response({"events": events,
+                         "next": events[-1]["id"] if len(events) == limit else None,
+                         "oldest": oldest})
+
+
+def _events_cursor(since: str | None) -> str | None:
+    """`since` as the stream id to read after: an event id as given, an ISO time as
+    the last id before that millisecond."""
+    if not since:
+        return None
+    if re.fullmatch(r"\d+-\d+", since):
+        return since
+    try:
+        when = datetime.fromisoformat(since.replace("Z", "+00:00"))
+    except ValueError:
+        raise ValidationError({"since": "an event id (\"<ms>-<n>\") or an ISO 8601 time"}) from None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=timezone.utc)
+    ms = int(when.timestamp() * 1000)
+    return f"{ms - 1}-18446744073709551615" if ms > 0 else None
 
 
 class OperatorActionViewSet(mixins.ListModelMixin, viewsets.GenericViewSet):
