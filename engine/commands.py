@@ -72,6 +72,8 @@ OPERATOR_COMMANDS: dict[str, Callable[[LLMEngine, dict], Any]] = {
     "metrics": lambda e, a: e.metrics(),
     "prefix-hashes": lambda e, a: [short(h) for h in e.kv.gpu.cached],
     "inject-fault": _inject_fault,
+    "pause": lambda e, a: e.pause(),
+    "resume": lambda e, a: e.resume(),
 }
 
 

@@ -74,10 +74,10 @@ class CoreServer:
         engine = self.engine
         self._send(["ready", engine.describe_config(), engine.metrics()])
         while True:
-            busy = engine.has_unfinished_requests()
+            busy = engine.has_work_to_run()
             if not self._take_input(0 if busy else IDLE_POLL_MS):
                 return
-            if engine.has_unfinished_requests():
+            if engine.has_work_to_run():
                 self._step()
             self.feed(engine)
             now = time.monotonic()
@@ -125,6 +125,8 @@ class CoreServer:
                 if deadline is not None and time.time() > deadline:
                     raise CommandExpired(f"{name}: its caller had stopped waiting; not applied")
                 result = run_command(self.engine, name, dict(arguments or {}))
+                if name in ("pause", "resume"):
+                    self._next_metrics = 0.0  # the worker's heartbeat must not say otherwise
             else:
                 raise InvalidRequestError(f"unknown message {kind!r}")
         except EngineError as e:

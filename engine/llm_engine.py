@@ -71,6 +71,8 @@ class LLMEngine:
         self._inflight = None  # the SchedulerOutput being run, until its update is done
         self._prompt_rate = RateMeter()
         self._gen_rate = RateMeter()
+        # An operator's pause: no step runs (requests and their KV stay) until resume()
+        self.paused = False
         self._kv_publisher = None  # engine/kv_events_zmq.py, with config.kv_events_endpoint
         if config.kv_events_endpoint:
             from engine.kv_events_zmq import ZmqKVEventPublisher
@@ -207,10 +209,12 @@ class LLMEngine:
     def step_core(self) -> list[CoreOutput]:
         """Run one batch and report progress as token ids only (no text): each request
         that made progress or ended, with the tokens it gained this step."""
-        self.events.step = self.step_count + 1
-        out = self.scheduler.schedule()
         ended, self._pending = self._pending, []
         outputs = [self._core_output(request, []) for request in ended]
+        if self.paused:  # (aborts still end while paused)
+            return outputs
+        self.events.step = self.step_count + 1
+        out = self.scheduler.schedule()
         if not out.has_work:
             return outputs
         self.step_count += 1
@@ -397,6 +401,24 @@ class LLMEngine:
         return {"request_id": request_id, "status": "running", "num_blocks": len(table),
                 "num_blocks_copied": len(mapping), "block_table": table}
 
+    def pause(self) -> dict:
+        """Stop running steps; every request keeps its place and its KV blocks, and new
+        ones wait (vLLM's /pause). Operator commands still apply."""
+        self.paused = True
+        self.version += 1
+        return {"state": "paused", "running": len(self.scheduler.running),
+                "waiting": len(self.scheduler.waiting)}
+
+    def resume(self) -> dict:
+        self.paused = False
+        self.version += 1
+        return {"state": "ready"}
+
+    def has_work_to_run(self) -> bool:
+        """Whether a step now would do anything: requests and not paused, or ended
+        requests (an abort while paused) to report."""
+        return bool(self._pending) or (not self.paused and self.scheduler.has_unfinished())
+
     def evict_cached_blocks(self, n: int | None = None) -> int:
         """Drop up to n refcount-0 cached blocks (all if None), LRU first."""
         self.version += 1
@@ -521,6 +543,7 @@ class LLMEngine:
             "prompt_tokens_per_s": self._prompt_rate.rate(now),
             "generation_tokens_per_s": self._gen_rate.rate(now),
             "num_steps": self.step_count,
+            "state": "paused" if self.paused else "ready",  # (an operator's pause)
             # Load, for routing: tokens the engine still has to hold or compute.
             "running_tokens": sum(r.num_tokens for r in sched.running),
             "waiting_tokens": sum(r.num_tokens for r in sched.waiting),

@@ -175,7 +175,7 @@ class EngineService:
     def _run(self) -> None:
         while not self._stop.is_set():
             self._apply_commands()
-            if self.engine.has_unfinished_requests():
+            if self.engine.has_work_to_run():
                 self._step()
             else:
                 self._wake.wait(0.05)

@@ -51,6 +51,9 @@ def choose_queue(job: Job) -> tuple[str, dict]:
             "reason": "the job named its engine"}
     mode = policy()
     engines = [e for e in selectors.recent_engines() if selectors.engine_alive(e)]
+    # A paused engine takes no routed jobs while another engine runs; when all are
+    # paused, jobs go to them and wait for a resume.
+    engines = [e for e in engines if selectors.engine_state(e) != "paused"] or engines
     if mode == "shared" or not engines:
         reason = "no live engine: the first free worker takes it" if not engines \
             else "shared queue: the first free worker takes it"

@@ -30,6 +30,14 @@ def engine_alive(engine: Engine) -> bool:
             and age < settings.KVOPS_ENGINE_DEAD_AFTER_S)
 
 
+def engine_state(engine: Engine) -> str:
+    """starting, ready, paused (an operator's pause, from its last heartbeat), stopped
+    or dead."""
+    if engine.status == Engine.Status.READY and (engine.metrics or {}).get("state") == "paused":
+        return "paused"
+    return engine.status
+
+
 def engines() -> QuerySet[Engine]:
     return Engine.objects.all()
 
@@ -37,6 +45,13 @@ def engines() -> QuerySet[Engine]:
 ENGINES_MAX_AGE_S = 0.5
 _engines_lock = threading.Lock()
 _engines_read: tuple[float, list[Engine]] = (float("-inf"), [])  # under _engines_lock
+
+
+def forget_recent_engines() -> None:
+    """The next recent_engines() reads the rows afresh (an engine's state just changed)."""
+    global _engines_read
+    with _engines_lock:
+        _engines_read = (float("-inf"), [])
 
 
 def recent_engines() -> list[Engine]:

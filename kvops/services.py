@@ -11,7 +11,7 @@ from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
 from redis.exceptions import RedisError
 
-from kvops import control, idempotency, live, metrics_store
+from kvops import control, idempotency, live, metrics_store, selectors
 from kvops.idempotency import KeyReused
 from kvops.models import Engine, Job, OperatorAction
 from kvops.routing import SHARED_QUEUE, engine_queue  # (also re-exported)
@@ -618,4 +618,16 @@ def operator_action(user, engine: Engine, action: str, target: str, arguments: d
         status, body = ERROR_STATUS.get(reply.get("error"), 500), reply
     row.ok, row.status_code, row.result = status == 200, status, body
     row.save()
+    if status == 200 and action in ("pause", "resume"):
+        _note_engine_state(engine, "paused" if action == "pause" else "ready")
     return status, body, False
+
+
+def _note_engine_state(engine: Engine, state: str) -> None:
+    """Routing and the API see a pause or resume now, not at the next heartbeat (which
+    brings the same state from the engine)."""
+    with transaction.atomic():
+        row = Engine.objects.select_for_update().get(pk=engine.pk)
+        row.metrics = {**(row.metrics or {}), "state": state}
+        row.save(update_fields=["metrics"])
+    selectors.forget_recent_engines()

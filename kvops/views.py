@@ -15,7 +15,8 @@ ACTIONS_SHOWN = 200
 def overview(request: HttpRequest) -> HttpResponse:
     engines = list(selectors.engines())
     cards = [{"name": e.name, "status": e.status, "alive": selectors.engine_alive(e),
-              "config": e.config, "metrics": e.metrics} for e in engines]
+              "state": selectors.engine_state(e), "config": e.config, "metrics": e.metrics}
+             for e in engines]
     return render(request, "kvops/overview.html", {"engines": engines, "cards": cards})
 
 

@@ -196,12 +196,18 @@ class JobSerializer(serializers.ModelSerializer):
 class EngineSerializer(serializers.ModelSerializer):
     alive = serializers.SerializerMethodField()
     heartbeat_age_s = serializers.SerializerMethodField()
+    state = serializers.SerializerMethodField()
 
     class Meta:
         model = Engine
-        fields = ["name", "worker", "host", "status", "alive", "heartbeat_age_s", "config",
-                  "metrics", "started_at", "last_heartbeat"]
+        fields = ["name", "worker", "host", "status", "state", "alive", "heartbeat_age_s",
+                  "config", "metrics", "started_at", "last_heartbeat"]
         read_only_fields = fields
+
+    def get_state(self, engine: Engine) -> str:
+        """The status, or `paused` while an operator holds a ready engine's steps."""
+        from kvops.selectors import engine_state
+        return engine_state(engine)
 
     def get_alive(self, engine: Engine) -> bool:
         from kvops.selectors import engine_alive

@@ -254,6 +254,20 @@ class RequestActionView(APIView):
         return _action_answer(request, engine, action, request_id, {"request_id": request_id})
 
 
+class EngineActionView(APIView):
+    """POST /api/engines/<name>/pause/ and /resume/: stop running steps (every request
+    keeps its place and its KV blocks; new jobs routed here wait) and start again."""
+    permission_classes = [permissions.IsAuthenticated, IsOperator]
+    ACTIONS = ("pause", "resume")
+
+    @extend_schema(request=EmptySerializer, responses=OPERATOR_RESPONSES,
+                   parameters=[IDEMPOTENCY_KEY])
+    def post(self, request, name: str, action: str):
+        EmptySerializer(data=request.data or {}).is_valid(raise_exception=True)
+        engine = get_object_or_404(Engine, name=name)
+        return _action_answer(request, engine, action, name, {})
+
+
 class PrefixCacheActionView(APIView):
     """POST /api/engines/<name>/prefix-cache/<action>/"""
     permission_classes = [permissions.IsAuthenticated, IsOperator]

@@ -55,8 +55,7 @@ const socket = new LiveSocket(`/ws/engines/${encodeURIComponent(page.name)}/`, {
 
 function handle(message, meta) {
   switch (message.type) {
-    case "hello": $("#engine-status").className = `pill ${message.alive ? "ready" : message.status}`;
-      $("#engine-status").textContent = message.alive ? "ready" : message.status; break;
+    case "hello": showState(message.alive ? (message.metrics?.state || "ready") : message.status); break;
     case "snapshot": loadSnapshot(message); break;
     case "delta": applyDelta(message, meta); break;
     case "history":
@@ -90,8 +89,21 @@ function loadSnapshot(snapshot) {
   renderHead();
 }
 
+// The engine's state in the header: ready, paused (an operator's pause), dead, ...; the
+// operator's button says what it would do.
+let engineState = null;
+function showState(s) {
+  if (s === engineState) return;
+  engineState = s;
+  $("#engine-status").className = `pill ${s}`;
+  $("#engine-status").textContent = s;
+  const toggle = $("#pause-toggle");
+  if (toggle) toggle.textContent = s === "paused" ? "Resume" : "Pause";
+}
+
 function applyDelta(delta, meta) {
   heardAt = performance.now();
+  if (delta.metrics?.state) showState(delta.metrics.state);
   if (!state || awaitingSnapshot) return;  // the snapshot on its way includes it
   if (delta.epoch === state.epoch && delta.seq <= state.seq) return;  // already in the snapshot
   if (!state.follows(delta)) {
@@ -361,6 +373,12 @@ async function prefixAction(action, body, question) {
 }
 
 if (page.operator) {
+  $("#pause-toggle").onclick = async () => {
+    const action = engineState === "paused" ? "resume" : "pause";
+    if (action === "pause" && !(await confirmAction(`Pause engine ${page.name}? No step runs until you resume it; its requests keep their place and their KV blocks.`))) return;
+    const result = await act(`/api/engines/${encodeURIComponent(page.name)}/${action}/`, {}, `${action === "pause" ? "Pause" : "Resume"} ${page.name}`);
+    if (result.ok) showState(action === "pause" ? "paused" : "ready");
+  };
   $("#evict").onclick = () => {
     const n = $("#evict-n").value.trim();
     prefixAction("evict", n === "" ? {} : { num_blocks: Number(n) },

@@ -31,7 +31,8 @@ for (const card of document.querySelectorAll(".card[data-engine]")) {
     },
     onMessage: (message) => {
       if (message.type === "hello") {
-        status(message.alive ? "ready" : message.status, message.alive ? "ready" : message.status);
+        const state = message.alive ? (message.metrics?.state === "paused" ? "paused" : "ready") : message.status;
+        status(state, state);
         if (message.metrics && Object.keys(message.metrics).length) show(message.metrics);
       } else if (message.type === "history") {
         rates.splice(0, rates.length, ...message.items.map((p) => p.generation_tokens_per_s || 0));
@@ -40,7 +41,8 @@ for (const card of document.querySelectorAll(".card[data-engine]")) {
       } else if (message.type === "summary") {
         lastSeen = performance.now();
         summaries[name] = (summaries[name] || 0) + 1;
-        status("ready", "ready");
+        const state = message.metrics?.state === "paused" ? "paused" : "ready";
+        status(state, state);
         show(message.metrics);
         rates.push(message.metrics.generation_tokens_per_s || 0);
         if (rates.length > SPARK_POINTS * 2) rates.splice(0, rates.length - SPARK_POINTS * 2);

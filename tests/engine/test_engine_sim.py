@@ -392,3 +392,27 @@ def test_cache_salts_keep_users_apart_but_share_pinned_prefixes():
     assert done["b2"].num_cached_tokens == 16
     assert done["b2"].output_token_ids == expected(system + [6, 7], 3)
     engine.kv.check_invariants()
+
+
+def test_pause_holds_every_request_and_its_blocks_until_resume():
+    engine = sim_engine()
+    ps = prompts(3, lo=10, hi=20, seed=7)
+    for i, p in enumerate(ps):
+        engine.add_request(f"r{i}", p, greedy(10))
+    engine.step()
+    held = {f"r{i}": engine.kv.block_ids(f"r{i}") for i in range(3)}
+    steps = engine.step_count
+    assert engine.pause()["state"] == "paused" and engine.metrics()["state"] == "paused"
+    engine.add_request("late", ps[0], greedy(10))  # waits
+    assert engine.step() == [] and engine.step_count == steps
+    assert not engine.has_work_to_run() and engine.has_unfinished_requests()
+    assert {r: engine.kv.block_ids(r) for r in held} == held  # KV kept
+    engine.abort("r2")  # still ends, and is reported though paused
+    assert engine.has_work_to_run()
+    (aborted,) = engine.step()
+    assert aborted.request_id == "r2" and aborted.finished and engine.step_count == steps
+    engine.resume()
+    final = run_all(engine)
+    assert final["r0"].output_token_ids == expected(ps[0], 10) == final["late"].output_token_ids
+    assert final["r1"].output_token_ids == expected(ps[1], 10)
+    assert engine.metrics()["state"] == "ready"

@@ -61,3 +61,27 @@ def test_evicted_prefixes_leave_the_index(two_engines):
     again = submit(two_engines, SYSTEM_B + "after the reset")
     assert again["routing"]["cached_blocks"][home] == 0
     assert again["num_cached_tokens"] == 0  # only `home` ever held prompt B
+
+
+def test_a_paused_engine_takes_no_routed_jobs_until_resumed(two_engines):
+    """Pause the engine holding prompt A's prefix: jobs go to the other one (its state
+    reaches the router with the next heartbeat); a job naming the paused engine waits
+    there; resume, and it runs, and routing comes back."""
+    home = submit(two_engines, SYSTEM_A + "before the pause")["engine"]
+    other = "west" if home == "east" else "east"
+    assert two_engines.api("POST", f"/api/engines/{home}/pause/").json()["ok"]
+    two_engines.wait(lambda: two_engines.api("GET", f"/api/engines/{home}/").json()
+                     ["engine"]["state"] == "paused", "the paused state in the API", 15)
+    moved = submit(two_engines, SYSTEM_A + "during the pause")
+    assert moved["engine"] == other  # though `home` holds the prefix
+    named = two_engines.api("POST", "/api/jobs/", json={
+        "prompt": "wait for me", "max_tokens": 2, "engine": home}).json()
+    assert two_engines.api("GET", f"/api/jobs/{named['id']}/").json()["status"] in (
+        "queued", "running")
+    assert two_engines.api("POST", f"/api/engines/{home}/resume/").json()["ok"]
+    assert two_engines.wait_job(named["id"])["status"] == "finished"
+    two_engines.wait(lambda: two_engines.api("GET", f"/api/engines/{home}/").json()
+                     ["engine"]["state"] == "ready", "the ready state in the API", 15)
+    assert submit(two_engines, SYSTEM_A + "after the pause")["engine"] == home
+    refused = two_engines.api("POST", f"/api/engines/{home}/pause/", user="alice")
+    assert refused.status_code == 403
