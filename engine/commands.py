@@ -74,6 +74,8 @@ OPERATOR_COMMANDS: dict[str, Callable[[LLMEngine, dict], Any]] = {
     "inject-fault": _inject_fault,
     "pause": lambda e, a: e.pause(),
     "resume": lambda e, a: e.resume(),
+    "drain": lambda e, a: e.drain(),
+    "undrain": lambda e, a: e.undrain(),
 }
 
 

@@ -125,7 +125,7 @@ class CoreServer:
                 if deadline is not None and time.time() > deadline:
                     raise CommandExpired(f"{name}: its caller had stopped waiting; not applied")
                 result = run_command(self.engine, name, dict(arguments or {}))
-                if name in ("pause", "resume"):
+                if name in ("pause", "resume", "drain", "undrain"):
                     self._next_metrics = 0.0  # the worker's heartbeat must not say otherwise
             else:
                 raise InvalidRequestError(f"unknown message {kind!r}")

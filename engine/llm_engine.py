@@ -73,6 +73,9 @@ class LLMEngine:
         self._gen_rate = RateMeter()
         # An operator's pause: no step runs (requests and their KV stay) until resume()
         self.paused = False
+        # An operator's drain: the service routes no new jobs here; the engine reports
+        # draining until its last request ends, then drained (it still runs what it gets)
+        self.draining = False
         self._kv_publisher = None  # engine/kv_events_zmq.py, with config.kv_events_endpoint
         if config.kv_events_endpoint:
             from engine.kv_events_zmq import ZmqKVEventPublisher
@@ -412,7 +415,27 @@ class LLMEngine:
     def resume(self) -> dict:
         self.paused = False
         self.version += 1
-        return {"state": "ready"}
+        return {"state": self.state}
+
+    def drain(self) -> dict:
+        self.draining = True
+        self.version += 1
+        return {"state": self.state, "running": len(self.scheduler.running),
+                "waiting": len(self.scheduler.waiting)}
+
+    def undrain(self) -> dict:
+        self.draining = False
+        self.version += 1
+        return {"state": self.state}
+
+    @property
+    def state(self) -> str:
+        """ready, paused, draining (requests left) or drained: an operator's doing."""
+        if self.paused:
+            return "paused"
+        if self.draining:
+            return "draining" if self.has_unfinished_requests() else "drained"
+        return "ready"
 
     def has_work_to_run(self) -> bool:
         """Whether a step now would do anything: requests and not paused, or ended
@@ -543,7 +566,7 @@ class LLMEngine:
             "prompt_tokens_per_s": self._prompt_rate.rate(now),
             "generation_tokens_per_s": self._gen_rate.rate(now),
             "num_steps": self.step_count,
-            "state": "paused" if self.paused else "ready",  # (an operator's pause)
+            "state": self.state,  # (an operator's pause or drain)
             # Load, for routing: tokens the engine still has to hold or compute.
             "running_tokens": sum(r.num_tokens for r in sched.running),
             "waiting_tokens": sum(r.num_tokens for r in sched.waiting),

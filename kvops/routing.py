@@ -51,12 +51,15 @@ def choose_queue(job: Job) -> tuple[str, dict]:
             "reason": "the job named its engine"}
     mode = policy()
     engines = [e for e in selectors.recent_engines() if selectors.engine_alive(e)]
-    # A paused engine takes no routed jobs while another engine runs; when all are
-    # paused, jobs go to them and wait for a resume.
-    engines = [e for e in engines if selectors.engine_state(e) != "paused"] or engines
+    # Paused and draining engines take no routed jobs while another engine does; when
+    # every engine is paused, jobs go to them and wait for a resume; draining ones never
+    # take any (with none left, jobs wait in the shared queue, which their workers left).
+    states = {e.name: selectors.engine_state(e) for e in engines}
+    engines = [e for e in engines if states[e.name] == "ready"] or [
+        e for e in engines if states[e.name] == "paused"]
     if mode == "shared" or not engines:
-        reason = "no live engine: the first free worker takes it" if not engines \
-            else "shared queue: the first free worker takes it"
+        reason = ("no live engine takes jobs (draining or none): the first free worker "
+                  "takes it") if not engines else "shared queue: the first free worker takes it"
         return SHARED_QUEUE, {"policy": mode, "engine": None, "reason": reason}
     if mode == "round-robin":
         i = live.redis_client().incr("kvops:routing:rr") - 1

@@ -30,11 +30,15 @@ def engine_alive(engine: Engine) -> bool:
             and age < settings.KVOPS_ENGINE_DEAD_AFTER_S)
 
 
+OPERATOR_STATES = ("paused", "draining", "drained")
+
+
 def engine_state(engine: Engine) -> str:
-    """starting, ready, paused (an operator's pause, from its last heartbeat), stopped
-    or dead."""
-    if engine.status == Engine.Status.READY and (engine.metrics or {}).get("state") == "paused":
-        return "paused"
+    """starting, ready, paused, draining or drained (an operator's pause or drain, from
+    its last heartbeat), stopped or dead."""
+    state = (engine.metrics or {}).get("state")
+    if engine.status == Engine.Status.READY and state in OPERATOR_STATES:
+        return state
     return engine.status
 
 

@@ -256,9 +256,11 @@ class RequestActionView(APIView):
 
 class EngineActionView(APIView):
     """POST /api/engines/<name>/pause/ and /resume/: stop running steps (every request
-    keeps its place and its KV blocks; new jobs routed here wait) and start again."""
+    keeps its place and its KV blocks; new jobs routed here wait) and start again.
+    /drain/ and /undrain/: route no new jobs here (its worker leaves the shared queue),
+    let the running ones finish (the state goes draining, then drained), and back."""
     permission_classes = [permissions.IsAuthenticated, IsOperator]
-    ACTIONS = ("pause", "resume")
+    ACTIONS = ("pause", "resume", "drain", "undrain")
 
     @extend_schema(request=EmptySerializer, responses=OPERATOR_RESPONSES,
                    parameters=[IDEMPOTENCY_KEY])

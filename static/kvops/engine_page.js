@@ -99,6 +99,8 @@ function showState(s) {
   $("#engine-status").textContent = s;
   const toggle = $("#pause-toggle");
   if (toggle) toggle.textContent = s === "paused" ? "Resume" : "Pause";
+  const drain = $("#drain-toggle");
+  if (drain) drain.textContent = s === "draining" || s === "drained" ? "Undrain" : "Drain";
 }
 
 function applyDelta(delta, meta) {
@@ -377,7 +379,13 @@ if (page.operator) {
     const action = engineState === "paused" ? "resume" : "pause";
     if (action === "pause" && !(await confirmAction(`Pause engine ${page.name}? No step runs until you resume it; its requests keep their place and their KV blocks.`))) return;
     const result = await act(`/api/engines/${encodeURIComponent(page.name)}/${action}/`, {}, `${action === "pause" ? "Pause" : "Resume"} ${page.name}`);
-    if (result.ok) showState(action === "pause" ? "paused" : "ready");
+    if (result.ok) showState(result.data?.result?.state || (action === "pause" ? "paused" : "ready"));
+  };
+  $("#drain-toggle").onclick = async () => {
+    const action = engineState === "draining" || engineState === "drained" ? "undrain" : "drain";
+    if (action === "drain" && !(await confirmAction(`Drain engine ${page.name}? No new jobs are routed to it; the running ones finish.`))) return;
+    const result = await act(`/api/engines/${encodeURIComponent(page.name)}/${action}/`, {}, `${action === "drain" ? "Drain" : "Undrain"} ${page.name}`);
+    if (result.ok) showState(result.data?.result?.state || "ready");
   };
   $("#evict").onclick = () => {
     const n = $("#evict-n").value.trim();

@@ -31,7 +31,7 @@ for (const card of document.querySelectorAll(".card[data-engine]")) {
     },
     onMessage: (message) => {
       if (message.type === "hello") {
-        const state = message.alive ? (message.metrics?.state === "paused" ? "paused" : "ready") : message.status;
+        const state = message.alive ? (message.metrics?.state || "ready") : message.status;
         status(state, state);
         if (message.metrics && Object.keys(message.metrics).length) show(message.metrics);
       } else if (message.type === "history") {
@@ -41,7 +41,7 @@ for (const card of document.querySelectorAll(".card[data-engine]")) {
       } else if (message.type === "summary") {
         lastSeen = performance.now();
         summaries[name] = (summaries[name] || 0) + 1;
-        const state = message.metrics?.state === "paused" ? "paused" : "ready";
+        const state = message.metrics?.state || "ready";
         status(state, state);
         show(message.metrics);
         rates.push(message.metrics.generation_tokens_per_s || 0);

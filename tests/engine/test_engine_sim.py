@@ -416,3 +416,16 @@ def test_pause_holds_every_request_and_its_blocks_until_resume():
     assert final["r0"].output_token_ids == expected(ps[0], 10) == final["late"].output_token_ids
     assert final["r1"].output_token_ids == expected(ps[1], 10)
     assert engine.metrics()["state"] == "ready"
+
+
+def test_drain_reports_draining_until_the_last_request_ends():
+    engine = sim_engine()
+    engine.add_request("r", prompts(1, seed=8)[0], greedy(6))
+    engine.step()
+    assert engine.drain()["state"] == "draining" and engine.metrics()["state"] == "draining"
+    final = run_all(engine)  # a draining engine still runs what it has
+    assert final["r"].finished and engine.metrics()["state"] == "drained"
+    assert engine.undrain()["state"] == "ready"
+    engine.pause()
+    engine.drain()
+    assert engine.state == "paused"  # a pause shows first

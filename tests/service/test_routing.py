@@ -74,6 +74,7 @@ def test_a_paused_engine_takes_no_routed_jobs_until_resumed(two_engines):
                      ["engine"]["state"] == "paused", "the paused state in the API", 15)
     moved = submit(two_engines, SYSTEM_A + "during the pause")
     assert moved["engine"] == other  # though `home` holds the prefix
+    assert home not in moved["routing"]["load_tokens"]  # not a candidate
     named = two_engines.api("POST", "/api/jobs/", json={
         "prompt": "wait for me", "max_tokens": 2, "engine": home}).json()
     assert two_engines.api("GET", f"/api/jobs/{named['id']}/").json()["status"] in (
@@ -82,6 +83,30 @@ def test_a_paused_engine_takes_no_routed_jobs_until_resumed(two_engines):
     assert two_engines.wait_job(named["id"])["status"] == "finished"
     two_engines.wait(lambda: two_engines.api("GET", f"/api/engines/{home}/").json()
                      ["engine"]["state"] == "ready", "the ready state in the API", 15)
-    assert submit(two_engines, SYSTEM_A + "after the pause")["engine"] == home
+    after = submit(two_engines, SYSTEM_A + "after the pause")  # (both hold the prefix now)
+    assert home in after["routing"]["load_tokens"]  # a candidate again
     refused = two_engines.api("POST", f"/api/engines/{home}/pause/", user="alice")
     assert refused.status_code == 403
+
+
+def test_a_draining_engine_finishes_its_jobs_and_takes_no_new_ones(two_engines):
+    """Drain the engine holding prompt B's prefix while a long job runs there: new jobs
+    go to the other engine, the running one finishes, the state goes draining then
+    drained; undrain, and routing comes back."""
+    home = submit(two_engines, SYSTEM_B + "before the drain")["engine"]
+    other = "west" if home == "east" else "east"
+    long = two_engines.api("POST", "/api/jobs/", json={
+        "prompt": SYSTEM_B + "a long one", "max_tokens": 300, "engine": home}).json()
+    two_engines.wait_running(long["id"])
+    answer = two_engines.api("POST", f"/api/engines/{home}/drain/").json()
+    assert answer["ok"] and answer["result"]["state"] == "draining"
+    assert two_engines.api("GET", f"/api/engines/{home}/").json()["engine"]["state"] in (
+        "draining", "drained")
+    assert submit(two_engines, SYSTEM_B + "during the drain")["engine"] == other
+    assert two_engines.wait_job(long["id"])["status"] == "finished"
+    two_engines.wait(lambda: two_engines.api("GET", f"/api/engines/{home}/").json()
+                     ["engine"]["state"] == "drained", "drained once its job ended", 15)
+    assert two_engines.api("POST", f"/api/engines/{home}/undrain/").json()["ok"]
+    assert two_engines.api("GET", f"/api/engines/{home}/").json()["engine"]["state"] == "ready"
+    after = submit(two_engines, SYSTEM_B + "after the drain")
+    assert home in after["routing"]["load_tokens"]
