@@ -76,6 +76,7 @@ OPERATOR_COMMANDS: dict[str, Callable[[LLMEngine, dict], Any]] = {
     "resume": lambda e, a: e.resume(),
     "drain": lambda e, a: e.drain(),
     "undrain": lambda e, a: e.undrain(),
+    "set-limits": lambda e, a: e.set_limits(a.get("max_num_seqs"), a.get("max_num_batched_tokens")),
 }
 
 

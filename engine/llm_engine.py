@@ -76,6 +76,10 @@ class LLMEngine:
         # An operator's drain: the service routes no new jobs here; the engine reports
         # draining until its last request ends, then drained (it still runs what it gets)
         self.draining = False
+        # set_limits may lower the batch limits and raise them back, never above these:
+        # the worker's threads and a GPU's activation memory were sized for them
+        self.limit_caps = {"max_num_seqs": config.max_num_seqs,
+                           "max_num_batched_tokens": config.max_num_batched_tokens}
         self._kv_publisher = None  # engine/kv_events_zmq.py, with config.kv_events_endpoint
         if config.kv_events_endpoint:
             from engine.kv_events_zmq import ZmqKVEventPublisher
@@ -427,6 +431,30 @@ class LLMEngine:
         self.draining = False
         self.version += 1
         return {"state": self.state}
+
+    def set_limits(self, max_num_seqs: int | None = None,
+                   max_num_batched_tokens: int | None = None) -> dict:
+        """Change the batch limits between two steps (an operator's live tuning). Each
+        must lie in [1 (16 for the token budget), its value at start]. A lower
+        max_num_seqs preempts nobody: admissions wait until the batch is below it."""
+        changes = {"max_num_seqs": max_num_seqs,
+                   "max_num_batched_tokens": max_num_batched_tokens}
+        for name, value in changes.items():
+            if value is None:
+                continue
+            low = 16 if name == "max_num_batched_tokens" else 1
+            if isinstance(value, bool) or not isinstance(value, int) or \
+                    not low <= value <= self.limit_caps[name]:
+                raise InvalidRequestError(
+                    f"{name} must be an integer in [{low}, {self.limit_caps[name]}] (its "
+                    f"value at start bounds it), got {value!r}")
+        for name, value in changes.items():
+            if value is not None:
+                setattr(self.config, name, value)
+        self.version += 1
+        return {"max_num_seqs": self.config.max_num_seqs,
+                "max_num_batched_tokens": self.config.max_num_batched_tokens,
+                "caps": dict(self.limit_caps)}
 
     @property
     def state(self) -> str:

@@ -244,6 +244,20 @@ class EmptySerializer(StrictMixin, serializers.Serializer):
     pass
 
 
+class LimitsSerializer(StrictMixin, serializers.Serializer):
+    """The engine checks each against its value at start."""
+    max_num_seqs = serializers.IntegerField(required=False, allow_null=True, default=None,
+                                            min_value=1, max_value=1 << 20)
+    max_num_batched_tokens = serializers.IntegerField(required=False, allow_null=True,
+                                                      default=None, min_value=16,
+                                                      max_value=1 << 24)
+
+    def validate(self, data):
+        if data.get("max_num_seqs") is None and data.get("max_num_batched_tokens") is None:
+            raise serializers.ValidationError("give max_num_seqs or max_num_batched_tokens")
+        return data
+
+
 class PrefixSerializer(StrictMixin, serializers.Serializer):
     prompt = TextField(required=False, max_length=limits.MAX_PROMPT_CHARS,
                                    trim_whitespace=False)

@@ -16,6 +16,7 @@ urlpatterns = [
          views.RequestActionView.as_view(), name="request-action"),
     path("engines/<str:name>/prefix-cache/<str:action>/",
          views.PrefixCacheActionView.as_view(), name="prefix-cache-action"),
+    path("engines/<str:name>/limits/", views.EngineLimitsView.as_view(), name="engine-limits"),
     *(path(f"engines/<str:name>/{action}/", views.EngineActionView.as_view(),
            {"action": action}, name=f"engine-{action}")
       for action in views.EngineActionView.ACTIONS),

@@ -15,7 +15,7 @@ from rest_framework.views import APIView
 
 from kvops import idempotency, limits, selectors, services
 from kvops.api.serializers import (EmptySerializer, EngineSerializer, EvictSerializer,
-                                   JobCreateSerializer, JobSerializer,
+                                   JobCreateSerializer, JobSerializer, LimitsSerializer,
                                    OperatorActionSerializer, PrefixSerializer)
 from kvops.models import Engine, Job
 from kvops.prompt_check import PromptTooLong, check_prompt_fits
@@ -268,6 +268,21 @@ class EngineActionView(APIView):
         EmptySerializer(data=request.data or {}).is_valid(raise_exception=True)
         engine = get_object_or_404(Engine, name=name)
         return _action_answer(request, engine, action, name, {})
+
+
+class EngineLimitsView(APIView):
+    """POST /api/engines/<name>/limits/ {max_num_seqs, max_num_batched_tokens}: change
+    the batch limits live, between two steps, within [1, their value at start]."""
+    permission_classes = [permissions.IsAuthenticated, IsOperator]
+
+    @extend_schema(request=LimitsSerializer, responses=OPERATOR_RESPONSES,
+                   parameters=[IDEMPOTENCY_KEY])
+    def post(self, request, name: str):
+        serializer = LimitsSerializer(data=request.data or {})
+        serializer.is_valid(raise_exception=True)
+        engine = get_object_or_404(Engine, name=name)
+        arguments = {k: v for k, v in serializer.validated_data.items() if v is not None}
+        return _action_answer(request, engine, "set-limits", name, arguments)
 
 
 class PrefixCacheActionView(APIView):

@@ -69,6 +69,10 @@ function handle(message, meta) {
 
 function loadSnapshot(snapshot) {
   state = new KVState(snapshot);
+  for (const [id, key] of [["#limit-seqs", "max_num_seqs"], ["#limit-tokens", "max_num_batched_tokens"]]) {
+    const input = $(id);  // (operators only) the engine's limits now, unless being edited
+    if (input && document.activeElement !== input && snapshot.config?.[key] != null) input.value = snapshot.config[key];
+  }
   awaitingSnapshot = false;
   askedAt = null;
   perf.snapshots++;
@@ -386,6 +390,13 @@ if (page.operator) {
     if (action === "drain" && !(await confirmAction(`Drain engine ${page.name}? No new jobs are routed to it; the running ones finish.`))) return;
     const result = await act(`/api/engines/${encodeURIComponent(page.name)}/${action}/`, {}, `${action === "drain" ? "Drain" : "Undrain"} ${page.name}`);
     if (result.ok) showState(result.data?.result?.state || "ready");
+  };
+  $("#limit-apply").onclick = async () => {
+    const body = {};
+    const seqs = $("#limit-seqs").value.trim(), tokens = $("#limit-tokens").value.trim();
+    if (seqs !== "") body.max_num_seqs = Number(seqs);
+    if (tokens !== "") body.max_num_batched_tokens = Number(tokens);
+    await act(`/api/engines/${encodeURIComponent(page.name)}/limits/`, body, "Batch limits");
   };
   $("#evict").onclick = () => {
     const n = $("#evict-n").value.trim();

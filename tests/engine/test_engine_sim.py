@@ -429,3 +429,22 @@ def test_drain_reports_draining_until_the_last_request_ends():
     engine.pause()
     engine.drain()
     assert engine.state == "paused"  # a pause shows first
+
+
+def test_batch_limits_change_between_steps_within_their_caps():
+    engine = sim_engine(max_num_seqs=8, max_num_batched_tokens=64)
+    assert engine.set_limits(max_num_seqs=2)["max_num_seqs"] == 2
+    for i, p in enumerate(prompts(5, lo=3, hi=6, seed=9)):
+        engine.add_request(f"r{i}", p, greedy(4))
+    most = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        most = max(most, len(engine.scheduler.running))
+    assert most == 2
+    assert engine.set_limits(max_num_seqs=8, max_num_batched_tokens=16)["max_num_batched_tokens"] == 16
+    assert engine.describe_config()["max_num_batched_tokens"] == 16
+    for bad in ({"max_num_seqs": 9}, {"max_num_seqs": 0}, {"max_num_batched_tokens": 65},
+                {"max_num_batched_tokens": 15}, {"max_num_seqs": True}):
+        with pytest.raises(InvalidRequestError):
+            engine.set_limits(**bad)
+    assert engine.config.max_num_seqs == 8  # a refused change changes nothing
