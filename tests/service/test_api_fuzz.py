@@ -34,6 +34,12 @@ def test_schemathesis_finds_no_5xx(fuzz_stack):
          "--generation-deterministic", "--request-timeout", "30", "--continue-on-failure"],
         capture_output=True, text=True, timeout=900)
     report = out.stdout + out.stderr
+    # The fuzzer called every operation, the engine's pause, drain and limits too: put
+    # the engine back as the other tests need it.
+    for action, body in (("resume", {}), ("undrain", {}),
+                         ("limits", {"max_num_seqs": 32, "max_num_batched_tokens": 2048})):
+        answer = fuzz_stack.api("POST", f"/api/engines/fuzz/{action}/", json=body)
+        assert answer.status_code == 200, answer.text
     assert out.returncode == 0, report[-4000:]
     cases = re.search(r"(\d+) generated, (\d+) passed", report)
     assert cases and cases.group(1) == cases.group(2) and int(cases.group(1)) > 200, report[-2000:]
