@@ -109,7 +109,10 @@ function showState(s) {
 
 function applyDelta(delta, meta) {
   heardAt = performance.now();
-  if (delta.metrics?.state) showState(delta.metrics.state);
+  if (delta.metrics?.state) {
+    showState(delta.metrics.state);
+    perf.engineState = delta.metrics.state;  // as the engine last said it (tests)
+  }
   if (!state || awaitingSnapshot) return;  // the snapshot on its way includes it
   if (delta.epoch === state.epoch && delta.seq <= state.seq) return;  // already in the snapshot
   if (!state.follows(delta)) {

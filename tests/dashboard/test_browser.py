@@ -208,11 +208,12 @@ def test_pause_and_resume_from_the_engine_page(login, stack):
     held = page.evaluate(f"""() => [...kvops.state().requests.values()].find(
         r => r.job_id === "{job}").block_table.length""")
     assert held > 0  # paused, its request keeps its blocks
-    # The heartbeat brings the paused state to the API (by then the page has every delta
-    # of the steps before the pause); the engine steps no more: the count the page shows
-    # stays put while the overview loads and shows the engine paused.
+    # The API says paused; once a delta from the engine says so too, the page has every
+    # delta of the steps before the pause (they come in order). The engine steps no
+    # more: the count the page shows stays put while the overview loads and shows it.
     page.wait_for_function("""async () => (await (await fetch("/api/engines/sim/")).json())
         .engine.state === "paused" """, polling=200)
+    page.wait_for_function("kvopsPerf.engineState === 'paused'")
     stopped_at = outputs()
     overview = page.context.new_page()
     overview.goto(f"{stack.url}/")
