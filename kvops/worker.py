@@ -131,8 +131,11 @@ def kvops_engine(state, command: str, arguments: dict | None = None,
     try:
         if timeout_s <= 0:
             raise TimeoutError("the command arrived after its deadline")
-        result = get_engine_service().command(command, dict(arguments or {}),
-                                              timeout_s=timeout_s)
+        service = get_engine_service()
+        result = service.command(command, dict(arguments or {}), timeout_s=timeout_s)
+        if isinstance(result, dict) and command in ("pause", "resume", "drain", "undrain"):
+            # the next heartbeat must carry the new state, not metrics read before it
+            service.latest_metrics = {**service.latest_metrics, "state": result["state"]}
         return {"ok": True, "result": result, "ms": round(1000 * (time.monotonic() - started))}
     except TimeoutError as e:
         return {"ok": False, "error": "CommandExpired", "message": f"not applied: {e}"}
