@@ -128,7 +128,7 @@ class TritonAttention:
             seq_lens=torch.tensor(batch.seq_lens, dtype=torch.int32).to(self.device, non_blocking=True),
             query_start_loc=torch.tensor(batch.query_start_loc, dtype=torch.int32).to(
                 self.device, non_blocking=True),
-            max_seq_len=max(batch.seq_lens), max_query_len=max(query_lens), batch=batch)
+            max_seq_len=max(batch.seq_lens), max_query_len=max(query_lens))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                 kv_layer: torch.Tensor, plan: "TritonPlan", scale: float, window: int | None = None,
@@ -150,7 +150,6 @@ class TritonPlan:
     query_start_loc: torch.Tensor  # [S + 1] int32
     max_seq_len: int
     max_query_len: int
-    batch: AttentionBatch
 
 
 def make_attention_backend(name: str, device: torch.device,

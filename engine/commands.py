@@ -58,6 +58,10 @@ def _inject_fault(engine: LLMEngine, arguments: dict) -> dict:
     return {"armed": True}
 
 
+# Commands that change the engine's state (LLMEngine.state): whoever relays one passes
+# the new state on at once (the core's next metrics, the worker's heartbeat, routing).
+STATE_COMMANDS = ("pause", "resume", "drain", "undrain")
+
 OPERATOR_COMMANDS: dict[str, Callable[[LLMEngine, dict], Any]] = {
     "preempt": lambda e, a: e.preempt(_request_id(a)),
     "swap-out": lambda e, a: e.swap_out(_request_id(a)),

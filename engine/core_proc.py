@@ -40,7 +40,7 @@ import time
 import msgpack
 import zmq
 
-from engine.commands import add_requests, run_command
+from engine.commands import STATE_COMMANDS, add_requests, run_command
 from engine.config import EngineConfig
 from engine.errors import CommandExpired, EngineError, InvalidRequestError
 from engine.kv_feed import KVFeed
@@ -125,7 +125,7 @@ class CoreServer:
                 if deadline is not None and time.time() > deadline:
                     raise CommandExpired(f"{name}: its caller had stopped waiting; not applied")
                 result = run_command(self.engine, name, dict(arguments or {}))
-                if name in ("pause", "resume", "drain", "undrain"):
+                if name in STATE_COMMANDS:
                     self._next_metrics = 0.0  # the worker's heartbeat must not say otherwise
             else:
                 raise InvalidRequestError(f"unknown message {kind!r}")

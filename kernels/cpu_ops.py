@@ -63,17 +63,17 @@ class CpuKernelOps(TorchOps):
     def prepare(self, model: "Transformer") -> None:
         from engine.model import FeedForward, Linear
 
+        linears = []
         for module in model.modules():
             if isinstance(module, FeedForward) and module.activation == "silu":
                 self.packed_gate_up[id(module)] = self.k.pack_gate_up(
                     module.w_gate_up.weight_t.detach(), module.intermediate_size)
-        for module in model.modules():
-            if isinstance(module, Linear):
+            elif isinstance(module, Linear):
                 self.packed[id(module)] = self.k.pack_weight(module.weight_t.detach())
+                linears.append(module)
         if self.max_rows is None:  # the packed kernels take every matmul: free the plain copies
-            for module in model.modules():
-                if isinstance(module, Linear):
-                    module.drop_plain_weight()
+            for module in linears:
+                module.drop_plain_weight()
         self.lm_head_packed = self.k.pack_weight(model.lm_head.weight.detach().t().contiguous())
         if not model.args.tie_word_embeddings:  # (tied, it is the embedding table too)
             model.lm_head.weight = torch.nn.Parameter(

@@ -11,6 +11,7 @@ from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
 from redis.exceptions import RedisError
 
+from engine.commands import STATE_COMMANDS
 from kvops import control, idempotency, live, metrics_store, selectors
 from kvops.idempotency import KeyReused
 from kvops.models import Engine, Job, OperatorAction
@@ -618,7 +619,7 @@ def operator_action(user, engine: Engine, action: str, target: str, arguments: d
         status, body = ERROR_STATUS.get(reply.get("error"), 500), reply
     row.ok, row.status_code, row.result = status == 200, status, body
     row.save()
-    if status == 200 and action in ENGINE_STATE_ACTIONS:
+    if status == 200 and action in STATE_COMMANDS:
         _note_engine_state(engine, str((body.get("result") or {}).get("state", "ready")))
         if action in ("drain", "undrain"):  # a draining worker takes nothing from the shared queue
             consumers = control.app.control
@@ -626,9 +627,6 @@ def operator_action(user, engine: Engine, action: str, target: str, arguments: d
                 SHARED_QUEUE, destination=[engine.worker], reply=True,
                 timeout=settings.KVOPS_CONTROL_TIMEOUT_S)
     return status, body, False
-
-
-ENGINE_STATE_ACTIONS = ("pause", "resume", "drain", "undrain")
 
 
 def _note_engine_state(engine: Engine, state: str) -> None:

@@ -122,6 +122,7 @@ def kvops_engine(state, command: str, arguments: dict | None = None,
     not reached by then is dropped, never applied late."""
     from django.conf import settings
 
+    from engine.commands import STATE_COMMANDS
     from kvops.engine_service import EngineError
 
     started = time.monotonic()
@@ -133,7 +134,7 @@ def kvops_engine(state, command: str, arguments: dict | None = None,
             raise TimeoutError("the command arrived after its deadline")
         service = get_engine_service()
         result = service.command(command, dict(arguments or {}), timeout_s=timeout_s)
-        if isinstance(result, dict) and command in ("pause", "resume", "drain", "undrain"):
+        if isinstance(result, dict) and command in STATE_COMMANDS:
             # the next heartbeat must carry the new state, not metrics read before it
             service.latest_metrics = {**service.latest_metrics, "state": result["state"]}
         return {"ok": True, "result": result, "ms": round(1000 * (time.monotonic() - started))}

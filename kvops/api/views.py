@@ -13,6 +13,7 @@ from rest_framework.exceptions import (APIException, NotFound, PermissionDenied,
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from engine.commands import STATE_COMMANDS
 from kvops import idempotency, limits, selectors, services
 from kvops.api.serializers import (EmptySerializer, EngineSerializer, EvictSerializer,
                                    JobCreateSerializer, JobSerializer, LimitsSerializer,
@@ -260,7 +261,7 @@ class EngineActionView(APIView):
     /drain/ and /undrain/: route no new jobs here (its worker leaves the shared queue),
     let the running ones finish (the state goes draining, then drained), and back."""
     permission_classes = [permissions.IsAuthenticated, IsOperator]
-    ACTIONS = ("pause", "resume", "drain", "undrain")
+    ACTIONS = STATE_COMMANDS
 
     @extend_schema(request=EmptySerializer, responses=OPERATOR_RESPONSES,
                    parameters=[IDEMPOTENCY_KEY])
