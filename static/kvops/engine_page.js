@@ -1,14 +1,15 @@
 // The engine page: block maps, requests, charts and events of one engine, live.
-// Data: a snapshot, then deltas in sequence (a gap or a restart asks for a new snapshot);
-// operator actions go through the REST API. window.kvopsPerf keeps timings for tests.
+// Data: a snapshot, then deltas in sequence (live_sync.js: a gap or a restart asks for a
+// new snapshot); operator actions go through the REST API. window.kvopsPerf keeps timings
+// for tests.
 import { api, errorText } from "./api.js";
 import { BlockMap } from "./blockmap.js";
 import { timeChart } from "./charts.js";
 import { Palette, ownerCss } from "./colors.js";
 import { EventLog } from "./event_log.js";
 import { $, esc, num, pct, toast } from "./format.js";
-import { KVState } from "./kvstate.js";
 import { MetricsHistory, cumulativeHitRate } from "./metrics.js";
+import { LiveSync } from "./live_sync.js";
 import { RequestTable } from "./request_table.js";
 import { LiveSocket } from "./socket.js";
 
@@ -22,10 +23,8 @@ const perf = window.kvopsPerf = { deltas: 0, snapshots: 0, resyncs: 0, applyMs: 
                                   parts: { state: 0, maps: 0, table: 0, rest: 0 },
                                   lastDeltaAt: 0, bytes: () => socket.bytes, frames: () => socket.frames,
                                   reconnects: () => socket.reconnects };
-let state = null;
-let awaitingSnapshot = true;
-let askedAt = null;  // when the snapshot we wait for was asked for (performance.now())
-let heardAt = performance.now();  // when the last delta or live snapshot came
+const sync = new LiveSync();
+let state = null;  // the KVState on screen
 let selected = null;  // request index
 let prevCounts = [null, null];  // preemptions, swaps out: the charts' totals follow them
 let wanted = new URLSearchParams(location.search).get("request");  // select once it shows up
@@ -43,8 +42,7 @@ const events = new EventLog($("#events"), $("#ev-rate"), $("#show-churn"), {
 // --- the live connection --------------------------------------------------------------
 const socket = new LiveSocket(`/ws/engines/${encodeURIComponent(page.name)}/`, {
   onOpen: () => {
-    awaitingSnapshot = true;
-    askedAt = performance.now();
+    sync.subscribed();
     socket.send({ type: "subscribe", level: "full" });
     socket.send({ type: "history", what: "events", count: 300 });
     socket.send({ type: "history", what: "metrics", count: 600 });
@@ -68,19 +66,14 @@ function handle(message, meta) {
 }
 
 function loadSnapshot(snapshot) {
-  state = new KVState(snapshot);
+  state = sync.applySnapshot(snapshot);
   for (const [id, key] of [["#limit-seqs", "max_num_seqs"], ["#limit-tokens", "max_num_batched_tokens"]]) {
     const input = $(id);  // (operators only) the engine's limits now, unless being edited
     if (input && document.activeElement !== input && snapshot.config?.[key] != null) input.value = snapshot.config[key];
   }
-  awaitingSnapshot = false;
-  askedAt = null;
   perf.snapshots++;
   note({ snapshot: snapshot.seq, epoch: snapshot.epoch, stale: !!snapshot.stale });
-  if (!snapshot.stale) {
-    heardAt = performance.now();
-    socket.healthy();
-  }
+  if (!snapshot.stale) socket.healthy();
   gpuMap.attach(state.gpu, state.evictRank, $("#gpu-wrap").clientWidth);
   cpuMap.attach(state.cpu, null, $("#cpu-wrap").clientWidth);
   $("#gpu-caption").textContent = `${num(state.gpu.n)} blocks of ${state.config.block_size} tokens${splitCaption(state.config)}`;
@@ -108,23 +101,16 @@ function showState(s) {
 }
 
 function applyDelta(delta, meta) {
-  heardAt = performance.now();
   if (delta.metrics?.state) {
     showState(delta.metrics.state);
     perf.engineState = delta.metrics.state;  // as the engine last said it (tests)
   }
-  if (!state || awaitingSnapshot) return;  // the snapshot on its way includes it
-  if (delta.epoch === state.epoch && delta.seq <= state.seq) return;  // already in the snapshot
-  if (!state.follows(delta)) {
-    resync({ gap: [state.epoch, state.seq], got: [delta.epoch, delta.seq] });
-    return;
-  }
-  if (state.stale) {  // a stored snapshot that the engine's deltas follow: it is current
-    state.stale = false;
-    setConnection("live");
-  }
   const started = performance.now();
-  const changed = state.apply(delta);
+  const result = sync.applyDelta(delta);
+  if (result.needsResync) askResync(result.needsResync);
+  if (!result.ok) return;
+  if (result.nowLive) setConnection("live");  // a stored snapshot the engine's deltas follow
+  const changed = result.changed;
   const applied = performance.now();
   gpuMap.paint(changed.gpu);
   gpuMap.flush();
@@ -164,9 +150,8 @@ function note(what) {
   if (perf.log.length > 50) perf.log.shift();
 }
 
-function resync(why) {
-  awaitingSnapshot = true;
-  askedAt = performance.now();
+// The sync asked for a snapshot again (a gap, or silence): say so to the server.
+function askResync(why) {
   perf.resyncs++;
   note({ resync: why });
   socket.send({ type: "resync" });
@@ -178,25 +163,17 @@ function setConnection(status) {
   el.className = `pill conn ${status === "live" ? "live" : status === "stale" ? "stale" : "offline"}`;
 }
 
-// The publisher sends a delta at least once a second, idle or not. Nothing for STALE_MS
-// (Redis restarted, say): ask for a snapshot again, which also has the server re-join its
-// groups. No snapshot SNAPSHOT_WAIT_MS after asking: reconnect, with a growing delay. A
-// stale snapshot (the engine stopped) is left alone: its next delta, when it comes back,
-// is a gap, and that resyncs.
-const STALE_MS = 3000;
-const SNAPSHOT_WAIT_MS = 6000;  // the server waits 3 s for the engine, then sends the stored one
+// Silence asks for a snapshot again (which also has the server re-join its groups); a
+// snapshot that does not come reconnects, with a growing delay (live_sync.js says when).
 setInterval(() => {
   if (!socket.open) return;  // the socket reconnects by itself
-  const now = performance.now();
-  if (awaitingSnapshot) {
-    if (askedAt !== null && now - askedAt > SNAPSHOT_WAIT_MS) {
-      askedAt = null;
-      setConnection("reconnecting");
-      socket.reconnect();
-    }
-  } else if (!state.stale && now - heardAt > STALE_MS) {
+  const todo = sync.check();
+  if (todo?.reconnect) {
+    setConnection("reconnecting");
+    socket.reconnect();
+  } else if (todo?.resync) {
     setConnection("resyncing");
-    resync({ silentMs: Math.round(now - heardAt) });
+    askResync(todo.resync);
   }
 }, 500);
 

@@ -1,0 +1,154 @@
+// node --test: the engine page's live protocol (static/kvops/live_sync.js), without a
+// browser: snapshot, deltas in sequence, duplicates, gaps, silence.
+import assert from "node:assert/strict";
+import test from "node:test";
+
+import { LiveSync, placeDelta } from "../../../static/kvops/live_sync.js";
+
+// A small engine: 8 GPU blocks, 4 CPU blocks, request 1 holding GPU blocks 2 and 5.
+function snapshot({ epoch = "e1", seq = 10, stale = false } = {}) {
+  return {
+    type: "snapshot", engine: "t", epoch, seq, ts: 1000 + seq / 10, step: seq * 3, stale,
+    block_states: ["free", "used", "cached", "pinned"],
+    config: { block_size: 16, num_gpu_blocks: 8, num_cpu_blocks: 4 },
+    gpu: { state: [0, 0, 1, 0, 0, 1, 0, 0], ref_cnt: [0, 0, 1, 0, 0, 1, 0, 0],
+           owner: [0, 0, 1, 0, 0, 1, 0, 0], hash32: [0, 0, 7, 0, 0, 0, 0, 0] },
+    cpu: { state: [0, 0, 0, 0], ref_cnt: [0, 0, 0, 0], owner: [0, 0, 0, 0], hash32: [0, 0, 0, 0] },
+    requests: [{ index: 1, request_id: "r1", status: "running", num_prompt_tokens: 20,
+                 num_computed_tokens: 20, num_output_tokens: 0, block_table: [2, 5], cpu_block_table: [] }],
+    eviction_order: [0, 1],
+    metrics: { kv_usage: 0.25, running: 1 },
+  };
+}
+
+function delta(seq, parts = {}, epoch = "e1") {
+  return { type: "delta", engine: "t", epoch, seq, ts: 1000 + seq / 10, step: seq * 3,
+           metrics: { kv_usage: 0.25, running: 1, seq }, ...parts };
+}
+
+// Request 1 grows into block 6; request 2 arrives with block 3; request 1 decodes 4 tokens.
+const GROW = delta(11, {
+  gpu: { ids: [3, 3], state: [1, 1], ref_cnt: [1, 1], owner: [2, 1], hash32: [0, 0] },  // 3, 6
+  tables: { gpu: { append: [[1, 6]], set: [[2, 3]] } },
+  requests: { upsert: [{ index: 2, request_id: "r2", status: "running", num_prompt_tokens: 9,
+                         num_computed_tokens: 9, num_output_tokens: 0 }],
+              progress: { index: [1], computed: [4], output: [4] } },
+  eviction_order: [0, 4],
+});
+// Request 1 finishes: its blocks go back (block 2 stays cached), it leaves the table.
+const FINISH = delta(12, {
+  gpu: { ids: [2, 3, 1], state: [2, 0, 0], ref_cnt: [0, 0, 0], owner: [0, 0, 0], hash32: [7, 0, 0] },  // 2, 5, 6
+  tables: { gpu: { append: [], set: [[1]] } },
+  requests: { removed: [1] },
+});
+
+function used(pool) { return [...pool.state].flatMap((s, id) => (s === 1 ? [id] : [])); }
+
+test("a snapshot and the deltas that follow it give the engine's state", () => {
+  const sync = new LiveSync();
+  sync.applySnapshot(snapshot());
+  const grew = sync.applyDelta(GROW);
+  assert.equal(grew.ok, true);
+  assert.deepEqual([...new Set(grew.changed.gpu)].sort((a, b) => a - b), [0, 1, 3, 4, 6]);  // blocks, eviction order
+  assert.deepEqual(used(sync.state.gpu), [2, 3, 5, 6]);
+  assert.deepEqual(sync.state.requests.get(1).block_table, [2, 5, 6]);
+  assert.deepEqual(sync.state.requests.get(2).block_table, [3]);
+  assert.equal(sync.state.requests.get(1).num_output_tokens, 4);
+  assert.equal(sync.state.requests.get(1).num_computed_tokens, 24);
+  assert.deepEqual([...sync.state.evictRank.slice(0, 5)], [0, -1, -1, -1, 1]);
+  assert.equal(sync.applyDelta(FINISH).ok, true);
+  assert.deepEqual(used(sync.state.gpu), [3]);
+  assert.equal(sync.state.gpu.state[2], 2);  // cached, hash kept
+  assert.equal(sync.state.gpu.hash32[2], 7);
+  assert.deepEqual([...sync.state.requests.keys()], [2]);
+  assert.equal(sync.state.seq, 12);
+  assert.equal(sync.state.metrics.seq, 12);
+});
+
+test("a gap in sequence numbers asks for a snapshot, and deltas wait for it", () => {
+  const sync = new LiveSync();
+  sync.applySnapshot(snapshot());
+  const result = sync.applyDelta(FINISH);  // 12 after 10: 11 is missing
+  assert.equal(result.ok, false);
+  assert.deepEqual(result.needsResync, { gap: ["e1", 10], got: ["e1", 12] });
+  assert.equal(sync.awaiting, true);
+  assert.deepEqual(used(sync.state.gpu), [2, 5]);  // nothing of it applied
+  assert.equal(sync.applyDelta(delta(13)).skipped, "awaiting a snapshot");
+  assert.equal(sync.state.seq, 10);
+  sync.applySnapshot(snapshot({ seq: 11 }));
+  assert.equal(sync.applyDelta(FINISH).ok, true);
+  assert.equal(sync.state.seq, 12);
+});
+
+test("a delta of another publisher run is a gap even when its number follows", () => {
+  const sync = new LiveSync();
+  sync.applySnapshot(snapshot({ epoch: "old" }));
+  const result = sync.applyDelta(delta(11, {}, "new"));
+  assert.deepEqual(result.needsResync, { gap: ["old", 10], got: ["new", 11] });
+  assert.equal(placeDelta(sync.state, delta(3, {}, "new")), "gap");  // not a duplicate either
+});
+
+test("a delta the state already has changes nothing", () => {
+  const sync = new LiveSync();
+  sync.applySnapshot(snapshot({ seq: 11 }));
+  for (const old of [GROW, delta(5)]) {
+    const result = sync.applyDelta(old);
+    assert.deepEqual(result, { ok: false, skipped: "duplicate" });
+  }
+  assert.equal(sync.state.requests.has(2), false);
+  assert.equal(sync.state.requests.get(1).num_output_tokens, 0);
+  assert.equal(sync.awaiting, false);
+  assert.equal(sync.applyDelta(FINISH).ok, true);
+  sync.applyDelta(FINISH);  // the same one twice
+  assert.deepEqual(used(sync.state.gpu), []);
+  assert.equal(sync.state.seq, 12);
+});
+
+test("deltas before the first snapshot are not applied", () => {
+  const sync = new LiveSync();
+  sync.subscribed();
+  assert.equal(sync.applyDelta(GROW).skipped, "awaiting a snapshot");
+  assert.equal(sync.state, null);
+});
+
+test("a stored (stale) snapshot becomes live when the engine's next delta follows it", () => {
+  const sync = new LiveSync();
+  sync.applySnapshot(snapshot({ stale: true }));
+  assert.equal(sync.state.stale, true);
+  const result = sync.applyDelta(GROW);
+  assert.equal(result.nowLive, true);
+  assert.equal(sync.state.stale, false);
+  assert.equal(sync.applyDelta(FINISH).nowLive, false);
+});
+
+test("silence asks for a snapshot; a snapshot that does not come reconnects, once", () => {
+  let now = 0;
+  const sync = new LiveSync({ now: () => now, staleMs: 3000, snapshotWaitMs: 6000 });
+  sync.subscribed();
+  now = 5999;
+  assert.equal(sync.check(), null);  // waiting, not yet too long
+  now = 6001;
+  assert.deepEqual(sync.check(), { reconnect: true });
+  now = 20000;
+  assert.equal(sync.check(), null);  // asked on a connection that is gone: not again
+  sync.subscribed();  // reconnected
+  sync.applySnapshot(snapshot());
+  now = 22000;
+  sync.applyDelta(GROW);
+  now = 24999;
+  assert.equal(sync.check(), null);
+  now = 25001;
+  assert.deepEqual(sync.check(), { resync: { silentMs: 3001 } });
+  assert.equal(sync.awaiting, true);
+  now = 31002;
+  assert.deepEqual(sync.check(), { reconnect: true });
+});
+
+test("a stale snapshot is not resynced for silence (its engine stopped)", () => {
+  let now = 0;
+  const sync = new LiveSync({ now: () => now });
+  sync.applySnapshot(snapshot({ stale: true }));
+  now = 60000;
+  assert.equal(sync.check(), null);
+  assert.equal(sync.awaiting, false);
+});
