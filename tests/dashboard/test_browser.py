@@ -233,3 +233,55 @@ def test_pause_and_resume_from_the_engine_page(login, stack):
     page.evaluate(f"""async () => {{ const token = document.cookie.match(/csrftoken=([^;]+)/)[1];
         await fetch("/api/jobs/{job}/cancel/", {{method: "POST", headers: {{"X-CSRFToken": token}}}}); }}""")
     assert not errors, errors
+
+
+def test_drain_and_undrain_from_the_engine_page(login, stack):
+    """An operator drains the engine from its page: the header says draining while a job
+    still runs there (its tokens keep coming), drained once it has ended, and the API
+    agrees; undrain, and both say ready again. The engine is undrained at the end
+    whatever happens."""
+    page, errors = login(stack, "admin", "admin-pass-123")
+    job = stack.api("POST", "/api/jobs/", json={"prompt": "drain around me " * 8,
+                                                 "max_tokens": 4000, "engine": "sim"}).json()["id"]
+
+    def api_state() -> str:
+        return stack.api("GET", "/api/engines/sim/").json()["engine"]["state"]
+
+    def outputs() -> int:
+        return page.evaluate(f"""() => [...kvops.state().requests.values()].find(
+            r => r.job_id === "{job}").num_output_tokens""")
+
+    try:
+        page.goto(f"{stack.url}/engines/sim/")
+        page.wait_for_function("window.kvopsPerf && kvopsPerf.snapshots >= 1")
+        page.wait_for_function(f"""() => kvops.state() && [...kvops.state().requests.values()].some(
+            r => r.job_id === "{job}" && r.status === "running" && r.num_output_tokens > 3)""")
+        assert page.inner_text("#engine-status") == "ready" and api_state() == "ready"
+        assert page.inner_text("#drain-toggle") == "Drain"
+        page.click("#drain-toggle")
+        page.click("#confirm-ok")
+        page.wait_for_function("document.querySelector('#engine-status').textContent === 'draining'")
+        page.wait_for_function("document.querySelector('#answer').textContent.includes('HTTP 200')")
+        assert page.inner_text("#drain-toggle") == "Undrain"
+        stack.wait(lambda: api_state() == "draining", "the API saying draining", 15)
+        running_at = outputs()  # draining routes nothing new here; what runs goes on
+        page.wait_for_function(f"""() => [...kvops.state().requests.values()].find(
+            r => r.job_id === "{job}").num_output_tokens > {running_at + 5}""")
+
+        assert stack.api("POST", f"/api/jobs/{job}/cancel/").status_code == 200
+        page.wait_for_function("kvopsPerf.engineState === 'drained'"
+                               " && document.querySelector('#engine-status').textContent === 'drained'")
+        stack.wait(lambda: api_state() == "drained", "the API saying drained", 15)
+        assert page.inner_text("#drain-toggle") == "Undrain"
+
+        page.click("#drain-toggle")  # undrain (no confirmation)
+        page.wait_for_function("document.querySelector('#engine-status').textContent === 'ready'")
+        assert page.inner_text("#drain-toggle") == "Drain"
+        stack.wait(lambda: api_state() == "ready", "the API saying ready", 15)
+        page.wait_for_function("kvopsPerf.engineState === 'ready'")
+        page.wait_for_function("""() => { const t = document.querySelector('#actions').textContent;
+            return t.includes('undrain') && t.replace(/undrain/g, '').includes('drain'); }""")
+        assert not errors, errors
+    finally:
+        stack.api("POST", f"/api/jobs/{job}/cancel/")  # 409 once it has ended: fine
+        assert stack.api("POST", "/api/engines/sim/undrain/").status_code == 200
