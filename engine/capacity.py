@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -59,8 +60,21 @@ def slot_usage(engine: LLMEngine) -> tuple[int, int]:
     return sum(fill.values()), len(fill) * bs
 
 
+class ReplayObserver(Protocol):
+    """Told about each step of a paged replay (engine/replay_stats.py records one)."""
+
+    def before_step(self, engine: LLMEngine, now: float) -> None: ...
+
+    def after_step(self, engine: LLMEngine, now: float) -> None: ...
+
+
 def replay_paged(trace: list[TraceRequest], config: EngineConfig,
-                 cost: StepCost = StepCost(), name: str = "paged") -> ReplayResult:
+                 cost: StepCost = StepCost(), name: str = "paged",
+                 prompts: list[list[int]] | None = None,
+                 observer: ReplayObserver | None = None) -> ReplayResult:
+    """prompts: each trace request's token ids (None: made up by trace.prompt_tokens
+    from its prefix group); observer: read before and after every step, at simulated
+    time `now` (the step's start, then its end)."""
     engine = LLMEngine(config)
     vocab = config.vocab_size
     pending = list(enumerate(trace))
@@ -69,7 +83,8 @@ def replay_paged(trace: list[TraceRequest], config: EngineConfig,
     while pending or engine.has_unfinished_requests():
         while pending and pending[0][1].arrival_s <= now:
             i, req = pending.pop(0)
-            engine.add_request(f"t{i}", prompt_tokens(req, i, vocab),
+            tokens = prompts[i] if prompts is not None else prompt_tokens(req, i, vocab)
+            engine.add_request(f"t{i}", tokens,
                                SamplingParams(max_tokens=req.output_len, ignore_eos=True),
                                arrival_time=req.arrival_s)
         if not engine.has_unfinished_requests():
@@ -77,11 +92,15 @@ def replay_paged(trace: list[TraceRequest], config: EngineConfig,
             continue
         tokens_before = engine.scheduler.counters.num_prompt_tokens \
             + engine.scheduler.counters.num_generation_tokens
+        if observer is not None:
+            observer.before_step(engine, now)
         engine.step()
         steps += 1
         batched = engine.scheduler.counters.num_prompt_tokens \
             + engine.scheduler.counters.num_generation_tokens - tokens_before
         now += cost.seconds(batched)
+        if observer is not None:
+            observer.after_step(engine, now)
         used, allocated = slot_usage(engine)
         used_sum += used
         alloc_sum += allocated
