@@ -127,3 +127,38 @@ class OperatorAction(models.Model):
 
     def __str__(self) -> str:
         return f"{self.action} {self.target} on {self.engine}"
+
+
+class WhatIfRun(models.Model):
+    """A capacity replay of an engine's recent jobs under its own configuration and an
+    operator's alternative (kvops/what_if.py). Stored in the database, not Redis: an
+    operator sizes hardware from these figures, so they outlive a Redis restart and stay
+    linked from the operator log; a few kilobytes each, the newest per engine kept."""
+
+    class Status(models.TextChoices):
+        QUEUED = "queued"
+        RUNNING = "running"
+        FINISHED = "finished"
+        FAILED = "failed"
+
+    engine = models.CharField(max_length=64, db_index=True)
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL)
+    created_at = models.DateTimeField(auto_now_add=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.QUEUED)
+    params = models.JSONField(default=dict, help_text="minutes, max_jobs, step cost and the "
+                                                      "alternative's settings, as asked")
+    progress = models.FloatField(default=0.0, help_text="0-1, both replays together")
+    error = models.TextField(blank=True)
+    trace = models.JSONField(default=dict, blank=True, help_text="what was replayed")
+    baseline = models.JSONField(default=dict, blank=True,
+                                help_text="the replay under the engine's configuration")
+    alternative = models.JSONField(default=dict, blank=True,
+                                   help_text="the replay under the operator's configuration")
+
+    class Meta:
+        ordering = ["-id"]
+
+    def __str__(self) -> str:
+        return f"what-if {self.pk} on {self.engine} ({self.status})"

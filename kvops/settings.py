@@ -200,6 +200,9 @@ SPECTACULAR_SETTINGS = {
 CELERY_RESULT_BACKEND = None
 KVOPS_JOB_TIMEOUT_S = int(os.environ.get("KVOPS_JOB_TIMEOUT_S", 3600))
 KVOPS_CONTROL_TIMEOUT_S = float(os.environ.get("KVOPS_CONTROL_TIMEOUT_S", 5))
+# A what-if replay (kvops/what_if.py, on the ops worker) that runs longer is stopped and
+# marked failed.
+KVOPS_WHAT_IF_TIME_LIMIT_S = float(os.environ.get("KVOPS_WHAT_IF_TIME_LIMIT_S", 600))
 # Server-sent-event chunks one web process sends per second, at most, over all its
 # streams: each stream's chunks are spaced by (streams / this) seconds, and the tokens
 # produced meanwhile travel together (as vLLM's stream interval does).

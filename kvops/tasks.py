@@ -128,3 +128,16 @@ def _fail_quietly(job_id: int, error: str, request_id: str | None) -> None:
         services.fail_job(job_id, error, request_id=request_id)
     except Exception:  # noqa: BLE001  (the database is away too: the reaper moves it on)
         log.exception("job %s: could not record its failure", job_id)
+
+
+@shared_task(name="kvops.what_if", acks_late=False,
+             soft_time_limit=settings.KVOPS_WHAT_IF_TIME_LIMIT_S,
+             time_limit=settings.KVOPS_WHAT_IF_TIME_LIMIT_S + 30)
+def what_if(run_id: int) -> str:
+    """Replay an engine's recent jobs under two configurations (kvops/what_if.py). Sent
+    to the ops queue only, which no engine worker consumes. Acknowledged on receipt: a
+    replay that kills its worker (out of memory) is not delivered again to kill the
+    next one; the run is marked failed when read (what_if.settle)."""
+    from kvops import what_if as service
+
+    return service.run(run_id)

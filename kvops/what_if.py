@@ -1,0 +1,234 @@
+"""What if: replay an engine's recent jobs (kvops/what_if_trace.py) through the capacity
+simulator (engine/replay_stats.py: the real scheduler and KV manager, a stand-in model)
+under the engine's own configuration and under an operator's alternative, and keep
+both results side by side (WhatIfRun).
+
+The replays run as a Celery task on the `ops` queue, which only the ops worker
+(`manage.py ops_worker`) consumes: never an engine worker, whose process serves jobs.
+Both replays use the same trace and the same simulated step cost, so what differs
+between them comes from the configuration alone.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from datetime import timedelta
+
+from celery.exceptions import SoftTimeLimitExceeded
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from engine.capacity import StepCost
+from engine.config import ConfigError, EngineConfig
+from engine.errors import EngineError
+from engine.replay_stats import replay_stats
+from kvops.models import Engine, OperatorAction, WhatIfRun
+from kvops.what_if_trace import build_trace, window
+
+log = logging.getLogger(__name__)
+
+OPS_QUEUE = "ops"
+KEEP_RUNS = 20  # runs kept per engine (older finished ones are deleted)
+MAX_UNFINISHED = 2  # queued or running at once per engine
+# Slots per simulated pool: the stand-in model keeps one value per token slot.
+MAX_POOL_TOKENS = 1 << 23
+PROGRESS_EVERY_S = 0.5
+# The settings an operator may change, and whether the CPU tier is one of them (an
+# engine build without EngineConfig.cpu_prefix_cache has none).
+CPU_TIER = "cpu_prefix_cache" in {f.name for f in dataclasses.fields(EngineConfig)}
+SETTINGS = ("num_gpu_blocks", "block_size", "num_cpu_blocks", "preemption_mode",
+            "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
+            *(("cpu_prefix_cache",) if CPU_TIER else ()))
+
+
+class Refused(Exception):
+    """A what-if that cannot run as asked; the message says why and what to change."""
+
+
+class Busy(Exception):
+    """Too many what-if runs of this engine are queued or running."""
+
+
+class Unavailable(Exception):
+    """The task could not be queued (the broker is away)."""
+
+
+# --- configurations ------------------------------------------------------------------
+def baseline_config(engine_config: dict) -> EngineConfig:
+    """The engine's configuration, as it registered it, for the simulator."""
+    needed = ("block_size", "num_gpu_blocks", "num_cpu_blocks", "max_model_len",
+              "max_num_seqs", "max_num_batched_tokens", "preemption_mode", "vocab_size")
+    missing = [k for k in needed if engine_config.get(k) is None]
+    if missing:
+        raise Refused(f"the engine registered no {', '.join(missing)}: restart its worker "
+                      f"so that it records its configuration")
+    fields = {k: engine_config[k] for k in needed}
+    fields.update(scheduling_policy=engine_config.get("scheduling_policy") or "fcfs",
+                  enable_prefix_caching=bool(engine_config.get("enable_prefix_caching", True)),
+                  simulate_sliding_window=engine_config.get("sliding_window"))
+    if CPU_TIER:
+        fields["cpu_prefix_cache"] = bool(engine_config.get("cpu_prefix_cache", False))
+    return _checked(EngineConfig, simulate=True, max_pending_events=0, **fields)
+
+
+def alternative_config(base: EngineConfig, changes: dict) -> EngineConfig:
+    """The base configuration with the operator's changes. A pool size left out keeps
+    the base pool's memory: the same tokens, in blocks of the new size."""
+    unknown = set(changes) - set(SETTINGS)
+    if unknown:
+        raise Refused(f"cannot change {', '.join(sorted(unknown))}; one of {', '.join(SETTINGS)}")
+    fields = {k: v for k, v in changes.items() if v is not None}
+    block_size = fields.get("block_size", base.block_size)
+    fields.setdefault("num_gpu_blocks", max(1, base.num_gpu_blocks * base.block_size // block_size))
+    fields.setdefault("num_cpu_blocks", base.num_cpu_blocks * base.block_size // block_size)
+    return _checked(dataclasses.replace, base, **fields)
+
+
+def _checked(make, *args, **fields) -> EngineConfig:
+    try:
+        config = make(*args, **fields)
+    except ConfigError as e:
+        raise Refused(str(e)) from None
+    for pool, blocks in (("num_gpu_blocks", config.num_gpu_blocks),
+                         ("num_cpu_blocks", config.num_cpu_blocks)):
+        if blocks * config.block_size > MAX_POOL_TOKENS:
+            raise Refused(f"{pool} x block_size is {blocks * config.block_size} token slots; "
+                          f"the simulator takes at most {MAX_POOL_TOKENS}")
+    return config
+
+
+def describe(config: EngineConfig) -> dict:
+    """The settings a what-if compares, as shown next to its results."""
+    out = {k: getattr(config, k) for k in SETTINGS}
+    out["pool_tokens"] = config.num_gpu_blocks * config.block_size
+    return out
+
+
+def check_fits(config: EngineConfig, lengths: list[tuple[int, int]], which: str) -> None:
+    """Refused if the pool cannot hold the longest job (prompt, output) whole, as the
+    engine requires of every request. (A sliding window needs less: the replay checks.)"""
+    if config.simulate_sliding_window is not None or not lengths:
+        return
+    longest = max(min(p + o, config.max_model_len) for p, o in lengths)
+    need = -(-longest // config.block_size)
+    if need > config.num_gpu_blocks:
+        raise Refused(f"the {which} pool of {config.num_gpu_blocks} blocks of "
+                      f"{config.block_size} tokens cannot hold the longest job of the window "
+                      f"({longest} tokens, {need} blocks): give it at least {need} blocks")
+
+
+# --- starting a run ------------------------------------------------------------------
+def start(user, engine: Engine, minutes: int, max_jobs: int, changes: dict,
+          step_cost: StepCost) -> WhatIfRun:
+    """Check the request, store the run and its audit row, and queue the task.
+    Refused (the request cannot run), Busy, Unavailable."""
+    base = baseline_config(engine.config or {})
+    alternative = alternative_config(base, changes)
+    lengths = list(window(engine.name, minutes).values_list(
+        "num_prompt_tokens", "num_output_tokens")[:max_jobs])
+    if not lengths:
+        raise Refused(f"engine {engine.name} ran no jobs queued in the last {minutes} "
+                      f"minutes: there is nothing to replay; choose more minutes")
+    check_fits(base, lengths, "engine's")
+    check_fits(alternative, lengths, "alternative")
+    params = {"minutes": minutes, "max_jobs": max_jobs, "alternative": changes,
+              "step_base_ms": step_cost.base_ms, "step_token_ms": step_cost.per_token_ms}
+    with transaction.atomic():
+        busy = _unfinished(engine.name).count()
+        if busy >= MAX_UNFINISHED:
+            raise Busy(f"{busy} what-if runs of engine {engine.name} are queued or running; "
+                       f"wait for one to end")
+        run = WhatIfRun.objects.create(engine=engine.name, user=user, params=params)
+        OperatorAction.objects.create(user=user, engine=engine.name, action="what-if",
+                                      target=str(run.pk), params=params, ok=True,
+                                      status_code=202, result={"run": run.pk})
+    try:
+        from kvops.tasks import what_if
+
+        what_if.apply_async(args=[run.pk], queue=OPS_QUEUE)
+    except Exception as e:  # noqa: BLE001  (the broker is away: say so, keep nothing queued)
+        _fail(run.pk, f"could not be queued: {type(e).__name__}: {e}")
+        raise Unavailable(f"the what-if task could not be queued: {e}") from None
+    _prune(engine.name)
+    return run
+
+
+def _unfinished(engine_name: str):
+    # Runs older than twice the time limit are not counted: their worker died with them.
+    recent = timezone.now() - timedelta(seconds=2 * settings.KVOPS_WHAT_IF_TIME_LIMIT_S)
+    return WhatIfRun.objects.filter(engine=engine_name, created_at__gt=recent, status__in=(
+        WhatIfRun.Status.QUEUED, WhatIfRun.Status.RUNNING))
+
+
+def _prune(engine_name: str) -> None:
+    keep = WhatIfRun.objects.filter(engine=engine_name).values_list("pk", flat=True)[:KEEP_RUNS]
+    WhatIfRun.objects.filter(engine=engine_name).exclude(pk__in=list(keep)).exclude(
+        status__in=(WhatIfRun.Status.QUEUED, WhatIfRun.Status.RUNNING)).delete()
+
+
+def settle(run: WhatIfRun) -> WhatIfRun:
+    """A run still marked running long past the time limit lost its worker: say so."""
+    limit = timedelta(seconds=settings.KVOPS_WHAT_IF_TIME_LIMIT_S + 120)
+    if run.status == WhatIfRun.Status.RUNNING and run.started_at \
+            and timezone.now() - run.started_at > limit:
+        _fail(run.pk, "the ops worker stopped while running it; start it again")
+        run.refresh_from_db()
+    return run
+
+
+# --- running it (the ops worker) -----------------------------------------------------
+def run(run_id: int) -> str:
+    """Build the trace, replay it under both configurations, store the results."""
+    claimed = WhatIfRun.objects.filter(pk=run_id, status=WhatIfRun.Status.QUEUED).update(
+        status=WhatIfRun.Status.RUNNING, started_at=timezone.now())
+    if not claimed:  # deleted, or a second delivery of a run that already ran
+        return "skipped"
+    row = WhatIfRun.objects.get(pk=run_id)
+    try:
+        engine = Engine.objects.get(name=row.engine)
+        params = row.params
+        base = baseline_config(engine.config or {})
+        alternative = alternative_config(base, params.get("alternative") or {})
+        trace = build_trace(engine, params["minutes"], params["max_jobs"], until=row.created_at)
+        cost = StepCost(params["step_base_ms"], params["step_token_ms"])
+        results = []
+        for i, config in enumerate((base, alternative)):
+            stats = replay_stats(trace.requests, config, cost, trace.prompts,
+                                 on_progress=_progress_writer(run_id, i))
+            results.append({"config": describe(config), **stats})
+    except SoftTimeLimitExceeded:
+        _fail(run_id, f"the replay ran past {settings.KVOPS_WHAT_IF_TIME_LIMIT_S:g} s: "
+                      f"choose fewer minutes or jobs")
+        return "failed"
+    except (Refused, ValueError, EngineError, Engine.DoesNotExist) as e:
+        _fail(run_id, str(e))
+        return "failed"
+    except Exception as e:  # noqa: BLE001  (anything else: the run must not stay running)
+        log.exception("what-if run %s failed", run_id)
+        _fail(run_id, f"{type(e).__name__}: {e}")
+        return "failed"
+    WhatIfRun.objects.filter(pk=run_id).update(
+        status=WhatIfRun.Status.FINISHED, finished_at=timezone.now(), progress=1.0,
+        trace=trace.summary, baseline=results[0], alternative=results[1])
+    return "finished"
+
+
+def _progress_writer(run_id: int, replay: int):
+    """on_progress for replay 0 (the engine's configuration) or 1: the run's progress,
+    written at most every PROGRESS_EVERY_S."""
+    last = [0.0]
+
+    def write(fraction: float) -> None:
+        now = time.monotonic()
+        if now - last[0] >= PROGRESS_EVERY_S:
+            last[0] = now
+            WhatIfRun.objects.filter(pk=run_id).update(progress=(replay + fraction) / 2)
+
+    return write
+
+
+def _fail(run_id: int, error: str) -> None:
+    WhatIfRun.objects.filter(pk=run_id).update(status=WhatIfRun.Status.FAILED, error=error,
+                                               finished_at=timezone.now())

@@ -1,0 +1,117 @@
+"""What-if runs (kvops/what_if.py) in this process: the task's replay of the engine's own
+configuration is the simulator's replay of the same trace and configuration, a bigger
+pool preempts no more than a smaller one, and what start() refuses. (The task through
+a real worker: test_what_if_api.py.)"""
+import random
+from datetime import timedelta
+
+import pytest
+from django.contrib.auth.models import User
+from django.utils import timezone
+
+from engine.capacity import StepCost, replay_paged
+from kvops import tasks, what_if
+from kvops.models import Engine, Job, OperatorAction, WhatIfRun
+from kvops.what_if_trace import build_trace
+
+pytestmark = pytest.mark.django_db
+
+CONFIG = {"simulate": True, "block_size": 16, "vocab_size": 32000, "model": "simulated-v1",
+          "num_gpu_blocks": 48, "num_cpu_blocks": 32, "max_model_len": 1024,
+          "max_num_seqs": 16, "max_num_batched_tokens": 512, "preemption_mode": "recompute",
+          "enable_prefix_caching": True, "sliding_window": None}
+SYSTEM = "System: you answer questions about KV caches, briefly and exactly. "
+
+
+@pytest.fixture
+def busy_engine():
+    """An engine whose last minute of jobs (40, arriving within 2 s, sharing a system
+    prompt) overflows its 48-block pool."""
+    operator = User.objects.create_user("op", is_staff=True)
+    engine = Engine.objects.create(name="busy", worker="engine-busy@test", config=CONFIG)
+    rng = random.Random(7)
+    start = timezone.now() - timedelta(seconds=30)
+    for i in range(40):
+        prompt = SYSTEM + f"question {i}: " + "x" * rng.randrange(20, 120)
+        job = Job.objects.create(owner=operator, prompt=prompt, params={}, engine="busy",
+                                 status=Job.Status.FINISHED,
+                                 num_prompt_tokens=len(prompt.encode()),
+                                 num_output_tokens=rng.randrange(60, 200))
+        Job.objects.filter(pk=job.pk).update(queued_at=start + timedelta(seconds=i * 0.05))
+    return operator, engine
+
+
+def test_the_task_replays_both_configurations_as_the_simulator_does(busy_engine):
+    operator, engine = busy_engine
+    cost = StepCost(8.0, 0.02)
+    run = what_if.start(operator, engine, 10, 100, {"num_gpu_blocks": 480}, cost)
+    assert run.status == "queued"
+    audit = OperatorAction.objects.get(action="what-if")
+    assert (audit.engine, audit.target, audit.user, audit.status_code) == \
+        ("busy", str(run.pk), operator, 202)
+    assert audit.params["alternative"] == {"num_gpu_blocks": 480}
+
+    # The task body, run here by Celery (the worker's own path: test_what_if_api.py).
+    assert tasks.what_if.apply(args=[run.pk]).get() == "finished"
+    run.refresh_from_db()
+    assert run.status == "finished" and run.progress == 1.0 and run.error == ""
+    assert run.trace["jobs"] == 40
+
+    trace = build_trace(engine, 10, 100, until=run.created_at)
+    base = what_if.baseline_config(engine.config)
+    alternative = what_if.alternative_config(base, {"num_gpu_blocks": 480})
+    for stored, config in ((run.baseline, base), (run.alternative, alternative)):
+        direct = replay_paged(trace.requests, config, cost, prompts=trace.prompts)
+        assert stored["config"]["num_gpu_blocks"] == config.num_gpu_blocks
+        assert (stored["preemptions"], stored["swaps_out"], stored["steps"],
+                stored["sim_seconds"], stored["slot_utilisation"],
+                stored["prefix_lookup_hit_rate"], stored["peak_concurrency"]) == \
+            (direct.preemptions, direct.swaps_out, direct.steps, direct.sim_seconds,
+             direct.utilisation, direct.prefix_hit_rate, direct.peak_concurrency)
+    assert run.baseline["config"]["num_gpu_blocks"] == 48
+    # The trace preempts on the engine's pool; ten times the pool preempts no more.
+    assert run.baseline["preemptions"] > 0
+    assert run.alternative["preemptions"] <= run.baseline["preemptions"]
+    assert run.alternative["prefix_hit_rate"] > 0  # the shared system prompt
+    for stats in (run.baseline, run.alternative):
+        assert stats["queue_wait_p50"] <= stats["queue_wait_p99"]
+        assert 0 < stats["kv_usage_peak"] <= 1.0
+
+    # A second delivery of the same run does nothing.
+    assert tasks.what_if.apply(args=[run.pk]).get() == "skipped"
+
+
+def test_start_refuses_what_cannot_run(busy_engine):
+    operator, engine = busy_engine
+    cost = StepCost()
+    refusals = [
+        ({"preemption_mode": "swap", "num_cpu_blocks": 0}, "num_cpu_blocks > 0"),
+        ({"num_gpu_blocks": 8}, "cannot hold the longest job"),
+        ({"block_size": 3}, "power of two"),
+        ({"num_gpu_blocks": 1 << 22, "block_size": 16}, "the simulator takes at most"),
+        ({"model": "other"}, "cannot change model"),
+    ]
+    for changes, message in refusals:
+        with pytest.raises(what_if.Refused, match=message):
+            what_if.start(operator, engine, 10, 100, changes, cost)
+    with pytest.raises(what_if.Refused, match="nothing to replay"):
+        Job.objects.update(queued_at=timezone.now() - timedelta(hours=2))
+        what_if.start(operator, engine, 10, 100, {}, cost)
+    assert not WhatIfRun.objects.exists() and not OperatorAction.objects.exists()
+
+
+def test_at_most_two_runs_wait_per_engine(busy_engine):
+    operator, engine = busy_engine
+    for _ in range(what_if.MAX_UNFINISHED):
+        what_if.start(operator, engine, 10, 100, {}, StepCost())
+    with pytest.raises(what_if.Busy, match="queued or running"):
+        what_if.start(operator, engine, 10, 100, {}, StepCost())
+
+
+def test_a_pool_size_left_out_keeps_the_pool_memory():
+    base = what_if.baseline_config(CONFIG)
+    bigger_blocks = what_if.alternative_config(base, {"block_size": 64})
+    assert (bigger_blocks.num_gpu_blocks, bigger_blocks.num_cpu_blocks) == (12, 8)
+    assert what_if.alternative_config(base, {}).num_gpu_blocks == 48
+    with pytest.raises(what_if.Refused, match="registered no"):
+        what_if.baseline_config({"block_size": 16})

@@ -1,0 +1,124 @@
+"""An engine's stored jobs as a simulator trace (kvops/what_if_trace.py): which jobs,
+their arrival offsets and lengths, and prompts built to share exactly the prefixes the
+jobs' prompts shared (per cache salt), with prefix groups that describe them."""
+from datetime import timedelta
+from itertools import combinations
+
+import pytest
+from django.contrib.auth.models import User
+from django.utils import timezone
+
+from kvops.models import Engine, Job
+from kvops.what_if_trace import build_trace
+
+pytestmark = pytest.mark.django_db
+
+SYSTEM = "You are a helpful assistant. Answer briefly. "  # 45 characters
+SIM_CONFIG = {"simulate": True, "block_size": 4, "vocab_size": 32000, "model": "simulated-v1",
+              "num_gpu_blocks": 256, "num_cpu_blocks": 64, "max_model_len": 1024,
+              "max_num_seqs": 8, "max_num_batched_tokens": 512, "preemption_mode": "recompute"}
+
+
+def common(a, b) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def add_job(owner, engine, prompt, at, output=5, tokens=None, status=Job.Status.FINISHED,
+            cached=0, preemptions=0):
+    job = Job.objects.create(owner=owner, prompt=prompt, params={}, engine=engine,
+                             status=status,
+                             num_prompt_tokens=len(prompt.encode()) if tokens is None else tokens,
+                             num_output_tokens=output, num_cached_tokens=cached,
+                             num_preemptions=preemptions)
+    Job.objects.filter(pk=job.pk).update(queued_at=at)
+    return job
+
+
+@pytest.fixture
+def people():
+    return User.objects.create_user("op", is_staff=True), User.objects.create_user("carol")
+
+
+def test_the_trace_has_the_jobs_lengths_offsets_and_shared_prefixes(people):
+    staff, carol = people
+    engine = Engine.objects.create(name="wi", worker="engine-wi@test", config=SIM_CONFIG)
+    t0 = timezone.now() - timedelta(minutes=5)
+
+    def at(seconds: float):
+        return t0 + timedelta(seconds=seconds)
+
+    first = SYSTEM + "What is paged attention?"
+    prompts = [
+        (staff, first, 0.0, 7),
+        (staff, first + " It splits the cache. And swapping?", 1.5, 9),  # the next turn
+        (staff, SYSTEM + "Name a prime.", 3.25, 2),  # same system prompt, another question
+        (staff, "Unrelated prompt with no shared start", 4.0, 0),  # running, no output yet
+        (carol, first, 5.0, 3),  # same text, another user's salt: shares nothing
+    ]
+    jobs = [add_job(owner, "wi", text, at(s), output=out,
+                    status=Job.Status.RUNNING if out == 0 else Job.Status.FINISHED,
+                    cached=4 if i == 1 else 0, preemptions=1 if i == 2 else 0)
+            for i, (owner, text, s, out) in enumerate(prompts)]
+    # Not replayed: another engine's job, one that never reached the engine, an old one.
+    add_job(staff, "other", first, at(2))
+    add_job(staff, "wi", first, at(2), tokens=0, status=Job.Status.QUEUED)
+    add_job(staff, "wi", first, t0 - timedelta(minutes=30))
+
+    trace = build_trace(engine, minutes=10, max_jobs=100)
+
+    assert trace.job_ids == [j.pk for j in jobs]
+    assert [r.arrival_s for r in trace.requests] == [0.0, 1.5, 3.25, 4.0, 5.0]
+    assert [r.prompt_len for r in trace.requests] == [len(p[1].encode()) for p in prompts]
+    assert [r.output_len for r in trace.requests] == [7, 9, 2, 1, 3]  # running: at least 1
+    assert [len(p) for p in trace.prompts] == [r.prompt_len for r in trace.requests]
+    # The simulator's tokenizer is UTF-8 bytes: every pair of built prompts shares what
+    # the jobs' prompts shared, and nothing across salts.
+    real = [list(p[1].encode()) for p in prompts]
+    for i, j in combinations(range(5), 2):
+        expected = 0 if (prompts[i][0] is carol) != (prompts[j][0] is carol) else common(real[i], real[j])
+        assert common(trace.prompts[i], trace.prompts[j]) == expected, (i, j)
+    assert all(0 <= t < 32000 for p in trace.prompts for t in p)
+    # Groups: the three system-prompt jobs (sharing >= one block); prefix_len is the most
+    # a job shares with any other.
+    groups = [r.prefix_group for r in trace.requests]
+    assert groups[:3] == [0, 0, 0] and groups[3] is None and groups[4] is None
+    assert [r.prefix_len for r in trace.requests] == [len(first), len(first), len(SYSTEM), 0, 0]
+    s = trace.summary
+    assert (s["jobs"], s["prefix_groups"], s["still_running"], s["truncated"]) == (5, 1, 1, False)
+    assert s["prefixes_from"] == "tokens" and s["span_s"] == 5.0
+    assert s["prompt_tokens"] == sum(r.prompt_len for r in trace.requests)
+    assert s["recorded"] == {"prefix_hit_rate": 4 / s["prompt_tokens"], "preemptions": 1}
+
+    newest = build_trace(engine, minutes=10, max_jobs=2)
+    assert newest.job_ids == [jobs[3].pk, jobs[4].pk] and newest.summary["truncated"]
+    assert newest.requests[0].arrival_s == 0.0 and newest.requests[1].arrival_s == 1.0
+
+
+def test_without_the_tokenizer_characters_give_the_shared_prefixes(people):
+    """A model folder this process cannot read: shared characters, scaled to tokens by
+    each job's own tokens per character (the smaller of the two)."""
+    staff, _ = people
+    config = dict(SIM_CONFIG, simulate=False, model_path="/nonexistent/model", block_size=8)
+    engine = Engine.objects.create(name="far", worker="engine-far@test", config=config)
+    now = timezone.now()
+    a = SYSTEM + "first question here"
+    b = SYSTEM + "second one"
+    add_job(staff, "far", a, now - timedelta(seconds=3), tokens=len(a) // 2)
+    add_job(staff, "far", b, now - timedelta(seconds=2), tokens=len(b) // 3)
+    trace = build_trace(engine, minutes=1, max_jobs=10)
+    assert trace.summary["prefixes_from"] == "characters"
+    shared = int(len(SYSTEM) * min((len(a) // 2) / len(a), (len(b) // 3) / len(b)))
+    assert common(trace.prompts[0], trace.prompts[1]) == shared
+    assert [r.prefix_len for r in trace.requests] == [shared, shared]
+
+
+def test_bounds_and_an_empty_window_are_refused(people):
+    engine = Engine.objects.create(name="idle", worker="engine-idle@test", config=SIM_CONFIG)
+    with pytest.raises(ValueError, match="nothing to replay"):
+        build_trace(engine, minutes=5, max_jobs=10)
+    for minutes, max_jobs in ((0, 10), (24 * 60 + 1, 10), (5, 0), (5, 5001)):
+        with pytest.raises(ValueError, match="minutes must be in"):
+            build_trace(engine, minutes=minutes, max_jobs=max_jobs)
