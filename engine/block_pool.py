@@ -9,7 +9,7 @@ and a prefix hit takes it back out of the middle of the queue in O(1).
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from engine.block_hash import BlockHash, short
@@ -91,6 +91,9 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[BlockHash, KVBlock] = {}  # hash -> the one block holding it
         self.num_pinned = 0  # blocks held by a pin: no request can ever have them
+        # Told (block id, hash) of the cached blocks take_new is about to reuse, before
+        # their data is overwritten (the KV manager's CPU tier and external events)
+        self.on_evict: Callable[[list[tuple[int, BlockHash]]], None] | None = None
         self._events = events
 
     # --- queries -------------------------------------------------------------------
@@ -132,8 +135,8 @@ class BlockPool:
             block.ref_cnt = 1
             taken.append(block)
         if evicted:
-            if self._events.external is not None and self.pool == "gpu":
-                self._events.external.append(("removed", [h for _, h in evicted]))
+            if self.on_evict is not None:
+                self.on_evict(evicted)
             self._events.emit("BlockEvicted", pool=self.pool, detail="reuse",
                               block_ids=[b for b, _ in evicted],
                               block_hashes=[short(h) for _, h in evicted],
@@ -168,6 +171,12 @@ class BlockPool:
         block.block_hash = block_hash
         self.cached[block_hash] = block
         return True
+
+    def refresh(self, block: KVBlock) -> None:
+        """A free cached block becomes the most recently used (evicted last)."""
+        if block.ref_cnt == 0:
+            self.free_queue.remove(block)
+            self.free_queue.append(block)
 
     def evict(self, n: int | None = None) -> list[tuple[KVBlock, BlockHash]]:
         """Drop the data of up to n ref-0 cached blocks (all if None), LRU first.

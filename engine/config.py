@@ -27,6 +27,10 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # token budget of one step
     max_model_len: int | None = None  # None: the model's own limit (simulate: 4096)
     enable_prefix_caching: bool = True
+    # The CPU pool is also a second-level prefix cache: a cached GPU block that is about
+    # to be reused is copied to a free CPU block first and stays findable by hash, and a
+    # later hit on it is copied back instead of recomputed (swapped requests come first)
+    cpu_prefix_cache: bool = False
     preemption_mode: str = "recompute"  # what the scheduler does when blocks run out
     scheduling_policy: str = "fcfs"  # "priority": lower value runs first
     device: str = "auto"
@@ -96,6 +100,10 @@ class EngineConfig:
                f"large_matmuls must be one of {LARGE_MATMULS}, got {self.large_matmuls!r}")
         if self.preemption_mode == "swap" and self.num_cpu_blocks == 0:
             raise ConfigError("preemption_mode='swap' needs num_cpu_blocks > 0")
+        if self.cpu_prefix_cache and self.num_cpu_blocks == 0:
+            raise ConfigError("cpu_prefix_cache needs num_cpu_blocks > 0")
+        if self.cpu_prefix_cache and not self.enable_prefix_caching:
+            raise ConfigError("cpu_prefix_cache needs enable_prefix_caching")
 
 
 def _check(ok: bool, message: str) -> None:

@@ -65,9 +65,10 @@ class EventLog:
 
     def __init__(self, maxlen: int) -> None:
         self.step = 0  # owned by LLMEngine: the step now running
-        # With a vLLM-format publisher (engine/kv_events_zmq.py): the GPU prefix cache's
+        # With a vLLM-format publisher (engine/kv_events_zmq.py): the prefix cache's
         # changes with full hashes and token ids, as ("stored", hashes, parent hash,
-        # token ids), ("removed", hashes) or ("cleared",). None: nobody wants them.
+        # token ids), ("removed", hashes) or ("cleared",); the CPU tier's records end
+        # with the medium "CPU". None: nobody wants them.
         self.external: list[tuple] | None = None
         self._queues: list[EventQueue] = []
         self._default = self.subscribe(maxlen) if maxlen > 0 else None

@@ -12,6 +12,17 @@ only the blocks from the first still visible one on: `req_to_blocks` lists live
 blocks, `_window_freed` counts the freed ones before them, and the ids the runner gets
 (step_block_ids) put -1 in their places, so that table position = token // block_size.
 With global layers too (Gemma) every block stays: they see the whole context.
+
+CPU tier (cpu_prefix_cache): the CPU pool is also a second-level prefix cache, as
+vLLM's KV offloading and SGLang's HiCache are. When the GPU pool is about to reuse a
+cached block, its (block, hash) is noted; at the end of the schedule (flush_offloads)
+each gets a free CPU block, registered under the hash, and the copy GPU -> CPU joins
+the step's swap-outs, which run before anything writes the GPU block. A prefix that
+misses on the GPU continues on the CPU pool: those blocks get new GPU blocks and are
+copied in with the step's swap-ins. Swapped requests come first: their swap-out takes
+CPU blocks like any other, evicting cached ones. CPU blocks that a step's copies read
+(swap-ins, tier hits) are held until the flush, so no copy of the same step
+overwrites them.
 """
 from __future__ import annotations
 
@@ -34,6 +45,8 @@ class PrefixMatch:
     blocks: list[KVBlock]  # leading cached blocks, in table order
     num_computed_tokens: int  # tokens they cover, capped so the last token is computed
     cow: bool  # the last matched block will be written (copy it first)
+    # The CPU tier's blocks that continue `blocks` (copied into new GPU blocks)
+    cpu_blocks: list[KVBlock] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -41,6 +54,7 @@ class Allocation:
     """What allocate_slots did, for the model runner."""
     new_blocks: list[KVBlock] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) copy-on-write
+    copies_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, gpu) tier hits
 
 
 _NOTHING_ALLOCATED = Allocation()  # the decode fast path's answer (never modified)
@@ -54,13 +68,26 @@ class SwapResult:
 
 class KVCacheManager:
     def __init__(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int,
-                 enable_caching: bool, events: EventLog, sliding_window: int | None = None) -> None:
+                 enable_caching: bool, events: EventLog, sliding_window: int | None = None,
+                 cpu_prefix_cache: bool = False) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.sliding_window = sliding_window  # every layer's window, or None
         self._window_freed: dict[str, int] = {}  # leading blocks a request gave back
         self.gpu = BlockPool(num_gpu_blocks, enable_caching, events, "gpu")
-        self.cpu = BlockPool(num_cpu_blocks, False, events, "cpu")
+        self.cpu_tier = cpu_prefix_cache and enable_caching and num_cpu_blocks > 0
+        self.cpu = BlockPool(num_cpu_blocks, self.cpu_tier, events, "cpu")
+        self.gpu.on_evict = self._gpu_evicted
+        self.cpu.on_evict = self._cpu_evicted
+        self._to_offload: list[tuple[int, BlockHash]] = []  # GPU blocks reused this schedule
+        self._cpu_held: list[KVBlock] = []  # CPU blocks this step's copies read
+        self.cpu_uncomputed: list[KVBlock] = []  # CPU blocks this step's offloads fill
+        self.cpu_prefix_cache_hits = 0  # prompt tokens found on the CPU tier (tokens)
+        self.num_blocks_offloaded = 0  # tier copies GPU -> CPU
+        self.num_blocks_onloaded = 0  # tier copies CPU -> GPU
+        # With external events: the parent hash and token ids of each cached hash, for
+        # the CPU tier's BlockStored (its blocks arrive by hash alone)
+        self._hash_tokens: dict[BlockHash, tuple[BlockHash | None, list[int]]] = {}
         self.req_to_blocks: dict[str, list[KVBlock]] = {}  # GPU block table
         self._step_ids: dict[str, tuple[list, list[int]]] = {}  # step_block_ids cache
         self.req_to_cpu_blocks: dict[str, list[KVBlock]] = {}  # CPU table while swapped
@@ -92,14 +119,25 @@ class KVCacheManager:
             shared = self._pinned_prefix(request)
             if len(shared) > len(blocks):
                 blocks = shared  # its own later blocks are still cached under its salt
-        covered = len(blocks) * self.block_size
-        if covered >= request.num_tokens and blocks[-1].block_id in self.uncomputed:
+        cpu_blocks: list[KVBlock] = []
+        if self.cpu_tier and self.cpu.cached:
+            for block_hash in request.block_hashes[len(blocks):]:
+                block = self.cpu.get_cached(block_hash)
+                if block is None:
+                    break
+                cpu_blocks.append(block)
+        covered = (len(blocks) + len(cpu_blocks)) * self.block_size
+        if covered >= request.num_tokens and cpu_blocks:
+            cpu_blocks.pop()  # the last token's block is computed, not copied in
+            covered -= self.block_size
+        elif covered >= request.num_tokens and blocks[-1].block_id in self.uncomputed:
             blocks.pop()  # it would need a copy of data not written yet: recompute it
             covered -= self.block_size
         # A hit always leaves the last token to compute (its logits are needed). When the
         # hit covers every token, that token is rewritten in a copy of the last block.
         num_computed = min(covered, request.num_tokens - 1)
-        return PrefixMatch(blocks, num_computed, cow=covered > num_computed)
+        return PrefixMatch(blocks, num_computed, cow=covered > num_computed,
+                           cpu_blocks=cpu_blocks)
 
     def _pinned_prefix(self, request: Request) -> list[KVBlock]:
         """The leading pinned blocks of the request's tokens in the unsalted chain."""
@@ -115,12 +153,22 @@ class KVCacheManager:
     def record_prefix_query(self, request: Request, match: PrefixMatch) -> None:
         self.prefix_cache_queries += request.num_tokens
         self.prefix_cache_hits += match.num_computed_tokens
-        if match.num_computed_tokens:
+        if match.blocks:
             self._events.emit("PrefixHit", request_id=request.request_id,
                               block_ids=[b.block_id for b in match.blocks],
                               block_hashes=[short(b.block_hash) for b in match.blocks],
                               ref_cnts=[b.ref_cnt for b in match.blocks],
-                              num_tokens=match.num_computed_tokens)
+                              num_tokens=len(match.blocks) * self.block_size
+                              if match.cpu_blocks else match.num_computed_tokens)
+        if match.cpu_blocks:
+            num_cpu_tokens = len(match.cpu_blocks) * self.block_size
+            self.cpu_prefix_cache_hits += num_cpu_tokens
+            self._events.emit("PrefixHit", request_id=request.request_id, pool="cpu",
+                              block_ids=[b.block_id for b in match.cpu_blocks],
+                              block_hashes=[short(b.block_hash) for b in match.cpu_blocks],
+                              ref_cnts=[b.ref_cnt for b in match.cpu_blocks],
+                              num_tokens=num_cpu_tokens,
+                              detail="CPU tier: copied into GPU blocks, not recomputed")
 
     # --- allocation ------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int,
@@ -146,7 +194,8 @@ class KVCacheManager:
             return _NOTHING_ALLOCATED
         reuse: list[KVBlock] = []
         cow_src: KVBlock | None = None
-        if match is not None and match.blocks:
+        tier_hits = match.cpu_blocks if match is not None else ()
+        if match is not None and (match.blocks or tier_hits):
             if table:
                 raise RuntimeError(f"invariant: prefix match for {rid}, which holds blocks")
             reuse = list(match.blocks)
@@ -167,6 +216,11 @@ class KVCacheManager:
         result = Allocation(new_blocks=new_blocks)
         if cow_src is not None and cow_src is not new_blocks[0]:
             result.copies.append((cow_src.block_id, new_blocks[0].block_id))
+        if tier_hits:  # the first new blocks take the CPU tier's data
+            self.cpu.touch(tier_hits)
+            self._cpu_held.extend(tier_hits)
+            result.copies_in = [(c.block_id, g.block_id) for c, g in zip(tier_hits, new_blocks)]
+            self.num_blocks_onloaded += len(tier_hits)
         self._offer_to_cache(request, total_tokens)
         return result
 
@@ -274,11 +328,16 @@ class KVCacheManager:
                 runs[-1].append(i)
             else:
                 runs.append([i])
+        tokens = request.all_token_ids
         for run in runs:
             first, last = run[0], run[-1]
             self._events.external.append((
                 "stored", [hashes[i] for i in run], hashes[first - 1] if first else None,
-                list(request.all_token_ids[first * bs:(last + 1) * bs])))
+                list(tokens[first * bs:(last + 1) * bs])))
+            if self.cpu_tier:
+                for i in run:
+                    self._hash_tokens[hashes[i]] = (hashes[i - 1] if i else None,
+                                                    list(tokens[i * bs:(i + 1) * bs]))
 
     def free(self, request: Request) -> None:
         """Release the request's GPU blocks, last block first (so a chain's tail is
@@ -300,6 +359,79 @@ class KVCacheManager:
             self._events.emit("BlockRemoved", request_id=rid, pool="cpu",
                               block_ids=[b.block_id for b in cpu_table],
                               ref_cnts=[b.ref_cnt for b in cpu_table])
+
+    # --- CPU tier ----------------------------------------------------------------------
+    def _gpu_evicted(self, evicted: list[tuple[int, BlockHash]]) -> None:
+        """BlockPool.take_new is reusing these cached GPU blocks: with the CPU tier, note
+        the ones whose data is written (not this step's) for flush_offloads."""
+        if self._events.external is not None:
+            self._events.external.append(("removed", [h for _, h in evicted]))
+        if self.cpu_tier:
+            uncomputed = self.uncomputed
+            self._to_offload.extend(e for e in evicted if e[0] not in uncomputed)
+            self._forget_tokens([h for b, h in evicted if b in uncomputed])
+
+    def _cpu_evicted(self, evicted: list[tuple[int, BlockHash]]) -> None:
+        hashes = [h for _, h in evicted]
+        if self._events.external is not None:
+            self._events.external.append(("removed", hashes, "CPU"))
+        self._forget_tokens(hashes)
+
+    def _forget_tokens(self, hashes: list[BlockHash]) -> None:
+        """Drop the token records of hashes that no pool holds any more."""
+        if self._hash_tokens:
+            for h in hashes:
+                if h not in self.gpu.cached and h not in self.cpu.cached:
+                    self._hash_tokens.pop(h, None)
+
+    def flush_offloads(self) -> list[tuple[int, int]]:
+        """End of a schedule (or of an operator's command that took GPU blocks): give each
+        GPU block noted by _gpu_evicted a CPU block under its hash, and release the CPU
+        blocks this step's copies read. Returns the (gpu, cpu) copies, which must run
+        before anything writes those GPU blocks (the step's swap-outs do)."""
+        mapping: list[tuple[int, int]] = []
+        if self._to_offload:
+            stored: list[KVBlock] = []
+            cpu = self.cpu
+            for gpu_id, block_hash in self._to_offload:
+                held = cpu.get_cached(block_hash)
+                if held is not None:  # the tier has it already: it was used again
+                    cpu.refresh(held)
+                    continue
+                if not cpu.num_free:  # every CPU block holds a swapped request
+                    self._forget_tokens([block_hash])
+                    continue
+                block = cpu.take_new(1)[0]
+                cpu.cache(block, block_hash)
+                cpu.free([block])  # ref 0 and cached: most recently used of the tier
+                stored.append(block)
+                mapping.append((gpu_id, block.block_id))
+            self._to_offload.clear()
+            if stored:
+                self.num_blocks_offloaded += len(stored)
+                self.cpu_uncomputed.extend(stored)
+                self._external_cpu_stored(stored)
+                self._events.emit("BlockStored", pool="cpu",
+                                  block_ids=[b.block_id for b in stored],
+                                  block_hashes=[short(b.block_hash) for b in stored],
+                                  ref_cnts=[0] * len(stored),
+                                  detail="CPU tier: copied from GPU blocks about to be reused")
+        if self._cpu_held:
+            self.cpu.free(self._cpu_held)
+            self._cpu_held = []
+        return mapping
+
+    def _external_cpu_stored(self, blocks: list[KVBlock]) -> None:
+        if self._events.external is None:
+            return
+        for block in blocks:
+            parent, tokens = self._hash_tokens.get(block.block_hash, (None, []))
+            self._events.external.append(("stored", [block.block_hash], parent, tokens, "CPU"))
+
+    def mark_computed(self) -> None:
+        """The step ran: the blocks registered for it hold their K/V."""
+        self.uncomputed.clear()
+        self.cpu_uncomputed.clear()
 
     # --- swap --------------------------------------------------------------------------
     def swap_out(self, request: Request) -> SwapResult | None:
@@ -343,7 +475,9 @@ class KVCacheManager:
         self.req_to_blocks[rid] = hits + new_blocks
         mapping = [(c.block_id, g.block_id) for c, g in zip(cpu_table[len(hits):], new_blocks)]
         del self.req_to_cpu_blocks[rid]
-        self.cpu.free(reversed(cpu_table))
+        # Released by flush_offloads, once this step's offloads have their CPU blocks
+        # (an offload must not overwrite a block that a swap-in of the same step reads)
+        self._cpu_held.extend(reversed(cpu_table))
         self._num_offered[rid] = len(hits) + self._window_freed.get(rid, 0)
         self._offer_to_cache(request, request.num_computed_tokens)
         return SwapResult(mapping, num_hit_blocks=len(hits))
@@ -357,8 +491,21 @@ class KVCacheManager:
             if self.gpu.forget(block):
                 dropped.append((block_id, block_hash))
         self.uncomputed.clear()
+        cpu_dropped = [(b.block_id, b.block_hash) for b in self.cpu_uncomputed
+                       if b.block_hash is not None]
+        for block in self.cpu_uncomputed:
+            self.cpu.forget(block)
+        self.cpu_uncomputed.clear()
+        if cpu_dropped and self._events.external is not None:
+            self._events.external.append(("removed", [h for _, h in cpu_dropped], "CPU"))
+        if cpu_dropped:
+            self._events.emit("BlockEvicted", pool="cpu", detail="step failed",
+                              block_ids=[b for b, _ in cpu_dropped],
+                              block_hashes=[short(h) for _, h in cpu_dropped],
+                              ref_cnts=[0] * len(cpu_dropped))
         if dropped and self._events.external is not None:
             self._events.external.append(("removed", [h for _, h in dropped]))
+        self._forget_tokens([h for _, h in dropped + cpu_dropped])
         if dropped:
             self._events.emit("BlockEvicted", detail="step failed",
                               block_ids=[b for b, _ in dropped],
@@ -371,6 +518,7 @@ class KVCacheManager:
         victims = self.gpu.evict(n)
         if victims and self._events.external is not None:
             self._events.external.append(("removed", [h for _, h in victims]))
+        self._forget_tokens([h for _, h in victims])
         if victims:
             self._events.emit("BlockEvicted", detail="operator",
                               block_ids=[b.block_id for b, _ in victims],
@@ -383,11 +531,15 @@ class KVCacheManager:
         for block in unpinned:
             self.gpu.unpin(block)
         n = self.gpu.forget_all_hashes()
+        n_cpu = self.cpu.forget_all_hashes()
+        self._hash_tokens.clear()
         if self._events.external is not None:
             self._events.external.append(("cleared",))
         self._events.emit("AllBlocksCleared", num_tokens=n * self.block_size,
-                          detail=f"{n} cached blocks forgotten, {len(unpinned)} unpinned")
-        return {"num_blocks_forgotten": n, "num_blocks_unpinned": len(unpinned)}
+                          detail=f"{n} cached blocks forgotten, {len(unpinned)} unpinned"
+                          + (f", {n_cpu} on the CPU tier" if n_cpu else ""))
+        return {"num_blocks_forgotten": n, "num_blocks_unpinned": len(unpinned),
+                "num_cpu_blocks_forgotten": n_cpu}
 
     def cached_chain(self, hashes: list[BlockHash]) -> list[KVBlock]:
         """Leading blocks of this hash chain that are cached now."""
@@ -444,8 +596,10 @@ class KVCacheManager:
 
     def check_invariants(self) -> None:
         """Raise if any bookkeeping invariant is broken (used by tests and debug runs)."""
+        held = {"cpu": self._cpu_held}  # read by this step's copies until flush_offloads
         for pool, tables in ((self.gpu, self.req_to_blocks), (self.cpu, self.req_to_cpu_blocks)):
             holders = Counter(b.block_id for table in tables.values() for b in table)
+            holders.update(b.block_id for b in held.get(pool.pool, ()))
             for table in tables.values():
                 if len({b.block_id for b in table}) != len(table):
                     raise AssertionError(f"invariant: a {pool.pool} block table repeats a block")

@@ -11,7 +11,8 @@ sequence number (8 bytes, big-endian) with every buffered batch from it on, each
 
 The events, as vLLM's vllm/distributed/kv_events.py declares them:
 * BlockStored: blocks newly findable by hash (hashes in chain order, the hash of the
-  block before them, their token ids, the block size, medium "GPU");
+  block before them, their token ids, the block size, medium "GPU", or "CPU" for the
+  CPU tier of the prefix cache: EngineConfig.cpu_prefix_cache);
 * BlockRemoved: hashes no longer findable (their block was reused, evicted by an
   operator, or its data was never written because the step failed);
 * AllBlocksCleared: the prefix cache was reset.
@@ -74,13 +75,15 @@ def to_vllm(raw: list[tuple], block_size: int) -> list[KVCacheEvent]:
     out: list[KVCacheEvent] = []
     for record in raw:
         kind = record[0]
-        if kind == "stored":
-            _, hashes, parent, token_ids = record
+        if kind == "stored":  # (the medium is last when it is not the GPU)
+            hashes, parent, token_ids = record[1:4]
             out.append(BlockStored(block_hashes=hashes, parent_block_hash=parent,
                                    token_ids=token_ids, block_size=block_size, lora_id=None,
-                                   medium=MEDIUM_GPU, lora_name=None))
+                                   medium=record[4] if len(record) > 4 else MEDIUM_GPU,
+                                   lora_name=None))
         elif kind == "removed":
-            out.append(BlockRemoved(block_hashes=record[1], medium=MEDIUM_GPU))
+            out.append(BlockRemoved(block_hashes=record[1],
+                                    medium=record[2] if len(record) > 2 else MEDIUM_GPU))
         elif kind == "cleared":
             out.append(AllBlocksCleared())
     return out

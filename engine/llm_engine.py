@@ -58,7 +58,8 @@ class LLMEngine:
         self.events = EventLog(config.max_pending_events)
         self.kv = KVCacheManager(config.block_size, self.runner.num_gpu_blocks,
                                  self.runner.num_cpu_blocks, config.enable_prefix_caching,
-                                 self.events, sliding_window=self.runner.sliding_window)
+                                 self.events, sliding_window=self.runner.sliding_window,
+                                 cpu_prefix_cache=config.cpu_prefix_cache)
         self.scheduler = Scheduler(config, self.kv, self.max_model_len, self.events)
         self.step_count = 0
         self.version = 0  # grows with every change to requests or blocks (for publishers)
@@ -403,6 +404,7 @@ class LLMEngine:
     def swap_in(self, request_id: str) -> dict:
         self.version += 1
         mapping = self.scheduler.swap_in(request_id)
+        self.runner.swap_out(self.kv.flush_offloads())  # reused cached blocks' data first
         self.runner.swap_in(mapping)
         table = self.kv.block_ids(request_id)
         return {"request_id": request_id, "status": "running", "num_blocks": len(table),
@@ -566,6 +568,7 @@ class LLMEngine:
                 "preemption_mode": self.config.preemption_mode,
                 "scheduling_policy": self.config.scheduling_policy,
                 "enable_prefix_caching": self.config.enable_prefix_caching,
+                "cpu_prefix_cache": self.kv.cpu_tier,
                 "simulate": self.config.simulate,
                 "sliding_window": self.runner.sliding_window,
                 "tensor_parallel_size": getattr(self.runner, "tensor_parallel_size", 1),
@@ -583,6 +586,11 @@ class LLMEngine:
             "prefix_cache_queries": self.kv.prefix_cache_queries,
             "prefix_cache_hits": self.kv.prefix_cache_hits,
             "num_cached_blocks": len(self.kv.gpu.cached),
+            # the CPU tier of the prefix cache (cpu_prefix_cache)
+            "cpu_prefix_cache_hits": self.kv.cpu_prefix_cache_hits,
+            "num_cpu_cached_blocks": len(self.kv.cpu.cached),
+            "cpu_cache_copy_out_bytes": self.kv.num_blocks_offloaded * self.runner.block_bytes,
+            "cpu_cache_copy_in_bytes": self.kv.num_blocks_onloaded * self.runner.block_bytes,
             "num_preemptions": c.num_preemptions,
             "num_swaps_out": c.num_swaps_out,
             "num_swaps_in": c.num_swaps_in,

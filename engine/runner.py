@@ -12,6 +12,7 @@ class Runner(abc.ABC):
     num_gpu_blocks: int  # size of the device KV pool, fixed at start-up
     num_cpu_blocks: int  # size of the host swap pool
     max_model_len: int
+    block_bytes: int = 0  # bytes of one KV block (all layers), for copy-byte metrics
     vocab_size: int
     device: str  # "cpu" | "cuda" | "simulated"
     dtype: str

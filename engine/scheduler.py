@@ -96,6 +96,9 @@ class Scheduler:
         if not out.preempted:
             budget = self._resume_swapped(out, budget)
             self._admit_waiting(out, budget)
+        offloads = self.kv.flush_offloads()  # the CPU tier's copies of reused blocks
+        if offloads:
+            out.swap_out.extend(offloads)
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -181,6 +184,8 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.copies.extend(alloc.copies)
+            if alloc.copies_in:
+                out.swap_in.extend(alloc.copies_in)
             if num_new == 0:  # a fork whose prompt but the last token was all cached
                 self._fork(request)
                 continue
@@ -199,7 +204,7 @@ class Scheduler:
         """Advance progress, append sampled tokens, finish requests that hit a stop.
         Returns the requests that made progress, in batch order."""
         progressed, finished = [], []
-        self.kv.uncomputed.clear()
+        self.kv.mark_computed()
         counters = self.counters
         running = RequestStatus.RUNNING
         max_model_len = self.max_model_len

@@ -55,6 +55,7 @@ class SimulatedRunner(Runner):
         self.num_gpu_blocks = num_gpu_blocks
         self.num_cpu_blocks = num_cpu_blocks
         self.block_size = block_size
+        self.block_bytes = block_size * 8  # one 64-bit state per slot
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.device = "simulated"

@@ -191,6 +191,8 @@ SITUATIONS = {
     "recompute": dict(num_gpu_blocks=16, enable_prefix_caching=False),
     "swap": dict(num_gpu_blocks=16, num_cpu_blocks=64, preemption_mode="swap",
                  enable_prefix_caching=False),
+    # the prefix is pushed off the GPU by other prompts, then read back from the CPU tier
+    "cpu-tier": dict(num_gpu_blocks=16, num_cpu_blocks=64, cpu_prefix_cache=True),
 }
 
 
@@ -202,6 +204,10 @@ def test_every_family_in_every_kv_situation(tiny_model, name, situation):
     if situation == "prefix-hit":
         prefix = random_prompts(vocab, [13], seed=8)[0]  # 3 full blocks of 4, and a part
         prompts = random_prompts(vocab, [5, 2, 9], seed=9, prefix=prefix)
+    elif situation == "cpu-tier":
+        prefix = random_prompts(vocab, [13], seed=8)[0]
+        first, last = random_prompts(vocab, [5, 9], seed=9, prefix=prefix)
+        prompts = [first, *random_prompts(vocab, [30, 31, 29], seed=11), last]
     else:
         prompts = random_prompts(vocab, [20, 23, 18, 25, 21], seed=5)
     expected = hf_greedy(folder, prompts, MAX_TOKENS)
@@ -212,6 +218,11 @@ def test_every_family_in_every_kv_situation(tiny_model, name, situation):
         got = outputs(first + rest)
     elif situation in ("recompute", "swap"):
         got = _under_pressure(engine, prompts, situation)
+    elif situation == "cpu-tier":  # one at a time: each fills most of the GPU pool
+        done = [engine.generate([p], greedy())[0] for p in prompts]
+        assert done[-1].num_cached_tokens >= 12
+        assert engine.metrics()["cpu_prefix_cache_hits"] >= 12
+        got = outputs(done)
     else:
         got = outputs(engine.generate(prompts, greedy()))
     m = engine.metrics()

@@ -17,12 +17,13 @@ BLOCK = 4
 
 class EngineMachine(RuleBasedStateMachine):
     mode = "recompute"
+    cpu_tier = False  # the CPU pool is a second-level prefix cache too
 
     def __init__(self):
         super().__init__()
         self.engine = sim_engine(block_size=BLOCK, num_gpu_blocks=20, num_cpu_blocks=10,
                                  max_num_batched_tokens=24, max_num_seqs=6,
-                                 preemption_mode=self.mode)
+                                 preemption_mode=self.mode, cpu_prefix_cache=self.cpu_tier)
         self.n = 0
         self.prompts = {}
         self.requests = []  # every Request object added, finished ones too
@@ -125,16 +126,17 @@ class EngineMachine(RuleBasedStateMachine):
         for r in self.requests:
             for i, h in enumerate(r.block_hashes):
                 self.hash_tokens.setdefault(h, r.all_token_ids[:(i + 1) * BLOCK])
-        cache = self.engine.runner.gpu_cache
-        for h, block in self.engine.kv.gpu.cached.items():
-            tokens = self.hash_tokens[h]
-            state, want = _SEED, []
-            for t in tokens:
-                state = digest(state, t)
-                want.append(state)
-            got = cache[block.block_id * BLOCK:(block.block_id + 1) * BLOCK]
-            assert np.array_equal(got, np.array(want[-BLOCK:], dtype=np.uint64)), \
-                f"block {block.block_id} does not hold the tokens of its hash"
+        kv, runner = self.engine.kv, self.engine.runner
+        for pool, cache in ((kv.gpu, runner.gpu_cache), (kv.cpu, runner.cpu_cache)):
+            for h, block in pool.cached.items():
+                tokens = self.hash_tokens[h]
+                state, want = _SEED, []
+                for t in tokens:
+                    state = digest(state, t)
+                    want.append(state)
+                got = cache[block.block_id * BLOCK:(block.block_id + 1) * BLOCK]
+                assert np.array_equal(got, np.array(want[-BLOCK:], dtype=np.uint64)), \
+                    f"{pool.pool} block {block.block_id} does not hold the tokens of its hash"
 
     def teardown(self):
         # Drain: everything still live must finish correctly and leave no block held.
@@ -156,9 +158,22 @@ class SwapEngineMachine(EngineMachine):
     mode = "swap"
 
 
+class CpuTierMachine(EngineMachine):
+    cpu_tier = True
+
+
+class CpuTierSwapMachine(EngineMachine):
+    mode = "swap"
+    cpu_tier = True
+
+
 _settings = settings(max_examples=200, stateful_step_count=50, deadline=None,
                      suppress_health_check=[HealthCheck.too_slow])
 TestRecompute = EngineMachine.TestCase
 TestRecompute.settings = _settings
 TestSwap = SwapEngineMachine.TestCase
 TestSwap.settings = _settings
+TestCpuTier = CpuTierMachine.TestCase
+TestCpuTier.settings = _settings
+TestCpuTierSwap = CpuTierSwapMachine.TestCase
+TestCpuTierSwap.settings = _settings
