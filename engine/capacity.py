@@ -114,7 +114,8 @@ def replay_paged(trace: list[TraceRequest], config: EngineConfig,
         mean_concurrency=conc_sum / max(steps, 1), preemptions=m["num_preemptions"],
         swaps_out=m["num_swaps_out"],
         prefix_hit_rate=m["prefix_cache_hits"] / max(m["prefix_cache_queries"], 1),
-        wall_seconds=time.perf_counter() - wall)
+        wall_seconds=time.perf_counter() - wall,
+        extra={"cpu_hit_rate": m["cpu_prefix_cache_hits"] / max(m["prefix_cache_queries"], 1)})
 
 
 def replay_contiguous(trace: list[TraceRequest], total_slots: int, max_model_len: int,

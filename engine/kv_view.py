@@ -212,7 +212,7 @@ class PoolMirror:
 
     def _follow_events(self, events: list[KVEvent]) -> None:
         for e in events:
-            if e.pool != self.name:
+            if e.pool != self.name and e.type != "AllBlocksCleared":  # (a reset: every pool)
                 continue
             if e.type == "BlockStored":
                 for block_id, short_hash in zip(e.block_ids, e.block_hashes):

@@ -2,14 +2,20 @@
 
     python -m engine.simulate --synthetic 500 --num-gpu-blocks 4096 --block-size 16
     python -m engine.simulate --trace requests.csv --num-gpu-blocks 8192 --preemption-mode swap
+    python -m engine.simulate --synthetic 2000 --prefix-groups 200 --num-gpu-blocks 1024 \
+        --cpu-cache-blocks 8192
 
 Prints KV utilisation (token slots holding K/V / slots allocated), peak and mean
 concurrency, preemptions, prefix-cache hit rate, and the same trace under contiguous
-max-length reservation (what a server without paging must do) for comparison.
+max-length reservation (what a server without paging must do) for comparison. With
+--cpu-cache-blocks, the paged replay runs again with a CPU tier of that many blocks
+behind the prefix cache (EngineConfig.cpu_prefix_cache), and the hit rates of both
+runs are printed.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 from engine.capacity import (HEADER, StepCost, format_table, replay_contiguous,
@@ -38,6 +44,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--preemption-mode", choices=["recompute", "swap"], default="recompute")
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--cpu-cache-blocks", type=int, default=None, metavar="N",
+                   help="also replay with a CPU tier of N blocks behind the prefix cache")
     p.add_argument("--sliding-window", type=int, default=None, metavar="TOKENS",
                    help="every layer attends to this many last tokens (Mistral-style): "
                         "requests give back the blocks out of reach")
@@ -67,18 +75,30 @@ def main(argv: list[str] | None = None) -> int:
             preemption_mode=args.preemption_mode,
             enable_prefix_caching=not args.no_prefix_caching, max_pending_events=0,
             simulate_sliding_window=args.sliding_window)
+        tiered = None
+        if args.cpu_cache_blocks is not None:
+            tiered = dataclasses.replace(config, num_cpu_blocks=args.cpu_cache_blocks,
+                                         cpu_prefix_cache=True)
     except (ValueError, OSError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     cost = StepCost(args.step_base_ms, args.step_token_ms)
     paged = replay_paged(trace, config, cost)
+    rows = [paged.row()]
+    if tiered is not None:
+        with_tier = replay_paged(trace, tiered, cost, name="paged + CPU tier")
+        rows.append(with_tier.row())
     contiguous = replay_contiguous(trace, args.num_gpu_blocks * args.block_size,
                                    args.max_model_len, args.max_num_seqs,
                                    args.max_num_batched_tokens, cost, window=args.sliding_window)
     print(f"trace: {len(trace)} requests, {sum(r.prompt_len for r in trace)} prompt tokens, "
           f"{sum(r.output_len for r in trace)} output tokens; pool: {args.num_gpu_blocks} "
           f"blocks x {args.block_size} tokens; max_model_len {args.max_model_len}")
-    print(format_table(HEADER, [paged.row(), contiguous.row()]))
+    print(format_table(HEADER, rows + [contiguous.row()]))
+    if tiered is not None:
+        print(f"prefix hit rate: {100 * paged.prefix_hit_rate:.1f}% without the CPU tier, "
+              f"{100 * with_tier.prefix_hit_rate:.1f}% with {args.cpu_cache_blocks} CPU blocks "
+              f"({100 * with_tier.extra['cpu_hit_rate']:.1f}% of prompt tokens from the tier)")
     print(f"paged replay took {paged.wall_seconds:.1f} s of real time")
     return 0
 

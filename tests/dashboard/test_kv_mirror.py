@@ -20,9 +20,10 @@ def same_state(snapshot: dict, engine_snapshot: dict) -> None:
     assert snapshot["block_states"] == engine_snapshot["block_states"]
 
 
+@pytest.mark.parametrize("cpu_tier", [False, True], ids=["", "cpu-tier"])
 @pytest.mark.parametrize("full_scan_s", [float("inf"), 0.0], ids=["events", "full-scans"])
-def test_mirror_snapshot_equals_engine_snapshot_through_churn(full_scan_s):
-    engine = churn_engine()
+def test_mirror_snapshot_equals_engine_snapshot_through_churn(full_scan_s, cpu_tier):
+    engine = churn_engine(cpu_prefix_cache=True, num_gpu_blocks=40) if cpu_tier else churn_engine()
     churn, capturer = Churn(engine, seed=1), Capturer(full_scan_s=full_scan_s)
     mirror = KVMirror("t", "epoch", engine.describe_config())
     for i in range(400):
@@ -32,7 +33,9 @@ def test_mirror_snapshot_equals_engine_snapshot_through_churn(full_scan_s):
             same_state(mirror.snapshot(), engine.snapshot(compact=True))
     # the walk went through everything the dashboard draws
     assert {"add", "preempt", "swap_out", "swap_in", "pin", "unpin", "evict", "reset"} <= churn.seen
-    assert mirror.gpu.drift == 0
+    assert mirror.gpu.drift == 0 and mirror.cpu.drift == 0
+    if cpu_tier:  # the CPU pool held cached blocks, and prefixes came back from it
+        assert engine.metrics()["cpu_prefix_cache_hits"] > 0
 
 
 def test_an_engine_without_events_is_scanned_every_time():

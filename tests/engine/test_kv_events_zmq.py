@@ -118,3 +118,40 @@ def test_no_endpoint_no_cost():
     engine = sim_engine()
     engine.generate([list(range(40))], greedy(2))
     assert engine.events.external is None
+
+
+def test_the_cpu_tier_publishes_its_blocks_with_medium_cpu():
+    short = tempfile.mkdtemp(prefix="kv", dir="/tmp")
+    pub = f"ipc://{short}/events"
+    engine = sim_engine(num_gpu_blocks=16, num_cpu_blocks=12, cpu_prefix_cache=True,
+                        kv_events_endpoint=pub)
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(pub)
+    try:
+        engine.generate([[1, 2, 3, 4]], greedy(1))  # (the subscriber joins meanwhile)
+        received(sub)
+        prompt = list(range(100, 140))  # 10 full blocks of 4
+        engine.generate([prompt], greedy(2))
+        for i in range(3):  # the pool of 16 reuses the first prompt's blocks: to the CPU
+            engine.generate([list(range(200 + 100 * i, 240 + 100 * i))], greedy(2))
+        events = [e for batch in received(sub).values() for e in batch.events]
+    finally:
+        sub.close(linger=0)
+        engine.close()
+    chain = hash_blocks(root_hash(engine.runner.model_id, None), prompt, 4)
+    gpu_stored = {h: e for e in events if isinstance(e, BlockStored) and e.medium == "GPU"
+                  for h in e.block_hashes}
+    cpu_stored = {h: e for e in events if isinstance(e, BlockStored) and e.medium == "CPU"
+                  for h in e.block_hashes}
+    cpu_removed = [h for e in events if isinstance(e, BlockRemoved) and e.medium == "CPU"
+                   for h in e.block_hashes]
+    assert set(chain[:3]) <= set(cpu_stored)  # the first ones reused went to the CPU tier
+    for h in chain[:3]:  # each with the parent and tokens it had on the GPU
+        k = chain.index(h)
+        assert cpu_stored[h].token_ids == prompt[4 * k:4 * k + 4]
+        assert cpu_stored[h].parent_block_hash == (chain[k - 1] if k else None)
+        assert h in gpu_stored
+    # a CPU pool of 12 cannot keep every offloaded block: the oldest leave it, said so
+    assert cpu_removed and set(cpu_removed) <= set(cpu_stored)
+    assert set(engine.kv.cpu.cached) == set(cpu_stored) - set(cpu_removed)

@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 
 from engine.capacity import replay_contiguous, replay_paged
@@ -67,3 +69,23 @@ def test_a_sliding_window_is_modelled():
     ring = replay_contiguous(trace, 256 * 16, 1024, 256, 2048, window=64)
     whole = replay_contiguous(trace, 256 * 16, 1024, 256, 2048)
     assert ring.peak_concurrency > whole.peak_concurrency
+
+
+def test_a_cpu_tier_raises_the_hit_rate_of_a_trace_whose_prefixes_overflow_the_pool(capsys):
+    # 40 shared prefixes of 8 blocks cannot all stay in a 96-block pool: with the tier,
+    # those pushed out come back from CPU memory instead of being recomputed.
+    args = ["--synthetic", "150", "--prefix-groups", "40", "--prefix-len", "128",
+            "--num-gpu-blocks", "96", "--max-model-len", "512"]
+    trace = synthetic_trace(150, seed=0, rate_per_s=20.0, prompt_range=(16, 256),
+                            output_range=(16, 128), num_prefix_groups=40, prefix_len=128)
+    base = EngineConfig(simulate=True, vocab_size=32000, block_size=16, num_gpu_blocks=96,
+                        num_cpu_blocks=1024, max_model_len=512, max_pending_events=0)
+    without = replay_paged(trace, base)
+    with_tier = replay_paged(trace, dataclasses.replace(base, cpu_prefix_cache=True))
+    assert with_tier.prefix_hit_rate > without.prefix_hit_rate
+    assert with_tier.extra["cpu_hit_rate"] > 0 == without.extra["cpu_hit_rate"]
+    assert main(args + ["--cpu-cache-blocks", "1024"]) == 0
+    out = capsys.readouterr().out
+    assert "paged + CPU tier" in out
+    assert (f"{100 * without.prefix_hit_rate:.1f}% without the CPU tier, "
+            f"{100 * with_tier.prefix_hit_rate:.1f}% with 1024 CPU blocks") in out
