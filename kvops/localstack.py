@@ -88,6 +88,10 @@ class Stack:
                                        name, "--threads", str(threads)], env)
         self.wait(lambda: self.engine_alive(name), f"engine {name}", 120)
 
+    def start_ops_worker(self, **env: str) -> None:
+        """The ops worker (what-if replays). Tasks sent before it is up wait in its queue."""
+        self._spawn("ops", [sys.executable, "manage.py", "ops_worker"], env)
+
     def engine_alive(self, name: str) -> bool:
         r = requests.get(f"{self.url}/healthz", timeout=2,  # as admin: with the engines
                          headers={"Authorization": f"Token {self.tokens['admin']}"})

@@ -1,7 +1,8 @@
 """`make run`: the whole stack on one machine, stopped by Ctrl-C.
 
 Finds Redis at REDIS_URL or starts a private redis-server, applies migrations, makes an
-admin account if there is none, then runs the web server (daphne) and one engine worker.
+admin account if there is none, then runs the web server (daphne), one engine worker and
+the ops worker (what-if replays).
 """
 from __future__ import annotations
 
@@ -112,6 +113,8 @@ def main() -> int:
         children.append(subprocess.Popen(
             [sys.executable, "manage.py", "engine_worker", "--name", name], cwd=REPO,
             start_new_session=True))
+        children.append(subprocess.Popen(  # what-if replays, away from the engine
+            [sys.executable, "manage.py", "ops_worker"], cwd=REPO, start_new_session=True))
         log(f"kvops is starting at http://127.0.0.1:{port}/ (engine {name!r}); Ctrl-C stops it")
         while all(c.poll() is None for c in children):
             time.sleep(0.5)

@@ -9,7 +9,7 @@ from django.db.models import QuerySet
 from django.utils import timezone
 
 from kvops import live
-from kvops.models import Engine, Job, OperatorAction
+from kvops.models import Engine, Job, OperatorAction, WhatIfRun
 
 
 def jobs_visible_to(user) -> QuerySet[Job]:
@@ -81,6 +81,22 @@ def engine_snapshot(name: str) -> dict | None:
 
 def operator_actions() -> QuerySet[OperatorAction]:
     return OperatorAction.objects.select_related("user")
+
+
+WHAT_IF_LISTED = 20  # runs GET /api/engines/<name>/what-if/ lists
+MAX_ID = 2 ** 63 - 1  # the largest id a database column holds
+
+
+def what_if_runs(engine_name: str) -> list[WhatIfRun]:
+    """The engine's what-if runs, newest first."""
+    return list(WhatIfRun.objects.filter(engine=engine_name).select_related("user")
+                [:WHAT_IF_LISTED])
+
+
+def what_if_run(engine_name: str, run_id: int) -> WhatIfRun | None:
+    if not 0 < run_id <= MAX_ID:  # (a larger id would overflow the query, not miss)
+        return None
+    return WhatIfRun.objects.filter(engine=engine_name, pk=run_id).select_related("user").first()
 
 
 PROMPT_PARAMS = ("prompt", "token_ids")  # a pin's prefix may be someone's prompt

@@ -3,11 +3,18 @@ from __future__ import annotations
 
 import math
 
+from django.utils import timezone
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
+from engine.capacity import StepCost
+from engine.config import PREEMPTION_MODES
 from kvops import limits
-from kvops.models import Engine, Job, OperatorAction
+from kvops.models import Engine, Job, OperatorAction, WhatIfRun
+from kvops.what_if import CPU_TIER, MAX_POOL_TOKENS, SETTINGS
+from kvops.what_if_trace import MAX_JOBS, MAX_MINUTES
+
+QUEUED_HINT_S = 30  # a what-if run queued this long gets a note: is an ops worker up?
 
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
                    "stop_token_ids", "ignore_eos", "min_tokens", "min_p", "presence_penalty",
@@ -272,3 +279,62 @@ class PrefixSerializer(StrictMixin, serializers.Serializer):
             raise serializers.ValidationError(
                 {"prompt": ["give exactly one of `prompt` (non-empty text) or `token_ids`"]})
         return attrs
+
+
+class WhatIfSerializer(StrictMixin, serializers.Serializer):
+    """A what-if replay of the engine's recent jobs: which jobs, the simulated step
+    cost (the same for both replays), and the settings that differ from the engine's
+    (each left out or null: the engine's own; a pool size left out keeps the pool's
+    memory, in blocks of the new size)."""
+    minutes = serializers.IntegerField(required=False, default=30, min_value=1,
+                                       max_value=MAX_MINUTES)
+    max_jobs = serializers.IntegerField(required=False, default=2000, min_value=1,
+                                        max_value=MAX_JOBS)
+    step_base_ms = FiniteFloatField(required=False, default=StepCost().base_ms,
+                                    min_value=0.1, max_value=10_000)
+    step_token_ms = FiniteFloatField(required=False, default=StepCost().per_token_ms,
+                                     min_value=0.0, max_value=1_000)
+    num_gpu_blocks = serializers.IntegerField(required=False, allow_null=True, default=None,
+                                              min_value=1, max_value=MAX_POOL_TOKENS)
+    block_size = serializers.ChoiceField(choices=[2 ** i for i in range(8)], required=False,
+                                         allow_null=True, default=None)
+    num_cpu_blocks = serializers.IntegerField(required=False, allow_null=True, default=None,
+                                              min_value=0, max_value=MAX_POOL_TOKENS)
+    preemption_mode = serializers.ChoiceField(choices=list(PREEMPTION_MODES), required=False,
+                                              allow_null=True, default=None)
+    max_num_seqs = serializers.IntegerField(required=False, allow_null=True, default=None,
+                                            min_value=1, max_value=4096)
+    max_num_batched_tokens = serializers.IntegerField(required=False, allow_null=True,
+                                                      default=None, min_value=1,
+                                                      max_value=1 << 20)
+    enable_prefix_caching = serializers.BooleanField(required=False, allow_null=True,
+                                                     default=None)
+    if CPU_TIER:
+        cpu_prefix_cache = serializers.BooleanField(
+            required=False, allow_null=True, default=None,
+            help_text="the CPU pool (num_cpu_blocks) as a second prefix-cache tier")
+
+    def changes(self) -> dict:
+        """The settings the operator changed."""
+        return {k: v for k, v in self.validated_data.items() if k in SETTINGS and v is not None}
+
+    def step_cost(self) -> StepCost:
+        return StepCost(self.validated_data["step_base_ms"], self.validated_data["step_token_ms"])
+
+
+class WhatIfRunSerializer(serializers.ModelSerializer):
+    user = serializers.CharField(source="user.username", default=None, read_only=True)
+    note = serializers.SerializerMethodField()
+
+    class Meta:
+        model = WhatIfRun
+        fields = ["id", "engine", "user", "status", "progress", "error", "note", "params",
+                  "created_at", "started_at", "finished_at", "trace", "baseline", "alternative"]
+
+    def get_note(self, run: WhatIfRun) -> str | None:
+        """A hint while a run waits for a worker longer than it should."""
+        waited = (timezone.now() - run.created_at).total_seconds()
+        if run.status == WhatIfRun.Status.QUEUED and waited > QUEUED_HINT_S:
+            return (f"queued for {waited:.0f} s: no ops worker has taken it; is one running "
+                    f"(python manage.py ops_worker)?")
+        return None

@@ -17,6 +17,9 @@ urlpatterns = [
     path("engines/<str:name>/prefix-cache/<str:action>/",
          views.PrefixCacheActionView.as_view(), name="prefix-cache-action"),
     path("engines/<str:name>/limits/", views.EngineLimitsView.as_view(), name="engine-limits"),
+    path("engines/<str:name>/what-if/", views.WhatIfView.as_view(), name="engine-what-if"),
+    path("engines/<str:name>/what-if/<int:run_id>/", views.WhatIfDetailView.as_view(),
+         name="engine-what-if-run"),
     *(path(f"engines/<str:name>/{action}/", views.EngineActionView.as_view(),
            {"action": action}, name=f"engine-{action}")
       for action in views.EngineActionView.ACTIONS),

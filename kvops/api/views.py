@@ -14,10 +14,11 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from engine.commands import STATE_COMMANDS
-from kvops import idempotency, limits, selectors, services
+from kvops import idempotency, limits, selectors, services, what_if
 from kvops.api.serializers import (EmptySerializer, EngineSerializer, EvictSerializer,
                                    JobCreateSerializer, JobSerializer, LimitsSerializer,
-                                   OperatorActionSerializer, PrefixSerializer)
+                                   OperatorActionSerializer, PrefixSerializer,
+                                   WhatIfRunSerializer, WhatIfSerializer)
 from kvops.models import Engine, Job
 from kvops.prompt_check import PromptTooLong, check_prompt_fits
 from kvops.throttles import JobSubmitThrottle, TooManyJobs, check_job_cap
@@ -304,3 +305,51 @@ class PrefixCacheActionView(APIView):
         engine = get_object_or_404(Engine, name=name)
         arguments = {k: v for k, v in serializer.validated_data.items() if v is not None}
         return _action_answer(request, engine, action, "", arguments)
+
+
+WHAT_IF_RESPONSES = {202: WhatIfRunSerializer, 400: ERROR, 403: ERROR, 404: ERROR, 409: ERROR,
+                     503: ERROR}
+
+
+class WhatIfView(APIView):
+    """POST /api/engines/<name>/what-if/: replay the engine's jobs of the last `minutes`
+    through the capacity simulator under its own configuration and under the settings
+    given, on the ops worker; answers 202 with the run (poll its `id`). Audited.
+    GET: the engine's recent runs, newest first."""
+    permission_classes = [permissions.IsAuthenticated, IsOperator]
+
+    @extend_schema(request=WhatIfSerializer, responses=WHAT_IF_RESPONSES)
+    def post(self, request, name: str):
+        serializer = WhatIfSerializer(data=request.data or {})
+        serializer.is_valid(raise_exception=True)
+        engine = get_object_or_404(Engine, name=name)
+        data = serializer.validated_data
+        try:
+            run = what_if.start(request.user, engine, data["minutes"], data["max_jobs"],
+                                serializer.changes(), serializer.step_cost())
+        except what_if.Refused as e:
+            return Response({"error": str(e)}, status=status.HTTP_400_BAD_REQUEST)
+        except what_if.Busy as e:
+            return Response({"error": str(e)}, status=status.HTTP_409_CONFLICT)
+        except what_if.Unavailable as e:
+            raise ServiceUnavailable(str(e)) from None
+        return Response(WhatIfRunSerializer(run).data, status=status.HTTP_202_ACCEPTED)
+
+    @extend_schema(responses={200: WhatIfRunSerializer(many=True), 403: ERROR, 404: ERROR})
+    def get(self, request, name: str):
+        engine = get_object_or_404(Engine, name=name)
+        runs = [what_if.settle(run) for run in selectors.what_if_runs(engine.name)]
+        return Response(WhatIfRunSerializer(runs, many=True).data)
+
+
+class WhatIfDetailView(APIView):
+    """GET /api/engines/<name>/what-if/<id>/: the run's status and progress, then the
+    trace it replayed and both replays' results."""
+    permission_classes = [permissions.IsAuthenticated, IsOperator]
+
+    @extend_schema(responses={200: WhatIfRunSerializer, 403: ERROR, 404: ERROR})
+    def get(self, request, name: str, run_id: int):
+        run = selectors.what_if_run(name, run_id)
+        if run is None:
+            raise NotFound(f"engine {name!r} has no what-if run {run_id}")
+        return Response(WhatIfRunSerializer(what_if.settle(run)).data)
