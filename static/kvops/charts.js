@@ -53,8 +53,10 @@ export function tickLabel(value, ticks) {
 
 // series: [{label, color, values: [number|null], bars?: bool}], all the same length.
 // max: top of the scale (null: from the data, rounded up to a tick); format: a tick's
-// label (default tickLabel); integer: the data are counts or event rates.
-export function timeChart(canvas, series, { max = null, format = null, integer = false } = {}) {
+// label (default tickLabel); integer: the data are counts or event rates; xLabel: what
+// the x axis spans (default: "last <n> s", one point a second).
+export function timeChart(canvas, series, { max = null, format = null, integer = false,
+                                            xLabel = null } = {}) {
   const [g, w, h] = fit(canvas);
   const pad = { l: 34, r: 6, t: 6, b: 14 };
   const n = Math.max(...series.map((s) => s.values.length), 0);
@@ -71,7 +73,7 @@ export function timeChart(canvas, series, { max = null, format = null, integer =
     g.beginPath(); g.moveTo(pad.l, y + 0.5); g.lineTo(w - pad.r, y + 0.5); g.stroke();
     g.fillText(format ? format(tick) : tickLabel(tick, ticks), 2, y + 3);
   }
-  g.fillText(n > 1 ? `last ${n} s` : "", pad.l, h - 2);
+  g.fillText(xLabel ?? (n > 1 ? `last ${n} s` : ""), pad.l, h - 2);
   if (n < 2) return;
   const x = (i) => pad.l + (i / (n - 1)) * (w - pad.l - pad.r);
   const y = (v) => pad.t + (1 - Math.min(v, top) / top) * (h - pad.t - pad.b);

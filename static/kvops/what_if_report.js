@@ -1,0 +1,114 @@
+// What-if runs as the engine page shows them (static/kvops/what_if.js): the request
+// body from the form, the rows that compare both replays, and both timelines on one
+// time axis. No DOM here: tests/dashboard/js/what_if.test.mjs runs it in node.
+
+const NUMBERS = ["minutes", "max_jobs", "num_gpu_blocks", "block_size", "num_cpu_blocks",
+                 "max_num_seqs", "max_num_batched_tokens", "step_base_ms", "step_token_ms"];
+const FLAGS = ["enable_prefix_caching", "cpu_prefix_cache"];
+
+// values: {field name: the form's string}. Empty fields are left out (the engine's
+// value); numbers and on/off flags travel as JSON numbers and booleans.
+export function requestBody(values) {
+  const body = {};
+  for (const [name, raw] of Object.entries(values)) {
+    const text = String(raw ?? "").trim();
+    if (text === "") continue;
+    if (NUMBERS.includes(name)) body[name] = Number(text);
+    else if (FLAGS.includes(name)) body[name] = text === "true";
+    else body[name] = text;
+  }
+  return body;
+}
+
+const fixed = (digits) => (v) => (v == null ? "–" : Number(v).toFixed(digits));
+const integer = (v) => (v == null ? "–" : String(Math.round(v)));
+const percent = (v) => (v == null ? "–" : `${(100 * v).toFixed(1)}%`);
+const secs = (v) => (v == null ? "–" : v < 1 ? `${(1000 * v).toFixed(0)} ms` : `${v.toFixed(2)} s`);
+const onOff = (v) => (v == null ? "–" : v ? "on" : "off");
+
+// [label, read(result), format, kind]: kind "ratio" compares in points, "number" in
+// percent of the engine's value, null not at all.
+const CONFIG_ROWS = [
+  ["GPU pool", (r) => r.config, (c) => `${c.num_gpu_blocks} × ${c.block_size} = ${c.pool_tokens} tokens`, null],
+  ["CPU pool (blocks)", (r) => r.config.num_cpu_blocks, integer, null],
+  ["preemption", (r) => r.config.preemption_mode, String, null],
+  ["max_num_seqs", (r) => r.config.max_num_seqs, integer, null],
+  ["max_num_batched_tokens", (r) => r.config.max_num_batched_tokens, integer, null],
+  ["prefix caching", (r) => r.config.enable_prefix_caching, onOff, null],
+  ["CPU prefix tier", (r) => r.config.cpu_prefix_cache, onOff, null],
+];
+const RESULT_ROWS = [
+  ["finish time (simulated)", (r) => r.sim_seconds, secs, "number"],
+  ["output tokens per second", (r) => r.output_tokens_per_s, fixed(0), "number"],
+  ["KV usage, mean", (r) => r.kv_usage_mean, percent, "ratio"],
+  ["KV usage, peak", (r) => r.kv_usage_peak, percent, "ratio"],
+  ["KV slots holding tokens", (r) => r.slot_utilisation, percent, "ratio"],
+  ["preemptions (recompute)", (r) => r.preemptions, integer, "number"],
+  ["swaps out", (r) => r.swaps_out, integer, "number"],
+  ["prefix hit rate", (r) => r.prefix_hit_rate, percent, "ratio"],
+  ["queue wait p50", (r) => r.queue_wait_p50, secs, "number"],
+  ["queue wait p99", (r) => r.queue_wait_p99, secs, "number"],
+  ["peak concurrency", (r) => r.peak_concurrency, integer, "number"],
+];
+
+function change(a, b, kind) {
+  if (kind === null || a == null || b == null) return "";
+  if (kind === "ratio") {
+    const points = 100 * (b - a);
+    return Math.abs(points) < 0.05 ? "=" : `${points > 0 ? "+" : ""}${points.toFixed(1)} pt`;
+  }
+  if (a === b) return "=";
+  if (a === 0) return b > 0 ? "+" : "−";
+  const rel = (100 * (b - a)) / Math.abs(a);
+  return `${rel > 0 ? "+" : ""}${rel.toFixed(rel > -10 && rel < 10 ? 1 : 0)}%`;
+}
+
+// Rows {label, baseline, alternative, change, section} of a finished run; a setting
+// neither configuration has (an engine without a CPU tier) is left out.
+export function comparisonRows(run) {
+  const rows = [];
+  for (const [section, specs] of [["configuration", CONFIG_ROWS], ["results", RESULT_ROWS]]) {
+    for (const [label, read, format, kind] of specs) {
+      const a = read(run.baseline), b = read(run.alternative);
+      if (a === undefined && b === undefined) continue;
+      rows.push({ label, section, baseline: format(a), alternative: format(b),
+                  change: change(a, b, kind) });
+    }
+  }
+  return rows;
+}
+
+// Both runs' timelines (each over its own duration) on one axis of `points` slices from
+// 0 to the later finish: {end, baseline: [...], alternative: [...]}, null after a run
+// ended. key: "gpu", "cpu" or "waiting".
+export function commonTimeline(baseline, alternative, key, points = 200) {
+  const last = (tl) => (tl && tl.t.length ? tl.t[tl.t.length - 1] : 0);
+  const end = Math.max(last(baseline), last(alternative));
+  const sample = (tl) => {
+    if (!tl || !tl.t.length) return Array(points).fill(null);
+    const width = tl.t[0], stop = last(tl);
+    return Array.from({ length: points }, (_, k) => {
+      const x = ((k + 1) * end) / points;
+      if (x > stop * (1 + 1e-9)) return null;
+      return tl[key][Math.min(tl[key].length - 1, Math.max(0, Math.ceil(x / width - 1e-9) - 1))];
+    });
+  };
+  return { end, baseline: sample(baseline), alternative: sample(alternative) };
+}
+
+// One line on what was replayed, and what the engine itself recorded for those jobs.
+export function traceSummary(trace) {
+  if (!trace || !trace.jobs) return "";
+  const parts = [
+    `Replayed ${trace.jobs} jobs of the last ${trace.minutes} min`
+      + (trace.truncated ? ` (the newest ${trace.max_jobs}; older ones left out)` : ""),
+    `arrivals over ${trace.span_s.toFixed(1)} s`,
+    `${trace.prompt_tokens} prompt and ${trace.output_tokens} output tokens`,
+    `${trace.prefix_groups} prefix group${trace.prefix_groups === 1 ? "" : "s"} (from the prompts' ${trace.prefixes_from})`,
+  ];
+  if (trace.still_running) parts.push(`${trace.still_running} still running (their output so far)`);
+  const rec = trace.recorded || {};
+  parts.push(`recorded on the engine: prefix hit rate ${percent(rec.prefix_hit_rate)}, `
+             + `${rec.preemptions ?? "–"} preemptions`);
+  return parts.join(" · ");
+}

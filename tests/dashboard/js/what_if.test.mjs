@@ -1,0 +1,57 @@
+// node --test: the what-if panel's pure logic (static/kvops/what_if_report.js).
+import assert from "node:assert/strict";
+import test from "node:test";
+
+import { commonTimeline, comparisonRows, requestBody, traceSummary } from "../../../static/kvops/what_if_report.js";
+
+test("the request body leaves empty fields out and types the rest", () => {
+  const body = requestBody({ minutes: "15", max_jobs: "", num_gpu_blocks: " 256 ", block_size: "32",
+                             preemption_mode: "swap", enable_prefix_caching: "false",
+                             cpu_prefix_cache: "true", step_token_ms: "0.1", max_num_seqs: "" });
+  assert.deepEqual(body, { minutes: 15, num_gpu_blocks: 256, block_size: 32, preemption_mode: "swap",
+                           enable_prefix_caching: false, cpu_prefix_cache: true, step_token_ms: 0.1 });
+});
+
+const config = (blocks, extra = {}) => ({ num_gpu_blocks: blocks, block_size: 16, pool_tokens: blocks * 16,
+  num_cpu_blocks: 64, preemption_mode: "recompute", max_num_seqs: 8, max_num_batched_tokens: 512,
+  enable_prefix_caching: true, ...extra });
+const result = (blocks, preemptions, hit, wait, extra = {}) => ({ config: config(blocks, extra),
+  sim_seconds: 10, output_tokens_per_s: 100, kv_usage_mean: 0.5, kv_usage_peak: 1, slot_utilisation: 0.9,
+  preemptions, swaps_out: 0, prefix_hit_rate: hit, queue_wait_p50: wait, queue_wait_p99: 2 * wait,
+  peak_concurrency: 8, timeline: { t: [], gpu: [], cpu: [], waiting: [] } });
+
+test("rows compare both runs: counts in percent, ratios in points", () => {
+  const rows = comparisonRows({ baseline: result(64, 40, 0.25, 0.5), alternative: result(256, 10, 0.4, 0.5) });
+  const row = (label) => rows.find((r) => r.label === label);
+  assert.equal(row("GPU pool").baseline, "64 × 16 = 1024 tokens");
+  assert.equal(row("GPU pool").alternative, "256 × 16 = 4096 tokens");
+  assert.equal(row("preemptions (recompute)").change, "-75%");
+  assert.equal(row("prefix hit rate").baseline, "25.0%");
+  assert.equal(row("prefix hit rate").change, "+15.0 pt");
+  assert.equal(row("queue wait p50").baseline, "500 ms");
+  assert.equal(row("queue wait p50").change, "=");
+  assert.equal(row("CPU prefix tier"), undefined);  // neither run has the setting
+  const tier = comparisonRows({ baseline: result(64, 1, 0, 0, { cpu_prefix_cache: false }),
+                                alternative: result(64, 1, 0, 0, { cpu_prefix_cache: true }) });
+  assert.deepEqual([tier.find((r) => r.label === "CPU prefix tier").baseline,
+                    tier.find((r) => r.label === "CPU prefix tier").alternative], ["off", "on"]);
+});
+
+test("both timelines share one axis to the later finish; the shorter one stops", () => {
+  const a = { t: [1, 2, 3, 4], gpu: [0.1, 0.2, 0.3, 0.4] };  // ends at 4 s
+  const b = { t: [2, 4, 6, 8], gpu: [0.5, 0.6, 0.7, 0.8] };  // ends at 8 s
+  const line = commonTimeline(a, b, "gpu", 8);
+  assert.equal(line.end, 8);
+  assert.deepEqual(line.baseline, [0.1, 0.2, 0.3, 0.4, null, null, null, null]);
+  assert.deepEqual(line.alternative, [0.5, 0.5, 0.6, 0.6, 0.7, 0.7, 0.8, 0.8]);
+});
+
+test("the trace line says what was replayed and what the engine recorded", () => {
+  const text = traceSummary({ jobs: 12, minutes: 30, max_jobs: 2000, truncated: false, span_s: 3.25,
+    still_running: 0, prompt_tokens: 1200, output_tokens: 300, prefix_groups: 2, prefixes_from: "tokens",
+    recorded: { prefix_hit_rate: 0.125, preemptions: 3 } });
+  assert.match(text, /Replayed 12 jobs of the last 30 min/);
+  assert.match(text, /2 prefix groups \(from the prompts' tokens\)/);
+  assert.match(text, /prefix hit rate 12\.5%, 3 preemptions/);
+  assert.equal(traceSummary({}), "");
+});
