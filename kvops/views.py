@@ -5,7 +5,7 @@ from django.contrib.auth.decorators import login_required
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, render
 
-from kvops import selectors, what_if
+from kvops import selectors
 from kvops.models import Engine, Job
 
 ACTIONS_SHOWN = 200
@@ -25,8 +25,7 @@ def engine_page(request: HttpRequest, name: str) -> HttpResponse:
     engine = get_object_or_404(Engine, name=name)
     page = {"name": engine.name, "operator": request.user.is_staff, "config": engine.config}
     return render(request, "kvops/engine.html",
-                  {"engine": engine, "page": page, "operator": request.user.is_staff,
-                   "what_if_cpu_tier": what_if.CPU_TIER})
+                  {"engine": engine, "page": page, "operator": request.user.is_staff})
 
 
 @login_required

@@ -35,12 +35,11 @@ MAX_UNFINISHED = 2  # queued or running at once per engine
 # Slots per simulated pool: the stand-in model keeps one value per token slot.
 MAX_POOL_TOKENS = 1 << 23
 PROGRESS_EVERY_S = 0.5
-# The settings an operator may change, and whether the CPU tier is one of them (an
-# engine build without EngineConfig.cpu_prefix_cache has none).
-CPU_TIER = "cpu_prefix_cache" in {f.name for f in dataclasses.fields(EngineConfig)}
+# The settings an operator may change (cpu_prefix_cache: the CPU pool as a second
+# prefix-cache tier, num_cpu_blocks its size).
 SETTINGS = ("num_gpu_blocks", "block_size", "num_cpu_blocks", "preemption_mode",
             "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
-            *(("cpu_prefix_cache",) if CPU_TIER else ()))
+            "cpu_prefix_cache")
 
 
 class Refused(Exception):
@@ -67,9 +66,8 @@ def baseline_config(engine_config: dict) -> EngineConfig:
     fields = {k: engine_config[k] for k in needed}
     fields.update(scheduling_policy=engine_config.get("scheduling_policy") or "fcfs",
                   enable_prefix_caching=bool(engine_config.get("enable_prefix_caching", True)),
+                  cpu_prefix_cache=bool(engine_config.get("cpu_prefix_cache", False)),
                   simulate_sliding_window=engine_config.get("sliding_window"))
-    if CPU_TIER:
-        fields["cpu_prefix_cache"] = bool(engine_config.get("cpu_prefix_cache", False))
     return _checked(EngineConfig, simulate=True, max_pending_events=0, **fields)
 
 

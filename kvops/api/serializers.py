@@ -11,7 +11,7 @@ from engine.capacity import StepCost
 from engine.config import PREEMPTION_MODES
 from kvops import limits
 from kvops.models import Engine, Job, OperatorAction, WhatIfRun
-from kvops.what_if import CPU_TIER, MAX_POOL_TOKENS, SETTINGS
+from kvops.what_if import MAX_POOL_TOKENS, SETTINGS
 from kvops.what_if_trace import MAX_JOBS, MAX_MINUTES
 
 QUEUED_HINT_S = 30  # a what-if run queued this long gets a note: is an ops worker up?
@@ -309,10 +309,9 @@ class WhatIfSerializer(StrictMixin, serializers.Serializer):
                                                       max_value=1 << 20)
     enable_prefix_caching = serializers.BooleanField(required=False, allow_null=True,
                                                      default=None)
-    if CPU_TIER:
-        cpu_prefix_cache = serializers.BooleanField(
-            required=False, allow_null=True, default=None,
-            help_text="the CPU pool (num_cpu_blocks) as a second prefix-cache tier")
+    cpu_prefix_cache = serializers.BooleanField(
+        required=False, allow_null=True, default=None,
+        help_text="the CPU pool (num_cpu_blocks) as a second prefix-cache tier")
 
     def changes(self) -> dict:
         """The settings the operator changed."""

@@ -47,6 +47,7 @@ def test_an_operator_runs_a_what_if_and_sees_both_runs(login, stack):
     page.fill("#wi-num-gpu-blocks", "16")
     page.select_option("#wi-preemption-mode", "swap")
     page.fill("#wi-max-num-seqs", "4")
+    page.select_option("#wi-cpu-prefix-cache", "true")
     page.click("#wi-run")
     page.wait_for_selector("#what-if[data-status=finished]", timeout=120_000)
 
@@ -57,6 +58,7 @@ def test_an_operator_runs_a_what_if_and_sees_both_runs(login, stack):
     assert alt["GPU pool"] == "16 × 16 = 256 tokens"
     assert (base["preemption"], alt["preemption"]) == ("recompute", "swap")
     assert (base["max_num_seqs"], alt["max_num_seqs"]) == ("8", "4")
+    assert (base["CPU prefix tier"], alt["CPU prefix tier"]) == ("off", "on")
     for row in ("KV usage, peak", "preemptions (recompute)", "prefix hit rate",
                 "queue wait p50", "queue wait p99"):
         assert base[row] not in ("", "–") and alt[row] not in ("", "–"), row

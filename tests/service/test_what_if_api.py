@@ -49,7 +49,7 @@ def test_a_what_if_runs_on_the_ops_worker_and_returns_both_replays(stack):
     jobs = run_jobs(stack, 12)
     assert all(j["status"] == "finished" for j in jobs)
     r = what_if(stack, {"minutes": 10, "num_gpu_blocks": 16, "preemption_mode": "swap",
-                        "max_num_seqs": 4})
+                        "max_num_seqs": 4, "cpu_prefix_cache": True})
     assert r.status_code == 202, r.text
     run_id = r.json()["id"]
     assert r.json()["status"] == "queued" and r.json()["engine"] == "wi"
@@ -69,7 +69,8 @@ def test_a_what_if_runs_on_the_ops_worker_and_returns_both_replays(stack):
     assert (base["config"]["num_gpu_blocks"], base["config"]["preemption_mode"],
             base["config"]["max_num_seqs"]) == (64, "recompute", 8)
     assert (alt["config"]["num_gpu_blocks"], alt["config"]["preemption_mode"],
-            alt["config"]["max_num_seqs"]) == (16, "swap", 4)
+            alt["config"]["max_num_seqs"], alt["config"]["cpu_prefix_cache"]) == \
+        (16, "swap", 4, True)
     for result in (base, alt):
         assert result["requests"] == 12
         for key in ("kv_usage_mean", "kv_usage_peak", "prefix_hit_rate", "preemptions",

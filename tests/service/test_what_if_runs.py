@@ -81,6 +81,24 @@ def test_the_task_replays_both_configurations_as_the_simulator_does(busy_engine)
     assert tasks.what_if.apply(args=[run.pk]).get() == "skipped"
 
 
+def test_the_cpu_tier_is_replayed_when_asked(busy_engine):
+    """The alternative turns the CPU pool into a prefix-cache tier: the replay is the
+    simulator's with that setting, and requests preempted by recompute find their
+    blocks there again."""
+    operator, engine = busy_engine
+    changes = {"cpu_prefix_cache": True, "num_cpu_blocks": 256}
+    run = what_if.start(operator, engine, 10, 100, changes, StepCost())
+    assert tasks.what_if.apply(args=[run.pk]).get() == "finished"
+    run.refresh_from_db()
+    assert (run.baseline["config"]["cpu_prefix_cache"],
+            run.alternative["config"]["cpu_prefix_cache"]) == (False, True)
+    trace = build_trace(engine, 10, 100, until=run.created_at)
+    config = what_if.alternative_config(what_if.baseline_config(engine.config), changes)
+    direct = replay_paged(trace.requests, config, StepCost(), prompts=trace.prompts)
+    assert run.alternative["cpu_tier_hit_rate"] == direct.extra["cpu_hit_rate"] > 0
+    assert run.baseline["cpu_tier_hit_rate"] == 0.0
+
+
 def test_start_refuses_what_cannot_run(busy_engine):
     operator, engine = busy_engine
     cost = StepCost()
@@ -90,6 +108,7 @@ def test_start_refuses_what_cannot_run(busy_engine):
         ({"block_size": 3}, "power of two"),
         ({"num_gpu_blocks": 1 << 22, "block_size": 16}, "the simulator takes at most"),
         ({"model": "other"}, "cannot change model"),
+        ({"cpu_prefix_cache": True, "enable_prefix_caching": False}, "needs enable_prefix_caching"),
     ]
     for changes, message in refusals:
         with pytest.raises(what_if.Refused, match=message):
