@@ -5,9 +5,10 @@ The feed runs where the engine runs (the engine core process, or the worker's en
 thread) and hands over items: an encoded delta, the KV events worth keeping, a metrics
 point, the prefix-cache changes. `EnginePublisher` queues them (`on_item`, never
 blocking) and its own thread does the I/O, in sequence-number order: deltas to the
-group, events and metrics to their Redis histories, a summary to `engine-summary.<name>`,
-prefix changes to the routing index. It answers the consumers' snapshot and block-table
-queries by asking the feed, and keeps the latest full snapshot in Redis for the REST API.
+group and to the timeline (kvops/timeline.py), events and metrics to their Redis
+histories, a summary to `engine-summary.<name>`, prefix changes to the routing index. It
+answers the consumers' snapshot and block-table queries by asking the feed, and keeps the
+latest full snapshot in Redis for the REST API (now and then a timeline keyframe too).
 
 On the wire a delta or snapshot is zlib-compressed JSON (`engine.kv_feed.encode`), sent as a binary
 websocket frame as it is: encoded once by the feed, whatever the number of clients.
@@ -26,6 +27,7 @@ from django.conf import settings
 from engine.kv_feed import KVFeed
 from kvops import live
 from kvops.prefix_index import PrefixIndex
+from kvops.timeline import TimelineWriter, limits_from_settings
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +83,7 @@ class EnginePublisher:
         else:
             self.prefix_index = PrefixIndex(name, source)
         self.source = source
+        self.timeline = TimelineWriter(name, limits_from_settings())  # publisher thread only
         self.errors = 0
         self.deltas_sent = 0
         self.last_seq = 0  # of the last item handled
@@ -161,6 +164,7 @@ class EnginePublisher:
         live.append_events(self.name, item["records"],
                            _setting("KVOPS_EVENT_HISTORY", EVENT_HISTORY))
         if item["delta"] is not None:
+            self.timeline.add_delta(item["epoch"], item["seq"], item["point"]["ts"], item["delta"])
             live.group_send_wait(live.engine_group(self.name),
                                  {"type": "engine.delta", "seq": item["seq"],
                                   "data": item["delta"]})
@@ -208,11 +212,15 @@ class EnginePublisher:
 
     def _store_snapshot(self) -> None:
         """The latest full snapshot for GET /api/engines/<name>/: once a second, or less
-        often when building it takes long (at most STORE_SHARE of this thread's time)."""
+        often when building it takes long (at most STORE_SHARE of this thread's time); now
+        and then the same snapshot is the timeline's next keyframe."""
         now = time.monotonic()
         if now < self._due["store"] or self.last_seq == self._stored_seq:
             return
         self._stored_seq = self.last_seq
-        live.store_snapshot(self.name, self.source.ask_kv("snapshot-doc", None, ASK_TIMEOUT_S))
+        snapshot = self.source.ask_kv("snapshot-doc", None, ASK_TIMEOUT_S)
+        live.store_snapshot(self.name, snapshot)
+        if self.timeline.keyframe_due():
+            self.timeline.add_keyframe(snapshot)
         took = time.monotonic() - now
         self._due["store"] = now + max(self.store_interval_s, took / STORE_SHARE)

@@ -224,6 +224,12 @@ KVOPS_OUTBOX_AFTER_S = float(os.environ.get("KVOPS_OUTBOX_AFTER_S", 10))
 KVOPS_RESEND_AFTER_S = float(os.environ.get("KVOPS_RESEND_AFTER_S", 900))
 KVOPS_EVENT_HISTORY = int(os.environ.get("KVOPS_EVENT_HISTORY", 10_000))  # KV events kept per engine
 KVOPS_METRICS_HISTORY = int(os.environ.get("KVOPS_METRICS_HISTORY", 3600))  # metric points (1/s)
+# The engine page's timeline (kvops/timeline.py): how far back each engine's KV history
+# reaches, the most it may take in Redis, and how often a keyframe (a full snapshot)
+# starts a window of it.
+KVOPS_TIMELINE_SECONDS = float(os.environ.get("KVOPS_TIMELINE_SECONDS", 300))
+KVOPS_TIMELINE_BYTES = int(os.environ.get("KVOPS_TIMELINE_BYTES", 64 * 2**20))
+KVOPS_TIMELINE_KEYFRAME_S = float(os.environ.get("KVOPS_TIMELINE_KEYFRAME_S", 5))
 
 LOGGING = {
     "version": 1,

@@ -2,7 +2,7 @@ from django.urls import path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 from rest_framework.routers import DefaultRouter
 
-from kvops.api import views
+from kvops.api import timeline, views
 
 router = DefaultRouter()
 router.register("jobs", views.JobViewSet, basename="job")
@@ -17,6 +17,10 @@ urlpatterns = [
     path("engines/<str:name>/prefix-cache/<str:action>/",
          views.PrefixCacheActionView.as_view(), name="prefix-cache-action"),
     path("engines/<str:name>/limits/", views.EngineLimitsView.as_view(), name="engine-limits"),
+    path("engines/<str:name>/timeline/", timeline.EngineTimelineView.as_view(),
+         name="engine-timeline"),
+    path("engines/<str:name>/timeline/state/", timeline.EngineTimelineStateView.as_view(),
+         name="engine-timeline-state"),
     path("engines/<str:name>/what-if/", views.WhatIfView.as_view(), name="engine-what-if"),
     path("engines/<str:name>/what-if/<int:run_id>/", views.WhatIfDetailView.as_view(),
          name="engine-what-if-run"),
