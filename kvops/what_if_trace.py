@@ -9,8 +9,9 @@ the window; the newest `max_jobs` of them):
 * output length: `num_output_tokens` (a job still running: the tokens so far);
 * shared prefixes: from the prompts themselves. Each prompt is tokenized with the
   engine's tokenizer (the chat template applied, as routing does; if the model folder
-  is not readable here, its characters are used and lengths scaled to the job's token
-  count) and keyed by its owner's cache salt, since salted prompts never share blocks.
+  is not readable here, or the tokenizer fails on a prompt, the prompts' characters are
+  compared and lengths scaled to each job's token count) and keyed by its owner's cache
+  salt, since salted prompts never share blocks.
   Sorted, neighbours' common prefixes give every pair's (the common prefix of two
   prompts is the least over the neighbours between them), so the replay's prompts are
   built in that order, each taking its predecessor's first shared tokens and random
@@ -24,6 +25,7 @@ The replay starts with an empty cache: prefixes cached before the window are mis
 """
 from __future__ import annotations
 
+import logging
 import random
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -34,6 +36,8 @@ from engine.trace import TraceRequest
 from kvops.models import Engine, Job
 from kvops.prompts import inspector, render_chat
 from kvops.tenancy import cache_salt
+
+log = logging.getLogger(__name__)
 
 MAX_MINUTES = 24 * 60
 MAX_JOBS = 5000
@@ -99,17 +103,18 @@ def build_trace(engine: Engine, minutes: int, max_jobs: int,
 
 def _prompt_units(config: dict, jobs: list[Job]) -> tuple[list[tuple], str]:
     """Each job's sort key: (cache salt, token ids), or (salt, text) where the engine's
-    tokenizer cannot be read from this process."""
-    tokenizer = inspector.tokenizer(config)
-    keys = []
-    for job in jobs:
-        salt = cache_salt(job.owner) or ""
-        if tokenizer is None:
-            text = render_chat(None, job.messages) if job.messages else job.prompt
-            keys.append((salt, text))
-        else:
-            keys.append((salt, inspector.token_ids(config, job.prompt, job.messages)))
-    return keys, "tokens" if tokenizer is not None else "characters"
+    tokenizer cannot be read from this process or fails on one of the prompts (a chat
+    its template refuses): the same kind of key for every job, so that they compare."""
+    salts = [cache_salt(job.owner) or "" for job in jobs]
+    if inspector.tokenizer(config) is not None:
+        try:
+            return [(salt, inspector.token_ids(config, job.prompt, job.messages))
+                    for salt, job in zip(salts, jobs)], "tokens"
+        except Exception as e:  # noqa: BLE001  (any tokenizer or template error)
+            log.warning("what-if trace: prompts compared as characters (%s: %s)",
+                        type(e).__name__, e)
+    return [(salt, render_chat(None, job.messages) if job.messages else job.prompt)
+            for salt, job in zip(salts, jobs)], "characters"
 
 
 def _shared_with_predecessor(order: list[int], units: list[tuple], lengths: list[int],
