@@ -1,7 +1,8 @@
-// The engine page: block maps, requests, charts and events of one engine, live.
-// Data: a snapshot, then deltas in sequence (live_sync.js: a gap or a restart asks for a
-// new snapshot); operator actions go through the REST API. window.kvopsPerf keeps timings
-// for tests.
+// The engine page: block maps, requests, charts and events of one engine, live, or as
+// they were at a moment of the timeline strip (timeline.js; live updates keep the live
+// state current meanwhile, unpainted). Data: a snapshot, then deltas in sequence
+// (live_sync.js: a gap or a restart asks for a new snapshot); operator actions go
+// through the REST API. window.kvopsPerf keeps timings for tests.
 import { api, errorText } from "./api.js";
 import { BlockMap } from "./blockmap.js";
 import { timeChart } from "./charts.js";
@@ -12,6 +13,7 @@ import { MetricsHistory, cumulativeHitRate } from "./metrics.js";
 import { LiveSync } from "./live_sync.js";
 import { RequestTable } from "./request_table.js";
 import { LiveSocket } from "./socket.js";
+import { TimelineStrip } from "./timeline.js";
 
 const page = JSON.parse($("#engine-data").textContent);
 const palette = new Palette();
@@ -20,15 +22,20 @@ const cpuMap = new BlockMap($("#cpu-map"), $("#cpu-overlay"), palette, { maxHeig
 const history = new MetricsHistory(600);
 // `log` keeps the last few snapshots and resyncs, with why and when (tests, console).
 const perf = window.kvopsPerf = { deltas: 0, snapshots: 0, resyncs: 0, applyMs: [], decodeMs: [], log: [],
+                                  scrubMs: [], fetchMs: [],  // per timeline position shown, per window fetched
                                   parts: { state: 0, maps: 0, table: 0, rest: 0 },
                                   lastDeltaAt: 0, bytes: () => socket.bytes, frames: () => socket.frames,
                                   reconnects: () => socket.reconnects };
 const sync = new LiveSync();
-let state = null;  // the KVState on screen
+let state = null;  // the KVState on screen: sync.state, or a past one while scrubbing
+let heldEvents = [];  // the live deltas' events while scrubbing, logged on the way back
 let selected = null;  // request index
 let prevCounts = [null, null];  // preemptions, swaps out: the charts' totals follow them
 let wanted = new URLSearchParams(location.search).get("request");  // select once it shows up
-window.kvops = { state: () => state, selected: () => selected, gpuMap, cpuMap };  // tests, console
+const timeline = new TimelineStrip($("#timeline"), page.name, {
+  onShow: (shown) => showPast(shown), onLive: () => backToLive(), perf });
+window.kvops = { state: () => state, live: () => sync.state, scrubbing: () => timeline.scrubbing, timeline,
+                 selected: () => selected, gpuMap, cpuMap };  // tests, console
 
 const table = new RequestTable($("#requests"), {
   operator: page.operator,
@@ -66,7 +73,7 @@ function handle(message, meta) {
 }
 
 function loadSnapshot(snapshot) {
-  state = sync.applySnapshot(snapshot);
+  sync.applySnapshot(snapshot);
   for (const [id, key] of [["#limit-seqs", "max_num_seqs"], ["#limit-tokens", "max_num_batched_tokens"]]) {
     const input = $(id);  // (operators only) the engine's limits now, unless being edited
     if (input && document.activeElement !== input && snapshot.config?.[key] != null) input.value = snapshot.config[key];
@@ -74,12 +81,19 @@ function loadSnapshot(snapshot) {
   perf.snapshots++;
   note({ snapshot: snapshot.seq, epoch: snapshot.epoch, stale: !!snapshot.stale });
   if (!snapshot.stale) socket.healthy();
+  setConnection(snapshot.stale ? "stale" : "live");
+  if (timeline.scrubbing) return;  // shown on the way back
+  state = sync.state;
+  showWhole();
+}
+
+// Paint the state on screen from scratch (a snapshot, the first moment of a scrub, back to live).
+function showWhole() {
   gpuMap.attach(state.gpu, state.evictRank, $("#gpu-wrap").clientWidth);
   cpuMap.attach(state.cpu, null, $("#cpu-wrap").clientWidth);
   $("#gpu-caption").textContent = `${num(state.gpu.n)} blocks of ${state.config.block_size} tokens${splitCaption(state.config)}`;
   $("#cpu-caption").textContent = `${num(state.cpu.n)} blocks`;
   table.setState(state);
-  setConnection(snapshot.stale ? "stale" : "live");
   if (selected !== null && !state.requests.has(selected)) selected = null;
   if (selected !== null) select(selected, false);
   pickWanted();
@@ -110,22 +124,14 @@ function applyDelta(delta, meta) {
   if (result.needsResync) askResync(result.needsResync);
   if (!result.ok) return;
   if (result.nowLive) setConnection("live");  // a stored snapshot the engine's deltas follow
-  const changed = result.changed;
-  const applied = performance.now();
-  gpuMap.paint(changed.gpu);
-  gpuMap.flush();
-  cpuMap.paint(changed.cpu);
-  cpuMap.flush();
-  const painted = performance.now();
-  if (selected !== null) {
-    const r = state.requests.get(selected);
-    if (!r) select(null, false);
-    else if (changed.tables.has(selected)) { gpuMap.updateSelection(r.block_table); cpuMap.updateSelection(r.cpu_block_table); }
+  if (timeline.scrubbing) {  // kept, not painted
+    heldEvents.push([delta.events, delta.event_counts]);
+    if (heldEvents.length > 600) heldEvents.shift();  // the log keeps fewer lines anyway
+    history.add({ ts: delta.ts, ...delta.metrics });
+    return;
   }
-  table.refresh(changed.structural);
-  const tabled = performance.now();
-  renderHead();
-  if (selected !== null) renderSelected();
+  const applied = performance.now();
+  const [painted, tabled] = paintChanges(result.changed);
   if (delta.metrics.num_preemptions !== prevCounts[0] || delta.metrics.num_swaps_out !== prevCounts[1]) {
     prevCounts = [delta.metrics.num_preemptions, delta.metrics.num_swaps_out];
     drawCharts();
@@ -143,6 +149,50 @@ function applyDelta(delta, meta) {
   perf.decodeMs.push(started - meta.received);
   perf.deltas++;
   perf.lastDeltaAt = performance.now();
+}
+
+// Repaint what changed in the state on screen (a delta, or a move along the timeline):
+// the cells, the selected request's path, the table, the header. Returns when the maps
+// and the table were done (performance.now()).
+function paintChanges(changed) {
+  gpuMap.paint(changed.gpu);
+  gpuMap.flush();
+  cpuMap.paint(changed.cpu);
+  cpuMap.flush();
+  const painted = performance.now();
+  if (selected !== null) {
+    const r = state.requests.get(selected);
+    if (!r) select(null, false);
+    else if (changed.tables.has(selected)) { gpuMap.updateSelection(r.block_table); cpuMap.updateSelection(r.cpu_block_table); }
+  }
+  table.refresh(changed.structural);
+  const tabled = performance.now();
+  renderHead();
+  if (selected !== null) renderSelected();
+  return [painted, tabled];
+}
+
+// --- the timeline -------------------------------------------------------------------------
+function showPast(shown) {
+  const started = performance.now();
+  document.body.classList.add("scrubbing");
+  if (shown.changed === null || shown.state !== state) {
+    state = shown.state;
+    showWhole();
+  } else {
+    paintChanges(shown.changed);
+  }
+  void table.body.offsetHeight;  // lay the page out now: the measured time includes it
+  perf.scrubMs.push(performance.now() - started);
+}
+
+function backToLive() {
+  document.body.classList.remove("scrubbing");
+  state = sync.state;
+  if (state) showWhole();
+  for (const [items, counts] of heldEvents) events.add(items, counts);
+  heldEvents = [];
+  drawCharts();
 }
 
 function note(what) {

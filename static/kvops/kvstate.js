@@ -39,7 +39,22 @@ function pool(arrays) {
   return p;
 }
 
-function ungap(gaps) {  // [5, 1, 1, 13] -> [5, 6, 7, 20]
+function copyPool(p) {
+  return { n: p.n, state: p.state.slice(), ref_cnt: p.ref_cnt.slice(), owner: p.owner.slice(),
+           hash32: p.hash32.slice() };
+}
+
+function copyRequests(requests) {  // block tables are copied too: deltas push onto them
+  const out = new Map();
+  for (const [index, r] of requests) {
+    out.set(index, { ...r, block_table: r.block_table.slice(), cpu_block_table: r.cpu_block_table.slice() });
+  }
+  return out;
+}
+
+const SCALARS = ["engine", "epoch", "seq", "step", "ts", "stale", "config", "blockStates", "metrics"];
+
+export function ungap(gaps) {  // [5, 1, 1, 13] -> [5, 6, 7, 20]
   const out = new Array(gaps.length);
   let v = 0;
   for (let i = 0; i < gaps.length; i++) { v += gaps[i]; out[i] = v; }
@@ -71,6 +86,32 @@ export class KVState {
     this.evictionOrder = order;
     order.forEach((id, rank) => { if (id < this.evictRank.length) this.evictRank[id] = rank; });
     return touched.concat(order);
+  }
+
+  // An independent copy: deltas applied to it leave this state as it is (a replay keeps
+  // its keyframe this way).
+  clone() {
+    const copy = Object.create(KVState.prototype);
+    for (const k of SCALARS) copy[k] = this[k];
+    copy.gpu = copyPool(this.gpu);
+    copy.cpu = copyPool(this.cpu);
+    copy.requests = copyRequests(this.requests);
+    copy.evictRank = this.evictRank.slice();
+    copy.evictionOrder = this.evictionOrder.slice();
+    return copy;
+  }
+
+  // Become a copy of `other`, a state of pools of the same sizes, keeping this state's
+  // per-block arrays (a map attached to them stays attached). Returns the block ids whose
+  // place in the eviction order may have changed.
+  restore(other) {
+    if (other.gpu.n !== this.gpu.n || other.cpu.n !== this.cpu.n) {
+      throw new Error(`restore: pools of ${other.gpu.n}/${other.cpu.n} blocks into ${this.gpu.n}/${this.cpu.n}`);
+    }
+    for (const name of ["gpu", "cpu"]) for (const k of ARRAYS) this[name][k].set(other[name][k]);
+    for (const k of SCALARS) this[k] = other[k];
+    this.requests = copyRequests(other.requests);
+    return this.setEvictionOrder(other.evictionOrder.slice());
   }
 
   // True if the delta follows the state (same publisher run, next sequence number).

@@ -10,11 +10,13 @@ import { KVState } from "./kvstate.js";
 export const STALE_MS = 3000;
 export const SNAPSHOT_WAIT_MS = 6000;
 
-// Where a delta stands against a state: "next" (apply it), "duplicate" (the state has
-// it already) or "gap" (deltas are missing between them, or the publisher restarted).
-export function placeDelta(state, delta) {
-  if (delta.epoch === state.epoch && delta.seq <= state.seq) return "duplicate";
-  return state.follows(delta) ? "next" : "gap";
+// Where a delta stands against a state ({epoch, seq}: a KVState, or the last delta
+// applied): "next" (apply it), "duplicate" (the state has it already) or "gap" (deltas
+// are missing between them, or the publisher restarted).
+export function placeDelta(at, delta) {
+  if (delta.epoch !== at.epoch) return "gap";
+  if (delta.seq <= at.seq) return "duplicate";
+  return delta.seq === at.seq + 1 ? "next" : "gap";
 }
 
 export class LiveSync {

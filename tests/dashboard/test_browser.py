@@ -285,3 +285,70 @@ def test_drain_and_undrain_from_the_engine_page(login, stack):
     finally:
         stack.api("POST", f"/api/jobs/{job}/cancel/")  # 409 once it has ended: fine
         assert stack.api("POST", "/api/engines/sim/undrain/").status_code == 200
+
+
+USED = "(s) => [...s.gpu.state].filter((x) => x === 1).length"  # colors.js STATE.used
+
+
+def drag_timeline_to(page, when: float) -> None:
+    """Drag the timeline's thumb from where it is to the position of time `when` (Unix
+    seconds), with the mouse."""
+    box = page.locator("#timeline-range").bounding_box()
+    frac = page.evaluate("""(when) => { const t = kvops.timeline, r = document.querySelector("#timeline-range");
+        const anchor = t.scrubbing ? t.anchor : t.span.newest;
+        return [(when - anchor - r.min) / -r.min, (Number(r.value) - r.min) / -r.min]; }""", when)
+    thumb = 8  # half of Chromium's range thumb: the track's ends are its centre's
+    x = [box["x"] + thumb + f * (box["width"] - 2 * thumb) for f in frac]
+    y = box["y"] + box["height"] / 2
+    page.mouse.move(x[1], y)
+    page.mouse.down()
+    page.mouse.move(x[0], y, steps=12)
+    page.mouse.up()
+
+
+def test_the_timeline_shows_an_older_state_and_returns_to_live(login, stack):
+    """Drag the engine page's timeline back to a moment before a job took its blocks: the
+    map, the table and the header show that moment (no block used) while live updates
+    wait; back to live, the job's blocks show again."""
+    page, errors = login(stack, "admin", "admin-pass-123")
+    page.goto(f"{stack.url}/engines/sim/")
+    page.wait_for_function("window.kvopsPerf && kvopsPerf.snapshots >= 1")
+    page.wait_for_function(f"({USED})(kvops.state()) === 0")  # the other tests' jobs have ended
+    idle_from = page.evaluate("kvops.state().ts")
+    page.wait_for_function(f"kvops.state().ts > {idle_from + 4}")  # 4 s on the engine's clock
+    idle_to = page.evaluate(f"({USED})(kvops.state()) === 0 && kvops.state().ts")
+    assert idle_to, "a block was used while the engine should have been idle"
+    job = stack.api("POST", "/api/jobs/", json={"prompt": "remember this moment " * 8,
+                                                 "max_tokens": 4000, "engine": "sim"}).json()["id"]
+    try:
+        request_id = stack.wait_running(job)
+        page.wait_for_function(f"({USED})(kvops.state()) >= 4")
+        page.wait_for_function(f"kvops.timeline.span && kvops.timeline.span.newest > {idle_to + 1}")
+        middle = (idle_from + idle_to) / 2
+        drag_timeline_to(page, middle)  # back from live: now scrubbing, the scale is fixed
+        page.wait_for_function("kvops.scrubbing() && kvops.state() !== kvops.live()")
+        drag_timeline_to(page, middle)  # (exactly, on the fixed scale)
+        page.wait_for_function(f"() => kvops.state() !== kvops.live() && ({USED})(kvops.state()) === 0"
+                               f" && Math.abs(kvops.timeline.want - {middle}) < 1.5")
+        shown = page.evaluate(f"""() => ({{ts: kvops.state().ts, seq: kvops.state().seq,
+            job: kvops.state().requestById("{request_id}"), live: ({USED})(kvops.live()),
+            liveSeq: kvops.live().seq}})""")
+        assert idle_from <= shown["ts"] <= idle_to and shown["job"] is None, shown
+        assert shown["live"] >= 4  # the live state went on meanwhile
+        assert page.inner_text("#req-count").startswith("0 shown")
+        assert page.inner_text("#timeline-at").count("−") == 1
+        assert not page.locator(f'.vrow[data-request="{request_id}"]').count()
+        page.wait_for_function(f"kvops.live().seq > {shown['liveSeq'] + 3}")  # held, not shown
+        assert page.evaluate("kvops.state().seq") == shown["seq"]
+        shot(page, "engine-page-timeline")
+
+        page.click("#timeline-live")
+        page.wait_for_function(f"() => !kvops.scrubbing() && kvops.state() === kvops.live()"
+                               f" && ({USED})(kvops.state()) >= 4")
+        page.wait_for_selector(f'.vrow[data-request="{request_id}"]')
+        assert page.inner_text("#timeline-at") == "live"
+        assert page.evaluate("document.querySelector('#timeline-range').value") == "0"
+        assert page.evaluate("kvopsPerf.fetchMs.length") >= 1
+        assert not errors, errors
+    finally:
+        stack.api("POST", f"/api/jobs/{job}/cancel/")

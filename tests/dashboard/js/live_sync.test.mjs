@@ -4,43 +4,7 @@ import assert from "node:assert/strict";
 import test from "node:test";
 
 import { LiveSync, placeDelta } from "../../../static/kvops/live_sync.js";
-
-// A small engine: 8 GPU blocks, 4 CPU blocks, request 1 holding GPU blocks 2 and 5.
-function snapshot({ epoch = "e1", seq = 10, stale = false } = {}) {
-  return {
-    type: "snapshot", engine: "t", epoch, seq, ts: 1000 + seq / 10, step: seq * 3, stale,
-    block_states: ["free", "used", "cached", "pinned"],
-    config: { block_size: 16, num_gpu_blocks: 8, num_cpu_blocks: 4 },
-    gpu: { state: [0, 0, 1, 0, 0, 1, 0, 0], ref_cnt: [0, 0, 1, 0, 0, 1, 0, 0],
-           owner: [0, 0, 1, 0, 0, 1, 0, 0], hash32: [0, 0, 7, 0, 0, 0, 0, 0] },
-    cpu: { state: [0, 0, 0, 0], ref_cnt: [0, 0, 0, 0], owner: [0, 0, 0, 0], hash32: [0, 0, 0, 0] },
-    requests: [{ index: 1, request_id: "r1", status: "running", num_prompt_tokens: 20,
-                 num_computed_tokens: 20, num_output_tokens: 0, block_table: [2, 5], cpu_block_table: [] }],
-    eviction_order: [0, 1],
-    metrics: { kv_usage: 0.25, running: 1 },
-  };
-}
-
-function delta(seq, parts = {}, epoch = "e1") {
-  return { type: "delta", engine: "t", epoch, seq, ts: 1000 + seq / 10, step: seq * 3,
-           metrics: { kv_usage: 0.25, running: 1, seq }, ...parts };
-}
-
-// Request 1 grows into block 6; request 2 arrives with block 3; request 1 decodes 4 tokens.
-const GROW = delta(11, {
-  gpu: { ids: [3, 3], state: [1, 1], ref_cnt: [1, 1], owner: [2, 1], hash32: [0, 0] },  // 3, 6
-  tables: { gpu: { append: [[1, 6]], set: [[2, 3]] } },
-  requests: { upsert: [{ index: 2, request_id: "r2", status: "running", num_prompt_tokens: 9,
-                         num_computed_tokens: 9, num_output_tokens: 0 }],
-              progress: { index: [1], computed: [4], output: [4] } },
-  eviction_order: [0, 4],
-});
-// Request 1 finishes: its blocks go back (block 2 stays cached), it leaves the table.
-const FINISH = delta(12, {
-  gpu: { ids: [2, 3, 1], state: [2, 0, 0], ref_cnt: [0, 0, 0], owner: [0, 0, 0], hash32: [7, 0, 0] },  // 2, 5, 6
-  tables: { gpu: { append: [], set: [[1]] } },
-  requests: { removed: [1] },
-});
+import { FINISH, GROW, delta, snapshot } from "./kv_fixtures.mjs";
 
 function used(pool) { return [...pool.state].flatMap((s, id) => (s === 1 ? [id] : [])); }
 

@@ -1,0 +1,103 @@
+// The engine page's timeline strip: drag back over the engine's stored history and the
+// page shows its KV state at that moment; the right end, or "Back to live", returns. The
+// slider spans what GET /api/engines/<name>/timeline/ holds; a position's window (a
+// keyframe and its deltas) is fetched once, whole, and replay.js rebuilds every position
+// in it locally, so dragging does not ask the server per pixel. The page paints.
+import { api, errorText } from "./api.js";
+import { $, clock } from "./format.js";
+import { Replay } from "./replay.js";
+
+const INDEX_EVERY_MS = 5000;  // how often the span is read again while live
+
+function ago(seconds) {
+  const s = Math.max(0, Math.round(seconds));
+  return `−${Math.floor(s / 60)}:${String(s % 60).padStart(2, "0")}`;
+}
+
+export class TimelineStrip {
+  constructor(root, engine, { onShow, onLive, perf }) {
+    this.path = `/api/engines/${encodeURIComponent(engine)}/timeline/`;
+    this.range = $("#timeline-range", root);
+    this.oldestLabel = $("#timeline-oldest", root);
+    this.atLabel = $("#timeline-at", root);
+    this.liveButton = $("#timeline-live", root);
+    this.onShow = onShow;  // (seek()'s answer): paint that state
+    this.onLive = onLive;  // paint the live state again
+    this.perf = perf;  // fetchMs: per window fetched
+    this.span = null;  // {oldest, newest} of the stored history (Unix seconds)
+    this.scrubbing = false;
+    this.anchor = null;  // while scrubbing: the time at the slider's right end
+    this.want = null;  // the time asked for last
+    this.replay = null;  // while scrubbing
+    this.loading = false;
+    this.range.addEventListener("input", () => this.moved());
+    this.liveButton.addEventListener("click", () => this.goLive());
+    this.readSpan();
+    setInterval(() => { if (!this.scrubbing) this.readSpan(); }, INDEX_EVERY_MS);
+  }
+
+  async readSpan() {
+    const result = await api("GET", this.path);
+    if (!result.ok) { this.say(`history: ${errorText(result)}`, "offline"); return; }
+    if (this.scrubbing) return;
+    const { oldest, newest } = result.data;
+    this.span = oldest === null || newest === null ? null : { oldest, newest };
+    const seconds = this.span ? Math.max(0.1, newest - oldest) : 0.1;
+    this.range.min = String(-Math.round(seconds * 10) / 10);
+    this.range.disabled = !this.span;
+    this.oldestLabel.textContent = this.span ? ago(seconds) : "no history yet";
+  }
+
+  moved() {
+    const offset = Number(this.range.value);
+    if (offset >= 0 || !this.span) { this.goLive(); return; }
+    if (!this.scrubbing) {
+      this.scrubbing = true;
+      this.anchor = this.span.newest;  // fixed while scrubbing: the slider must not slide
+      this.replay = new Replay();
+      this.liveButton.hidden = false;
+    }
+    this.want = Math.max(this.span.oldest, this.anchor + offset);
+    this.show();
+  }
+
+  show() {
+    const shown = this.replay.seek(this.want);
+    if (shown === null) { this.fetch(this.want); return; }
+    this.onShow(shown);
+    this.say(`${clock(shown.at)} · ${ago(this.anchor - shown.at)}${shown.gap ? " (the history has a gap here)" : ""}`, "stale");
+  }
+
+  // The window holding t, whole; then show what is wanted by then (the slider moved on).
+  async fetch(t) {
+    if (this.loading) return;  // its answer shows the latest position
+    this.loading = true;
+    this.say("loading…", "stale");
+    const replay = this.replay;
+    const started = performance.now();
+    const result = await api("GET", `${this.path}state/?at=${t}&through=window`);
+    this.loading = false;
+    if (!this.scrubbing || replay !== this.replay) return;  // back to live meanwhile
+    this.perf.fetchMs.push(performance.now() - started);
+    if (!result.ok) { this.say(errorText(result), "offline"); return; }
+    replay.add(result.data);
+    if (replay.windowAt(t) === null) { this.say(`no stored state at ${clock(t)}`, "offline"); return; }
+    this.show();
+  }
+
+  goLive() {
+    const was = this.scrubbing;
+    this.scrubbing = false;
+    this.replay = null;
+    this.range.value = "0";
+    this.liveButton.hidden = true;
+    this.say("live", "live");
+    if (was) this.onLive();
+    this.readSpan();
+  }
+
+  say(text, kind) {
+    this.atLabel.textContent = text;
+    this.atLabel.className = `pill conn ${kind}`;
+  }
+}

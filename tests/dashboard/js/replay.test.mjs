@@ -1,0 +1,155 @@
+// node --test: the timeline's rebuild of past states (static/kvops/replay.js) against the
+// live state the same deltas gave at each moment, without a browser.
+import assert from "node:assert/strict";
+import test from "node:test";
+
+import { LiveSync } from "../../../static/kvops/live_sync.js";
+import { Replay } from "../../../static/kvops/replay.js";
+import { FINISH, GROW, delta, random, randomDelta, snapshot, toSnapshot } from "./kv_fixtures.mjs";
+
+function emptySnapshot({ gpu = 64, cpu = 16, epoch = "e1", ts = 5000 } = {}) {
+  const zeros = (n) => ({ state: Array(n).fill(0), ref_cnt: Array(n).fill(0), owner: Array(n).fill(0),
+                          hash32: Array(n).fill(0) });
+  return { type: "snapshot", engine: "t", epoch, seq: 1, ts, step: 0, block_states: ["free", "used", "cached", "pinned"],
+           config: { block_size: 16, num_gpu_blocks: gpu, num_cpu_blocks: cpu }, gpu: zeros(gpu), cpu: zeros(cpu),
+           requests: [], eviction_order: [], metrics: {} };
+}
+
+// A history as the publisher stores it: the engine's deltas from a snapshot, a keyframe
+// (the live state) every `every` deltas; with the live state after each delta.
+function history({ deltas = 90, every = 25, seed = 7, start = emptySnapshot() } = {}) {
+  const rnd = random(seed);
+  const sync = new LiveSync();
+  sync.applySnapshot(start);
+  const moments = [toSnapshot(sync.state)];
+  const windows = [{ keyframe: moments[0], deltas: [] }];
+  for (let i = 1; i <= deltas; i++) {
+    const d = randomDelta(sync.state, rnd);
+    assert.equal(sync.applyDelta(d).ok, true);
+    windows[windows.length - 1].deltas.push(d);
+    moments.push(toSnapshot(sync.state));
+    if (i % every === 0 && i < deltas) windows.push({ keyframe: moments[i], deltas: [] });
+  }
+  const newest = moments[moments.length - 1].ts;
+  const answers = windows.map((w, k) => ({
+    window: { start: w.keyframe.ts, end: k + 1 < windows.length ? windows[k + 1].keyframe.ts : null },
+    newest, keyframe: w.keyframe, deltas: w.deltas }));
+  return { moments, answers };
+}
+
+function byIndex(doc) {
+  return { ...doc, requests: [...doc.requests].sort((a, b) => a.index - b.index) };
+}
+
+function shuffled(values, rnd) {
+  const out = [...values];
+  for (let i = out.length - 1; i > 0; i--) {
+    const j = rnd.int(i + 1);
+    [out[i], out[j]] = [out[j], out[i]];
+  }
+  return out;
+}
+
+test("every moment rebuilds to the live state then, scrubbed to in any order", () => {
+  const { moments, answers } = history();
+  const replay = new Replay();
+  for (const answer of answers) replay.add(answer);
+  const times = moments.flatMap((m, i) => (i ? [m.ts, (m.ts + moments[i - 1].ts) / 2] : [m.ts]));
+  for (const t of shuffled(times, random(3))) {
+    const shown = replay.seek(t);
+    const expected = moments.filter((m) => m.ts <= t).pop();
+    assert.deepEqual(byIndex(toSnapshot(shown.state)), byIndex(expected), `at ${t}`);
+    assert.equal(shown.at, expected.ts);
+    assert.equal(shown.gap, false);
+  }
+});
+
+test("a move repaints every block and table that changed", () => {
+  const { moments, answers } = history({ seed: 11 });
+  const replay = new Replay();
+  for (const answer of answers) replay.add(answer);
+  let before = null;
+  let moves = 0;
+  for (const m of shuffled(moments, random(5))) {
+    const shown = replay.seek(m.ts);
+    const after = toSnapshot(shown.state);
+    if (shown.changed !== null) {
+      moves++;
+      for (const pool of ["gpu", "cpu"]) {
+        const repainted = new Set(shown.changed[pool]);
+        for (const k of ["state", "ref_cnt", "owner", "hash32"]) {
+          after[pool][k].forEach((v, id) => {
+            if (!repainted.has(id)) assert.equal(v, before[pool][k][id], `${pool} ${k} of block ${id}`);
+          });
+        }
+      }
+      const rankOf = (doc, id) => doc.eviction_order.indexOf(id);
+      for (let id = 0; id < after.gpu.state.length; id++) {
+        if (rankOf(after, id) !== rankOf(before, id)) assert.ok(shown.changed.gpu.includes(id), `rank of ${id}`);
+      }
+      const tables = (doc) => new Map(doc.requests.map((r) => [r.index, JSON.stringify([r.block_table, r.cpu_block_table])]));
+      const was = tables(before), now = tables(after);
+      for (const [index, t] of now) {
+        if (was.has(index) && was.get(index) !== t) assert.ok(shown.changed.tables.has(index), `table of ${index}`);
+      }
+    }
+    before = after;
+  }
+  assert.ok(moves > moments.length / 2);
+});
+
+test("a gap in a window's deltas ends what it tells", () => {
+  const replay = new Replay();
+  const after = delta(14);
+  replay.add({ window: { start: 1001, end: null }, newest: after.ts, keyframe: snapshot(),
+               deltas: [GROW, FINISH, after, delta(15)] });
+  const past = replay.seek(after.ts);
+  assert.equal(past.state.seq, 12);
+  assert.equal(past.at, FINISH.ts);
+  assert.equal(past.gap, true);
+  const before = replay.seek(FINISH.ts);
+  assert.equal(before.state.seq, 12);
+  assert.equal(before.gap, false);
+  assert.equal(replay.seek(GROW.ts).state.seq, 11);
+});
+
+test("a delta the keyframe or the window already has is skipped", () => {
+  const replay = new Replay();
+  replay.add({ window: { start: 1001, end: null }, newest: FINISH.ts, keyframe: snapshot(),
+               deltas: [delta(10), GROW, GROW, FINISH] });
+  const live = new LiveSync();
+  live.applySnapshot(snapshot());
+  for (const d of [GROW, FINISH]) {
+    live.applyDelta(d);
+    assert.deepEqual(toSnapshot(replay.seek(d.ts).state), toSnapshot(live.state));
+  }
+  assert.equal(replay.seek(GROW.ts).state.requests.get(1).num_computed_tokens, 24);  // 4 tokens, once
+});
+
+test("a moment no fetched window holds is null", () => {
+  const { moments, answers } = history({ deltas: 30, every: 10 });
+  const replay = new Replay();
+  replay.add(answers[1]);  // deltas 10..19 of the history
+  assert.equal(replay.seek(moments[9].ts), null);  // before its keyframe
+  assert.notEqual(replay.seek(moments[10].ts), null);
+  assert.notEqual(replay.seek(moments[19].ts), null);
+  assert.equal(replay.seek(moments[20].ts), null);  // the next window's keyframe
+  replay.add(answers[2]);  // the newest: up to what was stored when fetched
+  assert.equal(replay.seek(moments[30].ts).state.seq, moments[30].seq);
+  assert.equal(replay.seek(moments[30].ts + 1), null);
+});
+
+test("after a restart with other pool sizes, the state is a new one, painted whole", () => {
+  const first = history({ deltas: 5, every: 10 });
+  const second = history({ deltas: 5, every: 10, start: emptySnapshot({ gpu: 32, epoch: "e2", ts: 6000 }) });
+  const replay = new Replay();
+  replay.add({ ...first.answers[0], window: { start: first.answers[0].window.start, end: 6000 } });
+  replay.add(second.answers[0]);
+  const a = replay.seek(first.moments[5].ts);
+  assert.equal(a.changed, null);
+  const b = replay.seek(second.moments[3].ts);
+  assert.equal(b.changed, null);
+  assert.equal(b.state.gpu.n, 32);
+  assert.notEqual(b.state, a.state);
+  assert.notEqual(replay.seek(second.moments[4].ts).changed, null);  // same sizes: repainted in place
+});
