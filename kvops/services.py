@@ -562,11 +562,17 @@ def redispatch_queued(reason: str) -> int:
 
 # --- engines --------------------------------------------------------------------------------
 def register_engine(name: str, worker: str, host: str, instance: str, config: dict) -> Engine:
+    """The engine's row, `starting` until its worker can take commands (mark_engine_ready)."""
     now = timezone.now()
     engine, _ = Engine.objects.update_or_create(name=name, defaults={
         "worker": worker, "host": host, "instance": instance, "config": config,
-        "status": Engine.Status.READY, "started_at": now, "last_heartbeat": now})
+        "status": Engine.Status.STARTING, "started_at": now, "last_heartbeat": now})
     return engine
+
+
+def mark_engine_ready(name: str, instance: str) -> None:
+    Engine.objects.filter(name=name, instance=instance).update(
+        last_heartbeat=timezone.now(), status=Engine.Status.READY)
 
 
 def heartbeat(name: str, instance: str, metrics: dict) -> None:

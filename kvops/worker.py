@@ -76,7 +76,23 @@ def _start_engine(sender=None, **kwargs) -> None:
                              describe)
     # Jobs a previous run of this engine left `running` will never finish: move them on.
     services.reap()
-    threading.Thread(target=_heartbeat, args=(config.name, _service.instance),
+
+
+@signals.worker_ready.connect
+def _engine_ready(sender=None, **kwargs) -> None:
+    """Celery's consumer is up, remote control included: only now is the engine `ready`.
+    (Registered ready at worker_init, an operator's command sent in between went to no
+    one: control is a broadcast, and a worker not yet listening never sees it.)"""
+    if _service is None:
+        return
+    from django.db import connection
+
+    from kvops import services
+    try:
+        services.mark_engine_ready(_service.name, _service.instance)
+    finally:
+        connection.close()
+    threading.Thread(target=_heartbeat, args=(_service.name, _service.instance),
                      name="kvops-heartbeat", daemon=True).start()
 
 
