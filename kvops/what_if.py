@@ -139,15 +139,18 @@ def start(user, engine: Engine, minutes: int, max_jobs: int, changes: dict,
             raise Busy(f"{busy} what-if runs of engine {engine.name} are queued or running; "
                        f"wait for one to end")
         run = WhatIfRun.objects.create(engine=engine.name, user=user, params=params)
-        OperatorAction.objects.create(user=user, engine=engine.name, action="what-if",
-                                      target=str(run.pk), params=params, ok=True,
-                                      status_code=202, result={"run": run.pk})
+        audit = OperatorAction.objects.create(
+            user=user, engine=engine.name, action="what-if", target=str(run.pk),
+            params=params, ok=True, status_code=202, result={"run": run.pk})
     try:
         from kvops.tasks import what_if
 
         what_if.apply_async(args=[run.pk], queue=OPS_QUEUE)
     except Exception as e:  # noqa: BLE001  (the broker is away: say so, keep nothing queued)
-        _fail(run.pk, f"could not be queued: {type(e).__name__}: {e}")
+        error = f"could not be queued: {type(e).__name__}: {e}"
+        _fail(run.pk, error)
+        OperatorAction.objects.filter(pk=audit.pk).update(
+            ok=False, status_code=503, result={"run": run.pk, "error": error})
         raise Unavailable(f"the what-if task could not be queued: {e}") from None
     _prune(engine.name)
     return run
