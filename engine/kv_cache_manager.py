@@ -421,6 +421,43 @@ class KVCacheManager:
             self._cpu_held = []
         return mapping
 
+    def copy_ahead(self, horizon: int, max_blocks: int) -> list[tuple[int, int]]:
+        """Write-back ahead of need: the cached GPU blocks among the next `horizon` the
+        free queue hands out that the CPU tier lacks (at most max_blocks) get CPU blocks
+        now. The runner may copy them while this step's forward pass runs: they are free,
+        so it neither reads nor writes them. When the pool reuses them later,
+        flush_offloads finds their hash on the tier and copies nothing: the copy is off
+        that step's critical path. Call after flush_offloads, for a step that runs."""
+        mapping: list[tuple[int, int]] = []
+        stored: list[KVBlock] = []
+        cpu, uncomputed, seen = self.cpu, self.uncomputed, 0
+        for block in self.gpu.free_queue:
+            if seen == horizon or len(stored) == max_blocks:
+                break
+            seen += 1
+            block_hash = block.block_hash
+            if block_hash is None or block.block_id in uncomputed \
+                    or cpu.get_cached(block_hash) is not None:
+                continue
+            if not cpu.num_free:
+                break
+            target = cpu.take_new(1)[0]
+            cpu.cache(target, block_hash)
+            cpu.free([target])
+            stored.append(target)
+            mapping.append((block.block_id, target.block_id))
+        if stored:
+            self.num_blocks_offloaded += len(stored)
+            self.cpu_uncomputed.extend(stored)
+            self._external_cpu_stored(stored)
+            self._events.emit("BlockStored", pool="cpu",
+                              block_ids=[b.block_id for b in stored],
+                              block_hashes=[short(b.block_hash) for b in stored],
+                              ref_cnts=[0] * len(stored),
+                              detail="CPU tier: copied ahead from GPU blocks next in line "
+                                     "for reuse")
+        return mapping
+
     def _external_cpu_stored(self, blocks: list[KVBlock]) -> None:
         if self._events.external is None:
             return

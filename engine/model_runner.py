@@ -75,6 +75,8 @@ class ModelRunner(Runner):
 
         args = self.model.args  # (this rank's share of the heads)
         # One block of every layer's K and V (this rank's heads).
+        self._copy_stream = None  # CUDA: the CPU tier's copies ahead of need (copy_ahead)
+        self._copy_ahead_done = None  # an event the next step's work waits for
         self.block_bytes = (args.n_layers * 2 * self.block_size * args.n_kv_heads
                             * args.head_dim * self._dtype.itemsize)
         self.num_gpu_blocks = config.num_gpu_blocks or self._blocks_from_memory()
@@ -117,12 +119,14 @@ class ModelRunner(Runner):
         """Rank 0 of a split model: the step's block copies and batch go to every rank
         first, then all run them together."""
         if self.tp is None:
+            self._wait_copy_ahead()
             return super().execute(out)
         self.logprobs, self.prompt_logprobs = {}, {}
         batch = self._prepare(out) if out.scheduled else None
-        self.tp.broadcast(("step", out.swap_out, out.swap_in, out.copies,
+        swap_out = out.swap_out + out.copy_ahead  # (a split model copies ahead in line)
+        self.tp.broadcast(("step", swap_out, out.swap_in, out.copies,
                            batch.for_ranks() if batch else None))
-        self._swap_out(out.swap_out)
+        self._swap_out(swap_out)
         self._swap_in(out.swap_in)
         self._copy_blocks(out.copies)
         return self._forward_batch(batch) if batch else {}
@@ -224,16 +228,42 @@ class ModelRunner(Runner):
     # (An operator's swap between steps comes here directly: a split model's other ranks
     # are told first. Within a step, execute sends them the copies with the batch.)
     def swap_out(self, mapping: list[tuple[int, int]]) -> None:
+        self._wait_copy_ahead()
         self._tell_ranks(mapping, [], [])
         self._swap_out(mapping)
 
     def swap_in(self, mapping: list[tuple[int, int]]) -> None:
+        self._wait_copy_ahead()
         self._tell_ranks([], mapping, [])
         self._swap_in(mapping)
 
     def copy_blocks(self, mapping: list[tuple[int, int]]) -> None:
+        self._wait_copy_ahead()
         self._tell_ranks([], [], mapping)
         self._copy_blocks(mapping)
+
+    def copy_ahead(self, mapping: list[tuple[int, int]]) -> None:
+        """On CUDA, on a copy stream of its own, beside the forward pass: it starts once
+        this step's copies are done (a swap-in may read a CPU block it overwrites), and
+        the next step, or an operator's copy between steps, waits for it (they may reuse
+        its GPU blocks or CPU blocks). Elsewhere, now."""
+        if not mapping:
+            return
+        if self._device.type != "cuda":
+            self._swap_out(mapping)
+            return
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(self._device)
+        self._copy_stream.wait_stream(torch.cuda.current_stream(self._device))
+        with torch.cuda.stream(self._copy_stream):
+            kernels.swap_blocks(self.kv_cache, self.cpu_cache, torch.tensor(mapping))
+            self._copy_ahead_done = torch.cuda.Event()
+            self._copy_ahead_done.record(self._copy_stream)
+
+    def _wait_copy_ahead(self) -> None:
+        if self._copy_ahead_done is not None:
+            torch.cuda.current_stream(self._device).wait_event(self._copy_ahead_done)
+            self._copy_ahead_done = None
 
     def _tell_ranks(self, swap_out: list, swap_in: list, copies: list) -> None:
         if self.tp is not None and self.tp.rank == 0 and (swap_out or swap_in or copies):

@@ -34,9 +34,17 @@ class Runner(abc.ABC):
         self.swap_out(out.swap_out)
         self.swap_in(out.swap_in)
         self.copy_blocks(out.copies)
+        self.copy_ahead(out.copy_ahead)
         if not out.scheduled:
             return {}
         return self.forward(out)
+
+    def copy_ahead(self, mapping: list[tuple[int, int]]) -> None:
+        """Copy (gpu block, cpu block) pairs that this step's forward pass neither reads
+        nor writes (free cached blocks, for the CPU tier of the prefix cache). A runner
+        may overlap them with the forward pass, if every later copy and step waits for
+        them; this one copies now."""
+        self.swap_out(mapping)
 
     @abc.abstractmethod
     def forward(self, out: SchedulerOutput) -> dict[str, int]:

@@ -22,6 +22,10 @@ from engine.request import Request, RequestStatus
 from engine.request_queue import WaitingQueue, priority_key
 
 
+# Most CPU-tier copies made ahead of need per step (KVCacheManager.copy_ahead)
+COPY_AHEAD_BLOCKS = 32
+
+
 @dataclass(slots=True)
 class ScheduledRequest:
     request: Request
@@ -37,6 +41,9 @@ class SchedulerOutput:
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu, cpu), before the step
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, gpu), after swap_out
     copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) GPU, after swap_in
+    # (gpu, cpu) CPU-tier copies of free cached blocks, after copies: the forward pass
+    # neither reads nor writes them, so they may run beside it (KVCacheManager.copy_ahead)
+    copy_ahead: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
 
     @property
@@ -96,9 +103,16 @@ class Scheduler:
         if not out.preempted:
             budget = self._resume_swapped(out, budget)
             self._admit_waiting(out, budget)
-        offloads = self.kv.flush_offloads()  # the CPU tier's copies of reused blocks
-        if offloads:
-            out.swap_out.extend(offloads)
+        if self.kv.cpu_tier:
+            offloads = self.kv.flush_offloads()  # the CPU tier's copies of reused blocks
+            if offloads:
+                out.swap_out.extend(offloads)
+            if out.scheduled:  # (a step that runs: its runner makes the copies)
+                out.copy_ahead = self.kv.copy_ahead(
+                    self.config.max_num_batched_tokens // self.kv.block_size
+                    + self.config.max_num_seqs, COPY_AHEAD_BLOCKS)
+        else:
+            self.kv.flush_offloads()  # (releases the CPU blocks swap-ins read)
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:

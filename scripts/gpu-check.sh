@@ -16,8 +16,8 @@ export PYTHONUNBUFFERED=1
   "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
   echo "== CUDA-marked tests"
   timeout 240 "$PY" -m pytest -q -m cuda tests/kernels
-  echo "== tiny models on CUDA: Triton attention, windowed layers, the fused MoE kernel"
-  timeout 180 "$PY" -m pytest -q tests/engine/test_model_triton.py
+  echo "== tiny models on CUDA: Triton attention, windowed layers, the fused MoE kernel, the CPU tier"
+  timeout 180 "$PY" -m pytest -q tests/engine/test_model_triton.py tests/engine/test_cpu_tier.py
   echo "== kernels.bench"
   timeout 120 "$PY" -m kernels.bench
   echo "== engine alone, default model, bfloat16"
