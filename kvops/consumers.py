@@ -28,6 +28,7 @@ from channels.utils import await_many_dispatch
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from engine.kv_feed import encode
 from kvops import live, selectors
 from kvops.job_listener import JobFailed, JobListener, reload
 from kvops.models import Engine
@@ -295,6 +296,14 @@ class _Consumer(AsyncJsonWebsocketConsumer):
         await sync_to_async(live.post_engine_query, thread_sensitive=False)(engine_name, query)
 
 
+def _stored_snapshot_frame(name: str) -> bytes | None:
+    """The engine's last stored snapshot, marked stale, encoded as live snapshots travel
+    (zlib JSON in a binary frame): at 65,536 blocks its JSON alone is over the 1 MiB a
+    websocket message may carry."""
+    stored = live.load_snapshot(name)
+    return None if stored is None else encode({**stored, "type": "snapshot", "stale": True}, level=1)
+
+
 class EngineConsumer(_Consumer):
     """`subscribe` full (deltas; a snapshot follows) or summary (metrics); `resync` asks
     for a full snapshot again (after a gap in sequence numbers); `history` sends the
@@ -362,7 +371,7 @@ class EngineConsumer(_Consumer):
         try:
             await self.post_query(self.name, {"kind": "snapshot", "reply_to": self.channel_name})
             await asyncio.sleep(SNAPSHOT_WAIT_S)
-            stored = await sync_to_async(live.load_snapshot, thread_sensitive=False)(self.name)
+            stored = await sync_to_async(_stored_snapshot_frame, thread_sensitive=False)(self.name)
         except REDIS_DOWN as e:
             _raise_if_cancelled()
             log.warning("%s: snapshot: %s", self.scope["path"], e)
@@ -372,7 +381,7 @@ class EngineConsumer(_Consumer):
             await self.send_json({"type": "error", "message": f"engine {self.name} is not "
                                   "publishing and has no stored snapshot"})
             return
-        await self.send_json({**stored, "type": "snapshot", "stale": True})
+        await self.send(bytes_data=stored)
 
     # --- from the channel layer ---------------------------------------------------------
     async def engine_delta(self, event: dict) -> None:
