@@ -61,6 +61,7 @@ class TimelineWriter:
         self._recent: list[_Window] = []  # the last two windows, oldest first
         self._next_keyframe = 0.0  # time.monotonic() when one is due
         self._bytes = 0  # stored now, as the last trim counted them and adds since
+        self._newest_ts = float("-inf")  # of the newest state stored
 
     def keyframe_due(self) -> bool:
         return time.monotonic() >= self._next_keyframe
@@ -107,7 +108,9 @@ class TimelineWriter:
             self.trim(ts)
 
     def _newest(self, pipe, ts: float) -> None:
-        pipe.set(NEWEST_KEY.format(name=self.name), repr(ts), ex=self.limits.expire_s)
+        # (a delta the last keyframe already had is older than it: the newest stays)
+        self._newest_ts = max(self._newest_ts, ts)
+        pipe.set(NEWEST_KEY.format(name=self.name), repr(self._newest_ts), ex=self.limits.expire_s)
         for key in (INDEX_KEY, BYTES_KEY):
             pipe.expire(key.format(name=self.name), self.limits.expire_s)
 

@@ -137,12 +137,15 @@ def test_a_delta_the_keyframe_already_had_goes_to_the_window_before(writer_name)
     w.add_delta("e", 1, 100.0, delta_blob("e", 1, 100.0))  # before any keyframe: nowhere
     w.add_keyframe(keyframe("e", 1, 100.0))
     w.add_delta("e", 2, 100.1, delta_blob("e", 2, 100.1))
-    w.add_keyframe(keyframe("e", 4, 100.3))  # taken while 3 and 4 waited to be sent
-    for seq in (3, 4, 5):
+    w.add_keyframe(keyframe("e", 4, 100.4))  # taken while 3 and 4 waited to be sent
+    for seq in (3, 4):
         w.add_delta("e", seq, 100.0 + seq / 10, delta_blob("e", seq, 100.0 + seq / 10))
+    assert timeline.windows(writer_name)[1] == 100.4  # the newest moment stays the keyframe's
+    w.add_delta("e", 5, 100.5, delta_blob("e", 5, 100.5))
+    assert timeline.windows(writer_name)[1] == 100.5
     assert window_seqs(writer_name, 100.2) == [1, 2, 3, 4]
     assert window_seqs(writer_name, 100.5) == [4, 5]
-    assert [d["seq"] for d in timeline.window_at(writer_name, 100.25, False)["deltas"]] == [2]
+    assert [d["seq"] for d in timeline.window_at(writer_name, 100.35, False)["deltas"]] == [2, 3]
     assert timeline.window_at(writer_name, 99.9, False) is None
 
 
