@@ -34,14 +34,19 @@ class TimelineLimits:
     seconds: float  # how far back the history reaches
     max_bytes: int  # what it may take in Redis, deltas and keyframes together
     keyframe_s: float  # between two keyframes (a window's length)
+    # How long past the horizon, in wall time, a window nobody writes to any more outlives
+    # its last write (a benchmark laying out a history faster or slower than it happened
+    # needs more).
+    expire_margin_s: float = EXPIRE_MARGIN_S
 
     def __post_init__(self) -> None:
-        if not (self.seconds > 0 and self.keyframe_s > 0 and self.max_bytes > 0):
+        if not (self.seconds > 0 and self.keyframe_s > 0 and self.max_bytes > 0
+                and self.expire_margin_s > 0):
             raise ValueError(f"timeline limits must be positive: {self}")
 
     @property
     def expire_s(self) -> int:
-        return int(self.seconds + self.keyframe_s + EXPIRE_MARGIN_S)
+        return int(self.seconds + self.keyframe_s + self.expire_margin_s)
 
 
 @dataclass(slots=True)

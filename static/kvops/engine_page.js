@@ -22,7 +22,8 @@ const cpuMap = new BlockMap($("#cpu-map"), $("#cpu-overlay"), palette, { maxHeig
 const history = new MetricsHistory(600);
 // `log` keeps the last few snapshots and resyncs, with why and when (tests, console).
 const perf = window.kvopsPerf = { deltas: 0, snapshots: 0, resyncs: 0, applyMs: [], decodeMs: [], log: [],
-                                  scrubMs: [], fetchMs: [],  // per timeline position shown, per window fetched
+                                  scrubMs: [], seekMs: [], fetchMs: [], scrubWhole: 0,  // the timeline's (timeline.js)
+                                  scrubParts: { maps: 0, table: 0, rest: 0 },
                                   parts: { state: 0, maps: 0, table: 0, rest: 0 },
                                   lastDeltaAt: 0, bytes: () => socket.bytes, frames: () => socket.frames,
                                   reconnects: () => socket.reconnects };
@@ -176,14 +177,18 @@ function paintChanges(changed) {
 function showPast(shown) {
   const started = performance.now();
   document.body.classList.add("scrubbing");
+  let painted = started, tabled = started;
   if (shown.changed === null || shown.state !== state) {
     state = shown.state;
     showWhole();
   } else {
-    paintChanges(shown.changed);
+    [painted, tabled] = paintChanges(shown.changed);
   }
   void table.body.offsetHeight;  // lay the page out now: the measured time includes it
-  perf.scrubMs.push(performance.now() - started);
+  const parts = perf.scrubParts;
+  parts.maps += painted - started;
+  parts.table += tabled - painted;
+  parts.rest += performance.now() - tabled;
 }
 
 function backToLive() {

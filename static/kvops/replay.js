@@ -53,6 +53,7 @@ class Window {
       last = delta;
     }
     this.touched = this.deltas.map(touchedBy);
+    this.used = 0;  // Replay.uses when last added or shown
   }
 
   holds(t) {
@@ -80,19 +81,33 @@ class Window {
   }
 }
 
+// Windows kept at most: at 65,536 blocks each holds a few MB once parsed, so dragging
+// over five minutes must not keep them all.
+export const MAX_WINDOWS = 12;
+
 export class Replay {
-  constructor() {
+  constructor({ maxWindows = MAX_WINDOWS } = {}) {
+    this.maxWindows = maxWindows;
     this.windows = [];  // Window, by start time
     this.cursor = null;  // {window, count (deltas applied), state}: what seek() showed last
+    this.uses = 0;  // a clock of seeks: each window remembers when it was last shown
   }
 
   // An answer of timeline/state/?through=window (a window fetched again replaces itself).
+  // Over maxWindows, the one shown longest ago goes (never the one on screen).
   add(answer) {
     const window = new Window(answer);
+    window.used = ++this.uses;
     this.windows = this.windows.filter((w) => w.start !== window.start);
     this.windows.push(window);
     this.windows.sort((a, b) => a.start - b.start);
     if (this.cursor && this.cursor.window.start === window.start) this.cursor = null;
+    while (this.windows.length > this.maxWindows) {
+      const onScreen = this.cursor?.window;
+      const stalest = this.windows.filter((w) => w !== onScreen && w !== window)
+        .reduce((a, b) => (b.used < a.used ? b : a));
+      this.windows = this.windows.filter((w) => w !== stalest);
+    }
   }
 
   windowAt(t) {
@@ -107,6 +122,7 @@ export class Replay {
   seek(t) {
     const window = this.windowAt(t);
     if (!window) return null;
+    window.used = ++this.uses;
     const count = window.countUpTo(t);
     const at = count ? window.deltas[count - 1].ts : window.start;
     const gap = window.gap && count === window.deltas.length && t > at;

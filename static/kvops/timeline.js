@@ -23,7 +23,7 @@ export class TimelineStrip {
     this.liveButton = $("#timeline-live", root);
     this.onShow = onShow;  // (seek()'s answer): paint that state
     this.onLive = onLive;  // paint the live state again
-    this.perf = perf;  // fetchMs: per window fetched
+    this.perf = perf;  // kvopsPerf: scrubMs, seekMs (per position shown), fetchMs (per window), scrubWhole
     this.span = null;  // {oldest, newest} of the stored history (Unix seconds)
     this.scrubbing = false;
     this.anchor = null;  // while scrubbing: the time at the slider's right end
@@ -62,9 +62,14 @@ export class TimelineStrip {
   }
 
   show() {
+    const started = performance.now();
     const shown = this.replay.seek(this.want);
     if (shown === null) { this.fetch(this.want); return; }
+    const sought = performance.now();
     this.onShow(shown);
+    this.perf.scrubMs.push(performance.now() - started);
+    this.perf.seekMs.push(sought - started);
+    if (shown.changed === null) this.perf.scrubWhole++;
     this.say(`${clock(shown.at)} · ${ago(this.anchor - shown.at)}${shown.gap ? " (the history has a gap here)" : ""}`, "stale");
   }
 

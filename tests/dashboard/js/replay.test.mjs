@@ -153,3 +153,17 @@ test("after a restart with other pool sizes, the state is a new one, painted who
   assert.notEqual(b.state, a.state);
   assert.notEqual(replay.seek(second.moments[4].ts).changed, null);  // same sizes: repainted in place
 });
+
+test("at most maxWindows windows are kept: the one shown longest ago goes", () => {
+  const { moments, answers } = history({ deltas: 50, every: 10 });  // five windows
+  const replay = new Replay({ maxWindows: 3 });
+  for (const k of [0, 1, 2]) replay.add(answers[k]);
+  replay.seek(moments[5].ts);  // window 0 shown: window 1 is now the stalest
+  replay.seek(moments[25].ts);  // window 2
+  replay.add(answers[3]);
+  assert.deepEqual(replay.windows.map((w) => w.start), [0, 2, 3].map((k) => answers[k].window.start));
+  replay.add(answers[4]);  // window 0 goes; 2 is on screen, 4 just came
+  assert.deepEqual(replay.windows.map((w) => w.start), [2, 3, 4].map((k) => answers[k].window.start));
+  assert.equal(replay.seek(moments[5].ts), null);
+  assert.equal(replay.seek(moments[45].ts).state.seq, moments[45].seq);
+});
