@@ -93,7 +93,8 @@ function showWhole() {
   gpuMap.attach(state.gpu, state.evictRank, $("#gpu-wrap").clientWidth);
   cpuMap.attach(state.cpu, null, $("#cpu-wrap").clientWidth);
   $("#gpu-caption").textContent = `${num(state.gpu.n)} blocks of ${state.config.block_size} tokens${splitCaption(state.config)}`;
-  $("#cpu-caption").textContent = `${num(state.cpu.n)} blocks`;
+  $("#cpu-caption").textContent = `${num(state.cpu.n)} blocks${state.config.cpu_prefix_cache
+    ? " · also the prefix cache's second tier: its cached blocks were copied from the GPU" : ""}`;
   table.setState(state);
   if (selected !== null && !state.requests.has(selected)) selected = null;
   if (selected !== null) select(selected, false);
