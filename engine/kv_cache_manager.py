@@ -401,21 +401,11 @@ class KVCacheManager:
                 if not cpu.num_free:  # every CPU block holds a swapped request
                     self._forget_tokens([block_hash])
                     continue
-                block = cpu.take_new(1)[0]
-                cpu.cache(block, block_hash)
-                cpu.free([block])  # ref 0 and cached: most recently used of the tier
+                block = self._tier_block(block_hash)
                 stored.append(block)
                 mapping.append((gpu_id, block.block_id))
             self._to_offload.clear()
-            if stored:
-                self.num_blocks_offloaded += len(stored)
-                self.cpu_uncomputed.extend(stored)
-                self._external_cpu_stored(stored)
-                self._events.emit("BlockStored", pool="cpu",
-                                  block_ids=[b.block_id for b in stored],
-                                  block_hashes=[short(b.block_hash) for b in stored],
-                                  ref_cnts=[0] * len(stored),
-                                  detail="CPU tier: copied from GPU blocks about to be reused")
+            self._stored_on_tier(stored, "copied from GPU blocks about to be reused")
         if self._cpu_held:
             self.cpu.free(self._cpu_held)
             self._cpu_held = []
@@ -441,27 +431,33 @@ class KVCacheManager:
                 continue
             if not cpu.num_free:
                 break
-            target = cpu.take_new(1)[0]
-            cpu.cache(target, block_hash)
-            cpu.free([target])
+            target = self._tier_block(block_hash)
             stored.append(target)
             mapping.append((block.block_id, target.block_id))
-        if stored:
-            self.num_blocks_offloaded += len(stored)
-            self.cpu_uncomputed.extend(stored)
-            self._external_cpu_stored(stored)
-            self._events.emit("BlockStored", pool="cpu",
-                              block_ids=[b.block_id for b in stored],
-                              block_hashes=[short(b.block_hash) for b in stored],
-                              ref_cnts=[0] * len(stored),
-                              detail="CPU tier: copied ahead from GPU blocks next in line "
-                                     "for reuse")
+        self._stored_on_tier(stored, "copied ahead from GPU blocks next in line for reuse")
         return mapping
 
-    def _external_cpu_stored(self, blocks: list[KVBlock]) -> None:
+    def _tier_block(self, block_hash: BlockHash) -> KVBlock:
+        """A CPU block registered under the hash, free and the tier's most recently used
+        (the caller checked that one is free)."""
+        block = self.cpu.take_new(1)[0]
+        self.cpu.cache(block, block_hash)
+        self.cpu.free([block])
+        return block
+
+    def _stored_on_tier(self, stored: list[KVBlock], how: str) -> None:
+        """Account for CPU blocks the coming copies fill (counted, events, and forgotten
+        again if the step fails)."""
+        if not stored:
+            return
+        self.num_blocks_offloaded += len(stored)
+        self.cpu_uncomputed.extend(stored)
+        self._events.emit("BlockStored", pool="cpu", block_ids=[b.block_id for b in stored],
+                          block_hashes=[short(b.block_hash) for b in stored],
+                          ref_cnts=[0] * len(stored), detail=f"CPU tier: {how}")
         if self._events.external is None:
             return
-        for block in blocks:
+        for block in stored:
             parent, tokens = self._hash_tokens.get(block.block_hash, (None, []))
             self._events.external.append(("stored", [block.block_hash], parent, tokens, "CPU"))
 
