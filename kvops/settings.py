@@ -228,7 +228,7 @@ KVOPS_METRICS_HISTORY = int(os.environ.get("KVOPS_METRICS_HISTORY", 3600))  # me
 # reaches, the most it may take in Redis, and how often a keyframe (a full snapshot)
 # starts a window of it.
 KVOPS_TIMELINE_SECONDS = float(os.environ.get("KVOPS_TIMELINE_SECONDS", 300))
-KVOPS_TIMELINE_BYTES = int(os.environ.get("KVOPS_TIMELINE_BYTES", 64 * 2**20))
+KVOPS_TIMELINE_BYTES = int(os.environ.get("KVOPS_TIMELINE_BYTES", 96 * 2**20))
 KVOPS_TIMELINE_KEYFRAME_S = float(os.environ.get("KVOPS_TIMELINE_KEYFRAME_S", 5))
 
 LOGGING = {

@@ -26,12 +26,33 @@ function append(to, from) {  // (push(...from) runs out of stack on a whole pool
   for (let i = 0; i < from.length; i++) to.push(from[i]);
 }
 
-// Block ids where two states' per-block arrays differ.
+function cellDiffers(a, b, i) {
+  return a.state[i] !== b.state[i] || a.ref_cnt[i] !== b.ref_cnt[i] || a.owner[i] !== b.owner[i]
+    || a.hash32[i] !== b.hash32[i];
+}
+
+// Block ids where two pools' per-block arrays differ.
 function differing(a, b) {
   const ids = [];
-  for (let i = 0; i < a.state.length; i++) {
-    if (a.state[i] !== b.state[i] || a.ref_cnt[i] !== b.ref_cnt[i] || a.owner[i] !== b.owner[i]
-        || a.hash32[i] !== b.hash32[i]) ids.push(i);
+  for (let i = 0; i < a.state.length; i++) if (cellDiffers(a, b, i)) ids.push(i);
+  return ids;
+}
+
+// What a pool looks like on the map: its per-block arrays and places in the eviction order.
+function looks(pool, rank) {
+  return { state: pool.state.slice(), ref_cnt: pool.ref_cnt.slice(), owner: pool.owner.slice(),
+           hash32: pool.hash32.slice(), rank: rank ? rank.slice() : null };
+}
+
+// Of the candidate ids (repeats allowed), those whose cell looks different now: a move
+// touches the same blocks many times, and most of them end up as they were.
+function differingAmong(before, pool, rank, candidates) {
+  const seen = new Uint8Array(pool.n);
+  const ids = [];
+  for (const id of candidates) {
+    if (seen[id]) continue;
+    seen[id] = 1;
+    if (cellDiffers(before, pool, id) || (rank && before.rank[id] !== rank[id])) ids.push(id);
   }
   return ids;
 }
@@ -116,9 +137,9 @@ export class Replay {
 
   // The state at time t, or null when no window fetched holds t. Returns {state, changed,
   // at, gap}: `changed` is null when `state` is another object than last time (paint it
-  // whole), else what to repaint ({gpu, cpu: block ids, tables: request indices,
-  // structural}); `at` is the time of the last change applied; `gap`: the history has a
-  // gap between `at` and t, so the state is the one just before the gap.
+  // whole), else what to repaint ({gpu, cpu: the block ids whose cells look different,
+  // tables: request indices, structural}); `at` is the time of the last change applied;
+  // `gap`: the history has a gap between `at` and t, so the state is the one just before.
   seek(t) {
     const window = this.windowAt(t);
     if (!window) return null;
@@ -135,6 +156,7 @@ export class Replay {
     }
     const state = c.state;
     const changed = { gpu: [], cpu: [], tables: new Set(), structural: true };
+    const before = { gpu: looks(state.gpu, state.evictRank), cpu: looks(state.cpu, null) };
     if (c.window === window && count >= c.count) {  // forward in a window: only what comes next
       for (let i = c.count; i < count; i++) {
         const step = state.apply(window.deltas[i]);
@@ -156,6 +178,8 @@ export class Replay {
       append(changed.gpu, state.restore(window.keyframe));
       for (let i = 0; i < count; i++) state.apply(window.deltas[i]);
     }
+    changed.gpu = differingAmong(before.gpu, state.gpu, state.evictRank, changed.gpu);
+    changed.cpu = differingAmong(before.cpu, state.cpu, null, changed.cpu);
     this.cursor = { window, count, state };
     return { state, changed, at, gap };
   }

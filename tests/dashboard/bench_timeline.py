@@ -169,7 +169,8 @@ def main(argv: list[str] | None = None) -> None:
             try:
                 page.wait_for_function("window.kvopsPerf && kvopsPerf.snapshots >= 1", timeout=60000)
             except Exception:
-                print("the page got no snapshot:", errors, page.evaluate("kvopsPerf.log"))
+                print("the page got no snapshot:", errors,
+                      page.evaluate("window.kvopsPerf ? kvopsPerf.log : 'its script did not run'"))
                 raise
             page.wait_for_function("kvops.timeline.span !== null", timeout=30000)
             span = page.evaluate("-Number(document.querySelector('#timeline-range').min)")

@@ -89,7 +89,7 @@ export function randomDelta(state, rnd, dt = 0.1) {
   }
   if (Object.keys(requests).length) d.requests = requests;
   if (tables.gpu.append.length + tables.gpu.set.length + tables.cpu.set.length) d.tables = tables;
-  if (rnd.next() < 0.3) d.eviction_order = Array.from({ length: rnd.int(4) }, () => rnd.int(state.gpu.n));
+  if (rnd.next() < 0.3) d.eviction_order = [...new Set(Array.from({ length: rnd.int(4) }, () => rnd.int(state.gpu.n)))];
   return d;
 }
 

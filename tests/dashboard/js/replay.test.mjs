@@ -75,17 +75,15 @@ test("a move repaints every block and table that changed", () => {
     const after = toSnapshot(shown.state);
     if (shown.changed !== null) {
       moves++;
+      const rankOf = (doc, id) => doc.eviction_order.indexOf(id);
       for (const pool of ["gpu", "cpu"]) {
         const repainted = new Set(shown.changed[pool]);
-        for (const k of ["state", "ref_cnt", "owner", "hash32"]) {
-          after[pool][k].forEach((v, id) => {
-            if (!repainted.has(id)) assert.equal(v, before[pool][k][id], `${pool} ${k} of block ${id}`);
-          });
+        assert.equal(repainted.size, shown.changed[pool].length, "each block once");
+        for (let id = 0; id < after[pool].state.length; id++) {
+          const differs = ["state", "ref_cnt", "owner", "hash32"].some((k) => after[pool][k][id] !== before[pool][k][id])
+            || (pool === "gpu" && rankOf(after, id) !== rankOf(before, id));
+          assert.equal(repainted.has(id), differs, `${pool} block ${id}: repainted exactly when it changed`);
         }
-      }
-      const rankOf = (doc, id) => doc.eviction_order.indexOf(id);
-      for (let id = 0; id < after.gpu.state.length; id++) {
-        if (rankOf(after, id) !== rankOf(before, id)) assert.ok(shown.changed.gpu.includes(id), `rank of ${id}`);
       }
       const tables = (doc) => new Map(doc.requests.map((r) => [r.index, JSON.stringify([r.block_table, r.cpu_block_table])]));
       const was = tables(before), now = tables(after);
