@@ -3,6 +3,8 @@
 // touched). A second canvas on top draws the selected request's block table as a path.
 import { STATE } from "./colors.js";
 
+const SMALL_CELL = 8;  // px: cells this small are painted pixel by pixel (65,536 blocks: 3 px)
+
 export class BlockMap {
   constructor(canvas, overlay, palette, { maxHeight = 640, maxCell = 18 } = {}) {
     this.canvas = canvas;
@@ -64,7 +66,14 @@ export class BlockMap {
     const [base, dot] = this.colors(i);
     const s = this.cell, inner = s - this.gap, W = this.width, px = this.pixels;
     const x0 = (i % this.cols) * s, y0 = Math.floor(i / this.cols) * s;
-    for (let y = 0; y < inner; y++) px.fill(base, (y0 + y) * W + x0, (y0 + y) * W + x0 + inner);
+    if (inner <= SMALL_CELL) {  // a few pixels a row: plain stores beat fill()'s call
+      for (let y = 0; y < inner; y++) {
+        const at = (y0 + y) * W + x0;
+        for (let x = 0; x < inner; x++) px[at + x] = base;
+      }
+    } else {
+      for (let y = 0; y < inner; y++) px.fill(base, (y0 + y) * W + x0, (y0 + y) * W + x0 + inner);
+    }
     if (dot && inner >= 3) {
       const d = inner >= 7 ? Math.round(inner / 3) : 1, c = (inner - d) >> 1;
       for (let y = 0; y < d; y++) px.fill(dot, (y0 + c + y) * W + x0 + c, (y0 + c + y) * W + x0 + c + d);
