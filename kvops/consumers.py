@@ -49,6 +49,28 @@ JOB_SENDS_PER_S = 10.0  # job page updates, at most
 REJOIN_S = 5.0  # group memberships are re-added this often (a Redis restart loses them)
 RETRY_MIN_S, RETRY_MAX_S = 0.25, 2.0  # pauses between tries while Redis is away
 REDIS_DOWN = (RedisError, OSError)  # what the channel layer and kvops.live raise then
+
+
+def _quiet_layer_cleanups(loop: asyncio.AbstractEventLoop) -> None:
+    """channels-redis cleans up after a receive in a task of its own, which nobody
+    awaits: when Redis goes away meanwhile, asyncio prints that task's ConnectionError
+    with a traceback once the task is collected. That is the outage the consumers
+    already report in one line (channel layer unreachable): say it in one line too.
+    Anything else goes to the loop's handler as before. Installed once per loop."""
+    if getattr(loop, "_kvops_quiet_layer", False):
+        return
+    previous = loop.get_exception_handler()
+
+    def handler(loop: asyncio.AbstractEventLoop, context: dict) -> None:
+        if isinstance(context.get("exception"), REDIS_DOWN):
+            log.warning("channel layer: %s (%s)", context.get("message"), context["exception"])
+        elif previous is not None:
+            previous(loop, context)
+        else:
+            loop.default_exception_handler(context)
+
+    loop.set_exception_handler(handler)
+    loop._kvops_quiet_layer = True
 SHOWN_CHARS = 40  # of a client's value quoted back in an error
 
 # Client messages: type -> {field: allowed values (a tuple of strings or a range of ints)}.
@@ -176,6 +198,7 @@ class _Consumer(AsyncJsonWebsocketConsumer):
         timeouts and Redis restarts: the stock one raises, which ends the consumer and
         drops the websocket."""
         self.scope = scope
+        _quiet_layer_cleanups(asyncio.get_running_loop())
         self.channel_layer = get_channel_layer(self.channel_layer_alias)
         self.channel_name = await self.channel_layer.new_channel()
         self.base_send = send

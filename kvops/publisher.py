@@ -164,11 +164,12 @@ class EnginePublisher:
         live.append_events(self.name, item["records"],
                            _setting("KVOPS_EVENT_HISTORY", EVENT_HISTORY))
         if item["delta"] is not None:
-            self.timeline.add_delta(item["epoch"], item["seq"], item["point"]["ts"], item["delta"])
             live.group_send_wait(live.engine_group(self.name),
                                  {"type": "engine.delta", "seq": item["seq"],
                                   "data": item["delta"]})
             self.deltas_sent += 1
+            # (after the live send: the pages never wait for the history)
+            self.timeline.add_delta(item["epoch"], item["seq"], item["point"]["ts"], item["delta"])
         if self.prefix_index is not None:
             self.prefix_index.apply(item["prefix"])
         self._send_summary(item)
