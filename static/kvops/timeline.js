@@ -55,7 +55,7 @@ export class TimelineStrip {
       this.scrubbing = true;
       this.anchor = this.span.newest;  // fixed while scrubbing: the slider must not slide
       this.replay = new Replay();
-      this.liveButton.hidden = false;
+      this.liveButton.style.visibility = "visible";
     }
     this.want = Math.max(this.span.oldest, this.anchor + offset);
     this.show();
@@ -95,14 +95,15 @@ export class TimelineStrip {
     this.scrubbing = false;
     this.replay = null;
     this.range.value = "0";
-    this.liveButton.hidden = true;
+    this.liveButton.style.visibility = "hidden";
     this.say("live", "live");
     if (was) this.onLive();
     this.readSpan();
   }
 
-  say(text, kind) {
+  say(text, kind) {  // (the label keeps its width: the full text is its tooltip)
     this.atLabel.textContent = text;
+    this.atLabel.title = text;
     this.atLabel.className = `pill conn ${kind}`;
   }
 }

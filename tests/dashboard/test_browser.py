@@ -302,7 +302,14 @@ def drag_timeline_to(page, when: float) -> None:
     page.mouse.down()
     page.mouse.move(box["x"] + thumb + frac * (box["width"] - 2 * thumb), y, steps=12)
     page.mouse.up()
-    page.wait_for_function("kvops.scrubbing() && kvops.timeline.want !== null")
+    try:
+        page.wait_for_function("kvops.scrubbing() && kvops.timeline.want !== null")
+    except Exception:
+        raise AssertionError(f"the drag from {box} did not scrub: " + page.evaluate("""() => {
+            const r = document.querySelector("#timeline-range"), t = kvops.timeline;
+            return JSON.stringify({value: r.value, min: r.min, disabled: r.disabled, span: t.span,
+                                   want: t.want, label: t.atLabel.textContent, scrollY: window.scrollY,
+                                   box: r.getBoundingClientRect()}); }""")) from None
     off = page.evaluate(f"{when} - kvops.timeline.want")  # the scale is fixed while scrubbing
     page.focus("#timeline-range")
     for _ in range(round(abs(off) / 0.1)):
