@@ -103,16 +103,13 @@ class Scheduler:
         if not out.preempted:
             budget = self._resume_swapped(out, budget)
             self._admit_waiting(out, budget)
-        if self.kv.cpu_tier:
-            offloads = self.kv.flush_offloads()  # the CPU tier's copies of reused blocks
-            if offloads:
-                out.swap_out.extend(offloads)
-            if out.scheduled:  # (a step that runs: its runner makes the copies)
-                out.copy_ahead = self.kv.copy_ahead(
-                    self.config.max_num_batched_tokens // self.kv.block_size
-                    + self.config.max_num_seqs, COPY_AHEAD_BLOCKS)
-        else:
-            self.kv.flush_offloads()  # (releases the CPU blocks swap-ins read)
+        # The CPU tier's copies of reused blocks (none without it); releases the CPU
+        # blocks this step's swap-ins read.
+        out.swap_out.extend(self.kv.flush_offloads())
+        if self.kv.cpu_tier and out.scheduled:  # (a step that runs makes the copies)
+            out.copy_ahead = self.kv.copy_ahead(
+                self.config.max_num_batched_tokens // self.kv.block_size
+                + self.config.max_num_seqs, COPY_AHEAD_BLOCKS)
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
