@@ -4,68 +4,57 @@
 // keyframe of the window holding it with the window's deltas up to that moment applied,
 // in sequence (live_sync.js's rule: a duplicate is skipped, a gap ends what the window
 // can tell). No DOM, no fetch: the page asks for windows and paints what seek() says.
-import { KVState, ungap } from "./kvstate.js";
+//
+// A window keeps the state after every `every`-th delta (a checkpoint, built once when
+// it is added), so a seek restores the checkpoint at or before its moment and applies
+// fewer than `every` deltas, wherever the previous seek was; a seek a little forward of
+// the last one applies only the deltas in between.
+import { KVState } from "./kvstate.js";
 import { placeDelta } from "./live_sync.js";
 
-// What a delta can change: block ids per pool (with its eviction order), request indices.
-function touchedBy(delta) {
-  const gpu = delta.gpu ? ungap(delta.gpu.ids) : [];
-  if (delta.eviction_order) append(gpu, delta.eviction_order);
-  const requests = [];
-  const r = delta.requests || {};
-  for (const entry of r.upsert || []) requests.push(entry.index);
-  append(requests, r.removed || []);
-  if (r.progress) append(requests, ungap(r.progress.index));
-  for (const ops of Object.values(delta.tables || {})) {
-    for (const op of [...ops.append, ...ops.set]) requests.push(op[0]);
+// What the map shows of a pool, as seek() last returned it: a copy of its per-block
+// arrays and whether each block is in the eviction order (a cell marks that, not the
+// place, which moves for the whole queue whenever a block leaves it).
+class ShownPool {
+  constructor(pool, rank) {
+    this.state = pool.state.slice();
+    this.ref_cnt = pool.ref_cnt.slice();
+    this.owner = pool.owner.slice();
+    this.hash32 = pool.hash32.slice();
+    this.queued = rank ? Uint8Array.from(rank, (r) => (r >= 0 ? 1 : 0)) : null;
   }
-  return { gpu, cpu: delta.cpu ? ungap(delta.cpu.ids) : [], requests };
-}
 
-function append(to, from) {  // (push(...from) runs out of stack on a whole pool's ids)
-  for (let i = 0; i < from.length; i++) to.push(from[i]);
-}
-
-function cellDiffers(a, b, i) {
-  return a.state[i] !== b.state[i] || a.ref_cnt[i] !== b.ref_cnt[i] || a.owner[i] !== b.owner[i]
-    || a.hash32[i] !== b.hash32[i];
-}
-
-// Block ids where two pools' per-block arrays differ.
-function differing(a, b) {
-  const ids = [];
-  for (let i = 0; i < a.state.length; i++) if (cellDiffers(a, b, i)) ids.push(i);
-  return ids;
-}
-
-// What a pool looks like on the map: its per-block arrays and places in the eviction order.
-function looks(pool, rank) {
-  return { state: pool.state.slice(), ref_cnt: pool.ref_cnt.slice(), owner: pool.owner.slice(),
-           hash32: pool.hash32.slice(), rank: rank ? rank.slice() : null };
-}
-
-// Of the candidate ids (repeats allowed), those whose cell looks different now: a move
-// touches the same blocks many times, and most of them end up as they were.
-function differingAmong(before, pool, rank, candidates) {
-  const seen = new Uint8Array(pool.n);
-  const ids = [];
-  for (const id of candidates) {
-    if (seen[id]) continue;
-    seen[id] = 1;
-    if (cellDiffers(before, pool, id) || (rank && before.rank[id] !== rank[id])) ids.push(id);
+  // The block ids whose cells differ in `pool` (with `rank`, its eviction order places)
+  // from what was shown; what is shown becomes `pool`. A whole scan of typed arrays: a
+  // fraction of a millisecond at 65,536 blocks, and no list of candidates to keep.
+  update(pool, rank) {
+    const ids = [];
+    const { state, ref_cnt, owner, hash32, queued } = this;
+    for (let i = 0; i < pool.n; i++) {
+      const q = queued !== null && rank[i] >= 0 ? 1 : 0;
+      if (state[i] !== pool.state[i] || ref_cnt[i] !== pool.ref_cnt[i] || owner[i] !== pool.owner[i]
+          || hash32[i] !== pool.hash32[i] || (queued !== null && queued[i] !== q)) {
+        ids.push(i);
+        state[i] = pool.state[i];
+        ref_cnt[i] = pool.ref_cnt[i];
+        owner[i] = pool.owner[i];
+        hash32[i] = pool.hash32[i];
+        if (queued !== null) queued[i] = q;
+      }
+    }
+    return ids;
   }
-  return ids;
 }
 
 class Window {
-  constructor(answer) {
+  constructor(answer, every) {
     this.start = answer.window.start;  // the keyframe's time (Unix seconds)
     this.end = answer.window.end;  // the next keyframe's time; null: the newest window
     this.through = answer.newest;  // the newest moment stored when it was fetched
-    this.keyframe = new KVState(answer.keyframe);  // never applied to: states are clones
+    const keyframe = new KVState(answer.keyframe);
     this.deltas = [];  // those that follow the keyframe in sequence, up to the first gap
     this.gap = false;  // deltas were missing after the last of them
-    let last = this.keyframe;
+    let last = keyframe;
     for (const delta of answer.deltas) {
       const place = placeDelta(last, delta);
       if (place === "duplicate") continue;
@@ -73,7 +62,15 @@ class Window {
       this.deltas.push(delta);
       last = delta;
     }
-    this.touched = this.deltas.map(touchedBy);
+    this.every = every;
+    // The states after deltas 0 (the keyframe), every, 2 * every, ...: never applied to,
+    // a seek restores one into its own state.
+    this.checkpoints = [keyframe];
+    const state = keyframe.clone();
+    for (let i = 0; i < this.deltas.length - 1; i++) {
+      state.apply(this.deltas[i]);
+      if ((i + 1) % every === 0) this.checkpoints.push(state.clone());
+    }
     this.used = 0;  // Replay.uses when last added or shown
   }
 
@@ -91,38 +88,47 @@ class Window {
     return lo;
   }
 
-  // Add what deltas [from, to) can change to `changed`.
-  collect(changed, from, to) {
-    for (let i = from; i < to; i++) {
-      const t = this.touched[i];
-      append(changed.gpu, t.gpu);
-      append(changed.cpu, t.cpu);
-      for (const index of t.requests) changed.tables.add(index);
-    }
+  // The latest checkpoint at or before `count` deltas: its index.
+  checkpointBefore(count) {
+    return Math.min(Math.floor(count / this.every), this.checkpoints.length - 1);
+  }
+
+  // Apply deltas [from, to) to `state`; returns the request indices whose block tables
+  // they changed.
+  replay(state, from, to) {
+    const tables = new Set();
+    for (let i = from; i < to; i++) for (const index of state.apply(this.deltas[i]).tables) tables.add(index);
+    return tables;
   }
 }
 
-// Windows kept at most: at 65,536 blocks each holds a few MB once parsed, so dragging
-// over five minutes must not keep them all.
+// Windows kept at most: at 65,536 blocks each holds tens of MB once parsed (its deltas
+// and checkpoints), so dragging over five minutes must not keep them all.
 export const MAX_WINDOWS = 12;
+// Deltas between two checkpoints: a seek applies fewer than this many (10 deltas a
+// second: at most 0.9 s of them). Each checkpoint is a whole state.
+export const CHECKPOINT_EVERY = 10;
 
 export class Replay {
-  constructor({ maxWindows = MAX_WINDOWS } = {}) {
+  constructor({ maxWindows = MAX_WINDOWS, checkpointEvery = CHECKPOINT_EVERY } = {}) {
     this.maxWindows = maxWindows;
+    this.checkpointEvery = checkpointEvery;
     this.windows = [];  // Window, by start time
     this.cursor = null;  // {window, count (deltas applied), state}: what seek() showed last
+    this.shown = null;  // {gpu, cpu}: ShownPool, the cells of cursor.state as last returned
     this.uses = 0;  // a clock of seeks: each window remembers when it was last shown
   }
 
   // An answer of timeline/state/?through=window (a window fetched again replaces itself).
   // Over maxWindows, the one shown longest ago goes (never the one on screen).
   add(answer) {
-    const window = new Window(answer);
+    const window = new Window(answer, this.checkpointEvery);
     window.used = ++this.uses;
     this.windows = this.windows.filter((w) => w.start !== window.start);
     this.windows.push(window);
     this.windows.sort((a, b) => a.start - b.start);
-    if (this.cursor && this.cursor.window.start === window.start) this.cursor = null;
+    // The state on screen stays, but the next seek rebuilds it from this window's checkpoints.
+    if (this.cursor?.window?.start === window.start) this.cursor.window = null;
     while (this.windows.length > this.maxWindows) {
       const onScreen = this.cursor?.window;
       const stalest = this.windows.filter((w) => w !== onScreen && w !== window)
@@ -138,8 +144,9 @@ export class Replay {
   // The state at time t, or null when no window fetched holds t. Returns {state, changed,
   // at, gap}: `changed` is null when `state` is another object than last time (paint it
   // whole), else what to repaint ({gpu, cpu: the block ids whose cells look different,
-  // tables: request indices, structural}); `at` is the time of the last change applied;
-  // `gap`: the history has a gap between `at` and t, so the state is the one just before.
+  // tables: request indices whose block tables may differ, structural}); `at` is the time
+  // of the last change applied; `gap`: the history has a gap between `at` and t, so the
+  // state is the one just before.
   seek(t) {
     const window = this.windowAt(t);
     if (!window) return null;
@@ -147,40 +154,30 @@ export class Replay {
     const count = window.countUpTo(t);
     const at = count ? window.deltas[count - 1].ts : window.start;
     const gap = window.gap && count === window.deltas.length && t > at;
+    const base = window.checkpointBefore(count);
+    const from = base * this.checkpointEvery;
+    const checkpoint = window.checkpoints[base];
     const c = this.cursor;
-    if (!c || c.state.gpu.n !== window.keyframe.gpu.n || c.state.cpu.n !== window.keyframe.cpu.n) {
-      const state = window.keyframe.clone();
-      for (let i = 0; i < count; i++) state.apply(window.deltas[i]);
+    if (!c || c.state.gpu.n !== checkpoint.gpu.n || c.state.cpu.n !== checkpoint.cpu.n) {
+      const state = checkpoint.clone();
+      window.replay(state, from, count);
       this.cursor = { window, count, state };
+      this.shown = { gpu: new ShownPool(state.gpu, state.evictRank), cpu: new ShownPool(state.cpu, null) };
       return { state, changed: null, at, gap };
     }
     const state = c.state;
-    const changed = { gpu: [], cpu: [], tables: new Set(), structural: true };
-    const before = { gpu: looks(state.gpu, state.evictRank), cpu: looks(state.cpu, null) };
-    if (c.window === window && count >= c.count) {  // forward in a window: only what comes next
-      for (let i = c.count; i < count; i++) {
-        const step = state.apply(window.deltas[i]);
-        append(changed.gpu, step.gpu);
-        append(changed.cpu, step.cpu);
-        for (const index of step.tables) changed.tables.add(index);
-      }
+    let tables;
+    if (c.window === window && c.count >= from && c.count <= count) {
+      tables = window.replay(state, c.count, count);  // on from what is shown: the fewest deltas
     } else {
-      // Back to a keyframe. The cells that may differ between the state shown and the one
-      // wanted: those either run of deltas touched, and those where the keyframes differ.
-      c.window.collect(changed, 0, c.count);
-      if (c.window !== window) {
-        window.collect(changed, 0, count);
-        append(changed.gpu, differing(c.window.keyframe.gpu, window.keyframe.gpu));
-        append(changed.cpu, differing(c.window.keyframe.cpu, window.keyframe.cpu));
-        for (const index of state.requests.keys()) changed.tables.add(index);
-        for (const index of window.keyframe.requests.keys()) changed.tables.add(index);
-      }
-      append(changed.gpu, state.restore(window.keyframe));
-      for (let i = 0; i < count; i++) state.apply(window.deltas[i]);
+      tables = new Set(state.requests.keys());  // any table may differ: those before and after
+      state.restore(checkpoint);
+      window.replay(state, from, count);
+      for (const index of state.requests.keys()) tables.add(index);
     }
-    changed.gpu = differingAmong(before.gpu, state.gpu, state.evictRank, changed.gpu);
-    changed.cpu = differingAmong(before.cpu, state.cpu, null, changed.cpu);
     this.cursor = { window, count, state };
+    const changed = { gpu: this.shown.gpu.update(state.gpu, state.evictRank),
+                      cpu: this.shown.cpu.update(state.cpu, null), tables, structural: true };
     return { state, changed, at, gap };
   }
 }

@@ -3,6 +3,7 @@
 import assert from "node:assert/strict";
 import test from "node:test";
 
+import { KVState } from "../../../static/kvops/kvstate.js";
 import { LiveSync } from "../../../static/kvops/live_sync.js";
 import { Replay } from "../../../static/kvops/replay.js";
 import { FINISH, GROW, delta, random, randomDelta, snapshot, toSnapshot } from "./kv_fixtures.mjs";
@@ -50,18 +51,64 @@ function shuffled(values, rnd) {
   return out;
 }
 
-test("every moment rebuilds to the live state then, scrubbed to in any order", () => {
-  const { moments, answers } = history();
-  const replay = new Replay();
+// Every moment and every moment between two, in an order of the seed's.
+function scrubTimes(moments, seed) {
+  return shuffled(moments.flatMap((m, i) => (i ? [m.ts, (m.ts + moments[i - 1].ts) / 2] : [m.ts])), random(seed));
+}
+
+// Counts the deltas applied to any state while `run` runs.
+function countingApplies(run) {
+  const apply = KVState.prototype.apply;
+  let applied = 0;
+  KVState.prototype.apply = function (delta) { applied++; return apply.call(this, delta); };
+  try { run(() => { const n = applied; applied = 0; return n; }); } finally { KVState.prototype.apply = apply; }
+}
+
+for (const checkpointEvery of [1, 3, 10, 40]) {
+  test(`every moment rebuilds to the live state then, scrubbed to in any order (checkpoints every ${checkpointEvery})`, () => {
+    const { moments, answers } = history();
+    const replay = new Replay({ checkpointEvery });
+    for (const answer of answers) replay.add(answer);
+    for (const t of scrubTimes(moments, 3)) {
+      const shown = replay.seek(t);
+      const expected = moments.filter((m) => m.ts <= t).pop();
+      assert.deepEqual(byIndex(toSnapshot(shown.state)), byIndex(expected), `at ${t}`);
+      assert.equal(shown.at, expected.ts);
+      assert.equal(shown.gap, false);
+    }
+  });
+}
+
+test("a window's checkpoints are the live states after every checkpointEvery-th delta", () => {
+  const { moments, answers } = history({ deltas: 90, every: 25 });
+  const replay = new Replay({ checkpointEvery: 7 });
   for (const answer of answers) replay.add(answer);
-  const times = moments.flatMap((m, i) => (i ? [m.ts, (m.ts + moments[i - 1].ts) / 2] : [m.ts]));
-  for (const t of shuffled(times, random(3))) {
-    const shown = replay.seek(t);
-    const expected = moments.filter((m) => m.ts <= t).pop();
-    assert.deepEqual(byIndex(toSnapshot(shown.state)), byIndex(expected), `at ${t}`);
-    assert.equal(shown.at, expected.ts);
-    assert.equal(shown.gap, false);
-  }
+  assert.equal(replay.windows.length, 4);
+  replay.windows.forEach((w, k) => {
+    const first = k * 25;  // the keyframe's moment
+    assert.equal(w.checkpoints.length, Math.ceil(w.deltas.length / 7), `window ${k}`);
+    w.checkpoints.forEach((state, c) => {
+      assert.deepEqual(byIndex(toSnapshot(state)), byIndex(moments[first + c * 7]), `window ${k}, checkpoint ${c}`);
+    });
+  });
+  replay.seek(moments[60].ts);  // seeking applies deltas to its own state, not to a checkpoint
+  assert.deepEqual(byIndex(toSnapshot(replay.windows[2].checkpoints[1])), byIndex(moments[57]));
+});
+
+test("a seek applies fewer deltas than checkpointEvery, and a step forward only the ones in between", () => {
+  const { moments, answers } = history({ deltas: 90, every: 45 });
+  const replay = new Replay({ checkpointEvery: 8 });
+  for (const answer of answers) replay.add(answer);
+  countingApplies((applied) => {
+    for (const t of scrubTimes(moments, 9)) {
+      replay.seek(t);
+      assert.ok(applied() < 8, `at ${t}`);
+    }
+    replay.seek(moments[46].ts);  // a delta into the second window
+    applied();
+    replay.seek(moments[52].ts);  // its checkpoint would have taken 7
+    assert.equal(applied(), 6);
+  });
 });
 
 test("a move repaints every block and table that changed", () => {
@@ -75,13 +122,13 @@ test("a move repaints every block and table that changed", () => {
     const after = toSnapshot(shown.state);
     if (shown.changed !== null) {
       moves++;
-      const rankOf = (doc, id) => doc.eviction_order.indexOf(id);
+      const queued = (doc, id) => doc.eviction_order.includes(id);  // a cell marks that, not the place
       for (const pool of ["gpu", "cpu"]) {
         const repainted = new Set(shown.changed[pool]);
         assert.equal(repainted.size, shown.changed[pool].length, "each block once");
         for (let id = 0; id < after[pool].state.length; id++) {
           const differs = ["state", "ref_cnt", "owner", "hash32"].some((k) => after[pool][k][id] !== before[pool][k][id])
-            || (pool === "gpu" && rankOf(after, id) !== rankOf(before, id));
+            || (pool === "gpu" && queued(after, id) !== queued(before, id));
           assert.equal(repainted.has(id), differs, `${pool} block ${id}: repainted exactly when it changed`);
         }
       }
@@ -122,6 +169,22 @@ test("a delta the keyframe or the window already has is skipped", () => {
     assert.deepEqual(toSnapshot(replay.seek(d.ts).state), toSnapshot(live.state));
   }
   assert.equal(replay.seek(GROW.ts).state.requests.get(1).num_computed_tokens, 24);  // 4 tokens, once
+});
+
+test("the window on screen fetched again (the newest, grown) keeps the state on screen", () => {
+  const { moments, answers } = history({ deltas: 30, every: 10 });
+  const replay = new Replay({ checkpointEvery: 4 });
+  const newest = answers[2];
+  replay.add({ ...newest, newest: moments[25].ts, deltas: newest.deltas.slice(0, 5) });
+  const first = replay.seek(moments[25].ts);
+  assert.equal(replay.seek(moments[26].ts), null);
+  replay.add(newest);
+  for (const i of [26, 30, 21, 28]) {
+    const shown = replay.seek(moments[i].ts);
+    assert.equal(shown.state, first.state);
+    assert.notEqual(shown.changed, null);
+    assert.deepEqual(byIndex(toSnapshot(shown.state)), byIndex(moments[i]), `moment ${i}`);
+  }
 });
 
 test("a moment no fetched window holds is null", () => {
