@@ -22,7 +22,7 @@ const cpuMap = new BlockMap($("#cpu-map"), $("#cpu-overlay"), palette, { maxHeig
 const history = new MetricsHistory(600);
 // `log` keeps the last few snapshots and resyncs, with why and when (tests, console).
 const perf = window.kvopsPerf = { deltas: 0, snapshots: 0, resyncs: 0, applyMs: [], decodeMs: [], log: [],
-                                  scrubMs: [], seekMs: [], fetchMs: [], scrubWhole: 0,  // the timeline's (timeline.js)
+                                  scrubMs: [], seekMs: [], fetchMs: [], addMs: [], scrubWhole: 0,  // the timeline's (timeline.js)
                                   scrubParts: { maps: 0, table: 0, rest: 0 },
                                   parts: { state: 0, maps: 0, table: 0, rest: 0 },
                                   lastDeltaAt: 0, bytes: () => socket.bytes, frames: () => socket.frames,

@@ -23,7 +23,7 @@ export class TimelineStrip {
     this.liveButton = $("#timeline-live", root);
     this.onShow = onShow;  // (seek()'s answer): paint that state
     this.onLive = onLive;  // paint the live state again
-    this.perf = perf;  // kvopsPerf: scrubMs, seekMs (per position shown), fetchMs (per window), scrubWhole
+    this.perf = perf;  // kvopsPerf: scrubMs, seekMs (per position shown), fetchMs, addMs (per window), scrubWhole
     this.span = null;  // {oldest, newest} of the stored history (Unix seconds)
     this.scrubbing = false;
     this.anchor = null;  // while scrubbing: the time at the slider's right end
@@ -85,7 +85,9 @@ export class TimelineStrip {
     if (!this.scrubbing || replay !== this.replay) return;  // back to live meanwhile
     this.perf.fetchMs.push(performance.now() - started);
     if (!result.ok) { this.say(errorText(result), "offline"); return; }
-    replay.add(result.data);
+    const adding = performance.now();
+    replay.add(result.data);  // its checkpoints built: no position waits for them
+    this.perf.addMs.push(performance.now() - adding);
     if (replay.windowAt(t) === null) { this.say(`no stored state at ${clock(t)}`, "offline"); return; }
     this.show();
   }

@@ -14,7 +14,8 @@ the engine page (its engine gone, the page shows the last stored snapshot) and m
 timeline: from live back to the oldest moment, forward again, then to random moments. Per
 position it reports the time to rebuild the state and repaint the maps, the table and the
 header (window.kvopsPerf.scrubMs: seek + paint + layout), and the time from the input
-event to the next frame; per window fetched, the fetch.
+event to the next frame; per window fetched, the fetch, and the time to add it to the
+replay (its keyframe parsed and its checkpoints built).
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ DRIVE = """async (offsets) => {
   const out = [];
   for (const offset of offsets) {
     const shows = perf.scrubMs.length, fetches = perf.fetchMs.length, started = performance.now();
+    const parts = { ...perf.scrubParts }, whole = perf.scrubWhole;
     range.value = String(offset);
     range.dispatchEvent(new Event("input"));
     while ((strip.loading || perf.scrubMs.length === shows) && performance.now() - started < 30000) {
@@ -47,7 +49,8 @@ DRIVE = """async (offsets) => {
     if (perf.scrubMs.length === shows) throw new Error(`offset ${offset}: ${strip.atLabel.textContent}`);
     await new Promise((resolve) => requestAnimationFrame(resolve));
     out.push({ ms: perf.scrubMs[shows], seek: perf.seekMs[shows], frame: performance.now() - started,
-               fetched: perf.fetchMs.length > fetches });
+               fetched: perf.fetchMs.length > fetches, whole: perf.scrubWhole > whole,
+               parts: ["maps", "table", "rest"].map((k) => perf.scrubParts[k] - parts[k]) });
   }
   return out;
 }"""
@@ -116,6 +119,16 @@ def build_history(name: str, blocks: int, num_requests: int, minutes: float,
             "built in s": round(time.perf_counter() - started)}
 
 
+def slowest(rows: list[dict], count: int = 3) -> str:
+    """The slowest positions: each one's time and its parts, rebuild/maps/table/rest
+    (rest: the header and the layout), and whether it was painted whole or came after a
+    fetch."""
+    worst = sorted(rows, key=lambda r: -r["ms"])[:count]
+    return "; ".join(f"{r['ms']:.0f} ({r['seek']:.0f}/" + "/".join(f"{p:.0f}" for p in r["parts"]) + ")"
+                     + (" whole" if r["whole"] else "") + (" fetched" if r["fetched"] else "")
+                     for r in worst)
+
+
 def summary(rows: list[dict]) -> dict:
     shown = [r["ms"] for r in rows]
     local = [r for r in rows if not r["fetched"]]
@@ -180,13 +193,15 @@ def main(argv: list[str] | None = None) -> None:
             passes = {"live -> oldest": back, "oldest -> live": back[::-1],
                       "random jumps": [-rng.uniform(0.1, span) for _ in range(args.positions // 3)]}
             results = {}
+            worst = {}
             for label, offsets in passes.items():
-                before = page.evaluate("({...kvopsPerf.scrubParts})")
-                results[label] = summary(page.evaluate(DRIVE, offsets))
-                after = page.evaluate("kvopsPerf.scrubParts")
+                rows = page.evaluate(DRIVE, offsets)
+                results[label] = summary(rows)
                 results[label]["ms a position: maps/table/rest"] = "/".join(
-                    f"{(after[k] - before[k]) / len(offsets):.1f}" for k in ("maps", "table", "rest"))
+                    f"{statistics.fmean(r['parts'][k] for r in rows):.1f}" for k in range(3))
+                worst[label] = slowest(rows)
             fetch = page.evaluate("kvopsPerf.fetchMs")
+            added = page.evaluate("kvopsPerf.addMs")
             blocks = page.evaluate("kvops.state().gpu.n")
             if args.screenshot is not None:
                 args.screenshot.parent.mkdir(parents=True, exist_ok=True)
@@ -199,13 +214,17 @@ def main(argv: list[str] | None = None) -> None:
     for key, value in built.items():
         print(f"  {key:<40} {value}")
     print(f"window fetches: {len(fetch)}, ms p50 {statistics.median(fetch):.0f}, "
-          f"max {max(fetch):.0f}")
+          f"max {max(fetch):.0f}; then added (parsed, checkpoints built), ms p50 "
+          f"{statistics.median(added):.0f}, max {max(added):.0f}")
     labels = list(results)
     keys = list(results[labels[0]])
     width = max(len(k) for k in keys)
     print(f"{'':<{width}}  " + "  ".join(f"{label:>15}" for label in labels))
     for key in keys:
         print(f"{key:<{width}}  " + "  ".join(f"{str(results[label][key]):>15}" for label in labels))
+    print("slowest positions, ms (rebuild/maps/table/rest):")
+    for label in labels:
+        print(f"  {label}: {worst[label]}")
 
 
 if __name__ == "__main__":
