@@ -156,7 +156,8 @@ def make_attention_backend(name: str, device: torch.device,
                            dtype: torch.dtype = torch.float32,
                            cpu_kernels: bool = True) -> AttentionBackend:
     """name: "auto" | "torch" | "triton"; dtype: the KV cache's; cpu_kernels: the torch
-    backend may use the C++ CPU kernels (EngineConfig.cpu_kernels)."""
+    backend may use the C++ CPU kernels (EngineConfig.cpu_kernels, resolved by
+    kernels.cpu_ext.wanted)."""
     if name == "auto":
         name = "triton" if device.type == "cuda" and _triton_available() else "torch"
     if name == "torch":

@@ -49,12 +49,15 @@ class EngineConfig:
     name: str = "default"  # engine name, shown in snapshots
     max_pending_events: int = 100_000  # KV events kept for take_events(); oldest dropped
     fault_injection: bool = False  # tests: the `inject-fault` command makes a step raise
-    # CPU, float32: the C++ kernels of kernels/cpu_ext.py (False: torch's paths), and who
+    # CPU, float32: the C++ kernels of kernels/cpu_ext.py: "on", "off" (torch's paths),
+    # or "auto": on where the CPU has AVX-512, which they are written for (their tiles
+    # assume 32 vector registers; with AVX2's 16 they spill, and torch's paths are 1.2-5x
+    # faster there); True and False mean on and off. And who
     # does prefill's many-row matmuls: "auto" decides by the CPU's maker (the packed
     # kernel on AMD, where MKL takes a slow path; MKL elsewhere), "mkl" or "packed" say
     # so, "measure" times both at start-up. All but "measure" run the same code on the
     # same machine every time.
-    cpu_kernels: bool = True
+    cpu_kernels: str = "auto"
     large_matmuls: str = "auto"
     # Split the model's heads and MLP across this many ranks (engine/parallel.py):
     # processes the engine starts, gloo on CPU, NCCL and one GPU each on CUDA
@@ -96,6 +99,7 @@ class EngineConfig:
                f"tensor_parallel_size must be in [1, 64], got {self.tensor_parallel_size}")
         _check(not (self.simulate and self.tensor_parallel_size > 1),
                "tensor_parallel_size > 1 needs a real model (simulate=False)")
+        self.cpu_kernels = _on_off_auto("cpu_kernels", self.cpu_kernels)
         _check(self.large_matmuls in LARGE_MATMULS,
                f"large_matmuls must be one of {LARGE_MATMULS}, got {self.large_matmuls!r}")
         if self.preemption_mode == "swap" and self.num_cpu_blocks == 0:
@@ -109,3 +113,15 @@ class EngineConfig:
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
+
+
+def _on_off_auto(name: str, value: object) -> str:
+    """"on", "off" or "auto" from a bool, one of those, or an environment spelling
+    ("1", "0", "true", "false", "yes", "no")."""
+    spelled = str(value).lower()
+    if value is True or spelled in ("1", "true", "yes", "on"):
+        return "on"
+    if value is False or spelled in ("0", "false", "no", "off"):
+        return "off"
+    _check(spelled == "auto", f"{name} must be auto, on or off, got {value!r}")
+    return "auto"

@@ -27,6 +27,7 @@ from engine.sampler import SamplingRow, logprobs_of, request_seed, sample, token
 from engine.scheduler import SchedulerOutput
 from engine import parallel
 from engine.ops import choose_ops
+from kernels import cpu_ext
 from kernels.cpu_ops import tune_process
 
 DEFAULT_CPU_KV_BYTES = 512 * 1024 ** 2
@@ -67,7 +68,8 @@ class ModelRunner(Runner):
         self.model = load_model(folder, self._dtype, self._device, self.tp)
         self.model.setup_rope(self.max_model_len)
         self.attention = make_attention_backend(config.attention_backend, self._device,
-                                                self._dtype, cpu_kernels=config.cpu_kernels)
+                                                self._dtype,
+                                                cpu_kernels=cpu_ext.wanted(config.cpu_kernels))
         # how the model's arithmetic runs: the C++ CPU kernels or plain torch
         self.ops = choose_ops(config, self._device, self._dtype, self.attention)
         self.ops.prepare(self.model)

@@ -133,10 +133,10 @@ class CpuKernelOps(TorchOps):
 def cpu_kernel_ops(config: "EngineConfig", device: torch.device, dtype: torch.dtype,
                    backend: "AttentionBackend") -> CpuKernelOps | None:
     """CpuKernelOps for float32 on a CPU where the kernels build and config.cpu_kernels
-    asks (config.large_matmuls deciding prefill's matmuls); None otherwise."""
+    asks (cpu_ext.wanted) (config.large_matmuls deciding prefill's matmuls); None otherwise."""
     from kernels import cpu_ext
 
-    if not config.cpu_kernels or not cpu_ext.usable_for(device, dtype):
+    if not cpu_ext.wanted(config.cpu_kernels) or not cpu_ext.usable_for(device, dtype):
         return None
     return CpuKernelOps(cpu_ext.ops(), cpu_ext.matmul_choice(config.large_matmuls),
                         native_attention=getattr(backend, "native", False))

@@ -11,6 +11,7 @@ import pytest
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.errors import NotEnoughBlocksError
 from engine.model import Linear
+from kernels import cpu_ext
 from kernels.cpu_ops import PACKED_MAX_ROWS, CpuKernelOps
 from tests.models.fixtures import tiny_model, tiny_root  # noqa: F401 (fixtures)
 from tests.models.tiny import SPECS, hf_greedy, random_prompts
@@ -20,8 +21,9 @@ LENGTHS = [1, 5, 17, 33, 64]
 
 
 def make_engine(folder, **kw) -> LLMEngine:
+    # the C++ CPU kernels on whatever the CPU (auto would leave them off without AVX-512)
     cfg = dict(model=str(folder), device="cpu", dtype="float32", attention_backend="torch",
-               block_size=4, num_gpu_blocks=256, num_cpu_blocks=256, seed=0)
+               block_size=4, num_gpu_blocks=256, num_cpu_blocks=256, seed=0, cpu_kernels="on")
     cfg.update(kw)
     return LLMEngine(EngineConfig(**cfg))
 
@@ -69,11 +71,20 @@ def test_torch_paths_without_the_cpu_kernels(tiny_model, name, monkeypatch):
     assert outputs(engine.generate(prompts, greedy())) == hf_greedy(folder, prompts, MAX_TOKENS)
 
 
-def test_cpu_kernels_are_on_by_default(tiny_model):
+def test_cpu_kernels_by_default_where_the_cpu_has_avx512(tiny_model):
+    """cpu_kernels="auto" (the default) runs them on a CPU with AVX-512 and not on one
+    without; "on" runs them anywhere they build."""
     if os.environ.get("KVOPS_CPU_KERNELS") == "0":
         pytest.skip("KVOPS_CPU_KERNELS=0 turns them off")
-    engine = make_engine(tiny_model("gqa16"))
-    assert isinstance(engine.runner.ops, CpuKernelOps) and engine.runner.attention.native
+    folder = tiny_model("gqa16")
+    forced = make_engine(folder)
+    assert isinstance(forced.runner.ops, CpuKernelOps) and forced.runner.attention.native
+    auto = make_engine(folder, cpu_kernels="auto")
+    wide = "avx512f" in cpu_ext.cpu_flags()
+    assert isinstance(auto.runner.ops, CpuKernelOps) == wide
+    assert auto.runner.attention.native == wide
+    prompts = random_prompts(SPECS["gqa16"].vocab_size, LENGTHS, seed=4)
+    assert outputs(auto.generate(prompts, greedy())) == outputs(forced.generate(prompts, greedy()))
 
 
 @pytest.mark.parametrize("name", ["gqa16", "mha32", "qwen2", "linear"])

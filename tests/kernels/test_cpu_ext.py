@@ -62,9 +62,30 @@ def test_the_engine_config_carries_the_switches():
 
     from engine.config import EngineConfig
     from engine.errors import EngineError
-    assert EngineConfig().large_matmuls == "auto" and EngineConfig().cpu_kernels
+    assert EngineConfig().large_matmuls == "auto" and EngineConfig().cpu_kernels == "auto"
     with pytest.raises(EngineError, match="large_matmuls"):
         EngineConfig(large_matmuls="openblas")
+    # booleans and the environment's spellings mean on and off
+    for value, meant in [(True, "on"), (False, "off"), ("1", "on"), ("no", "off"), ("ON", "on"),
+                         ("auto", "auto")]:
+        assert EngineConfig(cpu_kernels=value).cpu_kernels == meant
+    with pytest.raises(EngineError, match="cpu_kernels must be auto, on or off"):
+        EngineConfig(cpu_kernels="fast")
+
+
+def test_auto_wants_the_kernels_only_with_avx512(monkeypatch):
+    import platform
+
+    from kernels import cpu_ext
+
+    if platform.machine() == "x86_64":  # read from /proc/cpuinfo
+        assert "sse2" in cpu_ext.cpu_flags() and cpu_ext.cpu_vendor()
+
+    assert cpu_ext.wanted("on") and not cpu_ext.wanted("off")
+    monkeypatch.setattr(cpu_ext, "cpu_flags", lambda: {"avx2", "fma"})
+    assert not cpu_ext.wanted("auto")
+    monkeypatch.setattr(cpu_ext, "cpu_flags", lambda: {"avx2", "avx512f"})
+    assert cpu_ext.wanted("auto")
 
 
 def test_a_lock_left_by_a_killed_build_does_not_block_the_next(tmp_path):
