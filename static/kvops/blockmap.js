@@ -19,6 +19,7 @@ export class BlockMap {
     this.mask = null;  // Uint8Array: 1 for the selected request's blocks
     this.path = [];  // the selected request's table, in order
     this.hover = -1;
+    this.fitted = null;  // [n, width]: what the canvas was last sized for
     this.dirtyLo = Infinity;
     this.dirtyHi = -1;
   }
@@ -38,12 +39,17 @@ export class BlockMap {
     this.width = w;
   }
 
+  // Show another pool (a snapshot, a moment of the timeline). The canvas is sized again
+  // only when the block count or the width changed: resizing it clears and reallocates it.
   attach(pool, evictRank, width) {
     this.pool = pool;
     this.evictRank = evictRank;
     this.mask = null;
     this.path = [];
-    this.layout(pool.n, width);
+    if (this.fitted === null || this.fitted[0] !== pool.n || this.fitted[1] !== width) {
+      this.layout(pool.n, width);
+      this.fitted = [pool.n, width];
+    }
     this.paintAll();
   }
 
