@@ -53,6 +53,14 @@ export class BlockMap {
     this.paintAll();
   }
 
+  // Show another pool of the same size, keeping what is painted: the caller repaints the
+  // cells where the two differ (the timeline's first move away from the live state).
+  swap(pool, evictRank) {
+    if (pool.n !== this.pool.n) throw new Error(`swap: a pool of ${pool.n} blocks for a map of ${this.pool.n}`);
+    this.pool = pool;
+    this.evictRank = evictRank;
+  }
+
   colors(i) {
     const p = this.pool, pal = this.palette;
     const dimmed = this.mask !== null && this.mask[i] === 0;

@@ -34,7 +34,7 @@ let selected = null;  // request index
 let prevCounts = [null, null];  // preemptions, swaps out: the charts' totals follow them
 let wanted = new URLSearchParams(location.search).get("request");  // select once it shows up
 const timeline = new TimelineStrip($("#timeline"), page.name, {
-  onShow: (shown) => showPast(shown), onLive: () => backToLive(), perf });
+  onShow: (shown) => showPast(shown), onLive: () => backToLive(), current: () => state, perf });
 window.kvops = { state: () => state, live: () => sync.state, scrubbing: () => timeline.scrubbing, timeline,
                  selected: () => selected, gpuMap, cpuMap };  // tests, console
 
@@ -179,10 +179,16 @@ function showPast(shown) {
   const started = performance.now();
   document.body.classList.add("scrubbing");
   let painted = started, tabled = started;
-  if (shown.changed === null || shown.state !== state) {
+  if (shown.changed === null) {
     state = shown.state;
     showWhole();
   } else {
+    if (shown.state !== state) {  // the first move: the same pools' cells, where they differ
+      state = shown.state;
+      gpuMap.swap(state.gpu, state.evictRank);
+      cpuMap.swap(state.cpu, null);
+      table.setState(state);
+    }
     [painted, tabled] = paintChanges(shown.changed);
   }
   void table.body.offsetHeight;  // lay the page out now: the measured time includes it

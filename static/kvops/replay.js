@@ -109,13 +109,20 @@ export const MAX_WINDOWS = 12;
 // second: at most 0.9 s of them). Each checkpoint is a whole state.
 export const CHECKPOINT_EVERY = 10;
 
+function shownOf(state) {
+  return { gpu: new ShownPool(state.gpu, state.evictRank), cpu: new ShownPool(state.cpu, null) };
+}
+
 export class Replay {
-  constructor({ maxWindows = MAX_WINDOWS, checkpointEvery = CHECKPOINT_EVERY } = {}) {
+  // onScreen: the state the page shows before the first seek (the live one), or null.
+  constructor({ maxWindows = MAX_WINDOWS, checkpointEvery = CHECKPOINT_EVERY, onScreen = null } = {}) {
     this.maxWindows = maxWindows;
     this.checkpointEvery = checkpointEvery;
+    this.onScreen = onScreen;  // never applied to (live deltas may be, unpainted, meanwhile)
     this.windows = [];  // Window, by start time
     this.cursor = null;  // {window, count (deltas applied), state}: what seek() showed last
-    this.shown = null;  // {gpu, cpu}: ShownPool, the cells of cursor.state as last returned
+    // {gpu, cpu}: ShownPool, the cells on screen: onScreen's now, then as seek() left them.
+    this.shown = onScreen ? shownOf(onScreen) : null;
     this.uses = 0;  // a clock of seeks: each window remembers when it was last shown
   }
 
@@ -142,11 +149,12 @@ export class Replay {
   }
 
   // The state at time t, or null when no window fetched holds t. Returns {state, changed,
-  // at, gap}: `changed` is null when `state` is another object than last time (paint it
-  // whole), else what to repaint ({gpu, cpu: the block ids whose cells look different,
-  // tables: request indices whose block tables may differ, structural}); `at` is the time
-  // of the last change applied; `gap`: the history has a gap between `at` and t, so the
-  // state is the one just before.
+  // at, gap}: `changed` is what differs from the state on screen (the last seek's, or
+  // onScreen on the first): {gpu, cpu: the block ids whose cells look different, tables:
+  // request indices whose block tables may differ, structural}; null when the pools have
+  // other sizes (paint it whole). `state` is one object from the first seek on, applied
+  // to in place (the first seek's is new). `at` is the time of the last change applied;
+  // `gap`: the history has a gap between `at` and t, so the state is the one just before.
   seek(t) {
     const window = this.windowAt(t);
     if (!window) return null;
@@ -158,20 +166,26 @@ export class Replay {
     const from = base * this.checkpointEvery;
     const checkpoint = window.checkpoints[base];
     const c = this.cursor;
-    if (!c || c.state.gpu.n !== checkpoint.gpu.n || c.state.cpu.n !== checkpoint.cpu.n) {
+    const before = c ? c.state : this.onScreen;
+    if (!before || before.gpu.n !== checkpoint.gpu.n || before.cpu.n !== checkpoint.cpu.n) {
       const state = checkpoint.clone();
       window.replay(state, from, count);
       this.cursor = { window, count, state };
-      this.shown = { gpu: new ShownPool(state.gpu, state.evictRank), cpu: new ShownPool(state.cpu, null) };
+      this.shown = shownOf(state);
       return { state, changed: null, at, gap };
     }
-    const state = c.state;
-    let tables;
-    if (c.window === window && c.count >= from && c.count <= count) {
+    let state, tables;
+    if (c && c.window === window && c.count >= from && c.count <= count) {
+      state = c.state;
       tables = window.replay(state, c.count, count);  // on from what is shown: the fewest deltas
     } else {
-      tables = new Set(state.requests.keys());  // any table may differ: those before and after
-      state.restore(checkpoint);
+      tables = new Set(before.requests.keys());  // any table may differ: those before and after
+      if (c) {
+        state = c.state;
+        state.restore(checkpoint);
+      } else {
+        state = checkpoint.clone();
+      }
       window.replay(state, from, count);
       for (const index of state.requests.keys()) tables.add(index);
     }

@@ -15,7 +15,7 @@ function ago(seconds) {
 }
 
 export class TimelineStrip {
-  constructor(root, engine, { onShow, onLive, perf }) {
+  constructor(root, engine, { onShow, onLive, current, perf }) {
     this.path = `/api/engines/${encodeURIComponent(engine)}/timeline/`;
     this.range = $("#timeline-range", root);
     this.oldestLabel = $("#timeline-oldest", root);
@@ -23,6 +23,7 @@ export class TimelineStrip {
     this.liveButton = $("#timeline-live", root);
     this.onShow = onShow;  // (seek()'s answer): paint that state
     this.onLive = onLive;  // paint the live state again
+    this.current = current;  // () => the state on screen (KVState or null): the first move repaints what differs
     this.perf = perf;  // kvopsPerf: scrubMs, seekMs (per position shown), fetchMs, addMs (per window), scrubWhole
     this.span = null;  // {oldest, newest} of the stored history (Unix seconds)
     this.scrubbing = false;
@@ -54,7 +55,7 @@ export class TimelineStrip {
     if (!this.scrubbing) {
       this.scrubbing = true;
       this.anchor = this.span.newest;  // fixed while scrubbing: the slider must not slide
-      this.replay = new Replay();
+      this.replay = new Replay({ onScreen: this.current() });
       this.liveButton.style.visibility = "visible";
     }
     this.want = Math.max(this.span.oldest, this.anchor + offset);

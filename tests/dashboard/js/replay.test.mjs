@@ -111,6 +111,26 @@ test("a seek applies fewer deltas than checkpointEvery, and a step forward only 
   });
 });
 
+// `changed` (a seek's) names exactly the blocks whose cells differ between the two
+// snapshots, and every request whose block tables differ.
+function assertRepaints(changed, before, after) {
+  const queued = (doc, id) => doc.eviction_order.includes(id);  // a cell marks that, not the place
+  for (const pool of ["gpu", "cpu"]) {
+    const repainted = new Set(changed[pool]);
+    assert.equal(repainted.size, changed[pool].length, "each block once");
+    for (let id = 0; id < after[pool].state.length; id++) {
+      const differs = ["state", "ref_cnt", "owner", "hash32"].some((k) => after[pool][k][id] !== before[pool][k][id])
+        || (pool === "gpu" && queued(after, id) !== queued(before, id));
+      assert.equal(repainted.has(id), differs, `${pool} block ${id}: repainted exactly when it changed`);
+    }
+  }
+  const tables = (doc) => new Map(doc.requests.map((r) => [r.index, JSON.stringify([r.block_table, r.cpu_block_table])]));
+  const was = tables(before), now = tables(after);
+  for (const [index, t] of now) {
+    if (was.has(index) && was.get(index) !== t) assert.ok(changed.tables.has(index), `table of ${index}`);
+  }
+}
+
 test("a move repaints every block and table that changed", () => {
   const { moments, answers } = history({ seed: 11 });
   const replay = new Replay();
@@ -122,25 +142,31 @@ test("a move repaints every block and table that changed", () => {
     const after = toSnapshot(shown.state);
     if (shown.changed !== null) {
       moves++;
-      const queued = (doc, id) => doc.eviction_order.includes(id);  // a cell marks that, not the place
-      for (const pool of ["gpu", "cpu"]) {
-        const repainted = new Set(shown.changed[pool]);
-        assert.equal(repainted.size, shown.changed[pool].length, "each block once");
-        for (let id = 0; id < after[pool].state.length; id++) {
-          const differs = ["state", "ref_cnt", "owner", "hash32"].some((k) => after[pool][k][id] !== before[pool][k][id])
-            || (pool === "gpu" && queued(after, id) !== queued(before, id));
-          assert.equal(repainted.has(id), differs, `${pool} block ${id}: repainted exactly when it changed`);
-        }
-      }
-      const tables = (doc) => new Map(doc.requests.map((r) => [r.index, JSON.stringify([r.block_table, r.cpu_block_table])]));
-      const was = tables(before), now = tables(after);
-      for (const [index, t] of now) {
-        if (was.has(index) && was.get(index) !== t) assert.ok(shown.changed.tables.has(index), `table of ${index}`);
-      }
+      assertRepaints(shown.changed, before, after);
     }
     before = after;
   }
   assert.ok(moves > moments.length / 2);
+});
+
+test("the first seek says what differs from the state on screen, and leaves that state alone", () => {
+  const { moments, answers } = history({ seed: 13 });
+  const live = new KVState(moments[moments.length - 2]);
+  const replay = new Replay({ onScreen: live });
+  live.apply(answers[answers.length - 1].deltas.at(-1));  // a live delta, kept unpainted while scrubbing
+  for (const answer of answers) replay.add(answer);
+  const shown = replay.seek(moments[40].ts);
+  assert.notEqual(shown.state, live);
+  assert.notEqual(shown.changed, null);
+  assertRepaints(shown.changed, moments[moments.length - 2], toSnapshot(shown.state));  // against what was painted
+  assert.deepEqual(byIndex(toSnapshot(shown.state)), byIndex(moments[40]));
+  assert.deepEqual(byIndex(toSnapshot(live)), byIndex(moments[moments.length - 1]));
+  const next = replay.seek(moments[12].ts);
+  assert.equal(next.state, shown.state);
+  assertRepaints(next.changed, moments[40], moments[12]);
+  const other = new Replay({ onScreen: new KVState(emptySnapshot({ gpu: 32 })) });
+  other.add(answers[0]);
+  assert.equal(other.seek(moments[3].ts).changed, null);  // pools of other sizes: painted whole
 });
 
 test("a gap in a window's deltas ends what it tells", () => {
