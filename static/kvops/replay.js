@@ -5,14 +5,15 @@
 // in sequence (live_sync.js's rule: a duplicate is skipped, a gap ends what the window
 // can tell). No DOM, no fetch: the page asks for windows and paints what seek() says.
 //
-// A window keeps the state after every `every`-th delta (a checkpoint, built once when
-// it is added), so a seek restores the checkpoint at or before its moment and applies
-// fewer than `every` deltas, wherever the previous seek was; a seek a little forward of
-// the last one applies only the deltas in between.
+// A window keeps the state after every CHECKPOINT_EVERY-th delta (a checkpoint, built
+// once when it is added), so a seek restores the checkpoint at or before its moment and
+// applies fewer than CHECKPOINT_EVERY deltas, wherever the previous seek was; a seek a
+// little forward of the last one applies only the deltas in between. What it returns to
+// repaint is what differs from the cells on screen.
 import { KVState } from "./kvstate.js";
 import { placeDelta } from "./live_sync.js";
 
-// What the map shows of a pool, as seek() last returned it: a copy of its per-block
+// What the map shows of a pool, as seek() last left it: a copy of its per-block
 // arrays and whether each block is in the eviction order (a cell marks that, not the
 // place, which moves for the whole queue whenever a block leaves it).
 class ShownPool {
@@ -25,8 +26,8 @@ class ShownPool {
   }
 
   // The block ids whose cells differ in `pool` (with `rank`, its eviction order places)
-  // from what was shown; what is shown becomes `pool`. A whole scan of typed arrays: a
-  // fraction of a millisecond at 65,536 blocks, and no list of candidates to keep.
+  // from what was shown; what is shown becomes `pool`. A scan of every block's typed
+  // arrays: cheaper than keeping lists of the blocks each delta touched, and exact.
   update(pool, rank) {
     const ids = [];
     const { state, ref_cnt, owner, hash32, queued } = this;
@@ -62,7 +63,7 @@ class Window {
       this.deltas.push(delta);
       last = delta;
     }
-    this.every = every;
+    this.every = every;  // deltas between two checkpoints
     // The states after deltas 0 (the keyframe), every, 2 * every, ...: never applied to,
     // a seek restores one into its own state.
     this.checkpoints = [keyframe];
@@ -102,11 +103,11 @@ class Window {
   }
 }
 
-// Windows kept at most: at 65,536 blocks each holds tens of MB once parsed (its deltas
-// and checkpoints), so dragging over five minutes must not keep them all.
+// Windows kept at most: each holds its parsed deltas and a few whole states (its
+// checkpoints), so dragging over five minutes must not keep them all.
 export const MAX_WINDOWS = 12;
-// Deltas between two checkpoints: a seek applies fewer than this many (10 deltas a
-// second: at most 0.9 s of them). Each checkpoint is a whole state.
+// Deltas between two checkpoints: a seek applies fewer than this many. Each checkpoint
+// is a whole state.
 export const CHECKPOINT_EVERY = 10;
 
 function shownOf(state) {
@@ -163,7 +164,7 @@ export class Replay {
     const at = count ? window.deltas[count - 1].ts : window.start;
     const gap = window.gap && count === window.deltas.length && t > at;
     const base = window.checkpointBefore(count);
-    const from = base * this.checkpointEvery;
+    const from = base * window.every;
     const checkpoint = window.checkpoints[base];
     const c = this.cursor;
     const before = c ? c.state : this.onScreen;
