@@ -562,7 +562,8 @@ def redispatch_queued(reason: str) -> int:
 
 # --- engines --------------------------------------------------------------------------------
 def register_engine(name: str, worker: str, host: str, instance: str, config: dict) -> Engine:
-    """The engine's row, `starting` until its worker can take commands (mark_engine_ready)."""
+    """The engine's row, `starting` until its worker can take commands (its first
+    heartbeat)."""
     now = timezone.now()
     engine, _ = Engine.objects.update_or_create(name=name, defaults={
         "worker": worker, "host": host, "instance": instance, "config": config,
@@ -570,12 +571,9 @@ def register_engine(name: str, worker: str, host: str, instance: str, config: di
     return engine
 
 
-def mark_engine_ready(name: str, instance: str) -> None:
-    Engine.objects.filter(name=name, instance=instance).update(
-        last_heartbeat=timezone.now(), status=Engine.Status.READY)
-
-
 def heartbeat(name: str, instance: str, metrics: dict) -> None:
+    """The worker's beat, the first when Celery's consumer is up: the engine is ready
+    and these are its metrics."""
     Engine.objects.filter(name=name, instance=instance).update(
         last_heartbeat=timezone.now(), metrics=metrics, status=Engine.Status.READY)
 

@@ -89,7 +89,7 @@ def _engine_ready(sender=None, **kwargs) -> None:
 
     from kvops import services
     try:
-        services.mark_engine_ready(_service.name, _service.instance)
+        services.heartbeat(_service.name, _service.instance, _service.latest_metrics)
     finally:
         connection.close()
     threading.Thread(target=_heartbeat, args=(_service.name, _service.instance),
