@@ -17,13 +17,14 @@ from datetime import timedelta
 
 from celery.exceptions import SoftTimeLimitExceeded
 from django.conf import settings
-from django.db import transaction
+from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from engine.capacity import StepCost
 from engine.config import ConfigError, EngineConfig
 from engine.errors import EngineError
 from engine.replay_stats import replay_stats
+from kvops.idempotency import HEADER, KeyReused
 from kvops.models import Engine, OperatorAction, WhatIfRun
 from kvops.what_if_trace import build_trace, window
 
@@ -119,9 +120,12 @@ def check_fits(config: EngineConfig, lengths: list[tuple[int, int]], which: str)
 
 # --- starting a run ------------------------------------------------------------------
 def start(user, engine: Engine, minutes: int, max_jobs: int, changes: dict,
-          step_cost: StepCost) -> WhatIfRun:
+          step_cost: StepCost, idempotency_key: str = "") -> WhatIfRun:
     """Check the request, store the run and its audit row, and queue the task.
-    Refused (the request cannot run), Busy, Unavailable."""
+    Refused (the request cannot run), Busy, Unavailable. With an idempotency key (kept
+    on the audit row), a retry of the same request gets the first call's run, marked
+    `replayed`, and nothing is queued twice; KeyReused if the key belongs to another
+    request."""
     base = baseline_config(engine.config or {})
     alternative = alternative_config(base, changes)
     lengths = list(window(engine.name, minutes).values_list(
@@ -133,15 +137,26 @@ def start(user, engine: Engine, minutes: int, max_jobs: int, changes: dict,
     check_fits(alternative, lengths, "alternative")
     params = {"minutes": minutes, "max_jobs": max_jobs, "alternative": changes,
               "step_base_ms": step_cost.base_ms, "step_token_ms": step_cost.per_token_ms}
-    with transaction.atomic():
-        busy = _unfinished(engine.name).count()
-        if busy >= MAX_UNFINISHED:
-            raise Busy(f"{busy} what-if runs of engine {engine.name} are queued or running; "
-                       f"wait for one to end")
-        run = WhatIfRun.objects.create(engine=engine.name, user=user, params=params)
-        audit = OperatorAction.objects.create(
-            user=user, engine=engine.name, action="what-if", target=str(run.pk),
-            params=params, ok=True, status_code=202, result={"run": run.pk})
+    if idempotency_key:
+        prior = _earlier_call(user, engine, params, idempotency_key)
+        if prior is not None:
+            return prior
+    try:
+        with transaction.atomic():
+            busy = _unfinished(engine.name).count()
+            if busy >= MAX_UNFINISHED:
+                raise Busy(f"{busy} what-if runs of engine {engine.name} are queued or "
+                           f"running; wait for one to end")
+            run = WhatIfRun.objects.create(engine=engine.name, user=user, params=params)
+            audit = OperatorAction.objects.create(
+                user=user, engine=engine.name, action="what-if", target=str(run.pk),
+                params=params, ok=True, status_code=202, result={"run": run.pk},
+                idempotency_key=idempotency_key)
+    except IntegrityError:  # the same key stored meanwhile by a concurrent retry
+        prior = _earlier_call(user, engine, params, idempotency_key)
+        if prior is None:
+            raise
+        return prior
     try:
         from kvops.tasks import what_if
 
@@ -153,6 +168,22 @@ def start(user, engine: Engine, minutes: int, max_jobs: int, changes: dict,
             ok=False, status_code=503, result={"run": run.pk, "error": error})
         raise Unavailable(f"the what-if task could not be queued: {e}") from None
     _prune(engine.name)
+    return run
+
+
+def _earlier_call(user, engine: Engine, params: dict, key: str) -> WhatIfRun | None:
+    """The run an earlier call with this key started (marked replayed), None if the key
+    is new; KeyReused if it was used for another request."""
+    prior = OperatorAction.objects.filter(user=user, idempotency_key=key).first()
+    if prior is None:
+        return None
+    if (prior.action, prior.engine, prior.params) != ("what-if", engine.name, params):
+        raise KeyReused(f"{HEADER} {key!r} was used for another action "
+                        f"({prior.action} on {prior.engine})")
+    run = WhatIfRun.objects.filter(pk=(prior.result or {}).get("run")).first()
+    if run is None:  # pruned since: the key's answer is gone with it
+        raise KeyReused(f"{HEADER} {key!r} was used for a what-if run that is no longer kept")
+    run.replayed = True
     return run
 
 

@@ -318,7 +318,8 @@ class WhatIfView(APIView):
     GET: the engine's recent runs, newest first."""
     permission_classes = [permissions.IsAuthenticated, IsOperator]
 
-    @extend_schema(request=WhatIfSerializer, responses=WHAT_IF_RESPONSES)
+    @extend_schema(request=WhatIfSerializer, responses=WHAT_IF_RESPONSES,
+                   parameters=[IDEMPOTENCY_KEY])
     def post(self, request, name: str):
         serializer = WhatIfSerializer(data=request.data or {})
         serializer.is_valid(raise_exception=True)
@@ -326,14 +327,20 @@ class WhatIfView(APIView):
         data = serializer.validated_data
         try:
             run = what_if.start(request.user, engine, data["minutes"], data["max_jobs"],
-                                serializer.changes(), serializer.step_cost())
+                                serializer.changes(), serializer.step_cost(),
+                                _idempotency_key(request))
+        except idempotency.KeyReused as e:
+            raise KeyConflict(str(e)) from None
         except what_if.Refused as e:
             return Response({"error": str(e)}, status=status.HTTP_400_BAD_REQUEST)
         except what_if.Busy as e:
             return Response({"error": str(e)}, status=status.HTTP_409_CONFLICT)
         except what_if.Unavailable as e:
             raise ServiceUnavailable(str(e)) from None
-        return Response(WhatIfRunSerializer(run).data, status=status.HTTP_202_ACCEPTED)
+        response = Response(WhatIfRunSerializer(run).data, status=status.HTTP_202_ACCEPTED)
+        if getattr(run, "replayed", False):
+            response["Idempotent-Replayed"] = "true"
+        return response
 
     @extend_schema(responses={200: WhatIfRunSerializer(many=True), 403: ERROR, 404: ERROR})
     def get(self, request, name: str):

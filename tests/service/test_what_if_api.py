@@ -93,6 +93,32 @@ def test_a_what_if_runs_on_the_ops_worker_and_returns_both_replays(stack):
     assert listed[0]["id"] == run_id
 
 
+def test_a_retry_with_the_same_idempotency_key_gets_the_first_run(stack):
+    """(After the test above has run jobs.) The same key and body: the first call's run,
+    marked replayed, one run and one audit row; the key with another body: 409."""
+    body = {"minutes": 10, "num_gpu_blocks": 32}
+    key = {"Idempotency-Key": "what-if-retry-1"}
+    first = stack.api("POST", "/api/engines/wi/what-if/", json=body, headers=dict(key))
+    assert first.status_code == 202, first.text
+    assert "Idempotent-Replayed" not in first.headers
+    again = stack.api("POST", "/api/engines/wi/what-if/", json=body, headers=dict(key))
+    assert again.status_code == 202 and again.headers["Idempotent-Replayed"] == "true"
+    assert again.json()["id"] == first.json()["id"]
+    other = stack.api("POST", "/api/engines/wi/what-if/", json={"minutes": 10,
+                                                                 "num_gpu_blocks": 48},
+                      headers=dict(key))
+    assert other.status_code == 409 and "another action" in other.json()["error"]
+    bad = stack.api("POST", "/api/engines/wi/what-if/", json=body,
+                    headers={"Idempotency-Key": "x" * 500})
+    assert bad.status_code == 400 and "Idempotency-Key" in bad.text
+    actions = stack.api("GET", "/api/actions/").json()
+    rows = actions["results"] if isinstance(actions, dict) else actions
+    assert sum(a["action"] == "what-if" and a["target"] == str(first.json()["id"])
+               for a in rows) == 1
+    runs = stack.api("GET", "/api/engines/wi/what-if/").json()
+    assert sum(r["params"] == first.json()["params"] for r in runs) == 1
+
+
 @pytest.mark.parametrize("body, status, words", [
     ({"block_size": 3}, 400, "block_size"),
     ({"minutes": 0}, 400, "minutes"),
