@@ -74,7 +74,9 @@ OPERATOR_COMMANDS: dict[str, Callable[[LLMEngine, dict], Any]] = {
     "unpin": lambda e, a: e.unpin_prefix(_prompt_arg(a), a.get("cache_salt")),
     "snapshot": lambda e, a: e.snapshot(compact=bool(a.get("compact", True))),
     "metrics": lambda e, a: e.metrics(),
-    "prefix-hashes": lambda e, a: [short(h) for h in e.kv.gpu.cached],
+    # the GPU pool's cached hashes, or the CPU tier's with {"pool": "cpu"}
+    "prefix-hashes": lambda e, a: [short(h) for h in (
+        e.kv.cpu if a.get("pool") == "cpu" else e.kv.gpu).cached],
     "inject-fault": _inject_fault,
     "pause": lambda e, a: e.pause(),
     "resume": lambda e, a: e.resume(),

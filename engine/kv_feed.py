@@ -59,22 +59,24 @@ def select_events(events: list) -> tuple[list, dict[str, int]]:
 
 
 def prefix_changes(events: list) -> dict:
-    """What a prefix-cache index must learn from these events (GPU pool): short hashes
-    stored and evicted, and whether the cache was cleared (in event order: a clear
-    drops what came before it)."""
-    stored: list[str] = []
-    evicted: list[str] = []
-    cleared = False
+    """What a prefix-cache index must learn from these events: short hashes stored on
+    and evicted from the GPU pool and from the CPU tier (cpu_*), and whether the cache
+    was cleared (in event order: a clear, which empties both, drops what came before
+    it)."""
+    changes: dict = {"stored": [], "evicted": [], "cpu_stored": [], "cpu_evicted": [],
+                     "cleared": False}
     for e in events:
-        if e.pool != "gpu":
+        if e.type == "AllBlocksCleared":
+            changes = {**{k: [] for k in changes}, "cleared": True}
             continue
-        if e.type == "BlockStored":
-            stored.extend(h for h in e.block_hashes if h)
-        elif e.type == "BlockEvicted":
-            evicted.extend(h for h in e.block_hashes if h)
-        elif e.type == "AllBlocksCleared":
-            stored, evicted, cleared = [], [], True
-    return {"stored": stored, "evicted": evicted, "cleared": cleared}
+        kind = PREFIX_CHANGE.get(e.type)
+        if kind is not None and e.pool in ("gpu", "cpu"):
+            key = kind if e.pool == "gpu" else f"cpu_{kind}"
+            changes[key].extend(h for h in e.block_hashes if h)
+    return changes
+
+
+PREFIX_CHANGE = {"BlockStored": "stored", "BlockEvicted": "evicted"}
 
 
 @dataclass(slots=True)

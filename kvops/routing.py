@@ -66,16 +66,22 @@ def choose_queue(job: Job) -> tuple[str, dict]:
         chosen = engines[i % len(engines)]
         return engine_queue(chosen.name), {
             "policy": mode, "engine": chosen.name, "reason": f"turn {i} of {len(engines)} engines"}
-    cached, hashes = {}, {}
+    cached, on_gpu, hashes = {}, {}, {}
     salt = cache_salt(job.owner)  # its blocks are found under its owner's salt only
     for engine in engines:
         token_ids = inspector.token_ids(engine.config, job.prompt, job.messages)
         hashes[engine.name] = inspector.short_hashes(engine.config, token_ids, salt)
-        cached[engine.name] = prefix_index.cached_prefix_blocks(engine.name, hashes[engine.name])
+        cached[engine.name], on_gpu[engine.name] = prefix_index.cached_prefix_blocks(
+            engine.name, hashes[engine.name])
     load = {e.name: _load(e) for e in engines}
-    chosen = min(engines, key=lambda e: (-cached[e.name], load[e.name], e.name))
+    # The longest prefix wins, held in either tier (copying a block back from the CPU
+    # costs far less than recomputing it); then more of it on the GPU; then load.
+    chosen = min(engines, key=lambda e: (-cached[e.name], -on_gpu[e.name], load[e.name],
+                                         e.name))
     if cached[chosen.name]:
-        reason = f"holds the longest cached prefix ({cached[chosen.name]} blocks)"
+        tier = cached[chosen.name] - on_gpu[chosen.name]
+        reason = (f"holds the longest cached prefix ({cached[chosen.name]} blocks"
+                  + (f", {tier} of them on its CPU tier)" if tier else ")"))
     else:
         reason = "no engine holds a prefix of it: least loaded"
     # The chosen engine will hold this prefix once the job runs: say so now, so that jobs
@@ -85,4 +91,4 @@ def choose_queue(job: Job) -> tuple[str, dict]:
     live.redis_client().incrby(PENDING_KEY.format(engine=chosen.name), max(tokens, 1))
     return engine_queue(chosen.name), {
         "policy": "prefix", "engine": chosen.name, "reason": reason,
-        "cached_blocks": cached, "load_tokens": load}
+        "cached_blocks": cached, "gpu_cached_blocks": on_gpu, "load_tokens": load}
