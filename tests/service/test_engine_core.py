@@ -78,6 +78,18 @@ def test_requests_and_commands_cross_the_process_boundary(core):
         client.command("teleport", {})
 
 
+def test_the_core_process_waits_passively_unless_told_otherwise(core, monkeypatch):
+    """Its OpenMP threads sleep at barriers instead of spinning on a core the service
+    needs (kvops.engine_client.core_environment); a value set by the operator stays."""
+    client, _ = core
+    with open(f"/proc/{client.pid}/environ", "rb") as f:
+        environ = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+    assert environ[b"OMP_WAIT_POLICY"] == (os.environb.get(b"OMP_WAIT_POLICY") or b"PASSIVE")
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    from kvops.engine_client import core_environment
+    assert core_environment(os.environ)["OMP_WAIT_POLICY"] == "ACTIVE"
+
+
 def test_an_expired_command_is_dropped_not_applied_late(core):
     client, sink = core
     client.submit("long", "a long one", {"max_tokens": 3000, "ignore_eos": True})
