@@ -176,9 +176,11 @@ export class Replay {
       return { state, changed: null, at, gap };
     }
     let state, tables;
-    if (c && c.window === window && c.count >= from && c.count <= count) {
+    if (c && c.window === window && c.count <= count && count - c.count < window.every) {
+      // On from what is shown: fewer than `every` deltas too, and no restore (which copies
+      // every request).
       state = c.state;
-      tables = window.replay(state, c.count, count);  // on from what is shown: the fewest deltas
+      tables = window.replay(state, c.count, count);
     } else {
       tables = new Set(before.requests.keys());  // any table may differ: those before and after
       if (c) {

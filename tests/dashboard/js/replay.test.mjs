@@ -108,6 +108,8 @@ test("a seek applies fewer deltas than checkpointEvery, and a step forward only 
     applied();
     replay.seek(moments[52].ts);  // its checkpoint would have taken 7
     assert.equal(applied(), 6);
+    replay.seek(moments[56].ts);  // past the next checkpoint (after 8), still fewer than 8 on
+    assert.equal(applied(), 4);
   });
 });
 
