@@ -15,7 +15,7 @@ export class BlockMap {
     this.maxHeight = maxHeight;
     this.maxCell = maxCell;
     this.pool = null;  // {n, state, ref_cnt, owner, hash32}
-    this.evictRank = null;  // Int16Array: place in the eviction order, -1 if not in it
+    this.evictRank = null;  // Int32Array: place in the eviction order, -1 if not in it
     this.mask = null;  // Uint8Array: 1 for the selected request's blocks
     this.path = [];  // the selected request's table, in order
     this.hover = -1;

@@ -76,7 +76,7 @@ export class KVState {
     this.requests = new Map();
     for (const r of snapshot.requests) this.requests.set(r.index, { ...r });
     this.metrics = snapshot.metrics;
-    this.evictRank = new Int16Array(this.gpu.n).fill(-1);
+    this.evictRank = new Int32Array(this.gpu.n).fill(-1);  // (a queue may pass 32,767 blocks)
     this.setEvictionOrder(snapshot.eviction_order || []);
   }
 

@@ -116,3 +116,18 @@ test("a stale snapshot is not resynced for silence (its engine stopped)", () => 
   assert.equal(sync.check(), null);
   assert.equal(sync.awaiting, false);
 });
+
+test("a block's place in an eviction queue longer than 32,767 blocks is kept", () => {
+  const n = 40000;
+  const big = snapshot();
+  big.config = { ...big.config, num_gpu_blocks: n };
+  big.gpu = { state: new Array(n).fill(0), ref_cnt: new Array(n).fill(0),
+              owner: new Array(n).fill(0), hash32: new Array(n).fill(0) };
+  big.requests = [];
+  big.eviction_order = Array.from({ length: n }, (_, i) => n - 1 - i);  // last block first
+  const sync = new LiveSync();
+  sync.applySnapshot(big);
+  assert.equal(sync.state.evictRank[n - 1], 0);
+  assert.equal(sync.state.evictRank[0], n - 1);  // place 39,999: past an int16's range
+  assert.ok([...sync.state.evictRank].every((rank) => rank >= 0));
+});
