@@ -236,6 +236,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="also run kvops with its C++ CPU kernels off (cpu_kernels=False)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="both systems' dtype (and the matmul rate's)")
+    p.add_argument("--matmul-size", type=int, default=4096,
+                   help="n of the n^3 matmul that measures the machine's peak rate "
+                        "(a CPU without bfloat16 units takes minutes at 4096)")
     p.add_argument("--repeats", type=int, default=1, help="runs per system; the best is shown")
     p.add_argument("--parallel", type=int, default=0, metavar="N",
                    help="also run the first workload with N samples per prompt (a fork) "
@@ -255,10 +258,10 @@ def main(argv: list[str] | None = None) -> int:
     model_args = engine.runner.folder.args
     workloads = make_workloads(args.num_requests, model_args.vocab_size, args.seed,
                                args.system_prompt_len)
-    rates = matmul_rates(dtype=dtype)
+    rates = matmul_rates(args.matmul_size, dtype=dtype)
     peak = max(rates.values())
     print(f"model {engine.runner.model_id}, {torch.get_num_threads()} threads; "
-          f"{args.dtype} matmul 4096^3: "
+          f"{args.dtype} matmul {args.matmul_size}^3: "
           + ", ".join(f"{name} {rate / 1e9:.0f}" for name, rate in rates.items())
           + f" GFLOP/s (% mm below: of the best, {peak / 1e9:.0f}); C++ CPU kernels "
           f"{'on' if engine.runner.cpu_kernels else 'off'}")

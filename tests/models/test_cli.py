@@ -29,13 +29,14 @@ def test_generate_reports_a_bad_model(tmp_path, capsys):
 
 def test_bench_prints_both_tables(tiny_model, capsys):
     assert bench.main(["--model", str(tiny_model("gqa16")), "--num-requests", "3",
-                       "--hf-batch-sizes", "2", "--system-prompt-len", "40"]) == 0
+                       "--hf-batch-sizes", "2", "--system-prompt-len", "40",
+                       "--matmul-size", "256"]) == 0
     out = capsys.readouterr().out
     assert out.count("kvops / best transformers (transformers (batch 2))") == 2
     assert "prefill skipped by the prefix cache" in out
     assert SPECS["gqa16"].name in out
     # % mm is taken of the faster of torch.mm and the packed kernel, both timed
-    header = re.search(r"float32 matmul 4096\^3: (.*) GFLOP/s \(% mm below: of the best, "
+    header = re.search(r"float32 matmul 256\^3: (.*) GFLOP/s \(% mm below: of the best, "
                        r"(\d+)\)", out)
     assert header, out
     rates = dict(re.findall(r"(torch\.mm|kvops packed) (\d+)", header.group(1)))
@@ -46,8 +47,8 @@ def test_bench_prints_both_tables(tiny_model, capsys):
 def test_bench_torch_paths_and_bfloat16(tiny_model, capsys):
     assert bench.main(["--model", str(tiny_model("gqa16")), "--num-requests", "2",
                        "--hf-batch-sizes", "2", "--system-prompt-len", "20", "--torch-paths",
-                       "--dtype", "bfloat16"]) == 0
+                       "--dtype", "bfloat16", "--matmul-size", "256"]) == 0
     out = capsys.readouterr().out
     assert out.count("kvops (torch paths)") == 2
-    assert "bfloat16 matmul 4096^3: torch.mm " in out and "kvops packed" not in out
+    assert "bfloat16 matmul 256^3: torch.mm " in out and "kvops packed" not in out
     assert "C++ CPU kernels off" in out  # none for bfloat16
