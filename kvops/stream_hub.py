@@ -21,6 +21,7 @@ import weakref
 from typing import Callable
 
 import redis.asyncio as aioredis
+from redis.exceptions import TimeoutError as RedisTimeout
 from django.conf import settings
 
 from kvops.job_stream import STREAM_KEY, decode_entry
@@ -107,7 +108,10 @@ class JobStreamHub:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.stall_s = settings.KVOPS_STREAM_STALL_S if stall_s is None else stall_s
         self.clock = clock
+        # A read blocks up to READ_BLOCK_MS; the socket waits well past that, so that a
+        # busy event loop late to take the answer is not taken for Redis gone.
         self._redis = aioredis.Redis.from_url(redis_url, socket_connect_timeout=5,
+                                              socket_timeout=READ_BLOCK_MS / 1000 + 10,
                                               health_check_interval=30)
         self._lock = threading.Lock()  # bind() runs on worker threads (sync_to_async)
         self._subs: dict[int, set[Subscription]] = {}  # job id -> listeners, under _lock
@@ -170,6 +174,9 @@ class JobStreamHub:
                                                 block=READ_BLOCK_MS)
             except asyncio.CancelledError:
                 raise
+            except RedisTimeout as e:  # a slow answer, not Redis gone: read on from here
+                log.warning("reading the job stream timed out (%s); reading on", e)
+                continue
             except Exception as e:  # Redis away: nobody can be sure of their updates
                 log.warning("reading the job stream failed: %s", e)
                 self._fail_all(f"lost the connection to Redis while streaming: {e}")
