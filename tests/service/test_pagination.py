@@ -11,8 +11,10 @@ def test_huge_and_negative_limits_and_offsets_get_a_page():
     user = User.objects.create_user("pagina", password="mauve-tractor-41-lake")
     client = APIClient()
     client.force_authenticate(user)
+    from kvops.models import Job
+    Job.objects.create(owner=user, prompt="a listed job")  # (an empty list is not sliced)
     for query in ({"limit": 26669409076677357568, "offset": -190},
                   {"limit": 5, "offset": 10 ** 30}, {"limit": -3}):
         r = client.get("/api/jobs/", query)
         assert r.status_code == 200, (query, r.content[:200])
-        assert r.json()["results"] == []
+        assert len(r.json()["results"]) <= 1
