@@ -58,6 +58,9 @@ def select_events(events: list) -> tuple[list, dict[str, int]]:
     return kept, counts
 
 
+PREFIX_CHANGE = {"BlockStored": "stored", "BlockEvicted": "evicted"}  # event -> change
+
+
 def prefix_changes(events: list) -> dict:
     """What a prefix-cache index must learn from these events: short hashes stored on
     and evicted from the GPU pool and from the CPU tier (cpu_*), and whether the cache
@@ -74,9 +77,6 @@ def prefix_changes(events: list) -> dict:
             key = kind if e.pool == "gpu" else f"cpu_{kind}"
             changes[key].extend(h for h in e.block_hashes if h)
     return changes
-
-
-PREFIX_CHANGE = {"BlockStored": "stored", "BlockEvicted": "evicted"}
 
 
 @dataclass(slots=True)

@@ -14,8 +14,8 @@ machine without a compiler falls back to the torch paths, and says so once.
 
 KVOPS_CPU_KERNELS=0 turns them off process-wide (the torch paths run instead). An engine
 runs them as EngineConfig.cpu_kernels says: by default only on a CPU with AVX-512 (see
-wanted). Whether prefill's many-row matmuls
-go to MKL or to the packed kernel too is EngineConfig.large_matmuls (matmul_choice).
+wanted). Whether prefill's many-row matmuls go to MKL or to the packed kernel too is
+EngineConfig.large_matmuls (matmul_choice).
 """
 from __future__ import annotations
 
