@@ -44,13 +44,6 @@ function copyPool(p) {
            hash32: p.hash32.slice() };
 }
 
-function copyRequests(requests) {  // block tables are copied too: deltas push onto them
-  const out = new Map();
-  for (const [index, r] of requests) {
-    out.set(index, { ...r, block_table: r.block_table.slice(), cpu_block_table: r.cpu_block_table.slice() });
-  }
-  return out;
-}
 
 const SCALARS = ["engine", "epoch", "seq", "step", "ts", "stale", "config", "blockStates", "metrics"];
 
@@ -78,6 +71,35 @@ export class KVState {
     this.metrics = snapshot.metrics;
     this.evictRank = new Int32Array(this.gpu.n).fill(-1);  // (a queue may pass 32,767 blocks)
     this.setEvictionOrder(snapshot.eviction_order || []);
+    this.disown();
+  }
+
+  // Copy on write: clone() and restore() share request objects and their block tables
+  // between states (a replay's checkpoints and the state it shows), so neither copies a
+  // thousand requests. A state changes only the objects and tables it owns, copying a
+  // shared one at its first change (ownRequest, ownTable). After a clone neither side
+  // owns anything.
+  disown() {
+    this.owned = new WeakSet();
+  }
+
+  ownRequest(index) {
+    const r = this.requests.get(index);
+    if (!r || this.owned.has(r)) return r;
+    const mine = { ...r };
+    this.owned.add(mine);
+    this.requests.set(index, mine);
+    return mine;
+  }
+
+  ownTable(r, key) {
+    let table = r[key];
+    if (!this.owned.has(table)) {
+      table = table.slice();
+      this.owned.add(table);
+      r[key] = table;
+    }
+    return table;
   }
 
   setEvictionOrder(order) {
@@ -95,9 +117,11 @@ export class KVState {
     for (const k of SCALARS) copy[k] = this[k];
     copy.gpu = copyPool(this.gpu);
     copy.cpu = copyPool(this.cpu);
-    copy.requests = copyRequests(this.requests);
+    copy.requests = new Map(this.requests);
     copy.evictRank = this.evictRank.slice();
     copy.evictionOrder = this.evictionOrder.slice();
+    copy.disown();
+    this.disown();
     return copy;
   }
 
@@ -110,7 +134,8 @@ export class KVState {
     }
     for (const name of ["gpu", "cpu"]) for (const k of ARRAYS) this[name][k].set(other[name][k]);
     for (const k of SCALARS) this[k] = other[k];
-    this.requests = copyRequests(other.requests);
+    this.requests = new Map(other.requests);
+    this.disown();
     return this.setEvictionOrder(other.evictionOrder.slice());
   }
 
@@ -148,7 +173,9 @@ export class KVState {
   applyRequests(changes, changed) {
     for (const entry of changes.upsert || []) {
       const old = this.requests.get(entry.index) || { block_table: [], cpu_block_table: [] };
-      this.requests.set(entry.index, { ...old, ...entry });
+      const r = { ...old, ...entry };  // (its tables stay old's until changed)
+      this.owned.add(r);
+      this.requests.set(entry.index, r);
     }
     for (const index of changes.removed || []) {
       this.requests.delete(index);
@@ -160,7 +187,7 @@ export class KVState {
       let index = 0;
       for (let i = 0; i < p.index.length; i++) {
         index += p.index[i];
-        const r = this.requests.get(index);
+        const r = this.ownRequest(index);
         if (!r) continue;
         r.num_computed_tokens += p.computed[i];
         r.num_output_tokens += p.output[i];
@@ -174,14 +201,18 @@ export class KVState {
       const ops = tables[name];
       if (!ops) continue;
       for (const op of ops.append) {
-        const r = this.requests.get(op[0]);
+        const r = this.ownRequest(op[0]);
         if (!r) continue;
-        for (let i = 1; i < op.length; i++) r[key].push(op[i]);
+        const table = this.ownTable(r, key);
+        for (let i = 1; i < op.length; i++) table.push(op[i]);
         changed.tables.add(op[0]);
       }
       for (const op of ops.set) {
-        const r = this.requests.get(op[0]);
-        if (r) r[key] = op.slice(1);
+        const r = this.ownRequest(op[0]);
+        if (r) {
+          r[key] = op.slice(1);
+          this.owned.add(r[key]);
+        }
         changed.tables.add(op[0]);
       }
     }

@@ -256,3 +256,28 @@ test("at most maxWindows windows are kept: the one shown longest ago goes", () =
   assert.equal(replay.seek(moments[5].ts), null);
   assert.equal(replay.seek(moments[45].ts).state.seq, moments[45].seq);
 });
+
+test("states share the requests a delta leaves alone, and never change a checkpoint's or a delta's", () => {
+  const keyframe = new KVState(snapshot());
+  const before = toSnapshot(keyframe);
+  const grow = structuredClone(GROW);
+  grow.requests.upsert[0].block_table = [3];  // an upsert that carries its table
+  grow.tables.gpu.set = [];
+  const kept = structuredClone(grow);
+  const state = keyframe.clone();
+  state.apply(grow);
+  assert.deepEqual(grow, kept, "the delta is as it was");
+  const later = state.clone();  // a checkpoint, shared with the state
+  state.apply(delta(12, { tables: { gpu: { append: [[2, 4]], set: [] } },
+                          requests: { progress: { index: [2], computed: [1], output: [1] } } }));
+  assert.deepEqual(grow, kept, "a later append went into a copy of the upserted table");
+  assert.deepEqual(toSnapshot(keyframe), before, "the keyframe is as it was");
+  assert.deepEqual(later.requests.get(2).block_table, [3]);
+  assert.deepEqual(state.requests.get(2).block_table, [3, 4]);
+  // Request 1 took no part in delta 12: one object serves both states
+  assert.equal(state.requests.get(1), later.requests.get(1));
+  assert.notEqual(state.requests.get(2), later.requests.get(2));
+  state.restore(later);  // a restore copies no request
+  assert.equal(state.requests.get(2), later.requests.get(2));
+  assert.deepEqual(state.requests.get(2).block_table, [3]);
+});
