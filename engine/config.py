@@ -31,6 +31,10 @@ class EngineConfig:
     # to be reused is copied to a free CPU block first and stays findable by hash, and a
     # later hit on it is copied back instead of recomputed (swapped requests come first)
     cpu_prefix_cache: bool = False
+    # A model mixing sliding-window and global layers (Gemma 2, 3) keeps a block table
+    # per layer group, so that its sliding layers give back what their window passed
+    # (engine/hybrid_kv.py); off, or with cpu_prefix_cache: one table for every layer
+    hybrid_kv_cache: bool = True
     preemption_mode: str = "recompute"  # what the scheduler does when blocks run out
     scheduling_policy: str = "fcfs"  # "priority": lower value runs first
     device: str = "auto"
@@ -44,6 +48,10 @@ class EngineConfig:
     # simulate only: the stand-in model attends to this many last tokens on every layer
     # (its requests give back the blocks out of reach, as a sliding-window model's do)
     simulate_sliding_window: int | None = None
+    # simulate only, with simulate_sliding_window: the stand-in has global layers too, in
+    # a block table of their own beside the sliding layers' (a Gemma-like model: layer
+    # groups, engine/hybrid_kv.py)
+    simulate_hybrid: bool = False
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of device memory the engine may use
     kv_cache_memory_bytes: int | None = None  # CPU: bytes for the KV pool (None: 512 MiB)
     name: str = "default"  # engine name, shown in snapshots
@@ -93,6 +101,8 @@ class EngineConfig:
                "simulate_token_us must be in [0, 1000000]")
         _check(self.simulate_sliding_window is None or self.simulate_sliding_window >= 2,
                "simulate_sliding_window must be >= 2 or None")
+        _check(not self.simulate_hybrid or self.simulate_sliding_window is not None,
+               "simulate_hybrid needs simulate_sliding_window")
         _check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]")
         _check(self.max_pending_events >= 0, "max_pending_events must be >= 0")
         _check(1 <= self.tensor_parallel_size <= 64,

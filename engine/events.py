@@ -36,6 +36,9 @@ class KVEvent:
     ref_cnts: list[int] = field(default_factory=list)  # after the event, same order
     num_tokens: int | None = None  # tokens covered (hits, stored prefix)
     detail: str | None = None  # reason or extra words (e.g. finish reason, "operator")
+    # A hybrid model's layer group (engine/hybrid_kv.py) whose block table the blocks are
+    # in; 0: the global layers' group, or the only one. Its hashes are the group's own.
+    group: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -26,6 +26,8 @@ overwrites them.
 """
 from __future__ import annotations
 
+import functools
+import hashlib
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -39,6 +41,12 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def group_hash(block_hash: BlockHash, group: int) -> BlockHash:
+    """The cache key of a block of layer group `group` (> 0) holding the tokens that
+    block_hash names."""
+    return hashlib.sha256(b"kvops-group\0" + bytes([group]) + block_hash).digest()
+
+
 @dataclass(slots=True)
 class PrefixMatch:
     """Cached blocks found for a request about to be admitted."""
@@ -47,6 +55,9 @@ class PrefixMatch:
     cow: bool  # the last matched block will be written (copy it first)
     # The CPU tier's blocks that continue `blocks` (copied into new GPU blocks)
     cpu_blocks: list[KVBlock] = field(default_factory=list)
+    # Leading table places not held: blocks a sliding window no longer reaches (a
+    # hybrid model's sliding layer group); `blocks` come after them
+    skip: int = 0
 
 
 @dataclass(slots=True)
@@ -69,16 +80,27 @@ class SwapResult:
 class KVCacheManager:
     def __init__(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int,
                  enable_caching: bool, events: EventLog, sliding_window: int | None = None,
-                 cpu_prefix_cache: bool = False) -> None:
+                 cpu_prefix_cache: bool = False,
+                 pools: tuple[BlockPool, BlockPool] | None = None, group: int = 0) -> None:
+        """pools and group: one layer group of a hybrid model (engine/hybrid_kv.py), its
+        tables in pools shared with the other groups. A group other than 0 caches its
+        blocks under hashes of its own (group_hash) and tells no external router."""
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.sliding_window = sliding_window  # every layer's window, or None
+        self.group = group
+        self._emit = functools.partial(events.emit, group=group) if group else events.emit
         self._window_freed: dict[str, int] = {}  # leading blocks a request gave back
-        self.gpu = BlockPool(num_gpu_blocks, enable_caching, events, "gpu")
-        self.cpu_tier = cpu_prefix_cache and enable_caching and num_cpu_blocks > 0
-        self.cpu = BlockPool(num_cpu_blocks, self.cpu_tier, events, "cpu")
-        self.gpu.on_evict = self._gpu_evicted
-        self.cpu.on_evict = self._cpu_evicted
+        if pools is None:
+            self.gpu = BlockPool(num_gpu_blocks, enable_caching, events, "gpu")
+            self.cpu_tier = cpu_prefix_cache and enable_caching and num_cpu_blocks > 0
+            self.cpu = BlockPool(num_cpu_blocks, self.cpu_tier, events, "cpu")
+        else:
+            self.gpu, self.cpu = pools
+            self.cpu_tier = False
+        if group == 0:
+            self.gpu.on_evict = self._gpu_evicted
+            self.cpu.on_evict = self._cpu_evicted
         self._to_offload: list[tuple[int, BlockHash]] = []  # GPU blocks reused this schedule
         self._cpu_held: list[KVBlock] = []  # CPU blocks this step's copies read
         self.cpu_uncomputed: list[KVBlock] = []  # CPU blocks this step's offloads fill
@@ -139,6 +161,13 @@ class KVCacheManager:
         return PrefixMatch(blocks, num_computed, cow=covered > num_computed,
                            cpu_blocks=cpu_blocks)
 
+    def hashes(self, request: Request, start: int, end: int) -> list[BlockHash]:
+        """The cache keys of the request's full blocks [start, end) in this group: its
+        block hashes, or for another layer group than 0 a hash of each with the group's
+        number (the same tokens' K/V of other layers)."""
+        hashes = request.block_hashes[start:end]
+        return [group_hash(h, self.group) for h in hashes] if self.group else hashes
+
     def _pinned_prefix(self, request: Request) -> list[KVBlock]:
         """The leading pinned blocks of the request's tokens in the unsalted chain."""
         out = []
@@ -154,7 +183,7 @@ class KVCacheManager:
         self.prefix_cache_queries += request.num_tokens
         self.prefix_cache_hits += match.num_computed_tokens
         if match.blocks:
-            self._events.emit("PrefixHit", request_id=request.request_id,
+            self._emit("PrefixHit", request_id=request.request_id,
                               block_ids=[b.block_id for b in match.blocks],
                               block_hashes=[short(b.block_hash) for b in match.blocks],
                               ref_cnts=[b.ref_cnt for b in match.blocks],
@@ -163,7 +192,7 @@ class KVCacheManager:
         if match.cpu_blocks:
             num_cpu_tokens = len(match.cpu_blocks) * self.block_size
             self.cpu_prefix_cache_hits += num_cpu_tokens
-            self._events.emit("PrefixHit", request_id=request.request_id, pool="cpu",
+            self._emit("PrefixHit", request_id=request.request_id, pool="cpu",
                               block_ids=[b.block_id for b in match.cpu_blocks],
                               block_hashes=[short(b.block_hash) for b in match.cpu_blocks],
                               ref_cnts=[b.ref_cnt for b in match.cpu_blocks],
@@ -185,6 +214,8 @@ class KVCacheManager:
         if rid in self._shared_tail:
             return self._allocate_unshared(request, num_new_tokens)
         table = self.req_to_blocks.get(rid, [])
+        if match is not None and match.skip and not table:
+            self._window_freed[rid] = match.skip  # (places before the window: not held)
         freed = self._window_freed.get(rid, 0) if self._window_freed else 0
         total_tokens = request.num_computed_tokens + num_new_tokens
         if match is None and table and cdiv(total_tokens, self.block_size) <= len(table) + freed:
@@ -212,7 +243,7 @@ class KVCacheManager:
         table.extend(reuse)
         table.extend(new_blocks)
         if rid not in self._num_offered:
-            self._num_offered[rid] = len(reuse)
+            self._num_offered[rid] = freed + len(reuse)
         result = Allocation(new_blocks=new_blocks)
         if cow_src is not None and cow_src is not new_blocks[0]:
             result.copies.append((cow_src.block_id, new_blocks[0].block_id))
@@ -223,6 +254,27 @@ class KVCacheManager:
             self.num_blocks_onloaded += len(tier_hits)
         self._offer_to_cache(request, total_tokens)
         return result
+
+    def blocks_needed(self, request: Request, num_new_tokens: int,
+                      match: PrefixMatch | None = None) -> int:
+        """The free blocks allocate_slots(request, num_new_tokens, match) would take now
+        (new ones, and cached ones it revives), after giving back the blocks out of the
+        window as it does. For a hybrid model, which asks every group first."""
+        rid = request.request_id
+        table = self.req_to_blocks.get(rid)
+        if self.sliding_window is not None and match is None and table:
+            self._free_out_of_window(request)
+            table = self.req_to_blocks[rid]
+        table = table or []
+        total_tokens = request.num_computed_tokens + num_new_tokens
+        freed = (match.skip if match is not None and match.skip and not table
+                 else self._window_freed.get(rid, 0))
+        num_new = cdiv(total_tokens, self.block_size) - len(table) - freed
+        if rid in self._shared_tail and table[-1].ref_cnt > 1:
+            return 1 + max(num_new, 0)  # (a copy of the shared last block)
+        reuse = match.blocks[:-1] if match is not None and match.cow else \
+            (match.blocks if match is not None else ())
+        return max(num_new - len(reuse), 0) + sum(1 for b in reuse if b.ref_cnt == 0)
 
     def _free_out_of_window(self, request: Request) -> None:
         """Give back the request's leading blocks that its next token (at position
@@ -239,7 +291,7 @@ class KVCacheManager:
         self._window_freed[rid] = freed + n
         self._step_ids.pop(rid, None)
         self.gpu.free(reversed(gone))
-        self._events.emit("WindowFreed", request_id=rid, block_ids=[b.block_id for b in gone],
+        self._emit("WindowFreed", request_id=rid, block_ids=[b.block_id for b in gone],
                           ref_cnts=[b.ref_cnt for b in gone],
                           num_tokens=(freed + n) * self.block_size,
                           detail=f"out of the {self.sliding_window}-token window")
@@ -286,7 +338,7 @@ class KVCacheManager:
         table.extend(grown)
         self._step_ids.pop(rid, None)  # the table changed in place
         self._shared_tail.discard(rid)
-        self._events.emit("CopiedOnWrite", request_id=rid,
+        self._emit("CopiedOnWrite", request_id=rid,
                           block_ids=[shared.block_id, copy.block_id],
                           ref_cnts=[shared.ref_cnt, copy.ref_cnt],
                           num_tokens=request.num_computed_tokens)
@@ -303,17 +355,18 @@ class KVCacheManager:
         start = max(self._num_offered[rid], freed)
         end = min(num_tokens // self.block_size, len(request.block_hashes))
         stored, indices = [], []
+        hashes = self.hashes(request, start, end)
         for i in range(start, end):
             block = table[i - freed]
-            if self.gpu.cache(block, request.block_hashes[i]):
+            if self.gpu.cache(block, hashes[i - start]):
                 stored.append(block)
                 indices.append(i)
                 self.uncomputed.add(block.block_id)
         self._num_offered[rid] = max(start, end)
-        if stored and self._events.external is not None:
+        if stored and self._events.external is not None and not self.group:
             self._external_stored(request, indices)
         if stored:
-            self._events.emit("BlockStored", request_id=rid,
+            self._emit("BlockStored", request_id=rid,
                               block_ids=[b.block_id for b in stored],
                               block_hashes=[short(b.block_hash) for b in stored],
                               ref_cnts=[b.ref_cnt for b in stored],
@@ -350,13 +403,13 @@ class KVCacheManager:
         self._step_ids.pop(rid, None)
         if table:
             self.gpu.free(reversed(table))
-            self._events.emit("BlockRemoved", request_id=rid,
+            self._emit("BlockRemoved", request_id=rid,
                               block_ids=[b.block_id for b in table],
                               ref_cnts=[b.ref_cnt for b in table])
         cpu_table = self.req_to_cpu_blocks.pop(rid, [])
         if cpu_table:
             self.cpu.free(reversed(cpu_table))
-            self._events.emit("BlockRemoved", request_id=rid, pool="cpu",
+            self._emit("BlockRemoved", request_id=rid, pool="cpu",
                               block_ids=[b.block_id for b in cpu_table],
                               ref_cnts=[b.ref_cnt for b in cpu_table])
 
@@ -452,7 +505,7 @@ class KVCacheManager:
             return
         self.num_blocks_offloaded += len(stored)
         self.cpu_uncomputed.extend(stored)
-        self._events.emit("BlockStored", pool="cpu", block_ids=[b.block_id for b in stored],
+        self._emit("BlockStored", pool="cpu", block_ids=[b.block_id for b in stored],
                           block_hashes=[short(b.block_hash) for b in stored],
                           ref_cnts=[0] * len(stored), detail=f"CPU tier: {how}")
         if self._events.external is None:
@@ -495,7 +548,7 @@ class KVCacheManager:
         hits: list[KVBlock] = []
         if self.enable_caching and not self._window_freed.get(rid):  # (hits start at block 0)
             num_full = request.num_computed_tokens // self.block_size
-            for block_hash in request.block_hashes[:num_full]:
+            for block_hash in self.hashes(request, 0, num_full):
                 block = self.gpu.get_cached(block_hash)
                 if block is None:
                     break
@@ -532,15 +585,15 @@ class KVCacheManager:
         if cpu_dropped and self._events.external is not None:
             self._events.external.append(("removed", [h for _, h in cpu_dropped], "CPU"))
         if cpu_dropped:
-            self._events.emit("BlockEvicted", pool="cpu", detail="step failed",
+            self._emit("BlockEvicted", pool="cpu", detail="step failed",
                               block_ids=[b for b, _ in cpu_dropped],
                               block_hashes=[short(h) for _, h in cpu_dropped],
                               ref_cnts=[0] * len(cpu_dropped))
-        if dropped and self._events.external is not None:
+        if dropped and self._events.external is not None and not self.group:
             self._events.external.append(("removed", [h for _, h in dropped]))
         self._forget_tokens([h for _, h in dropped + cpu_dropped])
         if dropped:
-            self._events.emit("BlockEvicted", detail="step failed",
+            self._emit("BlockEvicted", detail="step failed",
                               block_ids=[b for b, _ in dropped],
                               block_hashes=[short(h) for _, h in dropped],
                               ref_cnts=[self.gpu.blocks[b].ref_cnt for b, _ in dropped])
@@ -553,7 +606,7 @@ class KVCacheManager:
             self._events.external.append(("removed", [h for _, h in victims]))
         self._forget_tokens([h for _, h in victims])
         if victims:
-            self._events.emit("BlockEvicted", detail="operator",
+            self._emit("BlockEvicted", detail="operator",
                               block_ids=[b.block_id for b, _ in victims],
                               block_hashes=[short(h) for _, h in victims],
                               ref_cnts=[0] * len(victims))
@@ -568,7 +621,7 @@ class KVCacheManager:
         self._hash_tokens.clear()
         if self._events.external is not None:
             self._events.external.append(("cleared",))
-        self._events.emit("AllBlocksCleared", num_tokens=n * self.block_size,
+        self._emit("AllBlocksCleared", num_tokens=n * self.block_size,
                           detail=f"{n} cached blocks forgotten, {len(unpinned)} unpinned"
                           + (f", {n_cpu} on the CPU tier" if n_cpu else ""))
         return {"num_blocks_forgotten": n, "num_blocks_unpinned": len(unpinned),
@@ -587,7 +640,7 @@ class KVCacheManager:
     def pin(self, blocks: list[KVBlock]) -> list[KVBlock]:
         newly = [b for b in blocks if self.gpu.pin(b)]
         if newly:
-            self._events.emit("Pinned", block_ids=[b.block_id for b in newly],
+            self._emit("Pinned", block_ids=[b.block_id for b in newly],
                               block_hashes=[short(b.block_hash) for b in newly],
                               ref_cnts=[b.ref_cnt for b in newly])
         return newly
@@ -595,7 +648,7 @@ class KVCacheManager:
     def unpin(self, blocks: list[KVBlock]) -> list[KVBlock]:
         released = [b for b in blocks if self.gpu.unpin(b)]
         if released:
-            self._events.emit("Unpinned", block_ids=[b.block_id for b in released],
+            self._emit("Unpinned", block_ids=[b.block_id for b in released],
                               block_hashes=[short(b.block_hash) for b in released],
                               ref_cnts=[b.ref_cnt for b in released])
         return released
@@ -626,6 +679,13 @@ class KVCacheManager:
 
     def cpu_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_cpu_blocks.get(request_id, ())]
+
+    def num_blocks_held(self, request_id: str) -> int:
+        """GPU blocks the request holds (a hybrid model's: in every layer group)."""
+        return len(self.req_to_blocks.get(request_id, ()))
+
+    def num_cpu_blocks_held(self, request_id: str) -> int:
+        return len(self.req_to_cpu_blocks.get(request_id, ()))
 
     def check_invariants(self) -> None:
         """Raise if any bookkeeping invariant is broken (used by tests and debug runs)."""

@@ -73,7 +73,9 @@ def prefix_changes(events: list) -> dict:
             changes = {**{k: [] for k in changes}, "cleared": True}
             continue
         kind = PREFIX_CHANGE.get(e.type)
-        if kind is not None and e.pool in ("gpu", "cpu"):
+        # (a hybrid model's other layer groups cache under hashes of their own, which
+        # no request's prefix hashes name)
+        if kind is not None and e.pool in ("gpu", "cpu") and not e.group:
             key = kind if e.pool == "gpu" else f"cpu_{kind}"
             changes[key].extend(h for h in e.block_hashes if h)
     return changes

@@ -45,7 +45,7 @@ _OUTPUT = REQUEST_FIELDS.index("num_output_tokens")  # right after _COMPUTED (_o
 PIN_EVENTS = frozenset({"Pinned", "Unpinned", "AllBlocksCleared"})
 FULL_SCAN_S = 5.0  # how often the hash map and pins are read whole (a safety net)
 EVENT_MAX_BLOCKS = 16  # block ids kept per event on the wire and in the history
-_EVENT_FIELDS = tuple(f.name for f in fields(KVEvent))
+_EVENT_FIELDS = tuple(f.name for f in fields(KVEvent) if f.name != "group")  # (group: when not 0)
 _BLOCK_ID = attrgetter("block_id")
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,9 @@ def _request_row(r, window_freed: dict) -> tuple:
 class PoolCapture:
     name: str  # "gpu" or "cpu", as events name pools
     num_blocks: int
-    tables: list[tuple[int, list, int]]  # (request index, the table list itself, its length now)
+    # (request index, the table list itself, its length now); (index, group) for a
+    # hybrid model's layer groups other than 0
+    tables: list[tuple[int | tuple[int, int], list, int]]
     cached: dict | None  # a copy of the hash -> block map; None: follow the events instead
     pinned: list[int] | None  # ids of pinned blocks; None: no pin changed since the last capture
 
@@ -103,18 +105,25 @@ class Capturer:
         rows = [_request_row(r, freed) for r in live.values()]
         rows += [_request_row(r, freed) for r in sched.recently_finished
                  if r.request_id not in live]
+        groups = getattr(kv, "group_tables", None)  # (a hybrid model's layer groups)
         return Capture(
             ts=time.time(), step=engine.step_count, version=engine.version, requests=rows,
-            gpu=_capture_pool(kv.gpu, kv.req_to_blocks, live, full, pins),
-            cpu=_capture_pool(kv.cpu, kv.req_to_cpu_blocks, live, full, pins),
+            gpu=_capture_pool(kv.gpu, kv.req_to_blocks, live, full, pins,
+                              groups("gpu") if groups else ()),
+            cpu=_capture_pool(kv.cpu, kv.req_to_cpu_blocks, live, full, pins,
+                              groups("cpu") if groups else ()),
             eviction_order=kv.gpu.eviction_order(EVICTION_ORDER_LEN),
             metrics=engine.metrics(), events=events, events_on=events_on)
 
 
 def _capture_pool(pool: BlockPool, tables: dict, live: dict, full: bool,
-                  pins: bool) -> PoolCapture:
+                  pins: bool, group_tables: list = ()) -> PoolCapture:
     captured = [(live[rid].index, table, len(table)) for rid, table in tables.items()
                 if rid in live]
+    # a hybrid model's other layer groups: keyed (request index, group); their blocks
+    # count for owners and references, their tables are not sent
+    captured += [((live[rid].index, group), table, len(table)) for group, each in group_tables
+                 for rid, table in each.items() if rid in live]
     pinned = [b.block_id for b in pool.blocks if b.pinned] if pins else None
     return PoolCapture(pool.pool, pool.num_blocks, captured,
                        dict(pool.cached) if full else None, pinned)
@@ -126,6 +135,8 @@ def event_record(event: KVEvent) -> dict:
     record = {name: getattr(event, name) for name in _EVENT_FIELDS}
     num_blocks = len(event.block_ids)
     record["num_blocks"] = num_blocks
+    if event.group:
+        record["group"] = event.group
     if num_blocks > EVENT_MAX_BLOCKS:
         for name in ("block_ids", "block_hashes", "ref_cnts"):
             if isinstance(record.get(name), list):
@@ -187,7 +198,9 @@ class PoolMirror:
                   "hash32": hash32[changed].tolist()}
         return blocks, table_ops
 
-    def _apply_tables(self, captured: list[tuple[int, list, int]]) -> dict | None:
+    def _apply_tables(self, captured: list[tuple]) -> dict | None:
+        """Table changes for the page: its requests' tables (a hybrid model's other
+        layer groups' tables are kept for owners, not sent)."""
         appended, replaced = [], []
         tables: dict[int, _Table] = {}
         for index, source, length in captured:
@@ -196,15 +209,17 @@ class PoolMirror:
                 if length > old.length:
                     tail = np.fromiter(map(_BLOCK_ID, source[old.length:length]), np.int32,
                                        length - old.length)
-                    appended.append([index, *tail.tolist()])
+                    if type(index) is int:  # (not a layer group's: tuple)
+                        appended.append([index, *tail.tolist()])
                     old = _Table(source, length, np.concatenate([old.ids, tail]))
                 tables[index] = old
                 continue
             ids = np.fromiter(map(_BLOCK_ID, source[:length]), np.int32, length)
             tables[index] = _Table(source, length, ids)
-            if old is None or not np.array_equal(old.ids, ids):
+            if type(index) is int and (old is None or not np.array_equal(old.ids, ids)):
                 replaced.append([index, *ids.tolist()])
-        replaced += [[index] for index in self.tables if index not in tables]
+        replaced += [[index] for index in self.tables
+                     if index not in tables and type(index) is int]
         self.tables = tables
         if not appended and not replaced:
             return None
@@ -264,7 +279,8 @@ class PoolMirror:
         if not all_ids.size:
             return owner
         lengths = np.fromiter((len(p) for p in parts), np.int64, len(parts))
-        owners = np.repeat(np.fromiter(self.tables, np.int32, len(self.tables)), lengths)
+        keys = (k if type(k) is int else k[0] for k in self.tables)  # (index, group): index
+        owners = np.repeat(np.fromiter(keys, np.int32, len(self.tables)), lengths)
         owner[all_ids] = owners  # exact where one request holds the block
         shared = np.flatnonzero(holders[all_ids] > 1)  # the rest: first in table order
         if shared.size:

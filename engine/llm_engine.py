@@ -15,7 +15,8 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, SimTokenizer
 from engine.errors import InvalidRequestError, NotEnoughBlocksError, PrefixNotCachedError
 from engine.events import EventLog, KVEvent
-from engine.kv_cache_manager import KVCacheManager, cdiv
+from engine.hybrid_kv import HybridKVCacheManager, blocks_for
+from engine.kv_cache_manager import KVCacheManager
 from engine.outputs import CoreOutput, RequestOutput
 from engine.rate_meter import RateMeter
 from engine.request import Request, RequestStatus
@@ -38,7 +39,9 @@ def build_runner(config: EngineConfig) -> Runner:
                                  config.max_model_len or SIMULATED_MAX_MODEL_LEN,
                                  step_ms=config.simulate_step_ms,
                                  token_us=config.simulate_token_us,
-                                 sliding_window=config.simulate_sliding_window)
+                                 sliding_window=config.simulate_sliding_window,
+                                 hybrid=config.simulate_hybrid and config.hybrid_kv_cache
+                                 and not config.cpu_prefix_cache)
         runner.tokenizer = SimTokenizer()
         return runner
     from engine.model_runner import ModelRunner  # imports torch: only for real models
@@ -56,10 +59,16 @@ class LLMEngine:
         self.tokenizer = self.runner.tokenizer
         self.max_model_len = self.runner.max_model_len
         self.events = EventLog(config.max_pending_events)
-        self.kv = KVCacheManager(config.block_size, self.runner.num_gpu_blocks,
-                                 self.runner.num_cpu_blocks, config.enable_prefix_caching,
-                                 self.events, sliding_window=self.runner.sliding_window,
-                                 cpu_prefix_cache=config.cpu_prefix_cache)
+        groups = getattr(self.runner, "kv_group_windows", None)
+        if groups:  # a table per layer group (a model mixing sliding and global layers)
+            self.kv = HybridKVCacheManager(config.block_size, self.runner.num_gpu_blocks,
+                                           self.runner.num_cpu_blocks,
+                                           config.enable_prefix_caching, self.events, groups)
+        else:
+            self.kv = KVCacheManager(config.block_size, self.runner.num_gpu_blocks,
+                                     self.runner.num_cpu_blocks, config.enable_prefix_caching,
+                                     self.events, sliding_window=self.runner.sliding_window,
+                                     cpu_prefix_cache=config.cpu_prefix_cache)
         self.scheduler = Scheduler(config, self.kv, self.max_model_len, self.events)
         self.step_count = 0
         self.version = 0  # grows with every change to requests or blocks (for publishers)
@@ -112,11 +121,7 @@ class LLMEngine:
             raise InvalidRequestError(f"stop_token_ids and logit_bias name token ids beyond "
                                       f"the vocabulary (ids must be below {vocab})")
         need_tokens = min(len(token_ids) + params.max_tokens, self.max_model_len)
-        need = cdiv(need_tokens, self.config.block_size)
-        window = self.runner.sliding_window
-        if window is not None:  # at most a window and a step's chunk held at once
-            need = min(need, cdiv(window + self.config.max_num_batched_tokens,
-                                  self.config.block_size) + 1)
+        need = self._blocks_for(need_tokens)
         if need > self.kv.gpu.num_blocks:
             raise InvalidRequestError(
                 f"request needs {need} KV blocks for {need_tokens} tokens; the pool has "
@@ -407,7 +412,8 @@ class LLMEngine:
         self.runner.swap_out(self.kv.flush_offloads())  # reused cached blocks' data first
         self.runner.swap_in(mapping)
         table = self.kv.block_ids(request_id)
-        return {"request_id": request_id, "status": "running", "num_blocks": len(table),
+        return {"request_id": request_id, "status": "running",
+                "num_blocks": self.kv.num_blocks_held(request_id),
                 "num_blocks_copied": len(mapping), "block_table": table}
 
     def pause(self) -> dict:
@@ -498,16 +504,22 @@ class LLMEngine:
         return {"block_ids": [b.block_id for b in blocks], "num_newly_pinned": len(newly),
                 "num_tokens": len(blocks) * self.config.block_size}
 
+    def _blocks_for(self, num_tokens: int) -> int:
+        """Most GPU blocks a request of num_tokens holds at once: where layers slide, a
+        window and a step's chunk (in each sliding layer group's table)."""
+        windows = getattr(self.runner, "kv_group_windows", None) or (self.runner.sliding_window,)
+        return blocks_for(num_tokens, self.config.block_size, windows,
+                          self.config.max_num_batched_tokens)
+
     def _check_pin_leaves_room(self, blocks: list) -> None:
         """NotEnoughBlocksError if, with these blocks pinned too, a request already here
         could never hold all the blocks it needs (it would preempt itself for ever)."""
         pinned = {b.block_id for b in self.kv.gpu.blocks if b.pinned} | \
             {b.block_id for b in blocks}
         free_for_all = self.kv.gpu.num_blocks - len(pinned)
-        bs = self.config.block_size
         for request in self.scheduler.requests.values():
-            need = cdiv(min(request.num_prompt_tokens + request.sampling_params.max_tokens,
-                            self.max_model_len), bs)
+            need = self._blocks_for(min(request.num_prompt_tokens
+                                        + request.sampling_params.max_tokens, self.max_model_len))
             own = sum(b in pinned for b in self.kv.block_ids(request.request_id))
             if need > free_for_all + own:
                 raise NotEnoughBlocksError(
@@ -571,6 +583,9 @@ class LLMEngine:
                 "cpu_prefix_cache": self.kv.cpu_tier,
                 "simulate": self.config.simulate,
                 "sliding_window": self.runner.sliding_window,
+                # a hybrid model's layer groups: each one's window (None: global)
+                "kv_group_windows": list(getattr(self.runner, "kv_group_windows", None) or [])
+                or None,
                 "tensor_parallel_size": getattr(self.runner, "tensor_parallel_size", 1),
                 # per rank: device, weight, KV and swap bytes (a real model)
                 "rank_memory": getattr(self.runner, "rank_memory", None),

@@ -101,9 +101,13 @@ class ModelArgs:
 class StepContext:
     """What every layer of one forward pass shares."""
     rope: list  # per rotation table, ops.rope_rows of it at this step's positions
-    kv_cache: torch.Tensor  # [n_layers, 2, num_blocks, block_size, n_kv_heads, head_dim]
+    # [slots, 2, num_blocks, block_size, n_kv_heads, head_dim]: a layer's K/V at its slot
+    # (Attention.kv_slot: the layer's index, or its place in its layer group)
+    kv_cache: torch.Tensor
     attention: AttentionBackend  # stores each layer's new K/V and attends through the tables
-    plan: object  # the backend's per-step plan (gather indices, masks, ...)
+    # the backend's per-step plan (gather indices, masks, ...) of each layer group's
+    # block tables (Attention.kv_group; one for a model with one table)
+    plans: list
     ops: TorchOps  # how each layer's arithmetic runs (engine/ops.py)
     tp: object | None = None  # engine.parallel.TensorParallel when split across ranks
 
@@ -136,17 +140,25 @@ class Transformer(nn.Module):
                 [a.local_rope] if a.local_rope else []):
             self.ropes.append(rope_table(pos, a.head_dim, theta, rope_type, params))
 
+    def set_kv_layout(self, layout: object) -> None:
+        """Where each layer's K/V lives (engine/hybrid_kv.py's KVLayout): its group's
+        block table, at its slot of the group's blocks."""
+        for layer, group, slot in zip(self.layers, layout.layer_group, layout.layer_slot):
+            layer.attention.kv_group, layer.attention.kv_slot = group, slot
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 attention: AttentionBackend, plan: object, logits_indices: torch.Tensor,
                 ops: TorchOps = TORCH_OPS) -> torch.Tensor:
         """input_ids, positions: [num_tokens]; logits_indices: [num_sampled] rows whose
-        next-token logits are wanted. Returns float32 logits [num_sampled, vocab_size].
+        next-token logits are wanted; plan: the attention backend's plan, or a list of
+        them, one per layer group. Returns float32 logits [num_sampled, vocab_size].
 
         Each residual add is fused with the norm after it (ops.add_rms_norm: the MLP's
         input norm, or the next layer's); the last layer's MLP output is added alone,
         and the final norm and the LM head see only the rows that sample."""
         ctx = StepContext(rope=[ops.rope_rows(t, positions) for t in self.ropes],
-                          kv_cache=kv_cache, attention=attention, plan=plan, ops=ops, tp=self.tp)
+                          kv_cache=kv_cache, attention=attention,
+                          plans=plan if isinstance(plan, list) else [plan], ops=ops, tp=self.tp)
         h = self._embed(input_ids)  # [num_tokens, dim]: the residual stream
         if self.args.scale_embeddings:  # Gemma: by sqrt(dim), rounded to the dtype first
             h.mul_(torch.tensor(self.args.dim ** 0.5, dtype=h.dtype))
@@ -212,6 +224,7 @@ class Attention(nn.Module):
         self.scale = args.attn_scale or args.head_dim ** -0.5
         self.softcap = args.attn_softcap
         self.window = (args.layer_windows[layer_idx] if args.layer_windows else 0) or None
+        self.kv_group, self.kv_slot = 0, layer_idx  # (Transformer.set_kv_layout)
         # the sliding layers of a model with a local RoPE use the second table
         self.rope_index = int(self.window is not None and args.local_rope is not None)
         # Qwen3, Gemma 3: RMSNorm over each q and k head before RoPE

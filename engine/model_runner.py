@@ -20,6 +20,7 @@ import kernels
 from engine.attention import AttentionBatch, make_attention_backend
 from engine.config import EngineConfig
 from engine.hf_tokenizer import HFTokenizer
+from engine.hybrid_kv import kv_layout
 from engine.loader import (ModelFolder, ModelLoadError, load_model, model_identity,
                            read_model_folder)
 from engine.runner import Runner
@@ -62,10 +63,15 @@ class ModelRunner(Runner):
         self.tokenizer = HFTokenizer.from_folder(folder.path, folder.eos_token_ids)
         self.vocab_size = folder.args.vocab_size
         self.max_model_len = _max_model_len(config, folder)
-        windows = folder.args.layer_windows
+        # Which layers' K/V a block holds: all, or a layer group's (engine/hybrid_kv.py)
+        self.kv_layout = kv_layout(folder.args.layer_windows, folder.args.n_layers,
+                                   hybrid=config.hybrid_kv_cache and not config.cpu_prefix_cache)
+        hybrid = self.kv_layout.num_groups > 1
+        self.kv_group_windows = self.kv_layout.windows if hybrid else None
         # every layer slides: blocks older than the widest window can go back to the pool
-        self.sliding_window = max(windows) if windows and min(windows) > 0 else None
+        self.sliding_window = None if hybrid else self.kv_layout.windows[0]
         self.model = load_model(folder, self._dtype, self._device, self.tp)
+        self.model.set_kv_layout(self.kv_layout)
         self.model.setup_rope(self.max_model_len)
         self.attention = make_attention_backend(config.attention_backend, self._device,
                                                 self._dtype,
@@ -76,10 +82,11 @@ class ModelRunner(Runner):
         self.cpu_kernels = self.ops.name == "cpu-kernels"
 
         args = self.model.args  # (this rank's share of the heads)
-        # One block of every layer's K and V (this rank's heads).
+        # One block: K and V of every layer, or of one layer group's (this rank's heads).
         self._copy_stream = None  # CUDA: the CPU tier's copies ahead of need (copy_ahead)
         self._copy_ahead_done = None  # an event the next step's work waits for
-        self.block_bytes = (args.n_layers * 2 * self.block_size * args.n_kv_heads
+        slots = self.kv_layout.slots
+        self.block_bytes = (slots * 2 * self.block_size * args.n_kv_heads
                             * args.head_dim * self._dtype.itemsize)
         self.num_gpu_blocks = config.num_gpu_blocks or self._blocks_from_memory()
         self.num_cpu_blocks = (self._default_cpu_blocks() if config.num_cpu_blocks is None
@@ -87,13 +94,13 @@ class ModelRunner(Runner):
         if self.tp is not None:  # every rank takes rank 0's pool sizes: one block table
             self.num_gpu_blocks, self.num_cpu_blocks = self.tp.broadcast(
                 (self.num_gpu_blocks, self.num_cpu_blocks))
-        shape = (args.n_layers, 2, self.block_size, args.n_kv_heads, args.head_dim)
+        shape = (slots, 2, self.block_size, args.n_kv_heads, args.head_dim)
         self.kv_cache = torch.zeros(_with_blocks(shape, self.num_gpu_blocks), dtype=self._dtype,
                                     device=self._device)
         self.cpu_cache = torch.zeros(_with_blocks(shape, self.num_cpu_blocks), dtype=self._dtype,
                                      pin_memory=self._device.type == "cuda")
         self._log(f"kvops: {folder.path.name} on {self.device} ({self.dtype}), attention "
-                  f"{self.attention.name}; KV block = {args.n_layers} layers x 2 x "
+                  f"{self.attention.name}; KV block = {slots} layers x 2 x "
                   f"{self.block_size} tokens x {args.n_kv_heads} kv heads x {args.head_dim} x "
                   f"{self._dtype.itemsize} B = {self.block_bytes / 1024:.0f} KiB; "
                   f"{self.num_gpu_blocks} device blocks "
@@ -102,6 +109,8 @@ class ModelRunner(Runner):
                   f"{self.num_cpu_blocks} host swap blocks; max_model_len {self.max_model_len}; "
                   f"ops {self.ops.name}; C++ CPU kernels "
                   f"{self.ops.describe() if self.cpu_kernels else 'off'}"
+                  + (f"; layer groups (sliding window per group) {list(self.kv_group_windows)}"
+                     if hybrid else "")
                   + (f"; tensor-parallel rank {self.tp.rank} of {self.tp.size}" if self.tp else ""))
         weight_bytes = self.ops.own_bytes() + sum(  # (tied weights once)
             t.numel() * t.element_size()
@@ -159,8 +168,11 @@ class ModelRunner(Runner):
 
     @torch.inference_mode()
     def _run_model(self, batch: "StepBatch | RankBatch") -> torch.Tensor:
+        plan = self.attention.plan
+        plans = ([plan(a) for a in batch.groups] if batch.groups
+                 else plan(batch.attention))
         return self.model(batch.input_ids, batch.positions, self.kv_cache, self.attention,
-                          self.attention.plan(batch.attention), batch.logits_indices, self.ops)
+                          plans, batch.logits_indices, self.ops)
 
     @torch.inference_mode()
     def _forward_batch(self, batch: "StepBatch") -> dict[str, int]:
@@ -218,13 +230,30 @@ class ModelRunner(Runner):
                     request.output_token_ids, request.eos_token_ids, request.grammar))
         dev = self._device
         slot_mapping = torch.from_numpy(np.concatenate(slots)).to(dev)
+        attention = AttentionBatch(bs, tables, seq_lens, query_start_loc, slot_mapping)
+        groups = None
+        if out.group_block_ids is not None:  # a block table per layer group (0: the above)
+            groups = [attention] + [self._group_batch(out, g, seq_lens, query_start_loc,
+                                                      positions)
+                                    for g in range(1, len(self.kv_group_windows))]
         return StepBatch(
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
             positions=torch.from_numpy(np.concatenate(positions)).to(dev),
             logits_indices=torch.tensor(logits_rows + prompt_logits_rows, dtype=torch.int64,
                                         device=dev),
-            attention=AttentionBatch(bs, tables, seq_lens, query_start_loc, slot_mapping),
-            sampling_ids=sampling_ids, sampling_rows=sampling_rows, prompt_rows=prompt_rows)
+            attention=attention, sampling_ids=sampling_ids, sampling_rows=sampling_rows, prompt_rows=prompt_rows,
+            groups=groups)
+
+    def _group_batch(self, out: SchedulerOutput, group: int, seq_lens: list[int],
+                     query_start_loc: list[int], positions: list[np.ndarray]) -> AttentionBatch:
+        """Layer group `group`'s tables and slots for the step (the same sequences)."""
+        bs, tables, slots = self.block_size, [], []
+        for s, pos in zip(out.scheduled, positions):
+            ids = out.group_block_ids[s.request.request_id][group]
+            tables.append(ids)
+            slots.append(np.asarray(ids, dtype=np.int64)[pos // bs] * bs + pos % bs)
+        return AttentionBatch(bs, tables, seq_lens, query_start_loc,
+                              torch.from_numpy(np.concatenate(slots)).to(self._device))
 
     # --- block copies -------------------------------------------------------------------
     # (An operator's swap between steps comes here directly: a split model's other ranks
@@ -350,13 +379,15 @@ class ModelRunner(Runner):
             positions.extend(range(n))
             qsl.append(qsl[-1] + n)
             next_block += nb
-        cache = torch.zeros(_with_blocks((args.n_layers, 2, bs, args.n_kv_heads, args.head_dim),
-                                         next_block), dtype=self._dtype, device=self._device)
+        cache = torch.zeros(_with_blocks((self.kv_layout.slots, 2, bs, args.n_kv_heads,
+                                          args.head_dim), next_block),
+                            dtype=self._dtype, device=self._device)
         dev = self._device
         batch = AttentionBatch(bs, tables, lens, qsl, torch.tensor(slots, device=dev))
+        plan = self.attention.plan(batch)  # (every layer group in the same blocks)
         self.model(torch.zeros(num_tokens, dtype=torch.int64, device=dev),
                    torch.tensor(positions, device=dev), cache, self.attention,
-                   self.attention.plan(batch),
+                   [plan] * self.kv_layout.num_groups,
                    torch.tensor([q - 1 for q in qsl[1:]], device=dev), self.ops)
         torch.cuda.synchronize(dev)
         del cache
@@ -378,14 +409,16 @@ class StepBatch:
     # after the sampling rows in logits_indices: (request id, position, next prompt
     # token, k) per prompt position scored (SamplingParams.prompt_logprobs)
     prompt_rows: list[tuple] = field(default_factory=list)
+    # a hybrid model's: each layer group's batch (its tables and slots); None: one table
+    groups: list[AttentionBatch] | None = None
 
     def for_ranks(self) -> "RankBatch":
         """What the other tensor-parallel ranks need to run the same forward pass (its
         tensors on the host: each rank moves them to its own device)."""
-        a = self.attention
         return RankBatch(self.input_ids.cpu(), self.positions.cpu(), self.logits_indices.cpu(),
-                         AttentionBatch(a.block_size, a.block_tables, a.seq_lens,
-                                        a.query_start_loc, a.slot_mapping.cpu()))
+                         _moved(self.attention, torch.device("cpu")),
+                         [_moved(a, torch.device("cpu")) for a in self.groups]
+                         if self.groups else None)
 
 
 @dataclass(slots=True)
@@ -394,15 +427,19 @@ class RankBatch:
     positions: torch.Tensor
     logits_indices: torch.Tensor
     attention: AttentionBatch
+    groups: list[AttentionBatch] | None = None
 
     def to(self, device: torch.device) -> "RankBatch":
         if device.type == "cpu":
             return self
-        a = self.attention
         return RankBatch(self.input_ids.to(device), self.positions.to(device),
-                         self.logits_indices.to(device),
-                         AttentionBatch(a.block_size, a.block_tables, a.seq_lens,
-                                        a.query_start_loc, a.slot_mapping.to(device)))
+                         self.logits_indices.to(device), _moved(self.attention, device),
+                         [_moved(a, device) for a in self.groups] if self.groups else None)
+
+
+def _moved(a: AttentionBatch, device: torch.device) -> AttentionBatch:
+    return AttentionBatch(a.block_size, a.block_tables, a.seq_lens, a.query_start_loc,
+                          a.slot_mapping.to(device))
 
 
 def _copy_blocks(src: torch.Tensor, dst: torch.Tensor, mapping: list[tuple[int, int]]) -> None:

@@ -96,8 +96,8 @@ class TorchOps:
         qk = apply_rope(qkv[:, :(H + Hkv) * D].view(T, H + Hkv, D), ctx.rope[attn.rope_index])
         q, k = qk[:, :H], qk[:, H:]  # [T, H, D], [T, Hkv, D]
         v = qkv[:, (H + Hkv) * D:].view(T, Hkv, D)
-        o = ctx.attention.forward(q, k, v, ctx.kv_cache[layer_idx], ctx.plan, attn.scale,
-                                  window=attn.window, softcap=attn.softcap)
+        o = ctx.attention.forward(q, k, v, ctx.kv_cache[attn.kv_slot], ctx.plans[attn.kv_group],
+                                  attn.scale, window=attn.window, softcap=attn.softcap)
         return o.reshape(T, H * D)
 
     def lm_head(self, x: torch.Tensor, model: "Transformer") -> torch.Tensor:

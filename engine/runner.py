@@ -19,6 +19,9 @@ class Runner(abc.ABC):
     # Every layer attends only to this many last tokens (None: some or all see the whole
     # context): blocks out of reach are given back (engine/kv_cache_manager.py)
     sliding_window: int | None = None
+    # A hybrid model's layer groups (engine/hybrid_kv.py): each group's window (None:
+    # global), group 0 global; None: one block table for every layer
+    kv_group_windows: tuple[int | None, ...] | None = None
     # After each step: request id -> [sampled token's logprob, top ids, top logprobs], for
     # the requests that asked (SamplingParams.logprobs).
     logprobs: dict[str, list] = {}

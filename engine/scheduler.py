@@ -41,6 +41,9 @@ class SchedulerOutput:
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu, cpu), before the step
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, gpu), after swap_out
     copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) GPU, after swap_in
+    # A hybrid model's (engine/hybrid_kv.py): request id -> each layer group's block table
+    # for the step; None: the ScheduledRequest's table is every layer's
+    group_block_ids: dict[str, list[list[int]]] | None = None
     # (gpu, cpu) CPU-tier copies of free cached blocks, after copies: the forward pass
     # neither reads nor writes them, so they may run beside it (KVCacheManager.copy_ahead)
     copy_ahead: list[tuple[int, int]] = field(default_factory=list)
@@ -106,6 +109,10 @@ class Scheduler:
         # The CPU tier's copies of reused blocks (none without it); releases the CPU
         # blocks this step's swap-ins read.
         out.swap_out.extend(self.kv.flush_offloads())
+        if getattr(self.kv, "num_groups", 1) > 1 and out.scheduled:
+            tables = self.kv.group_step_block_ids
+            out.group_block_ids = {s.request.request_id: tables(s.request.request_id)
+                                   for s in out.scheduled}
         if self.kv.cpu_tier and out.scheduled:  # (a step that runs makes the copies)
             out.copy_ahead = self.kv.copy_ahead(
                 self.config.max_num_batched_tokens // self.kv.block_size
@@ -312,7 +319,7 @@ class Scheduler:
         self._preempt_recompute(victim, detail="operator" if by_operator else "out of blocks")
 
     def _preempt_recompute(self, victim: Request, detail: str) -> None:
-        num_blocks = len(self.kv.block_ids(victim.request_id))
+        num_blocks = self.kv.num_blocks_held(victim.request_id)
         self.kv.free(victim)
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
@@ -392,7 +399,7 @@ class Scheduler:
             raise NotEnoughBlocksError("swap space is disabled (num_cpu_blocks=0)")
         result = self.kv.swap_out(request)
         if result is None:
-            need = len(self.kv.block_ids(request_id))
+            need = self.kv.num_blocks_held(request_id)
             raise NotEnoughBlocksError(
                 f"request {request_id!r} needs {need} CPU blocks, {self.kv.cpu.num_free} free")
         self.running.remove(request)
@@ -408,7 +415,7 @@ class Scheduler:
                 f"the running batch is full ({self.config.max_num_seqs} requests); try later")
         mapping: list[tuple[int, int]] = []
         if not self._swap_in(request, mapping):
-            need = len(self.kv.cpu_block_ids(request_id))
+            need = self.kv.num_cpu_blocks_held(request_id)
             raise NotEnoughBlocksError(
                 f"request {request_id!r} needs up to {need} GPU blocks, {self.kv.gpu.num_free} free")
         return mapping

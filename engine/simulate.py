@@ -49,6 +49,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--sliding-window", type=int, default=None, metavar="TOKENS",
                    help="every layer attends to this many last tokens (Mistral-style): "
                         "requests give back the blocks out of reach")
+    p.add_argument("--hybrid", action="store_true",
+                   help="with --sliding-window: as many global layers as sliding ones (Gemma "
+                        "2): a block table per layer group, a block holding one group's "
+                        "layers; also replays one table for every layer in the same memory "
+                        "(half as many blocks)")
     p.add_argument("--step-base-ms", type=float, default=10.0, help="simulated step overhead")
     p.add_argument("--step-token-ms", type=float, default=0.05, help="simulated cost per token")
     return p.parse_args(argv)
@@ -67,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         if too_long:
             raise ValueError(f"{len(too_long)} requests have prompts of max_model_len "
                              f"({args.max_model_len}) tokens or more")
+        if args.hybrid and args.sliding_window is None:
+            raise ValueError("--hybrid needs --sliding-window")
         config = EngineConfig(
             simulate=True, vocab_size=32000, block_size=args.block_size,
             num_gpu_blocks=args.num_gpu_blocks, num_cpu_blocks=args.num_cpu_blocks,
@@ -74,7 +81,12 @@ def main(argv: list[str] | None = None) -> int:
             max_num_batched_tokens=args.max_num_batched_tokens,
             preemption_mode=args.preemption_mode,
             enable_prefix_caching=not args.no_prefix_caching, max_pending_events=0,
-            simulate_sliding_window=args.sliding_window)
+            simulate_sliding_window=args.sliding_window, simulate_hybrid=args.hybrid)
+        one_table = None
+        if args.hybrid:  # the same memory, every block holding both groups' layers
+            one_table = dataclasses.replace(config, simulate_hybrid=False,
+                                            simulate_sliding_window=None,
+                                            num_gpu_blocks=args.num_gpu_blocks // 2)
         tiered = None
         if args.cpu_cache_blocks is not None:
             tiered = dataclasses.replace(config, num_cpu_blocks=args.cpu_cache_blocks,
@@ -83,14 +95,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     cost = StepCost(args.step_base_ms, args.step_token_ms)
-    paged = replay_paged(trace, config, cost)
+    paged = replay_paged(trace, config, cost,
+                         name="paged, a table per layer group" if args.hybrid else "paged")
     rows = [paged.row()]
+    if one_table is not None:
+        rows.append(replay_paged(trace, one_table, cost, name="paged, one table").row())
     if tiered is not None:
         with_tier = replay_paged(trace, tiered, cost, name="paged + CPU tier")
         rows.append(with_tier.row())
-    contiguous = replay_contiguous(trace, args.num_gpu_blocks * args.block_size,
+    # (hybrid: a token's K/V of both groups takes two blocks' slots)
+    pool_tokens = args.num_gpu_blocks // (2 if args.hybrid else 1) * args.block_size
+    contiguous = replay_contiguous(trace, pool_tokens,
                                    args.max_model_len, args.max_num_seqs,
-                                   args.max_num_batched_tokens, cost, window=args.sliding_window)
+                                   args.max_num_batched_tokens, cost,
+                                   window=None if args.hybrid else args.sliding_window)
     print(f"trace: {len(trace)} requests, {sum(r.prompt_len for r in trace)} prompt tokens, "
           f"{sum(r.output_len for r in trace)} output tokens; pool: {args.num_gpu_blocks} "
           f"blocks x {args.block_size} tokens; max_model_len {args.max_model_len}")

@@ -46,7 +46,8 @@ def reference_generate(token_ids: list[int], max_tokens: int, vocab_size: int) -
 class SimulatedRunner(Runner):
     def __init__(self, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int,
                  vocab_size: int, max_model_len: int, step_ms: float = 0.0,
-                 token_us: float = 0.0, sliding_window: int | None = None) -> None:
+                 token_us: float = 0.0, sliding_window: int | None = None,
+                 hybrid: bool = False) -> None:
         # Pacing: a step takes at least step_s + token_s per computed token, like a GPU
         # whose prefill cost grows with the tokens (so prefix-cache hits save time).
         self.step_s = step_ms / 1000.0
@@ -64,6 +65,8 @@ class SimulatedRunner(Runner):
         # window of 2 or more gives the same tokens; it makes the KV manager free blocks
         # as a sliding-window model's would (capacity planning, tests)
         self.sliding_window = sliding_window
+        if hybrid:  # global layers too: a table per layer group (engine/hybrid_kv.py)
+            self.kv_group_windows, self.sliding_window = (None, sliding_window), None
         # One 64-bit state per token slot: [num_blocks * block_size]. Python lists, not
         # numpy arrays: the step reads and writes single slots, which a list does several
         # times faster (this loop is part of every simulated step's time).
@@ -83,6 +86,8 @@ class SimulatedRunner(Runner):
         sampled = {}
         # Batch order matters: a request may hit blocks another one fills in this step,
         # and it was scheduled after it (as a layer writes all K/V before attending).
+        if out.group_block_ids is not None:
+            return self._forward_groups(out)
         for s in out.scheduled:
             tokens, ids, start = s.request.all_token_ids, s.block_ids, s.start
             if start == 0:
@@ -100,6 +105,36 @@ class SimulatedRunner(Runner):
                     self.logprobs[s.request.request_id] = [
                         0.0, [token] if s.request.sampling_params.logprobs else [],
                         [0.0] if s.request.sampling_params.logprobs else []]
+        return sampled
+
+    def _forward_groups(self, out: SchedulerOutput) -> dict[str, int]:
+        """_forward with a block table per layer group: each group's slots hold the
+        states too, and the slot before a request's new tokens must hold the same state
+        in every group's table (else a group's K/V was lost or mixed up)."""
+        cache, bs, vocab = self.gpu_cache, self.block_size, self.vocab_size
+        sampled = {}
+        for s in out.scheduled:
+            tokens, start, rid = s.request.all_token_ids, s.start, s.request.request_id
+            tables = out.group_block_ids[rid]
+            if start == 0:
+                prev = _SEED
+            else:
+                before = start - 1
+                seen = {cache[ids[before // bs] * bs + before % bs] for ids in tables}
+                if len(seen) != 1:
+                    raise RuntimeError(f"invariant: the layer groups of {rid} hold different "
+                                       f"states at position {before}")
+                prev = seen.pop()
+            for p in range(start, start + s.num_new_tokens):
+                prev = digest(prev, tokens[p])
+                for ids in tables:
+                    cache[ids[p // bs] * bs + p % bs] = prev
+            if s.samples:
+                sampled[rid] = token = prev % vocab
+                if s.request.sampling_params.logprobs is not None:
+                    self.logprobs[rid] = [0.0, [token] if s.request.sampling_params.logprobs
+                                          else [], [0.0] if s.request.sampling_params.logprobs
+                                          else []]
         return sampled
 
     def _copy(self, src: list[int], dst: list[int], mapping: list[tuple[int, int]]) -> None:

@@ -34,9 +34,12 @@ def decode_array(obj: list[int] | dict) -> np.ndarray:
     return np.frombuffer(base64.b64decode(obj["data"]), dtype=np.dtype(obj["dtype"]))
 
 
-def pool_arrays(pool: BlockPool, tables: dict[str, list], index_of: dict[str, int]) -> dict:
+def pool_arrays(pool: BlockPool, tables: dict[str, list], index_of: dict[str, int],
+                group_tables: list = ()) -> dict:
     """state, ref_cnt, owner (first holder's request index, 0 for none), hash32 (first
-    4 bytes of the block hash as an integer, 0 for none) for every block."""
+    4 bytes of the block hash as an integer, 0 for none) for every block. group_tables:
+    a hybrid model's other layer groups' (group, tables), whose blocks their requests
+    own too."""
     n = pool.num_blocks
     state = np.zeros(n, dtype=np.uint8)
     ref_cnt = np.zeros(n, dtype=np.int32)
@@ -50,10 +53,11 @@ def pool_arrays(pool: BlockPool, tables: dict[str, list], index_of: dict[str, in
             state[block.block_id] = CACHED
         if block.block_hash is not None:
             hash32[block.block_id] = int.from_bytes(block.block_hash[:4], "big")
-    for request_id, table in tables.items():
-        ids = np.fromiter((b.block_id for b in table), dtype=np.int64, count=len(table))
-        unowned = ids[owner[ids] == 0]
-        owner[unowned] = index_of[request_id]
+    for each in [tables, *(t for _, t in group_tables)]:
+        for request_id, table in each.items():
+            ids = np.fromiter((b.block_id for b in table), dtype=np.int64, count=len(table))
+            unowned = ids[owner[ids] == 0]
+            owner[unowned] = index_of[request_id]
     return {"state": state, "ref_cnt": ref_cnt, "owner": owner, "hash32": hash32}
 
 
@@ -85,8 +89,9 @@ def build_snapshot(engine: LLMEngine, compact: bool) -> dict:
     sched = engine.scheduler
     live = list(sched.requests.values())
     index_of = {r.request_id: r.index for r in live}
-    gpu = pool_arrays(kv.gpu, kv.req_to_blocks, index_of)
-    cpu = pool_arrays(kv.cpu, kv.req_to_cpu_blocks, index_of)
+    groups = getattr(kv, "group_tables", None)  # (a hybrid model's layer groups)
+    gpu = pool_arrays(kv.gpu, kv.req_to_blocks, index_of, groups("gpu") if groups else ())
+    cpu = pool_arrays(kv.cpu, kv.req_to_cpu_blocks, index_of, groups("cpu") if groups else ())
     live_ids = set(index_of)
     finished = [r for r in sched.recently_finished if r.request_id not in live_ids]
     return {

@@ -119,10 +119,10 @@ class CpuKernelOps(TorchOps):
         if not self.native_attention:
             return super().attention(qkv, attn, ctx, layer_idx)
         T, H = qkv.shape[0], attn.n_heads
-        kv_layer = ctx.kv_cache[layer_idx]
-        q = self.k.rope_store_kv(qkv, ctx.rope[attn.rope_index], kv_layer, ctx.plan.slot_mapping,
+        kv_layer, plan = ctx.kv_cache[attn.kv_slot], ctx.plans[attn.kv_group]
+        q = self.k.rope_store_kv(qkv, ctx.rope[attn.rope_index], kv_layer, plan.slot_mapping,
                                  H, attn.n_kv_heads)  # [T, H, D], k and v in the cache
-        o = ctx.attention.forward(q, None, None, kv_layer, ctx.plan, attn.scale,
+        o = ctx.attention.forward(q, None, None, kv_layer, plan, attn.scale,
                                   window=attn.window, softcap=attn.softcap)
         return o.reshape(T, H * attn.head_dim)
 

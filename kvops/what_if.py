@@ -69,6 +69,12 @@ def baseline_config(engine_config: dict) -> EngineConfig:
                   enable_prefix_caching=bool(engine_config.get("enable_prefix_caching", True)),
                   cpu_prefix_cache=bool(engine_config.get("cpu_prefix_cache", False)),
                   simulate_sliding_window=engine_config.get("sliding_window"))
+    groups = engine_config.get("kv_group_windows")
+    if groups:  # a table per layer group: the stand-in's global and sliding groups
+        # (one of each: a model with more sliding groups than global ones is modelled
+        # as holding its window's blocks once, not once per sliding group)
+        fields.update(simulate_sliding_window=max(w for w in groups if w),
+                      simulate_hybrid=True)
     return _checked(EngineConfig, simulate=True, max_pending_events=0, **fields)
 
 

@@ -92,7 +92,7 @@ function loadSnapshot(snapshot) {
 function showWhole() {
   gpuMap.attach(state.gpu, state.evictRank, $("#gpu-wrap").clientWidth);
   cpuMap.attach(state.cpu, null, $("#cpu-wrap").clientWidth);
-  $("#gpu-caption").textContent = `${num(state.gpu.n)} blocks of ${state.config.block_size} tokens${splitCaption(state.config)}`;
+  $("#gpu-caption").textContent = `${num(state.gpu.n)} blocks of ${state.config.block_size} tokens${groupsCaption(state.config)}${splitCaption(state.config)}`;
   $("#cpu-caption").textContent = `${num(state.cpu.n)} blocks${state.config.cpu_prefix_cache
     ? " · also the prefix cache's second tier: its cached blocks were copied from the GPU" : ""}`;
   table.setState(state);
@@ -293,6 +293,16 @@ function pickWanted() {
   if (!wanted || !state) return;
   const r = state.requestById(wanted);
   if (r) { wanted = null; select(r.index, true); }
+}
+
+// A model with a block table per layer group (sliding and global layers): a block holds
+// one group's layers, and a request's blocks are its tables' in every group (the table
+// shown is the global group's).
+function groupsCaption(config) {
+  const windows = config.kv_group_windows || [];
+  if (windows.length < 2) return "";
+  const sliding = windows.filter((w) => w);
+  return ` · a table per layer group: ${windows.length - sliding.length} global, ${sliding.length} sliding (window ${num(Math.max(...sliding))}); a request's sliding-group blocks are drawn as its own, its table shows the global group's`;
 }
 
 // A model split across tensor-parallel ranks: how many, and what each rank holds.

@@ -17,10 +17,11 @@ def churn_engine(**overrides) -> LLMEngine:
 class Churn:
     """One random operator action or new request, then a step, per call."""
 
-    def __init__(self, engine: LLMEngine, seed: int = 0) -> None:
+    def __init__(self, engine: LLMEngine, seed: int = 0, vocab: int = 1000) -> None:
         self.engine = engine
         self.rng = random.Random(seed)
-        self.shared = [self.rng.randrange(1000) for _ in range(12)]
+        self.vocab = vocab  # prompts' token ids are below it
+        self.shared = [self.rng.randrange(vocab) for _ in range(12)]
         self.count = 0
         self.seen: set[str] = set()  # kinds of action that succeeded at least once
 
@@ -30,7 +31,7 @@ class Churn:
         roll = rng.random()
         actions = [
             (0.25, "add", lambda: e.add_request(
-                f"r{self.count}", self.shared + [rng.randrange(1000) for _ in
+                f"r{self.count}", self.shared + [rng.randrange(self.vocab) for _ in
                                                  range(rng.randrange(1, 20))],
                 SamplingParams(max_tokens=rng.randrange(1, 40)), job_id=str(self.count))),
             (0.30, "preempt", lambda: e.preempt(rng.choice(sched.running).request_id)),

@@ -10,6 +10,8 @@ import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.errors import NotEnoughBlocksError
+from engine.hybrid_kv import kv_layout
+from engine.loader import read_model_folder
 from engine.model import Linear
 from kernels import cpu_ext
 from kernels.cpu_ops import PACKED_MAX_ROWS, CpuKernelOps
@@ -222,7 +224,7 @@ def test_every_family_in_every_kv_situation(tiny_model, name, situation):
     else:
         prompts = random_prompts(vocab, [20, 23, 18, 25, 21], seed=5)
     expected = hf_greedy(folder, prompts, MAX_TOKENS)
-    engine = make_engine(folder, **SITUATIONS[situation])
+    engine = make_engine(folder, **same_memory(folder, SITUATIONS[situation]))
     if situation == "prefix-hit":
         first, rest = engine.generate(prompts[:1], greedy()), engine.generate(prompts[1:], greedy())
         assert all(o.num_cached_tokens >= 12 for o in rest)
@@ -245,18 +247,30 @@ def test_every_family_in_every_kv_situation(tiny_model, name, situation):
     assert engine.kv.gpu.num_free == engine.kv.gpu.num_blocks
 
 
+def same_memory(folder, config: dict) -> dict:
+    """The config with its pool's memory kept for a model with layer groups (a block
+    holds one group's layers: there are that many times more of them)."""
+    if "num_gpu_blocks" not in config or config.get("cpu_prefix_cache"):
+        return config
+    args = read_model_folder(folder).args
+    groups = kv_layout(args.layer_windows, args.n_layers).num_groups
+    return {**config, "num_gpu_blocks": config["num_gpu_blocks"] * groups,
+            "num_cpu_blocks": config.get("num_cpu_blocks", 256) * groups}
+
+
 def _under_pressure(engine: LLMEngine, prompts: list[list[int]], situation: str) -> list[list[int]]:
     """Run the prompts in a pool too small for all of them, so the scheduler preempts
-    (by recompute or swap). A model whose layers all slide gives its old blocks back and
-    may never run short: then an operator preempts, or swaps out and back in, the first
-    request mid-decode."""
+    (by recompute or swap). A model whose layers slide (all, or a layer group's) gives
+    its old blocks back and may never run short: then an operator preempts, or swaps out
+    and back in, the first request mid-decode."""
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, greedy())
     final, parked = {}, None
     for step in range(10_000):
         if not engine.has_unfinished_requests():
             break
-        if step == 8 and engine.runner.sliding_window and not engine.metrics()["num_preemptions"]:
+        slides = engine.runner.sliding_window or engine.runner.kv_group_windows
+        if step == 8 and slides and not engine.metrics()["num_preemptions"]:
             rid = next(r.request_id for r in engine.scheduler.running)
             if situation == "swap":
                 engine.swap_out(rid)

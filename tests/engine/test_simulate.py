@@ -71,6 +71,33 @@ def test_a_sliding_window_is_modelled():
     assert ring.peak_concurrency > whole.peak_concurrency
 
 
+def test_layer_groups_are_modelled(capsys):
+    """A model with global and sliding layers (--hybrid): with a table per layer group
+    the sliding layers give back what the window passed, so in the same memory (one
+    table: half as many blocks, each holding both groups' layers) more requests run at
+    once and the trace ends sooner."""
+    trace = synthetic_trace(60, seed=3, rate_per_s=1000.0, prompt_range=(16, 300),
+                            output_range=(100, 400), prefix_len=64)
+    cfg = dict(simulate=True, vocab_size=32000, block_size=16, num_cpu_blocks=0,
+               max_model_len=1024, max_pending_events=0)
+    groups = replay_paged(trace, EngineConfig(**cfg, num_gpu_blocks=256,
+                                              simulate_sliding_window=64, simulate_hybrid=True))
+    one = replay_paged(trace, EngineConfig(**cfg, num_gpu_blocks=128))
+    assert groups.mean_concurrency > 1.2 * one.mean_concurrency
+    assert groups.sim_seconds < one.sim_seconds
+    # and it is neither a pool of one table nor of sliding layers only: a token in the
+    # window takes a block's slot in each group
+    for other in (EngineConfig(**cfg, num_gpu_blocks=256),
+                  EngineConfig(**cfg, num_gpu_blocks=256, simulate_sliding_window=64)):
+        assert groups.mean_concurrency < replay_paged(trace, other).mean_concurrency
+    assert main(["--synthetic", "30", "--num-gpu-blocks", "256", "--max-model-len", "256",
+                 "--sliding-window", "32", "--hybrid"]) == 0
+    out = capsys.readouterr().out
+    assert "a table per layer group" in out and "one table" in out
+    assert main(["--synthetic", "30", "--hybrid"]) == 2
+    assert "--hybrid needs --sliding-window" in capsys.readouterr().err
+
+
 def test_a_cpu_tier_raises_the_hit_rate_of_a_trace_whose_prefixes_overflow_the_pool(capsys):
     # 40 shared prefixes of 8 blocks cannot all stay in a 96-block pool: with the tier,
     # those pushed out come back from CPU memory instead of being recomputed.

@@ -6,6 +6,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from engine import EngineError, SamplingParams
+from engine.kv_cache_manager import group_hash
 from engine.simulated_runner import _SEED, digest
 from engine.request import RequestStatus
 
@@ -18,12 +19,16 @@ BLOCK = 4
 class EngineMachine(RuleBasedStateMachine):
     mode = "recompute"
     cpu_tier = False  # the CPU pool is a second-level prefix cache too
+    # global layers and sliding ones (window 6) with a block table each (engine/hybrid_kv.py)
+    hybrid = False
 
     def __init__(self):
         super().__init__()
-        self.engine = sim_engine(block_size=BLOCK, num_gpu_blocks=20, num_cpu_blocks=10,
-                                 max_num_batched_tokens=24, max_num_seqs=6,
-                                 preemption_mode=self.mode, cpu_prefix_cache=self.cpu_tier)
+        hybrid = dict(simulate_sliding_window=6, simulate_hybrid=True) if self.hybrid else {}
+        self.engine = sim_engine(block_size=BLOCK, num_gpu_blocks=28 if self.hybrid else 20,
+                                 num_cpu_blocks=10, max_num_batched_tokens=24, max_num_seqs=6,
+                                 preemption_mode=self.mode, cpu_prefix_cache=self.cpu_tier,
+                                 **hybrid)
         self.n = 0
         self.prompts = {}
         self.requests = []  # every Request object added, finished ones too
@@ -126,6 +131,8 @@ class EngineMachine(RuleBasedStateMachine):
         for r in self.requests:
             for i, h in enumerate(r.block_hashes):
                 self.hash_tokens.setdefault(h, r.all_token_ids[:(i + 1) * BLOCK])
+                if self.hybrid:  # the sliding group's block of the same tokens
+                    self.hash_tokens.setdefault(group_hash(h, 1), r.all_token_ids[:(i + 1) * BLOCK])
         kv, runner = self.engine.kv, self.engine.runner
         for pool, cache in ((kv.gpu, runner.gpu_cache), (kv.cpu, runner.cpu_cache)):
             for h, block in pool.cached.items():
@@ -167,6 +174,15 @@ class CpuTierSwapMachine(EngineMachine):
     cpu_tier = True
 
 
+class HybridMachine(EngineMachine):
+    hybrid = True
+
+
+class HybridSwapMachine(EngineMachine):
+    mode = "swap"
+    hybrid = True
+
+
 _settings = settings(max_examples=200, stateful_step_count=50, deadline=None,
                      suppress_health_check=[HealthCheck.too_slow])
 TestRecompute = EngineMachine.TestCase
@@ -177,3 +193,7 @@ TestCpuTier = CpuTierMachine.TestCase
 TestCpuTier.settings = _settings
 TestCpuTierSwap = CpuTierSwapMachine.TestCase
 TestCpuTierSwap.settings = _settings
+TestHybrid = HybridMachine.TestCase
+TestHybrid.settings = _settings
+TestHybridSwap = HybridSwapMachine.TestCase
+TestHybridSwap.settings = _settings

@@ -134,3 +134,12 @@ def test_a_pool_size_left_out_keeps_the_pool_memory():
     assert what_if.alternative_config(base, {}).num_gpu_blocks == 48
     with pytest.raises(what_if.Refused, match="registered no"):
         what_if.baseline_config({"block_size": 16})
+
+
+def test_an_engine_with_layer_groups_is_replayed_with_them():
+    """An engine keeping a table per layer group (a Gemma) registers its groups' windows:
+    the replay's stand-in keeps a global and a sliding group too."""
+    base = what_if.baseline_config({**CONFIG, "kv_group_windows": [None, 64, 64]})
+    assert base.simulate_hybrid and base.simulate_sliding_window == 64
+    plain = what_if.baseline_config(CONFIG)
+    assert not plain.simulate_hybrid and plain.simulate_sliding_window is None

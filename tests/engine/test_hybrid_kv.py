@@ -1,0 +1,156 @@
+"""Block tables per layer group (engine/hybrid_kv.py): a model that mixes sliding and
+global layers (Gemma 2, 3) keeps the sliding layers' K/V in tables of their own, which
+give back what the window passed while the global table keeps every block. Tokens stay
+transformers' in every situation (tests/engine/test_model_parity.py runs the families);
+here: the layout, the bound, window-aware prefix hits, and the views that count blocks."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.block_hash import hash_blocks, root_hash
+from engine.hybrid_kv import HybridKVCacheManager, kv_layout
+from engine.kv_cache_manager import group_hash
+from engine.kv_view import Capturer, KVMirror
+from engine.snapshot import decode_array
+from tests.dashboard.churn import Churn
+from tests.models.fixtures import tiny_model, tiny_root  # noqa: F401 (fixtures)
+from tests.models.tiny import SPECS, hf_greedy, random_prompts
+
+BS = 4
+
+
+def engine_for(folder, **kw) -> LLMEngine:
+    cfg = dict(model=str(folder), device="cpu", dtype="float32", attention_backend="torch",
+               block_size=BS, num_gpu_blocks=128, num_cpu_blocks=64, seed=0)
+    cfg.update(kw)
+    return LLMEngine(EngineConfig(**cfg))
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def test_layouts():
+    # Gemma 2: sliding and global layers in turn -> a global group and a sliding one
+    two = kv_layout((6, 0, 6, 0), 4)
+    assert two.windows == (None, 6) and two.slots == 2
+    assert two.layer_group == (1, 0, 1, 0) and two.layer_slot == (0, 0, 1, 1)
+    # Gemma 3: five sliding layers to a global one; groups of 2 layers, the last sliding
+    # group with one layer (its blocks' second slot unused)
+    windows = ((9,) * 5 + (0,)) * 2 + (9,)
+    three = kv_layout(windows, 13)
+    assert three.slots == 2 and three.windows == (None,) + (9,) * 6
+    assert [three.layer_group.count(g) for g in range(7)] == [2, 2, 2, 2, 2, 2, 1]
+    assert {(g, s) for g, s in zip(three.layer_group, three.layer_slot)} == \
+        {(g, s) for g in range(7) for s in range(2)} - {(6, 1)}
+    # one table: all global, all sliding (the widest window), two windows, or asked
+    assert kv_layout((), 3).windows == (None,)
+    assert kv_layout((8, 8, 4), 3).windows == (8,)
+    assert kv_layout((8, 0, 4), 3).windows == (None,)
+    assert kv_layout((6, 0), 2, hybrid=False).windows == (None,)
+    assert kv_layout((6, 0), 2, hybrid=False).layer_slot == (0, 1)
+
+
+def test_a_long_generation_holds_a_bounded_sliding_table(tiny_model):
+    folder = tiny_model("gemma2")  # layer 0 slides (window 6), layer 1 is global
+    prompt = random_prompts(SPECS["gemma2"].vocab_size, [18], seed=3)[0]
+    engine = engine_for(folder, max_num_batched_tokens=8)
+    assert isinstance(engine.kv, HybridKVCacheManager)
+    assert engine.describe_config()["kv_group_windows"] == [None, 6]
+    engine.add_request("long", prompt, greedy(70))
+    sliding, most, out = engine.kv.groups[1], 0, None
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out = o if o.finished else out
+        engine.kv.check_invariants()
+        most = max(most, len(sliding.req_to_blocks.get("long", ())))
+    assert out.output_token_ids == hf_greedy(folder, [prompt], 70)[0]
+    # the window (6) and a chunk (8) reach at most 5 blocks of 4; the global table 22
+    assert most <= -(-(6 + 8) // BS) + 1
+    freed = [e for e in engine.take_events() if e.type == "WindowFreed"]
+    assert freed and {e.group for e in freed} == {1}
+    assert sum(len(e.block_ids) for e in freed) >= 88 // BS - most
+    assert engine.kv.gpu.num_free == engine.kv.gpu.num_blocks
+
+
+def test_one_table_for_every_layer_when_asked(tiny_model):
+    folder = tiny_model("gemma2")
+    prompt = random_prompts(SPECS["gemma2"].vocab_size, [18], seed=3)[0]
+    hybrid = engine_for(folder).generate([prompt], greedy(30))[0]
+    one = engine_for(folder, hybrid_kv_cache=False)
+    assert one.describe_config()["kv_group_windows"] is None
+    assert one.generate([prompt], greedy(30))[0].output_token_ids == hybrid.output_token_ids
+    # and with the CPU tier on: one table (the tier keeps no layer groups)
+    tier = engine_for(folder, cpu_prefix_cache=True)
+    assert tier.describe_config()["kv_group_windows"] is None
+
+
+def test_a_prefix_hit_needs_only_the_blocks_the_window_reaches(tiny_model):
+    folder = tiny_model("gemma2")
+    vocab = SPECS["gemma2"].vocab_size
+    prefix = random_prompts(vocab, [40], seed=4)[0]  # 10 full blocks
+    first, second = random_prompts(vocab, [3, 5], seed=5, prefix=prefix)
+    engine = engine_for(folder)
+    engine.generate([first], greedy(2))
+    hashes = hash_blocks(root_hash(engine.runner.model_id), prefix, BS)
+    # Push the sliding group's copies of the prefix's first 7 blocks out of the cache.
+    # The second prompt's first token to compute (position 40) sees back to position
+    # 35, in block 8: the hit needs only blocks 8 and 9 of the sliding group.
+    for h in hashes[:7]:
+        block = engine.kv.gpu.get_cached(group_hash(h, 1))
+        assert block is not None and block.ref_cnt == 0
+        engine.kv.gpu.forget(block)
+    engine.add_request("second", second, greedy(6))
+    engine.step()
+    engine.kv.check_invariants()
+    assert engine.scheduler.requests["second"].num_cached_tokens == 40
+    assert engine.kv.groups[1].window_freed("second") == (40 - 6 + 1) // BS  # not held
+    out = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                out[o.request_id] = o
+    assert out["second"].output_token_ids == hf_greedy(folder, [second], 6)[0]
+    # With the global group's first block gone instead, nothing is found
+    engine = engine_for(folder)
+    engine.generate([first], greedy(2))
+    engine.kv.gpu.forget(engine.kv.gpu.get_cached(hashes[0]))
+    assert engine.generate([second], greedy(1))[0].num_cached_tokens == 0
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_snapshots_and_the_live_view_count_every_groups_blocks(tiny_model, name):
+    """Churn (prefix sharing, preemption, swap, pins, evictions, resets, aborts) on a
+    model with layer groups: the invariants hold over every group's tables, and the
+    dashboard's mirror and engine.snapshot() both count the sliding groups' blocks as
+    their requests' (references and owners equal the pool's)."""
+    folder = tiny_model(name)
+    engine = engine_for(folder, num_gpu_blocks=72, num_cpu_blocks=48, max_num_seqs=8,
+                        max_num_batched_tokens=32, name="t")
+    churn = Churn(engine, seed=3, vocab=SPECS[name].vocab_size)
+    capturer, mirror = Capturer(), KVMirror("t", "epoch", engine.describe_config())
+    sliding_held = 0
+    for i in range(160):
+        churn()
+        engine.kv.check_invariants()
+        sliding_held = max(sliding_held, sum(len(t) for t in engine.kv.groups[1].req_to_blocks.values()))
+        if i % 4:
+            continue
+        mirror.apply(capturer.capture(engine))
+        ours, theirs = mirror.snapshot(), engine.snapshot(compact=True)
+        for pool, blocks in (("gpu", engine.kv.gpu.blocks), ("cpu", engine.kv.cpu.blocks)):
+            ref_cnt = np.array([b.ref_cnt for b in blocks])
+            for doc in (ours, theirs):
+                assert np.array_equal(decode_array(doc[pool]["ref_cnt"]), ref_cnt), (pool, i)
+                owner = decode_array(doc[pool]["owner"])
+                held = ref_cnt > np.array([int(b.pinned) for b in blocks])
+                assert (owner[held] > 0).all(), (pool, i)
+            assert np.array_equal(decode_array(ours[pool]["owner"]),
+                                  decode_array(theirs[pool]["owner"]))
+        for a, b in zip(ours["requests"], theirs["requests"]):
+            assert {k: v for k, v in a.items() if v != b.get(k)} == {}, (i, b)
+        assert ours["requests"] == theirs["requests"]  # (group 0's tables, as one table)
+    assert sliding_held > 0
+    assert {"add", "preempt", "swap_out", "swap_in", "evict"} <= churn.seen
