@@ -22,6 +22,7 @@ class KVBlock:
     ref_cnt: int = 0  # holders: block tables plus one for a pin
     block_hash: BlockHash | None = None  # set while the block is in the prefix-cache map
     pinned: bool = False  # a pin holds one reference; pinned blocks are never evicted
+    group: int = 0  # a hybrid model's layer group whose table last cached it (hybrid_kv.py)
     # Free-queue links, owned by FreeBlockQueue; None when not in the queue.
     prev_free: KVBlock | None = None
     next_free: KVBlock | None = None

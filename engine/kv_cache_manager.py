@@ -356,9 +356,11 @@ class KVCacheManager:
         end = min(num_tokens // self.block_size, len(request.block_hashes))
         stored, indices = [], []
         hashes = self.hashes(request, start, end)
+        group = self.group
         for i in range(start, end):
             block = table[i - freed]
             if self.gpu.cache(block, hashes[i - start]):
+                block.group = group
                 stored.append(block)
                 indices.append(i)
                 self.uncomputed.add(block.block_id)
@@ -418,11 +420,19 @@ class KVCacheManager:
         """BlockPool.take_new is reusing these cached GPU blocks: with the CPU tier, note
         the ones whose data is written (not this step's) for flush_offloads."""
         if self._events.external is not None:
-            self._events.external.append(("removed", [h for _, h in evicted]))
+            self._external_removed(evicted)
         if self.cpu_tier:
             uncomputed = self.uncomputed
             self._to_offload.extend(e for e in evicted if e[0] not in uncomputed)
             self._forget_tokens([h for b, h in evicted if b in uncomputed])
+
+    def _external_removed(self, evicted: list[tuple[int, BlockHash]]) -> None:
+        """vLLM-style BlockRemoved for GPU hashes that left the cache: group 0's (a
+        hybrid model's other layer groups cache under hashes no router knows)."""
+        blocks = self.gpu.blocks
+        hashes = [h for b, h in evicted if not blocks[b].group]
+        if hashes:
+            self._events.external.append(("removed", hashes))
 
     def _cpu_evicted(self, evicted: list[tuple[int, BlockHash]]) -> None:
         hashes = [h for _, h in evicted]
@@ -603,7 +613,7 @@ class KVCacheManager:
     def evict(self, n: int | None) -> int:
         victims = self.gpu.evict(n)
         if victims and self._events.external is not None:
-            self._events.external.append(("removed", [h for _, h in victims]))
+            self._external_removed([(b.block_id, h) for b, h in victims])
         self._forget_tokens([h for _, h in victims])
         if victims:
             self._emit("BlockEvicted", detail="operator",

@@ -12,6 +12,7 @@ from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.block_hash import hash_blocks, root_hash
 from engine.hybrid_kv import HybridKVCacheManager, kv_layout
 from engine.kv_cache_manager import group_hash
+from engine.kv_events_zmq import BlockRemoved, BlockStored
 from engine.kv_view import Capturer, KVMirror
 from engine.snapshot import decode_array
 from tests.dashboard.churn import Churn
@@ -154,3 +155,35 @@ def test_snapshots_and_the_live_view_count_every_groups_blocks(tiny_model, name)
         assert ours["requests"] == theirs["requests"]  # (group 0's tables, as one table)
     assert sliding_held > 0
     assert {"add", "preempt", "swap_out", "swap_in", "evict"} <= churn.seen
+
+
+def test_routers_hear_of_the_global_groups_hashes_only(tiny_model):
+    """The vLLM-format events (engine/kv_events_zmq.py) name the request's prefix hashes
+    (group 0's): the sliding groups' own hashes are neither stored nor removed there."""
+    folder = tiny_model("gemma2")
+    engine = engine_for(folder, num_gpu_blocks=40, num_cpu_blocks=24, max_num_seqs=6,
+                        max_num_batched_tokens=32)
+    batches = []
+
+    class Publisher:  # what the ZMQ publisher is handed, each step and command
+        def publish(self, events):
+            batches.append(events)
+
+    engine._kv_publisher, engine.events.external = Publisher(), []
+    churn = Churn(engine, seed=5, vocab=SPECS["gemma2"].vocab_size)
+    stored, removed, prefix_hashes = set(), 0, set()
+    for _ in range(120):
+        churn()
+        sched = engine.scheduler
+        prefix_hashes.update(h for r in [*sched.requests.values(), *sched.recently_finished]
+                             for h in r.block_hashes)
+        for event in (e for batch in batches for e in batch):
+            if isinstance(event, BlockStored):
+                assert set(event.block_hashes) <= prefix_hashes
+                stored.update(event.block_hashes)
+            elif isinstance(event, BlockRemoved):
+                assert set(event.block_hashes) <= stored, "a hash no BlockStored named"
+                removed += len(event.block_hashes)
+        batches.clear()
+    sliding = [b for b in engine.kv.gpu.cached.values() if b.group == 1]
+    assert stored and removed and sliding  # (the sliding group cached blocks meanwhile)
