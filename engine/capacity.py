@@ -50,13 +50,14 @@ HEADER = ["allocator", "requests", "sim s", "steps", "KV util", "peak conc", "me
 
 def slot_usage(engine: LLMEngine) -> tuple[int, int]:
     """(token slots holding K/V, slots in blocks held by requests); a shared block once."""
-    bs = engine.config.block_size
+    bs, kv = engine.config.block_size, engine.kv
     fill: dict[int, int] = {}
-    for rid, table in engine.kv.req_to_blocks.items():
-        computed = engine.scheduler.requests[rid].num_computed_tokens
-        for i, block in enumerate(table, start=engine.kv.window_freed(rid)):
-            fill[block.block_id] = max(fill.get(block.block_id, 0),
-                                       min(bs, max(computed - i * bs, 0)))
+    for manager in getattr(kv, "groups", (kv,)):  # (a hybrid model's every layer group)
+        for rid, table in manager.req_to_blocks.items():
+            computed = engine.scheduler.requests[rid].num_computed_tokens
+            for i, block in enumerate(table, start=manager.window_freed(rid)):
+                fill[block.block_id] = max(fill.get(block.block_id, 0),
+                                           min(bs, max(computed - i * bs, 0)))
     return sum(fill.values()), len(fill) * bs
 
 

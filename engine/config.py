@@ -103,6 +103,10 @@ class EngineConfig:
                "simulate_sliding_window must be >= 2 or None")
         _check(not self.simulate_hybrid or self.simulate_sliding_window is not None,
                "simulate_hybrid needs simulate_sliding_window")
+        _check(not self.simulate_hybrid or (self.hybrid_kv_cache and not self.cpu_prefix_cache),
+               "simulate_hybrid models a table per layer group, which a model keeps only "
+               "with hybrid_kv_cache on and cpu_prefix_cache off (with one table, model it "
+               "without simulate_hybrid and simulate_sliding_window, in half as many blocks)")
         _check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]")
         _check(self.max_pending_events >= 0, "max_pending_events must be >= 0")
         _check(1 <= self.tensor_parallel_size <= 64,

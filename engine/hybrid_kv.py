@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from engine.block_pool import BlockPool, KVBlock
 from engine.events import EventLog
 from engine.kv_cache_manager import (
-    _NOTHING_ALLOCATED, Allocation, KVCacheManager, PrefixMatch, SwapResult, cdiv,
+    _NOTHING_ALLOCATED, Allocation, KVCacheManager, PrefixMatch, SwapResult, cdiv, group_hash,
 )
 from engine.request import Request
 
@@ -169,8 +169,11 @@ class HybridKVCacheManager:
         if not first.blocks:
             return nothing
         bs, n = self.block_size, len(first.blocks)
-        # Per other group: its cached block at each index below n, or None.
-        cached = [[g.gpu.get_cached(h) for h in g.hashes(request, 0, n)] for g in self.groups[1:]]
+        # Per other group: its cached block at each index below n, or None; keyed by the
+        # hashes of group 0's blocks (the request's, or a pinned prefix's unsalted chain)
+        matched = [b.block_hash for b in first.blocks]
+        cached = [[g.gpu.get_cached(group_hash(h, g.group)) for h in matched]
+                  for g in self.groups[1:]]
         for length in range(n, 0, -1):
             num_computed = min(length * bs, request.num_tokens - 1)
             cow = length * bs > num_computed
@@ -284,10 +287,27 @@ class HybridKVCacheManager:
         return self.main.cached_chain(hashes)
 
     def pin(self, blocks: list[KVBlock]) -> list[KVBlock]:
+        """Pin a cached prefix (group 0's blocks, from block 0): the other groups'
+        blocks a hit on it needs are pinned too. Returns group 0's newly pinned."""
+        for g in self.groups[1:]:
+            g.pin(self._same_tokens(g, blocks))
         return self.main.pin(blocks)
 
     def unpin(self, blocks: list[KVBlock]) -> list[KVBlock]:
+        for g in self.groups[1:]:
+            g.unpin(self._same_tokens(g, blocks))
         return self.main.unpin(blocks)
+
+    def _same_tokens(self, group: KVCacheManager, blocks: list[KVBlock]) -> list[KVBlock]:
+        """Group `group`'s cached blocks for the tokens of group 0's prefix `blocks`: all
+        of them, or for a sliding group those the window reaches from the prefix's end
+        (what a prompt that continues it reads)."""
+        n, window = len(blocks), group.sliding_window
+        skip = 0 if window is None else min(max(n * self.block_size - window + 1, 0)
+                                            // self.block_size, n - 1)
+        found = (group.gpu.get_cached(group_hash(b.block_hash, group.group))
+                 for b in blocks[skip:])
+        return [b for b in found if b is not None]
 
     # --- introspection ---------------------------------------------------------------
     def block_ids(self, request_id: str) -> list[int]:

@@ -334,9 +334,10 @@ class KVCacheManager:
             return None
         copy, *grown = self.gpu.take_new(1 + num_new_blocks)
         self.gpu.free([shared])  # this request's reference (a sibling still holds it)
-        table[-1] = copy
-        table.extend(grown)
-        self._step_ids.pop(rid, None)  # the table changed in place
+        # a new list: a viewer that kept the old one (kv_view) sees a table replaced, not
+        # one that only grew
+        self.req_to_blocks[rid] = table = table[:-1] + [copy] + grown
+        self._step_ids.pop(rid, None)
         self._shared_tail.discard(rid)
         self._emit("CopiedOnWrite", request_id=rid,
                           block_ids=[shared.block_id, copy.block_id],

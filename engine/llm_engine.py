@@ -40,8 +40,7 @@ def build_runner(config: EngineConfig) -> Runner:
                                  step_ms=config.simulate_step_ms,
                                  token_us=config.simulate_token_us,
                                  sliding_window=config.simulate_sliding_window,
-                                 hybrid=config.simulate_hybrid and config.hybrid_kv_cache
-                                 and not config.cpu_prefix_cache)
+                                 hybrid=config.simulate_hybrid)
         runner.tokenizer = SimTokenizer()
         return runner
     from engine.model_runner import ModelRunner  # imports torch: only for real models

@@ -74,6 +74,9 @@ def main(argv: list[str] | None = None) -> int:
                              f"({args.max_model_len}) tokens or more")
         if args.hybrid and args.sliding_window is None:
             raise ValueError("--hybrid needs --sliding-window")
+        if args.hybrid and args.cpu_cache_blocks is not None:
+            raise ValueError("--hybrid and --cpu-cache-blocks: a model with layer groups "
+                             "keeps one table with the CPU tier on (not modelled here)")
         config = EngineConfig(
             simulate=True, vocab_size=32000, block_size=args.block_size,
             num_gpu_blocks=args.num_gpu_blocks, num_cpu_blocks=args.num_cpu_blocks,

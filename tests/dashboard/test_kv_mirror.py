@@ -115,3 +115,19 @@ def test_event_records_cut_long_block_lists():
     record = event_record(stored[0])
     assert record["num_blocks"] == len(stored[0].block_ids) > EVENT_MAX_BLOCKS
     assert len(record["block_ids"]) == len(record["block_hashes"]) == EVENT_MAX_BLOCKS
+
+
+def test_a_forks_copy_on_write_is_mirrored():
+    """Samples of a fork share the parent's partly filled last block until each writes
+    into it: the copy replaces the table's last entry, which the mirror must see."""
+    engine = churn_engine(max_num_batched_tokens=64)
+    capturer, mirror = Capturer(), KVMirror("t", "epoch", engine.describe_config())
+    engine.add_request("f", list(range(1, 7)), SamplingParams(max_tokens=6, n=3))
+    copied = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        capture = capturer.capture(engine)
+        copied += sum(e.type == "CopiedOnWrite" for e in capture.events)
+        mirror.apply(capture)
+        same_state(mirror.snapshot(), engine.snapshot(compact=True))
+    assert copied

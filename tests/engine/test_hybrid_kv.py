@@ -187,3 +187,33 @@ def test_routers_hear_of_the_global_groups_hashes_only(tiny_model):
         batches.clear()
     sliding = [b for b in engine.kv.gpu.cached.values() if b.group == 1]
     assert stored and removed and sliding  # (the sliding group cached blocks meanwhile)
+
+
+@pytest.mark.parametrize("salt", [None, "tenant-a"])
+def test_a_pinned_prefix_keeps_what_every_group_needs(tiny_model, salt):
+    """Pinning a prefix pins the sliding group's blocks its window needs too: after an
+    operator evicts everything else, a prompt that continues the prefix still hits it
+    whole, salted (reading the pinned unsalted chain) or not."""
+    folder = tiny_model("gemma2")
+    vocab = SPECS["gemma2"].vocab_size
+    prefix = random_prompts(vocab, [32], seed=6)[0]  # 8 full blocks
+    (prompt,) = random_prompts(vocab, [6], seed=7, prefix=prefix)
+    engine = engine_for(folder)
+    engine.generate([prefix], greedy(1))
+    engine.pin_prefix(prefix)
+    pinned = [b for b in engine.kv.gpu.blocks if b.pinned]
+    # the global group's 8, and the sliding group's blocks 6 and 7 (position 32 sees back
+    # to 27, in block 6)
+    assert len(pinned) == 8 + 2 and sum(b.group == 1 for b in pinned) == 2
+    assert engine.evict_cached_blocks() > 0  # every cached block not pinned
+    engine.kv.check_invariants()
+    engine.add_request("p", prompt, greedy(4), cache_salt=salt)
+    final = None
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            final = o if o.finished else final
+        engine.kv.check_invariants()
+    assert final.num_cached_tokens == 32
+    assert final.output_token_ids == hf_greedy(folder, [prompt], 4)[0]
+    engine.unpin_prefix(prefix)
+    assert not any(b.pinned for b in engine.kv.gpu.blocks)

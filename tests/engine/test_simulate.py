@@ -116,3 +116,12 @@ def test_a_cpu_tier_raises_the_hit_rate_of_a_trace_whose_prefixes_overflow_the_p
     assert "paged + CPU tier" in out
     assert (f"{100 * without.prefix_hit_rate:.1f}% without the CPU tier, "
             f"{100 * with_tier.prefix_hit_rate:.1f}% with 1024 CPU blocks") in out
+
+
+def test_layer_groups_are_modelled_only_where_a_model_keeps_them():
+    cfg = dict(simulate=True, simulate_sliding_window=64, simulate_hybrid=True)
+    for off in (dict(cpu_prefix_cache=True), dict(hybrid_kv_cache=False)):
+        with pytest.raises(ValueError, match="simulate_hybrid"):
+            EngineConfig(**cfg, **off)
+    assert main(["--synthetic", "10", "--sliding-window", "32", "--hybrid",
+                 "--cpu-cache-blocks", "64"]) == 2
