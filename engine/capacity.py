@@ -52,7 +52,7 @@ def slot_usage(engine: LLMEngine) -> tuple[int, int]:
     """(token slots holding K/V, slots in blocks held by requests); a shared block once."""
     bs, kv = engine.config.block_size, engine.kv
     fill: dict[int, int] = {}
-    for manager in getattr(kv, "groups", (kv,)):  # (a hybrid model's every layer group)
+    for manager in kv.groups:  # (a hybrid model's every layer group)
         for rid, table in manager.req_to_blocks.items():
             computed = engine.scheduler.requests[rid].num_computed_tokens
             for i, block in enumerate(table, start=manager.window_freed(rid)):

@@ -50,11 +50,6 @@ class KVLayout:
     def num_groups(self) -> int:
         return len(self.windows)
 
-    def describe(self) -> list[dict]:
-        """Each group's window and layers, for describe_config."""
-        return [{"window": w, "layers": [i for i, g in enumerate(self.layer_group) if g == n]}
-                for n, w in enumerate(self.windows)]
-
 
 def kv_layout(layer_windows: tuple[int, ...], n_layers: int, hybrid: bool = True) -> KVLayout:
     """The layout for layers with these sliding windows (0: global; empty: all global).
@@ -91,14 +86,6 @@ class HybridMatch:
     def num_computed_tokens(self) -> int:
         return self.groups[0].num_computed_tokens
 
-    @property
-    def blocks(self) -> list[KVBlock]:  # group 0's, as a PrefixMatch's
-        return self.groups[0].blocks
-
-    @property
-    def cpu_blocks(self) -> list[KVBlock]:
-        return []
-
 
 class HybridKVCacheManager:
     """KVCacheManager's interface over one KVCacheManager per layer group, all in one GPU
@@ -110,7 +97,6 @@ class HybridKVCacheManager:
         if group_windows[0] is not None:
             raise ValueError("a hybrid layout's group 0 is a global group")
         self.block_size = block_size
-        self.enable_caching = enable_caching
         self.gpu = BlockPool(num_gpu_blocks, enable_caching, events, "gpu")
         self.cpu = BlockPool(num_cpu_blocks, False, events, "cpu")
         pools = (self.gpu, self.cpu)
@@ -119,11 +105,9 @@ class HybridKVCacheManager:
                        for g, w in enumerate(group_windows)]
         self.main = self.groups[0]
         self.sliding_window = None  # (not every layer slides)
-        self.group_windows = tuple(group_windows)
         self.cpu_tier = False
         self.cpu_prefix_cache_hits = 0
         self.num_blocks_offloaded = self.num_blocks_onloaded = 0
-        self._events = events
 
     @property
     def num_groups(self) -> int:
@@ -200,15 +184,22 @@ class HybridKVCacheManager:
         block it needs."""
         out = []
         for group, blocks in zip(self.groups[1:], cached):
-            window = group.sliding_window
-            # the first token computed sees back to num_computed - window + 1
-            skip = 0 if window is None else max(num_computed - window + 1, 0) // self.block_size
-            skip = min(skip, length - 1)  # (the last block is always held)
+            skip = self._window_start(group, num_computed, length)
             needed = blocks[skip:length]
             if any(b is None for b in needed):
                 return None
             out.append(PrefixMatch(list(needed), num_computed, cow, skip=skip))
         return out
+
+    def _window_start(self, group: KVCacheManager, num_computed: int, length: int) -> int:
+        """The first of a prefix's `length` blocks that group `group` needs for the token
+        at position num_computed: 0 for a global group; for a sliding one the block of
+        position num_computed - window + 1, the furthest back it sees (the prefix's last
+        block at most)."""
+        window = group.sliding_window
+        if window is None:
+            return 0
+        return min(max(num_computed - window + 1, 0) // self.block_size, length - 1)
 
     def record_prefix_query(self, request: Request, match: HybridMatch) -> None:
         self.main.record_prefix_query(request, match.groups[0])
@@ -302,9 +293,7 @@ class HybridKVCacheManager:
         """Group `group`'s cached blocks for the tokens of group 0's prefix `blocks`: all
         of them, or for a sliding group those the window reaches from the prefix's end
         (what a prompt that continues it reads)."""
-        n, window = len(blocks), group.sliding_window
-        skip = 0 if window is None else min(max(n * self.block_size - window + 1, 0)
-                                            // self.block_size, n - 1)
+        skip = self._window_start(group, len(blocks) * self.block_size, len(blocks))
         found = (group.gpu.get_cached(group_hash(b.block_hash, group.group))
                  for b in blocks[skip:])
         return [b for b in found if b is not None]

@@ -78,6 +78,8 @@ class SwapResult:
 
 
 class KVCacheManager:
+    num_groups = 1  # layer groups with a table of their own (HybridKVCacheManager: more)
+
     def __init__(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int,
                  enable_caching: bool, events: EventLog, sliding_window: int | None = None,
                  cpu_prefix_cache: bool = False,
@@ -184,20 +186,20 @@ class KVCacheManager:
         self.prefix_cache_hits += match.num_computed_tokens
         if match.blocks:
             self._emit("PrefixHit", request_id=request.request_id,
-                              block_ids=[b.block_id for b in match.blocks],
-                              block_hashes=[short(b.block_hash) for b in match.blocks],
-                              ref_cnts=[b.ref_cnt for b in match.blocks],
-                              num_tokens=len(match.blocks) * self.block_size
-                              if match.cpu_blocks else match.num_computed_tokens)
+                       block_ids=[b.block_id for b in match.blocks],
+                       block_hashes=[short(b.block_hash) for b in match.blocks],
+                       ref_cnts=[b.ref_cnt for b in match.blocks],
+                       num_tokens=len(match.blocks) * self.block_size
+                       if match.cpu_blocks else match.num_computed_tokens)
         if match.cpu_blocks:
             num_cpu_tokens = len(match.cpu_blocks) * self.block_size
             self.cpu_prefix_cache_hits += num_cpu_tokens
             self._emit("PrefixHit", request_id=request.request_id, pool="cpu",
-                              block_ids=[b.block_id for b in match.cpu_blocks],
-                              block_hashes=[short(b.block_hash) for b in match.cpu_blocks],
-                              ref_cnts=[b.ref_cnt for b in match.cpu_blocks],
-                              num_tokens=num_cpu_tokens,
-                              detail="CPU tier: copied into GPU blocks, not recomputed")
+                       block_ids=[b.block_id for b in match.cpu_blocks],
+                       block_hashes=[short(b.block_hash) for b in match.cpu_blocks],
+                       ref_cnts=[b.ref_cnt for b in match.cpu_blocks],
+                       num_tokens=num_cpu_tokens,
+                       detail="CPU tier: copied into GPU blocks, not recomputed")
 
     # --- allocation ------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int,
@@ -292,9 +294,9 @@ class KVCacheManager:
         self._step_ids.pop(rid, None)
         self.gpu.free(reversed(gone))
         self._emit("WindowFreed", request_id=rid, block_ids=[b.block_id for b in gone],
-                          ref_cnts=[b.ref_cnt for b in gone],
-                          num_tokens=(freed + n) * self.block_size,
-                          detail=f"out of the {self.sliding_window}-token window")
+                   ref_cnts=[b.ref_cnt for b in gone],
+                   num_tokens=(freed + n) * self.block_size,
+                   detail=f"out of the {self.sliding_window}-token window")
 
     def window_freed(self, request_id: str) -> int:
         """Leading blocks the request gave back because no layer's window reaches them."""
@@ -340,9 +342,9 @@ class KVCacheManager:
         self._step_ids.pop(rid, None)
         self._shared_tail.discard(rid)
         self._emit("CopiedOnWrite", request_id=rid,
-                          block_ids=[shared.block_id, copy.block_id],
-                          ref_cnts=[shared.ref_cnt, copy.ref_cnt],
-                          num_tokens=request.num_computed_tokens)
+                   block_ids=[shared.block_id, copy.block_id],
+                   ref_cnts=[shared.ref_cnt, copy.ref_cnt],
+                   num_tokens=request.num_computed_tokens)
         self._offer_to_cache(request, total_tokens)
         return Allocation(new_blocks=[copy, *grown], copies=[(shared.block_id, copy.block_id)])
 
@@ -370,10 +372,10 @@ class KVCacheManager:
             self._external_stored(request, indices)
         if stored:
             self._emit("BlockStored", request_id=rid,
-                              block_ids=[b.block_id for b in stored],
-                              block_hashes=[short(b.block_hash) for b in stored],
-                              ref_cnts=[b.ref_cnt for b in stored],
-                              num_tokens=end * self.block_size)
+                       block_ids=[b.block_id for b in stored],
+                       block_hashes=[short(b.block_hash) for b in stored],
+                       ref_cnts=[b.ref_cnt for b in stored],
+                       num_tokens=end * self.block_size)
 
     def _external_stored(self, request: Request, indices: list[int]) -> None:
         """vLLM-style BlockStored records: one per run of consecutive block indices."""
@@ -407,14 +409,14 @@ class KVCacheManager:
         if table:
             self.gpu.free(reversed(table))
             self._emit("BlockRemoved", request_id=rid,
-                              block_ids=[b.block_id for b in table],
-                              ref_cnts=[b.ref_cnt for b in table])
+                       block_ids=[b.block_id for b in table],
+                       ref_cnts=[b.ref_cnt for b in table])
         cpu_table = self.req_to_cpu_blocks.pop(rid, [])
         if cpu_table:
             self.cpu.free(reversed(cpu_table))
             self._emit("BlockRemoved", request_id=rid, pool="cpu",
-                              block_ids=[b.block_id for b in cpu_table],
-                              ref_cnts=[b.ref_cnt for b in cpu_table])
+                       block_ids=[b.block_id for b in cpu_table],
+                       ref_cnts=[b.ref_cnt for b in cpu_table])
 
     # --- CPU tier ----------------------------------------------------------------------
     def _gpu_evicted(self, evicted: list[tuple[int, BlockHash]]) -> None:
@@ -517,8 +519,8 @@ class KVCacheManager:
         self.num_blocks_offloaded += len(stored)
         self.cpu_uncomputed.extend(stored)
         self._emit("BlockStored", pool="cpu", block_ids=[b.block_id for b in stored],
-                          block_hashes=[short(b.block_hash) for b in stored],
-                          ref_cnts=[0] * len(stored), detail=f"CPU tier: {how}")
+                   block_hashes=[short(b.block_hash) for b in stored],
+                   ref_cnts=[0] * len(stored), detail=f"CPU tier: {how}")
         if self._events.external is None:
             return
         for block in stored:
@@ -597,17 +599,17 @@ class KVCacheManager:
             self._events.external.append(("removed", [h for _, h in cpu_dropped], "CPU"))
         if cpu_dropped:
             self._emit("BlockEvicted", pool="cpu", detail="step failed",
-                              block_ids=[b for b, _ in cpu_dropped],
-                              block_hashes=[short(h) for _, h in cpu_dropped],
-                              ref_cnts=[0] * len(cpu_dropped))
+                       block_ids=[b for b, _ in cpu_dropped],
+                       block_hashes=[short(h) for _, h in cpu_dropped],
+                       ref_cnts=[0] * len(cpu_dropped))
         if dropped and self._events.external is not None and not self.group:
             self._events.external.append(("removed", [h for _, h in dropped]))
         self._forget_tokens([h for _, h in dropped + cpu_dropped])
         if dropped:
             self._emit("BlockEvicted", detail="step failed",
-                              block_ids=[b for b, _ in dropped],
-                              block_hashes=[short(h) for _, h in dropped],
-                              ref_cnts=[self.gpu.blocks[b].ref_cnt for b, _ in dropped])
+                       block_ids=[b for b, _ in dropped],
+                       block_hashes=[short(h) for _, h in dropped],
+                       ref_cnts=[self.gpu.blocks[b].ref_cnt for b, _ in dropped])
         return len(dropped)
 
     # --- operator: evict, reset, pin ------------------------------------------------------
@@ -618,9 +620,9 @@ class KVCacheManager:
         self._forget_tokens([h for _, h in victims])
         if victims:
             self._emit("BlockEvicted", detail="operator",
-                              block_ids=[b.block_id for b, _ in victims],
-                              block_hashes=[short(h) for _, h in victims],
-                              ref_cnts=[0] * len(victims))
+                       block_ids=[b.block_id for b, _ in victims],
+                       block_hashes=[short(h) for _, h in victims],
+                       ref_cnts=[0] * len(victims))
         return len(victims)
 
     def reset_prefix_cache(self) -> dict:
@@ -633,8 +635,8 @@ class KVCacheManager:
         if self._events.external is not None:
             self._events.external.append(("cleared",))
         self._emit("AllBlocksCleared", num_tokens=n * self.block_size,
-                          detail=f"{n} cached blocks forgotten, {len(unpinned)} unpinned"
-                          + (f", {n_cpu} on the CPU tier" if n_cpu else ""))
+                   detail=f"{n} cached blocks forgotten, {len(unpinned)} unpinned"
+                   + (f", {n_cpu} on the CPU tier" if n_cpu else ""))
         return {"num_blocks_forgotten": n, "num_blocks_unpinned": len(unpinned),
                 "num_cpu_blocks_forgotten": n_cpu}
 
@@ -652,16 +654,16 @@ class KVCacheManager:
         newly = [b for b in blocks if self.gpu.pin(b)]
         if newly:
             self._emit("Pinned", block_ids=[b.block_id for b in newly],
-                              block_hashes=[short(b.block_hash) for b in newly],
-                              ref_cnts=[b.ref_cnt for b in newly])
+                       block_hashes=[short(b.block_hash) for b in newly],
+                       ref_cnts=[b.ref_cnt for b in newly])
         return newly
 
     def unpin(self, blocks: list[KVBlock]) -> list[KVBlock]:
         released = [b for b in blocks if self.gpu.unpin(b)]
         if released:
             self._emit("Unpinned", block_ids=[b.block_id for b in released],
-                              block_hashes=[short(b.block_hash) for b in released],
-                              ref_cnts=[b.ref_cnt for b in released])
+                       block_hashes=[short(b.block_hash) for b in released],
+                       ref_cnts=[b.ref_cnt for b in released])
         return released
 
     # --- introspection ---------------------------------------------------------------
@@ -690,6 +692,15 @@ class KVCacheManager:
 
     def cpu_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_cpu_blocks.get(request_id, ())]
+
+    @property
+    def groups(self) -> tuple[KVCacheManager]:
+        """The managers of every layer group's tables: this one."""
+        return (self,)
+
+    def group_tables(self, pool: str = "gpu") -> list:
+        """Other layer groups' tables (HybridKVCacheManager): none."""
+        return []
 
     def num_blocks_held(self, request_id: str) -> int:
         """GPU blocks the request holds (a hybrid model's: in every layer group)."""

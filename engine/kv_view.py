@@ -105,13 +105,11 @@ class Capturer:
         rows = [_request_row(r, freed) for r in live.values()]
         rows += [_request_row(r, freed) for r in sched.recently_finished
                  if r.request_id not in live]
-        groups = getattr(kv, "group_tables", None)  # (a hybrid model's layer groups)
         return Capture(
             ts=time.time(), step=engine.step_count, version=engine.version, requests=rows,
-            gpu=_capture_pool(kv.gpu, kv.req_to_blocks, live, full, pins,
-                              groups("gpu") if groups else ()),
+            gpu=_capture_pool(kv.gpu, kv.req_to_blocks, live, full, pins, kv.group_tables("gpu")),
             cpu=_capture_pool(kv.cpu, kv.req_to_cpu_blocks, live, full, pins,
-                              groups("cpu") if groups else ()),
+                              kv.group_tables("cpu")),
             eviction_order=kv.gpu.eviction_order(EVICTION_ORDER_LEN),
             metrics=engine.metrics(), events=events, events_on=events_on)
 

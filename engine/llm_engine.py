@@ -58,7 +58,7 @@ class LLMEngine:
         self.tokenizer = self.runner.tokenizer
         self.max_model_len = self.runner.max_model_len
         self.events = EventLog(config.max_pending_events)
-        groups = getattr(self.runner, "kv_group_windows", None)
+        groups = self.runner.kv_group_windows
         if groups:  # a table per layer group (a model mixing sliding and global layers)
             self.kv = HybridKVCacheManager(config.block_size, self.runner.num_gpu_blocks,
                                            self.runner.num_cpu_blocks,
@@ -506,7 +506,7 @@ class LLMEngine:
     def _blocks_for(self, num_tokens: int) -> int:
         """Most GPU blocks a request of num_tokens holds at once: where layers slide, a
         window and a step's chunk (in each sliding layer group's table)."""
-        windows = getattr(self.runner, "kv_group_windows", None) or (self.runner.sliding_window,)
+        windows = self.runner.kv_group_windows or (self.runner.sliding_window,)
         return blocks_for(num_tokens, self.config.block_size, windows,
                           self.config.max_num_batched_tokens)
 
@@ -583,8 +583,8 @@ class LLMEngine:
                 "simulate": self.config.simulate,
                 "sliding_window": self.runner.sliding_window,
                 # a hybrid model's layer groups: each one's window (None: global)
-                "kv_group_windows": list(getattr(self.runner, "kv_group_windows", None) or [])
-                or None,
+                "kv_group_windows": list(self.runner.kv_group_windows)
+                if self.runner.kv_group_windows else None,
                 "tensor_parallel_size": getattr(self.runner, "tensor_parallel_size", 1),
                 # per rank: device, weight, KV and swap bytes (a real model)
                 "rank_memory": getattr(self.runner, "rank_memory", None),

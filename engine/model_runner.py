@@ -241,8 +241,8 @@ class ModelRunner(Runner):
             positions=torch.from_numpy(np.concatenate(positions)).to(dev),
             logits_indices=torch.tensor(logits_rows + prompt_logits_rows, dtype=torch.int64,
                                         device=dev),
-            attention=attention, sampling_ids=sampling_ids, sampling_rows=sampling_rows, prompt_rows=prompt_rows,
-            groups=groups)
+            attention=attention, sampling_ids=sampling_ids, sampling_rows=sampling_rows,
+            prompt_rows=prompt_rows, groups=groups)
 
     def _group_batch(self, out: SchedulerOutput, group: int, seq_lens: list[int],
                      query_start_loc: list[int], positions: list[np.ndarray]) -> AttentionBatch:

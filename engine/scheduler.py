@@ -109,7 +109,7 @@ class Scheduler:
         # The CPU tier's copies of reused blocks (none without it); releases the CPU
         # blocks this step's swap-ins read.
         out.swap_out.extend(self.kv.flush_offloads())
-        if getattr(self.kv, "num_groups", 1) > 1 and out.scheduled:
+        if self.kv.num_groups > 1 and out.scheduled:
             tables = self.kv.group_step_block_ids
             out.group_block_ids = {s.request.request_id: tables(s.request.request_id)
                                    for s in out.scheduled}

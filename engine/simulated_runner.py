@@ -101,11 +101,13 @@ class SimulatedRunner(Runner):
             if s.samples:  # `prev` is the last slot's value, as just written
                 sampled[s.request.request_id] = token = prev % vocab  # next_token
                 if s.request.sampling_params.logprobs is not None:
-                    # The stand-in model is deterministic: its token has probability 1.
-                    self.logprobs[s.request.request_id] = [
-                        0.0, [token] if s.request.sampling_params.logprobs else [],
-                        [0.0] if s.request.sampling_params.logprobs else []]
+                    self._logprobs(s.request, token)
         return sampled
+
+    def _logprobs(self, request, token: int) -> None:
+        """The stand-in model is deterministic: its token has probability 1."""
+        top = request.sampling_params.logprobs
+        self.logprobs[request.request_id] = [0.0, [token] if top else [], [0.0] if top else []]
 
     def _forward_groups(self, out: SchedulerOutput) -> dict[str, int]:
         """_forward with a block table per layer group: each group's slots hold the
@@ -132,9 +134,7 @@ class SimulatedRunner(Runner):
             if s.samples:
                 sampled[rid] = token = prev % vocab
                 if s.request.sampling_params.logprobs is not None:
-                    self.logprobs[rid] = [0.0, [token] if s.request.sampling_params.logprobs
-                                          else [], [0.0] if s.request.sampling_params.logprobs
-                                          else []]
+                    self._logprobs(s.request, token)
         return sampled
 
     def _copy(self, src: list[int], dst: list[int], mapping: list[tuple[int, int]]) -> None:

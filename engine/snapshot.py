@@ -89,9 +89,8 @@ def build_snapshot(engine: LLMEngine, compact: bool) -> dict:
     sched = engine.scheduler
     live = list(sched.requests.values())
     index_of = {r.request_id: r.index for r in live}
-    groups = getattr(kv, "group_tables", None)  # (a hybrid model's layer groups)
-    gpu = pool_arrays(kv.gpu, kv.req_to_blocks, index_of, groups("gpu") if groups else ())
-    cpu = pool_arrays(kv.cpu, kv.req_to_cpu_blocks, index_of, groups("cpu") if groups else ())
+    gpu = pool_arrays(kv.gpu, kv.req_to_blocks, index_of, kv.group_tables("gpu"))
+    cpu = pool_arrays(kv.cpu, kv.req_to_cpu_blocks, index_of, kv.group_tables("cpu"))
     live_ids = set(index_of)
     finished = [r for r in sched.recently_finished if r.request_id not in live_ids]
     return {
