@@ -1,4 +1,4 @@
-"""A throwaway kvops deployment on this machine: daphne + engine workers (Celery) on a
+"""A throwaway kvops deployment on this machine: uvicorn + engine workers (Celery) on a
 fresh SQLite file, driven over HTTP like any client. Tests, benchmarks and the load
 script use it; it talks to loopback only."""
 from __future__ import annotations
@@ -16,7 +16,7 @@ from urllib.parse import urlparse, urlunparse
 import requests
 
 from kvops.private_file import ensure_secret_key
-from kvops.run import daphne_endpoint
+from kvops.run import web_server_argv
 
 REPO = Path(__file__).resolve().parents[1]
 _stack_count = itertools.count(1)
@@ -77,8 +77,7 @@ class Stack:
                     "User.objects.create_user('alice', password='alice-pass-123')")
         for user in ("admin", "alice"):
             self.tokens[user] = self.manage("drf_create_token", user).split()[2]
-        self._spawn("web", [sys.executable, "-m", "daphne", "-e",
-                            daphne_endpoint("127.0.0.1", self.port), "kvops.asgi:application"])
+        self._spawn("web", web_server_argv("127.0.0.1", self.port))
         self.wait(lambda: requests.get(f"{self.url}/healthz", timeout=2).status_code == 200,
                   "web server", 30)
 

@@ -10,15 +10,17 @@ import time
 from functools import partial
 from typing import Any, AsyncIterator
 
+import msgspec
 from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import close_old_connections
-from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
+from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 from rest_framework.authtoken.models import Token
 
 from kvops import limits, selectors, services, tool_calls
 from kvops.admission import get_admissions
+from kvops.api_handler import EventStream
 from kvops.job_listener import JobFailed, JobListener, cancel_abandoned
 from kvops.models import Job
 from kvops.prompt_check import PromptTooLong, check_prompt_fits
@@ -435,16 +437,11 @@ async def _handle(request: HttpRequest, chat: bool) -> HttpResponse:
     listener = JobListener(sub, job)
     sub.on_cut_off = partial(cancel_abandoned, job.pk)
     if stream:
-        response = StreamingHttpResponse(_sse(listener, ident, model, created, chat,
-                                              job.params.get("logprobs") is not None,
-                                              n=job.params.get("n") or 1, echo=echo,
-                                              tool_call=job.params.get("tool_call"),
-                                              call_id=f"call_{job.pk}",
-                                              **stream_options),
-                                         content_type="text/event-stream")
-        response["Cache-Control"] = "no-cache"
-        response["X-Accel-Buffering"] = "no"
-        return response
+        return EventStream(_sse(listener, ident, model, created, chat,
+                                job.params.get("logprobs") is not None,
+                                n=job.params.get("n") or 1, echo=echo,
+                                tool_call=job.params.get("tool_call"),
+                                call_id=f"call_{job.pk}", **stream_options))
     try:
         async for _ in listener.updates():
             pass
@@ -522,6 +519,15 @@ class _Diverged(Exception):
     """A re-run's text does not continue what was streamed."""
 
 
+_json = msgspec.json.Encoder()
+
+
+def _event(doc: dict) -> bytes:
+    """One server-sent event carrying doc as JSON (msgspec: a fifth of json.dumps's
+    cost, and a stream sends one per chunk)."""
+    return b"data: " + _json.encode(doc) + b"\n\n"
+
+
 async def _sse(listener: JobListener, ident: str, model: str, created: int,
                chat: bool, logprobs: bool = False, include_usage: bool = False,
                continuous_usage_stats: bool = False, n: int = 1,
@@ -540,7 +546,7 @@ async def _sse(listener: JobListener, ident: str, model: str, created: int,
     text_offset = [len(echo)] * n  # and where the next one's text starts
 
     def chunk(delta_text: str | None, finish: str | None, first: bool = False,
-              index: int = 0) -> str:
+              index: int = 0) -> bytes:
         entries = None
         if logprobs and first and echo:  # the prompt's tokens
             entries = _format_logprobs(listener.prompt_logprobs or [], chat, 0)
@@ -565,17 +571,17 @@ async def _sse(listener: JobListener, ident: str, model: str, created: int,
         if continuous_usage_stats:
             data["usage"] = _usage_of(listener.num_prompt_tokens,
                                       listener.num_all_output_tokens, listener.num_cached_tokens)
-        return f"data: {json.dumps(data)}\n\n"
+        return _event(data)
 
-    def error(message: str) -> str:
-        return f"data: {json.dumps({'error': {'message': message, 'type': 'server_error'}})}\n\n"
+    def error(message: str) -> bytes:
+        return _event({"error": {"message": message, "type": "server_error"}})
 
-    def tool_call_chunk(calls: list[dict] | None, finish: str | None) -> str:
+    def tool_call_chunk(calls: list[dict] | None, finish: str | None) -> bytes:
         delta = {"tool_calls": calls} if calls else {}
-        return "data: " + json.dumps({
+        return _event({
             "id": ident, "object": kind, "created": created, "model": model,
             "choices": [{"index": 0, "delta": delta, "finish_reason": finish,
-                         "logprobs": None}]}) + "\n\n"
+                         "logprobs": None}]})
 
     max_rate = settings.KVOPS_SSE_MAX_CHUNKS_PER_S
     sent = [""] * n  # each sample's text streamed so far
@@ -647,15 +653,15 @@ async def _sse(listener: JobListener, ident: str, model: str, created: int,
                             yield chunk(outcome["text"][len(sent[index]):], None, index=index)
                         yield chunk(None, outcome["finish_reason"] or "stop", index=index)
                     if include_usage:
-                        yield "data: " + json.dumps({
+                        yield _event({
                             "id": ident, "object": kind, "created": created, "model": model,
-                            "choices": [], "usage": _usage(state)}) + "\n\n"
+                            "choices": [], "usage": _usage(state)})
         except JobFailed as e:
             yield error(f"the job's updates were lost: {e}")
         except _Diverged:
             yield error("the job ran again after its engine stopped, and its new output "
                         "differs from what was streamed; retry the request")
-        yield "data: [DONE]\n\n"
+        yield b"data: [DONE]\n\n"
     finally:
         listener.sub.close()
         if not listener.finished:  # the client went away, or the stream broke

@@ -84,7 +84,7 @@ def test_a_client_that_disconnects_cancels_its_job_and_frees_its_blocks(gpu_pace
         return seen
 
     seen = asyncio.run(main())
-    job_id = int(seen.split(b'"id": "cmpl-', 1)[1].split(b'"', 1)[0])
+    job_id = int(seen.split(b'"id":"cmpl-', 1)[1].split(b'"', 1)[0])
     job = {}
 
     def ended() -> bool:
