@@ -48,7 +48,8 @@ class ShownPool {
 }
 
 class Window {
-  constructor(answer, every) {
+  // spare: states of windows dropped (Replay.add), reused for this one's checkpoints.
+  constructor(answer, every, spare = []) {
     this.start = answer.window.start;  // the keyframe's time (Unix seconds)
     this.end = answer.window.end;  // the next keyframe's time; null: the newest window
     this.through = answer.newest;  // the newest moment stored when it was fetched
@@ -66,12 +67,23 @@ class Window {
     this.every = every;  // deltas between two checkpoints
     // The states after deltas 0 (the keyframe), every, 2 * every, ...: never applied to,
     // a seek restores one into its own state.
+    // A checkpoint takes a spare state's per-block arrays when there is one: a window
+    // of fresh ones is megabytes of new buffers, and buffers allocated at that pace make
+    // the browser collect garbage in the middle of the next positions.
     this.checkpoints = [keyframe];
-    const state = keyframe.clone();
+    const copy = (from) => {
+      const into = spare.pop();
+      if (!into || into.gpu.n !== from.gpu.n || into.cpu.n !== from.cpu.n) return from.clone();
+      into.restore(from);
+      from.disown();  // the two share requests now: the one applied to copies on write
+      return into;
+    };
+    const state = copy(keyframe);
     for (let i = 0; i < this.deltas.length - 1; i++) {
       state.apply(this.deltas[i]);
-      if ((i + 1) % every === 0) this.checkpoints.push(state.clone());
+      if ((i + 1) % every === 0) this.checkpoints.push(copy(state));
     }
+    this.working = state;  // (the last deltas' state: spare once the window goes)
     this.used = 0;  // Replay.uses when last added or shown
   }
 
@@ -125,12 +137,13 @@ export class Replay {
     // {gpu, cpu}: ShownPool, the cells on screen: onScreen's now, then as seek() left them.
     this.shown = onScreen ? shownOf(onScreen) : null;
     this.uses = 0;  // a clock of seeks: each window remembers when it was last shown
+    this.spare = [];  // states of dropped windows, for the next window's checkpoints
   }
 
   // An answer of timeline/state/?through=window (a window fetched again replaces itself).
   // Over maxWindows, the one shown longest ago goes (never the one on screen).
   add(answer) {
-    const window = new Window(answer, this.checkpointEvery);
+    const window = new Window(answer, this.checkpointEvery, this.spare);
     window.used = ++this.uses;
     this.windows = this.windows.filter((w) => w.start !== window.start);
     this.windows.push(window);
@@ -142,6 +155,8 @@ export class Replay {
       const stalest = this.windows.filter((w) => w !== onScreen && w !== window)
         .reduce((a, b) => (b.used < a.used ? b : a));
       this.windows = this.windows.filter((w) => w !== stalest);
+      this.spare.push(...stalest.checkpoints.slice(1), stalest.working);  // (not the keyframe: decoded anew)
+      this.spare.length = Math.min(this.spare.length, 2 * (stalest.checkpoints.length + 1));
     }
   }
 

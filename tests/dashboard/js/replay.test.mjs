@@ -281,3 +281,26 @@ test("states share the requests a delta leaves alone, and never change a checkpo
   assert.equal(state.requests.get(2), later.requests.get(2));
   assert.deepEqual(state.requests.get(2).block_table, [3]);
 });
+
+test("a dropped window's states are the next windows' checkpoints, and every moment still rebuilds right", () => {
+  const { moments, answers } = history({ deltas: 120, every: 20 });  // six windows
+  const replay = new Replay({ maxWindows: 2, checkpointEvery: 5 });
+  const seen = new Set();  // every checkpoint's GPU state array so far
+  let reused = 0;
+  answers.forEach((answer, k) => {
+    replay.add(answer);
+    const window = replay.windowAt(answer.window.start);
+    for (const state of window.checkpoints.slice(1)) {
+      if (seen.has(state.gpu.state)) reused++;
+      seen.add(state.gpu.state);
+    }
+    window.checkpoints.forEach((state, c) => {
+      assert.deepEqual(byIndex(toSnapshot(state)), byIndex(moments[20 * k + 5 * c]), `window ${k}, checkpoint ${c}`);
+    });
+    for (const t of scrubTimes(moments.slice(20 * k, 20 * k + 20), k)) {
+      const expected = moments.filter((m) => m.ts <= t).pop();
+      assert.deepEqual(byIndex(toSnapshot(replay.seek(t).state)), byIndex(expected), `at ${t}`);
+    }
+  });
+  assert.ok(reused >= 3 * 3, `windows 2-5 took their checkpoints from dropped ones (${reused})`);
+});
