@@ -1,5 +1,5 @@
 """ASGI entry point: HTTP through Django (/v1 without the page middleware, see
-kvops/api_handler.py), websockets through Channels (served by daphne)."""
+kvops/api_handler.py), websockets through Channels (served by uvicorn)."""
 import os
 
 from django.core.asgi import get_asgi_application

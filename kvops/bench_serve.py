@@ -1,6 +1,6 @@
 """Streaming benchmark: `python -m kvops.bench_serve`.
 
-The service path measured end to end at an engine's pace: a throwaway stack (daphne and
+The service path measured end to end at an engine's pace: a throwaway stack (uvicorn and
 one engine worker, loopback only) with the simulated engine paced like a GPU step
 (--step-ms), N concurrent streamed completions through /v1 (ignore_eos, 200-400
 tokens each) from a light SSE client in this process, and, in the same run, the same

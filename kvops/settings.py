@@ -236,7 +236,7 @@ LOGGING = {
     "disable_existing_loggers": False,
     "handlers": {"console": {"class": "logging.StreamHandler"}},
     "root": {"handlers": ["console"], "level": os.environ.get("KVOPS_LOG_LEVEL", "INFO")},
-    "loggers": {"daphne": {"level": "WARNING"}, "django.channels.server": {"level": "WARNING"},
+    "loggers": {"uvicorn": {"level": "WARNING"}, "django.channels.server": {"level": "WARNING"},
                 # Celery's two lines per task (received, succeeded): at hundreds of jobs a
                 # second their handler's lock is contended by every job thread. Failures
                 # are still logged; KVOPS_LOG_TASKS=1 brings the lines back.

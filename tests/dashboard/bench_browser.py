@@ -3,7 +3,7 @@
     .venv/bin/python -m tests.dashboard.bench_browser [--blocks 65536] [--requests 1000]
         [--seconds 30] [--screenshot artifacts/dashboard/scale.png]
 
-Starts the web server (daphne) on a private Redis and SQLite file, and, in this process,
+Starts the web server (uvicorn) on a private Redis and SQLite file, and, in this process,
 a simulated engine exactly as a worker runs it (EngineService + the live publisher) with
 a steady population of requests added straight to the engine: a thousand jobs would
 need a thousand Celery threads writing to SQLite ten times a second, which is not what

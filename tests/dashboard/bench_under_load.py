@@ -3,7 +3,7 @@
 
     .venv/bin/python -m tests.dashboard.bench_under_load [--streams 256] [--step-ms 10]
 
-One stack (daphne and one engine worker, as kvops.bench_serve starts them), the page of
+One stack (uvicorn and one engine worker, as kvops.bench_serve starts them), the page of
 its engine opened as admin, then the streams from a light SSE client; it prints the
 page's figures over the streams' run (apply+paint per delta, frame intervals, websocket
 KB/s) and the streams' own (delivered tok/s, lost, hung). Chromium shares the machine's

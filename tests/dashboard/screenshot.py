@@ -1,7 +1,7 @@
 """The README's screenshot of the engine page: `python -m tests.dashboard.screenshot
 [--out docs/engine-page.png]`.
 
-A real stack (daphne, one simulated engine worker) is driven through the REST API into a
+A real stack (uvicorn, one simulated engine worker) is driven through the REST API into a
 state that shows every colour: finished jobs leave cached blocks, a pinned system prompt,
 running jobs sharing a prefix, a full pool (so the next evictions are marked), one job
 swapped out by an operator and one preempted.

@@ -1,4 +1,4 @@
-"""The dashboard end to end, in headless Chromium against the real stack (daphne, a
+"""The dashboard end to end, in headless Chromium against the real stack (uvicorn, a
 simulated engine worker, Redis, SQLite): log in, submit a job, watch its tokens and its
 blocks, preempt and swap it out from the engine page, and see a non-operator get no
 buttons and a 403. Screenshots go to artifacts/dashboard/ (looked at, not compared)."""

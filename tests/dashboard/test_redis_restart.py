@@ -1,5 +1,5 @@
 """Redis restarts under open pages (README "What happens when things fail"): a real stack
-(daphne, a simulated engine worker) on a redis-server of its own, the engine page and a
+(uvicorn, a simulated engine worker) on a redis-server of its own, the engine page and a
 job page open in headless Chromium, jobs running; Redis is killed and started again on
 the same port. The channel layer's group memberships went with it, so the pages only
 keep up if the consumers re-join and the engine page resyncs: a job submitted after the

@@ -1,4 +1,4 @@
-"""The engine page's "What if" panel in headless Chromium against a real stack (daphne,
+"""The engine page's "What if" panel in headless Chromium against a real stack (uvicorn,
 a simulated engine worker, the ops worker, Redis, SQLite): an operator fills the form,
 runs it, and sees both replays side by side; someone who is not an operator has no
 panel. A screenshot goes to artifacts/dashboard/what-if.png (looked at, not compared)."""
