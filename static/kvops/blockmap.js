@@ -18,6 +18,8 @@ export class BlockMap {
     this.evictRank = null;  // Int32Array: place in the eviction order, -1 if not in it
     this.mask = null;  // Uint8Array: 1 for the selected request's blocks
     this.path = [];  // the selected request's table, in order
+    this.base = 0;  // colors()'s answer: the cell's colour and its dot's
+    this.dot = 0;
     this.hover = -1;
     this.fitted = null;  // [n, width]: what the canvas was last sized for
     this.dirtyLo = Infinity;
@@ -61,23 +63,31 @@ export class BlockMap {
     this.evictRank = evictRank;
   }
 
+  // A cell's colour and its dot's (0: none), left in this.base and this.dot (no array
+  // per cell: the timeline repaints thousands of cells a position).
   colors(i) {
     const p = this.pool, pal = this.palette;
     const dimmed = this.mask !== null && this.mask[i] === 0;
     const s = p.state[i];
     if (s === STATE.used) {
-      return [pal.ownerColor(p.owner[i], dimmed), !dimmed && p.ref_cnt[i] > 1 ? pal.sharedDot : 0];
-    }
-    if (s === STATE.cached) {
+      this.base = pal.ownerColor(p.owner[i], dimmed);
+      this.dot = !dimmed && p.ref_cnt[i] > 1 ? pal.sharedDot : 0;
+    } else if (s === STATE.cached) {
       const evict = !dimmed && this.evictRank !== null && this.evictRank[i] >= 0;
-      return [dimmed ? pal.cachedDim : pal.cached, evict ? pal.evictDot : 0];
+      this.base = dimmed ? pal.cachedDim : pal.cached;
+      this.dot = evict ? pal.evictDot : 0;
+    } else if (s === STATE.pinned) {
+      this.base = dimmed ? pal.pinnedDim : pal.pinned;
+      this.dot = dimmed ? 0 : pal.pinDot;
+    } else {
+      this.base = dimmed ? pal.freeDim : pal.free;
+      this.dot = 0;
     }
-    if (s === STATE.pinned) return [dimmed ? pal.pinnedDim : pal.pinned, dimmed ? 0 : pal.pinDot];
-    return [dimmed ? pal.freeDim : pal.free, 0];
   }
 
   paintCell(i) {
-    const [base, dot] = this.colors(i);
+    this.colors(i);
+    const base = this.base, dot = this.dot;
     const s = this.cell, inner = s - this.gap, W = this.width, px = this.pixels;
     const x0 = (i % this.cols) * s, y0 = Math.floor(i / this.cols) * s;
     if (inner <= SMALL_CELL) {  // a few pixels a row: plain stores beat fill()'s call

@@ -77,7 +77,7 @@ export class KVState {
   // Copy on write: clone() and restore() share request objects and their block tables
   // between states (a replay's checkpoints and the state it shows), so neither copies a
   // thousand requests. A state changes only the objects and tables it owns, copying a
-  // shared one at its first change (ownRequest, ownTable). After a clone neither side
+  // shared one at its first change (ownRequest, appendToTable). After a clone neither side
   // owns anything.
   disown() {
     this.owned = new WeakSet();
@@ -92,14 +92,21 @@ export class KVState {
     return mine;
   }
 
-  ownTable(r, key) {
-    let table = r[key];
-    if (!this.owned.has(table)) {
-      table = table.slice();
-      this.owned.add(table);
-      r[key] = table;
+  // Append op's blocks (op[1..]) to a request's table: in place if this state owns the
+  // table, else into a copy made at its new size (one allocation, not a copy and then
+  // its growth: a seek after a restore copies hundreds of tables, and the garbage they
+  // leave is what makes the browser pause to collect it).
+  appendToTable(r, key, op) {
+    const table = r[key];
+    if (this.owned.has(table)) {
+      for (let i = 1; i < op.length; i++) table.push(op[i]);
+      return;
     }
-    return table;
+    const n = table.length, grown = new Array(n + op.length - 1);
+    for (let i = 0; i < n; i++) grown[i] = table[i];
+    for (let i = 1; i < op.length; i++) grown[n + i - 1] = op[i];
+    this.owned.add(grown);
+    r[key] = grown;
   }
 
   setEvictionOrder(order) {
@@ -203,8 +210,7 @@ export class KVState {
       for (const op of ops.append) {
         const r = this.ownRequest(op[0]);
         if (!r) continue;
-        const table = this.ownTable(r, key);
-        for (let i = 1; i < op.length; i++) table.push(op[i]);
+        this.appendToTable(r, key, op);
         changed.tables.add(op[0]);
       }
       for (const op of ops.set) {

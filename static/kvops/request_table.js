@@ -23,6 +23,7 @@ const ACTIONS = {
 // The samples of a forked request ("<request>/<i>", n > 1) stay together, in sample
 // order, where the first of them sorts.
 function groupSamples(rows) {
+  if (!rows.some((r) => r.request_id.includes("/"))) return rows;  // no fork: nothing to move
   const groups = new Map();
   for (const r of rows) {
     const slash = r.request_id.lastIndexOf("/");
