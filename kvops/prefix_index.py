@@ -6,8 +6,9 @@ cpu_prefix_cache: a hit there is copied back instead of recomputed), from the pr
 changes its KV feed reports (blocks stored, evicted, the cache cleared;
 engine/kv_feed.py), with a full rewrite now and then (the engine's `prefix-hashes`
 command) to repair any drift (a lost write, a Redis restart).
-Router side: cached_prefix_blocks() counts how many leading blocks of a prompt an
-engine holds, and how many of those are on its GPU.
+Router side: leading_blocks() counts how many leading blocks of a prompt an engine
+holds, and how many of those are on its GPU, from reads queued by look_up() (a batch of
+jobs routed together reads all its prompts in one round trip).
 """
 from __future__ import annotations
 
@@ -79,11 +80,27 @@ def cached_prefix_blocks(engine_name: str, short_hashes: list[str]) -> tuple[int
     if not short_hashes:
         return 0, 0
     pipe = live.redis_client().pipeline(transaction=False)
-    pipe.smismember(INDEX_KEY.format(engine=engine_name), short_hashes)
-    pipe.smismember(CPU_INDEX_KEY.format(engine=engine_name), short_hashes)
+    look_up(pipe, engine_name, short_hashes)
     on_gpu, on_cpu = pipe.execute()
+    return leading_blocks(short_hashes, on_gpu, on_cpu)
+
+
+def look_up(pipe, engine_name: str, short_hashes: list[str]) -> None:
+    """Queue on a pipeline the two membership reads leading_blocks() takes (GPU, then
+    CPU tier); nothing for an empty chain."""
+    if short_hashes:
+        pipe.smismember(INDEX_KEY.format(engine=engine_name), short_hashes)
+        pipe.smismember(CPU_INDEX_KEY.format(engine=engine_name), short_hashes)
+
+
+def leading_blocks(short_hashes: list[str], on_gpu: list, on_cpu: list,
+                   expected: set[str] = frozenset()) -> tuple[int, int]:
+    """(blocks held, of them on the GPU's leading run) for a chain whose GPU and CPU
+    membership was read; `expected`: hashes taken as on the GPU besides (the prefixes
+    of jobs routed to the engine a moment ago, which it will cache)."""
     held = gpu = 0
-    for g, c in zip(on_gpu, on_cpu):
+    for h, g, c in zip(short_hashes, on_gpu, on_cpu):
+        g = g or h in expected
         if not (g or c):
             break
         held += 1
@@ -91,7 +108,8 @@ def cached_prefix_blocks(engine_name: str, short_hashes: list[str]) -> tuple[int
     return held, gpu
 
 
-def expect(engine_name: str, short_hashes: list[str]) -> None:
-    """Add hashes a job routed to the engine is about to cache."""
+def expect(pipe, engine_name: str, short_hashes: list[str] | set[str]) -> None:
+    """Queue on a pipeline the addition of hashes that jobs routed to the engine are
+    about to cache."""
     if short_hashes:
-        live.redis_client().sadd(INDEX_KEY.format(engine=engine_name), *short_hashes)
+        pipe.sadd(INDEX_KEY.format(engine=engine_name), *short_hashes)

@@ -48,10 +48,15 @@ class PromptInspector:
     def __init__(self) -> None:
         self._tokenizers: dict[tuple, Any] = {}
 
+    @staticmethod
+    def tokenizer_key(config: dict) -> tuple:
+        """Engines with equal keys have the same tokenizer."""
+        return bool(config.get("simulate")), config.get("model_path")
+
     def tokenizer(self, config: dict):
         """The engine's tokenizer (cached), or None if its model folder is not readable
         from this process."""
-        key = (bool(config.get("simulate")), config.get("model_path"))
+        key = self.tokenizer_key(config)
         if key not in self._tokenizers:
             self._tokenizers[key] = load_tokenizer(config)
         return self._tokenizers[key]

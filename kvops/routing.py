@@ -30,14 +30,6 @@ def policy() -> str:
 PENDING_KEY = "kvops:routing:pending:{engine}"
 
 
-def _load(engine: Engine) -> int:
-    """Tokens the engine holds or waits on (its last heartbeat) plus tokens routed to it
-    since (a burst of jobs must not all go to the engine that looked idle)."""
-    m = engine.metrics or {}
-    pending = live.redis_client().get(PENDING_KEY.format(engine=engine.name))
-    return int(m.get("running_tokens", 0)) + int(m.get("waiting_tokens", 0)) + int(pending or 0)
-
-
 def reset_pending_load(engine_name: str) -> None:
     """The engine's heartbeat now counts what was routed to it."""
     live.redis_client().delete(PENDING_KEY.format(engine=engine_name))
@@ -45,50 +37,126 @@ def reset_pending_load(engine_name: str) -> None:
 
 def choose_queue(job: Job) -> tuple[str, dict]:
     """Returns (queue, the decision as shown on the job page)."""
-    if job.requested_engine:
-        return engine_queue(job.requested_engine), {
-            "policy": "requested", "engine": job.requested_engine,
-            "reason": "the job named its engine"}
+    return choose_queues([job])[0]
+
+
+def choose_queues(jobs: list[Job]) -> list[tuple[str, dict]]:
+    """Per job, in order: (queue, the decision as shown on the job page). Jobs stored
+    together are routed together: the engines, their load and the prefix index are read
+    once for all of them (one Redis round trip, and one to record the choices), and each
+    job sees those routed before it in the batch, as if they had been routed one by one
+    (their tokens count as load, their prefixes as cached on the engine they went to).
+    A burst of hundreds of jobs used to cost four round trips a job here."""
+    out: list[tuple[str, dict] | None] = [None] * len(jobs)
+    routed = []
+    for i, job in enumerate(jobs):
+        if job.requested_engine:
+            out[i] = engine_queue(job.requested_engine), {
+                "policy": "requested", "engine": job.requested_engine,
+                "reason": "the job named its engine"}
+        else:
+            routed.append(i)
+    if not routed:
+        return out
     mode = policy()
-    engines = [e for e in selectors.recent_engines() if selectors.engine_alive(e)]
-    # Paused and draining engines take no routed jobs while another engine does; when
-    # every engine is paused, jobs go to them and wait for a resume; draining ones never
-    # take any (with none left, jobs wait in the shared queue, which their workers left).
-    states = {e.name: selectors.engine_state(e) for e in engines}
-    engines = [e for e in engines if states[e.name] == "ready"] or [
-        e for e in engines if states[e.name] == "paused"]
+    engines = _candidates()
     if mode == "shared" or not engines:
         reason = ("no live engine takes jobs (draining or none): the first free worker "
                   "takes it") if not engines else "shared queue: the first free worker takes it"
-        return SHARED_QUEUE, {"policy": mode, "engine": None, "reason": reason}
+        for i in routed:
+            out[i] = SHARED_QUEUE, {"policy": mode, "engine": None, "reason": reason}
+        return out
+    redis = live.redis_client()
     if mode == "round-robin":
-        i = live.redis_client().incr("kvops:routing:rr") - 1
-        chosen = engines[i % len(engines)]
-        return engine_queue(chosen.name), {
-            "policy": mode, "engine": chosen.name, "reason": f"turn {i} of {len(engines)} engines"}
-    cached, on_gpu, hashes = {}, {}, {}
-    salt = cache_salt(job.owner)  # its blocks are found under its owner's salt only
-    for engine in engines:
-        token_ids = inspector.token_ids(engine.config, job.prompt, job.messages)
-        hashes[engine.name] = inspector.short_hashes(engine.config, token_ids, salt)
-        cached[engine.name], on_gpu[engine.name] = prefix_index.cached_prefix_blocks(
-            engine.name, hashes[engine.name])
-    load = {e.name: _load(e) for e in engines}
-    # The longest prefix wins, held in either tier (copying a block back from the CPU
-    # costs far less than recomputing it); then more of it on the GPU; then load.
-    chosen = min(engines, key=lambda e: (-cached[e.name], -on_gpu[e.name], load[e.name],
-                                         e.name))
-    if cached[chosen.name]:
-        tier = cached[chosen.name] - on_gpu[chosen.name]
-        reason = (f"holds the longest cached prefix ({cached[chosen.name]} blocks"
-                  + (f", {tier} of them on its CPU tier)" if tier else ")"))
-    else:
-        reason = "no engine holds a prefix of it: least loaded"
-    # The chosen engine will hold this prefix once the job runs: say so now, so that jobs
-    # of the same burst follow it (the engine's next full index rewrite corrects this).
-    prefix_index.expect(chosen.name, hashes[chosen.name])
-    tokens = len(hashes[chosen.name]) * int(chosen.config.get("block_size") or 1)
-    live.redis_client().incrby(PENDING_KEY.format(engine=chosen.name), max(tokens, 1))
-    return engine_queue(chosen.name), {
-        "policy": "prefix", "engine": chosen.name, "reason": reason,
-        "cached_blocks": cached, "gpu_cached_blocks": on_gpu, "load_tokens": load}
+        first = redis.incrby("kvops:routing:rr", len(routed)) - len(routed)
+        for turn, i in enumerate(routed, start=first):
+            chosen = engines[turn % len(engines)]
+            out[i] = engine_queue(chosen.name), {
+                "policy": mode, "engine": chosen.name,
+                "reason": f"turn {turn} of {len(engines)} engines"}
+        return out
+    for i, decision in zip(routed, _by_prefix([jobs[i] for i in routed], engines, redis)):
+        out[i] = decision
+    return out
+
+
+def _candidates() -> list[Engine]:
+    """Live engines that take routed jobs. Paused and draining engines take none while
+    another engine does; when every engine is paused, jobs go to them and wait for a
+    resume; draining ones never take any (with none left, jobs wait in the shared queue,
+    which their workers left)."""
+    engines = [e for e in selectors.recent_engines() if selectors.engine_alive(e)]
+    states = {e.name: selectors.engine_state(e) for e in engines}
+    return [e for e in engines if states[e.name] == "ready"] or [
+        e for e in engines if states[e.name] == "paused"]
+
+
+def _load(engine: Engine, pending: bytes | None) -> int:
+    """Tokens the engine holds or waits on (its last heartbeat) plus tokens routed to it
+    since (`pending`: a burst of jobs must not all go to the engine that looked idle)."""
+    m = engine.metrics or {}
+    return int(m.get("running_tokens", 0)) + int(m.get("waiting_tokens", 0)) + int(pending or 0)
+
+
+def _by_prefix(jobs: list[Job], engines: list[Engine], redis) -> list[tuple[str, dict]]:
+    """The longest prefix wins, held in either tier (copying a block back from the CPU
+    costs far less than recomputing it); then more of it on the GPU; then load."""
+    names = [e.name for e in engines]
+    hashes: list[dict[str, list[str]]] = []  # per job, per engine
+    memo: dict[tuple, list[str]] = {}  # engines of one model share a prompt's hashes
+    pipe = redis.pipeline(transaction=False)
+    for e in engines:
+        pipe.get(PENDING_KEY.format(engine=e.name))
+    for job in jobs:
+        salt = cache_salt(job.owner)  # its blocks are found under its owner's salt only
+        per_engine = {}
+        for e in engines:
+            key = (inspector.tokenizer_key(e.config), e.config.get("block_size"),
+                   e.config.get("model"), salt)
+            if key not in memo:
+                token_ids = inspector.token_ids(e.config, job.prompt, job.messages)
+                memo[key] = inspector.short_hashes(e.config, token_ids, salt)
+            per_engine[e.name] = memo[key]
+            prefix_index.look_up(pipe, e.name, per_engine[e.name])
+        hashes.append(per_engine)
+        memo.clear()
+    replies = iter(pipe.execute())
+    load = {e.name: _load(e, next(replies)) for e in engines}
+    routed_tokens = dict.fromkeys(names, 0)
+    expected: dict[str, set[str]] = {name: set() for name in names}
+    decisions = []
+    for job, per_engine in zip(jobs, hashes):
+        cached, on_gpu = {}, {}
+        for name in names:
+            chain = per_engine[name]
+            on_gpu_read, on_cpu_read = (next(replies), next(replies)) if chain else ([], [])
+            cached[name], on_gpu[name] = prefix_index.leading_blocks(
+                chain, on_gpu_read, on_cpu_read, expected[name])
+        shown_load = dict(load)
+        chosen = min(engines, key=lambda e: (-cached[e.name], -on_gpu[e.name], load[e.name],
+                                             e.name))
+        if cached[chosen.name]:
+            tier = cached[chosen.name] - on_gpu[chosen.name]
+            reason = (f"holds the longest cached prefix ({cached[chosen.name]} blocks"
+                      + (f", {tier} of them on its CPU tier)" if tier else ")"))
+        else:
+            reason = "no engine holds a prefix of it: least loaded"
+        # The chosen engine will hold this prefix once the job runs: count it so, so that
+        # jobs of the same burst follow it (the engine's next full index rewrite corrects
+        # this), and count its tokens as that engine's load until its next heartbeat.
+        chain = per_engine[chosen.name]
+        expected[chosen.name].update(chain)
+        tokens = max(len(chain) * int(chosen.config.get("block_size") or 1), 1)
+        load[chosen.name] += tokens
+        routed_tokens[chosen.name] += tokens
+        decisions.append((engine_queue(chosen.name), {
+            "policy": "prefix", "engine": chosen.name, "reason": reason,
+            "cached_blocks": cached, "gpu_cached_blocks": on_gpu,
+            "load_tokens": shown_load}))
+    pipe = redis.pipeline(transaction=False)
+    for name in names:
+        prefix_index.expect(pipe, name, expected[name])
+        if routed_tokens[name]:
+            pipe.incrby(PENDING_KEY.format(engine=name), routed_tokens[name])
+    pipe.execute()
+    return decisions

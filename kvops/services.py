@@ -88,20 +88,19 @@ def create_jobs(new: list[NewJob], on_stored=None) -> list[Job]:
     routing failure (Redis away) stores nothing. Jobs routed to the same queue share a
     task (up to MAX_JOBS_PER_TASK each): one delivery for a burst. on_stored(jobs), if
     given, runs inside the transaction (the /v1 path binds its listeners there)."""
-    from kvops.routing import choose_queue
+    from kvops.routing import choose_queues
 
-    jobs, queues = [], []
-    for n in new:
-        job = Job(owner=n.owner, prompt=n.prompt, messages=n.messages, params=n.params,
-                  priority=n.priority, requested_engine=n.engine, source=n.source,
-                  idempotency_key=n.idempotency_key)
-        try:
-            queue, job.routing = choose_queue(job)
-        except (RedisError, OSError) as e:
-            raise Unavailable(f"jobs cannot be routed now (Redis is unreachable: {e}); "
-                              "nothing was stored, try again") from None
-        jobs.append(job)
-        queues.append(queue)
+    jobs = [Job(owner=n.owner, prompt=n.prompt, messages=n.messages, params=n.params,
+                priority=n.priority, requested_engine=n.engine, source=n.source,
+                idempotency_key=n.idempotency_key) for n in new]
+    try:
+        decisions = choose_queues(jobs)
+    except (RedisError, OSError) as e:
+        raise Unavailable(f"jobs cannot be routed now (Redis is unreachable: {e}); "
+                          "nothing was stored, try again") from None
+    queues = [queue for queue, _ in decisions]
+    for job, (_, routing) in zip(jobs, decisions):
+        job.routing = routing
     per_queue: dict[str, list[Job]] = {}
     for job, queue in zip(jobs, queues):
         per_queue.setdefault(queue, []).append(job)
