@@ -10,54 +10,79 @@ log = logging.getLogger(__name__)
 # Bucket upper bounds in seconds (vLLM uses similar ones for TTFT and e2e latency).
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
-HIST_KEY = "kvops:hist:{name}:{engine}"
+# Per histogram and engine, a hash of per-bucket counts, NOT cumulative: the field of
+# the lowest bound at or above the value ("+Inf" past the last) counts it, so a job costs
+# one increment per histogram (cumulative counts cost one per bound it is under, about 40
+# Redis commands a job, most of the cost of writing a job's end); read_histograms() adds
+# them up. ("kvops:hist:*", the cumulative hashes of earlier versions, are not read.)
+HIST_KEY = "kvops:latency:{name}:{engine}"
+ENGINES_KEY = "kvops:latency:engines"
 HISTOGRAMS = {"time_to_first_token_seconds": TTFT_BUCKETS,
               "e2e_request_latency_seconds": E2E_BUCKETS,
               # from submission to the engine's taking the job (vLLM: request_queue_time)
               "request_queue_time_seconds": TTFT_BUCKETS}
 
 
-def _observe(pipe, name: str, engine: str, value: float) -> None:
-    key = HIST_KEY.format(name=name, engine=engine)
-    for bound in HISTOGRAMS[name]:
-        if value <= bound:
-            pipe.hincrby(key, repr(bound), 1)
-    pipe.hincrby(key, "+Inf", 1)
-    pipe.hincrbyfloat(key, "sum", value)
+def bucket_of(name: str, value: float) -> str:
+    """The field that counts `value` in histogram `name`."""
+    return next((repr(b) for b in HISTOGRAMS[name] if value <= b), "+Inf")
 
 
 def observe_jobs(jobs) -> None:
     """Record finished jobs' queue wait, TTFT and end-to-end latency (best effort), in
-    one Redis round trip."""
+    one Redis round trip, the batch's observations added up first."""
     if not jobs:
+        return
+    counts: dict[tuple[str, str], int] = {}  # (key, field) -> observations
+    sums: dict[str, float] = {}  # key -> sum of values
+
+    def observe(name: str, engine: str, value: float) -> None:
+        key = HIST_KEY.format(name=name, engine=engine)
+        field = (key, bucket_of(name, value))
+        counts[field] = counts.get(field, 0) + 1
+        sums[key] = sums.get(key, 0.0) + value
+
+    for job in jobs:
+        if job.started_at:
+            observe("request_queue_time_seconds", job.engine,
+                    max(0.0, (job.started_at - job.queued_at).total_seconds()))
+        if job.first_token_at and job.started_at:
+            observe("time_to_first_token_seconds", job.engine,
+                    (job.first_token_at - job.queued_at).total_seconds())
+        if job.finished_at:
+            observe("e2e_request_latency_seconds", job.engine,
+                    (job.finished_at - job.queued_at).total_seconds())
+    if not counts:
         return
     try:
         pipe = live.redis_client().pipeline(transaction=False)
-        for job in jobs:
-            if job.started_at:
-                _observe(pipe, "request_queue_time_seconds", job.engine,
-                         max(0.0, (job.started_at - job.queued_at).total_seconds()))
-            if job.first_token_at and job.started_at:
-                _observe(pipe, "time_to_first_token_seconds", job.engine,
-                         (job.first_token_at - job.queued_at).total_seconds())
-            if job.finished_at:
-                _observe(pipe, "e2e_request_latency_seconds", job.engine,
-                         (job.finished_at - job.queued_at).total_seconds())
-        pipe.sadd("kvops:hist:engines", *{job.engine for job in jobs})
+        for (key, field), n in counts.items():
+            pipe.hincrby(key, field, n)
+        for key, total in sums.items():
+            pipe.hincrbyfloat(key, "sum", total)
+        pipe.sadd(ENGINES_KEY, *{job.engine for job in jobs})
         pipe.execute()
     except Exception as e:
         log.warning("could not record latency of jobs %s: %s", [j.pk for j in jobs], e)
 
 
 def read_histograms() -> dict[str, dict[str, dict[str, float]]]:
-    """{histogram name: {engine: {bucket bound or 'sum': value}}}."""
+    """{histogram name: {engine: {bucket bound or '+Inf': cumulative count, 'sum': sum}}},
+    as Prometheus states them."""
     client = live.redis_client()
-    engines = sorted(e.decode() for e in client.smembers("kvops:hist:engines"))
+    engines = sorted(e.decode() for e in client.smembers(ENGINES_KEY))
     out: dict[str, dict[str, dict[str, float]]] = {}
-    for name in HISTOGRAMS:
+    for name, bounds in HISTOGRAMS.items():
         out[name] = {}
         for engine in engines:
-            raw = client.hgetall(HIST_KEY.format(name=name, engine=engine))
-            if raw:
-                out[name][engine] = {k.decode(): float(v) for k, v in raw.items()}
+            raw = {k.decode(): float(v) for k, v in
+                   client.hgetall(HIST_KEY.format(name=name, engine=engine)).items()}
+            if not raw:
+                continue
+            cumulative, running = {}, 0.0
+            for field in [repr(b) for b in bounds] + ["+Inf"]:
+                running += raw.get(field, 0.0)
+                cumulative[field] = running
+            cumulative["sum"] = raw.get("sum", 0.0)
+            out[name][engine] = cumulative
     return out
