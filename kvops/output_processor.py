@@ -37,7 +37,9 @@ IDLE_WAIT_S = 1.0
 # MAX_FLUSH_GAP_S, and a flush carries one update per job with every token it gained since
 # the last one. With few jobs that is every step; with hundreds, a few steps' tokens
 # travel together and the per-update work (here, in Redis and in every web process) stays
-# bounded however fast the engine steps.
+# bounded however fast the engine steps. A job's first token does not wait for the gap
+# (as vLLM's stream interval, which always sends the first token at once): a burst's
+# first tokens leave with the step that made them.
 MAX_FLUSH_GAP_S = 0.05
 
 
@@ -117,8 +119,10 @@ class OutputProcessor:
         self._new: dict[str, _Tracked] = {}  # tracked by tasks, not yet seen here; under _lock
         self._gone: set[str] = set()  # untracked by tasks; under _lock
         self._forks: dict[str, list[_Tracked]] = {}  # n > 1: samples by parent id; under _lock
+        self._awaiting: set[str] = set()  # tracked, no output pushed yet; under _lock
         self._jobs: dict[str, _Tracked] = {}  # processor thread only
         self._wake = threading.Event()
+        self._hurry = threading.Event()  # a first output came: flush without the gap
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"kvops-outputs-{engine_name}",
                                         daemon=True)
@@ -147,6 +151,7 @@ class OutputProcessor:
         with self._lock:
             for t in new:
                 self._new[t.request_id] = t
+                self._awaiting.add(t.request_id)
             if n > 1:
                 self._forks[request_id] = new
         return handle
@@ -157,12 +162,14 @@ class OutputProcessor:
             ids = [t.request_id for t in self._forks.pop(request_id, ())] or [request_id]
             for rid in ids:
                 self._new.pop(rid, None)
+                self._awaiting.discard(rid)
                 self._gone.add(rid)
         self._wake.set()
 
     def close(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
         self._wake.set()
+        self._hurry.set()
         self._thread.join(timeout_s)
 
     # --- the engine loop ---------------------------------------------------------------
@@ -170,6 +177,12 @@ class OutputProcessor:
         if outputs:
             with self._lock:
                 self._inbox.extend(outputs)
+                first = self._awaiting and self._awaiting.intersection(
+                    out.request_id for out in outputs)
+                if first:
+                    self._awaiting -= first
+            if first:
+                self._hurry.set()
             self._wake.set()
 
     def fail(self, request_ids: list[str], message: str) -> None:
@@ -185,7 +198,8 @@ class OutputProcessor:
             self._wake.wait(min(IDLE_WAIT_S, max(0.0, next_db - time.monotonic())))
             gap = min(MAX_FLUSH_GAP_S, len(self._jobs) / settings.KVOPS_STREAM_UPDATES_PER_S)
             if gap > 0:  # let a few steps' outputs gather (see MAX_FLUSH_GAP_S)
-                self._stop.wait(max(0.0, last_flush + gap - time.monotonic()))
+                self._hurry.wait(max(0.0, last_flush + gap - time.monotonic()))
+            self._hurry.clear()  # (a first output pushed from here on hurries the next)
             self._wake.clear()
             last_flush = time.monotonic()
             cpu = time.thread_time()
@@ -246,6 +260,7 @@ class OutputProcessor:
         parent = t.parent_id if t is not None else request_id
         with self._lock:
             members = self._forks.pop(parent, None) or ([t] if t is not None else [])
+            self._awaiting.difference_update(m.request_id for m in members)
         for m in members:
             self._jobs.pop(m.request_id, None)
         return members

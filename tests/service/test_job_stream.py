@@ -14,6 +14,7 @@ from kvops import live, services
 from engine.outputs import CoreOutput
 from kvops.job_stream import STREAM_KEY, StreamProducer, TextAssembler, decode_entry
 from kvops.models import Job
+from kvops import output_processor
 from kvops.output_processor import OutputProcessor
 from kvops.stream_hub import JobStreamHub, StreamError
 
@@ -86,6 +87,36 @@ def test_output_processor_streams_and_writes_every_job_in_batches():
             text.add(u["attempt"], u["offset"], u["text"])
         assert text.text == job.output_text and not text.has_hole
         assert mine[-1]["state"]["finished"] and mine[-1]["state"]["status"] == "finished"
+
+
+def test_a_first_token_does_not_wait_for_the_flush_gap(monkeypatch, settings):
+    """Flushes are spaced by the number of running jobs (here: an hour for one), but a
+    job's first token leaves with the step that made it."""
+    monkeypatch.setattr(output_processor, "MAX_FLUSH_GAP_S", 3600.0)
+    settings.KVOPS_STREAM_UPDATES_PER_S = 1e-4
+    live.redis_client().delete(STREAM_KEY)
+    owner = User.objects.create_user("u9")
+    engine = LLMEngine(EngineConfig(simulate=True, vocab_size=1000, num_gpu_blocks=256),
+                       detokenize=False)
+    processor = OutputProcessor("e", StreamProducer(live.redis_client(), "e"),
+                                engine.tokenizer, engine.finish_request)
+
+    def streamed(job) -> list[int]:  # the job's updates: its output tokens so far
+        return [u["n"] for e in stream_entries() for u in e["u"] if u["job"] == job.pk]
+
+    early, late = running_job(owner), running_job(owner)
+    try:
+        processor.track(early.pk, early.request_id, 1)
+        engine.add_request(early.request_id, "one", SamplingParams(max_tokens=50))
+        processor.push(engine.step_core())
+        wait_until(lambda: streamed(early) == [1], "the first job's first token")
+        processor.track(late.pk, late.request_id, 1)
+        engine.add_request(late.request_id, "two", SamplingParams(max_tokens=50))
+        processor.push(engine.step_core())  # early's second token, late's first
+        wait_until(lambda: streamed(late) == [1], "the second job's first token")
+        assert streamed(early) == [1, 2]  # its second token went in the same flush
+    finally:
+        processor.close()
 
 
 def test_a_forked_job_ends_once_all_its_samples_have_and_a_dead_core_fails_it():
