@@ -7,6 +7,7 @@ import { api, errorText } from "./api.js";
 import { BlockMap } from "./blockmap.js";
 import { timeChart } from "./charts.js";
 import { Palette, ownerCss } from "./colors.js";
+import { HeaderState } from "./engine_state.js";
 import { EventLog } from "./event_log.js";
 import { $, esc, num, pct, toast } from "./format.js";
 import { MetricsHistory, cumulativeHitRate } from "./metrics.js";
@@ -61,7 +62,7 @@ const socket = new LiveSocket(`/ws/engines/${encodeURIComponent(page.name)}/`, {
 
 function handle(message, meta) {
   switch (message.type) {
-    case "hello": showState(message.alive ? (message.metrics?.state || "ready") : message.status); break;
+    case "hello": stateFromEngine(message.alive ? (message.metrics?.state || "ready") : message.status); break;
     case "snapshot": loadSnapshot(message); break;
     case "delta": applyDelta(message, meta); break;
     case "history":
@@ -103,8 +104,20 @@ function showWhole() {
 }
 
 // The engine's state in the header: ready, paused (an operator's pause), dead, ...; the
-// operator's button says what it would do.
+// operator's button says what it would do. After this page's own command the answer
+// wins over deltas still on their way with the old state (engine_state.js).
 let engineState = null;
+const header = new HeaderState();
+
+function stateFromEngine(s) {
+  if (header.fromEngine(s)) showState(s);
+}
+
+function stateFromAnswer(s) {
+  header.fromAnswer(s);
+  showState(s);
+}
+
 function showState(s) {
   if (s === engineState) return;
   engineState = s;
@@ -118,7 +131,7 @@ function showState(s) {
 
 function applyDelta(delta, meta) {
   if (delta.metrics?.state) {
-    showState(delta.metrics.state);
+    stateFromEngine(delta.metrics.state);
     perf.engineState = delta.metrics.state;  // as the engine last said it (tests)
   }
   const started = performance.now();
@@ -435,13 +448,13 @@ if (page.operator) {
     const action = engineState === "paused" ? "resume" : "pause";
     if (action === "pause" && !(await confirmAction(`Pause engine ${page.name}? No step runs until you resume it; its requests keep their place and their KV blocks.`))) return;
     const result = await act(`/api/engines/${encodeURIComponent(page.name)}/${action}/`, {}, `${action === "pause" ? "Pause" : "Resume"} ${page.name}`);
-    if (result.ok) showState(result.data?.result?.state || (action === "pause" ? "paused" : "ready"));
+    if (result.ok) stateFromAnswer(result.data?.result?.state || (action === "pause" ? "paused" : "ready"));
   };
   $("#drain-toggle").onclick = async () => {
     const action = engineState === "draining" || engineState === "drained" ? "undrain" : "drain";
     if (action === "drain" && !(await confirmAction(`Drain engine ${page.name}? No new jobs are routed to it; the running ones finish.`))) return;
     const result = await act(`/api/engines/${encodeURIComponent(page.name)}/${action}/`, {}, `${action === "drain" ? "Drain" : "Undrain"} ${page.name}`);
-    if (result.ok) showState(result.data?.result?.state || "ready");
+    if (result.ok) stateFromAnswer(result.data?.result?.state || "ready");
   };
   $("#limit-apply").onclick = async () => {
     const body = {};
