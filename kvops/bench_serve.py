@@ -8,7 +8,10 @@ engine alone (an LLMEngine in this process) on the same prompts. Per concurrency
 prints delivered output tok/s, the engine alone, their ratio, TTFT and inter-chunk
 latency percentiles, lost and hung streams, and CPU seconds per 1,000 streamed tokens
 of the web process, the worker and this client. `--real N` adds the default model at N
-streams (shorter outputs: the CPU makes it slow).
+streams (shorter outputs: the CPU makes it slow). `--repeat K` runs each level K times
+(the engine alone, then a fresh stack, each time) and shows the median run with the
+range of the ratios: on a small shared machine runs of the same code differ by more
+than many changes move them.
 
 Bounded: every stream has a deadline; talks to 127.0.0.1 only.
 """
@@ -153,11 +156,23 @@ def measure(stack: Stack, model: str, work: Workload, alone_s: float,
 
 
 def bench_level(args, streams: int, real: bool, tmp: Path) -> dict:
+    """One concurrency level, `--repeat` times (each: the engine alone, then the service
+    on a fresh stack); the row of the run with the median ratio, with every run's ratio
+    and the lost and hung streams of all runs."""
+    runs = [bench_once(args, streams, real, tmp, i) for i in range(args.repeat)]
+    row = dict(sorted(runs, key=lambda r: r["ratio"])[(len(runs) - 1) // 2])
+    row["ratios"] = [r["ratio"] for r in runs]
+    row["lost"], row["hung"] = sum(r["lost"] for r in runs), sum(r["hung"] for r in runs)
+    row["errors"] = sorted({e for r in runs for e in r["errors"]})[:3]
+    return row
+
+
+def bench_once(args, streams: int, real: bool, tmp: Path, run: int) -> dict:
     config = engine_config(args, streams, real)
     lo, hi = (args.real_tokens, args.real_tokens) if real else (200, 400)
     work = make_workload(streams, lo, hi, seed=streams)
     alone_s = engine_alone(config, work)
-    workdir = tmp / f"{'real' if real else 'sim'}-{streams}"
+    workdir = tmp / f"{'real' if real else 'sim'}-{streams}-{run}"
     workdir.mkdir()
     database = fresh_database(args.database_url, f"kvops_bench_{workdir.name}".replace("-", "_")) \
         if args.database_url else None
@@ -199,13 +214,20 @@ def drop_database(url: str) -> None:
         conn.execute(f'DROP DATABASE IF EXISTS "{urlparse(url).path.lstrip("/")}" WITH (FORCE)')
 
 
+def ratio_cell(row: dict) -> str:
+    """The ratio, and with repeats the lowest and highest of the runs."""
+    ratios = row.get("ratios") or [row["ratio"]]
+    spread = f" ({min(ratios):.2f}-{max(ratios):.2f})" if len(ratios) > 1 else ""
+    return f"{row['ratio']:.2f}{spread}"
+
+
 def print_table(rows: list[dict]) -> None:
     print(format_table(
         ["engine", "streams", "delivered tok/s", "engine alone tok/s", "ratio",
          "TTFT p50/p99 ms", "inter-chunk p50/p99 ms", "lost", "hung",
          "CPU s / 1k tok: web, worker, client"],
         [[r["engine"], str(r["streams"]), f"{r['tok_s']:.0f}", f"{r['alone_tok_s']:.0f}",
-          f"{r['ratio']:.2f}", f"{1000 * r['ttft_p50']:.0f} / {1000 * r['ttft_p99']:.0f}",
+          ratio_cell(r), f"{1000 * r['ttft_p50']:.0f} / {1000 * r['ttft_p99']:.0f}",
           f"{1000 * r['gap_p50']:.0f} / {1000 * r['gap_p99']:.0f}", str(r["lost"]), str(r["hung"]),
           f"{r['cpu_web']:.3f}, {r['cpu_worker']:.3f}, {r['cpu_client']:.3f}"]
          for r in rows]))
@@ -230,6 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--database-url", default="",
                         help="a PostgreSQL server (postgres://user@host:port/any) to run the "
                              "stacks on, a fresh database each, instead of SQLite files")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="runs per level, each the engine alone then a fresh stack: the "
+                             "table shows the median run, and the ratios' range")
     parser.add_argument("--deadline", type=float, default=300.0,
                         help="seconds after which a stream counts as hung")
     args = parser.parse_args(argv)
