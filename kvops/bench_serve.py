@@ -258,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--deadline", type=float, default=300.0,
                         help="seconds after which a stream counts as hung")
     args = parser.parse_args(argv)
+    if args.repeat < 1:
+        parser.error("--repeat must be 1 or more")
     levels = [int(s) for s in args.streams.split(",") if s]
     with tempfile.TemporaryDirectory(prefix="kvops-bench-serve-") as tmp:
         redis = ensure_redis(os.environ.setdefault("REDIS_URL", "redis://127.0.0.1:6379/0"),
