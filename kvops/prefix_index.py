@@ -73,18 +73,6 @@ class PrefixIndex:
             self._last_full = now - RESYNC_S + 1.0
 
 
-def cached_prefix_blocks(engine_name: str, short_hashes: list[str]) -> tuple[int, int]:
-    """How many leading blocks of this hash chain the engine has cached, on its GPU or
-    its CPU tier (a prompt's lookup goes on from the one into the other), and how many
-    of the first of those are on the GPU."""
-    if not short_hashes:
-        return 0, 0
-    pipe = live.redis_client().pipeline(transaction=False)
-    look_up(pipe, engine_name, short_hashes)
-    on_gpu, on_cpu = pipe.execute()
-    return leading_blocks(short_hashes, on_gpu, on_cpu)
-
-
 def look_up(pipe, engine_name: str, short_hashes: list[str]) -> None:
     """Queue on a pipeline the two membership reads leading_blocks() takes (GPU, then
     CPU tier); nothing for an empty chain."""

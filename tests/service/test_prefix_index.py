@@ -36,9 +36,11 @@ def test_a_prefix_on_the_cpu_tier_still_counts_and_the_rewrite_agrees():
     index = prefix_index.PrefixIndex(name, Commands(engine))
     config = engine.describe_config()
 
-    def held(prompt: list[int]) -> tuple[int, int]:
+    def held(prompt: list[int]) -> tuple[int, int]:  # as the router reads it
         hashes = inspector.short_hashes(config, prompt)
-        return prefix_index.cached_prefix_blocks(name, hashes)
+        pipe = live.redis_client().pipeline(transaction=False)
+        prefix_index.look_up(pipe, name, hashes)
+        return prefix_index.leading_blocks(hashes, *pipe.execute())
 
     first = list(range(1, 13))  # three full blocks
     try:
