@@ -70,6 +70,7 @@ class LLMEngine:
                                      cpu_prefix_cache=config.cpu_prefix_cache)
         self.scheduler = Scheduler(config, self.kv, self.max_model_len, self.events)
         self.step_count = 0
+        self.step_seconds = 0.0  # wall time inside the steps that ran (schedule to outputs)
         self.version = 0  # grows with every change to requests or blocks (for publishers)
         self._indices = itertools.count(1)  # request index 0 means "no owner" in snapshots
         self._snapshot_seq = itertools.count(1)
@@ -225,6 +226,7 @@ class LLMEngine:
         outputs = [self._core_output(request, []) for request in ended]
         if self.paused:  # (aborts still end while paused)
             return outputs
+        started = time.perf_counter()
         self.events.step = self.step_count + 1
         out = self.scheduler.schedule()
         if not out.has_work:
@@ -259,6 +261,7 @@ class LLMEngine:
         self._gen_rate.record(now, self.scheduler.counters.num_generation_tokens)
         if self.events.external:
             self._publish_kv_events()
+        self.step_seconds += time.perf_counter() - started
         return outputs
 
     def _publish_kv_events(self) -> None:
@@ -616,6 +619,7 @@ class LLMEngine:
             "prompt_tokens_per_s": self._prompt_rate.rate(now),
             "generation_tokens_per_s": self._gen_rate.rate(now),
             "num_steps": self.step_count,
+            "step_seconds": self.step_seconds,
             "state": self.state,  # (an operator's pause or drain)
             # Load, for routing: tokens the engine still has to hold or compute.
             "running_tokens": sum(r.num_tokens for r in sched.running),

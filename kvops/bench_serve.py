@@ -6,7 +6,9 @@ one engine worker, loopback only) with the simulated engine paced like a GPU ste
 tokens each) from a light SSE client in this process, and, in the same run, the same
 engine alone (an LLMEngine in this process) on the same prompts. Per concurrency it
 prints delivered output tok/s, the engine alone, their ratio, TTFT and inter-chunk
-latency percentiles, lost and hung streams, and CPU seconds per 1,000 streamed tokens
+latency percentiles, the engine's mean step time alone and in the service (from its
+kvops:engine_step_seconds; a slower step there is the engine sharing the CPU, not the
+service's latency), lost and hung streams, and CPU seconds per 1,000 streamed tokens
 of the web process, the worker and this client. `--real N` adds the default model at N
 streams (shorter outputs: the CPU makes it slow). `--repeat K` runs each level K times
 (the engine alone, then a fresh stack, each time) and shows the median run with the
@@ -65,8 +67,9 @@ def engine_config(args, streams: int, real: bool) -> dict:
                 max_num_batched_tokens=8192)
 
 
-def engine_alone(config: dict, work: Workload) -> float:
-    """Seconds for the engine by itself to run every prompt, all added at once."""
+def engine_alone(config: dict, work: Workload) -> tuple[float, float]:
+    """Seconds for the engine by itself to run every prompt, all added at once, and its
+    mean step time in seconds."""
     engine = LLMEngine(EngineConfig(**config), detokenize=False)  # as the service runs it
     for i, (prompt, n) in enumerate(zip(work.prompts, work.max_tokens)):
         engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=n, ignore_eos=True,
@@ -80,7 +83,29 @@ def engine_alone(config: dict, work: Workload) -> float:
     if produced != work.num_tokens:
         raise RuntimeError(f"the engine alone produced {produced} tokens, "
                            f"not {work.num_tokens}")
-    return elapsed
+    return elapsed, engine.step_seconds / max(engine.step_count, 1)
+
+
+HEARTBEAT_LAG_S = 0.5  # a worker's heartbeat carries metrics its core sent up to this long ago
+
+
+def engine_step_totals(stack: Stack, engine: str, since: float) -> tuple[int, float]:
+    """The engine's steps and seconds spent in them, from its first heartbeat whose
+    metrics are newer than `since` (time.time())."""
+    from datetime import datetime
+    metrics = {}
+
+    def fresh() -> bool:
+        doc = next(e for e in stack.api("GET", "/api/engines/").json() if e["name"] == engine)
+        beat = doc.get("last_heartbeat")
+        if not beat or datetime.fromisoformat(beat.replace("Z", "+00:00")).timestamp() \
+                <= since + HEARTBEAT_LAG_S:
+            return False
+        metrics.update(doc["metrics"])
+        return True
+
+    stack.wait(fresh, f"a heartbeat of engine {engine}", 30)
+    return metrics["num_steps"], metrics["step_seconds"]
 
 
 def group_cpu_s(pgid: int) -> float:
@@ -123,8 +148,10 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-def measure(stack: Stack, model: str, work: Workload, alone_s: float,
+def measure(stack: Stack, model: str, work: Workload, alone: tuple[float, float],
             deadline_s: float) -> dict:
+    alone_s, alone_step_s = alone
+    steps0, step_s0 = engine_step_totals(stack, "bench", time.time())
     pids = {name: proc.pid for name, proc in stack.procs.items()}
     cpu0 = {name: group_cpu_s(pid) for name, pid in pids.items()}
     own0 = time.process_time()
@@ -132,6 +159,7 @@ def measure(stack: Stack, model: str, work: Workload, alone_s: float,
                                                work, deadline_s))
     own = time.process_time() - own0
     cpu = {name: group_cpu_s(pid) - cpu0[name] for name, pid in pids.items()}
+    steps1, step_s1 = engine_step_totals(stack, "bench", time.time())
     hung = sum(r is None for r in results)
     lost = sum(r is not None and (r.error is not None or not r.done) for r in results)
     ok = [r for r in results if r is not None and r.error is None and r.done]
@@ -149,6 +177,9 @@ def measure(stack: Stack, model: str, work: Workload, alone_s: float,
         "ttft_p99": pct([r.ttft for r in ok if r.ttft is not None], 0.99),
         "gap_p50": pct(gaps, 0.5), "gap_p99": pct(gaps, 0.99),
         "chunks": sum(len(r.chunk_times) for r in ok),
+        # the engine's mean step, alone and in the service: how much of the gap is the
+        # engine slowed down (sharing the CPU) rather than the service path's latency
+        "step_alone": alone_step_s, "step_service": (step_s1 - step_s0) / max(steps1 - steps0, 1),
         "lost": lost, "hung": hung, "errors": errors,
         "cpu_web": cpu[web] * per_k, "cpu_worker": sum(cpu[n] for n in worker) * per_k,
         "cpu_client": own * per_k, "elapsed": elapsed,
@@ -171,7 +202,7 @@ def bench_once(args, streams: int, real: bool, tmp: Path, run: int) -> dict:
     config = engine_config(args, streams, real)
     lo, hi = (args.real_tokens, args.real_tokens) if real else (200, 400)
     work = make_workload(streams, lo, hi, seed=streams)
-    alone_s = engine_alone(config, work)
+    alone = engine_alone(config, work)
     workdir = tmp / f"{'real' if real else 'sim'}-{streams}-{run}"
     workdir.mkdir()
     database = fresh_database(args.database_url, f"kvops_bench_{workdir.name}".replace("-", "_")) \
@@ -185,7 +216,7 @@ def bench_once(args, streams: int, real: bool, tmp: Path, run: int) -> dict:
         # One short stream first: imports and connections warm, as in a running service.
         asyncio.run(run_streams(stack.url, stack.tokens["admin"], model,
                                 make_workload(1, 4, 4), 60))
-        row = measure(stack, model, work, alone_s, args.deadline)
+        row = measure(stack, model, work, alone, args.deadline)
         row["engine"] = ("default model" if real else f"simulator, {args.step_ms:g} ms step") \
             + f" ({args.core} core{', PostgreSQL' if database else ''})"
         return row
@@ -224,11 +255,14 @@ def ratio_cell(row: dict) -> str:
 def print_table(rows: list[dict]) -> None:
     print(format_table(
         ["engine", "streams", "delivered tok/s", "engine alone tok/s", "ratio",
-         "TTFT p50/p99 ms", "inter-chunk p50/p99 ms", "lost", "hung",
+         "TTFT p50/p99 ms", "inter-chunk p50/p99 ms", "step ms: alone / service",
+         "lost", "hung",
          "CPU s / 1k tok: web, worker, client"],
         [[r["engine"], str(r["streams"]), f"{r['tok_s']:.0f}", f"{r['alone_tok_s']:.0f}",
           ratio_cell(r), f"{1000 * r['ttft_p50']:.0f} / {1000 * r['ttft_p99']:.0f}",
-          f"{1000 * r['gap_p50']:.0f} / {1000 * r['gap_p99']:.0f}", str(r["lost"]), str(r["hung"]),
+          f"{1000 * r['gap_p50']:.0f} / {1000 * r['gap_p99']:.0f}",
+          f"{1000 * r['step_alone']:.1f} / {1000 * r['step_service']:.1f}",
+          str(r["lost"]), str(r["hung"]),
           f"{r['cpu_web']:.3f}, {r['cpu_worker']:.3f}, {r['cpu_client']:.3f}"]
          for r in rows]))
     for r in rows:

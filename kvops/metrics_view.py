@@ -35,6 +35,10 @@ ENGINE_METRICS = [
     ("kvops:num_swaps_in", "num_swaps_in", "Requests swapped back in.", "counter"),
     ("kvops:prompt_tokens", "num_prompt_tokens", "Prefill tokens computed.", "counter"),
     ("kvops:generation_tokens", "num_generation_tokens", "Tokens generated.", "counter"),
+    ("kvops:engine_steps", "num_steps", "Engine steps run.", "counter"),
+    ("kvops:engine_step_seconds", "step_seconds",
+     "Wall seconds spent in engine steps (schedule, forward, update); divided by "
+     "kvops:engine_steps, the mean step time.", "counter"),
 ]
 
 

@@ -340,7 +340,21 @@ def test_events_describe_what_happened():
 def test_step_with_nothing_to_do_returns_empty():
     engine = sim_engine()
     assert engine.step() == []
-    assert engine.step_count == 0
+    assert engine.step_count == 0 and engine.step_seconds == 0.0
+
+
+def test_step_seconds_count_the_steps_that_ran():
+    """The mean step time an operator reads (kvops:engine_step_seconds over
+    kvops:engine_steps): a paced simulated step lasts at least its pace, so the total is
+    at least steps x pace; steps with nothing to do add nothing."""
+    engine = sim_engine(simulate_step_ms=2.0)
+    engine.generate(prompts(3), greedy(5))
+    m = engine.metrics()
+    assert m["num_steps"] == engine.step_count >= 5
+    assert m["step_seconds"] == engine.step_seconds >= engine.step_count * 0.002
+    before = engine.step_seconds
+    assert engine.step() == []
+    assert engine.step_seconds == before
 
 
 def test_a_failed_step_ends_its_batch_and_leaks_nothing():

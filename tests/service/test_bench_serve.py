@@ -13,5 +13,7 @@ def test_bench_serve_runs_and_loses_no_stream(capsys):
     columns = row.split("core)", 1)[1].split()  # after "simulator, 5 ms step (process core)"
     assert columns[0] == "8"  # streams
     assert columns[-5:-3] == ["0", "0"]  # lost, hung (over both runs)
+    alone, slash, service = columns[-8:-5]  # the mean step, alone / in the service
+    assert slash == "/" and float(alone) >= 5.0 and float(service) >= 5.0  # paced at 5 ms
     low, high = map(float, columns[4].strip("()").split("-"))  # the ratio's range
     assert low <= float(columns[3]) <= high

@@ -68,7 +68,8 @@ def test_metrics_and_healthz(stack, client):
                  "kvops:prefix_cache_hits_total", "kvops:num_preemptions_total",
                  "kvops:num_swaps_out_total", "kvops:num_requests_running",
                  "kvops:time_to_first_token_seconds_bucket",
-                 "kvops:e2e_request_latency_seconds_count"):
+                 "kvops:e2e_request_latency_seconds_count", "kvops:engine_steps_total",
+                 "kvops:engine_step_seconds_total"):
         assert name in text, name
     line = next(l for l in text.splitlines()
                 if l.startswith('kvops:e2e_request_latency_seconds_count{engine="sim"}'))
