@@ -27,6 +27,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from urllib.parse import urlparse, urlunparse
 
@@ -92,14 +93,12 @@ HEARTBEAT_LAG_S = 0.5  # a worker's heartbeat carries metrics its core sent up t
 def engine_step_totals(stack: Stack, engine: str, since: float) -> tuple[int, float]:
     """The engine's steps and seconds spent in them, from its first heartbeat whose
     metrics are newer than `since` (time.time())."""
-    from datetime import datetime
     metrics = {}
 
     def fresh() -> bool:
         doc = next(e for e in stack.api("GET", "/api/engines/").json() if e["name"] == engine)
         beat = doc.get("last_heartbeat")
-        if not beat or datetime.fromisoformat(beat.replace("Z", "+00:00")).timestamp() \
-                <= since + HEARTBEAT_LAG_S:
+        if not beat or datetime.fromisoformat(beat).timestamp() <= since + HEARTBEAT_LAG_S:
             return False
         metrics.update(doc["metrics"])
         return True
