@@ -120,7 +120,9 @@ _default_db = f"sqlite:///{DATA_DIR / 'kvops.sqlite3'}"
 DATABASES = {"default": dj_database_url.parse(os.environ.get("DATABASE_URL", _default_db),
                                               conn_max_age=0)}
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
-    # Web server and engine workers write concurrently: WAL and a generous lock timeout.
+    # Web server and engine workers write concurrently: WAL, a generous lock timeout,
+    # and writers that queue for the file instead of sleeping in SQLite's busy handler.
+    DATABASES["default"]["ENGINE"] = "kvops.sqlite"
     DATABASES["default"]["OPTIONS"] = {
         "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
         "transaction_mode": "IMMEDIATE",
