@@ -272,27 +272,90 @@ def claim_jobs(claims: list[Claim]) -> list[Job | None]:
     """Mark jobs running on this worker, in one transaction. Per claim: the job, or None
     if this delivery must not run it: the job ended or was cancelled, or the delivery is
     stale (the job was re-dispatched under a new task id, or it runs on a live worker
-    already). A job whose worker died runs again from its prompt."""
-    out: list[Job | None] = []
+    already). A job whose worker died runs again from its prompt.
+
+    The transaction holds back every other writer of the database (on SQLite, the web's
+    inserts and the output processor's progress too), so it does as little as it can:
+    queued jobs of the delivery's task are claimed by one UPDATE per task id
+    (_claim_queued), and only the others (re-runs, cancelled, stale, repeated deliveries)
+    are read and judged one by one. The rows are read back once the lock is released."""
+    out: list[Job | None] = [None] * len(claims)
     claimed, ended = {}, {}
+    live = live_instances()  # (a read: it needs no write lock)
     with transaction.atomic():
-        rows = Job.objects.select_for_update(of=("self",)).select_related("owner") \
-            .in_bulk([c.job_id for c in claims])  # the owner: its cache salt
-        live = live_instances()
-        for c in claims:  # in order: a second delivery of a job sees the first's claim
-            job = rows.get(c.job_id)
-            verdict = None if job is None else _claim(job, c, live)
-            out.append(job if verdict == "run" else None)
-            if verdict == "run":
-                claimed[job.pk] = job
-            elif verdict == "ended":
-                ended[job.pk] = job
-        if claimed:
-            _update_rows(list(claimed.values()), CLAIM_FIELDS)
-        if ended:
-            _update_rows(list(ended.values()), END_FIELDS)
+        taken = _claim_queued(claims)
+        first = {}  # job id -> the claim that took it (the first of its deliveries)
+        for i, c in enumerate(claims):
+            if c.job_id in taken and c.job_id not in first:
+                first[c.job_id] = i
+        rest = [i for i, c in enumerate(claims) if first.get(c.job_id) != i]
+        if rest:
+            rows = Job.objects.select_for_update(of=("self",)).select_related("owner") \
+                .in_bulk([claims[i].job_id for i in rest])  # the owner: its cache salt
+            for i in rest:  # in order: a second delivery of a job sees the first's claim
+                job = rows.get(claims[i].job_id)
+                verdict = None if job is None else _claim(job, claims[i], live)
+                if verdict == "run":
+                    out[i] = claimed[job.pk] = job
+                elif verdict == "ended":
+                    ended[job.pk] = job
+            if claimed:
+                _update_rows(list(claimed.values()), CLAIM_FIELDS)
+            if ended:
+                _update_rows(list(ended.values()), END_FIELDS)
+    if first:
+        rows = Job.objects.select_related("owner").in_bulk(list(first))
+        for job_id, i in first.items():
+            out[i] = claimed[job_id] = rows[job_id]
     _publish_jobs(list({**ended, **claimed}.values()))
     return out
+
+
+def _claim_queued(claims: list[Claim]) -> set[int]:
+    """Claim, in one UPDATE per task id, the jobs that wait in the queue for that task
+    (not cancelled, attempts left): what _claim does to such a job, done by the
+    database. Returns their ids."""
+    by_task: dict[tuple[str, str, str], list[int]] = {}
+    for c in claims:
+        if c.task_id:
+            by_task.setdefault((c.task_id, c.engine, c.instance), []).append(c.job_id)
+    if not by_task:
+        return set()
+    quote = connection.ops.quote_name
+    field = Job._meta.get_field
+
+    def column(name: str) -> str:
+        return quote(field(name).column)
+
+    def prep(name: str, value):
+        return field(name).get_db_prep_save(value, connection)
+
+    empty = [prep(name, []) for name in ("output_token_ids", "samples", "output_logprobs",
+                                          "prompt_logprobs")]
+    started_at = prep("started_at", timezone.now())
+    taken: set[int] = set()
+    with connection.cursor() as cursor:
+        for (task_id, engine, instance), job_ids in by_task.items():
+            cursor.execute(
+                f"UPDATE {quote(Job._meta.db_table)} SET "
+                f"{column('attempts')} = {column('attempts')} + 1, {column('status')} = %s, "
+                f"{column('engine')} = %s, {column('engine_instance')} = %s, "
+                f"{column('request_id')} = 'job-' || {column('id')} || '-' || "
+                f"({column('attempts')} + 1), {column('started_at')} = %s, "
+                f"{column('first_token_at')} = NULL, {column('output_text')} = '', "
+                f"{column('output_token_ids')} = %s, {column('samples')} = %s, "
+                f"{column('output_logprobs')} = %s, {column('prompt_logprobs')} = %s, "
+                f"{column('finish_reason')} = '', {column('error')} = '', "
+                f"{column('num_output_tokens')} = 0, {column('num_cached_tokens')} = 0, "
+                f"{column('num_preemptions')} = 0 "
+                f"WHERE {column('id')} IN ({', '.join(['%s'] * len(job_ids))}) "
+                f"AND {column('status')} = %s AND NOT {column('cancel_requested')} "
+                f"AND {column('attempts')} < %s AND {column('celery_task_id')} = %s "
+                f"RETURNING {column('id')}",
+                [Job.Status.RUNNING, engine, instance, started_at, *empty, *job_ids,
+                 Job.Status.QUEUED, MAX_ATTEMPTS, task_id])
+            taken.update(job_id for (job_id,) in cursor.fetchall())
+    return taken
 
 
 def _update_rows(jobs: list[Job], fields: list[str]) -> None:
