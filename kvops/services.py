@@ -161,7 +161,8 @@ def _rows_per_insert(db, num_fields: int, num_rows: int) -> int:
 
 def _insert(jobs: list[Job], statements: list[tuple[str, tuple, list[Job]]]) -> None:
     """Run _insert_statements' INSERTs and give each job its id (as bulk_create does)."""
-    with connection.cursor() as cursor:
+    db = transaction.get_connection()
+    with db.cursor() as cursor:
         for statement, params, chunk in statements:
             cursor.execute(statement, params)
             ids = [row[0] for row in cursor.fetchall()]
@@ -170,7 +171,7 @@ def _insert(jobs: list[Job], statements: list[tuple[str, tuple, list[Job]]]) -> 
             for job, pk in zip(chunk, ids):
                 job.pk = pk
                 job._state.adding = False
-                job._state.db = connection.alias
+                job._state.db = db.alias
 
 
 def _send_tasks(jobs: list[Job], queues: list[str]) -> None:
@@ -344,7 +345,8 @@ def claim_jobs(claims: list[Claim]) -> list[Job | None]:
         for i, c in enumerate(claims):
             if c.job_id in taken and c.job_id not in first:
                 first[c.job_id] = i
-        rest = [i for i, c in enumerate(claims) if first.get(c.job_id) != i]
+        rest = [i for i, c in enumerate(claims) if c.job_id not in first]  # (a repeated
+        # delivery of a job taken here gets None)
         if rest:
             rows = Job.objects.select_for_update(of=("self",)).select_related("owner") \
                 .in_bulk([claims[i].job_id for i in rest])  # the owner: its cache salt
@@ -362,7 +364,8 @@ def claim_jobs(claims: list[Claim]) -> list[Job | None]:
     if first:
         rows = Job.objects.select_related("owner").in_bulk(list(first))
         for job_id, i in first.items():
-            out[i] = claimed[job_id] = rows[job_id]
+            if job_id in rows:  # (else deleted since: nothing to run)
+                out[i] = claimed[job_id] = rows[job_id]
     _publish_jobs(list({**ended, **claimed}.values()))
     return out
 

@@ -103,3 +103,10 @@ def test_an_unknown_job_is_not_claimed(owner):
     a = job(owner)
     ghost = Job(pk=a.pk + 1000)
     assert claim((ghost, "task-a"), (a, "task-a"))[0] is None
+
+
+def test_a_job_delivered_twice_to_a_worker_not_yet_live_runs_once(owner):
+    a = job(owner)
+    got = services.claim_jobs([services.Claim(a.pk, "eng", "worker-new", "task-a")] * 2)
+    assert got[0] is not None and got[1] is None
+    assert Job.objects.get(pk=a.pk).attempts == 1
