@@ -1,4 +1,5 @@
-"""Django's SQLite backend, with writers that queue for the database instead of polling.
+"""Django's SQLite backend, with writers that take turns within a millisecond of each
+other instead of sleeping in SQLite's busy handler.
 
 SQLite lets one writer at a time in; a writer that finds the lock taken sleeps and tries
 again, with sleeps that grow to 100 ms (its busy handler: 1, 2, 5, 10, 15, 20, 25, 25,
