@@ -93,20 +93,17 @@ class CursorWrapper(base.SQLiteCursorWrapper):
     writer_lock: WriterLock | None = None
 
     def execute(self, query, params=None):
-        if self.writer_lock is None or self.connection.in_transaction or not _writes(query):
-            return super().execute(query, params)
-        self.writer_lock.acquire()
-        try:
-            return super().execute(query, params)
-        finally:
-            self.writer_lock.release()
+        return self._run(super().execute, query, params)
 
     def executemany(self, query, param_list):
+        return self._run(super().executemany, query, param_list)
+
+    def _run(self, call, query, arguments):
         if self.writer_lock is None or self.connection.in_transaction or not _writes(query):
-            return super().executemany(query, param_list)
+            return call(query, arguments)
         self.writer_lock.acquire()
         try:
-            return super().executemany(query, param_list)
+            return call(query, arguments)
         finally:
             self.writer_lock.release()
 
