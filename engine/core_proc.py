@@ -174,33 +174,23 @@ def serve(config: EngineConfig, input_address: str, output_address: str) -> None
         context.term()
 
 
-CORE_NICE = -19  # a core that feeds an accelerator, or simulates one
-CORE_NICE_CPU = -5  # a core that computes the model on the CPU itself
-
-
-def default_nice(config: EngineConfig) -> int:
-    """The core's niceness unless KVOPS_ENGINE_CORE_NICE says otherwise.
-
-    A core that feeds a GPU spends a few milliseconds of CPU a step, and the GPU idles
-    while that core waits for a CPU behind the web server or the worker's threads: it
-    must win the CPU whenever it wants it (-19 weighs about 70 times a default process
-    under Linux's scheduler; -5 only 3 times, and on a 2-core machine running 256
-    streams the simulated core's steps then took 0.5-1 ms longer than alone, and none
-    longer at -19). A core that runs the model on the CPU is itself the main consumer
-    (its torch threads take every core while a step runs) and keeps -5, so the service
-    keeps a share; on the 2-core machine the default model at 32 streams measured the
-    same at -5 and -19 within that machine's noise."""
-    if config.simulate or config.device == "cuda":
-        return CORE_NICE
-    if config.device == "auto":
-        import torch
-        if torch.cuda.is_available():
-            return CORE_NICE
-    return CORE_NICE_CPU
+# The core's niceness unless KVOPS_ENGINE_CORE_NICE says otherwise.
+#
+# A core that feeds a GPU spends a few milliseconds of CPU a step, and the GPU idles while
+# that core waits for a CPU behind the web server or the worker's threads: it must win the
+# CPU whenever it wants it (-19 weighs about 70 times a default process under Linux's
+# scheduler; -5 only 3 times, and on a 2-core machine running 256 streams the simulated
+# core's steps then took 0.5-1 ms longer than alone, and none longer at -19). A core that
+# computes the model on the CPU takes -19 too: each time the service takes a core from one
+# of its torch threads, the step waits for that thread. On the 2-core machine, the default
+# model at 32 streams, four pairs of runs alternating -5 and -19: 0.62 / 0.83, 0.49 / 0.60,
+# 0.53 / 0.88, 0.74 / 0.74 of the engine alone, with first tokens and chunks no later at
+# -19 (the service runs while the torch threads wait between steps and at barriers).
+CORE_NICE = -19
 
 
 def _raise_priority(nice: int) -> None:
-    """Run ahead of the service's processes on the CPU (see default_nice). Needs the
+    """Run ahead of the service's processes on the CPU (see CORE_NICE). Needs the
     right to lower niceness (root or CAP_SYS_NICE); without it the core runs at the
     default priority."""
     if nice >= 0:
@@ -220,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=os.environ.get("KVOPS_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s engine-core: %(message)s")
     config = EngineConfig(**json.loads(args.config))
-    _raise_priority(int(os.environ.get("KVOPS_ENGINE_CORE_NICE") or default_nice(config)))
+    _raise_priority(int(os.environ.get("KVOPS_ENGINE_CORE_NICE") or CORE_NICE))
     serve(config, args.input, args.output)
     return 0
 
