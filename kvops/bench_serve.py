@@ -4,7 +4,8 @@ The service path measured end to end at an engine's pace: a throwaway stack (uvi
 one engine worker, loopback only) with the simulated engine paced like a GPU step
 (--step-ms), N concurrent streamed completions through /v1 (ignore_eos, 200-400
 tokens each) from a light SSE client in this process, and, in the same run, the same
-engine alone (an LLMEngine in this process) on the same prompts. Per concurrency it
+engine alone (an LLMEngine in a process started as the worker starts its engine core, with
+the core's environment and niceness) on the same prompts. Per concurrency it
 prints delivered output tok/s, the engine alone, their ratio, TTFT and inter-chunk
 latency percentiles, the engine's mean step time alone and in the service (from its
 kvops:engine_step_seconds; a slower step there is the engine sharing the CPU, not the
@@ -21,8 +22,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import random
+import subprocess
 import sys
 import tempfile
 import time
@@ -68,10 +71,32 @@ def engine_config(args, streams: int, real: bool) -> dict:
                 max_num_batched_tokens=8192)
 
 
-def engine_alone(config: dict, work: Workload) -> tuple[float, float]:
+def engine_alone(config: dict, work: Workload, core: str = "process") -> tuple[float, float]:
     """Seconds for the engine by itself to run every prompt, all added at once, and its
-    mean step time in seconds."""
-    engine = LLMEngine(EngineConfig(**config), detokenize=False)  # as the service runs it
+    mean step time in seconds: in a process of its own, started as a worker starts its
+    engine core (the core's environment and niceness; for a `thread` core, as the worker
+    itself), so that the engine alone and the engine in the service differ by the
+    service alone."""
+    from kvops.engine_client import core_environment
+    done = subprocess.run(
+        [sys.executable, "-m", "kvops.bench_serve", "--alone", core], capture_output=True,
+        text=True, input=json.dumps({"config": config, "prompts": work.prompts,
+                                     "max_tokens": work.max_tokens}),
+        env=core_environment(os.environ) if core == "process" else None, timeout=3600)
+    if done.returncode != 0:
+        raise RuntimeError(f"the engine alone failed: {done.stderr[-2000:]}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    return result["elapsed"], result["step"]
+
+
+def _engine_alone_here(core: str) -> None:
+    """The engine-alone process (`--alone`): the job from stdin, the result to stdout."""
+    from engine.core_proc import core_nice, raise_priority
+    job = json.loads(sys.stdin.read())
+    if core == "process":  # before the first parallel region starts torch's threads
+        raise_priority(core_nice())
+    work = Workload(job["prompts"], job["max_tokens"])
+    engine = LLMEngine(EngineConfig(**job["config"]), detokenize=False)  # as a core runs it
     for i, (prompt, n) in enumerate(zip(work.prompts, work.max_tokens)):
         engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=n, ignore_eos=True,
                                                           temperature=0.0))
@@ -84,7 +109,7 @@ def engine_alone(config: dict, work: Workload) -> tuple[float, float]:
     if produced != work.num_tokens:
         raise RuntimeError(f"the engine alone produced {produced} tokens, "
                            f"not {work.num_tokens}")
-    return elapsed, engine.step_seconds / max(engine.step_count, 1)
+    print(json.dumps({"elapsed": elapsed, "step": engine.step_seconds / max(engine.step_count, 1)}))
 
 
 HEARTBEAT_LAG_S = 0.5  # a worker's heartbeat carries metrics its core sent up to this long ago
@@ -201,7 +226,7 @@ def bench_once(args, streams: int, real: bool, tmp: Path, run: int) -> dict:
     config = engine_config(args, streams, real)
     lo, hi = (args.real_tokens, args.real_tokens) if real else (200, 400)
     work = make_workload(streams, lo, hi, seed=streams)
-    alone = engine_alone(config, work)
+    alone = engine_alone(config, work, args.core)
     workdir = tmp / f"{'real' if real else 'sim'}-{streams}-{run}"
     workdir.mkdir()
     database = fresh_database(args.database_url, f"kvops_bench_{workdir.name}".replace("-", "_")) \
@@ -290,7 +315,11 @@ def main(argv: list[str] | None = None) -> int:
                              "table shows the median run, and the ratios' range")
     parser.add_argument("--deadline", type=float, default=300.0,
                         help="seconds after which a stream counts as hung")
+    parser.add_argument("--alone", choices=("thread", "process"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.alone:
+        _engine_alone_here(args.alone)
+        return 0
     if args.repeat < 1:
         parser.error("--repeat must be 1 or more")
     levels = [int(s) for s in args.streams.split(",") if s]

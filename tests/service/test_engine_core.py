@@ -6,6 +6,7 @@ import asyncio
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 
@@ -88,16 +89,34 @@ def test_requests_and_commands_cross_the_process_boundary(core):
         client.command("teleport", {})
 
 
-def test_the_core_process_waits_passively_unless_told_otherwise(core, monkeypatch):
-    """Its OpenMP threads sleep at barriers instead of spinning on a core the service
-    needs (kvops.engine_client.core_environment); a value set by the operator stays."""
+def test_the_cores_threads_spin_only_where_the_core_outranks_the_service(core):
+    """OpenMP's wait (kvops.engine_client.core_environment): a core that will run at
+    SPIN_NICE or lower spins SPIN_COUNT turns at a barrier before it sleeps; one that runs
+    at a higher niceness, or may not lower it, sleeps at once (OMP_WAIT_POLICY=PASSIVE); a
+    value the operator set stays."""
+    from engine.core_proc import SPIN_COUNT
+    from kvops.engine_client import core_environment
+    for nice in ("0", "-5"):
+        env = core_environment({"KVOPS_ENGINE_CORE_NICE": nice})
+        assert env["OMP_WAIT_POLICY"] == "PASSIVE" and "GOMP_SPINCOUNT" not in env
+    assert core_environment({"KVOPS_ENGINE_CORE_NICE": "0", "OMP_WAIT_POLICY": "ACTIVE"})[
+        "OMP_WAIT_POLICY"] == "ACTIVE"
+    assert core_environment({"GOMP_SPINCOUNT": "7"}) == {"GOMP_SPINCOUNT": "7"}
+    if os.geteuid() != 0 or {"KVOPS_ENGINE_CORE_NICE", "OMP_WAIT_POLICY",
+                             "GOMP_SPINCOUNT"} & set(os.environ):
+        pytest.skip("niceness cannot be lowered here, or the environment sets the wait")
+    assert core_environment({}) == {"GOMP_SPINCOUNT": str(SPIN_COUNT)}  # -19: root may
     client, _ = core
     with open(f"/proc/{client.pid}/environ", "rb") as f:
         environ = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
-    assert environ[b"OMP_WAIT_POLICY"] == (os.environb.get(b"OMP_WAIT_POLICY") or b"PASSIVE")
-    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
-    from kvops.engine_client import core_environment
-    assert core_environment(os.environ)["OMP_WAIT_POLICY"] == "ACTIVE"
+    assert environ[b"GOMP_SPINCOUNT"] == str(SPIN_COUNT).encode()
+    assert b"OMP_WAIT_POLICY" not in environ
+    # A user without the right to lower niceness (the kernel refuses it): sleeping threads.
+    unprivileged = subprocess.run(
+        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c",
+         "from engine.core_proc import may_take_niceness as m; print(m(-19), m(5))"],
+        capture_output=True, text=True, timeout=120, cwd=os.getcwd())
+    assert unprivileged.stdout.split() == ["False", "True"], unprivileged.stderr
 
 
 def test_an_expired_command_is_dropped_not_applied_late(core):
