@@ -39,6 +39,10 @@ from kvops.prompts import load_tokenizer, render_chat
 log = logging.getLogger(__name__)
 
 MAX_RESTARTS = 3  # core deaths in a row before the worker gives up
+# A core stopped by one of these while its worker shuts down is not replaced (starting a
+# new one then would load a model for nothing and outlive the worker while it loads).
+STOP_SIGNALS = {-signal.SIGTERM, -signal.SIGINT, -signal.SIGQUIT}
+STOP_GRACE_S = 2.0  # how long after such a death the worker's shutdown may be seen
 POLL_MS = 200
 
 
@@ -48,8 +52,11 @@ class CoreDied(EngineError):
 
 class EngineCoreClient:
     def __init__(self, config: EngineConfig, sink: OutputSink | None = None,
-                 startup_timeout_s: float = 900.0) -> None:
+                 startup_timeout_s: float = 900.0,
+                 worker_stopping: Callable[[], bool] = lambda: False) -> None:
         self.name = config.name
+        # True once the worker is shutting down: a core that dies then is not replaced
+        self.worker_stopping = worker_stopping
         self.config = config
         self.instance = ""  # set by the worker when it registers (Engine.instance)
         self.sink = sink  # gets every step's outputs
@@ -88,6 +95,7 @@ class EngineCoreClient:
             raise EngineError(f"engine core {self.name} could not start (see the log)")
 
     def _spawn(self) -> None:
+        log.info("engine core %s: starting its process", self.name)
         self._ready.clear()
         fields = {f.name: getattr(self.config, f.name) for f in dataclasses.fields(self.config)}
         self._proc = subprocess.Popen([
@@ -192,6 +200,17 @@ class EngineCoreClient:
         with self._send_lock:
             self._to_core.send(pack(message))
 
+    def _stopped_with_worker(self) -> bool:
+        """Whether the signal that stopped the core came to the worker too, as `make
+        run`'s Ctrl-C, `docker stop` and systemd send it to the whole process group. The
+        worker may handle it a moment after the core died of it."""
+        deadline = time.monotonic() + STOP_GRACE_S
+        while not self.worker_stopping():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
     # --- the reader thread ---------------------------------------------------------------
     def _read(self) -> None:
         while not self._stopping:
@@ -265,6 +284,11 @@ class EngineCoreClient:
                 future.set_exception(CoreDied(reason))
         if lost and self.sink is not None:
             self.sink.fail(lost, reason)
+        if code in STOP_SIGNALS and self._stopped_with_worker():
+            log.info("engine core %s stopped with its worker: not replaced", self.name)
+            self._dead = True
+            self._ready.set()  # wakes start() if the worker is stopped while it starts
+            return
         self.restarts += 1
         if self.restarts > MAX_RESTARTS:
             log.error("engine core %s died %d times in a row: the worker reports itself dead",

@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 _service = None  # the EngineService of this process, if it is an engine worker
 _processor = None  # its OutputProcessor
 _stop = threading.Event()
+_shutting_down = threading.Event()  # the worker got its stop signal (warm or cold)
 
 
 def get_engine_service():
@@ -56,7 +57,7 @@ def _start_engine(sender=None, **kwargs) -> None:
     mode = os.environ.get("KVOPS_ENGINE_CORE", "process")
     log.info("starting engine %s (core: %s)", config.name, mode)
     if mode == "process":
-        _service = EngineCoreClient(config)
+        _service = EngineCoreClient(config, worker_stopping=_shutting_down.is_set)
     elif mode == "thread":
         _service = EngineService(config)
     else:
@@ -112,6 +113,11 @@ def _heartbeat(name: str, instance: str) -> None:
             log.warning("heartbeat failed: %s", e)
         finally:
             connection.close()
+
+
+@signals.worker_shutting_down.connect
+def _note_shutting_down(**kwargs) -> None:
+    _shutting_down.set()
 
 
 @signals.worker_shutdown.connect

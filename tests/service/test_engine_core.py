@@ -208,3 +208,25 @@ def test_a_core_killed_mid_stream_ends_the_stream_with_an_error(process_stack):
             break
         assert time.monotonic() < deadline, result.error
     assert result.text == expected_text("next one", 8)
+
+
+def test_a_core_stopped_with_its_worker_is_not_replaced(tmp_path):
+    """SIGTERM to the worker's process group (`make run`'s Ctrl-C, `docker stop`) stops
+    the core and the worker together: the worker starts no new core on its way out (one
+    would load its model for nothing and outlive the worker while it loads)."""
+    stack = Stack(tmp_path)
+    try:
+        stack.start_web()
+        stack.start_engine("proc", core="process", simulate=1, vocab_size=32000,
+                           num_gpu_blocks=128, simulate_step_ms=5)
+        first = core_pid(stack)
+        with open(f"/proc/{first}/cmdline") as f:
+            inbox = next(a for a in f.read().split("\0") if a.startswith("ipc://"))
+        stack.kill("engine-proc")  # SIGTERM to the group; returns once the worker exited
+        log = stack.log("engine-proc")
+        assert "stopped (signal SIGTERM)" in log and "not replaced" in log, log[-3000:]
+        assert log.count("starting its process") == 1, log[-3000:]
+        survivors = subprocess.run(["pgrep", "-f", inbox], capture_output=True, text=True)
+        assert survivors.stdout.split() == [], "a core outlived its worker"
+    finally:
+        stack.stop()
