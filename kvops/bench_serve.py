@@ -109,7 +109,8 @@ def _engine_alone_here(core: str) -> None:
     if produced != work.num_tokens:
         raise RuntimeError(f"the engine alone produced {produced} tokens, "
                            f"not {work.num_tokens}")
-    print(json.dumps({"elapsed": elapsed, "step": engine.step_seconds / max(engine.step_count, 1)}))
+    step = engine.step_seconds / max(engine.step_count, 1)
+    print(json.dumps({"elapsed": elapsed, "step": step}))
 
 
 HEARTBEAT_LAG_S = 0.5  # a worker's heartbeat carries metrics its core sent up to this long ago
