@@ -36,6 +36,8 @@ from urllib.parse import urlparse, urlunparse
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.capacity import format_table
+from engine.core_proc import core_nice, raise_priority
+from kvops.engine_client import core_environment
 from kvops.localstack import Stack
 from kvops.run import ensure_redis
 from kvops.sse_client import StreamResult, stream_completion
@@ -77,7 +79,6 @@ def engine_alone(config: dict, work: Workload, core: str = "process") -> tuple[f
     engine core (the core's environment and niceness; for a `thread` core, as the worker
     itself), so that the engine alone and the engine in the service differ by the
     service alone."""
-    from kvops.engine_client import core_environment
     done = subprocess.run(
         [sys.executable, "-m", "kvops.bench_serve", "--alone", core], capture_output=True,
         text=True, input=json.dumps({"config": config, "prompts": work.prompts,
@@ -91,7 +92,6 @@ def engine_alone(config: dict, work: Workload, core: str = "process") -> tuple[f
 
 def _engine_alone_here(core: str) -> None:
     """The engine-alone process (`--alone`): the job from stdin, the result to stdout."""
-    from engine.core_proc import core_nice, raise_priority
     job = json.loads(sys.stdin.read())
     if core == "process":  # before the first parallel region starts torch's threads
         raise_priority(core_nice())
