@@ -72,7 +72,8 @@ def build_history(name: str, blocks: int, num_requests: int, minutes: float,
 
     engine = LLMEngine(EngineConfig(simulate=True, name=name, num_gpu_blocks=blocks,
                                     num_cpu_blocks=blocks // 4, max_num_seqs=1024,
-                                    max_num_batched_tokens=8192, preemption_mode="swap"))
+                                    max_num_batched_tokens=8192, preemption_mode="swap"),
+                       detokenize=False)
     rng = random.Random(0)
     shared = [rng.randrange(32000) for _ in range(256)]
     added = 0
@@ -97,7 +98,7 @@ def build_history(name: str, blocks: int, num_requests: int, minutes: float,
     for i in range(count):
         top_up()
         for _ in range(steps_per_delta):
-            engine.step()
+            engine.step_core()  # as the engine core process steps: token ids, no text
         capture = capturer.capture(engine)
         capture.ts = start + i / deltas_per_s  # the clock the history is laid out on
         delta = mirror.apply(capture)
