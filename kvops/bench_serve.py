@@ -3,8 +3,8 @@
 The service path measured end to end at an engine's pace: a throwaway stack (uvicorn and
 one engine worker, loopback only) with the simulated engine paced like a GPU step
 (--step-ms), N concurrent streamed completions through /v1 (ignore_eos, 200-400
-tokens each) from a light SSE client in this process, and, in the same run, the same
-engine alone (an LLMEngine in a process started as the worker starts its engine core, with
+tokens each, or --sim-tokens) from a light SSE client in this process, and, in the same
+run, the same engine alone (an LLMEngine in a process started as the worker starts its engine core, with
 the core's environment and niceness) on the same prompts. Per concurrency it
 prints delivered output tok/s, the engine alone, their ratio, TTFT and inter-chunk
 latency percentiles, the engine's mean step time alone and in the service (from its
@@ -225,7 +225,7 @@ def bench_level(args, streams: int, real: bool, tmp: Path) -> dict:
 
 def bench_once(args, streams: int, real: bool, tmp: Path, run: int) -> dict:
     config = engine_config(args, streams, real)
-    lo, hi = (args.real_tokens, args.real_tokens) if real else (200, 400)
+    lo, hi = (args.real_tokens, args.real_tokens) if real else args.sim_range
     work = make_workload(streams, lo, hi, seed=streams)
     alone = engine_alone(config, work, args.core)
     workdir = tmp / f"{'real' if real else 'sim'}-{streams}-{run}"
@@ -300,6 +300,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--streams", default="32,256,1024",
                         help="concurrency levels on the simulator (comma-separated)")
     parser.add_argument("--step-ms", type=float, default=10.0, help="simulated step time")
+    parser.add_argument("--sim-tokens", default="200-400", metavar="LO-HI",
+                        help="output tokens per stream on the simulator, drawn from LO-HI "
+                             "(64-64 at a 5-10 ms step is the default model's run at a "
+                             "GPU's pace)")
     parser.add_argument("--real", type=int, default=0,
                         help="also the default model at this many streams (0: skip)")
     parser.add_argument("--real-tokens", type=int, default=64,
@@ -323,6 +327,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.repeat < 1:
         parser.error("--repeat must be 1 or more")
+    try:
+        args.sim_range = tuple(int(v) for v in args.sim_tokens.split("-"))
+    except ValueError:
+        args.sim_range = ()
+    if len(args.sim_range) != 2 or not 1 <= args.sim_range[0] <= args.sim_range[1]:
+        parser.error(f"--sim-tokens: LO-HI with 1 <= LO <= HI, not {args.sim_tokens!r}")
     levels = [int(s) for s in args.streams.split(",") if s]
     with tempfile.TemporaryDirectory(prefix="kvops-bench-serve-") as tmp:
         redis = ensure_redis(os.environ.setdefault("REDIS_URL", "redis://127.0.0.1:6379/0"),

@@ -2,8 +2,10 @@
 # The checks to run when a GPU is at hand (one script, for a short device lease):
 # the CUDA-marked kernel tests (attention, fused MoE), tiny models of several families on
 # the Triton backend, the Triton kernel benchmark, and the default model in
-# bfloat16 on the GPU, alone and through the whole service. Output goes to stdout and,
-# when $OUT is set (the device tool), to $OUT/gpu-check.log.
+# bfloat16 on the GPU, alone and through the whole service, and last the service path on
+# the paced simulator with a GPU machine's free cores (on the 2-core development machine
+# the web server, the worker, the client and the core wait for each other's CPU). Output
+# goes to stdout and, when $OUT is set (the device tool), to $OUT/gpu-check.log.
 #
 # On a machine without kvops's virtualenv (the device tool's: Python 3.12 with PyTorch,
 # Triton and transformers, no network), run scripts/gpu-pack.sh here first and carry .gpu:
@@ -44,18 +46,22 @@ print("the default model's shapes, random weights:", sys.argv[1])
 PYEOF
 fi
 {
+  # Most wanted first, and the time limits add up to under the device tool's 600 s a
+  # command (a section cut off still leaves its output in the log).
   date -u
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true
   "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
-  echo "== CUDA-marked tests"
-  timeout 240 "$PY" -m pytest -q -m cuda tests/kernels
-  echo "== tiny models on CUDA: Triton attention, windowed layers, the fused MoE kernel, the CPU tier"
-  timeout 180 "$PY" -m pytest -q tests/engine/test_model_triton.py tests/engine/test_cpu_tier.py
-  echo "== kernels.bench"
-  timeout 120 "$PY" -m kernels.bench
-  echo "== engine alone, default model, bfloat16"
-  timeout 120 "$PY" -m engine.bench --dtype bfloat16 --repeats 1
   echo "== through the service: 32 streams, default model, bfloat16 on cuda"
-  timeout 180 "$PY" -m kvops.bench_serve --streams "" --real 32 --real-tokens 128 \
+  timeout 150 "$PY" -m kvops.bench_serve --streams "" --real 32 --real-tokens 128 \
     --real-device cuda --real-dtype bfloat16
+  echo "== engine alone, default model, bfloat16"
+  timeout 60 "$PY" -m engine.bench --dtype bfloat16 --repeats 1
+  echo "== kernels.bench"
+  timeout 60 "$PY" -m kernels.bench
+  echo "== CUDA-marked tests"
+  timeout 110 "$PY" -m pytest -q -m cuda tests/kernels
+  echo "== tiny models on CUDA: Triton attention, windowed layers, the fused MoE kernel, the CPU tier"
+  timeout 70 "$PY" -m pytest -q tests/engine/test_model_triton.py tests/engine/test_cpu_tier.py
+  echo "== the service path with many free cores: the simulator, short streams at 5 ms a step"
+  timeout 90 "$PY" -m kvops.bench_serve --streams 32,256 --sim-tokens 64-64 --step-ms 5
 } 2>&1 | tee "$LOG"
