@@ -25,6 +25,7 @@ import asyncio
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import tempfile
@@ -358,5 +359,15 @@ def run_levels(args, levels: list[int], tmp: Path) -> list[dict]:
     return rows
 
 
+def _exit_on_signal(signum, frame) -> None:
+    # SIGTERM (a `timeout`, a CI job's end) or SIGHUP: leave through the `finally`s, which
+    # stop this run's stacks and Redis. Their processes have sessions of their own, so a
+    # signal to this one alone would leave them running (an engine worker, its core and the
+    # model's memory) beside whatever runs next.
+    raise SystemExit(128 + signum)
+
+
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+    signal.signal(signal.SIGHUP, _exit_on_signal)
     sys.exit(main())

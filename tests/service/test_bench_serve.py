@@ -1,6 +1,13 @@
 """`python -m kvops.bench_serve` runs from a checkout as the README shows it (a small
 concurrency, so it stays short); its figures are not checked here, only that every
 stream ended and the table came out."""
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
 
 from kvops import bench_serve
@@ -26,3 +33,65 @@ def test_bench_serve_refuses_a_bad_token_range(bad, capsys):
     with pytest.raises(SystemExit) as exit_:
         bench_serve.main(["--streams", "8", "--sim-tokens", bad])
     assert exit_.value.code == 2 and "--sim-tokens" in capsys.readouterr().err
+
+
+def _children(pid: int) -> set[int]:
+    """The live processes whose parent is pid."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat[stat.rindex(")") + 2:].split()[1]) == pid:
+                found.add(int(entry.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"  # (a zombie has exited)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def test_a_terminated_run_stops_its_stack():
+    """`timeout ... python -m kvops.bench_serve` sends SIGTERM to the benchmark alone; its
+    stack's processes (in sessions of their own) must stop with it, not run on."""
+    bench = subprocess.Popen(
+        [sys.executable, "-m", "kvops.bench_serve", "--streams", "8", "--step-ms", "10",
+         "--sim-tokens", "1500-1500", "--deadline", "600"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    stack: set[int] = set()
+    try:
+        workers: set[int] = set()
+        deadline = time.monotonic() + 300
+        while not workers and bench.poll() is None and time.monotonic() < deadline:
+            workers = {p for p in _children(bench.pid) if "engine_worker" in _cmdline(p)}
+            time.sleep(0.2)
+        assert workers, f"no engine worker came up: {bench.stderr.read1().decode()[-2000:]}"
+        stack = _children(bench.pid)  # the web server and the worker
+        stack |= {c for p in stack for c in _children(p)}  # the worker's engine core
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(120) == 128 + signal.SIGTERM
+        # Stack.stop() waits for each process it stops, so nothing may be left by now.
+        assert not [p for p in stack if _alive(p)], [_cmdline(p) for p in stack if _alive(p)]
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+            bench.wait()
+        for pid in stack:  # (what a failure here left behind: not for the next tests)
+            if _alive(pid):
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except OSError:
+                    pass
