@@ -2,12 +2,13 @@
 
 The service path measured end to end at an engine's pace: a throwaway stack (uvicorn and
 one engine worker, loopback only) with the simulated engine paced like a GPU step
-(--step-ms), N concurrent streamed completions through /v1 (ignore_eos, 200-400
-tokens each, or --sim-tokens) from a light SSE client in this process, and, in the same
-run, the same engine alone (an LLMEngine in a process started as the worker starts its engine core, with
-the core's environment and niceness) on the same prompts. Per concurrency it
-prints delivered output tok/s, the engine alone, their ratio, TTFT and inter-chunk
-latency percentiles, the engine's mean step time alone and in the service (from its
+(--step-ms), N concurrent streamed completions through /v1 (ignore_eos, 200-400 tokens
+each, or --sim-tokens) from a light SSE client in this process, and, in the same run,
+the same engine alone (an LLMEngine in a process started as the worker starts its engine
+core, with the core's environment and niceness) on the same prompts. Per concurrency it
+prints delivered output tok/s, the engine alone, their ratio, TTFT (and the engine
+alone's: the service's start costs the difference) and inter-chunk latency percentiles,
+the engine's mean step time alone and in the service (from its
 kvops:engine_step_seconds; a slower step there is the engine sharing the CPU, not the
 service's latency), lost and hung streams, and CPU seconds per 1,000 streamed tokens
 of the web process, the worker and this client. `--real N` adds the default model at N
@@ -74,9 +75,10 @@ def engine_config(args, streams: int, real: bool) -> dict:
                 max_num_batched_tokens=8192)
 
 
-def engine_alone(config: dict, work: Workload, core: str = "process") -> tuple[float, float]:
-    """Seconds for the engine by itself to run every prompt, all added at once, and its
-    mean step time in seconds: in a process of its own, started as a worker starts its
+def engine_alone(config: dict, work: Workload, core: str = "process") -> dict:
+    """The engine by itself running every prompt, all added at once: `elapsed` seconds,
+    its mean `step` and its median time to first token (`ttft`), in seconds. In a
+    process of its own, started as a worker starts its
     engine core (the core's environment and niceness; for a `thread` core, as the worker
     itself), so that the engine alone and the engine in the service differ by the
     service alone."""
@@ -87,8 +89,7 @@ def engine_alone(config: dict, work: Workload, core: str = "process") -> tuple[f
         env=core_environment(os.environ) if core == "process" else None, timeout=3600)
     if done.returncode != 0:
         raise RuntimeError(f"the engine alone failed: {done.stderr[-2000:]}")
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    return result["elapsed"], result["step"]
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def _engine_alone_here(core: str) -> None:
@@ -103,15 +104,21 @@ def _engine_alone_here(core: str) -> None:
                                                           temperature=0.0))
     started = time.perf_counter()
     produced = 0
+    first: dict[str, float] = {}  # request -> seconds to its first token
     while engine.has_unfinished_requests():
-        produced += sum(len(o.request.output_token_ids) for o in engine.step_core()
-                        if o.finished)
+        outputs = engine.step_core()
+        now = time.perf_counter() - started
+        for o in outputs:
+            if o.new_token_ids and o.request_id not in first:
+                first[o.request_id] = now
+        produced += sum(len(o.request.output_token_ids) for o in outputs if o.finished)
     elapsed = time.perf_counter() - started
     if produced != work.num_tokens:
         raise RuntimeError(f"the engine alone produced {produced} tokens, "
                            f"not {work.num_tokens}")
     step = engine.step_seconds / max(engine.step_count, 1)
-    print(json.dumps({"elapsed": elapsed, "step": step}))
+    print(json.dumps({"elapsed": elapsed, "step": step,
+                      "ttft": pct(list(first.values()), 0.5)}))
 
 
 HEARTBEAT_LAG_S = 0.5  # a worker's heartbeat carries metrics its core sent up to this long ago
@@ -174,9 +181,9 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-def measure(stack: Stack, model: str, work: Workload, alone: tuple[float, float],
+def measure(stack: Stack, model: str, work: Workload, alone: dict,
             deadline_s: float) -> dict:
-    alone_s, alone_step_s = alone
+    alone_s, alone_step_s = alone["elapsed"], alone["step"]
     steps0, step_s0 = engine_step_totals(stack, "bench", time.time())
     pids = {name: proc.pid for name, proc in stack.procs.items()}
     cpu0 = {name: group_cpu_s(pid) for name, pid in pids.items()}
@@ -201,6 +208,7 @@ def measure(stack: Stack, model: str, work: Workload, alone: tuple[float, float]
         "ratio": (delivered / elapsed) / (work.num_tokens / alone_s),
         "ttft_p50": pct([r.ttft for r in ok if r.ttft is not None], 0.5),
         "ttft_p99": pct([r.ttft for r in ok if r.ttft is not None], 0.99),
+        "ttft_alone": alone["ttft"],  # (the service's start costs the difference)
         "gap_p50": pct(gaps, 0.5), "gap_p99": pct(gaps, 0.99),
         "chunks": sum(len(r.chunk_times) for r in ok),
         # the engine's mean step, alone and in the service: how much of the gap is the
@@ -281,11 +289,12 @@ def ratio_cell(row: dict) -> str:
 def print_table(rows: list[dict]) -> None:
     print(format_table(
         ["engine", "streams", "delivered tok/s", "engine alone tok/s", "ratio",
-         "TTFT p50/p99 ms", "inter-chunk p50/p99 ms", "step ms: alone / service",
+         "TTFT p50/p99 ms (alone p50)", "inter-chunk p50/p99 ms", "step ms: alone / service",
          "lost", "hung",
          "CPU s / 1k tok: web, worker, client"],
         [[r["engine"], str(r["streams"]), f"{r['tok_s']:.0f}", f"{r['alone_tok_s']:.0f}",
-          ratio_cell(r), f"{1000 * r['ttft_p50']:.0f} / {1000 * r['ttft_p99']:.0f}",
+          ratio_cell(r), f"{1000 * r['ttft_p50']:.0f} / {1000 * r['ttft_p99']:.0f} "
+                         f"({1000 * r['ttft_alone']:.0f})",
           f"{1000 * r['gap_p50']:.0f} / {1000 * r['gap_p99']:.0f}",
           f"{1000 * r['step_alone']:.1f} / {1000 * r['step_service']:.1f}",
           str(r["lost"]), str(r["hung"]),

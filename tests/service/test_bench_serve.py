@@ -26,6 +26,9 @@ def test_bench_serve_runs_and_loses_no_stream(capsys):
     assert slash == "/" and float(alone) >= 5.0 and float(service) >= 5.0  # paced at 5 ms
     low, high = map(float, columns[4].strip("()").split("-"))  # the ratio's range
     assert low <= float(columns[3]) <= high
+    ttft, slash, _, ttft_alone = columns[5:9]  # TTFT p50 / p99 (the engine alone's p50)
+    assert slash == "/" and float(ttft) >= 5.0  # a first token takes a step at least
+    assert ttft_alone.startswith("(") and float(ttft_alone.strip("()")) >= 5.0
 
 
 @pytest.mark.parametrize("bad", ["64", "0-10", "40-20", "a-b"])
