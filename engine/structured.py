@@ -67,8 +67,18 @@ def grammar_of(spec: dict):
             return xgr.Grammar.from_regex("|".join(f"({re.escape(c)})" for c in value))
         return xgr.Grammar.from_ebnf(value)
     except Exception as e:  # noqa: BLE001  (xgrammar raises RuntimeError/ValueError kinds)
-        raise InvalidRequestError(f"structured {kind}: {str(e).strip().splitlines()[0]}") \
-            from None
+        raise InvalidRequestError(f"structured {kind}: {xgrammar_message(e)}") from None
+
+
+# xgrammar's messages start with a time and the C++ source line that raised them
+_XGRAMMAR_PREFIX = re.compile(r"^\s*(\[[0-9:]+\]\s*)?(\S+\.(cc|cpp|h|hpp):\d+:\s*)?")
+
+
+def xgrammar_message(error: BaseException) -> str:
+    """What an xgrammar error says, on one line, without where in its sources it was
+    raised (a client has no use for the build's paths)."""
+    lines = str(error).strip().splitlines() or [type(error).__name__]
+    return _XGRAMMAR_PREFIX.sub("", lines[0]) or type(error).__name__
 
 
 class StructuredOutputs:

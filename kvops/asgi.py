@@ -13,11 +13,12 @@ from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E40
 
 from kvops import reaper  # noqa: E402
 from kvops.api_handler import BareASGIHandler, split_api  # noqa: E402
+from kvops.body_limit import limit_body  # noqa: E402
 from kvops.ws_routing import websocket_urlpatterns  # noqa: E402
 
 reaper.start()
 
 application = ProtocolTypeRouter({
-    "http": split_api(BareASGIHandler(), django_asgi_app),
+    "http": limit_body(split_api(BareASGIHandler(), django_asgi_app)),
     "websocket": AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
 })

@@ -422,6 +422,13 @@ class EngineConsumer(_Consumer):
                                   "epoch": event["epoch"], "metrics": event["metrics"]})
 
 
+class NotFoundConsumer(AsyncJsonWebsocketConsumer):
+    """A websocket path no consumer serves: closed at once (the handshake is refused)."""
+
+    async def connect(self) -> None:
+        await self.close(code=CLOSE_NOT_FOUND)
+
+
 class JobConsumer(_Consumer):
     """The job's state on connect and on every update (cumulative text); `blocks` asks
     its engine for the request's block table (while it runs)."""

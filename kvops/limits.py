@@ -2,6 +2,7 @@
 (kvops/api/serializers.py) and the OpenAI-compatible API (kvops/openai_api.py) apply,
 so a request one refuses the other refuses too, with the same words."""
 import os
+import re
 
 # Characters, not tokens: the engine checks the token count against its model's limit.
 MAX_PROMPT_CHARS = int(os.environ.get("KVOPS_MAX_PROMPT_CHARS", 200_000))
@@ -77,6 +78,10 @@ def sampling_params(params: dict) -> dict:
     return params
 
 
+_TOKEN_ID_DIGITS = 10  # token ids are below 2**31
+_TOKEN_ID = re.compile(rf"[0-9]{{1,{_TOKEN_ID_DIGITS}}}")  # ASCII digits: "²".isdigit() is True
+
+
 def logit_bias(value) -> dict | None:
     """A map of token id (a string of digits, as JSON has it, or an integer) to a bias in
     LOGIT_BIAS, at most MAX_LOGIT_BIAS_ENTRIES of them; keys come back as strings."""
@@ -90,8 +95,10 @@ def logit_bias(value) -> dict | None:
                                          "entries")
     out = {}
     for key, bias in value.items():
-        if not str(key).isdigit():
-            raise InvalidParam("logit_bias", f"`logit_bias` keys must be token ids, not {key!r}")
+        if not _TOKEN_ID.fullmatch(str(key)):
+            shown = repr(key) if len(str(key)) <= 20 else repr(str(key)[:20]) + "…"
+            raise InvalidParam("logit_bias", f"`logit_bias` keys must be token ids (at most "
+                                             f"{_TOKEN_ID_DIGITS} digits 0-9), not {shown}")
         if isinstance(bias, bool) or not isinstance(bias, (int, float)) \
                 or not LOGIT_BIAS[0] <= bias <= LOGIT_BIAS[1]:
             raise InvalidParam("logit_bias", f"`logit_bias` values must be numbers in "

@@ -5,7 +5,6 @@ before its job ends cancels it."""
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from functools import partial
 from typing import Any, AsyncIterator
@@ -18,12 +17,12 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 from rest_framework.authtoken.models import Token
 
-from kvops import limits, selectors, services, tool_calls
+from kvops import json_body, limits, selectors, services, tool_calls
 from kvops.admission import get_admissions
 from kvops.api_handler import EventStream
 from kvops.job_listener import JobFailed, JobListener, cancel_abandoned
 from kvops.models import Job
-from kvops.prompt_check import PromptTooLong, check_prompt_fits
+from kvops.prompt_check import DoesNotFit, check_fits
 from kvops.prompts import inspector, render_chat
 from kvops.stream_hub import Subscription, get_hub
 from kvops.throttles import TooManyJobs, allow_submission, check_job_cap
@@ -268,9 +267,9 @@ def _stream_options(body: dict, stream: bool) -> dict:
 
 def _parse(request: HttpRequest) -> dict:
     try:
-        body = json.loads(request.body or b"null")
-    except (ValueError, UnicodeDecodeError):
-        raise BadRequest("the body is not valid JSON") from None
+        body = json_body.parse(request.body or b"null")
+    except json_body.BadJSON as e:
+        raise BadRequest(str(e)) from None
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object")
     return body
@@ -320,9 +319,9 @@ def _checks(model: Any, chat: bool, structured_param: str = "structured_outputs"
             raise BadRequest("structured output needs a model with logits; the engines "
                              f"serving {model!r} simulate one", structured_param)
         try:
-            check_prompt_fits(new.prompt, new.messages)
-        except PromptTooLong as e:
-            raise BadRequest(str(e), "messages" if chat else "prompt") from None
+            check_fits(new.prompt, new.messages, new.params, model=model)
+        except DoesNotFit as e:
+            raise BadRequest(str(e), e.param) from None
     return check
 
 

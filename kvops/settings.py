@@ -170,6 +170,10 @@ REST_FRAMEWORK = {
     "DEFAULT_PAGINATION_CLASS": "kvops.api.pagination.Pagination",
     "PAGE_SIZE": 50,
     "EXCEPTION_HANDLER": "kvops.api.errors.exception_handler",
+    # JSON bodies through kvops/json_body.py's rules (as /v1's); forms for the browsable API
+    "DEFAULT_PARSER_CLASSES": ["kvops.json_body.JSONParser",
+                               "rest_framework.parsers.FormParser",
+                               "rest_framework.parsers.MultiPartParser"],
     # Job submissions per user (kvops/throttles.py; staff exempt): REST and /v1 alike.
     "DEFAULT_THROTTLE_RATES": {"jobs": os.environ.get("KVOPS_JOB_RATE", "3000/min") or None},
 }

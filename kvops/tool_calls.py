@@ -66,8 +66,10 @@ def parse(body: dict) -> dict | None:
         if body.get("parallel_tool_calls") is False:
             array["maxItems"] = 1
         return {"kind": "required", "names": list(schemas), "structured": {"json": array}}
-    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
-    if not (isinstance(choice, dict) and choice.get("type") == "function" and name):
+    function = choice.get("function") if isinstance(choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if not (isinstance(choice, dict) and choice.get("type") == "function"
+            and isinstance(name, str) and name):
         raise ToolError("`tool_choice` must be \"none\", \"auto\", \"required\" or "
                         "{\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice")
     if name not in schemas:

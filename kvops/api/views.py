@@ -20,7 +20,7 @@ from kvops.api.serializers import (EmptySerializer, EngineSerializer, EvictSeria
                                    OperatorActionSerializer, PrefixSerializer,
                                    WhatIfRunSerializer, WhatIfSerializer)
 from kvops.models import Engine, Job
-from kvops.prompt_check import PromptTooLong, check_prompt_fits
+from kvops.prompt_check import DoesNotFit, check_fits
 from kvops.throttles import JobSubmitThrottle, TooManyJobs, check_job_cap
 
 
@@ -117,9 +117,9 @@ class JobViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.Retrieve
         if kwargs["engine"] and not Engine.objects.filter(name=kwargs["engine"]).exists():
             raise NotFound(f"no engine named {kwargs['engine']!r}")
         try:
-            check_prompt_fits(kwargs["prompt"], kwargs["messages"], kwargs["engine"])
-        except PromptTooLong as e:
-            raise ValidationError({"prompt": [str(e)]}) from None
+            check_fits(kwargs["prompt"], kwargs["messages"], kwargs["params"], kwargs["engine"])
+        except DoesNotFit as e:
+            raise ValidationError({e.param: [str(e)]}) from None
         try:
             check_job_cap(request.user)
         except TooManyJobs as e:
@@ -193,7 +193,10 @@ def _events_cursor(since: str | None) -> str | None:
     the last id before that millisecond."""
     if not since:
         return None
-    if re.fullmatch(r"\d+-\d+", since):
+    match = re.fullmatch(r"(\d{1,20})-(\d{1,20})", since)
+    if match:  # a Redis stream id: two unsigned 64-bit integers
+        if max(int(match[1]), int(match[2])) >= 2**64:
+            raise ValidationError({"since": "an event id's two parts are below 2**64"})
         return since
     try:
         when = datetime.fromisoformat(since.replace("Z", "+00:00"))

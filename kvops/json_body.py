@@ -1,0 +1,92 @@
+"""Request bodies as JSON: the one parser of every API (REST through DRF's parser class
+below, /v1 and /tokenize through parse()), so that what Python's decoder chokes on or
+lets through is a 400 naming the problem, never a 500 later on:
+
+* nesting deeper than the decoder recurses (``[[[[…``: a RecursionError);
+* NaN and the infinities (not JSON, though Python writes and reads them);
+* a string holding a lone UTF-16 surrogate (``"\\ud800"``): valid JSON, but no text,
+  so the tokenizer, the database's UTF-8 and the job stream each fail on it.
+
+The size of a body is bounded before it is read (kvops/body_limit.py).
+"""
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from rest_framework.exceptions import ParseError
+from rest_framework.parsers import JSONParser as DRFJSONParser
+
+# An escaped surrogate half (\ud800-\udfff). A body without one cannot hold a lone
+# surrogate (UTF-8 cannot carry one: the decoder refuses it), so most bodies are never
+# walked.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+class BadJSON(ValueError):
+    """The body is not JSON this service takes (HTTP 400); the message says why."""
+
+
+def _refuse_constant(name: str):
+    raise BadJSON(f"`{name}` is not JSON: send a number")
+
+
+def parse(raw: bytes) -> Any:
+    """The body's JSON value, or BadJSON saying what is wrong with it."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise BadJSON("the body is not valid JSON: it is not UTF-8 text") from None
+    try:
+        value = json.loads(text, parse_constant=_refuse_constant)
+    except RecursionError:
+        raise BadJSON("the body's JSON is nested too deeply") from None
+    except BadJSON:
+        raise
+    except ValueError as e:
+        raise BadJSON(f"the body is not valid JSON ({e})") from None
+    if _SURROGATE_ESCAPE.search(raw):
+        where = _lone_surrogate(value)
+        if where is not None:
+            raise BadJSON(f"`{where}` holds a lone UTF-16 surrogate (such as \\ud800), "
+                          "which is not text: send valid Unicode")
+    return value
+
+
+def _lone_surrogate(value: Any) -> str | None:
+    """The top-level field (or "body") in which a string cannot be encoded as UTF-8, or
+    None. Iterative: the value may be nested as deep as the decoder allowed."""
+    stack: list[tuple[Any, str]] = [(value, "body")]
+    while stack:
+        item, field = stack.pop()
+        if isinstance(item, str):
+            if not _encodes(item):
+                return field
+        elif isinstance(item, dict):
+            for key, child in item.items():
+                name = key if field == "body" else field
+                if not _encodes(key):
+                    return name
+                stack.append((child, name))
+        elif isinstance(item, list):
+            stack.extend((child, field) for child in item)
+    return None
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+class JSONParser(DRFJSONParser):
+    """DRF's JSON parser with parse()'s rules (the REST API's only parser of JSON)."""
+
+    def parse(self, stream, media_type=None, parser_context=None):
+        try:
+            return parse(stream.read() if stream is not None else b"")
+        except BadJSON as e:
+            raise ParseError(str(e)) from None

@@ -1,0 +1,134 @@
+"""Bad input is a 4xx naming what is wrong, never a 500, and stores nothing: each cause
+an audit found answering 500 (or an HTML page), tried against the running stack."""
+import asyncio
+import json
+
+import pytest
+import requests
+import websockets
+
+from kvops.models import Job  # noqa: F401  (the stack's database is read over HTTP)
+
+
+def _v1(stack, path: str, body: bytes | dict, user: str = "alice") -> requests.Response:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return requests.post(f"{stack.url}{path}", data=data, timeout=60, headers={
+        "Authorization": f"Bearer {stack.tokens[user]}", "Content-Type": "application/json"})
+
+
+def _rest(stack, body: bytes | dict, user: str = "alice") -> requests.Response:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return stack.api("POST", "/api/jobs/", user=user, data=data,
+                     headers={"Content-Type": "application/json"})
+
+
+def _job_count(stack) -> int:
+    return stack.api("GET", "/api/jobs/?mine=1", user="alice").json()["count"]
+
+
+def _deep(depth: int) -> bytes:
+    return (b'{"model": "simulated-v1", "prompt": "x", "max_tokens": 2, "n": '
+            + b"[" * depth + b"]" * depth + b"}")
+
+
+@pytest.mark.parametrize("depth", [1_000, 50_000])
+def test_json_nested_too_deeply_is_a_400_everywhere(stack, depth):
+    before = _job_count(stack)
+    for answer in (_v1(stack, "/v1/completions", _deep(depth)),
+                   _v1(stack, "/tokenize", _deep(depth)),
+                   _rest(stack, _deep(depth).replace(b'"model": "simulated-v1", ', b""))):
+        assert answer.status_code == 400, answer.text[:300]
+        assert "nested too deeply" in answer.text
+    assert _job_count(stack) == before
+
+
+@pytest.mark.parametrize("key", ["\u00b2", "1" * 5_000, "-3", "12a"])
+def test_a_logit_bias_key_that_is_no_token_id_is_a_400(stack, key):
+    body = {"model": "simulated-v1", "prompt": "x", "max_tokens": 2, "logit_bias": {key: 1}}
+    v1 = _v1(stack, "/v1/completions", body)
+    assert v1.status_code == 400 and v1.json()["error"]["param"] == "logit_bias", v1.text[:300]
+    rest = _rest(stack, {"prompt": "x", "max_tokens": 2, "logit_bias": {key: 1}})
+    assert rest.status_code == 400 and "logit_bias" in rest.json()["fields"], rest.text[:300]
+    assert len(v1.text) < 1_000  # the 5,000 digits are not echoed back whole
+
+
+def test_a_lone_surrogate_is_a_400_naming_the_field(stack):
+    before = _job_count(stack)
+    raw = b'{"model": "simulated-v1", "prompt": "ab\\ud800cd", "max_tokens": 2}'
+    v1 = _v1(stack, "/v1/completions", raw)
+    assert v1.status_code == 400 and "`prompt`" in v1.json()["error"]["message"], v1.text
+    chat = _v1(stack, "/v1/chat/completions",
+               b'{"model": "simulated-v1", "max_tokens": 2, '
+               b'"messages": [{"role": "user", "content": "\\udfff"}]}')
+    assert chat.status_code == 400 and "`messages`" in chat.text, chat.text
+    rest = _rest(stack, b'{"prompt": "\\ud800", "max_tokens": 2}')
+    assert rest.status_code == 400 and "surrogate" in rest.text, rest.text
+    # a pair is one character, and fine
+    ok = _v1(stack, "/v1/completions",
+             b'{"model": "simulated-v1", "prompt": "\\ud83d\\ude00", "max_tokens": 2}')
+    assert ok.status_code == 200, ok.text
+    assert _job_count(stack) == before + 1
+
+
+@pytest.mark.parametrize("choice", [{"type": "function", "function": "f"},
+                                    {"type": "function", "function": {"name": {"a": 1}}},
+                                    {"type": "function", "function": ["f"]}])
+def test_a_malformed_tool_choice_is_a_400(stack, choice):
+    body = {"model": "simulated-v1", "max_tokens": 2,
+            "messages": [{"role": "user", "content": "hi"}],
+            "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": choice}
+    answer = _v1(stack, "/v1/chat/completions", body)
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "tool_choice", \
+        answer.text
+
+
+@pytest.mark.parametrize("field,value", [("logit_bias", {"32000": 1.0}),
+                                         ("stop_token_ids", [5, 40_000])])
+def test_a_token_id_outside_the_vocabulary_is_refused_before_the_job_exists(
+        stack, field, value):
+    before = _job_count(stack)
+    v1 = _v1(stack, "/v1/completions",
+             {"model": "simulated-v1", "prompt": "x", "max_tokens": 2, field: value})
+    assert v1.status_code == 400, v1.text
+    assert v1.json()["error"]["param"] == field and "32000 tokens" in v1.text
+    rest = _rest(stack, {"prompt": "x", "max_tokens": 2, field: value})
+    assert rest.status_code == 400 and field in rest.json()["fields"], rest.text
+    assert _job_count(stack) == before
+
+
+@pytest.mark.parametrize("since", ["99999999999999999999999-1", "1-18446744073709551616",
+                                   "18446744073709551616-0", "x-1"])
+def test_an_event_cursor_out_of_range_is_a_400(stack, since):
+    answer = stack.api("GET", f"/api/engines/sim/events/?since={since}", user="alice")
+    assert answer.status_code == 400 and "since" in answer.json()["fields"], answer.text
+
+
+def test_an_unknown_websocket_path_is_refused_cleanly(stack):
+    async def handshake(path: str) -> int:
+        try:
+            async with websockets.connect(f"ws://127.0.0.1:{stack.port}{path}",
+                                          origin=stack.url, open_timeout=10):
+                return 101
+        except websockets.InvalidStatus as e:
+            return e.response.status_code
+
+    for path in ("/ws/jobs/-1/", "/ws/nothing/", "/ws/engines/a/b/"):
+        assert asyncio.run(handshake(path)) == 403, path
+    assert "Traceback" not in stack.log("web")
+
+
+def test_a_body_over_the_limit_is_a_json_413(stack):
+    big = b'{"prompt": "' + b"x" * (3 * 2**20) + b'"}'
+    v1 = _v1(stack, "/v1/completions", big)
+    assert v1.status_code == 413, v1.text[:300]
+    assert "2097152 bytes" in v1.json()["error"]["message"]
+    rest = _rest(stack, big)
+    assert rest.status_code == 413 and rest.json()["limit"] == 2 * 2**20, rest.text[:300]
+
+
+def test_xgrammar_errors_do_not_show_its_source_paths(stack):
+    # the simulated engine cannot constrain, so REST checks the schema alone
+    answer = _rest(stack, {"prompt": "x", "max_tokens": 2,
+                           "structured_outputs": {"json": {"type": "foo"}}})
+    assert answer.status_code == 400, answer.text
+    assert "Unsupported type" in answer.text and ".cc" not in answer.text
