@@ -6,6 +6,7 @@ queues them and applies them between steps).
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import time
@@ -76,6 +77,9 @@ class LLMEngine:
         self._snapshot_seq = itertools.count(1)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._structured = None  # engine/structured.py, built on the first constrained request
+        # (request, its compile) once the compile thread is done: the step loop queues the
+        # request or ends it (appended by the compile thread, taken by the loop)
+        self._compiled: collections.deque = collections.deque()
         self.scheduler.make_sample = self._make_sample
         self._pending: list[Request] = []  # ended by abort or finish_request, not reported yet
         self._inflight = None  # the SchedulerOutput being run, until its update is done
@@ -132,17 +136,23 @@ class LLMEngine:
                 f"request needs {need} KV blocks for {need_tokens} tokens; the pool has "
                 f"{self.kv.gpu.num_blocks}, of which {self.kv.gpu.num_pinned} are pinned "
                 f"(only {usable} can be its): lower max_tokens, or unpin prefixes")
-        grammar = self._grammar(params)
+        if params.structured is not None:
+            structured = self._structured_outputs()  # (the simulator refuses here)
         request = Request(
             request_id=request_id, prompt_token_ids=token_ids, sampling_params=params,
             arrival_time=time.time() if arrival_time is None else arrival_time,
             index=next(self._indices), root_hash=root_hash(self.runner.model_id, cache_salt),
             pinned_root=root_hash(self.runner.model_id, None) if cache_salt else None,
             block_size=self.config.block_size, priority=priority, job_id=job_id,
-            eos_token_ids=self.tokenizer.eos_token_ids, grammar=grammar,
+            eos_token_ids=self.tokenizer.eos_token_ids,
             held_back=1 if params.n > 1 else 0)
         self._follow_text(request_id, params)
-        self.scheduler.add(request)
+        if params.structured is None:
+            self.scheduler.add(request)
+        else:  # queued once its grammar is compiled, beside the step loop
+            self.scheduler.add(request, compiling=True)
+            structured.compile(params.structured).add_done_callback(
+                lambda compiled: self._compiled.append((request, compiled)))
         self.version += 1
 
     def _make_sample(self, parent: Request, i: int) -> Request:
@@ -161,8 +171,10 @@ class LLMEngine:
             index=next(self._indices), root_hash=parent.root_hash,
             pinned_root=parent.pinned_root, block_size=parent.block_size,
             priority=parent.priority, job_id=parent.job_id, eos_token_ids=parent.eos_token_ids,
-            grammar=self._grammar(params), parent_id=parent.request_id, sample_index=i,
-            prompt_logprobs=list(parent.prompt_logprobs))
+            grammar=None if parent.compiled_grammar is None
+            else self._structured.matcher(parent.compiled_grammar),
+            compiled_grammar=parent.compiled_grammar, parent_id=parent.request_id,
+            sample_index=i, prompt_logprobs=list(parent.prompt_logprobs))
 
     def _follow_text(self, request_id: str, params: SamplingParams) -> None:
         """Detokenise the request's output here, if this engine keeps text."""
@@ -170,17 +182,35 @@ class LLMEngine:
             self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop,
                                                              params.min_tokens)
 
-    def _grammar(self, params: SamplingParams):
-        """A matcher for the request's constraint (engine/structured.py), or None."""
-        if params.structured is None:
-            return None
+    def _structured_outputs(self):
+        """This engine's grammar compiler (engine/structured.py); InvalidRequestError on
+        the simulator, which has no logits to constrain."""
         if self.config.simulate:
             raise InvalidRequestError("structured output needs a model with logits; the "
                                       "simulated engine has none")
         if self._structured is None:
             from engine.structured import StructuredOutputs
             self._structured = StructuredOutputs(self.tokenizer, self.runner.vocab_size)
-        return self._structured.matcher(params.structured)
+        return self._structured
+
+    def _queue_compiled(self) -> None:
+        """Requests whose constraint the compile thread is done with: queued with their
+        matcher, or ended alone (finish_reason "error") if xgrammar refused it. One
+        aborted while it compiled is gone already."""
+        while self._compiled:
+            request, compiled = self._compiled.popleft()
+            if self.scheduler.compiling.get(request.request_id) is not request:
+                continue
+            self.version += 1
+            error = compiled.exception()
+            if error is None:
+                request.compiled_grammar = compiled.result()
+                request.grammar = self._structured.matcher(request.compiled_grammar)
+                self.scheduler.release(request)
+            else:
+                request.error = str(error)
+                self.scheduler.finish(request, RequestStatus.FINISHED, "error")
+                self._pending.append(request)
 
     def _usable_blocks(self, token_ids: list[int], cache_salt: str | None) -> int:
         """Blocks a request with this prompt could ever hold: the unpinned ones, plus the
@@ -222,6 +252,8 @@ class LLMEngine:
     def step_core(self) -> list[CoreOutput]:
         """Run one batch and report progress as token ids only (no text): each request
         that made progress or ended, with the tokens it gained this step."""
+        if self._compiled:
+            self._queue_compiled()
         ended, self._pending = self._pending, []
         outputs = [self._core_output(request, []) for request in ended]
         if self.paused:  # (aborts still end while paused)
@@ -292,7 +324,7 @@ class LLMEngine:
         return CoreOutput(request.request_id, new_token_ids, request.status in _ENDED,
                           request.finish_reason, len(request.prompt_token_ids),
                           request.num_cached_tokens or 0, request.num_preemptions, None,
-                          request)
+                          request, None, request.error)
 
     def _output(self, core: CoreOutput) -> RequestOutput:
         """The full output of a request, its text detokenised here (a stop string found
@@ -323,7 +355,8 @@ class LLMEngine:
             logprobs=list(request.output_logprobs)
             if request.sampling_params.logprobs is not None else None,
             prompt_logprobs=list(request.prompt_logprobs)
-            if request.sampling_params.prompt_logprobs is not None else None)
+            if request.sampling_params.prompt_logprobs is not None else None,
+            error=request.error)
 
     def generate(self, prompts: list[str | list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
@@ -344,6 +377,11 @@ class LLMEngine:
         final: dict[str, RequestOutput] = {}
         while waiting:
             for o in self.step():
+                if o.error is not None:  # (before it forked, with n > 1)
+                    for other in ids:
+                        if other != o.request_id and self.scheduler.live_requests(other):
+                            self.abort(other)
+                    raise InvalidRequestError(f"request {o.request_id}: {o.error}")
                 if o.finished:
                     final[o.request_id] = o
                     waiting.discard(o.request_id)
@@ -478,7 +516,8 @@ class LLMEngine:
     def has_work_to_run(self) -> bool:
         """Whether a step now would do anything: requests and not paused, or ended
         requests (an abort while paused) to report."""
-        return bool(self._pending) or (not self.paused and self.scheduler.has_unfinished())
+        return bool(self._pending) or bool(self._compiled) or (
+            not self.paused and self.scheduler.has_queued())
 
     def evict_cached_blocks(self, n: int | None = None) -> int:
         """Drop up to n refcount-0 cached blocks (all if None), LRU first."""
@@ -568,6 +607,8 @@ class LLMEngine:
         if self._kv_publisher is not None:
             self._kv_publisher.close()
             self._kv_publisher = None
+        if self._structured is not None:
+            self._structured.close()
         close = getattr(self.runner, "close", None)
         if close is not None:
             close()

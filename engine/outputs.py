@@ -12,7 +12,7 @@ class RequestOutput:
     output_token_ids: list[int]  # cumulative: every token generated so far
     text: str  # cumulative detokenised output (stop string cut off)
     finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" once finished
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" once finished
     num_cached_tokens: int  # prompt tokens served from the prefix cache at admission
     num_preemptions: int  # times the request lost its GPU blocks
     text_delta: str = ""  # text added since the previous output of this request
@@ -24,6 +24,7 @@ class RequestOutput:
     # n > 1 (LLMEngine.generate): every sample's output, in order; the fields above are
     # sample 0's
     samples: list[RequestOutput] | None = None
+    error: str | None = None  # finish_reason "error": why the engine could not serve it
 
 
 @dataclass(slots=True)
@@ -33,7 +34,7 @@ class CoreOutput:
     request_id: str
     new_token_ids: list[int]  # gained this step (empty when it only ended)
     finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" once finished
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" once finished
     num_prompt_tokens: int
     num_cached_tokens: int
     num_preemptions: int
@@ -41,12 +42,13 @@ class CoreOutput:
     request: Any = field(default=None, repr=False)  # the Request, in-process only
     # with the first token, if asked: see Request.prompt_logprobs
     prompt_logprobs: list[list] | None = None
+    error: str | None = None  # finish_reason "error": why the engine could not serve it
 
     def to_wire(self) -> list:
         """The fields as a list, for IPC (the request object stays behind)."""
         return [self.request_id, self.new_token_ids, self.finished, self.finish_reason,
                 self.num_prompt_tokens, self.num_cached_tokens, self.num_preemptions,
-                self.logprobs, None, self.prompt_logprobs]
+                self.logprobs, None, self.prompt_logprobs, self.error]
 
     @classmethod
     def from_wire(cls, row: list) -> CoreOutput:

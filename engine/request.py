@@ -51,11 +51,15 @@ class Request:
     # logprobs] (the first token's logprob None), filled as its prefill chunks run
     prompt_logprobs: list[list] = field(default_factory=list)
     grammar: Any = field(default=None, repr=False)  # its structured-output matcher, if any
+    # its constraint compiled (engine/structured.py): its fork's samples make their
+    # matchers from it; None until the compile thread has made it
+    compiled_grammar: Any = field(default=None, repr=False)
     all_token_ids: list[int] = field(default_factory=list)  # prompt + output, kept in step
     num_computed_tokens: int = 0  # tokens whose K/V is in the cache
     num_cached_tokens: int | None = None  # prefix-cache hit at first admission
     num_preemptions: int = 0  # times it lost its GPU blocks (recompute or swap)
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str | None = None  # finish_reason "error": why the engine could not serve it
     parked: bool = False  # swapped out by an operator: waits for swap_in/abort
     block_hashes: list[BlockHash] = field(default_factory=list)  # of the full blocks
 

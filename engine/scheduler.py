@@ -85,16 +85,32 @@ class Scheduler:
         self.make_sample: Callable[[Request, int], Request] | None = None
         self.forks: dict[str, list[str]] = {}
         self.unforked: list[Request] = []  # live requests with n > 1 not forked yet (few)
+        # Live requests not queued yet: their constraint compiles beside the step loop
+        # (engine/structured.py); the engine queues each once its grammar is ready.
+        self.compiling: dict[str, Request] = {}
 
     # --- queue management ----------------------------------------------------------
-    def add(self, request: Request) -> None:
+    def add(self, request: Request, compiling: bool = False) -> None:
+        """A new request: queued, or (compiling) live but held until release()."""
         self.requests[request.request_id] = request
         if request.held_back:
             self.unforked.append(request)
+        if compiling:
+            self.compiling[request.request_id] = request
+        else:
+            self.waiting.push(request)
+
+    def release(self, request: Request) -> None:
+        """Queue a request whose grammar is ready."""
+        del self.compiling[request.request_id]
         self.waiting.push(request)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
+
+    def has_queued(self) -> bool:
+        """Whether any live request could run (every one but those compiling)."""
+        return len(self.requests) > len(self.compiling)
 
     # --- one step ------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -287,6 +303,8 @@ class Scheduler:
         """End a live request (finished or aborted) and release all its blocks."""
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
+        elif request.request_id in self.compiling:
+            del self.compiling[request.request_id]
         elif request.status == RequestStatus.WAITING:
             self.waiting.remove(request)
         elif request.status == RequestStatus.SWAPPED:

@@ -3,10 +3,18 @@
 A request's `SamplingParams.structured` names one constraint: `json` (a JSON schema),
 `json_object` (any JSON object), `regex`, `choice` (one of a list of strings) or
 `grammar` (EBNF). The engine compiles it once per distinct constraint for its tokenizer
-(compiled grammars are cached) and gives the request a matcher. Each step the sampler
-asks every constrained request's matcher for the tokens it allows next (one bitmask for
-the batch, applied to the logits in one op) and tells it the token drawn; a matcher
-that has accepted the end of its grammar (and the EOS after it) ends the request.
+(compiled grammars are cached), on a thread beside the step loop: the request waits,
+live but not queued, until its grammar is ready, and one whose constraint xgrammar
+refuses ends alone with the reason. Each step the sampler asks every constrained
+request's matcher for the tokens it allows next (one bitmask for the batch, applied to
+the logits in one op) and tells it the token drawn; a matcher that has accepted the end
+of its grammar (and the EOS after it) ends the request.
+
+What a constraint may be is bounded (check_spec): compile time grows with nesting
+(cubically: a schema nested 400 deep took 20 s), with optional properties (2,000 took
+10 s with the default tokenizer) and with counted repetitions, and a service compiles
+what its users send. The web also compiles a constraint before it stores the job, in a
+process it can stop (kvops/grammar_check.py).
 
 JSON is generated without free whitespace (xgrammar's any_whitespace off: items are
 separated by ", " and ": "), so a small model cannot wander off in spaces and newlines.
@@ -15,15 +23,28 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from engine.errors import InvalidRequestError
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 MAX_SPEC_CHARS = 100_000  # a schema, regex or grammar, as JSON text
+MAX_SPEC_DEPTH = 64  # nesting of a constraint's JSON: a schema's objects within objects
+MAX_OBJECT_PROPERTIES = 256  # properties one object of a schema names
+MAX_SCHEMA_PROPERTIES = 2_048  # and all of its objects together
+MAX_ALTERNATIVES = 4_096  # anyOf/oneOf/allOf members, enum values and choices, in all
+MAX_REPEAT = 10_000  # a length or count bound (maxLength, minItems...) or a {m,n}
 CACHE_SIZE = 256  # compiled grammars kept per engine
+_LENGTH_KEYS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties",
+                "maxProperties", "minContains", "maxContains")
+_ALTERNATIVE_KEYS = ("anyOf", "oneOf", "allOf", "enum", "prefixItems")
+_COUNTED = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")  # {m}, {m,}, {m,n}
+
+
+class ConstraintTooComplex(InvalidRequestError):
+    """A constraint over one of the bounds above (its message names the bound)."""
 
 
 def check_spec(spec: Any) -> dict:
@@ -43,10 +64,63 @@ def check_spec(spec: Any) -> dict:
         raise InvalidRequestError(f"structured {kind}: a bad value (json: a schema object; "
                                   "json_object: true; regex and grammar: a non-empty "
                                   "string; choice: a list of non-empty strings)")
-    if len(json.dumps(value)) > MAX_SPEC_CHARS:
-        raise InvalidRequestError(f"structured {kind}: longer than {MAX_SPEC_CHARS} "
-                                  "characters")
+    _check_size(kind, value)
     return spec
+
+
+def _check_size(kind: str, value: Any) -> None:
+    """ConstraintTooComplex if the constraint is over a bound. Iterative: the value may
+    be nested as deep as a JSON decoder allows."""
+    def too(what: str) -> ConstraintTooComplex:
+        return ConstraintTooComplex(f"structured {kind}: {what}; simplify the constraint")
+
+    properties = alternatives = chars = 0
+    stack: list[tuple[Any, int, str | None]] = [(value, 1, None)]
+    while stack:
+        item, depth, key = stack.pop()
+        if depth > MAX_SPEC_DEPTH:
+            raise too(f"nested more than {MAX_SPEC_DEPTH} levels deep (the most allowed)")
+        if isinstance(item, dict):
+            chars += 2
+            if kind in ("json", "json_object"):
+                named = item.get("properties")
+                if isinstance(named, dict) and key != "properties":
+                    if len(named) > MAX_OBJECT_PROPERTIES:
+                        raise too(f"an object with {len(named)} properties (at most "
+                                  f"{MAX_OBJECT_PROPERTIES} in one object)")
+                    properties += len(named)
+                for name in _ALTERNATIVE_KEYS:
+                    if isinstance(item.get(name), list):
+                        alternatives += len(item[name])
+                for name in _LENGTH_KEYS:
+                    bound = item.get(name)
+                    if isinstance(bound, int) and bound > MAX_REPEAT:
+                        raise too(f"`{name}` is {bound} (at most {MAX_REPEAT})")
+            for child_key, child in item.items():
+                chars += len(str(child_key)) + 4
+                stack.append((child, depth + 1, str(child_key)))
+        elif isinstance(item, list):
+            chars += 2
+            stack.extend((child, depth + 1, None) for child in item)
+        elif isinstance(item, str):
+            chars += len(item) + 2
+            if kind in ("regex", "grammar") or key == "pattern":
+                for counted in _COUNTED.finditer(item):
+                    if max(int(counted[1]), int(counted[2] or 0)) > MAX_REPEAT:
+                        raise too(f"a counted repetition {counted[0]} (at most "
+                                  f"{MAX_REPEAT} times)")
+        else:
+            chars += len(str(item)) + 1
+        if chars > MAX_SPEC_CHARS:
+            raise too(f"longer than {MAX_SPEC_CHARS} characters of JSON")
+    if properties > MAX_SCHEMA_PROPERTIES:
+        raise too(f"{properties} properties in all (at most {MAX_SCHEMA_PROPERTIES} in a "
+                  "schema)")
+    if kind == "choice":
+        alternatives = len(value)
+    if alternatives > MAX_ALTERNATIVES:
+        raise too(f"{alternatives} alternatives: anyOf, oneOf, allOf, enum or choice "
+                  f"members (at most {MAX_ALTERNATIVES} in all)")
 
 
 def grammar_of(spec: dict):
@@ -82,32 +156,55 @@ def xgrammar_message(error: BaseException) -> str:
 
 
 class StructuredOutputs:
-    """One engine's grammar compiler (built on first use from its tokenizer) and its cache
-    of compiled grammars."""
+    """One engine's grammar compiler (built on first use from its tokenizer), the thread
+    that compiles beside the step loop, and the cache of compiled grammars (a repeat of
+    a constraint costs nothing)."""
 
     def __init__(self, tokenizer, vocab_size: int) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
-        self._compiler = None
-        self._compiled: OrderedDict[str, Any] = OrderedDict()
-        self._lock = threading.Lock()
+        self._compiler = None  # owned by the compile thread
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+        # key -> compiled grammar (done) or its compile under way; owned by the caller's
+        # thread (the step loop), which alone calls compile()
+        self._compiled: OrderedDict[str, Future] = OrderedDict()
 
-    def matcher(self, spec: dict):
-        """A fresh matcher for one request. InvalidRequestError if the constraint is bad
-        or this engine's tokenizer cannot be constrained (the simulator's)."""
+    def compile(self, spec: dict) -> Future:
+        """The constraint's compiled grammar, as a future: done at once if it was
+        compiled before, else done once the compile thread has made it. Its exception
+        is an InvalidRequestError saying why xgrammar refused the constraint (or why
+        this engine cannot constrain: the simulator's tokenizer)."""
+        key = json.dumps(spec, sort_keys=True)  # (checked by SamplingParams)
+        future = self._compiled.get(key)
+        # (a refusal is not kept: the next request with that constraint compiles it again)
+        if future is not None and not (future.done() and future.exception() is not None):
+            self._compiled.move_to_end(key)
+            return future
+        future = self._pool.submit(self._compile, spec)
+        self._compiled[key] = future
+        while len(self._compiled) > CACHE_SIZE:
+            self._compiled.popitem(last=False)
+        return future
+
+    def _compile(self, spec: dict):
+        grammar = grammar_of(spec)
+        try:
+            return self._compiler_for().compile_grammar(grammar)
+        except InvalidRequestError:
+            raise
+        except Exception as e:  # noqa: BLE001  (xgrammar's RuntimeError/ValueError kinds)
+            kind = next(iter(spec))
+            raise InvalidRequestError(f"structured {kind}: {xgrammar_message(e)}") from None
+
+    @staticmethod
+    def matcher(compiled):
+        """A fresh matcher of a compiled grammar, for one request."""
         import xgrammar as xgr
 
-        key = json.dumps(spec, sort_keys=True)  # (checked by SamplingParams and grammar_of)
-        with self._lock:
-            compiled = self._compiled.get(key)
-            if compiled is None:
-                compiled = self._compiler_for().compile_grammar(grammar_of(spec))
-                self._compiled[key] = compiled
-                if len(self._compiled) > CACHE_SIZE:
-                    self._compiled.popitem(last=False)
-            else:
-                self._compiled.move_to_end(key)
         return xgr.GrammarMatcher(compiled)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _compiler_for(self):
         if self._compiler is None:

@@ -109,14 +109,15 @@ def logit_bias(value) -> dict | None:
 
 def structured(value, param: str) -> dict | None:
     """A structured-output constraint (engine/structured.py: json, json_object, regex,
-    choice or grammar), checked and compiled to a grammar here so that a bad schema or
-    regex is a 400 before the job exists."""
+    choice or grammar) of the right shape and within the bounds on what one may be.
+    Whether it compiles is checked apart (kvops/grammar_check.py: it can take seconds),
+    still before the job exists."""
     if value is None:
         return None
     from engine.errors import InvalidRequestError
-    from engine.structured import grammar_of
+    from engine.structured import check_spec
     try:
-        grammar_of(value)
+        check_spec(value)
     except InvalidRequestError as e:
         raise InvalidParam(param, f"`{param}`: {e}") from None
     return value

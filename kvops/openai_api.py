@@ -17,7 +17,7 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 from rest_framework.authtoken.models import Token
 
-from kvops import json_body, limits, selectors, services, tool_calls
+from kvops import grammar_check, json_body, limits, selectors, services, tool_calls
 from kvops.admission import get_admissions
 from kvops.api_handler import EventStream
 from kvops.job_listener import JobFailed, JobListener, cancel_abandoned
@@ -199,7 +199,8 @@ def _refuse_unknown(body: dict, known: set[str]) -> None:
 def _structured(body: dict) -> dict | None:
     """OpenAI's `response_format` (json_object, or json_schema with its schema) or vLLM's
     `structured_outputs` (json, json_object, regex, choice or grammar): the constraint
-    the engine applies (engine/structured.py), compiled here once to refuse a bad one."""
+    the engine applies (engine/structured.py), its shape and size checked here (whether
+    it compiles: kvops/grammar_check.py, off the event loop)."""
     response_format, vllm = body.get("response_format"), body.get("structured_outputs")
     if response_format is not None and vllm is not None:
         raise BadRequest("send `response_format` or `structured_outputs`, not both",
@@ -410,12 +411,13 @@ async def _handle(request: HttpRequest, chat: bool) -> HttpResponse:
         echo = "" if chat or not _flag(body, "echo") else kwargs["prompt"]
         if echo and kwargs["params"]["logprobs"] is not None:  # the prompt's too (vLLM's
             kwargs["params"]["prompt_logprobs"] = kwargs["params"]["logprobs"]  # way)
+        structured_param = "tools" if kwargs["params"].get("tool_call") \
+            else "response_format" if "response_format" in body else "structured_outputs"
+        await grammar_check.check_async(kwargs["params"]["structured"], structured_param,
+                                        model=model if isinstance(model, str) else None)
         sub = await get_hub().open()
         try:
-            job = await _admit(user, sub, model, chat, kwargs,
-                               "tools" if kwargs["params"].get("tool_call")
-                               else "response_format" if "response_format" in body
-                               else "structured_outputs")
+            job = await _admit(user, sub, model, chat, kwargs, structured_param)
         except BaseException:
             sub.close()
             raise

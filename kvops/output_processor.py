@@ -228,6 +228,9 @@ class OutputProcessor:
         ended: list[_Tracked] = []
         by_request: dict[str, list[CoreOutput]] = {}  # a job's outputs of several steps
         for out in outputs:
+            if out.error is not None:  # the engine could not serve it: the job fails
+                failed.append((out.request_id, out.error))
+                continue
             by_request.setdefault(out.request_id, []).append(out)
         for request_id, outs in by_request.items():
             t = self._jobs.get(request_id)

@@ -22,10 +22,7 @@ def check_fits(prompt: str, messages: list[dict] | None, params: dict,
     one, else the live engines serving `model` (any live engine if None). Engines
     whose tokenizer is not readable from this process are given the benefit of the
     doubt on the prompt's length: the engine checks again."""
-    candidates = [e for e in selectors.recent_engines()
-                  if (e.name == engine_name if engine_name else
-                      selectors.engine_alive(e)
-                      and (model is None or selectors.model_name(e) == model))]
+    candidates = selectors.candidate_engines(engine_name, model)
     refusals: list[tuple[str, str]] = []
     for engine in candidates:
         refusal = _refusal(engine, prompt, messages, params)

@@ -121,6 +121,15 @@ def served_models() -> dict[str, list[str]]:
     return out
 
 
+def candidate_engines(engine_name: str = "", model: str | None = None) -> list[Engine]:
+    """The engines that may run a job: the one it names (alive or not), else the live
+    engines serving `model`, else (no model) every live engine."""
+    if engine_name:
+        return [e for e in recent_engines() if e.name == engine_name]
+    return [e for e in recent_engines() if engine_alive(e)
+            and (model is None or model_name(e) == model)]
+
+
 def engines_serving(model: str) -> list[Engine]:
     """The live engines whose model clients call `model` (see served_models)."""
     return [e for e in recent_engines() if engine_alive(e) and model_name(e) == model]

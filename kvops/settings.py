@@ -204,6 +204,10 @@ SPECTACULAR_SETTINGS = {
 
 # Celery: see kvops/celery.py (its broker is REDIS_URL through kvops/broker.py).
 CELERY_RESULT_BACKEND = None
+# Structured-output constraints are compiled before their job is stored, in this many
+# processes per web process, each compile within this deadline (kvops/grammar_check.py)
+KVOPS_GRAMMAR_WORKERS = int(os.environ.get("KVOPS_GRAMMAR_WORKERS", 2))
+KVOPS_GRAMMAR_TIMEOUT_S = float(os.environ.get("KVOPS_GRAMMAR_TIMEOUT_S", 5))
 KVOPS_JOB_TIMEOUT_S = int(os.environ.get("KVOPS_JOB_TIMEOUT_S", 3600))
 KVOPS_CONTROL_TIMEOUT_S = float(os.environ.get("KVOPS_CONTROL_TIMEOUT_S", 5))
 # A what-if replay (kvops/what_if.py, on the ops worker) that runs longer is stopped and

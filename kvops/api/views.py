@@ -14,7 +14,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from engine.commands import STATE_COMMANDS
-from kvops import idempotency, limits, selectors, services, what_if
+from kvops import grammar_check, idempotency, limits, selectors, services, what_if
 from kvops.api.serializers import (EmptySerializer, EngineSerializer, EvictSerializer,
                                    JobCreateSerializer, JobSerializer, LimitsSerializer,
                                    OperatorActionSerializer, PrefixSerializer,
@@ -118,7 +118,11 @@ class JobViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.Retrieve
             raise NotFound(f"no engine named {kwargs['engine']!r}")
         try:
             check_fits(kwargs["prompt"], kwargs["messages"], kwargs["params"], kwargs["engine"])
+            grammar_check.check(kwargs["params"]["structured"], "structured_outputs",
+                                kwargs["engine"])
         except DoesNotFit as e:
+            raise ValidationError({e.param: [str(e)]}) from None
+        except limits.InvalidParam as e:
             raise ValidationError({e.param: [str(e)]}) from None
         try:
             check_job_cap(request.user)

@@ -132,3 +132,51 @@ def test_xgrammar_errors_do_not_show_its_source_paths(stack):
                            "structured_outputs": {"json": {"type": "foo"}}})
     assert answer.status_code == 400, answer.text
     assert "Unsupported type" in answer.text and ".cc" not in answer.text
+
+
+def _nested_schema(levels: int) -> str:
+    """An object in an object... as JSON text (two JSON levels each: 900 levels are more
+    than Python's json.dumps recurses)."""
+    return ('{"type": "object", "required": ["a"], "properties": {"a": ' * levels
+            + '{"type": "string"}' + "}}" * levels)
+
+
+def test_the_web_answers_while_hostile_schemas_are_refused(stack):
+    """The audit's request: a 24 KB schema nested 400 deep (and 900 deep) froze the web
+    for 20 s and more. Now it is refused by its bound at once, on both APIs and through
+    tools, and /healthz answers within a second all along."""
+    import threading
+    import time
+
+    answers: list[requests.Response] = []
+    schemas = [_nested_schema(400), _nested_schema(450)]  # 24 KB, and 900 JSON levels deep
+
+    def hostile() -> None:
+        for schema in schemas:
+            chat = ('{"model": "simulated-v1", "max_tokens": 2, '
+                    '"messages": [{"role": "user", "content": "hi"}], ')
+            answers.append(_v1(stack, "/v1/chat/completions", (
+                chat + '"response_format": {"type": "json_schema", "json_schema": '
+                '{"name": "x", "schema": ' + schema + "}}}").encode()))
+            answers.append(_v1(stack, "/v1/chat/completions", (
+                chat + '"tool_choice": "required", "tools": [{"type": "function", '
+                '"function": {"name": "f", "parameters": ' + schema + "}}]}").encode()))
+            answers.append(_rest(stack, ('{"prompt": "x", "max_tokens": 2, '
+                                         '"structured_outputs": {"json": ' + schema
+                                         + "}}").encode()))
+
+    senders = [threading.Thread(target=hostile) for _ in range(3)]
+    for t in senders:
+        t.start()
+    waits = []
+    while any(t.is_alive() for t in senders):
+        started = time.monotonic()
+        assert requests.get(f"{stack.url}/healthz", timeout=30).status_code == 200
+        waits.append(time.monotonic() - started)
+    for t in senders:
+        t.join()
+    assert len(answers) == 18
+    for answer in answers:
+        assert answer.status_code == 400, answer.text[:300]
+        assert "nested more than 64 levels deep" in answer.text
+    assert waits and max(waits) < 1.0, waits
