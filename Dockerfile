@@ -12,4 +12,4 @@ COPY . /app
 # kernels are compiled at first use on the machine that runs the container.
 RUN make PYTHON=python3.11 setup-python model
 EXPOSE 8000
-CMD [".venv/bin/python", "-m", "uvicorn", "kvops.asgi:application", "--host", "0.0.0.0", "--port", "8000", "--backlog", "4096", "--loop", "uvloop", "--http", "httptools", "--ws", "websockets-sansio", "--lifespan", "off", "--no-access-log", "--log-level", "warning", "--timeout-graceful-shutdown", "5"]
+CMD [".venv/bin/python", "manage.py", "web", "--host", "0.0.0.0", "--port", "8000"]

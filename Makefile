@@ -8,9 +8,13 @@ export KVOPS_DATA_DIR ?= $(CURDIR)/data
 
 DEFAULT_MODEL := $(KVOPS_DATA_DIR)/models/SmolLM2-135M-Instruct/config.json
 
-.PHONY: setup setup-python setup-system model kernels test run clean
+.PHONY: setup setup-python setup-system data-dir model kernels test run clean
 
-setup: setup-python setup-system model kernels
+setup: setup-python setup-system data-dir model kernels
+
+# The data folder holds the database (tokens, prompts) and the secret key: the owner's alone.
+data-dir:
+	install -d -m 700 $(KVOPS_DATA_DIR)
 
 # The virtualenv; re-installed only when the dependency list changes.
 setup-python: $(STAMP)

@@ -96,14 +96,15 @@ def run_command(engine: LLMEngine, name: str, arguments: dict) -> Any:
 
 def add_requests(engine: LLMEngine, items: list[list]) -> list[list[str] | None]:
     """Add several requests between two steps: items are [request_id, prompt, sampling
-    params (a dict), priority, job_id, cache_salt]. Per item None (added) or
+    params (a dict), priority, job_id, cache_salt, tenant]. Per item None (added) or
     [error type, message] (refused, e.g. a prompt too long): one bad request does not
     stop the others."""
     results: list[list[str] | None] = []
-    for request_id, prompt, params, priority, job_id, cache_salt in items:
+    for request_id, prompt, params, priority, job_id, cache_salt, tenant in items:
         try:
             engine.add_request(request_id, prompt, SamplingParams(**dict(params)),
-                               priority=priority, job_id=job_id, cache_salt=cache_salt)
+                               priority=priority, job_id=job_id, cache_salt=cache_salt,
+                               tenant=tenant)
             results.append(None)
         except EngineError as e:
             results.append([type(e).__name__, str(e)])

@@ -37,6 +37,10 @@ class EngineConfig:
     hybrid_kv_cache: bool = True
     preemption_mode: str = "recompute"  # what the scheduler does when blocks run out
     scheduling_policy: str = "fcfs"  # "priority": lower value runs first
+    # The most of max_num_seqs one tenant (Request.tenant: a service's user) may hold
+    # while others wait: their requests are admitted first, and under fcfs its requests
+    # are preempted first. 1.0: no limit. Requests without a tenant (staff) are exempt.
+    max_batch_share: float = 1.0
     device: str = "auto"
     dtype: str = "auto"
     attention_backend: str = "auto"
@@ -85,6 +89,7 @@ class EngineConfig:
                f"num_cpu_blocks must be >= 0 or None, got {self.num_cpu_blocks}")
         _check(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
         _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1")
+        _check(0.0 < self.max_batch_share <= 1.0, "max_batch_share must be in (0, 1]")
         _check(self.max_model_len is None or self.max_model_len >= 2,
                "max_model_len must be >= 2 or None")
         _check(self.preemption_mode in PREEMPTION_MODES,

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 REQUEST_FIELDS = ("request_id", "index", "job_id", "status", "num_prompt_tokens",
                   "num_computed_tokens", "num_output_tokens", "num_cached_tokens",
                   "num_preemptions", "priority", "parked", "arrival_time", "finish_reason",
-                  "window_freed_blocks")
+                  "window_freed_blocks", "tenant")
 _INDEX = REQUEST_FIELDS.index("index")
 _COMPUTED = REQUEST_FIELDS.index("num_computed_tokens")
 _OUTPUT = REQUEST_FIELDS.index("num_output_tokens")  # right after _COMPUTED (_only_progress)
@@ -54,7 +54,7 @@ def _request_row(r, window_freed: dict) -> tuple:
     return (r.request_id, r.index, r.job_id, r.status.value, len(r.prompt_token_ids),
             r.num_computed_tokens, len(r.output_token_ids), r.num_cached_tokens or 0,
             r.num_preemptions, r.priority, r.parked, r.arrival_time, r.finish_reason,
-            window_freed.get(r.request_id, 0) if window_freed else 0)
+            window_freed.get(r.request_id, 0) if window_freed else 0, r.tenant)
 
 
 @dataclass(slots=True)

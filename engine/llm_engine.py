@@ -105,8 +105,10 @@ class LLMEngine:
     # --- requests ------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     priority: int = 0, job_id: str | None = None,
-                    cache_salt: str | None = None, arrival_time: float | None = None) -> None:
-        """Queue a request. Raises InvalidRequestError for a bad prompt or id."""
+                    cache_salt: str | None = None, arrival_time: float | None = None,
+                    tenant: str | None = None) -> None:
+        """Queue a request. Raises InvalidRequestError for a bad prompt or id. `tenant`:
+        who asked (Request.tenant), for the batch share and for viewers."""
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError("request_id must be a non-empty string")
         if request_id in self.scheduler.requests:
@@ -144,7 +146,7 @@ class LLMEngine:
             index=next(self._indices), root_hash=root_hash(self.runner.model_id, cache_salt),
             pinned_root=root_hash(self.runner.model_id, None) if cache_salt else None,
             block_size=self.config.block_size, priority=priority, job_id=job_id,
-            eos_token_ids=self.tokenizer.eos_token_ids,
+            tenant=tenant, eos_token_ids=self.tokenizer.eos_token_ids,
             held_back=1 if params.n > 1 else 0)
         self._follow_text(request_id, params)
         if params.structured is None:
@@ -170,7 +172,8 @@ class LLMEngine:
             sampling_params=params, arrival_time=parent.arrival_time,
             index=next(self._indices), root_hash=parent.root_hash,
             pinned_root=parent.pinned_root, block_size=parent.block_size,
-            priority=parent.priority, job_id=parent.job_id, eos_token_ids=parent.eos_token_ids,
+            priority=parent.priority, job_id=parent.job_id, tenant=parent.tenant,
+            eos_token_ids=parent.eos_token_ids,
             grammar=None if parent.compiled_grammar is None
             else self._structured.matcher(parent.compiled_grammar),
             compiled_grammar=parent.compiled_grammar, parent_id=parent.request_id,

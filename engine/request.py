@@ -32,6 +32,10 @@ class Request:
     block_size: int
     priority: int = 0  # lower runs first under the priority policy
     job_id: str | None = None  # the service's job, for the dashboard
+    # who asked, as an opaque label (the service's user; None: exempt from the batch
+    # share, e.g. staff): the scheduler's fair share counts by it, viewers tell their
+    # own requests from others' by it
+    tenant: str | None = None
     eos_token_ids: tuple[int, ...] = ()  # the model's EOS ids (several for some chat models)
     # With a cache salt: the unsalted chain's root. Pinned blocks are published by an
     # operator on purpose, so a salted request may share those (and only those).

@@ -7,6 +7,11 @@ cannot get blocks, the least important running request not yet scheduled this st
 preempted (recompute: free and requeue; swap: copy to the CPU pool). New requests are
 admitted only in steps that preempted nobody, so a block freed by preemption is never
 fought over in the same step.
+
+Fair share (EngineConfig.max_batch_share): a tenant holding its share of max_num_seqs is
+passed over at admission while requests of others wait, and under fcfs its requests are
+the first preempted; requests without a tenant are exempt, and with nobody else waiting
+a tenant may use the whole batch.
 """
 from __future__ import annotations
 
@@ -88,6 +93,9 @@ class Scheduler:
         # Live requests not queued yet: their constraint compiles beside the step loop
         # (engine/structured.py); the engine queues each once its grammar is ready.
         self.compiling: dict[str, Request] = {}
+        # the most sequences one tenant may hold while others wait (None: no limit)
+        self.share_cap: int | None = None if config.max_batch_share >= 1.0 else \
+            max(1, int(config.max_batch_share * config.max_num_seqs))
 
     # --- queue management ----------------------------------------------------------
     def add(self, request: Request, compiling: bool = False) -> None:
@@ -151,7 +159,7 @@ class Scheduler:
             while alloc is None:
                 # Preempt the least important request not yet scheduled (the last one);
                 # if that is this request, it gives way itself.
-                victim = running[-1]
+                victim = running[-1] if self.share_cap is None else self._victim(i)
                 self._preempt(victim, out, by_operator=False)
                 if victim is request:
                     break
@@ -197,9 +205,12 @@ class Scheduler:
         if not self.waiting:
             return
         reserved = self._reserved()
+        held = self._seqs_by_tenant() if self.share_cap is not None else None
         while self.waiting and budget > 0 and \
                 len(self.running) + reserved < self.config.max_num_seqs:
             request = self.waiting.peek()
+            if held and not self._within_share(request, held):
+                request = self._next_within_share(held)
             extra = request.sampling_params.n - 1 if request.held_back else 0
             if len(self.running) + reserved + 1 + extra > self.config.max_num_seqs:
                 break  # its samples will all run: wait until there is room for them
@@ -211,7 +222,12 @@ class Scheduler:
             if alloc is None:
                 request.num_computed_tokens = 0
                 break  # head-of-line: later requests wait their turn
-            self.waiting.pop()
+            if held is None or request is self.waiting.peek():
+                self.waiting.pop()
+            else:
+                self.waiting.remove(request)
+            if held is not None and request.tenant is not None:
+                held[request.tenant] = held.get(request.tenant, 0) + 1 + extra
             self.kv.record_prefix_query(request, match)
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = match.num_computed_tokens
@@ -226,6 +242,43 @@ class Scheduler:
             reserved += extra
             self._add_scheduled(out, request, num_new)
             budget -= num_new
+
+    # --- fair share ----------------------------------------------------------------------
+    def _seqs_by_tenant(self) -> dict[str, int]:
+        """Sequences each tenant holds in the batch (a request about to fork: its n)."""
+        held: dict[str, int] = {}
+        for request in self.running:
+            if request.tenant is not None:
+                held[request.tenant] = held.get(request.tenant, 0) + (
+                    request.sampling_params.n if request.held_back else 1)
+        return held
+
+    def _next_within_share(self, held: dict[str, int]) -> Request:
+        """The first waiting request whose tenant stays within its share by running, or,
+        if every waiting one would take its tenant past it, the first (nobody else is
+        waiting for the room)."""
+        for request in self.waiting:
+            if self._within_share(request, held):
+                return request
+        return self.waiting.peek()
+
+    def _within_share(self, request: Request, held: dict[str, int]) -> bool:
+        tenant = request.tenant
+        return tenant is None or held.get(tenant, 0) + (
+            request.sampling_params.n if request.held_back else 1) <= self.share_cap
+
+    def _victim(self, at: int) -> Request:
+        """Whom to preempt so that running[at] gets blocks: the last request not yet
+        scheduled this step (running[at:]); under fcfs the last of those whose tenant
+        holds more than its share, if any."""
+        running = self.running
+        if self.config.scheduling_policy == "fcfs":
+            held = self._seqs_by_tenant()
+            for j in range(len(running) - 1, at - 1, -1):
+                tenant = running[j].tenant
+                if tenant is not None and held.get(tenant, 0) > self.share_cap:
+                    return running[j]
+        return running[-1]
 
     def _add_scheduled(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
         start = request.num_computed_tokens

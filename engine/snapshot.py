@@ -81,6 +81,7 @@ def request_entry(request: Request, engine: LLMEngine) -> dict:
         # leading blocks given back to the pool (sliding window): block_table starts after them
         "window_freed_blocks": kv.window_freed(request.request_id),
         "cpu_block_table": kv.cpu_block_ids(request.request_id),
+        "tenant": request.tenant,  # who asked, as an opaque label (None: staff, or unknown)
     }
 
 

@@ -27,8 +27,8 @@ MAX_BATCH = 256  # jobs in one transaction
 class Admission:
     """One call waiting to be stored."""
     new: services.NewJob
-    check: Any  # check(new, accepted) raises the call's error (accepted: the owner's
-    # jobs earlier in the same batch)
+    check: Any  # check(new) raises the call's error (its owner's caps are counted as
+    # the batch is stored: services.create_jobs)
     bind: Any  # bind(job) inside the transaction
     future: asyncio.Future = field(default=None)
 
@@ -75,24 +75,22 @@ def _store(batch: list[Admission]) -> list[Job | BaseException]:
     try:
         results: list[Job | BaseException | None] = []
         good: list[Admission] = []
-        accepted: dict[int, int] = {}  # per owner: jobs of this batch not stored yet
         for item in batch:
-            owner = item.new.owner.pk
             try:
-                item.check(item.new, accepted.get(owner, 0))
+                item.check(item.new)
             except Exception as e:  # noqa: BLE001  (that call's own error, e.g. a 400)
                 results.append(e)
                 continue
-            accepted[owner] = accepted.get(owner, 0) + 1
             results.append(None)
             good.append(item)
         if good:
-            def bind(jobs: list[Job]) -> None:
-                for item, job in zip(good, jobs):
-                    item.bind(job)
+            def bind(stored: list) -> None:
+                for item, job in zip(good, stored):
+                    if isinstance(job, Job):  # (not one over its owner's cap)
+                        item.bind(job)
 
-            jobs = iter(services.create_jobs([item.new for item in good], on_stored=bind))
-            results = [next(jobs) if r is None else r for r in results]
+            stored = iter(services.create_jobs([item.new for item in good], on_stored=bind))
+            results = [next(stored) if r is None else r for r in results]
         return results
     finally:
         close_old_connections()

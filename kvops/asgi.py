@@ -9,16 +9,16 @@ django_asgi_app = get_asgi_application()
 
 from channels.auth import AuthMiddlewareStack  # noqa: E402
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
-from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
 
 from kvops import reaper  # noqa: E402
 from kvops.api_handler import BareASGIHandler, split_api  # noqa: E402
 from kvops.body_limit import limit_body  # noqa: E402
+from kvops.ws_origin import SameOriginValidator  # noqa: E402
 from kvops.ws_routing import websocket_urlpatterns  # noqa: E402
 
 reaper.start()
 
 application = ProtocolTypeRouter({
     "http": limit_body(split_api(BareASGIHandler(), django_asgi_app)),
-    "websocket": AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
+    "websocket": SameOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
 })

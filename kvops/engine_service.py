@@ -139,11 +139,11 @@ class EngineService:
 
     def submit(self, request_id: str, prompt: str | list[int], params: dict,
                priority: int = 0, job_id: str | None = None,
-               cache_salt: str | None = None) -> None:
+               cache_salt: str | None = None, tenant: str | None = None) -> None:
         """Add a request; raises InvalidRequestError (bad prompt/params) synchronously.
         Its outputs go to the sink."""
         [refusal] = self.submit_many([[request_id, prompt, params, priority, job_id,
-                                       cache_salt]])
+                                       cache_salt, tenant]])
         if refusal is not None:
             raise refusal
 

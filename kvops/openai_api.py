@@ -25,7 +25,7 @@ from kvops.models import Job
 from kvops.prompt_check import DoesNotFit, check_fits
 from kvops.prompts import inspector, render_chat
 from kvops.stream_hub import Subscription, get_hub
-from kvops.throttles import TooManyJobs, allow_submission, check_job_cap
+from kvops.throttles import TooManyJobs, allow_submission
 
 
 
@@ -303,8 +303,7 @@ def _check_model(model: Any) -> str:
 
 def _checks(model: Any, chat: bool, structured_param: str = "structured_outputs"):
     """The checks a call passes before it is stored (run in the admission batch)."""
-    def check(new: services.NewJob, accepted: int) -> None:
-        check_job_cap(new.owner, accepted)
+    def check(new: services.NewJob) -> None:
         _check_model(model)
         if new.params.get("prompt_logprobs") is not None and _simulated_only(model):
             raise BadRequest("`echo` with `logprobs` needs the prompt's logprobs, which a "

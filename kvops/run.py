@@ -22,6 +22,10 @@ REPO = Path(__file__).resolve().parent.parent
 # Connections the web server's socket queues before it accepts them: hundreds of
 # clients connecting at once must not be reset.
 LISTEN_BACKLOG = 4096
+# The largest websocket message the server reads: what the app takes (1,024 characters,
+# kvops/consumers.py) in UTF-8. A larger one closes the socket (1009) before the server
+# buffers it; uvicorn's default, 16 MiB, let four sockets add 100 MB to the web.
+WS_MAX_BYTES = 4 * 1024
 
 
 def web_server_argv(host: str, port: int) -> list[str]:
@@ -32,11 +36,20 @@ def web_server_argv(host: str, port: int) -> list[str]:
     streamed token that daphne's Twisted reactor does (README, Benchmarks). Websockets
     (Channels) go through the `websockets` package. Named explicitly so that a missing
     package fails at start-up instead of falling back to the slow pure-Python paths.
-    Open streams get a few seconds to end at shutdown, then are closed."""
+    Open streams get a few seconds to end at shutdown, then are closed.
+
+    The client's address is the connection's own unless KVOPS_TRUSTED_PROXIES names the
+    proxies (addresses or networks, comma-separated) whose X-Forwarded-For is believed:
+    uvicorn believes 127.0.0.1 by default, and with the login lockout keyed on the
+    address, a forged header from a local client reset it."""
+    proxies = os.environ.get("KVOPS_TRUSTED_PROXIES", "").strip()
     return [sys.executable, "-m", "uvicorn", "kvops.asgi:application", "--host", host,
             "--port", str(port), "--backlog", str(LISTEN_BACKLOG), "--loop", "uvloop",
-            "--http", "httptools", "--ws", "websockets-sansio", "--lifespan", "off",
-            "--no-access-log", "--log-level", "warning", "--timeout-graceful-shutdown", "5"]
+            "--http", "httptools", "--ws", "websockets-sansio",
+            "--ws-max-size", str(WS_MAX_BYTES), "--lifespan", "off",
+            "--no-access-log", "--log-level", "warning", "--timeout-graceful-shutdown", "5",
+            *(["--proxy-headers", "--forwarded-allow-ips", proxies] if proxies
+              else ["--no-proxy-headers"])]
 
 
 def log(message: str) -> None:
@@ -105,6 +118,10 @@ def main() -> int:
     signal.signal(signal.SIGTERM, _stop)
     data_dir = Path(os.environ.setdefault("KVOPS_DATA_DIR", str(REPO / "data")))
     data_dir.mkdir(parents=True, exist_ok=True)
+    # The database, its tokens and prompts, and the secret key live here: ours alone
+    # (`make setup` made it with the shell's umask). The web warns about anything else.
+    if data_dir.stat().st_uid == os.geteuid():
+        data_dir.chmod(0o700)
     if not os.environ.get("DJANGO_SECRET_KEY"):
         ensure_secret_key(data_dir)  # on first run; kept across runs (sessions survive)
     redis_url = os.environ.setdefault("REDIS_URL", "redis://127.0.0.1:6379/0")

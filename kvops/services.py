@@ -17,6 +17,7 @@ from kvops import control, idempotency, live, metrics_store, selectors
 from kvops.idempotency import KeyReused
 from kvops.models import Engine, Job, OperatorAction
 from kvops.routing import SHARED_QUEUE, engine_queue  # (also re-exported)
+from kvops.throttles import TooManyJobs, over_caps
 
 log = logging.getLogger(__name__)
 
@@ -54,12 +55,15 @@ def create_job(new: NewJob) -> Job:
             return prior
     try:
         with transaction.atomic():
-            return create_jobs([new])[0]
+            [result] = create_jobs([new])
     except IntegrityError:
         prior = prior_job(new) if new.idempotency_key else None
         if prior is None:
             raise
         return prior  # a concurrent call with the same key stored it first
+    if isinstance(result, TooManyJobs):
+        raise result
+    return result
 
 
 def prior_job(new: NewJob) -> Job | None:
@@ -81,14 +85,18 @@ def prior_job(new: NewJob) -> Job | None:
 MAX_JOBS_PER_TASK = 64  # jobs admitted together for one engine travel in one task
 
 
-def create_jobs(new: list[NewJob], on_stored=None) -> list[Job]:
+def create_jobs(new: list[NewJob], on_stored=None) -> list[Job | TooManyJobs]:
     """Store jobs in one INSERT and send their tasks once the transaction commits.
+    Returns, per NewJob, its Job, or the TooManyJobs that kept it out: a job that would
+    take its owner past a cap (kvops/throttles.py) is not stored, and the caps are
+    counted inside the storing transaction, so concurrent submissions cannot both pass.
 
     Each job is routed first, so its row holds its queue decision and task id from the
     start (no second write; a worker that takes the task finds the row complete), and a
     routing failure (Redis away) stores nothing. Jobs routed to the same queue share a
-    task (up to MAX_JOBS_PER_TASK each): one delivery for a burst. on_stored(jobs), if
-    given, runs inside the transaction (the /v1 path binds its listeners there)."""
+    task (up to MAX_JOBS_PER_TASK each): one delivery for a burst. on_stored(results),
+    if given, runs inside the transaction with what will be returned (the /v1 path binds
+    its listeners there)."""
     from kvops.routing import choose_queues
 
     jobs = [Job(owner=n.owner, prompt=n.prompt, messages=n.messages, params=n.params,
@@ -112,11 +120,17 @@ def create_jobs(new: list[NewJob], on_stored=None) -> list[Job]:
                 job.celery_task_id = task_id
     statements = _insert_statements(jobs)  # the Python work, before the write lock
     with transaction.atomic():
+        refusals = over_caps(jobs)
+        results: list[Job | TooManyJobs] = [r or job for job, r in zip(jobs, refusals)]
+        if any(refusals):
+            kept = [(job, queue) for job, queue, r in zip(jobs, queues, refusals) if r is None]
+            jobs, queues = [job for job, _ in kept], [queue for _, queue in kept]
+            statements = _insert_statements(jobs)
         _insert(jobs, statements)
         if on_stored is not None:
-            on_stored(jobs)
+            on_stored(results)
         transaction.on_commit(lambda: _send_tasks(jobs, queues))
-    return jobs
+    return results
 
 
 def _insert_statements(jobs: list[Job]) -> list[tuple[str, tuple, list[Job]]]:

@@ -178,6 +178,11 @@ REST_FRAMEWORK = {
     "DEFAULT_THROTTLE_RATES": {"jobs": os.environ.get("KVOPS_JOB_RATE", "3000/min") or None},
 }
 KVOPS_MAX_JOBS_PER_USER = int(os.environ.get("KVOPS_MAX_JOBS_PER_USER", 1024))  # 0: no cap
+# and sequences: a job with `n` counts n (0: no cap); staff are exempt from both
+KVOPS_MAX_SEQS_PER_USER = int(os.environ.get("KVOPS_MAX_SEQS_PER_USER", 1024))
+# The most of an engine's max_num_seqs one non-staff user may hold while others wait
+# (EngineConfig.max_batch_share; KVOPS_ENGINE_MAX_BATCH_SHARE for one engine); 1: no limit
+KVOPS_MAX_BATCH_SHARE = float(os.environ.get("KVOPS_MAX_BATCH_SHARE", 0.5))
 # Prefix-cache isolation: `user` (each non-staff user's own cache; staff and pinned
 # prefixes shared) or `global` (one cache for all). See kvops/tenancy.py.
 KVOPS_PREFIX_SHARING = os.environ.get("KVOPS_PREFIX_SHARING", "user")

@@ -10,7 +10,7 @@ from django.conf import settings
 from kvops import services
 from kvops.engine_service import EngineError
 from kvops.group_commit import GroupCommit
-from kvops.tenancy import cache_salt
+from kvops.tenancy import cache_salt, tenant
 from kvops.worker import get_engine_service, get_output_processor
 
 log = logging.getLogger(__name__)
@@ -87,7 +87,7 @@ def _run_claimed(service, jobs: list, outcomes: dict[int, str]) -> None:
             continue
         engine_params = {k: v for k, v in params.items() if k not in SERVICE_PARAMS}
         items.append([job.request_id, prompt, engine_params, job.priority, str(job.pk),
-                      cache_salt(job.owner)])
+                      cache_salt(job.owner), tenant(job.owner)])
     submitted = [job for job in jobs if job.pk not in outcomes]
     refusals = service.submit_many(items) if items else []
     running = []

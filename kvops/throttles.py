@@ -1,6 +1,8 @@
 """Limits per user on job submission, applied to the REST API and /v1 alike:
   * a rate (KVOPS_JOB_RATE, DRF's "N/s|min|hour|day"): over it, a 429 with Retry-After;
-  * a cap on jobs queued or running at once (KVOPS_MAX_JOBS_PER_USER): over it, a 429.
+  * caps on jobs and on sequences (a job with `n` counts n) queued or running at once
+    (KVOPS_MAX_JOBS_PER_USER, KVOPS_MAX_SEQS_PER_USER): over one, a 429. They are
+    counted where the jobs are stored, in the same transaction (over_caps).
 Staff (operators, benchmarks) are exempt from both. The rate's counts live in the cache,
 which is Redis (shared by every web process); if Redis is away, calls are let through
 rather than refused (the rest of the job path says what is wrong)."""
@@ -10,6 +12,10 @@ import logging
 from types import SimpleNamespace
 
 from django.conf import settings
+from django.contrib.auth import get_user_model
+from django.db.models import Count, IntegerField, Sum
+from django.db.models.fields.json import KT
+from django.db.models.functions import Cast, Coalesce
 from redis.exceptions import RedisError
 from rest_framework.throttling import UserRateThrottle
 
@@ -21,7 +27,7 @@ ACTIVE = (Job.Status.QUEUED, Job.Status.RUNNING)
 
 
 class TooManyJobs(Exception):
-    """The user has KVOPS_MAX_JOBS_PER_USER jobs queued or running (HTTP 429)."""
+    """The job would take its owner past a cap (HTTP 429)."""
 
 
 class JobSubmitThrottle(UserRateThrottle):
@@ -44,13 +50,44 @@ def allow_submission(user) -> float | None:
     return None if throttle.allow_request(request, None) else (throttle.wait() or 1.0)
 
 
-def check_job_cap(owner, extra: int = 0) -> None:
-    """TooManyJobs if `owner` has the cap of jobs queued or running (counting `extra`
-    more accepted but not yet stored)."""
-    cap = settings.KVOPS_MAX_JOBS_PER_USER
-    if not cap or owner.is_staff:
-        return
-    active = Job.objects.filter(owner=owner, status__in=ACTIVE).count() + extra
-    if active >= cap:
-        raise TooManyJobs(f"you have {active} jobs queued or running, the most allowed at "
-                          f"once (KVOPS_MAX_JOBS_PER_USER={cap}); wait for some to end")
+def over_caps(jobs: list[Job]) -> list[TooManyJobs | None]:
+    """Per job about to be stored, the TooManyJobs that keeps it out, or None: a job
+    that would take its owner past KVOPS_MAX_JOBS_PER_USER jobs, or past
+    KVOPS_MAX_SEQS_PER_USER sequences (a job with `n` counts n), queued or running.
+    Jobs are taken in order, each counting the ones before it.
+
+    Call it inside the transaction that stores them. It locks the owners' rows first
+    (PostgreSQL; SQLite's IMMEDIATE transactions let one writer in at a time anyway), so
+    that two submissions cannot both pass on the same count."""
+    job_cap = settings.KVOPS_MAX_JOBS_PER_USER
+    seq_cap = settings.KVOPS_MAX_SEQS_PER_USER
+    owners = sorted({job.owner.pk for job in jobs if not job.owner.is_staff})
+    if not owners or not (job_cap or seq_cap):
+        return [None] * len(jobs)
+    list(get_user_model().objects.select_for_update().filter(pk__in=owners).order_by("pk")
+         .values_list("pk", flat=True))  # the lock, in one order (no deadlock)
+    held = {row["owner_id"]: [row["jobs"], row["seqs"]] for row in (
+        Job.objects.filter(owner_id__in=owners, status__in=ACTIVE).values("owner_id")
+        .annotate(jobs=Count("id"), seqs=Sum(Coalesce(Cast(KT("params__n"), IntegerField()),
+                                                      1))))}
+    out: list[TooManyJobs | None] = []
+    for job in jobs:
+        if job.owner.is_staff:
+            out.append(None)
+            continue
+        counts = held.setdefault(job.owner.pk, [0, 0])
+        n = int((job.params or {}).get("n") or 1)
+        if job_cap and counts[0] + 1 > job_cap:
+            out.append(TooManyJobs(
+                f"you have {counts[0]} jobs queued or running, the most allowed at once "
+                f"(KVOPS_MAX_JOBS_PER_USER={job_cap}); wait for some to end"))
+        elif seq_cap and counts[1] + n > seq_cap:
+            out.append(TooManyJobs(
+                f"this job's {n} sequences would make {counts[1] + n} queued or running, "
+                f"more than allowed at once (KVOPS_MAX_SEQS_PER_USER={seq_cap}; a job "
+                "with `n` counts n); wait for some to end"))
+        else:
+            counts[0] += 1
+            counts[1] += n
+            out.append(None)
+    return out

@@ -9,6 +9,7 @@ Start one with `python manage.py engine_worker --name NAME`.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -46,6 +47,8 @@ def _start_engine(sender=None, **kwargs) -> None:
         return
     import django
     django.setup()
+    from django.conf import settings
+
     from kvops import live, services
     from kvops.engine_client import EngineCoreClient
     from kvops.engine_service import EngineService, config_from_env
@@ -54,6 +57,8 @@ def _start_engine(sender=None, **kwargs) -> None:
     from kvops.publisher import EnginePublisher
 
     config = config_from_env(os.environ)
+    if not os.environ.get("KVOPS_ENGINE_MAX_BATCH_SHARE"):  # the service-wide share
+        config = dataclasses.replace(config, max_batch_share=settings.KVOPS_MAX_BATCH_SHARE)
     mode = os.environ.get("KVOPS_ENGINE_CORE", "process")
     log.info("starting engine %s (core: %s)", config.name, mode)
     if mode == "process":

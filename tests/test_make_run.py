@@ -89,6 +89,11 @@ def test_make_run_serves_and_stops(tmp_path):
         wait(finished, "the job", 120, proc, log)
         assert job["status"] == "finished" and job["engine"] == "default"
         assert "Paris" in job["output_text"], job["output_text"]
+        # the database with its tokens and prompts, and the data folder: the owner's alone
+        for name in ("db.sqlite3", "db.sqlite3-wal", "db.sqlite3-shm"):
+            assert ((tmp_path / name).stat().st_mode & 0o777) == 0o600, name
+        assert ((REPO / "data").stat().st_mode & 0o777) == 0o700
+        assert "file permissions:" not in log.read_text()
     finally:
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C sends to the terminal's group
         proc.wait(60)

@@ -21,7 +21,7 @@ from kvops.api.serializers import (EmptySerializer, EngineSerializer, EvictSeria
                                    WhatIfRunSerializer, WhatIfSerializer)
 from kvops.models import Engine, Job
 from kvops.prompt_check import DoesNotFit, check_fits
-from kvops.throttles import JobSubmitThrottle, TooManyJobs, check_job_cap
+from kvops.throttles import JobSubmitThrottle, TooManyJobs
 
 
 class ServiceUnavailable(APIException):
@@ -46,6 +46,8 @@ def _answer(create) -> Response | None:
         raise ServiceUnavailable(str(e)) from None
     except idempotency.KeyReused as e:
         raise KeyConflict(str(e)) from None
+    except TooManyJobs as e:
+        raise TooManyJobsError(str(e)) from None
     if job is None:
         return None
     response = Response(JobSerializer(job).data, status=status.HTTP_201_CREATED)
@@ -124,10 +126,6 @@ class JobViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.Retrieve
             raise ValidationError({e.param: [str(e)]}) from None
         except limits.InvalidParam as e:
             raise ValidationError({e.param: [str(e)]}) from None
-        try:
-            check_job_cap(request.user)
-        except TooManyJobs as e:
-            raise TooManyJobsError(str(e)) from None
         return _answer(lambda: services.create_job(new))
 
     @extend_schema(request=None, responses={200: JobSerializer})

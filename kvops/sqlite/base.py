@@ -18,6 +18,10 @@ connection's timeout (settings: 30 s) the writer gives up with SQLite's own erro
 "database is locked". Writers that do not come through Django (the sqlite3 shell) meet
 SQLite's busy handler as before. An in-memory database has a single process and no file:
 it is left alone.
+
+The database file holds every API token, session and prompt: it is created here, mode
+0600 in a folder made 0700, before SQLite opens it (SQLite would make it 0644), and
+SQLite gives its -wal and -shm files the database's mode.
 """
 from __future__ import annotations
 
@@ -25,8 +29,12 @@ import fcntl
 import os
 import time
 
+from pathlib import Path
+
 from django.db.backends.sqlite3 import base
 from django.db.backends.sqlite3.base import Database
+
+from kvops.private_file import create_private_file
 
 POLL_S = (0.0001, 0.0002, 0.0005, 0.001, 0.002)  # the waits between tries, then the last
 
@@ -112,6 +120,8 @@ class DatabaseWrapper(base.DatabaseWrapper):
     writer_lock: WriterLock | None = None
 
     def get_new_connection(self, conn_params):
+        if not self.is_in_memory_db():  # (its -wal and -shm take the same mode)
+            create_private_file(Path(self.settings_dict["NAME"]))
         conn = super().get_new_connection(conn_params)
         if self.writer_lock is not None:
             self.writer_lock.close()

@@ -78,7 +78,28 @@ def test_jobs_queued_or_running_are_capped_per_user(users, settings):
 async def test_the_cap_holds_on_v1_too(users, async_client, settings):
     settings.KVOPS_MAX_JOBS_PER_USER = 1
     erin, _ = users
-    from kvops.models import Job
+    from django.utils import timezone
+
+    from kvops import selectors
+    from kvops.models import Engine, Job
+    await Engine.objects.acreate(  # an engine serving "any" (the cap is counted as the
+        name="capped", worker="engine-capped@here", status=Engine.Status.READY,  # job
+        last_heartbeat=timezone.now(), config={"model": "any", "simulate": True,  # is
+                                               "block_size": 16})  # stored, after the
+    selectors.forget_recent_engines()  # model check)
     await Job.objects.acreate(owner=erin, prompt="already queued", params={})
     refused = await v1(async_client, erin)
     assert refused.status_code == 429 and refused.json()["error"]["code"] == "too_many_jobs"
+    assert await Job.objects.filter(owner=erin).acount() == 1
+
+
+def test_a_job_counts_its_n_sequences(users, settings):
+    settings.KVOPS_MAX_SEQS_PER_USER = 8
+    erin, boss = users
+    assert rest(erin).post("/api/jobs/", {**JOB, "n": 6}, format="json").status_code == 201
+    refused = rest(erin).post("/api/jobs/", {**JOB, "n": 3}, format="json")
+    assert refused.status_code == 429, refused.content
+    assert "KVOPS_MAX_SEQS_PER_USER=8" in refused.json()["error"]
+    assert "would make 9" in refused.json()["error"]
+    assert rest(erin).post("/api/jobs/", {**JOB, "n": 2}, format="json").status_code == 201
+    assert rest(boss).post("/api/jobs/", {**JOB, "n": 16}, format="json").status_code == 201
