@@ -362,9 +362,15 @@ class KVMirror:
         return entry
 
     def request_entry(self, request_id: str) -> dict | None:
+        """One request's row with its tables and, per GPU block of its table, the first
+        4 bytes of the block's hash as hex (None: not hashed yet): what its owner may see
+        of its blocks (a job's page)."""
         for row in self.requests.values():
             if row[0] == request_id:
-                return self.entry(row)
+                entry = self.entry(row)
+                hashes = self.gpu.hash32[entry["block_table"]].tolist()
+                entry["block_hashes"] = [f"{h:08x}" if h else None for h in hashes]
+                return entry
         return None
 
     def snapshot(self) -> dict:

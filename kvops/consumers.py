@@ -29,7 +29,7 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from engine.kv_feed import encode
-from kvops import live, selectors
+from kvops import live, selectors, visibility
 from kvops.job_listener import JobFailed, JobListener, reload
 from kvops.models import Engine
 from kvops.stream_hub import StreamError, get_hub
@@ -338,6 +338,8 @@ class EngineConsumer(_Consumer):
         self._snapshot: asyncio.Task | None = None  # a snapshot on its way to the client
         if await self.refuse_anonymous():
             return
+        # a plain user's frames carry no hashes (kvops/visibility.py)
+        self.sealed = not visibility.sees_everything(self.scope["user"])
         self.name = self.scope["url_route"]["kwargs"]["name"]
         found = await _engine(self.name)
         if found is None:
@@ -374,6 +376,8 @@ class EngineConsumer(_Consumer):
     async def on_history(self, message: dict) -> None:
         read = live.recent_events if message["what"] == "events" else live.recent_metrics
         items = await sync_to_async(read, thread_sensitive=False)(self.name, message["count"])
+        if self.sealed and message["what"] == "events":
+            items = visibility.seal_events(items)
         await self.send_json({"type": "history", "what": message["what"], "items": items})
 
     def _ask_snapshot(self) -> None:
@@ -404,17 +408,23 @@ class EngineConsumer(_Consumer):
             await self.send_json({"type": "error", "message": f"engine {self.name} is not "
                                   "publishing and has no stored snapshot"})
             return
-        await self.send(bytes_data=stored)
+        await self.send_frame(stored)
+
+    async def send_frame(self, data: bytes) -> None:
+        """A delta or snapshot as this viewer may see it (sealed once per process)."""
+        if self.sealed:
+            data = await sync_to_async(visibility.frames.seal, thread_sensitive=False)(data)
+        await self.send(bytes_data=data)
 
     # --- from the channel layer ---------------------------------------------------------
     async def engine_delta(self, event: dict) -> None:
         if self.level == "full":
-            await self.send(bytes_data=event["data"])
+            await self.send_frame(event["data"])
 
     async def engine_snapshot(self, event: dict) -> None:
         self._cancel_snapshot()
         if self.level == "full":
-            await self.send(bytes_data=event["data"])
+            await self.send_frame(event["data"])
 
     async def engine_summary(self, event: dict) -> None:
         if self.level == "summary":

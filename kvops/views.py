@@ -5,7 +5,7 @@ from django.contrib.auth.decorators import login_required
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, render
 
-from kvops import selectors
+from kvops import selectors, tenancy
 from kvops.models import Engine, Job
 
 ACTIONS_SHOWN = 200
@@ -23,7 +23,9 @@ def overview(request: HttpRequest) -> HttpResponse:
 @login_required
 def engine_page(request: HttpRequest, name: str) -> HttpResponse:
     engine = get_object_or_404(Engine, name=name)
-    page = {"name": engine.name, "operator": request.user.is_staff, "config": engine.config}
+    # tenant: the label of this user's requests in the engine's state (kvops/tenancy.py)
+    page = {"name": engine.name, "operator": request.user.is_staff, "config": engine.config,
+            "tenant": tenancy.tenant(request.user)}
     return render(request, "kvops/engine.html",
                   {"engine": engine, "page": page, "operator": request.user.is_staff})
 

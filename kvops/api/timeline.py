@@ -15,7 +15,7 @@ from rest_framework.exceptions import NotFound
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from kvops import timeline
+from kvops import timeline, visibility
 from kvops.api.views import ERROR, ServiceUnavailable
 from kvops.models import Engine
 
@@ -136,4 +136,7 @@ class EngineTimelineStateView(APIView):
                                f"nothing in the last {settings.KVOPS_TIMELINE_SECONDS:g} s)")
             raise NotFound(f"engine {engine.name!r} has no stored state at {_iso(at)}: its "
                            f"timeline holds {_iso(windows[0]['start'])} to {_iso(newest)}")
+        if not visibility.sees_everything(request.user):
+            answer = {**answer, "keyframe": visibility.seal_document(answer["keyframe"]),
+                      "deltas": [visibility.seal_document(d) for d in answer["deltas"]]}
         return Response({"engine": engine.name, "at": at, **answer})

@@ -14,7 +14,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from engine.commands import STATE_COMMANDS
-from kvops import grammar_check, idempotency, limits, selectors, services, what_if
+from kvops import grammar_check, idempotency, limits, selectors, services, visibility, what_if
 from kvops.api.serializers import (EmptySerializer, EngineSerializer, EvictSerializer,
                                    JobCreateSerializer, JobSerializer, LimitsSerializer,
                                    OperatorActionSerializer, PrefixSerializer,
@@ -155,8 +155,10 @@ class EngineViewSet(viewsets.ReadOnlyModelViewSet):
         "engine": EngineSerializer(), "snapshot": serializers.DictField(allow_null=True)})})
     def retrieve(self, request, *args, **kwargs):
         engine = self.get_object()
-        return Response({"engine": EngineSerializer(engine).data,
-                         "snapshot": selectors.engine_snapshot(engine.name)})
+        snapshot = selectors.engine_snapshot(engine.name)
+        if snapshot is not None and not visibility.sees_everything(request.user):
+            snapshot = visibility.seal_document(snapshot)
+        return Response({"engine": EngineSerializer(engine).data, "snapshot": snapshot})
 
     @extend_schema(
         parameters=[
@@ -185,6 +187,8 @@ class EngineViewSet(viewsets.ReadOnlyModelViewSet):
         if not 1 <= limit <= EVENTS_PAGE_MAX:
             raise ValidationError({"limit": f"between 1 and {EVENTS_PAGE_MAX}"})
         events, oldest = live.events_page(engine.name, after, limit)
+        if not visibility.sees_everything(request.user):
+            events = visibility.seal_events(events)
         return Response({"events": events,
                          "next": events[-1]["id"] if len(events) == limit else None,
                          "oldest": oldest})

@@ -39,8 +39,12 @@ const timeline = new TimelineStrip($("#timeline"), page.name, {
 window.kvops = { state: () => state, live: () => sync.state, scrubbing: () => timeline.scrubbing, timeline,
                  selected: () => selected, gpuMap, cpuMap };  // tests, console
 
+// A plain user's view is sealed (kvops/visibility.py): no block hashes, and requests of
+// other tenants (another user's, or staff's) shown as such; their own by their tenant label.
+const othersOf = (r) => Boolean(state?.sealed) && r.tenant !== page.tenant;
 const table = new RequestTable($("#requests"), {
   operator: page.operator,
+  othersOf,
   onSelect: (index) => select(index, false),
   onAction: (action, requestId) => requestAction(action, requestId),
 });
@@ -342,7 +346,8 @@ function renderSelected() {
   const shared = r.block_table.filter((id) => state.gpu.ref_cnt[id] > 1).length;
   box.innerHTML = `<h3>Selected request</h3>
     <p><span class="mono">${esc(r.request_id)}</span> <span class="pill ${esc(r.status)}">${esc(r.status)}</span>
-    ${r.job_id ? `· <a href="/jobs/${esc(r.job_id)}/">job ${esc(r.job_id)}</a>` : ""}
+    ${othersOf(r) ? '· <span class="muted">another user\'s request</span>'
+    : r.job_id ? `· <a href="/jobs/${esc(r.job_id)}/">job ${esc(r.job_id)}</a>` : ""}
     <button class="small secondary" id="unselect" style="float:right">clear</button></p>
     <p class="muted">${num(r.num_computed_tokens)} tokens computed, ${num(r.num_cached_tokens)} from the prefix cache;
     ${r.block_table.length} GPU blocks (${shared} shared), ${r.cpu_block_table.length} CPU blocks.</p>
@@ -363,12 +368,16 @@ function describe(poolName, id) {
   const holders = state.holders(poolName, id);
   const lines = [`<b>${poolName.toUpperCase()} block ${id}</b> · ${esc(kind)}`,
                  `ref count ${p.ref_cnt[id]}${p.ref_cnt[id] > 1 ? " (shared)" : ""}`];
-  if (owner) lines.push(`owner <b>${esc(owner.request_id)}</b>${owner.job_id ? ` (job ${esc(owner.job_id)})` : ""}`);
+  if (owner) lines.push(`owner <b>${esc(owner.request_id)}</b>${othersOf(owner) ? " (another user's)" : owner.job_id ? ` (job ${esc(owner.job_id)})` : ""}`);
   for (const h of holders.slice(0, 6)) {
     lines.push(`<span class="muted">held by</span> ${esc(h.request.request_id)}: logical block ${h.position}, tokens ${h.position * bs}–${(h.position + 1) * bs - 1}`);
   }
   if (holders.length > 6) lines.push(`<span class="muted">and ${holders.length - 6} more</span>`);
-  lines.push(p.hash32[id] ? `hash <span class="mono">${p.hash32[id].toString(16).padStart(8, "0")}…</span>` : `<span class="muted">no hash (not in the prefix cache)</span>`);
+  if (state.sealed) {
+    lines.push(`<span class="muted">hash: shown to operators (your own requests' on their job pages)</span>`);
+  } else {
+    lines.push(p.hash32[id] ? `hash <span class="mono">${p.hash32[id].toString(16).padStart(8, "0")}…</span>` : `<span class="muted">no hash (not in the prefix cache)</span>`);
+  }
   if (poolName === "gpu" && state.evictRank[id] >= 0) {
     lines.push(`next from the free queue: #${state.evictRank[id] + 1}${kind === "cached" ? " (its data will be evicted)" : ""}`);
   }

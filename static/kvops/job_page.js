@@ -101,13 +101,15 @@ function showBlocks(message) {
     return;
   }
   const bs = message.block_size || 16;
-  const chips = (ids) => ids.map((id, k) => `<span class="chip" style="--c:${ownerCss(r.index)}" title="logical block ${k}: tokens ${k * bs}–${(k + 1) * bs - 1}">${id}</span>`).join("");
+  const hashes = r.block_hashes || [];  // the GPU blocks' hash prefixes: the owner's to see
+  const hashOf = (k) => (hashes[k] ? `, hash ${hashes[k]}…` : "");
+  const chips = (ids, gpu = true) => ids.map((id, k) => `<span class="chip" style="--c:${ownerCss(r.index)}" title="logical block ${k}: tokens ${k * bs}–${(k + 1) * bs - 1}${gpu ? hashOf(k) : ""}">${id}</span>`).join("");
   $("#blocks").innerHTML = `<p style="margin:0 0 6px"><span class="pill ${esc(r.status)}">${esc(r.status)}</span>
       ${num(r.num_computed_tokens)} tokens in ${r.block_table.length} GPU blocks${r.cpu_block_table.length ? `, ${r.cpu_block_table.length} CPU blocks` : ""}
       · <a href="/engines/${esc(message.engine)}/?request=${encodeURIComponent(r.request_id)}">on the block map</a></p>
     <div class="muted" style="font-size:12px">GPU, logical block order</div>
     <div class="chips" id="gpu-chips">${chips(r.block_table) || '<span class="muted">none (swapped out or waiting)</span>'}</div>
-    ${r.cpu_block_table.length ? `<div class="muted" style="font-size:12px;margin-top:6px">CPU swap</div><div class="chips">${chips(r.cpu_block_table)}</div>` : ""}`;
+    ${r.cpu_block_table.length ? `<div class="muted" style="font-size:12px;margin-top:6px">CPU swap</div><div class="chips">${chips(r.cpu_block_table, false)}</div>` : ""}`;
   $("#blocks-when").textContent = `as of ${new Date().toLocaleTimeString(undefined, { hour12: false })}`;
 }
 

@@ -29,13 +29,14 @@ export function decodeArray(obj) {
 
 function pool(arrays) {
   const p = { n: 0 };
-  for (const k of ARRAYS) p[k] = decodeArray(arrays[k]);
+  for (const k of ARRAYS) if (arrays[k] !== undefined) p[k] = decodeArray(arrays[k]);
   // Widen so deltas can hold any count (the wire may send narrow dtypes).
   p.ref_cnt = Int32Array.from(p.ref_cnt);
   p.owner = Int32Array.from(p.owner);
-  p.hash32 = Uint32Array.from(p.hash32);
   p.state = Uint8Array.from(p.state);
   p.n = p.state.length;
+  // A sealed state (a plain user's: kvops/visibility.py) has no hashes: all 0, "none"
+  p.hash32 = p.hash32 ? Uint32Array.from(p.hash32) : new Uint32Array(p.n);
   return p;
 }
 
@@ -45,7 +46,7 @@ function copyPool(p) {
 }
 
 
-const SCALARS = ["engine", "epoch", "seq", "step", "ts", "stale", "config", "blockStates", "metrics"];
+const SCALARS = ["engine", "epoch", "seq", "step", "ts", "stale", "sealed", "config", "blockStates", "metrics"];
 
 export function ungap(gaps) {  // [5, 1, 1, 13] -> [5, 6, 7, 20]
   const out = new Array(gaps.length);
@@ -62,6 +63,7 @@ export class KVState {
     this.step = snapshot.step;
     this.ts = snapshot.ts;
     this.stale = Boolean(snapshot.stale);
+    this.sealed = Boolean(snapshot.sealed);  // no hashes: a plain user's view
     this.config = snapshot.config;
     this.blockStates = snapshot.block_states;
     this.gpu = pool(snapshot.gpu);
@@ -166,7 +168,7 @@ export class KVState {
         p.state[id] = blocks.state[i];
         p.ref_cnt[id] = blocks.ref_cnt[i];
         p.owner[id] = blocks.owner[i];
-        p.hash32[id] = blocks.hash32[i];
+        if (blocks.hash32) p.hash32[id] = blocks.hash32[i];
       }
       changed[name] = ids;
     }

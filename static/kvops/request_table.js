@@ -52,9 +52,10 @@ function sortValue(r, key) {
 }
 
 export class RequestTable {
-  constructor(root, { operator, onSelect, onAction }) {
+  constructor(root, { operator, onSelect, onAction, othersOf = () => false }) {
     this.root = root;
     this.operator = operator;
+    this.othersOf = othersOf;  // r -> is it another user's request? (a plain user's view)
     this.onSelect = onSelect;
     this.onAction = onAction;
     this.sortKey = "status";
@@ -155,7 +156,8 @@ export class RequestTable {
     el.dataset.request = r.request_id;
     el.innerHTML = `<div class="hue" style="background:${ownerCss(r.index)}"></div>
       <div class="mono" title="${esc(r.request_id)}${r.request_id.includes("/") ? " (a sample of a request with n > 1: the samples share its prompt's blocks)" : ""}">${esc(r.request_id)}</div>
-      <div>${r.job_id ? `<a href="/jobs/${esc(r.job_id)}/">${esc(r.job_id)}</a>` : "–"}</div>
+      <div>${this.othersOf(r) ? '<span class="muted" title="its job is its owner\'s to see">another user\'s</span>'
+    : r.job_id ? `<a href="/jobs/${esc(r.job_id)}/">${esc(r.job_id)}</a>` : "–"}</div>
       <div></div>${'<div class="num"></div>'.repeat(7)}<div class="actions"></div>`;
     el.cells = [...el.children];
     el.shown = [];  // what each cell shows now

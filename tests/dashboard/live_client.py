@@ -20,7 +20,11 @@ class LiveState:
         self.engine = snapshot["engine"]
         self.epoch = snapshot.get("epoch")
         self.seq = snapshot["seq"]
+        # a sealed snapshot (a plain user's) has no hash32: zeros, as the page keeps it
+        self.sealed = bool(snapshot.get("sealed"))
         self.pools = {pool: {k: decode_array(snapshot[pool][k]).astype(np.int64).copy()
+                             if k in snapshot[pool] else
+                             np.zeros_like(decode_array(snapshot[pool]["state"]), np.int64)
                              for k in ARRAYS} for pool in ("gpu", "cpu")}
         self.requests = {r["index"]: dict(r) for r in snapshot["requests"]}
         self.eviction_order = list(snapshot["eviction_order"])
@@ -36,7 +40,8 @@ class LiveState:
             if blocks:
                 ids = np.fromiter(itertools.accumulate(blocks["ids"]), np.int64)
                 for k in ARRAYS:
-                    self.pools[pool][k][ids] = blocks[k]
+                    if k in blocks:
+                        self.pools[pool][k][ids] = blocks[k]
         self._apply_requests(delta.get("requests", {}))
         for pool, key in (("gpu", "block_table"), ("cpu", "cpu_block_table")):
             ops = delta.get("tables", {}).get(pool)

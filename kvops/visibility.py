@@ -1,0 +1,84 @@
+"""What a viewer may see of an engine's KV state: the one place that decides it.
+
+Staff see everything. A plain user sees every block's state, reference count and owner
+(a request index: the page marks another tenant's requests "another user's" by their
+tenant label, which says nothing of who), every request's counts and status, and the
+events, but no block hash of anyone's: with a hash and a guess of a prompt's first
+blocks, anyone who can compute the chain can test the guess (docs/security.md). Their
+own requests' hashes are on their own job (the job websocket's `blocks`); token ids
+never reach the engine's views. The sealing applies to every way the state leaves the
+service: the snapshot (REST and websocket), the live deltas, the event history (REST and
+websocket) and the timeline.
+
+Deltas and snapshots travel as zlib JSON encoded once for everyone; a plain viewer's
+copy is sealed once per process and frame (an LRU shared by all of them).
+"""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+from engine.kv_feed import decode, encode
+
+# Per-block arrays and event fields that carry prefix-cache hashes
+HASH_ARRAYS = ("hash32",)
+HASH_EVENT_FIELDS = ("block_hashes",)
+POOLS = ("gpu", "cpu")
+_FRAMES_KEPT = 64
+
+
+def sees_everything(user) -> bool:
+    """Staff see every hash; a plain user none but their own requests'."""
+    return bool(getattr(user, "is_staff", False))
+
+
+def seal_event(record: dict) -> dict:
+    """An event record without its hashes (a copy if it had any)."""
+    if not any(record.get(name) for name in HASH_EVENT_FIELDS):
+        return record
+    return {**record, **{name: [] for name in HASH_EVENT_FIELDS if name in record}}
+
+
+def seal_events(records: list[dict]) -> list[dict]:
+    return [seal_event(r) for r in records]
+
+
+def seal_document(doc: dict) -> dict:
+    """A snapshot or a delta (decoded) as a plain viewer may have it: no hash arrays,
+    events without hashes, and `sealed: true` so that the page says why."""
+    out = dict(doc)
+    for pool in POOLS:
+        if isinstance(out.get(pool), dict) and any(k in out[pool] for k in HASH_ARRAYS):
+            out[pool] = {k: v for k, v in out[pool].items() if k not in HASH_ARRAYS}
+    if isinstance(out.get("events"), list):
+        out["events"] = seal_events(out["events"])
+    out["sealed"] = True
+    return out
+
+
+class FrameSealer:
+    """Sealed copies of encoded frames, each made once per process: every plain viewer
+    of an engine receives the same deltas."""
+
+    def __init__(self, kept: int = _FRAMES_KEPT) -> None:
+        self.kept = kept
+        self._frames: OrderedDict[bytes, bytes] = OrderedDict()  # by the frame's bytes
+        self._lock = threading.Lock()
+        self.num_sealed = 0  # frames decoded and encoded again (not from the cache)
+
+    def seal(self, data: bytes) -> bytes:
+        with self._lock:
+            sealed = self._frames.get(data)
+            if sealed is not None:
+                self._frames.move_to_end(data)
+                return sealed
+        sealed = encode(seal_document(decode(data)), level=1)
+        with self._lock:
+            self.num_sealed += 1
+            self._frames[data] = sealed
+            while len(self._frames) > self.kept:
+                self._frames.popitem(last=False)
+        return sealed
+
+
+frames = FrameSealer()  # this process's

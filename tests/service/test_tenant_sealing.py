@@ -1,0 +1,184 @@
+"""Tenants are sealed (the audit's attack, tried again on the running stack): a plain
+user recovered a 4-digit code in another user's prompt from the block hashes every user
+could see, computing the victim's chain under its guessable salt ("user-<id>"). Now the
+salt is an HMAC of the server's key, and no hash of anyone's reaches a plain user: not
+the REST snapshot, not the event history (REST or websocket), not the live frames, not
+the timeline. Staff still see them, and the victim sees its own on its job."""
+import asyncio
+import json
+import random
+import time
+
+import pytest
+import requests
+import websockets
+
+from engine.kv_feed import decode
+from kvops.prompts import inspector
+
+VICTIM_PASSWORD = "mauve-tractor-41-lake"
+
+
+def _prompt(code: str) -> str:
+    return f"Internal note for the deploy team. The vault code is {code}. Keep it safe!"
+
+
+@pytest.fixture(scope="module")
+def victim(stack):
+    """Bob, a plain user, ran a job whose prompt holds a random code; it has ended and
+    its blocks stay cached."""
+    out = stack.manage("shell", "-c", "from django.contrib.auth.models import User; "
+                       f"u = User.objects.create_user('bob', password='{VICTIM_PASSWORD}'); "
+                       "print(u.pk)")
+    bob_pk = int(out.split()[-1])
+    stack.tokens["bob"] = stack.manage("drf_create_token", "bob").split()[2]
+    code = f"{random.randrange(10_000):04d}"
+    job = stack.api("POST", "/api/jobs/", user="bob", json={
+        "prompt": _prompt(code), "max_tokens": 4, "engine": "sim"}).json()
+    assert stack.wait_job(job["id"], user="bob")["status"] == "finished"
+    return {"pk": bob_pk, "code": code, "job": job["id"]}
+
+
+def _config(stack) -> dict:
+    return stack.api("GET", "/api/engines/sim/").json()["engine"]["config"]
+
+
+def _candidates(config: dict, salt: str | None) -> dict[str, set[str]]:
+    """The attack: every code's hashes under a salt, of the blocks from the one holding
+    the code on (those before it are every candidate's)."""
+    first = _prompt("0000").index("0000") // int(config["block_size"])
+    out = {}
+    for n in range(10_000):
+        code = f"{n:04d}"
+        ids = inspector.token_ids(config, _prompt(code), None)
+        out[code] = set(inspector.short_hashes(config, ids, salt)[first:])
+    assert all(out.values())  # (the prompt is long enough)
+    return out
+
+
+def _event_hashes(events: list[dict]) -> set[str]:
+    return {h for e in events for h in e.get("block_hashes") or [] if h}
+
+
+def test_a_plain_user_sees_no_hash_anywhere(stack, victim):
+    snapshot = stack.api("GET", "/api/engines/sim/", user="alice").json()["snapshot"]
+    assert snapshot["sealed"] is True
+    assert all("hash32" not in snapshot[pool] for pool in ("gpu", "cpu"))
+    events = stack.api("GET", "/api/engines/sim/events/?limit=1000", user="alice").json()["events"]
+    assert events and not _event_hashes(events)
+    now = time.time()
+    state = stack.api("GET", f"/api/engines/sim/timeline/state/?at={now}&through=window",
+                      user="alice")
+    assert state.status_code == 200, state.text
+    state = state.json()
+    assert "hash32" not in state["keyframe"]["gpu"]
+    assert all("hash32" not in d.get("gpu", {}) for d in state["deltas"])
+    # staff see them all (so the checks above can fail)
+    full = stack.api("GET", "/api/engines/sim/", user="admin").json()["snapshot"]
+    assert "hash32" in full["gpu"] and "sealed" not in full
+    staff_events = stack.api("GET", "/api/engines/sim/events/?limit=1000").json()["events"]
+    assert _event_hashes(staff_events)
+
+
+def test_the_websocket_sends_a_plain_user_no_hash(stack, victim):
+    session = requests.Session()
+    session.get(f"{stack.url}/accounts/login/", timeout=10)
+    assert session.post(f"{stack.url}/accounts/login/", timeout=10, allow_redirects=False,
+                        headers={"Referer": stack.url},
+                        data={"username": "alice", "password": "alice-pass-123",
+                              "csrfmiddlewaretoken": session.cookies["csrftoken"]}
+                        ).status_code == 302
+    cookie = "; ".join(f"{k}={v}" for k, v in session.cookies.items())
+
+    async def watch() -> tuple[dict, list[dict], list[dict]]:
+        async with websockets.connect(f"ws://127.0.0.1:{stack.port}/ws/engines/sim/",
+                                      origin=f"http://127.0.0.1:{stack.port}",
+                                      additional_headers={"Cookie": cookie},
+                                      max_size=2**24) as ws:
+            await ws.send(json.dumps({"type": "subscribe", "level": "full"}))
+            await ws.send(json.dumps({"type": "history", "what": "events", "count": 1000}))
+            snapshot, deltas, history = None, [], None
+            # a job of alice's makes deltas while we listen
+            job = await asyncio.to_thread(stack.api, "POST", "/api/jobs/", user="alice",
+                                          json={"prompt": _prompt("0000"), "max_tokens": 30})
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and (snapshot is None or history is None
+                                                   or len(deltas) < 3):
+                frame = await asyncio.wait_for(ws.recv(), 30)
+                if isinstance(frame, bytes):
+                    doc = decode(frame)
+                    if doc["type"] == "snapshot":
+                        snapshot = doc
+                    else:
+                        deltas.append(doc)
+                elif json.loads(frame)["type"] == "history":
+                    history = json.loads(frame)["items"]
+            await asyncio.to_thread(stack.wait_job, job.json()["id"])
+            return snapshot, deltas, history
+
+    snapshot, deltas, history = asyncio.run(watch())
+    assert snapshot["sealed"] and "hash32" not in snapshot["gpu"]
+    assert len(deltas) >= 3 and all(d["sealed"] for d in deltas)
+    assert not any("hash32" in d.get(pool, {}) for d in deltas for pool in ("gpu", "cpu"))
+    assert not _event_hashes([e for d in deltas for e in d.get("events", [])])
+    assert history and not _event_hashes(history)
+    # the tenant labels tell alice's requests from others', and say nothing of who
+    labels = {r["tenant"] for d in [snapshot, *deltas]
+              for r in d.get("requests", []) if isinstance(r, dict)}
+    labels |= {r["tenant"] for d in deltas for r in d.get("requests", {}).get("upsert", [])}
+    assert all(label is None or len(label) == 16 for label in labels)
+
+
+def test_the_audits_attack_finds_nothing(stack, victim, settings):
+    config = _config(stack)
+    # Even with every hash staff see, the chain under the old guessable salt matches no code
+    seen = _event_hashes(stack.api("GET", "/api/engines/sim/events/?limit=1000").json()["events"])
+    assert seen
+    guessed = _candidates(config, f"user-{victim['pk']}")
+    assert [code for code, hashes in guessed.items() if hashes & seen] == []
+    # (the hashes are there: under the real salt, which needs the server's key, the
+    # victim's code is the one that matches)
+    from kvops import tenancy
+    settings.SECRET_KEY = stack.env.get("DJANGO_SECRET_KEY") or \
+        (stack.workdir / "secret_key").read_text().strip()  # the stack's
+    settings.KVOPS_PREFIX_SHARING = "user"
+
+    class Bob:
+        pk, is_staff = victim["pk"], False
+
+    real = _candidates(config, tenancy.cache_salt(Bob()))
+    assert [code for code, hashes in real.items() if hashes & seen] == [victim["code"]]
+
+
+def test_the_victim_sees_its_own_hashes_on_its_job(stack, victim):
+    """While a job runs, its owner's `blocks` answer has its blocks' hashes."""
+    job = stack.api("POST", "/api/jobs/", user="bob", json={
+        "prompt": _prompt(victim["code"]) + " and more text to fill another block",
+        "max_tokens": 400, "engine": "sim"}).json()
+    request_id = stack.wait_running(job["id"], user="bob")
+    session = requests.Session()
+    session.get(f"{stack.url}/accounts/login/", timeout=10)
+    session.post(f"{stack.url}/accounts/login/", timeout=10, allow_redirects=False,
+                 headers={"Referer": stack.url},
+                 data={"username": "bob", "password": VICTIM_PASSWORD,
+                       "csrfmiddlewaretoken": session.cookies["csrftoken"]})
+    cookie = "; ".join(f"{k}={v}" for k, v in session.cookies.items())
+
+    async def blocks() -> dict:
+        async with websockets.connect(f"ws://127.0.0.1:{stack.port}/ws/jobs/{job['id']}/",
+                                      origin=f"http://127.0.0.1:{stack.port}",
+                                      additional_headers={"Cookie": cookie}) as ws:
+            await ws.send(json.dumps({"type": "blocks"}))
+            while True:
+                message = json.loads(await asyncio.wait_for(ws.recv(), 30))
+                if message["type"] == "blocks" and message.get("request"):
+                    return message["request"]
+
+    try:
+        entry = asyncio.run(blocks())
+    finally:
+        stack.api("POST", f"/api/jobs/{job['id']}/cancel/", user="bob")
+    assert entry["request_id"] == request_id
+    assert len(entry["block_hashes"]) == len(entry["block_table"]) >= 4
+    assert all(h is None or len(h) == 8 for h in entry["block_hashes"])
+    assert sum(h is not None for h in entry["block_hashes"]) >= 4  # its full blocks
