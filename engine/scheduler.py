@@ -93,9 +93,6 @@ class Scheduler:
         # Live requests not queued yet: their constraint compiles beside the step loop
         # (engine/structured.py); the engine queues each once its grammar is ready.
         self.compiling: dict[str, Request] = {}
-        # the most sequences one tenant may hold while others wait (None: no limit)
-        self.share_cap: int | None = None if config.max_batch_share >= 1.0 else \
-            max(1, int(config.max_batch_share * config.max_num_seqs))
 
     # --- queue management ----------------------------------------------------------
     def add(self, request: Request, compiling: bool = False) -> None:
@@ -244,6 +241,14 @@ class Scheduler:
             budget -= num_new
 
     # --- fair share ----------------------------------------------------------------------
+    @property
+    def share_cap(self) -> int | None:
+        """The most sequences one tenant may hold while others wait (None: no limit), of
+        max_num_seqs as it is now (an operator's set_limits changes it)."""
+        if self.config.max_batch_share >= 1.0:
+            return None
+        return max(1, int(self.config.max_batch_share * self.config.max_num_seqs))
+
     def _seqs_by_tenant(self) -> dict[str, int]:
         """Sequences each tenant holds in the batch (a request about to fork: its n)."""
         held: dict[str, int] = {}
@@ -263,20 +268,24 @@ class Scheduler:
         return self.waiting.peek()
 
     def _within_share(self, request: Request, held: dict[str, int]) -> bool:
+        """A tenant holding nothing may start one request, whatever its n (a fork wider
+        than the share would otherwise wait for ever)."""
         tenant = request.tenant
-        return tenant is None or held.get(tenant, 0) + (
-            request.sampling_params.n if request.held_back else 1) <= self.share_cap
+        if tenant is None or not held.get(tenant):
+            return True
+        return held[tenant] + (request.sampling_params.n if request.held_back else 1) \
+            <= self.share_cap
 
     def _victim(self, at: int) -> Request:
         """Whom to preempt so that running[at] gets blocks: the last request not yet
         scheduled this step (running[at:]); under fcfs the last of those whose tenant
         holds more than its share, if any."""
-        running = self.running
+        running, cap = self.running, self.share_cap
         if self.config.scheduling_policy == "fcfs":
             held = self._seqs_by_tenant()
             for j in range(len(running) - 1, at - 1, -1):
                 tenant = running[j].tenant
-                if tenant is not None and held.get(tenant, 0) > self.share_cap:
+                if tenant is not None and held.get(tenant, 0) > cap:
                     return running[j]
         return running[-1]
 

@@ -40,7 +40,7 @@ CACHE_SIZE = 256  # compiled grammars kept per engine
 _LENGTH_KEYS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties",
                 "maxProperties", "minContains", "maxContains")
 _ALTERNATIVE_KEYS = ("anyOf", "oneOf", "allOf", "enum", "prefixItems")
-_COUNTED = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")  # {m}, {m,}, {m,n}
+_COUNTED = re.compile(r"\{\s*([0-9]+)\s*(?:,\s*([0-9]*)\s*)?\}")  # {m}, {m,}, {m,n}
 
 
 class ConstraintTooComplex(InvalidRequestError):
@@ -106,9 +106,11 @@ def _check_size(kind: str, value: Any) -> None:
             chars += len(item) + 2
             if kind in ("regex", "grammar") or key == "pattern":
                 for counted in _COUNTED.finditer(item):
-                    if max(int(counted[1]), int(counted[2] or 0)) > MAX_REPEAT:
-                        raise too(f"a counted repetition {counted[0]} (at most "
-                                  f"{MAX_REPEAT} times)")
+                    bounds = [counted[1], counted[2] or "0"]
+                    if any(len(b) > 9 for b in bounds) or max(map(int, bounds)) > MAX_REPEAT:
+                        shown = counted[0] if len(counted[0]) <= 24 else counted[0][:20] + "…}"
+                        raise too(f"a counted repetition {shown} (at most {MAX_REPEAT} "
+                                  "times)")
         else:
             chars += len(str(item)) + 1
         if chars > MAX_SPEC_CHARS:

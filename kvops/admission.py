@@ -55,8 +55,9 @@ class Admissions:
                 batch = [a for a in batch if not a.future.done()]  # its caller went away
                 try:
                     results = await sync_to_async(_store, thread_sensitive=False)(batch)
-                except Exception as e:  # noqa: BLE001  (the database failed: every call)
-                    results = [e] * len(batch)
+                except Exception:  # noqa: BLE001  (one call's row, or the database)
+                    # each call alone, so that one the database refuses fails alone
+                    results = [await self._store_alone(item) for item in batch]
                 for item, result in zip(batch, results):
                     if item.future.done():
                         continue
@@ -66,6 +67,13 @@ class Admissions:
                         item.future.set_result(result)
         finally:
             self.writing = False
+
+    @staticmethod
+    async def _store_alone(item: Admission) -> Job | BaseException:
+        try:
+            return (await sync_to_async(_store, thread_sensitive=False)([item]))[0]
+        except Exception as e:  # noqa: BLE001  (this call's error)
+            return e
 
 
 def _store(batch: list[Admission]) -> list[Job | BaseException]:

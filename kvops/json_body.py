@@ -3,7 +3,8 @@ below, /v1 and /tokenize through parse()), so that what Python's decoder chokes 
 lets through is a 400 naming the problem, never a 500 later on:
 
 * nesting deeper than the decoder recurses (``[[[[…``: a RecursionError);
-* NaN and the infinities (not JSON, though Python writes and reads them);
+* NaN and the infinities (not JSON, though Python writes and reads them), and numbers
+  too large for a float (`1e400`, which Python reads as infinity);
 * a string holding a lone UTF-16 surrogate (``"\\ud800"``): valid JSON, but no text,
   so the tokenizer, the database's UTF-8 and the job stream each fail on it.
 
@@ -12,6 +13,7 @@ The size of a body is bounded before it is read (kvops/body_limit.py).
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Any
 
@@ -32,6 +34,13 @@ def _refuse_constant(name: str):
     raise BadJSON(f"`{name}` is not JSON: send a number")
 
 
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise BadJSON(f"the number {text[:40]} is too large for a 64-bit float")
+    return value
+
+
 def parse(raw: bytes) -> Any:
     """The body's JSON value, or BadJSON saying what is wrong with it."""
     try:
@@ -39,7 +48,7 @@ def parse(raw: bytes) -> Any:
     except UnicodeDecodeError:
         raise BadJSON("the body is not valid JSON: it is not UTF-8 text") from None
     try:
-        value = json.loads(text, parse_constant=_refuse_constant)
+        value = json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
     except RecursionError:
         raise BadJSON("the body's JSON is nested too deeply") from None
     except BadJSON:

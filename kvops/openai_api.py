@@ -428,7 +428,7 @@ async def _handle(request: HttpRequest, chat: bool) -> HttpResponse:
         return _error(400, str(e), e.param)
     except LookupError as e:
         return _error(404, str(e), "model", code="model_not_found")
-    except services.Unavailable as e:
+    except (services.Unavailable, grammar_check.Busy) as e:
         return _error(503, str(e), type_="service_unavailable")
     except TooManyJobs as e:
         return _error(429, str(e), type_="rate_limit_exceeded", code="too_many_jobs")

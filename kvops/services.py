@@ -99,9 +99,16 @@ def create_jobs(new: list[NewJob], on_stored=None) -> list[Job | TooManyJobs]:
     its listeners there)."""
     from kvops.routing import choose_queues
 
-    jobs = [Job(owner=n.owner, prompt=n.prompt, messages=n.messages, params=n.params,
-                priority=n.priority, requested_engine=n.engine, source=n.source,
-                idempotency_key=n.idempotency_key) for n in new]
+    every = [Job(owner=n.owner, prompt=n.prompt, messages=n.messages, params=n.params,
+                 priority=n.priority, requested_engine=n.engine, source=n.source,
+                 idempotency_key=n.idempotency_key) for n in new]
+    # Over a cap already: refused before routing counts them on an engine (the count
+    # that decides is the one in the transaction below)
+    results: list[Job | TooManyJobs] = [r or job for job, r in zip(every, over_caps(every,
+                                                                                lock=False))]
+    jobs = [r for r in results if isinstance(r, Job)]
+    if not jobs:
+        return results
     try:
         decisions = choose_queues(jobs)
     except (RedisError, OSError) as e:
@@ -120,10 +127,10 @@ def create_jobs(new: list[NewJob], on_stored=None) -> list[Job | TooManyJobs]:
                 job.celery_task_id = task_id
     statements = _insert_statements(jobs)  # the Python work, before the write lock
     with transaction.atomic():
-        refusals = over_caps(jobs)
-        results: list[Job | TooManyJobs] = [r or job for job, r in zip(jobs, refusals)]
-        if any(refusals):
-            kept = [(job, queue) for job, queue, r in zip(jobs, queues, refusals) if r is None]
+        refusals = dict(zip(map(id, jobs), over_caps(jobs)))
+        if any(refusals.values()):  # (submissions that raced this one)
+            results = [refusals.get(id(r)) or r for r in results]
+            kept = [(job, queue) for job, queue in zip(jobs, queues) if not refusals[id(job)]]
             jobs, queues = [job for job, _ in kept], [queue for _, queue in kept]
             statements = _insert_statements(jobs)
         _insert(jobs, statements)

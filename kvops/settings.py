@@ -211,7 +211,7 @@ SPECTACULAR_SETTINGS = {
 CELERY_RESULT_BACKEND = None
 # Structured-output constraints are compiled before their job is stored, in this many
 # processes per web process, each compile within this deadline (kvops/grammar_check.py)
-KVOPS_GRAMMAR_WORKERS = int(os.environ.get("KVOPS_GRAMMAR_WORKERS", 2))
+KVOPS_GRAMMAR_WORKERS = max(1, int(os.environ.get("KVOPS_GRAMMAR_WORKERS", 2)))
 KVOPS_GRAMMAR_TIMEOUT_S = float(os.environ.get("KVOPS_GRAMMAR_TIMEOUT_S", 5))
 KVOPS_JOB_TIMEOUT_S = int(os.environ.get("KVOPS_JOB_TIMEOUT_S", 3600))
 KVOPS_CONTROL_TIMEOUT_S = float(os.environ.get("KVOPS_CONTROL_TIMEOUT_S", 5))

@@ -50,7 +50,7 @@ def allow_submission(user) -> float | None:
     return None if throttle.allow_request(request, None) else (throttle.wait() or 1.0)
 
 
-def over_caps(jobs: list[Job]) -> list[TooManyJobs | None]:
+def over_caps(jobs: list[Job], lock: bool = True) -> list[TooManyJobs | None]:
     """Per job about to be stored, the TooManyJobs that keeps it out, or None: a job
     that would take its owner past KVOPS_MAX_JOBS_PER_USER jobs, or past
     KVOPS_MAX_SEQS_PER_USER sequences (a job with `n` counts n), queued or running.
@@ -58,14 +58,16 @@ def over_caps(jobs: list[Job]) -> list[TooManyJobs | None]:
 
     Call it inside the transaction that stores them. It locks the owners' rows first
     (PostgreSQL; SQLite's IMMEDIATE transactions let one writer in at a time anyway), so
-    that two submissions cannot both pass on the same count."""
+    that two submissions cannot both pass on the same count. lock=False: a first look,
+    outside a transaction, which only refusals may be taken from."""
     job_cap = settings.KVOPS_MAX_JOBS_PER_USER
     seq_cap = settings.KVOPS_MAX_SEQS_PER_USER
     owners = sorted({job.owner.pk for job in jobs if not job.owner.is_staff})
     if not owners or not (job_cap or seq_cap):
         return [None] * len(jobs)
-    list(get_user_model().objects.select_for_update().filter(pk__in=owners).order_by("pk")
-         .values_list("pk", flat=True))  # the lock, in one order (no deadlock)
+    if lock:  # in one order: no deadlock
+        list(get_user_model().objects.select_for_update().filter(pk__in=owners)
+             .order_by("pk").values_list("pk", flat=True))
     held = {row["owner_id"]: [row["jobs"], row["seqs"]] for row in (
         Job.objects.filter(owner_id__in=owners, status__in=ACTIVE).values("owner_id")
         .annotate(jobs=Count("id"), seqs=Sum(Coalesce(Cast(KT("params__n"), IntegerField()),

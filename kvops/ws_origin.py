@@ -6,8 +6,10 @@ token). Channels' AllowedHostsOriginValidator compares the host alone: a page se
 http://127.0.0.1:9999 (any local program) was let in with the user's cookie. Here the
 origin must be this server's own, as CSRF's check has it: the same scheme, host and port
 as the connection's Host (under KVOPS_HTTPS, https), that host one of ALLOWED_HOSTS; or
-an origin named whole in CSRF_TRUSTED_ORIGINS. A connection without an Origin (not a
-browser) is refused too: the API's clients use tokens over HTTP.
+an origin CSRF_TRUSTED_ORIGINS names (as Django reads it: scheme, host and port, a host
+`*.example.com` standing for its subdomains). A connection without an Origin (not a
+browser) is refused too: the API's clients use tokens over HTTP. Behind a proxy that
+terminates TLS, set KVOPS_HTTPS=1 (the page's origin is https) and keep the Host header.
 """
 from __future__ import annotations
 
@@ -37,6 +39,15 @@ def parse_origin(value: str) -> tuple[str, str, int] | None:
     return _origin(parts.scheme.lower(), parts.hostname or "", port)
 
 
+def _trusted(origin: tuple[str, str, int], entry: str) -> bool:
+    """Does a CSRF_TRUSTED_ORIGINS entry name this origin?"""
+    wildcard = "://*." in entry
+    trusted = parse_origin(entry.replace("://*.", "://", 1) if wildcard else entry)
+    if trusted is None or (origin[0], origin[2]) != (trusted[0], trusted[2]):
+        return False
+    return origin[1] == trusted[1] or (wildcard and origin[1].endswith("." + trusted[1]))
+
+
 def allowed(origin_header: str | None, host_header: str | None, secure: bool) -> bool:
     """May a page of this origin open a websocket reaching us by this Host?"""
     if not origin_header:
@@ -44,8 +55,7 @@ def allowed(origin_header: str | None, host_header: str | None, secure: bool) ->
     origin = parse_origin(origin_header)
     if origin is None:
         return False
-    trusted = {parse_origin(o) for o in settings.CSRF_TRUSTED_ORIGINS}
-    if origin in trusted:
+    if any(_trusted(origin, entry) for entry in settings.CSRF_TRUSTED_ORIGINS):
         return True
     if not host_header:
         return False

@@ -126,6 +126,8 @@ class JobViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.Retrieve
             raise ValidationError({e.param: [str(e)]}) from None
         except limits.InvalidParam as e:
             raise ValidationError({e.param: [str(e)]}) from None
+        except grammar_check.Busy as e:
+            raise ServiceUnavailable(str(e)) from None
         return _answer(lambda: services.create_job(new))
 
     @extend_schema(request=None, responses={200: JobSerializer})
@@ -186,7 +188,10 @@ class EngineViewSet(viewsets.ReadOnlyModelViewSet):
             raise ValidationError({"limit": "an integer"}) from None
         if not 1 <= limit <= EVENTS_PAGE_MAX:
             raise ValidationError({"limit": f"between 1 and {EVENTS_PAGE_MAX}"})
-        events, oldest = live.events_page(engine.name, after, limit)
+        if after == LAST_STREAM_ID:  # nothing can come after it
+            events, oldest = [], live.events_page(engine.name, None, 1)[1]
+        else:
+            events, oldest = live.events_page(engine.name, after, limit)
         if not visibility.sees_everything(request.user):
             events = visibility.seal_events(events)
         return Response({"events": events,
@@ -194,12 +199,15 @@ class EngineViewSet(viewsets.ReadOnlyModelViewSet):
                          "oldest": oldest})
 
 
+LAST_STREAM_ID = f"{2**64 - 1}-{2**64 - 1}"
+
+
 def _events_cursor(since: str | None) -> str | None:
     """`since` as the stream id to read after: an event id as given, an ISO time as
     the last id before that millisecond."""
     if not since:
         return None
-    match = re.fullmatch(r"(\d{1,20})-(\d{1,20})", since)
+    match = re.fullmatch(r"([0-9]{1,20})-([0-9]{1,20})", since)
     if match:  # a Redis stream id: two unsigned 64-bit integers
         if max(int(match[1]), int(match[2])) >= 2**64:
             raise ValidationError({"since": "an event id's two parts are below 2**64"})

@@ -72,3 +72,26 @@ def test_under_fcfs_a_tenant_over_its_share_is_preempted_first():
     plain, _ = scenario(1.0)
     assert with_share and with_share[0].startswith("a"), with_share
     assert plain and plain[0] == "b0", plain
+
+
+def test_a_fork_wider_than_the_share_starts_when_its_tenant_holds_nothing():
+    engine = sim_engine(max_num_seqs=16, max_batch_share=0.5, num_gpu_blocks=256)  # cap 8
+    engine.add_request("b-long", [4, 4, 4], greedy(50), tenant="B")
+    engine.step()
+    engine.add_request("a-wide", [1, 2, 3], SamplingParams(max_tokens=5, n=9), tenant="A")
+    engine.add_request("b-more", [5, 5, 5], greedy(5), tenant="B")  # others keep waiting
+    engine.step()
+    assert {f"a-wide/{i}" for i in range(9)} <= set(running(engine))
+    run_all(engine)
+
+
+def test_the_share_follows_the_batch_limit_set_live():
+    engine = sim_engine(max_num_seqs=16, max_batch_share=0.5, num_gpu_blocks=256)
+    assert engine.scheduler.share_cap == 8
+    engine.set_limits(max_num_seqs=4)
+    assert engine.scheduler.share_cap == 2
+    for i in range(4):
+        engine.add_request(f"a{i}", [10 + i, 1, 2], greedy(20), tenant="A")
+    engine.add_request("b0", [9, 9, 9], greedy(20), tenant="B")
+    engine.step()
+    assert running(engine) == ["a0", "a1", "b0", "a2"]

@@ -97,10 +97,37 @@ def test_a_token_id_outside_the_vocabulary_is_refused_before_the_job_exists(
 
 
 @pytest.mark.parametrize("since", ["99999999999999999999999-1", "1-18446744073709551616",
-                                   "18446744073709551616-0", "x-1"])
+                                   "18446744073709551616-0", "x-1", "\u0661-\u0662"])
 def test_an_event_cursor_out_of_range_is_a_400(stack, since):
     answer = stack.api("GET", f"/api/engines/sim/events/?since={since}", user="alice")
     assert answer.status_code == 400 and "since" in answer.json()["fields"], answer.text
+
+
+def test_the_last_possible_event_cursor_is_an_empty_page(stack):
+    last = f"{2**64 - 1}-{2**64 - 1}"
+    answer = stack.api("GET", f"/api/engines/sim/events/?since={last}", user="alice")
+    assert answer.status_code == 200 and answer.json()["events"] == [], answer.text
+
+
+def test_a_number_too_large_for_a_float_is_a_400(stack):
+    raw = (b'{"model": "simulated-v1", "max_tokens": 2, "messages": [{"role": "user", '
+           b'"content": "hi"}], "tool_choice": {"type": "function", "function": {"name": "a"}}, '
+           b'"tools": [{"type": "function", "function": {"name": "a"}}, {"type": "function", '
+           b'"function": {"name": "b", "description": 1e400}}]}')
+    answer = _v1(stack, "/v1/chat/completions", raw)
+    assert answer.status_code == 400 and "too large for a 64-bit float" in answer.text, answer.text
+    rest = _rest(stack, b'{"prompt": "x", "temperature": 1e999}')
+    assert rest.status_code == 400 and "too large" in rest.text, rest.text
+
+
+@pytest.mark.parametrize("spec", [{"regex": "a{" + "9" * 5000 + "}"},
+                                  {"json": {"type": "integer", "minimum": -10**30}}])
+def test_constraints_the_compiler_cannot_take_are_a_400(stack, spec):
+    rest = _rest(stack, {"prompt": "x", "max_tokens": 2, "structured_outputs": spec})
+    assert rest.status_code == 400 and "structured_outputs" in rest.json()["fields"], rest.text
+    v1 = _v1(stack, "/v1/completions", {"model": "simulated-v1", "prompt": "x",
+                                        "max_tokens": 2, "structured_outputs": spec})
+    assert v1.status_code == 400, v1.text
 
 
 def test_an_unknown_websocket_path_is_refused_cleanly(stack):

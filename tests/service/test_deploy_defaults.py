@@ -86,3 +86,23 @@ def test_a_websocket_message_over_the_limit_closes_the_socket(stack):
     code, hello = asyncio.run(send_big())
     assert '"hello"' in hello and code == 1009  # "message too big", from the server
     assert requests.get(f"{stack.url}/healthz", timeout=10).status_code == 200
+
+
+@pytest.mark.parametrize("origin, host, secure, ok", [
+    ("http://127.0.0.1:8000", "127.0.0.1:8000", False, True),
+    ("http://127.0.0.1:9999", "127.0.0.1:8000", False, False),
+    ("https://127.0.0.1:8000", "127.0.0.1:8000", False, False),
+    ("https://kvops.example.org", "kvops.example.org", True, True),  # KVOPS_HTTPS behind TLS
+    ("http://kvops.example.org", "kvops.example.org", True, False),
+    ("http://[::1]:8000", "[::1]:8000", False, True),
+    ("http://evil.example:8000", "evil.example:8000", False, False),  # not in ALLOWED_HOSTS
+    ("https://app.trusted.example", "127.0.0.1:8000", False, True),  # *.trusted.example
+    ("http://app.trusted.example", "127.0.0.1:8000", False, False),
+    ("null", "127.0.0.1:8000", False, False),
+    (None, "127.0.0.1:8000", False, False),
+])
+def test_the_origin_rule(settings, origin, host, secure, ok):
+    from kvops.ws_origin import allowed
+    settings.ALLOWED_HOSTS = ["127.0.0.1", "[::1]", "kvops.example.org"]
+    settings.CSRF_TRUSTED_ORIGINS = ["https://*.trusted.example"]
+    assert allowed(origin, host, secure) is ok

@@ -47,3 +47,47 @@ def test_refusals_say_why_without_source_paths(checker):
     assert "Regex parsing error" in checker.verdict({"regex": "(a"}, None)
     # a tokenizer folder that will not load: the grammar alone is checked
     assert checker.verdict(GOOD, ("/nonexistent/model", 100)) is None
+
+
+def test_the_same_constraint_at_once_is_compiled_once(checker):
+    import threading
+    checker.timeout_s = 30
+    spec = {"json": {"type": "string", "maxLength": 4_000}}  # a few tenths of a second
+    verdicts = []
+    threads = [threading.Thread(target=lambda: verdicts.append(checker.verdict(spec, TOKENIZER)))
+               for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert verdicts == [None] * 6 and checker.num_compiles == 1
+
+
+def test_checks_past_the_queue_are_refused_as_busy(checker):
+    """One worker and its queue are full of slow compiles: the next check is refused at
+    once (503), not queued without end on the web's threads."""
+    import threading
+
+    from kvops.grammar_check import QUEUE_PER_WORKER, Busy
+    outcomes = []
+
+    def check(n: int) -> None:
+        spec = {"json": {**SLOW["json"], "description": f"variant {n}"}}
+        try:
+            outcomes.append(checker.verdict(spec, TOKENIZER))
+        except Busy:
+            outcomes.append("busy")
+
+    slots = 1 + QUEUE_PER_WORKER
+    threads = [threading.Thread(target=check, args=(n,)) for n in range(slots + 3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert outcomes.count("busy") == 3
+    assert all("took longer" in o for o in outcomes if o != "busy")
+
+
+def test_a_value_the_compiler_cannot_take_is_a_refusal(checker):
+    verdict = checker.verdict({"json": {"type": "integer", "maximum": 10**30}}, TOKENIZER)
+    assert verdict.startswith("structured json: it holds a value the compiler cannot take")
