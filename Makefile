@@ -43,7 +43,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
+# The layers first (.importlinter: kvops over engine over kernels, no cycles), then the suite.
 test: setup
+	$(VENV)/bin/lint-imports --no-logo
 	$(PY) -m pytest
 
 run: setup

@@ -7,7 +7,7 @@ padding). Each layer writes its new K/V through the slot mapping and attends thr
 the block tables; that is the attention backend's job (engine/attention.py).
 
 The layers hold weights and say what is computed; how is the ops object's
-(engine/ops.py: plain torch by default, the C++ CPU kernels of kernels/cpu_ops.py
+(engine/ops.py: plain torch by default, the C++ CPU kernels of engine/ops_cpu.py
 where the runner picks them). There is one forward path whatever the ops.
 
 Weights follow HF names through engine/loader.py, with q/k/v fused into one matrix

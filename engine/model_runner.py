@@ -27,9 +27,10 @@ from engine.runner import Runner
 from engine.sampler import SamplingRow, logprobs_of, request_seed, sample, token_logprobs
 from engine.scheduler import SchedulerOutput
 from engine import parallel
-from engine.ops import choose_ops
+from engine.ops import TorchOps
+from engine.ops_cpu import cpu_kernel_ops, tune_process
+from engine.ops_triton import TritonOps
 from kernels import cpu_ext
-from kernels.cpu_ops import tune_process
 
 DEFAULT_CPU_KV_BYTES = 512 * 1024 ** 2
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -53,7 +54,7 @@ class ModelRunner(Runner):
             parallel.check_divisible(folder.args, config.tensor_parallel_size)
             if rank == 0:
                 self._rank_procs, tp_address = parallel.start_ranks(
-                    config, config.tensor_parallel_size)
+                    config, config.tensor_parallel_size, serve_rank)
             if self._device.type == "cuda":
                 self._device = torch.device("cuda", rank)
             self.tp = parallel.init(rank, config.tensor_parallel_size, tp_address, self._device)
@@ -504,3 +505,18 @@ def resolve_model_path(model: str | None) -> str | Path:
             f"the default model is not at {path}: run `make setup` (it converts "
             "SmolLM2-135M-Instruct there), or pass EngineConfig(model='path/to/hf-folder')")
     return path
+
+
+def choose_ops(config, device: torch.device, dtype: torch.dtype, backend) -> TorchOps:
+    """The runner's pick, once at start-up: with the Triton attention backend, Triton's
+    ops (its fused MoE kernel); for float32 on a CPU, the C++ kernels where they build
+    and config.cpu_kernels asks; plain torch otherwise."""
+    if backend.name == "triton":
+        return TritonOps()
+    return cpu_kernel_ops(config, device, dtype, backend) or TorchOps()
+
+
+def serve_rank(config: EngineConfig, rank: int, size: int, address: str) -> None:
+    """A tensor-parallel rank other than 0 (its process's main, engine/parallel.py): its
+    share of the model, serving rank 0's steps until rank 0 stops."""
+    ModelRunner(config, rank=rank, tp_address=address).serve_rank()

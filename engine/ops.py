@@ -4,8 +4,9 @@ engine/model.py holds weights and says what a layer computes; an ops object says
 every matmul, norm, activation, RoPE + K/V store and the attention call of a forward
 pass goes through one. `TorchOps` (plain torch) is the default on every device and the
 reference the others are tested against. The runner picks the implementation once,
-at start-up: kernels/cpu_ops.py's `CpuKernelOps` (the C++ CPU kernels) for float32 on
-a CPU, TorchOps elsewhere; the attention call itself goes to the engine's
+at start-up (engine/model_runner.py, choose_ops): engine/ops_cpu.py's `CpuKernelOps`
+(the C++ CPU kernels) for float32 on a CPU, engine/ops_triton.py's `TritonOps` with the
+Triton backend, TorchOps elsewhere; the attention call itself goes to the engine's
 AttentionBackend (torch, C++ or Triton, engine/attention.py).
 
 An ops object may keep weights in its own layout (CpuKernelOps packs them for its
@@ -106,19 +107,6 @@ class TorchOps:
 
 
 TORCH_OPS = TorchOps()
-
-
-def choose_ops(config, device: torch.device, dtype: torch.dtype, backend) -> TorchOps:
-    """The runner's pick, once at start-up: with the Triton attention backend, Triton's
-    ops (its fused MoE kernel); for float32 on a CPU, the C++ kernels where they build
-    and config.cpu_kernels asks; plain torch otherwise."""
-    if backend.name == "triton":
-        from kernels.triton_ops import TritonOps
-
-        return TritonOps()
-    from kernels.cpu_ops import cpu_kernel_ops
-
-    return cpu_kernel_ops(config, device, dtype, backend) or TorchOps()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:

@@ -156,15 +156,17 @@ def shard_state(state: dict[str, torch.Tensor], args, rank: int,
 
 # --- the rank processes -----------------------------------------------------------------
 
-def start_ranks(config, size: int) -> tuple[list, str]:
-    """Start ranks 1 .. size - 1 (each builds its runner and serves rank 0's steps);
-    returns the processes and the rendezvous address rank 0 joins with init()."""
+def start_ranks(config, size: int, rank_main) -> tuple[list, str]:
+    """Start ranks 1 .. size - 1, each a process running rank_main(config, rank, size,
+    address) (a module-level function: it builds the rank's runner and serves rank 0's
+    steps); returns the processes and the rendezvous address rank 0 joins with init()."""
     port = _free_port()
     address = f"tcp://127.0.0.1:{port}"
     ctx = multiprocessing.get_context("spawn")
     procs = []
     for rank in range(1, size):
-        p = ctx.Process(target=_rank_main, args=(config, rank, size, address), daemon=True,
+        p = ctx.Process(target=_rank_process, args=(rank_main, config, rank, size, address),
+                        daemon=True,
                         name=f"kvops-tp-rank{rank}")
         p.start()
         procs.append(p)
@@ -198,12 +200,9 @@ def shutdown(tp: TensorParallel | None, procs: list) -> None:
         dist.destroy_process_group()
 
 
-def _rank_main(config, rank: int, size: int, address: str) -> None:
+def _rank_process(rank_main, config, rank: int, size: int, address: str) -> None:
     _die_with_parent()
-    from engine.model_runner import ModelRunner
-
-    runner = ModelRunner(config, rank=rank, tp_address=address)
-    runner.serve_rank()
+    rank_main(config, rank, size, address)
 
 
 def _die_with_parent() -> None:

@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from kernels.bench_cpu_attention import add_attention_args
+from kernels.bench_cpu_attention import add_attention_args, best_ms
 
 # SmolLM2-135M's projections as [K, N] (weight_t): qkv, o, gate_up, down.
 GEMM_SHAPES = ((576, 960), (576, 576), (576, 3072), (1536, 576))
@@ -49,19 +48,6 @@ class GemmRow:
     packed_ms: float
     flops: float  # of one sweep
     max_diff: float
-
-
-def best_ms(fn: Callable[[], object], repeats: int) -> float:
-    """Fastest of `repeats` calls in milliseconds, after one warm-up call. The fastest,
-    not the median: on a 2-core machine anything else running (a compiler, a profiler)
-    stalls the whole sweep, and the fastest sweep is the one it disturbed least."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return min(times)
 
 
 def make_gemm_layers(ops, layers: int) -> list[GemmLayer]:

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import random
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -40,9 +42,20 @@ class AttentionRow:
     max_diff: float
 
 
-def attention_row(kind: str, seqs: int, context: int, repeats: int) -> AttentionRow:
-    from kernels.bench_cpu import best_ms
+def best_ms(fn: Callable[[], object], repeats: int) -> float:
+    """Fastest of `repeats` calls in milliseconds, after one warm-up call. The fastest,
+    not the median: on a 2-core machine anything else running (a compiler, a profiler)
+    stalls the whole sweep, and the fastest sweep is the one it disturbed least."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return min(times)
 
+
+def attention_row(kind: str, seqs: int, context: int, repeats: int) -> AttentionRow:
     blocks_per_seq = -(-context // BLOCK_SIZE)
     num_blocks = seqs * blocks_per_seq
     gen = torch.Generator().manual_seed(seqs * 7919 + context)

@@ -14,7 +14,7 @@ from engine.hybrid_kv import kv_layout
 from engine.loader import read_model_folder
 from engine.model import Linear
 from kernels import cpu_ext
-from kernels.cpu_ops import PACKED_MAX_ROWS, CpuKernelOps
+from engine.ops_cpu import PACKED_MAX_ROWS, CpuKernelOps
 from tests.models.fixtures import tiny_model, tiny_root  # noqa: F401 (fixtures)
 from tests.models.tiny import SPECS, hf_greedy, random_prompts
 

@@ -16,7 +16,8 @@ Weights only the packed kernels read are freed: the packed copy is then the only
 What the kernels do not cover (another activation than SiLU, Gemma's norm offset in a
 dtype other than float32) falls through to TorchOps, so any model runs.
 
-engine.ops.choose_ops picks it where `cpu_kernel_ops` gives one.
+The runner's choose_ops (engine/model_runner.py) picks it where `cpu_kernel_ops` gives
+one.
 """
 from __future__ import annotations
 
