@@ -6,6 +6,9 @@ hash goes to the head (nothing is lost by reusing it); a freed cached block goes
 tail, so cached blocks are evicted least-recently-freed first. A cached block stays in
 the hash map at ref_cnt 0 until its slot is taken for something else (lazy eviction),
 and a prefix hit takes it back out of the middle of the queue in O(1).
+
+Hashes leave the cache here alone, and each departure is said here (a BlockEvicted with
+its reason: reused for another request's blocks, an operator's evict, a failed step).
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ class KVBlock:
     ref_cnt: int = 0  # holders: block tables plus one for a pin
     block_hash: BlockHash | None = None  # set while the block is in the prefix-cache map
     pinned: bool = False  # a pin holds one reference; pinned blocks are never evicted
-    group: int = 0  # a hybrid model's layer group whose table last cached it (hybrid_kv.py)
+    group: int = 0  # the layer group whose table last cached it (engine/kv_layout.py)
     # Free-queue links, owned by FreeBlockQueue; None when not in the queue.
     prev_free: KVBlock | None = None
     next_free: KVBlock | None = None
@@ -93,7 +96,7 @@ class BlockPool:
         self.cached: dict[BlockHash, KVBlock] = {}  # hash -> the one block holding it
         self.num_pinned = 0  # blocks held by a pin: no request can ever have them
         # Told (block id, hash) of the cached blocks take_new is about to reuse, before
-        # their data is overwritten (the KV manager's CPU tier and external events)
+        # their data is overwritten (the CPU tier of the prefix cache: engine/kv_tier.py)
         self.on_evict: Callable[[list[tuple[int, BlockHash]]], None] | None = None
         self._events = events
 
@@ -120,8 +123,9 @@ class BlockPool:
         return out
 
     # --- allocation ------------------------------------------------------------------
-    def take_new(self, n: int) -> list[KVBlock]:
-        """Take n blocks from the head of the free queue, evicting cached data lazily.
+    def take_new(self, n: int, for_request: str | None = None) -> list[KVBlock]:
+        """Take n blocks from the head of the free queue, evicting cached data lazily
+        (for_request: whose new blocks they become, named in the eviction's event).
 
         The caller checks num_free first; asking for too many is a broken invariant.
         """
@@ -131,17 +135,14 @@ class BlockPool:
         for _ in range(n):
             block = self.free_queue.popleft()
             if block.block_hash is not None:
-                evicted.append((block.block_id, block.block_hash))
+                evicted.append((block, block.block_hash))
                 self._drop_hash(block)
             block.ref_cnt = 1
             taken.append(block)
         if evicted:
             if self.on_evict is not None:
-                self.on_evict(evicted)
-            self._events.emit("BlockEvicted", pool=self.pool, detail="reuse",
-                              block_ids=[b for b, _ in evicted],
-                              block_hashes=[short(h) for _, h in evicted],
-                              ref_cnts=[0] * len(evicted))
+                self.on_evict([(b.block_id, h) for b, h in evicted])
+            self._evicted(evicted, "reuse", "evicted", for_request)
         return taken
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
@@ -179,12 +180,10 @@ class BlockPool:
             self.free_queue.remove(block)
             self.free_queue.append(block)
 
-    def evict(self, n: int | None = None) -> list[tuple[KVBlock, BlockHash]]:
-        """Drop the data of up to n ref-0 cached blocks (all if None), LRU first.
-
-        The blocks move to the head of the free queue, as any uncached free block.
-        Returns each victim with the hash it had.
-        """
+    def evict(self, n: int | None = None, by: str | None = None) -> list[tuple[KVBlock, BlockHash]]:
+        """An operator's evict: drop the data of up to n ref-0 cached blocks (all if
+        None), LRU first. The blocks move to the head of the free queue, as any uncached
+        free block. Returns each victim with the hash it had."""
         victims = []
         for block in self.free_queue:
             if n is not None and len(victims) == n:
@@ -193,7 +192,36 @@ class BlockPool:
                 victims.append((block, block.block_hash))
         for block, _ in victims:
             self.forget(block)
+        self._evicted(victims, "operator", "operator_evict", by or "operator")
         return victims
+
+    def forget_unwritten(self, blocks: Iterable[KVBlock]) -> list[tuple[KVBlock, BlockHash]]:
+        """A step failed: these blocks registered for it hold no valid K/V. Their hashes
+        leave the cache; returns each with the hash it had."""
+        dropped = []
+        for block in blocks:
+            block_hash = block.block_hash
+            if self.forget(block):
+                dropped.append((block, block_hash))
+        self._evicted(dropped, "step failed", "step_failed", None)
+        return dropped
+
+    def _evicted(self, evicted: list[tuple[KVBlock, BlockHash]], detail: str, reason: str,
+                 by: str | None) -> None:
+        """Say that these (block, the hash it had) left the cache: one event per layer
+        group among them (a group's hashes are its own)."""
+        if not evicted or not self._events.on:
+            return
+        groups = {b.group for b, _ in evicted}
+        for group in sorted(groups):
+            these = evicted if len(groups) == 1 else [e for e in evicted if e[0].group == group]
+            self._events.emit("BlockEvicted", pool=self.pool, detail=detail, reason=reason,
+                              by=by, group=group, block_ids=[b.block_id for b, _ in these],
+                              block_hashes=[short(h) for _, h in these],
+                              # (reused: the hash left a free block, now another's)
+                              ref_cnts=[0] * len(these) if reason == "evicted"
+                              else [b.ref_cnt for b, _ in these],
+                              hashes=[h for _, h in these] if self._events.full else None)
 
     def forget(self, block: KVBlock) -> bool:
         """Make one block unfindable by hash (its data is not what the hash says)."""

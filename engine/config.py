@@ -33,7 +33,7 @@ class EngineConfig:
     cpu_prefix_cache: bool = False
     # A model mixing sliding-window and global layers (Gemma 2, 3) keeps a block table
     # per layer group, so that its sliding layers give back what their window passed
-    # (engine/hybrid_kv.py); off, or with cpu_prefix_cache: one table for every layer
+    # (engine/kv_layout.py); off, or with cpu_prefix_cache: one table for every layer
     hybrid_kv_cache: bool = True
     preemption_mode: str = "recompute"  # what the scheduler does when blocks run out
     scheduling_policy: str = "fcfs"  # "priority": lower value runs first
@@ -54,7 +54,7 @@ class EngineConfig:
     simulate_sliding_window: int | None = None
     # simulate only, with simulate_sliding_window: the stand-in has global layers too, in
     # a block table of their own beside the sliding layers' (a Gemma-like model: layer
-    # groups, engine/hybrid_kv.py)
+    # groups, engine/kv_layout.py)
     simulate_hybrid: bool = False
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of device memory the engine may use
     kv_cache_memory_bytes: int | None = None  # CPU: bytes for the KV pool (None: 512 MiB)

@@ -1,10 +1,23 @@
-"""KV events: what happened to blocks and requests, for the dashboard's event log
-and for a router that mirrors an engine's prefix cache."""
+"""KV events: what happened to blocks and requests, as one typed stream.
+
+Every fact is emitted once, where it happens: the block pool (blocks leaving the prefix
+cache), the layer groups of the KV core (blocks stored, requests' blocks released), the
+prefix tier (blocks stored on the CPU tier), the coordinator (prefix hits, resets, pins)
+and the scheduler (preemptions, swaps, ends). Readers subscribe: the dashboard's capture
+(engine/kv_view.py), the stored history, and the vLLM-format publisher
+(engine/kv_events_zmq.py), whose KVEventBatch is a translation of this stream.
+
+Removals and preemptions carry a `reason` (REASONS) and, where one is known, who caused
+them (`by`: the request the blocks were taken for, the request that outranked, an
+operator).
+"""
 from __future__ import annotations
 
 import collections
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
+
+from engine.block_hash import BlockHash
 
 EVENT_TYPES = (
     "BlockStored",  # blocks registered in the prefix cache (hashes now findable)
@@ -23,6 +36,19 @@ EVENT_TYPES = (
     "WindowFreed",  # a request gave back blocks no layer's sliding window reaches any more
 )
 
+# Why blocks left the cache or a request, or why a request was preempted:
+REASONS = {
+    "evicted": "taken for another request's new blocks, least recently used first",
+    "operator_evict": "an operator's evict",
+    "reset": "the prefix cache was reset",
+    "step_failed": "the step that was to write them failed",
+    "window": "no layer's sliding window reaches them any more",
+    "kv_full": "the GPU pool had no free block for a running request",
+    "priority": "a request of higher priority needed the blocks",
+    "operator": "an operator's command",
+    "migration": "the request moved to another engine",
+}
+
 
 @dataclass(slots=True)
 class KVEvent:
@@ -35,13 +61,18 @@ class KVEvent:
     block_hashes: list[str] = field(default_factory=list)  # short hex, same order as block_ids
     ref_cnts: list[int] = field(default_factory=list)  # after the event, same order
     num_tokens: int | None = None  # tokens covered (hits, stored prefix)
-    detail: str | None = None  # reason or extra words (e.g. finish reason, "operator")
-    # A hybrid model's layer group (engine/hybrid_kv.py) whose block table the blocks are
+    detail: str | None = None  # words for a person (e.g. finish reason, "operator")
+    # A hybrid model's layer group (engine/kv_layout.py) whose block table the blocks are
     # in; 0: the global layers' group, or the only one. Its hashes are the group's own.
     group: int = 0
-
-    def to_dict(self) -> dict:
-        return asdict(self)
+    reason: str | None = None  # a removal's or preemption's cause: a key of REASONS
+    by: str | None = None  # who caused it: a request id, or "operator"
+    # For readers that rebuild the prefix cache elsewhere (EventLog.full): the full
+    # hashes of block_ids' blocks, and for BlockStored on the GPU each one's parent hash
+    # (None: the chain's first) and their token ids, block_size per block
+    hashes: list[BlockHash] | None = None
+    parents: list[BlockHash | None] | None = None
+    token_ids: list[int] | None = None
 
 
 class EventQueue:
@@ -64,22 +95,26 @@ class EventQueue:
 
 class EventLog:
     """Fans each event out to every reader's queue: the engine's own (take_events) and
-    any subscriber (e.g. a prefix-cache index). No reader, no cost."""
+    any subscriber (e.g. the vLLM-format publisher). No reader, no cost."""
 
     def __init__(self, maxlen: int) -> None:
         self.step = 0  # owned by LLMEngine: the step now running
-        # With a vLLM-format publisher (engine/kv_events_zmq.py): the prefix cache's
-        # changes with full hashes and token ids, as ("stored", hashes, parent hash,
-        # token ids), ("removed", hashes) or ("cleared",); the CPU tier's records end
-        # with the medium "CPU". None: nobody wants them.
-        self.external: list[tuple] | None = None
+        # Whether a reader wants the full hashes, parents and token ids (KVEvent's last
+        # fields): set by subscribe(full=True); emitters fill them only then.
+        self.full = False
         self._queues: list[EventQueue] = []
         self._default = self.subscribe(maxlen) if maxlen > 0 else None
 
-    def subscribe(self, maxlen: int = 100_000) -> EventQueue:
+    def subscribe(self, maxlen: int = 100_000, full: bool = False) -> EventQueue:
         queue = EventQueue(maxlen)
         self._queues.append(queue)
+        self.full = self.full or full
         return queue
+
+    @property
+    def on(self) -> bool:
+        """Whether anyone reads events (emitters skip building them otherwise)."""
+        return bool(self._queues)
 
     def emit(self, type: str, **fields) -> None:
         if not self._queues:

@@ -9,7 +9,8 @@ sequence number (8 bytes, big-endian) with every buffered batch from it on, each
 (sequence, payload), then (-1, b"") - as vLLM's publisher does. An endpoint with `*`,
 `::` or an ipc:// / inproc:// address is bound, any other connected to.
 
-The events, as vLLM's vllm/distributed/kv_events.py declares them:
+The events, as vLLM's vllm/distributed/kv_events.py declares them, translated from the
+engine's one typed event stream (VllmTranslator):
 * BlockStored: blocks newly findable by hash (hashes in chain order, the hash of the
   block before them, their token ids, the block size, medium "GPU", or "CPU" for the
   CPU tier of the prefix cache: EngineConfig.cpu_prefix_cache);
@@ -70,23 +71,66 @@ class KVEventBatch(msgspec.Struct, omit_defaults=True, gc=False):
     data_parallel_rank: int | None = None
 
 
-def to_vllm(raw: list[tuple], block_size: int) -> list[KVCacheEvent]:
-    """The engine's raw records (EventLog.external) as vLLM events."""
-    out: list[KVCacheEvent] = []
-    for record in raw:
-        kind = record[0]
-        if kind == "stored":  # (the medium is last when it is not the GPU)
-            hashes, parent, token_ids = record[1:4]
-            out.append(BlockStored(block_hashes=hashes, parent_block_hash=parent,
-                                   token_ids=token_ids, block_size=block_size, lora_id=None,
-                                   medium=record[4] if len(record) > 4 else MEDIUM_GPU,
-                                   lora_name=None))
-        elif kind == "removed":
-            out.append(BlockRemoved(block_hashes=record[1],
-                                    medium=record[2] if len(record) > 2 else MEDIUM_GPU))
-        elif kind == "cleared":
-            out.append(AllBlocksCleared())
-    return out
+class VllmTranslator:
+    """The engine's typed KV events (engine/events.py) as vLLM's: what a router that
+    mirrors a prefix cache needs, group 0's hashes only (a hybrid model's other layer
+    groups cache under hashes no router knows). It reads the event stream with the full
+    hashes (EventLog.subscribe(full=True)).
+
+    A block stored on the CPU tier arrives by hash alone; vLLM's BlockStored carries its
+    parent and tokens, which the translator remembers from the block's BlockStored on
+    the GPU (the most recent `memory` hashes: a tier stores what the GPU pool reuses in
+    the same step, or what it is about to reuse)."""
+
+    def __init__(self, block_size: int, memory: int) -> None:
+        self.block_size = block_size
+        self.memory = memory
+        self._chains: collections.OrderedDict[bytes, tuple[bytes | None, list[int]]] = \
+            collections.OrderedDict()  # hash -> (parent hash, token ids)
+
+    def translate(self, events: list) -> list[KVCacheEvent]:
+        out: list[KVCacheEvent] = []
+        for e in events:
+            if e.type == "AllBlocksCleared":
+                self._chains.clear()
+                out.append(AllBlocksCleared())
+            elif e.group or e.hashes is None:
+                continue
+            elif e.type == "BlockStored" and e.pool == "gpu":
+                out += self._stored_gpu(e.hashes, e.parents, e.token_ids)
+            elif e.type == "BlockStored":
+                out += [self._stored_tier(h, e.pool.upper()) for h in e.hashes]
+            elif e.type == "BlockEvicted":
+                out.append(BlockRemoved(block_hashes=list(e.hashes), medium=e.pool.upper()))
+        return out
+
+    def _stored_gpu(self, hashes: list[bytes], parents: list, tokens: list[int]) -> list:
+        """One BlockStored per run of blocks each the child of the one before."""
+        bs, out, start = self.block_size, [], 0
+        for i, h in enumerate(hashes):
+            self._remember(h, parents[i], tokens[i * bs:(i + 1) * bs])
+            if i + 1 == len(hashes) or parents[i + 1] != h:
+                out.append(BlockStored(block_hashes=hashes[start:i + 1],
+                                       parent_block_hash=parents[start],
+                                       token_ids=tokens[start * bs:(i + 1) * bs],
+                                       block_size=bs, lora_id=None, medium=MEDIUM_GPU,
+                                       lora_name=None))
+                start = i + 1
+        return out
+
+    def _stored_tier(self, block_hash: bytes, medium: str) -> BlockStored:
+        parent, tokens = self._chains.get(block_hash, (None, []))
+        if block_hash in self._chains:
+            self._chains.move_to_end(block_hash)
+        return BlockStored(block_hashes=[block_hash], parent_block_hash=parent, token_ids=tokens,
+                           block_size=self.block_size, lora_id=None, medium=medium,
+                           lora_name=None)
+
+    def _remember(self, block_hash: bytes, parent: bytes | None, tokens: list[int]) -> None:
+        self._chains[block_hash] = (parent, list(tokens))
+        self._chains.move_to_end(block_hash)
+        while len(self._chains) > self.memory:
+            self._chains.popitem(last=False)
 
 
 class ZmqKVEventPublisher:

@@ -45,7 +45,10 @@ _OUTPUT = REQUEST_FIELDS.index("num_output_tokens")  # right after _COMPUTED (_o
 PIN_EVENTS = frozenset({"Pinned", "Unpinned", "AllBlocksCleared"})
 FULL_SCAN_S = 5.0  # how often the hash map and pins are read whole (a safety net)
 EVENT_MAX_BLOCKS = 16  # block ids kept per event on the wire and in the history
-_EVENT_FIELDS = tuple(f.name for f in fields(KVEvent) if f.name != "group")  # (group: when not 0)
+# What the page and the history keep of an event: not its group (said when not 0), nor
+# the full hashes and tokens (for the vLLM-format publisher only)
+_EVENT_FIELDS = tuple(f.name for f in fields(KVEvent)
+                      if f.name not in ("group", "hashes", "parents", "token_ids"))
 _BLOCK_ID = attrgetter("block_id")
 log = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, SimTokenizer
 from engine.errors import InvalidRequestError, NotEnoughBlocksError, PrefixNotCachedError
 from engine.events import EventLog, KVEvent
-from engine.hybrid_kv import HybridKVCacheManager, blocks_for
-from engine.kv_cache_manager import KVCacheManager
+from engine.kv_coordinator import KVCacheCoordinator
+from engine.kv_layout import blocks_for
 from engine.outputs import CoreOutput, RequestOutput
 from engine.rate_meter import RateMeter
 from engine.request import Request, RequestStatus
@@ -50,7 +50,10 @@ def build_runner(config: EngineConfig) -> Runner:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, runner: Runner | None = None,
-                 detokenize: bool = True) -> None:
+                 detokenize: bool = True, kv_events=None) -> None:
+        """kv_events: where the prefix cache's changes go as vLLM KVEventBatch events
+        (anything with publish(events)); by default the ZMQ publisher of
+        config.kv_events_endpoint, if set."""
         self.config = config
         # False: the caller drives step_core() and turns token ids into text itself (the
         # engine core process, whose worker detokenises, as vLLM's frontend does).
@@ -59,15 +62,11 @@ class LLMEngine:
         self.tokenizer = self.runner.tokenizer
         self.max_model_len = self.runner.max_model_len
         self.events = EventLog(config.max_pending_events)
-        groups = self.runner.kv_group_windows
-        if groups:  # a table per layer group (a model mixing sliding and global layers)
-            self.kv = HybridKVCacheManager(config.block_size, self.runner.num_gpu_blocks,
-                                           self.runner.num_cpu_blocks,
-                                           config.enable_prefix_caching, self.events, groups)
-        else:
-            self.kv = KVCacheManager(config.block_size, self.runner.num_gpu_blocks,
+        # a table per layer group (a model mixing sliding and global layers), or one
+        windows = self.runner.kv_group_windows or (self.runner.sliding_window,)
+        self.kv = KVCacheCoordinator(config.block_size, self.runner.num_gpu_blocks,
                                      self.runner.num_cpu_blocks, config.enable_prefix_caching,
-                                     self.events, sliding_window=self.runner.sliding_window,
+                                     self.events, windows,
                                      cpu_prefix_cache=config.cpu_prefix_cache)
         self.scheduler = Scheduler(config, self.kv, self.max_model_len, self.events)
         self.step_count = 0
@@ -94,13 +93,21 @@ class LLMEngine:
         # the worker's threads and a GPU's activation memory were sized for them
         self.limit_caps = {"max_num_seqs": config.max_num_seqs,
                            "max_num_batched_tokens": config.max_num_batched_tokens}
-        self._kv_publisher = None  # engine/kv_events_zmq.py, with config.kv_events_endpoint
-        if config.kv_events_endpoint:
+        # The vLLM-format publisher (engine/kv_events_zmq.py) and what it reads: the event
+        # stream with full hashes, translated after each step and each cache command
+        self._kv_publisher = kv_events
+        if kv_events is None and config.kv_events_endpoint:
             from engine.kv_events_zmq import ZmqKVEventPublisher
 
             self._kv_publisher = ZmqKVEventPublisher(config.kv_events_endpoint,
                                                      config.kv_events_replay_endpoint)
-            self.events.external = []
+        self._kv_translator = self._kv_events = None
+        if self._kv_publisher is not None:
+            from engine.kv_events_zmq import VllmTranslator
+
+            self._kv_events = self.events.subscribe(full=True)
+            self._kv_translator = VllmTranslator(
+                config.block_size, self.kv.gpu.num_blocks + self.kv.cpu.num_blocks)
 
     # --- requests ------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
@@ -294,17 +301,14 @@ class LLMEngine:
         now = time.time()
         self._prompt_rate.record(now, self.scheduler.counters.num_prompt_tokens)
         self._gen_rate.record(now, self.scheduler.counters.num_generation_tokens)
-        if self.events.external:
+        if self._kv_events is not None:
             self._publish_kv_events()
         self.step_seconds += time.perf_counter() - started
         return outputs
 
     def _publish_kv_events(self) -> None:
         """This step's (or command's) prefix-cache changes, as one vLLM KVEventBatch."""
-        from engine.kv_events_zmq import to_vllm
-
-        raw, self.events.external = self.events.external, []
-        self._kv_publisher.publish(to_vllm(raw, self.config.block_size))
+        self._kv_publisher.publish(self._kv_translator.translate(self._kv_events.take()))
 
     @staticmethod
     def _keep_prompt_logprobs(out, computed: dict[str, list]) -> None:
@@ -528,14 +532,14 @@ class LLMEngine:
         if n is not None and (not isinstance(n, int) or n < 0):
             raise InvalidRequestError("n must be a non-negative integer or None")
         evicted = self.kv.evict(n)
-        if self.events.external:
+        if self._kv_events is not None:
             self._publish_kv_events()
         return evicted
 
     def reset_prefix_cache(self) -> dict:
         self.version += 1
         result = self.kv.reset_prefix_cache()
-        if self.events.external:
+        if self._kv_events is not None:
             self._publish_kv_events()
         return result
 
@@ -608,7 +612,9 @@ class LLMEngine:
         """Release what the runner started (a split model's rank processes) and the KV
         event publisher's sockets."""
         if self._kv_publisher is not None:
-            self._kv_publisher.close()
+            close = getattr(self._kv_publisher, "close", None)
+            if close is not None:
+                close()
             self._kv_publisher = None
         if self._structured is not None:
             self._structured.close()

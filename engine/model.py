@@ -141,7 +141,7 @@ class Transformer(nn.Module):
             self.ropes.append(rope_table(pos, a.head_dim, theta, rope_type, params))
 
     def set_kv_layout(self, layout: object) -> None:
-        """Where each layer's K/V lives (engine/hybrid_kv.py's KVLayout): its group's
+        """Where each layer's K/V lives (engine/kv_layout.py's KVLayout): its group's
         block table, at its slot of the group's blocks."""
         for layer, group, slot in zip(self.layers, layout.layer_group, layout.layer_slot):
             layer.attention.kv_group, layer.attention.kv_slot = group, slot

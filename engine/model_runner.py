@@ -20,7 +20,7 @@ import kernels
 from engine.attention import AttentionBatch, make_attention_backend
 from engine.config import EngineConfig
 from engine.hf_tokenizer import HFTokenizer
-from engine.hybrid_kv import kv_layout
+from engine.kv_layout import kv_layout
 from engine.loader import (ModelFolder, ModelLoadError, load_model, model_identity,
                            read_model_folder)
 from engine.runner import Runner
@@ -64,7 +64,7 @@ class ModelRunner(Runner):
         self.tokenizer = HFTokenizer.from_folder(folder.path, folder.eos_token_ids)
         self.vocab_size = folder.args.vocab_size
         self.max_model_len = _max_model_len(config, folder)
-        # Which layers' K/V a block holds: all, or a layer group's (engine/hybrid_kv.py)
+        # Which layers' K/V a block holds: all, or a layer group's (engine/kv_layout.py)
         self.kv_layout = kv_layout(folder.args.layer_windows, folder.args.n_layers,
                                    hybrid=config.hybrid_kv_cache and not config.cpu_prefix_cache)
         hybrid = self.kv_layout.num_groups > 1

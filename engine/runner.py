@@ -17,9 +17,9 @@ class Runner(abc.ABC):
     device: str  # "cpu" | "cuda" | "simulated"
     dtype: str
     # Every layer attends only to this many last tokens (None: some or all see the whole
-    # context): blocks out of reach are given back (engine/kv_cache_manager.py)
+    # context): blocks out of reach are given back (engine/kv_group.py)
     sliding_window: int | None = None
-    # A hybrid model's layer groups (engine/hybrid_kv.py): each group's window (None:
+    # A hybrid model's layer groups (engine/kv_layout.py): each group's window (None:
     # global), group 0 global; None: one block table for every layer
     kv_group_windows: tuple[int | None, ...] | None = None
     # After each step: request id -> [sampled token's logprob, top ids, top logprobs], for

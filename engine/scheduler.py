@@ -22,12 +22,12 @@ from dataclasses import dataclass, field
 from engine.config import EngineConfig
 from engine.errors import InvalidStateError, NotEnoughBlocksError, UnknownRequestError
 from engine.events import EventLog
-from engine.kv_cache_manager import KVCacheManager
+from engine.kv_coordinator import KVCacheCoordinator
 from engine.request import Request, RequestStatus
 from engine.request_queue import WaitingQueue, priority_key
 
 
-# Most CPU-tier copies made ahead of need per step (KVCacheManager.copy_ahead)
+# Most CPU-tier copies made ahead of need per step (KVCacheCoordinator.copy_ahead)
 COPY_AHEAD_BLOCKS = 32
 
 
@@ -46,11 +46,11 @@ class SchedulerOutput:
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu, cpu), before the step
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, gpu), after swap_out
     copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) GPU, after swap_in
-    # A hybrid model's (engine/hybrid_kv.py): request id -> each layer group's block table
+    # A hybrid model's (engine/kv_layout.py): request id -> each layer group's block table
     # for the step; None: the ScheduledRequest's table is every layer's
     group_block_ids: dict[str, list[list[int]]] | None = None
     # (gpu, cpu) CPU-tier copies of free cached blocks, after copies: the forward pass
-    # neither reads nor writes them, so they may run beside it (KVCacheManager.copy_ahead)
+    # neither reads nor writes them, so they may run beside it (KVCacheCoordinator.copy_ahead)
     copy_ahead: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
 
@@ -73,7 +73,7 @@ class SchedulerCounters:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: KVCacheManager, max_model_len: int,
+    def __init__(self, config: EngineConfig, kv: KVCacheCoordinator, max_model_len: int,
                  events: EventLog) -> None:
         self.config = config
         self.kv = kv

@@ -65,7 +65,7 @@ class SimulatedRunner(Runner):
         # window of 2 or more gives the same tokens; it makes the KV manager free blocks
         # as a sliding-window model's would (capacity planning, tests)
         self.sliding_window = sliding_window
-        if hybrid:  # global layers too: a table per layer group (engine/hybrid_kv.py)
+        if hybrid:  # global layers too: a table per layer group (engine/kv_layout.py)
             self.kv_group_windows, self.sliding_window = (None, sliding_window), None
         # One 64-bit state per token slot: [num_blocks * block_size]. Python lists, not
         # numpy arrays: the step reads and writes single slots, which a list does several

@@ -1,4 +1,4 @@
-"""Block tables per layer group (engine/hybrid_kv.py): a model that mixes sliding and
+"""Block tables per layer group (engine/kv_layout.py, engine/kv_coordinator.py): a model that mixes sliding and
 global layers (Gemma 2, 3) keeps the sliding layers' K/V in tables of their own, which
 give back what the window passed while the global table keeps every block. Tokens stay
 transformers' in every situation (tests/engine/test_model_parity.py runs the families);
@@ -10,8 +10,8 @@ import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.block_hash import hash_blocks, root_hash
-from engine.hybrid_kv import HybridKVCacheManager, kv_layout
-from engine.kv_cache_manager import group_hash
+from engine.kv_group import SlidingWindowGroup
+from engine.kv_layout import group_hash, kv_layout
 from engine.kv_events_zmq import BlockRemoved, BlockStored
 from engine.kv_view import Capturer, KVMirror
 from engine.snapshot import decode_array
@@ -22,11 +22,11 @@ from tests.models.tiny import SPECS, hf_greedy, random_prompts
 BS = 4
 
 
-def engine_for(folder, **kw) -> LLMEngine:
+def engine_for(folder, kv_events=None, **kw) -> LLMEngine:
     cfg = dict(model=str(folder), device="cpu", dtype="float32", attention_backend="torch",
                block_size=BS, num_gpu_blocks=128, num_cpu_blocks=64, seed=0)
     cfg.update(kw)
-    return LLMEngine(EngineConfig(**cfg))
+    return LLMEngine(EngineConfig(**cfg), kv_events=kv_events)
 
 
 def greedy(n: int) -> SamplingParams:
@@ -58,7 +58,7 @@ def test_a_long_generation_holds_a_bounded_sliding_table(tiny_model):
     folder = tiny_model("gemma2")  # layer 0 slides (window 6), layer 1 is global
     prompt = random_prompts(SPECS["gemma2"].vocab_size, [18], seed=3)[0]
     engine = engine_for(folder, max_num_batched_tokens=8)
-    assert isinstance(engine.kv, HybridKVCacheManager)
+    assert engine.kv.num_groups == 2 and isinstance(engine.kv.groups[1], SlidingWindowGroup)
     assert engine.describe_config()["kv_group_windows"] == [None, 6]
     engine.add_request("long", prompt, greedy(70))
     sliding, most, out = engine.kv.groups[1], 0, None
@@ -161,15 +161,14 @@ def test_routers_hear_of_the_global_groups_hashes_only(tiny_model):
     """The vLLM-format events (engine/kv_events_zmq.py) name the request's prefix hashes
     (group 0's): the sliding groups' own hashes are neither stored nor removed there."""
     folder = tiny_model("gemma2")
-    engine = engine_for(folder, num_gpu_blocks=40, num_cpu_blocks=24, max_num_seqs=6,
-                        max_num_batched_tokens=32)
     batches = []
 
     class Publisher:  # what the ZMQ publisher is handed, each step and command
         def publish(self, events):
             batches.append(events)
 
-    engine._kv_publisher, engine.events.external = Publisher(), []
+    engine = engine_for(folder, num_gpu_blocks=40, num_cpu_blocks=24, max_num_seqs=6,
+                        max_num_batched_tokens=32, kv_events=Publisher())
     churn = Churn(engine, seed=5, vocab=SPECS["gemma2"].vocab_size)
     stored, removed, prefix_hashes = set(), 0, set()
     for _ in range(120):

@@ -10,7 +10,7 @@ import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.errors import NotEnoughBlocksError
-from engine.hybrid_kv import kv_layout
+from engine.kv_layout import kv_layout
 from engine.loader import read_model_folder
 from engine.model import Linear
 from kernels import cpu_ext

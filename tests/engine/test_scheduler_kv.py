@@ -1,4 +1,4 @@
-"""The Scheduler and the KVCacheManager at their own interfaces, without an engine or a
+"""The Scheduler and the KV core (KVCacheCoordinator) at their own interfaces, without an engine or a
 model: what schedule() hands the model runner, what update_from_output() does with the
 sampled tokens, and what the KV manager gives, shares, copies and takes back."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import itertools
 from engine.block_hash import root_hash
 from engine.config import EngineConfig
 from engine.events import EventLog
-from engine.kv_cache_manager import KVCacheManager
+from engine.kv_coordinator import KVCacheCoordinator
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -25,14 +25,14 @@ def request(rid: str, prompt: list[int], priority: int = 0, **params) -> Request
 
 
 def kv_manager(num_gpu_blocks: int = 16, num_cpu_blocks: int = 8,
-               caching: bool = True) -> KVCacheManager:
-    return KVCacheManager(BS, num_gpu_blocks, num_cpu_blocks, caching, EventLog(1000))
+               caching: bool = True) -> KVCacheCoordinator:
+    return KVCacheCoordinator(BS, num_gpu_blocks, num_cpu_blocks, caching, EventLog(1000))
 
 
 def scheduler(num_gpu_blocks: int = 16, **config) -> Scheduler:
     cfg = EngineConfig(simulate=True, block_size=BS, num_gpu_blocks=num_gpu_blocks,
                        num_cpu_blocks=8, **config)
-    kv = KVCacheManager(BS, num_gpu_blocks, 8, cfg.enable_prefix_caching, EventLog(1000))
+    kv = KVCacheCoordinator(BS, num_gpu_blocks, 8, cfg.enable_prefix_caching, EventLog(1000))
     return Scheduler(cfg, kv, max_model_len=4096, events=EventLog(1000))
 
 
@@ -43,7 +43,7 @@ def run_step(s: Scheduler, token: int = 7) -> tuple:
     return out, s.update_from_output(out, sampled)
 
 
-# --- KVCacheManager ---------------------------------------------------------------------
+# --- the KV core ------------------------------------------------------------------------
 def test_allocation_grows_by_whole_blocks_and_refuses_without_changing_anything():
     kv = kv_manager(num_gpu_blocks=4)
     r = request("r", list(range(10, 19)))  # 9 tokens: 3 blocks

@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from engine import EngineError, SamplingParams
-from engine.kv_cache_manager import group_hash
+from engine.kv_layout import group_hash
 from engine.simulated_runner import _SEED, digest
 from engine.request import RequestStatus
 
