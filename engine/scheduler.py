@@ -157,7 +157,7 @@ class Scheduler:
                 # Preempt the least important request not yet scheduled (the last one);
                 # if that is this request, it gives way itself.
                 victim = running[-1] if self.share_cap is None else self._victim(i)
-                self._preempt(victim, out, by_operator=False)
+                self._preempt(victim, out, request)
                 if victim is request:
                     break
                 alloc = allocate(request, num_new)
@@ -387,18 +387,24 @@ class Scheduler:
                          num_tokens=request.num_tokens)
 
     # --- preemption and swap -------------------------------------------------------------
-    def _preempt(self, victim: Request, out: SchedulerOutput, by_operator: bool) -> None:
+    def _preempt(self, victim: Request, out: SchedulerOutput, needy: Request) -> None:
+        """Make room for `needy` (which may be the victim itself, giving way)."""
         self.running.remove(victim)
         out.preempted.append(victim.request_id)
-        if self.config.preemption_mode == "swap" and not by_operator:
+        # the reason: a request that ranks higher took the room, or the pool was full
+        reason = "priority" if self.config.scheduling_policy == "priority" and \
+            victim.priority > needy.priority else "kv_full"
+        by = needy.request_id if needy is not victim else None
+        if self.config.preemption_mode == "swap":
             result = self.kv.swap_out(victim)
             if result is not None:
                 out.swap_out.extend(result.mapping)
-                self._mark_swapped(victim, result.mapping, parked=False)
+                self._mark_swapped(victim, result.mapping, parked=False, reason=reason, by=by)
                 return
-        self._preempt_recompute(victim, detail="operator" if by_operator else "out of blocks")
+        self._preempt_recompute(victim, "out of blocks", reason, by)
 
-    def _preempt_recompute(self, victim: Request, detail: str) -> None:
+    def _preempt_recompute(self, victim: Request, detail: str, reason: str,
+                           by: str | None) -> None:
         num_blocks = self.kv.num_blocks_held(victim.request_id)
         self.kv.free(victim)
         victim.num_computed_tokens = 0
@@ -407,9 +413,11 @@ class Scheduler:
         self.waiting.push_front(victim)
         self.counters.num_preemptions += 1
         self.events.emit("Preempted", request_id=victim.request_id, detail=detail,
-                         num_tokens=victim.num_tokens, ref_cnts=[num_blocks])
+                         reason=reason, by=by, num_tokens=victim.num_tokens,
+                         ref_cnts=[num_blocks])
 
-    def _mark_swapped(self, request: Request, mapping: list[tuple[int, int]], parked: bool) -> None:
+    def _mark_swapped(self, request: Request, mapping: list[tuple[int, int]], parked: bool,
+                      reason: str = "operator", by: str | None = "operator") -> None:
         request.status = RequestStatus.SWAPPED
         request.parked = parked
         request.num_preemptions += 1
@@ -418,7 +426,7 @@ class Scheduler:
         self.events.emit("SwappedOut", request_id=request.request_id,
                          block_ids=[g for g, _ in mapping], pool="gpu",
                          detail="operator" if parked else "out of blocks",
-                         num_tokens=request.num_computed_tokens)
+                         reason=reason, by=by, num_tokens=request.num_computed_tokens)
 
     def _swap_in(self, request: Request, mapping_out: list[tuple[int, int]]) -> bool:
         result = self.kv.swap_in(request)
@@ -468,7 +476,7 @@ class Scheduler:
         request = self.get_live(request_id)
         self._require(request, RequestStatus.RUNNING, "preempt")
         self.running.remove(request)
-        self._preempt_recompute(request, detail="operator")
+        self._preempt_recompute(request, "operator", "operator", "operator")
         return request
 
     def swap_out(self, request_id: str) -> list[tuple[int, int]]:
