@@ -21,9 +21,12 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from engine.block_hash import BlockHash, hash_blocks, short
 from engine.block_pool import BlockPool, KVBlock
 from engine.events import EventLog
+from engine.kv_export import PoolExport
 from engine.kv_group import NOTHING_ALLOCATED, Allocation, GroupHit, KVGroup, SwapResult, make_group
 from engine.kv_tier import CPUTier, PrefixTier
 from engine.request import Request
@@ -77,6 +80,8 @@ class KVCacheCoordinator:
         if self.tier is not None:
             self.gpu.on_evict = self.tier.note_reused
         self._cpu_held: list[KVBlock] = []  # CPU blocks this step's swap-ins read
+        # export_pool's memo, per pool: key -> (the table list, its length, its ids)
+        self._exported: dict[str, dict] = {}
         self.prefix_cache_queries = 0  # prompt tokens looked up (tokens)
         self.prefix_cache_hits = 0  # of which found cached on the GPU or a tier (tokens)
 
@@ -423,6 +428,32 @@ class KVCacheCoordinator:
         found = (self.gpu.get_cached(group.key_of(b.block_hash)) for b in blocks[skip:])
         return [b for b in found if b is not None]
 
+    # --- what viewers get ------------------------------------------------------------
+    def export_pool(self, pool: str, index_of: dict[str, int], full_scan: bool,
+                    pins: bool) -> PoolExport:
+        """One pool as viewers may keep it (engine/kv_export.py): each live request's
+        table as a read-only array of block ids (keyed by its index; (index, group) for
+        the layer groups other than 0), and, if asked, the pinned blocks' ids and a copy
+        of the hash map (hash -> block id). A table unchanged since the last export is
+        the same array: only tables that grew or were replaced are read again."""
+        blocks = self.gpu if pool == "gpu" else self.cpu
+        memo = self._exported.setdefault(pool, {})
+        kept: dict = {}
+        tables = []
+        for g in self.groups:
+            each = g.req_to_blocks if pool == "gpu" else g.req_to_cpu_blocks
+            for rid, table in each.items():
+                index = index_of.get(rid)
+                if index is None:
+                    continue
+                key = index if not g.group else (index, g.group)
+                kept[key] = entry = _export_table(memo.get(key), table)
+                tables.append((key, entry[2]))
+        self._exported[pool] = kept
+        cached = {h: b.block_id for h, b in blocks.cached.items()} if full_scan else None
+        pinned = [b.block_id for b in blocks.blocks if b.pinned] if pins else None
+        return PoolExport(blocks.pool, blocks.num_blocks, tables, cached, pinned)
+
     # --- invariants ------------------------------------------------------------------
     def check_invariants(self) -> None:
         """Raise if any bookkeeping invariant is broken (used by tests and debug runs)."""
@@ -467,3 +498,24 @@ class KVCacheCoordinator:
                     raise AssertionError(
                         f"invariant: group {g.group}'s table of {rid} covers {held} blocks, "
                         f"group 0's {len(self.main.req_to_blocks[rid])}")
+
+
+def _export_table(memo: tuple | None, table: list[KVBlock]) -> tuple:
+    """(table, length, read-only ids) for export_pool: the memo's ids if the table is the
+    same list with the same blocks, grown by its new blocks' ids if it only grew (tables
+    grow by extend; a table that lost or changed blocks is a new list, or its first or
+    last block differs), else read whole."""
+    n = len(table)
+    if memo is not None and memo[0] is table and n >= memo[1] and n:
+        ids = memo[2]
+        if n == memo[1] and ids[-1] == table[-1].block_id and ids[0] == table[0].block_id:
+            return memo
+        if n > memo[1] and memo[1] and ids[0] == table[0].block_id \
+                and ids[-1] == table[memo[1] - 1].block_id:
+            tail = np.fromiter((b.block_id for b in table[memo[1]:]), np.int32, n - memo[1])
+            grown = np.concatenate([ids, tail])
+            grown.flags.writeable = False
+            return table, n, grown
+    ids = np.fromiter((b.block_id for b in table), np.int32, n)
+    ids.flags.writeable = False
+    return table, n, ids

@@ -24,7 +24,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from engine.kv_view import Capture, Capturer, KVMirror, event_record
+from engine.kv_export import KVExport
+from engine.kv_view import Capturer, KVMirror, event_record
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +108,7 @@ class KVFeed:
         self._last_capture = float("-inf")  # loop thread only
         self._last_version = -1  # loop thread only
         self._lock = threading.Lock()
-        self._pending: Capture | None = None  # handed from the loop thread, under _lock
+        self._pending: KVExport | None = None  # handed from the loop thread, under _lock
         self._asks: queue.Queue[tuple[str, Any, Callable[[bool, Any], None]]] = queue.Queue()
         self._busy = False  # the feed thread is handling a capture (under _lock)
         self._wake = threading.Event()
@@ -188,7 +189,7 @@ class KVFeed:
                     self._busy = False
             self._answer()
 
-    def _item(self, capture: Capture) -> dict:
+    def _item(self, capture: KVExport) -> dict:
         started, cpu = time.perf_counter(), time.thread_time()
         delta = self.mirror.apply(capture)
         kept, counts = select_events(capture.events)

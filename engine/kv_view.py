@@ -1,44 +1,36 @@
 """The engine's KV state mirrored off its loop thread, and the deltas between two states
 (the dashboard's live data; the wire format is described in docs/live-protocol.md).
 
-`Capturer.capture()` runs on the engine's loop thread and only copies references and
-counters, so a step never waits for the dashboard. `KVMirror.apply()` runs on the feed
-thread (engine/kv_feed.py): it turns a capture into per-block numpy arrays, diffs them
-with the previous ones and returns the delta. `KVMirror.snapshot()` builds the same document as
-`engine.snapshot(compact=True)` from the mirror.
+`Capturer.capture()` runs on the engine's loop thread and asks the engine for an export
+(engine/kv_export.py): values its owners build and hand over (request rows, each table's
+block ids, pins and the hash map when due), which nobody changes afterwards. `KVMirror.apply()`
+runs on the feed thread (engine/kv_feed.py): it turns an export into per-block numpy
+arrays, diffs them with the previous ones and returns the delta. `KVMirror.snapshot()` is
+the one builder of the snapshot document: for the live view, the timeline's keyframes and
+engine.snapshot() (a mirror fed one full export).
 
-Why a capture may be read on another thread: a block table (a list) only ever grows by
-`extend` while it belongs to a request and is replaced, never edited, otherwise; so the
-first `length` entries of a captured table stay what they were. Block ids never change.
-
-The prefix-cache map and the pins are followed through the engine's KV events (made so
-that a router can mirror an engine's cache: BlockStored, BlockEvicted, AllBlocksCleared,
-Pinned, Unpinned). A full scan of the pool, every FULL_SCAN_S and whenever events are
-off, corrects the mirror if an event was ever missed, and says so in the log.
+The prefix-cache map and the pins are followed through the engine's KV events
+(BlockStored, BlockEvicted, AllBlocksCleared, Pinned, Unpinned). A full scan of the pool,
+every FULL_SCAN_S and whenever events are off, corrects the mirror if an event was ever
+missed, and says so in the log.
 """
 from __future__ import annotations
 
 import logging
 import time
 from dataclasses import dataclass, fields
-from operator import attrgetter
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from engine.events import KVEvent
+from engine.kv_export import REQUEST_FIELDS, KVExport, PoolExport
 from engine.snapshot import BLOCK_STATES, CACHED, EVICTION_ORDER_LEN, FREE, PINNED, USED, \
     encode_array
 
 if TYPE_CHECKING:
-    from engine.block_pool import BlockPool
     from engine.llm_engine import LLMEngine
 
-# A request as the dashboard lists it, in this order (a row is a tuple of these).
-REQUEST_FIELDS = ("request_id", "index", "job_id", "status", "num_prompt_tokens",
-                  "num_computed_tokens", "num_output_tokens", "num_cached_tokens",
-                  "num_preemptions", "priority", "parked", "arrival_time", "finish_reason",
-                  "window_freed_blocks", "tenant")
 _INDEX = REQUEST_FIELDS.index("index")
 _COMPUTED = REQUEST_FIELDS.index("num_computed_tokens")
 _OUTPUT = REQUEST_FIELDS.index("num_output_tokens")  # right after _COMPUTED (_only_progress)
@@ -49,52 +41,20 @@ EVENT_MAX_BLOCKS = 16  # block ids kept per event on the wire and in the history
 # the full hashes and tokens (for the vLLM-format publisher only)
 _EVENT_FIELDS = tuple(f.name for f in fields(KVEvent)
                       if f.name not in ("group", "hashes", "parents", "token_ids"))
-_BLOCK_ID = attrgetter("block_id")
 log = logging.getLogger(__name__)
 
 
-def _request_row(r, window_freed: dict) -> tuple:
-    return (r.request_id, r.index, r.job_id, r.status.value, len(r.prompt_token_ids),
-            r.num_computed_tokens, len(r.output_token_ids), r.num_cached_tokens or 0,
-            r.num_preemptions, r.priority, r.parked, r.arrival_time, r.finish_reason,
-            window_freed.get(r.request_id, 0) if window_freed else 0, r.tenant)
-
-
-@dataclass(slots=True)
-class PoolCapture:
-    name: str  # "gpu" or "cpu", as events name pools
-    num_blocks: int
-    # (request index, the table list itself, its length now); (index, group) for a
-    # hybrid model's layer groups other than 0
-    tables: list[tuple[int | tuple[int, int], list, int]]
-    cached: dict | None  # a copy of the hash -> block map; None: follow the events instead
-    pinned: list[int] | None  # ids of pinned blocks; None: no pin changed since the last capture
-
-
-@dataclass(slots=True)
-class Capture:
-    ts: float
-    step: int
-    version: int  # engine.version when captured
-    requests: list[tuple]  # REQUEST_FIELDS rows, in snapshot order
-    gpu: PoolCapture
-    cpu: PoolCapture
-    eviction_order: list[int]
-    metrics: dict
-    events: list[KVEvent]  # taken from the engine since the last capture
-    events_on: bool = True  # False: the engine keeps no events (max_pending_events=0)
-
-
 class Capturer:
-    """Takes captures on the loop thread. Reading the whole hash map and every block's
-    pin costs milliseconds at 65,536 blocks, so it happens every FULL_SCAN_S (and at
-    each capture when the engine keeps no events); pins also after a pin event."""
+    """Takes captures (engine exports, engine/kv_export.py) on the loop thread. Reading
+    the whole hash map and every block's pin costs milliseconds at 65,536 blocks, so it
+    happens every FULL_SCAN_S (and at each capture when the engine keeps no events);
+    pins also after a pin event."""
 
     def __init__(self, full_scan_s: float = FULL_SCAN_S) -> None:
         self.full_scan_s = full_scan_s
         self._last_scan = float("-inf")
 
-    def capture(self, engine: LLMEngine) -> Capture:
+    def capture(self, engine: LLMEngine) -> KVExport:
         events = engine.take_events()
         events_on = engine.config.max_pending_events > 0
         now = time.monotonic()
@@ -102,32 +62,7 @@ class Capturer:
         if full:
             self._last_scan = now
         pins = full or any(e.type in PIN_EVENTS for e in events)
-        sched, kv = engine.scheduler, engine.kv
-        live = sched.requests
-        freed = kv.window_freed_counts  # (sliding windows: leading blocks given back)
-        rows = [_request_row(r, freed) for r in live.values()]
-        rows += [_request_row(r, freed) for r in sched.recently_finished
-                 if r.request_id not in live]
-        return Capture(
-            ts=time.time(), step=engine.step_count, version=engine.version, requests=rows,
-            gpu=_capture_pool(kv.gpu, kv.req_to_blocks, live, full, pins, kv.group_tables("gpu")),
-            cpu=_capture_pool(kv.cpu, kv.req_to_cpu_blocks, live, full, pins,
-                              kv.group_tables("cpu")),
-            eviction_order=kv.gpu.eviction_order(EVICTION_ORDER_LEN),
-            metrics=engine.metrics(), events=events, events_on=events_on)
-
-
-def _capture_pool(pool: BlockPool, tables: dict, live: dict, full: bool,
-                  pins: bool, group_tables: list = ()) -> PoolCapture:
-    captured = [(live[rid].index, table, len(table)) for rid, table in tables.items()
-                if rid in live]
-    # a hybrid model's other layer groups: keyed (request index, group); their blocks
-    # count for owners and references, their tables are not sent
-    captured += [((live[rid].index, group), table, len(table)) for group, each in group_tables
-                 for rid, table in each.items() if rid in live]
-    pinned = [b.block_id for b in pool.blocks if b.pinned] if pins else None
-    return PoolCapture(pool.pool, pool.num_blocks, captured,
-                       dict(pool.cached) if full else None, pinned)
+        return engine.export_kv(events, full_scan=full, pins=pins)
 
 
 def event_record(event: KVEvent) -> dict:
@@ -145,13 +80,6 @@ def event_record(event: KVEvent) -> dict:
     return record
 
 
-@dataclass(slots=True)
-class _Table:
-    source: list  # the engine's table list (kept to tell "grew" from "replaced")
-    length: int  # entries of source already converted
-    ids: np.ndarray  # block ids, int32
-
-
 class PoolMirror:
     """Per-block arrays of one pool (format of engine.snapshot) and its block tables."""
 
@@ -162,7 +90,9 @@ class PoolMirror:
         self.ref_cnt = np.zeros(num_blocks, dtype=np.int32)
         self.owner = np.zeros(num_blocks, dtype=np.int32)  # first holder's request index
         self.hash32 = np.zeros(num_blocks, dtype=np.uint32)
-        self.tables: dict[int, _Table] = {}  # request index -> its table, in capture order
+        # request index ((index, group): a hybrid model's other layer groups) -> its block
+        # ids (the export's read-only arrays), in export order
+        self.tables: dict[int | tuple[int, int], np.ndarray] = {}
         self.pinned = np.zeros(0, dtype=np.int64)
         # The prefix-cache map as events and scans tell it (hash32 is 0 where not hashed).
         self._hashed = np.zeros(num_blocks, dtype=bool)
@@ -176,11 +106,11 @@ class PoolMirror:
 
     def table_ids(self, index: int) -> list[int]:
         table = self.tables.get(index)
-        return [] if table is None else table.ids.tolist()
+        return [] if table is None else table.tolist()
 
-    def apply(self, cap: PoolCapture, events: list[KVEvent],
+    def apply(self, cap: PoolExport, events: list[KVEvent],
               events_on: bool = True) -> tuple[dict | None, dict | None]:
-        """Take in a capture and the events since the last one (events_on: the engine
+        """Take in an export and the events since the last one (events_on: the engine
         keeps events). Returns (changed blocks, table changes), None for no change."""
         table_ops = self._apply_tables(cap.tables)
         if cap.pinned is not None:
@@ -199,25 +129,20 @@ class PoolMirror:
                   "hash32": hash32[changed].tolist()}
         return blocks, table_ops
 
-    def _apply_tables(self, captured: list[tuple]) -> dict | None:
+    def _apply_tables(self, exported: list[tuple]) -> dict | None:
         """Table changes for the page: its requests' tables (a hybrid model's other
-        layer groups' tables are kept for owners, not sent)."""
+        layer groups' tables are kept for owners, not sent). A table the exporter did not
+        convert again is the same array; one that grew starts with the old ids."""
         appended, replaced = [], []
-        tables: dict[int, _Table] = {}
-        for index, source, length in captured:
+        tables: dict[int | tuple[int, int], np.ndarray] = {}
+        for index, ids in exported:
             old = self.tables.get(index)
-            if old is not None and old.source is source and length >= old.length:
-                if length > old.length:
-                    tail = np.fromiter(map(_BLOCK_ID, source[old.length:length]), np.int32,
-                                       length - old.length)
-                    if type(index) is int:  # (not a layer group's: tuple)
-                        appended.append([index, *tail.tolist()])
-                    old = _Table(source, length, np.concatenate([old.ids, tail]))
-                tables[index] = old
+            tables[index] = ids
+            if old is ids or type(index) is not int:  # (a layer group's: kept, not sent)
                 continue
-            ids = np.fromiter(map(_BLOCK_ID, source[:length]), np.int32, length)
-            tables[index] = _Table(source, length, ids)
-            if type(index) is int and (old is None or not np.array_equal(old.ids, ids)):
+            if old is not None and len(ids) > len(old) and np.array_equal(ids[:len(old)], old):
+                appended.append([index, *ids[len(old):].tolist()])
+            elif old is None or not np.array_equal(old, ids):
                 replaced.append([index, *ids.tolist()])
         replaced += [[index] for index in self.tables
                      if index not in tables and type(index) is int]
@@ -245,7 +170,7 @@ class PoolMirror:
         hashed = np.zeros(self.num_blocks, dtype=bool)
         hash32 = np.zeros(self.num_blocks, dtype=np.uint32)
         if cached:
-            ids = np.fromiter(map(_BLOCK_ID, cached.values()), np.int64, len(cached))
+            ids = np.fromiter(cached.values(), np.int64, len(cached))
             size = len(next(iter(cached)))
             digests = np.fromiter(cached, dtype=f"S{size}", count=len(cached))
             hashed[ids] = True
@@ -261,7 +186,7 @@ class PoolMirror:
 
     def _arrays(self) -> tuple[np.ndarray, ...]:
         n = self.num_blocks
-        parts = [t.ids for t in self.tables.values()]
+        parts = list(self.tables.values())
         all_ids = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
         holders = np.bincount(all_ids, minlength=n).astype(np.int32)
         owner = self._owners(all_ids, parts, holders)
@@ -310,8 +235,8 @@ class KVMirror:
         self.eviction_order: list[int] = []
         self.metrics: dict = {}
 
-    def apply(self, cap: Capture) -> dict:
-        """Take in a capture; the delta from the previous state (seq incremented)."""
+    def apply(self, cap: KVExport) -> dict:
+        """Take in an export; the delta from the previous state (seq incremented)."""
         self.seq += 1
         self.ts, self.step, self.version = cap.ts, cap.step, cap.version
         delta: dict = {"type": "delta", "engine": self.engine, "epoch": self.epoch,
@@ -376,14 +301,16 @@ class KVMirror:
                 return entry
         return None
 
-    def snapshot(self) -> dict:
-        """The whole state, as engine.snapshot(compact=True) has it (plus type/epoch)."""
+    def snapshot(self, compact: bool = True) -> dict:
+        """The whole state (the format of DESIGN.md's snapshot, with type and epoch):
+        the one builder of the document, for the live view, the timeline's keyframes and
+        engine.snapshot(). compact: per-block arrays as base64 of their bytes."""
         return {
             "type": "snapshot", "engine": self.engine, "epoch": self.epoch, "seq": self.seq,
             "ts": self.ts, "step": self.step, "block_states": list(BLOCK_STATES),
             "config": self.config,
-            "gpu": {k: encode_array(v, True) for k, v in self.gpu.arrays().items()},
-            "cpu": {k: encode_array(v, True) for k, v in self.cpu.arrays().items()},
+            "gpu": {k: encode_array(v, compact) for k, v in self.gpu.arrays().items()},
+            "cpu": {k: encode_array(v, compact) for k, v in self.cpu.arrays().items()},
             "requests": [self.entry(row) for row in self.requests.values()],
             "eviction_order": self.eviction_order,
             "metrics": self.metrics,

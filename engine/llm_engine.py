@@ -24,7 +24,8 @@ from engine.request import Request, RequestStatus
 from engine.runner import Runner
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.snapshot import build_snapshot
+from engine.kv_export import KVExport
+from engine.snapshot import EVICTION_ORDER_LEN
 
 _ENDED = frozenset({RequestStatus.FINISHED, RequestStatus.ABORTED})
 SIMULATED_MAX_MODEL_LEN = 4096
@@ -599,8 +600,31 @@ class LLMEngine:
 
     # --- observation ---------------------------------------------------------------
     def snapshot(self, compact: bool = False) -> dict:
-        """JSON-serialisable KV state; compact=True encodes per-block arrays in base64."""
-        return build_snapshot(self, compact)
+        """JSON-serialisable KV state; compact=True encodes per-block arrays in base64.
+        Built as the live view builds its own (engine/kv_view.py's KVMirror), from one
+        full export: one builder for this, the dashboard and the timeline's keyframes."""
+        from engine.kv_view import KVMirror
+
+        mirror = KVMirror(self.config.name, "", self.describe_config())
+        mirror.apply(self.export_kv([], full_scan=True, pins=True))
+        doc = mirror.snapshot(compact)
+        del doc["type"], doc["epoch"]
+        doc["seq"] = self.next_snapshot_seq()
+        return doc
+
+    def export_kv(self, events: list[KVEvent], full_scan: bool, pins: bool) -> KVExport:
+        """The KV state as viewers may keep it (engine/kv_export.py), built by its owners
+        on this (the loop's) thread: the scheduler's request rows, the KV core's tables
+        per pool (with pins and a copy of the hash map when asked), the eviction order,
+        the metrics, and `events` (taken by the caller) riding along."""
+        kv = self.kv
+        rows, index_of = self.scheduler.export_rows(kv.window_freed_counts)
+        return KVExport(
+            ts=time.time(), step=self.step_count, version=self.version, requests=rows,
+            gpu=kv.export_pool("gpu", index_of, full_scan, pins),
+            cpu=kv.export_pool("cpu", index_of, full_scan, pins),
+            eviction_order=kv.gpu.eviction_order(EVICTION_ORDER_LEN), metrics=self.metrics(),
+            events=events, events_on=self.config.max_pending_events > 0)
 
     def next_snapshot_seq(self) -> int:
         return next(self._snapshot_seq)

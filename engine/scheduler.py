@@ -23,6 +23,7 @@ from engine.config import EngineConfig
 from engine.errors import InvalidStateError, NotEnoughBlocksError, UnknownRequestError
 from engine.events import EventLog
 from engine.kv_coordinator import KVCacheCoordinator
+from engine.kv_export import request_row
 from engine.request import Request, RequestStatus
 from engine.request_queue import WaitingQueue, priority_key
 
@@ -112,6 +113,16 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
+
+    def export_rows(self, window_freed: dict[str, int]) -> tuple[list[tuple], dict[str, int]]:
+        """Viewers' copy of the requests (engine/kv_export.py): the REQUEST_FIELDS row of
+        every live request, then the recently finished ones; and the live ones' indexes
+        by id (their tables' keys)."""
+        live = self.requests
+        rows = [request_row(r, window_freed) for r in live.values()]
+        rows += [request_row(r, window_freed) for r in self.recently_finished
+                 if r.request_id not in live]
+        return rows, {rid: r.index for rid, r in live.items()}
 
     def has_queued(self) -> bool:
         """Whether any live request could run (every one but those compiling)."""
