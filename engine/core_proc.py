@@ -30,6 +30,7 @@ core exits when its worker does.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -61,12 +62,18 @@ def unpack(data: bytes) -> list:
 
 
 class CoreServer:
-    def __init__(self, engine: LLMEngine, inbox: zmq.Socket, outbox: zmq.Socket) -> None:
+    """The step loop: the one that drives an engine, in a core process or on a worker's
+    thread (kvops/engine_client.py's two transports)."""
+
+    def __init__(self, engine: LLMEngine, inbox: zmq.Socket, outbox: zmq.Socket,
+                 kv_view: bool = True) -> None:
         self.engine = engine
         self.inbox = inbox  # PULL: the worker's messages
         self.outbox = outbox  # PUSH: to the worker; the loop and the feed's thread send
         self._send_lock = threading.Lock()
-        self.feed = KVFeed(engine.config.name, lambda item: self._send(["kv", item]))
+        # the live KV view (engine/kv_feed.py), unless nobody watches (kv_view False)
+        self.feed = KVFeed(engine.config.name, lambda item: self._send(["kv", item])) \
+            if kv_view else None
         self.parent = os.getppid()
         self._next_metrics = 0.0
 
@@ -79,14 +86,22 @@ class CoreServer:
                 return
             if engine.has_work_to_run():
                 self._step()
-            self.feed(engine)
+            if self.feed is not None:
+                self.feed(engine)
             now = time.monotonic()
             if now >= self._next_metrics:
                 self._next_metrics = now + METRICS_S
-                self._send(["metrics", engine.metrics()])
+                self._send(["metrics", self.metrics()])
                 if os.getppid() != self.parent:  # the worker is gone: so are we
                     log.warning("engine core: its worker exited; stopping")
                     return
+
+    def metrics(self) -> dict:
+        """The engine's metrics, and what its live KV view costs (`kv_view`, FeedStats)."""
+        metrics = self.engine.metrics()
+        if self.feed is not None:
+            metrics["kv_view"] = dataclasses.asdict(self.feed.stats)
+        return metrics
 
     def _send(self, message: list) -> None:
         data = pack(message)
@@ -113,6 +128,9 @@ class CoreServer:
             self.engine.finish_request(message[1])
             return
         call_id = message[1]
+        if kind == "kvask" and self.feed is None:
+            self._send(["reply", call_id, False, ["LookupError", "this engine keeps no KV view"]])
+            return
         if kind == "kvask":  # answered by the feed's thread, the loop goes on
             self.feed.ask(message[2], message[3], lambda ok, result: self._send(
                 ["reply", call_id, ok, result if ok else ["LookupError", str(result)]]))
@@ -125,8 +143,8 @@ class CoreServer:
                 if deadline is not None and time.time() > deadline:
                     raise CommandExpired(f"{name}: its caller had stopped waiting; not applied")
                 result = run_command(self.engine, name, dict(arguments or {}))
-                if name in STATE_COMMANDS:
-                    self._next_metrics = 0.0  # the worker's heartbeat must not say otherwise
+                if name in STATE_COMMANDS:  # the worker's metrics carry the new state before
+                    self._send(["metrics", self.metrics()])  # the reply reaches it
             else:
                 raise InvalidRequestError(f"unknown message {kind!r}")
         except EngineError as e:
@@ -153,25 +171,31 @@ class CoreServer:
             self._send(["out", [o.to_wire() for o in outputs]])
 
 
-def serve(config: EngineConfig, input_address: str, output_address: str) -> None:
-    """Build the engine and serve until told to stop (or the worker is gone)."""
-    context = zmq.Context()
+def serve(config: EngineConfig, input_address: str, output_address: str,
+          context: zmq.Context | None = None, kv_view: bool = True) -> None:
+    """Build the engine and serve until told to stop (or the worker is gone). In a
+    process of its own (main), or on a thread of the worker's with the worker's
+    `context` (inproc:// addresses): the same loop either way."""
+    own = context is None
+    context = context or zmq.Context()
     inbox = context.socket(zmq.PULL)
     inbox.connect(input_address)
     outbox = context.socket(zmq.PUSH)
     outbox.connect(output_address)
     try:
         engine = LLMEngine(config, detokenize=False)
-        server = CoreServer(engine, inbox, outbox)
+        server = CoreServer(engine, inbox, outbox, kv_view)
         try:
             server.run()
         finally:
-            server.feed.close()
+            if server.feed is not None:
+                server.feed.close()
             engine.close()  # a split model's other ranks
     finally:
         inbox.close(linger=0)
         outbox.close(linger=1000)
-        context.term()
+        if own:
+            context.term()
 
 
 # The core's niceness unless KVOPS_ENGINE_CORE_NICE says otherwise.
@@ -243,12 +267,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="EngineConfig fields as JSON")
     parser.add_argument("--input", required=True, help="ZMQ address to read messages from")
     parser.add_argument("--output", required=True, help="ZMQ address to send messages to")
+    parser.add_argument("--no-kv-view", action="store_true",
+                        help="keep no live KV view (nobody watches this engine's blocks)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=os.environ.get("KVOPS_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s engine-core: %(message)s")
     config = EngineConfig(**json.loads(args.config))
     raise_priority(core_nice())
-    serve(config, args.input, args.output)
+    serve(config, args.input, args.output, kv_view=not args.no_kv_view)
     return 0
 
 

@@ -1,12 +1,19 @@
-"""The worker's side of an engine core process (engine/core_proc.py): it starts the
-process, sends it requests, stop-string ends and operator commands, and hands each
-step's outputs to the output processor, like EngineService does for an engine on a
-thread of the worker.
+"""The worker's handle on its engine: one contract (EngineClient), two transports.
 
-If the core process dies (killed, out of memory), every request it was running fails
-with the reason, every waiting command is answered with it, and a new core is started;
-after MAX_RESTARTS in a row the worker reports itself dead (`alive` is False, so its
-heartbeat stops and the reaper moves its jobs elsewhere).
+The engine core (engine/core_proc.py: CoreServer, the one step loop) runs either in a
+process of its own (MPClient, the default: KVOPS_ENGINE_CORE=process) or on a thread of
+the worker (InprocClient: KVOPS_ENGINE_CORE=thread, one process less but the worker's
+Python work shares the step loop's interpreter lock). Either way the worker talks to it
+with the same messages over two ZMQ sockets (ipc:// or inproc://), as vLLM's
+EngineCoreClient does with its in-process and multiprocess clients: it sends requests,
+stop-string ends, operator commands and questions to the KV view, and hands each step's
+outputs to the sink it was given (the output processor) and the KV view's items to
+on_kv_item (the publisher).
+
+If the core dies (its process killed, out of memory; its thread raised), every request
+it was running fails with the reason and every waiting command is answered with it. A
+core process is started again; after MAX_RESTARTS in a row the worker reports itself
+dead (`alive` is False, so its heartbeat stops and the reaper moves its jobs elsewhere).
 """
 from __future__ import annotations
 
@@ -22,19 +29,21 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any
+from typing import Any, Protocol
 
 import zmq
 
 from engine import EngineConfig, EngineError
+from engine.core_proc import SPIN_COUNT, SPIN_NICE, core_nice, may_take_niceness, pack, serve, \
+    unpack
 from engine.errors import error_from_wire
-from engine.core_proc import SPIN_COUNT, SPIN_NICE, core_nice, may_take_niceness, pack, unpack
 from engine.outputs import CoreOutput
-from kvops.engine_service import OutputSink
-from kvops.prompts import load_tokenizer, render_chat
+from kvops.prompts import render_chat, tokenizer_for
 
 log = logging.getLogger(__name__)
 
@@ -46,32 +55,47 @@ STOP_GRACE_S = 2.0  # how long after such a death the worker's shutdown may be s
 POLL_MS = 200
 
 
+class OutputSink(Protocol):
+    """Where each step's outputs go (kvops/output_processor.py)."""
+
+    def push(self, outputs: list[CoreOutput]) -> None: ...
+
+    def fail(self, request_ids: list[str], message: str) -> None: ...
+
+
 class CoreDied(EngineError):
-    """The engine core process exited while this was in flight."""
+    """The engine core exited while this was in flight."""
 
 
-class EngineCoreClient:
-    def __init__(self, config: EngineConfig, sink: OutputSink | None = None,
-                 startup_timeout_s: float = 900.0,
-                 worker_stopping: Callable[[], bool] = lambda: False) -> None:
+class EngineClient(ABC):
+    """The contract, and what both transports share: the messages, the calls waiting
+    for their replies, the requests in flight, and the reader thread that dispatches
+    the core's messages."""
+    address_scheme: str  # "ipc" or "inproc"
+
+    def __init__(self, config: EngineConfig, sink: OutputSink,
+                 on_kv_item: Callable[[dict], None] | None = None,
+                 startup_timeout_s: float = 900.0, tokenizer=None) -> None:
+        """sink: gets every step's outputs (on the reader thread; it must not block);
+        on_kv_item: gets the KV view's items (engine/kv_feed.py), likewise; tokenizer:
+        the engine's, for chat templates (default: read from the model folder)."""
         self.name = config.name
-        # True once the worker is shutting down: a core that dies then is not replaced
-        self.worker_stopping = worker_stopping
         self.config = config
-        self.instance = ""  # set by the worker when it registers (Engine.instance)
-        self.sink = sink  # gets every step's outputs
-        self.on_kv_item: Callable[[dict], None] | None = None  # gets the KV view's items
+        self.sink = sink
+        self.on_kv_item = on_kv_item
+        self.instance = uuid.uuid4().hex  # this worker's run of the engine (Engine.instance)
         self.startup_timeout_s = startup_timeout_s
-        self.latest_metrics: dict = {}  # refreshed from the core's metrics messages
+        self.latest_metrics: dict = {}  # the core's, from its metrics messages
         self.described: dict = {}  # the core's describe_config(), from its ready message
-        self.tokenizer = None  # loaded here from the described model, for chat templates
-        self.restarts = 0  # core deaths in a row
+        self.tokenizer = tokenizer or tokenizer_for(config)  # for chat templates
         self._dir = tempfile.mkdtemp(prefix="kvops-core-")
         self._context = zmq.Context()
+        self._in_address = f"{self.address_scheme}://{self._dir}/in"
+        self._out_address = f"{self.address_scheme}://{self._dir}/out"
         self._to_core = self._context.socket(zmq.PUSH)
-        self._to_core.bind(f"ipc://{self._dir}/in")
+        self._to_core.bind(self._in_address)
         self._from_core = self._context.socket(zmq.PULL)
-        self._from_core.bind(f"ipc://{self._dir}/out")
+        self._from_core.bind(self._out_address)
         self._send_lock = threading.Lock()  # a ZMQ socket is used by one thread at a time
         self._lock = threading.Lock()
         self._calls: dict[int, Future] = {}  # under _lock
@@ -79,14 +103,30 @@ class EngineCoreClient:
         self._ids = itertools.count(1)
         self._ready = threading.Event()
         self._stopping = False
-        self._dead = False  # gave up restarting
-        self._proc: subprocess.Popen | None = None
+        self._dead = False  # gave up on the core
         self._reader = threading.Thread(target=self._read, name=f"engine-core-{self.name}",
                                         daemon=True)
 
+    # --- what a transport provides -------------------------------------------------------
+    @abstractmethod
+    def _launch(self) -> None:
+        """Start the core, serving on self._in_address / self._out_address."""
+
+    @abstractmethod
+    def _exit_code(self) -> int | None:
+        """The core's exit code if it has stopped (negative: a signal), else None."""
+
+    @abstractmethod
+    def _await_exit(self, timeout_s: float) -> None:
+        """Wait for a core told to shut down (ending it if it does not)."""
+
+    def _replace(self, code: int) -> bool:
+        """The core died of `code`: start a new one (True), or give up (False)."""
+        return False
+
     # --- lifecycle ---------------------------------------------------------------------
     def start(self) -> None:
-        self._spawn()
+        self._launch()
         self._reader.start()
         if not self._ready.wait(self.startup_timeout_s):
             raise EngineError(f"engine core {self.name} did not start within "
@@ -94,23 +134,10 @@ class EngineCoreClient:
         if self._dead:
             raise EngineError(f"engine core {self.name} could not start (see the log)")
 
-    def _spawn(self) -> None:
-        log.info("engine core %s: starting its process", self.name)
-        self._ready.clear()
-        fields = {f.name: getattr(self.config, f.name) for f in dataclasses.fields(self.config)}
-        self._proc = subprocess.Popen([
-            sys.executable, "-m", "engine.core_proc", "--config", json.dumps(fields),
-            "--input", f"ipc://{self._dir}/in", "--output", f"ipc://{self._dir}/out"],
-            env=core_environment(os.environ))
-
     def stop(self, timeout_s: float = 10.0) -> None:
         self._stopping = True
         self._send(["shutdown"])
-        if self._proc is not None:
-            try:
-                self._proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
+        self._await_exit(timeout_s)
         self._reader.join(timeout_s)
         self._to_core.close(linger=0)
         self._from_core.close(linger=0)
@@ -120,10 +147,6 @@ class EngineCoreClient:
     @property
     def alive(self) -> bool:
         return self._reader.is_alive() and not self._dead and self._ready.is_set()
-
-    @property
-    def pid(self) -> int | None:
-        return None if self._proc is None else self._proc.pid
 
     # --- calls from the worker's threads -----------------------------------------------
     def command(self, name: str, arguments: dict, timeout_s: float = 30.0) -> Any:
@@ -166,11 +189,6 @@ class EngineCoreClient:
     def describe_config(self) -> dict:
         return dict(self.described)
 
-    def attach_kv_view(self, on_item: Callable[[dict], None]) -> None:
-        """Hand the core's live KV view (engine/kv_feed.py) to on_item, on the reader
-        thread (on_item must not block)."""
-        self.on_kv_item = on_item
-
     def ask_kv(self, kind: str, argument: Any, timeout_s: float) -> Any:
         """A question to the core's KV view (see KVFeed.ask)."""
         return self._call(["kvask", None, kind, argument], timeout_s)
@@ -200,24 +218,13 @@ class EngineCoreClient:
         with self._send_lock:
             self._to_core.send(pack(message))
 
-    def _stopped_with_worker(self) -> bool:
-        """Whether the signal that stopped the core came to the worker too, as `make
-        run`'s Ctrl-C, `docker stop` and systemd send it to the whole process group. The
-        worker may handle it a moment after the core died of it."""
-        deadline = time.monotonic() + STOP_GRACE_S
-        while not self.worker_stopping():
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.05)
-        return True
-
     # --- the reader thread ---------------------------------------------------------------
     def _read(self) -> None:
         while not self._stopping:
             if self._from_core.poll(POLL_MS):
                 self._dispatch(unpack(self._from_core.recv()))
                 continue
-            code = self._proc.poll() if self._proc is not None else None
+            code = self._exit_code()
             if code is not None and not self._stopping:
                 self._core_died(code)
                 if self._dead:
@@ -241,8 +248,7 @@ class EngineCoreClient:
                     self._in_flight.difference_update(ended)
                     self._in_flight.difference_update(e.rsplit("/", 1)[0] for e in ended
                                                       if "/" in e)
-            if self.sink is not None:
-                self.sink.push(outputs)
+            self.sink.push(outputs)
         elif kind == "reply":
             _, call_id, ok, result = message
             with self._lock:
@@ -261,19 +267,18 @@ class EngineCoreClient:
             _, request_ids, reason = message
             with self._lock:
                 self._in_flight.difference_update(request_ids)
-            if self.sink is not None:
-                self.sink.fail(request_ids, reason)
+            self.sink.fail(request_ids, reason)
         elif kind == "ready":
             self.described, self.latest_metrics = message[1], message[2]
-            if self.tokenizer is None:
-                self.tokenizer = load_tokenizer(self.described)
-            self.restarts = 0
             self._ready.set()
-            log.info("engine core %s ready (pid %s)", self.name, self.pid)
+            log.info("engine core %s ready (%s)", self.name, self._where())
+
+    def _where(self) -> str:
+        return "on a thread of the worker"
 
     def _core_died(self, code: int) -> None:
         how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-        reason = f"the engine core process of {self.name} stopped ({how})"
+        reason = f"the engine core of {self.name} stopped ({how})"
         log.error("%s", reason)
         self._ready.clear()
         with self._lock:
@@ -282,21 +287,129 @@ class EngineCoreClient:
         for future in calls.values():
             if not future.done():
                 future.set_exception(CoreDied(reason))
-        if lost and self.sink is not None:
+        if lost:
             self.sink.fail(lost, reason)
+        if not self._replace(code):
+            self._dead = True
+            self._ready.set()  # wakes start() if it is still waiting
+
+
+class MPClient(EngineClient):
+    """The core in a process of its own (`python -m engine.core_proc`), started again
+    when it dies, MAX_RESTARTS times in a row at most."""
+    address_scheme = "ipc"
+
+    def __init__(self, config: EngineConfig, sink: OutputSink,
+                 on_kv_item: Callable[[dict], None] | None = None,
+                 startup_timeout_s: float = 900.0, tokenizer=None,
+                 worker_stopping: Callable[[], bool] = lambda: False) -> None:
+        super().__init__(config, sink, on_kv_item, startup_timeout_s, tokenizer)
+        # True once the worker is shutting down: a core that dies then is not replaced
+        self.worker_stopping = worker_stopping
+        self.restarts = 0  # core deaths in a row
+        self._proc: subprocess.Popen | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
+    def _launch(self) -> None:
+        log.info("engine core %s: starting its process", self.name)
+        self._ready.clear()
+        fields = {f.name: getattr(self.config, f.name) for f in dataclasses.fields(self.config)}
+        self._proc = subprocess.Popen([
+            sys.executable, "-m", "engine.core_proc", "--config", json.dumps(fields),
+            "--input", self._in_address, "--output", self._out_address,
+            *([] if self.on_kv_item is not None else ["--no-kv-view"])],
+            env=core_environment(os.environ))
+
+    def _exit_code(self) -> int | None:
+        return self._proc.poll() if self._proc is not None else None
+
+    def _await_exit(self, timeout_s: float) -> None:
+        if self._proc is not None:
+            try:
+                self._proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+
+    def _dispatch(self, message: list) -> None:
+        if message[0] == "ready":
+            self.restarts = 0
+        super()._dispatch(message)
+
+    def _where(self) -> str:
+        return f"pid {self.pid}"
+
+    def _replace(self, code: int) -> bool:
         if code in STOP_SIGNALS and self._stopped_with_worker():
             log.info("engine core %s stopped with its worker: not replaced", self.name)
-            self._dead = True
-            self._ready.set()  # wakes start() if the worker is stopped while it starts
-            return
+            return False
         self.restarts += 1
         if self.restarts > MAX_RESTARTS:
             log.error("engine core %s died %d times in a row: the worker reports itself dead",
                       self.name, self.restarts)
-            self._dead = True
-            self._ready.set()  # wakes start() if it is still waiting
-            return
-        self._spawn()
+            return False
+        self._launch()
+        return True
+
+    def _stopped_with_worker(self) -> bool:
+        """Whether the signal that stopped the core came to the worker too, as `make
+        run`'s Ctrl-C, `docker stop` and systemd send it to the whole process group. The
+        worker may handle it a moment after the core died of it."""
+        deadline = time.monotonic() + STOP_GRACE_S
+        while not self.worker_stopping():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
+
+class InprocClient(EngineClient):
+    """The core on a thread of this process, over inproc:// sockets: the same loop and
+    messages as a core process, without a process."""
+    address_scheme = "inproc"
+
+    def __init__(self, config: EngineConfig, sink: OutputSink,
+                 on_kv_item: Callable[[dict], None] | None = None,
+                 startup_timeout_s: float = 900.0, tokenizer=None) -> None:
+        super().__init__(config, sink, on_kv_item, startup_timeout_s, tokenizer)
+        self._thread: threading.Thread | None = None
+        self._failure: BaseException | None = None
+
+    def _launch(self) -> None:
+        self._thread = threading.Thread(target=self._serve, name=f"engine-{self.name}",
+                                        daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        try:
+            serve(self.config, self._in_address, self._out_address, context=self._context,
+                  kv_view=self.on_kv_item is not None)
+        except BaseException as e:  # said as the core's death by the reader thread
+            log.exception("engine core %s failed", self.name)
+            self._failure = e
+
+    def _exit_code(self) -> int | None:
+        if self._thread is None or self._thread.is_alive():
+            return None
+        return 1 if self._failure is not None else 0
+
+    def _await_exit(self, timeout_s: float) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+
+def make_engine_client(mode: str, config: EngineConfig, sink: OutputSink,
+                       on_kv_item: Callable[[dict], None] | None = None, tokenizer=None,
+                       worker_stopping: Callable[[], bool] = lambda: False) -> EngineClient:
+    """The client for KVOPS_ENGINE_CORE's `mode`: `process` or `thread`."""
+    if mode == "process":
+        return MPClient(config, sink, on_kv_item, tokenizer=tokenizer,
+                        worker_stopping=worker_stopping)
+    if mode == "thread":
+        return InprocClient(config, sink, on_kv_item, tokenizer=tokenizer)
+    raise ValueError(f"KVOPS_ENGINE_CORE={mode!r}: use `thread` or `process`")
 
 
 def core_environment(environ) -> dict[str, str]:

@@ -31,7 +31,7 @@ class PrefixIndex:
         self.tiers = [(INDEX_KEY.format(engine=engine_name), "stored", "evicted", "gpu"),
                       (CPU_INDEX_KEY.format(engine=engine_name), "cpu_stored", "cpu_evicted",
                        "cpu")]
-        self.source = source  # sends the engine commands (EngineService, EngineCoreClient)
+        self.source = source  # sends the engine commands (an engine client)
         self._last_full = float("-inf")
 
     def apply(self, changes: dict) -> None:

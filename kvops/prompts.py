@@ -39,6 +39,16 @@ def load_tokenizer(config: dict):
         return None
 
 
+def tokenizer_for(config) -> object | None:
+    """The tokenizer an engine with this EngineConfig will use, read here (the worker
+    detokenises and renders chats with it): the simulator's, or the model folder's
+    (EngineConfig.model, else the converted default model)."""
+    if config.simulate:
+        return SimTokenizer()
+    from engine.default_model import default_model_dir
+    return load_tokenizer({"model_path": str(config.model or default_model_dir())})
+
+
 class PromptInspector:
     """The web side's view of a prompt as a given engine will see it: its token ids (the
     engine's tokenizer and chat template) and its block hashes (block size and model

@@ -44,7 +44,7 @@ def _setting(name: str, default: int) -> int:
 
 
 class KVSource(Protocol):
-    """Where the feed runs: EngineService, EngineCoreClient, or a feed of our own."""
+    """Where the feed runs: an engine client (kvops/engine_client.py), or a feed of our own."""
 
     def ask_kv(self, kind: str, argument: Any, timeout_s: float) -> Any: ...
 

@@ -8,10 +8,10 @@ from celery import shared_task
 from django.conf import settings
 
 from kvops import services
-from kvops.engine_service import EngineError
+from engine import EngineError
 from kvops.group_commit import GroupCommit
 from kvops.tenancy import cache_salt, tenant
-from kvops.worker import get_engine_service, get_output_processor
+from kvops.worker import get_engine_client, get_output_processor
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ def run_jobs(self, job_ids: list[int]) -> list[str]:
     has ended. Whatever goes wrong once the jobs are claimed, each ends (failed, with the
     reason) and its engine request is aborted; a claim that fails is tried again (a new
     delivery under the same task id)."""
-    service = get_engine_service()
+    service = get_engine_client()
     try:
         jobs = claim.many([services.Claim(job_id, service.name, service.instance,
                                           self.request.id or "") for job_id in job_ids])

@@ -4,7 +4,7 @@
         [--seconds 30] [--screenshot artifacts/dashboard/scale.png]
 
 Starts the web server (uvicorn) on a private Redis and SQLite file, and, in this process,
-a simulated engine exactly as a worker runs it (EngineService + the live publisher) with
+a simulated engine exactly as a worker runs it (its core on a thread + the live publisher) with
 a steady population of requests added straight to the engine: a thousand jobs would
 need a thousand Celery threads writing to SQLite ten times a second, which is not what
 is measured here. Then it opens the engine page and reports, from window.kvopsPerf,
@@ -26,13 +26,24 @@ from tests.dashboard.page_perf import measure
 from tests.service.stack import Stack
 
 
+class _Outputs:
+    """The output processor's place: the outputs are dropped (the page draws blocks)."""
+
+    def push(self, outputs) -> None:
+        pass
+
+    def fail(self, request_ids, message) -> None:
+        pass
+
+
 def start_engine(name: str, blocks: int, num_requests: int, step_ms: float):
-    """EngineService (its KV feed attached) + EnginePublisher in this process, as a worker
-    with KVOPS_ENGINE_CORE=thread runs them; registered and beating."""
+    """The engine's core on a thread of this process with its live view and publisher,
+    as a worker with KVOPS_ENGINE_CORE=thread runs them (kvops/engine_client.py's
+    InprocClient); registered and beating."""
     from django.utils import timezone
 
-    from engine import EngineConfig, SamplingParams
-    from kvops.engine_service import EngineService
+    from engine import EngineConfig
+    from kvops.engine_client import InprocClient
     from kvops.models import Engine
     from kvops.publisher import EnginePublisher
 
@@ -40,13 +51,12 @@ def start_engine(name: str, blocks: int, num_requests: int, step_ms: float):
                           num_cpu_blocks=blocks // 4, max_num_seqs=1024,
                           max_num_batched_tokens=8192, simulate_step_ms=step_ms,
                           preemption_mode="swap")
-    service = EngineService(config)
-    service.start()
-    publisher = EnginePublisher(name, source=service)  # as a worker wires them
-    service.attach_kv_view(publisher.on_item)
+    client = InprocClient(config, _Outputs(), on_kv_item=lambda item: publisher.on_item(item))
+    publisher = EnginePublisher(name, source=client)  # as a worker wires them
+    client.start()
     fields = {f.name for f in Engine._meta.fields}
     row = {"worker": f"engine-{name}@{socket.gethostname()}", "host": socket.gethostname(),
-           "config": service.call(lambda e: e.describe_config()), "status": "ready",
+           "config": client.describe_config(), "status": "ready",
            "started_at": timezone.now(), "last_heartbeat": timezone.now(), "instance": "bench"}
     Engine.objects.update_or_create(name=name, defaults={k: v for k, v in row.items()
                                                           if k in fields})
@@ -54,26 +64,30 @@ def start_engine(name: str, blocks: int, num_requests: int, step_ms: float):
     shared = [rng.randrange(32000) for _ in range(256)]
     added = [0]
 
-    def top_up(engine) -> None:  # keep num_requests live requests
-        for _ in range(num_requests - len(engine.scheduler.requests)):
+    def top_up() -> None:  # keep num_requests live requests
+        m = client.command("metrics", {})
+        items = []
+        for _ in range(num_requests - (m["running"] + m["waiting"] + m["swapped"])):
             i = added[0]
             added[0] += 1
             prompt = (shared if i % 3 == 0 else []) + [rng.randrange(32000) for _ in
                                                        range(rng.randrange(200, 900))]
-            params = SamplingParams(max_tokens=rng.randrange(500, 3000))
-            engine.add_request(f"r{i}", prompt, params, job_id=str(100000 + i))
+            items.append([f"r{i}", prompt, {"max_tokens": rng.randrange(500, 3000)}, 0,
+                          str(100000 + i), None, None])
+        if items:
+            client.submit_many(items)
 
     stop = threading.Event()
 
     def beat() -> None:
         while not stop.wait(1.0):
-            service.call(top_up)
+            top_up()
             Engine.objects.filter(name=name).update(last_heartbeat=timezone.now(),
-                                                    metrics=service.latest_metrics)
+                                                    metrics=client.latest_metrics)
 
-    service.call(top_up)
+    top_up()
     threading.Thread(target=beat, daemon=True).start()
-    return service, publisher, stop
+    return client, publisher, stop
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -95,15 +109,15 @@ def main(argv: list[str] | None = None) -> None:
     django.setup()
     try:
         stack.start_web()
-        service, publisher, stop = start_engine("big", args.blocks, args.requests, args.step_ms)
+        client, publisher, stop = start_engine("big", args.blocks, args.requests, args.step_ms)
         time.sleep(5)  # past the first prefill burst
         row = measure(stack.url, "big", args.seconds, args.screenshot)
-        s = service.feed.stats
-        row["engine deltas"] = s.deltas
-        row["hook ms/capture"] = round(1000 * s.capture_s / max(1, s.captures), 2)
-        row["publisher ms/delta"] = round(1000 * s.publish_s / max(1, s.deltas), 2)
+        s = client.latest_metrics.get("kv_view") or {}
+        row["engine deltas"] = s.get("deltas", 0)
+        row["hook ms/capture"] = round(1000 * s.get("capture_s", 0) / max(1, s.get("captures", 0)), 2)
+        row["publisher ms/delta"] = round(1000 * s.get("publish_s", 0) / max(1, s.get("deltas", 0)), 2)
         stop.set()
-        service.stop()
+        client.stop()
         publisher.close()
     finally:
         stack.stop()

@@ -3,10 +3,12 @@
     .venv/bin/python -m tests.dashboard.bench_publisher [--blocks 65536] [--requests 1000]
         [--seconds 20] [--step-ms 20 0]
 
-Runs the simulated engine in an EngineService (the worker's loop thread) with a fixed
-population of requests, once without the publisher and once with it (sending to a
+Runs the simulated engine's core on a thread of this process (kvops/engine_client.py's
+InprocClient, as a worker with KVOPS_ENGINE_CORE=thread runs it) with a fixed population
+of requests, once without the live view and once with it and its publisher (sending to a
 private Redis through the real channel layer), and prints steps/s, generated tokens/s,
-the loop-thread time of the hook and the publisher thread's time per delta.
+the loop-thread time of the view's captures and its thread's time per delta (the core's
+`kv_view` metrics).
 """
 from __future__ import annotations
 
@@ -32,56 +34,62 @@ def population(num_requests: int, seed: int = 0) -> list[list[int]]:
             for i in range(num_requests)]
 
 
+class _Outputs:
+    """The output processor's place: the outputs are dropped (the bench counts steps)."""
+
+    def push(self, outputs) -> None:
+        pass
+
+    def fail(self, request_ids, message) -> None:
+        pass
+
+
 def run(blocks: int, num_requests: int, seconds: float, step_ms: float,
         publish: bool) -> dict:
     from engine import EngineConfig
-    from kvops.engine_service import EngineService
+    from kvops.engine_client import InprocClient
     from kvops.publisher import EnginePublisher
 
     name = f"bench{int(time.time() * 1000) % 100000}"
     config = EngineConfig(simulate=True, num_gpu_blocks=blocks, num_cpu_blocks=blocks // 4,
                           max_num_seqs=1024, max_num_batched_tokens=8192,
                           simulate_step_ms=step_ms, name=name, preemption_mode="swap")
-    service = EngineService(config)
-    publisher = EnginePublisher(name) if publish else None
-    if publisher is not None:
-        service.add_hook(publisher)
-    service.start()
-    prompts = population(num_requests)
-
-    def add_all(engine) -> None:
-        from engine import SamplingParams
-        for i, prompt in enumerate(prompts):
-            engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=3000))
-
-    service.call(add_all)
+    # The core's loop on a thread of this process, with the live view and its publisher
+    # as a worker wires them, or with no view at all
+    client = InprocClient(config, _Outputs(),
+                          on_kv_item=(lambda item: publisher.on_item(item)) if publish else None)
+    publisher = EnginePublisher(name, source=client) if publish else None
+    client.start()
+    client.submit_many([[f"r{i}", prompt, {"max_tokens": 3000}, 0, None, None, None]
+                        for i, prompt in enumerate(population(num_requests))])
     time.sleep(3.0)  # past the prefill burst
-    start = service.call(lambda e: (time.perf_counter(), e.step_count,
-                                    e.scheduler.counters.num_generation_tokens))
-    if publisher is not None:
-        before = (publisher.stats.captures, publisher.stats.capture_s, publisher.stats.deltas,
-                  publisher.stats.publish_s, publisher.stats.delta_bytes,
-                  publisher.stats.publish_cpu_s)
+
+    def counters() -> tuple:
+        m = client.command("metrics", {})
+        view = client.latest_metrics.get("kv_view") or {}
+        return (time.perf_counter(), m["num_steps"], m["num_generation_tokens"], m["running"],
+                m["kv_usage"], view.get("captures", 0), view.get("capture_s", 0.0),
+                view.get("deltas", 0), view.get("publish_s", 0.0),
+                view.get("delta_bytes", 0), view.get("publish_cpu_s", 0.0))
+
+    start = counters()
     time.sleep(seconds)
-    end = service.call(lambda e: (time.perf_counter(), e.step_count,
-                                  e.scheduler.counters.num_generation_tokens,
-                                  e.metrics()["running"], e.kv.gpu.usage))
-    service.stop()
+    end = counters()
+    client.stop()
     elapsed = end[0] - start[0]
     row = {"publisher": "on" if publish else "off", "step_ms": step_ms,
            "steps/s": (end[1] - start[1]) / elapsed,
            "tokens/s": (end[2] - start[2]) / elapsed, "running": end[3],
            "kv_usage": end[4]}
     if publisher is not None:
-        s = publisher.stats
-        captures, deltas = s.captures - before[0], max(1, s.deltas - before[2])
+        captures, deltas = end[5] - start[5], max(1, end[7] - start[7])
         row.update({
             "deltas/s": deltas / elapsed,
-            "hook ms/capture": 1000 * (s.capture_s - before[1]) / max(1, captures),
-            "loop share %": 100 * (s.capture_s - before[1]) / elapsed,
-            "thread ms/delta": 1000 * (s.publish_s - before[3]) / deltas,
-            "thread CPU ms/delta": 1000 * (s.publish_cpu_s - before[5]) / deltas,
-            "KB/s": (s.delta_bytes - before[4]) / 1024 / elapsed,
+            "hook ms/capture": 1000 * (end[6] - start[6]) / max(1, captures),
+            "loop share %": 100 * (end[6] - start[6]) / elapsed,
+            "thread ms/delta": 1000 * (end[8] - start[8]) / deltas,
+            "thread CPU ms/delta": 1000 * (end[10] - start[10]) / deltas,
+            "KB/s": (end[9] - start[9]) / 1024 / elapsed,
         })
         publisher.close()
     return row

@@ -1,7 +1,8 @@
-"""The engine core in its own process (engine/core_proc.py) and its worker-side client:
-requests and operator commands through the process boundary, expired commands dropped,
-and a core killed mid-stream (its requests fail with the reason, a new core takes over;
-through the service, the stream ends with an error instead of hanging)."""
+"""The engine core (engine/core_proc.py) and its worker-side clients, one contract over
+two transports (kvops/engine_client.py): requests and operator commands through the
+boundary and expired commands dropped, in a process and on a thread alike; and, for a
+core process, a core killed mid-stream (its requests fail with the reason, a new core
+takes over; through the service, the stream ends with an error instead of hanging)."""
 import asyncio
 import os
 import signal
@@ -15,7 +16,7 @@ import pytest
 from engine import EngineConfig, InvalidRequestError, LLMEngine, SamplingParams, \
     UnknownRequestError
 from engine.errors import CommandExpired
-from kvops.engine_client import EngineCoreClient
+from kvops.engine_client import InprocClient, MPClient
 from kvops.localstack import Stack
 from kvops.sse_client import stream_completion
 from tests.service.test_jobs_api import expected_text
@@ -54,8 +55,20 @@ class ListSink:
 
 @pytest.fixture
 def core():
+    """A core process and its client."""
     sink = ListSink()
-    client = EngineCoreClient(EngineConfig(name="core-test", **CONFIG), sink)
+    client = MPClient(EngineConfig(name="core-test", **CONFIG), sink)
+    client.start()
+    yield client, sink
+    client.stop()
+
+
+@pytest.fixture(params=[MPClient, InprocClient], ids=["process", "thread"])
+def any_core(request):
+    """A core and its client, over each transport: the same contract."""
+    sink = ListSink()
+    client = request.param(EngineConfig(name=f"core-{request.param.address_scheme}",
+                                        **CONFIG), sink)
     client.start()
     yield client, sink
     client.stop()
@@ -68,11 +81,11 @@ def test_the_core_runs_ahead_of_the_service_on_the_cpu(core):
     client, _ = core
     if "KVOPS_ENGINE_CORE_NICE" in os.environ or os.geteuid() != 0:
         pytest.skip("the niceness is set by the environment, or cannot be lowered here")
-    assert os.getpriority(os.PRIO_PROCESS, client._proc.pid) == CORE_NICE == -19
+    assert os.getpriority(os.PRIO_PROCESS, client.pid) == CORE_NICE == -19
 
 
-def test_requests_and_commands_cross_the_process_boundary(core):
-    client, sink = core
+def test_requests_and_commands_cross_the_boundary(any_core):
+    client, sink = any_core
     client.submit("r1", "hello core", {"max_tokens": 12, "temperature": 0.0})
     sink.wait(lambda: "r1" in sink.finished, "r1 to finish")
     alone = LLMEngine(EngineConfig(**CONFIG)).generate(
@@ -119,8 +132,8 @@ def test_the_cores_threads_spin_only_where_the_core_outranks_the_service(core):
     assert unprivileged.stdout.split() == ["False", "True"], unprivileged.stderr
 
 
-def test_an_expired_command_is_dropped_not_applied_late(core):
-    client, sink = core
+def test_an_expired_command_is_dropped_not_applied_late(any_core):
+    client, sink = any_core
     client.submit("long", "a long one", {"max_tokens": 3000, "ignore_eos": True})
     sink.wait(lambda: len(sink.tokens.get("long", [])) >= 2, "tokens of the long request")
     with pytest.raises(CommandExpired):

@@ -8,7 +8,8 @@ from django.db import DatabaseError
 
 from engine import EngineConfig
 from kvops import live, services, worker
-from kvops.engine_service import EngineService
+from kvops.engine_client import InprocClient
+from kvops.prompts import tokenizer_for
 from kvops.job_stream import StreamProducer
 from kvops.models import Job
 from kvops.output_processor import OutputProcessor
@@ -19,21 +20,23 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 @pytest.fixture()
 def engine_worker(monkeypatch):
-    """This process as an engine worker named `inproc` (what kvops.worker sets up)."""
-    service = EngineService(EngineConfig(name="inproc", simulate=True, vocab_size=1000,
-                                         num_gpu_blocks=128, simulate_step_ms=5))
-    service.start()
+    """This process as an engine worker named `inproc` (what kvops.worker sets up, with
+    the core on a thread)."""
+    config = EngineConfig(name="inproc", simulate=True, vocab_size=1000, num_gpu_blocks=128,
+                          simulate_step_ms=5)
+    tokenizer = tokenizer_for(config)
     processor = OutputProcessor("inproc", StreamProducer(live.redis_client(), "inproc"),
-                                service.tokenizer, service.finish_request, db_interval_s=0.05)
-    service.sink = processor
-    service.instance = "inproc-1"
-    monkeypatch.setattr(worker, "_service", service)
+                                tokenizer, lambda request_id: client.finish_request(request_id),
+                                db_interval_s=0.05)
+    client = InprocClient(config, processor, tokenizer=tokenizer)
+    client.start()
+    monkeypatch.setattr(worker, "_client", client)
     monkeypatch.setattr(worker, "_processor", processor)
     try:
-        yield service
+        yield client
     finally:
         processor.close()
-        service.stop()
+        client.stop()
 
 
 def new_job(max_tokens: int) -> Job:
@@ -68,8 +71,9 @@ def test_an_unexpected_error_after_the_claim_fails_the_job_and_aborts_its_reques
     job.refresh_from_db()
     assert job.status == Job.Status.FAILED and "disk I/O error" in job.error
     # Its engine request was aborted: nothing runs on, no block is held.
-    assert not engine_worker.call(lambda engine: engine.has_unfinished_requests())
-    assert engine_worker.call(lambda engine: engine.kv.gpu.num_free) == 128
+    metrics = engine_worker.command("metrics", {})
+    assert metrics["running"] == metrics["waiting"] == metrics["swapped"] == 0
+    assert metrics["kv_usage"] == 0.0  # every block free again
 
 
 def test_a_cancel_between_claim_and_submit_is_not_lost(engine_worker, monkeypatch):
@@ -108,40 +112,3 @@ def test_jobs_admitted_together_run_as_one_task_and_each_ends_on_its_own(engine_
     again = run_jobs.apply(args=[[job.pk for job in jobs]],
                            task_id=jobs[0].celery_task_id).get()
     assert again == ["skipped"] * 3
-
-
-def test_a_command_past_its_timeout_is_dropped_if_not_started_and_reported_if_it_was():
-    """The thread core's side of "one deadline": a command still queued when its caller
-    stops waiting is never applied; one the loop had already started is applied, and its
-    caller gets its result (not a "not applied" that would be false)."""
-    import threading
-    import time
-
-    service = EngineService(EngineConfig(name="deadline", simulate=True, vocab_size=1000,
-                                         num_gpu_blocks=64))
-    service.start()
-    try:
-        started, release, applied = threading.Event(), threading.Event(), []
-
-        def slow(engine):
-            started.set()
-            release.wait(30)
-            applied.append("slow")
-            return "done"
-
-        results = {}
-        caller = threading.Thread(target=lambda: results.update(
-            slow=service.call(slow, timeout_s=0.2)))
-        caller.start()
-        assert started.wait(30)
-        # The loop is busy with `slow`, so this one cannot start before its timeout.
-        with pytest.raises(TimeoutError):
-            service.call(lambda engine: applied.append("queued"), timeout_s=0.2)
-        time.sleep(0.3)  # `slow`'s caller is now past its 0.2 s timeout too
-        release.set()
-        caller.join(30)
-        assert results == {"slow": "done"}
-        service.call(lambda engine: None)  # the loop has passed the dropped command
-        assert applied == ["slow"]
-    finally:
-        service.stop()

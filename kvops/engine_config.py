@@ -1,0 +1,35 @@
+"""The worker's engine configuration: EngineConfig from KVOPS_ENGINE_<FIELD> variables
+(e.g. KVOPS_ENGINE_BLOCK_SIZE=32), one variable per field."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from engine import EngineConfig, InvalidRequestError
+
+
+def config_from_env(environ: dict[str, str]) -> EngineConfig:
+    """EngineConfig from KVOPS_ENGINE_<FIELD> variables (e.g. KVOPS_ENGINE_BLOCK_SIZE=32)."""
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(EngineConfig):
+        raw = environ.get(f"KVOPS_ENGINE_{f.name.upper()}")
+        if raw is None or raw == "":
+            continue
+        kwargs[f.name] = _parse_field(f.name, str(f.type), raw)
+    return EngineConfig(**kwargs)
+
+
+def _parse_field(name: str, type_name: str, raw: str) -> Any:
+    try:
+        if type_name.startswith("bool"):
+            if raw.lower() not in ("1", "0", "true", "false", "yes", "no"):
+                raise ValueError(raw)
+            return raw.lower() in ("1", "true", "yes")
+        if type_name.startswith("int"):
+            return int(raw)
+        if type_name.startswith("float"):
+            return float(raw)
+        return raw
+    except ValueError:
+        raise InvalidRequestError(
+            f"KVOPS_ENGINE_{name.upper()}={raw!r} is not a valid {type_name}") from None
