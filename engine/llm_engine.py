@@ -155,7 +155,7 @@ class LLMEngine:
             pinned_root=root_hash(self.runner.model_id, None) if cache_salt else None,
             block_size=self.config.block_size, priority=priority, job_id=job_id,
             tenant=tenant, eos_token_ids=self.tokenizer.eos_token_ids,
-            held_back=1 if params.n > 1 else 0)
+            fork_pending=params.n > 1)
         self._follow_text(request_id, params)
         if params.structured is None:
             self.scheduler.add(request)
@@ -277,10 +277,10 @@ class LLMEngine:
         self.step_count += 1
         self.version += 1
         self._inflight = out
-        sampled = self.runner.execute(out)
-        if self.runner.prompt_logprobs:  # before update_from_output, which may fork
-            self._keep_prompt_logprobs(out, self.runner.prompt_logprobs)
-        progressed = self.scheduler.update_from_output(out, sampled)
+        result = self.runner.execute(out)
+        if result.prompt_logprobs:  # before update_from_output, which may fork
+            self._keep_prompt_logprobs(out, result.prompt_logprobs)
+        progressed = self.scheduler.update_from_output(out, result.tokens)
         self._inflight = None
         # As _core_output, inline: this runs for every request in every step.
         ended_states = _ENDED
@@ -292,7 +292,7 @@ class LLMEngine:
             if o.request.prompt_logprobs and len(o.request.output_token_ids) == 1 \
                     and o.new_token_ids:
                 o.prompt_logprobs = o.request.prompt_logprobs
-        logprobs = self.runner.logprobs
+        logprobs = result.logprobs
         if logprobs:  # only requests that asked for them
             for o in outputs:
                 entry = logprobs.get(o.request_id)

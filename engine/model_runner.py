@@ -23,7 +23,7 @@ from engine.hf_tokenizer import HFTokenizer
 from engine.kv_layout import kv_layout
 from engine.loader import (ModelFolder, ModelLoadError, load_model, model_identity,
                            read_model_folder)
-from engine.runner import Runner
+from engine.runner import Runner, StepResult
 from engine.sampler import SamplingRow, logprobs_of, request_seed, sample, token_logprobs
 from engine.scheduler import SchedulerOutput
 from engine import parallel
@@ -127,13 +127,12 @@ class ModelRunner(Runner):
         return self.tp.size if self.tp else 1
 
     # --- tensor parallelism -------------------------------------------------------------
-    def execute(self, out: SchedulerOutput) -> dict[str, int]:
+    def execute(self, out: SchedulerOutput) -> StepResult:
         """Rank 0 of a split model: the step's block copies and batch go to every rank
         first, then all run them together."""
         if self.tp is None:
             self._wait_copy_ahead()
             return super().execute(out)
-        self.logprobs, self.prompt_logprobs = {}, {}
         batch = self._prepare(out) if out.scheduled else None
         swap_out = out.swap_out + out.copy_ahead  # (a split model copies ahead in line)
         self.tp.broadcast(("step", swap_out, out.swap_in, out.copies,
@@ -141,7 +140,7 @@ class ModelRunner(Runner):
         self._swap_out(swap_out)
         self._swap_in(out.swap_in)
         self._copy_blocks(out.copies)
-        return self._forward_batch(batch) if batch else {}
+        return self._forward_batch(batch) if batch else StepResult()
 
     def serve_rank(self) -> None:
         """A rank other than 0: run what rank 0 broadcasts until it says stop."""
@@ -164,7 +163,7 @@ class ModelRunner(Runner):
             self.tp, self._rank_procs = None, []
 
     # --- one step ---------------------------------------------------------------------
-    def forward(self, out: SchedulerOutput) -> dict[str, int]:
+    def forward(self, out: SchedulerOutput) -> StepResult:
         return self._forward_batch(self._prepare(out))
 
     @torch.inference_mode()
@@ -176,23 +175,29 @@ class ModelRunner(Runner):
                           plans, batch.logits_indices, self.ops)
 
     @torch.inference_mode()
-    def _forward_batch(self, batch: "StepBatch") -> dict[str, int]:
+    def _forward_batch(self, batch: "StepBatch") -> StepResult:
         logits = self._run_model(batch)
         num_sampled = len(batch.sampling_rows)
+        result = StepResult()
         if batch.prompt_rows:
-            self._prompt_logprobs(logits[num_sampled:], batch.prompt_rows)
+            result.prompt_logprobs = self._prompt_logprobs(logits[num_sampled:],
+                                                           batch.prompt_rows)
             logits = logits[:num_sampled]
         tokens = sample(logits, batch.sampling_rows)
         for i, entry in token_logprobs(logits, batch.sampling_rows, tokens).items():
-            self.logprobs[batch.sampling_ids[i]] = entry
-        return dict(zip(batch.sampling_ids, tokens))
+            result.logprobs[batch.sampling_ids[i]] = entry
+        result.tokens = dict(zip(batch.sampling_ids, tokens))
+        return result
 
-    def _prompt_logprobs(self, logits: torch.Tensor, rows: list[tuple]) -> None:
+    @staticmethod
+    def _prompt_logprobs(logits: torch.Tensor, rows: list[tuple]) -> dict[str, list]:
         """Log-probabilities of prompt tokens: each row (request id, position, the next
         prompt token, k) scores the token that follows its position."""
         entries = logprobs_of(logits, [r[2] for r in rows], [r[3] for r in rows])
+        out: dict[str, list] = {}
         for (request_id, position, _, _), entry in zip(rows, entries):
-            self.prompt_logprobs.setdefault(request_id, []).append((position, *entry))
+            out.setdefault(request_id, []).append((position, *entry))
+        return out
 
     def _prepare(self, out: SchedulerOutput) -> "StepBatch":
         bs = self.block_size

@@ -43,7 +43,7 @@ class Request:
     # Parallel sampling: a request with n > 1 holds back its last prompt token (computes
     # all but it, never samples) and then forks into its samples, "<id>/<i>", each of
     # which computes that token in blocks shared with the others and samples on its own.
-    held_back: int = 0  # 1 while it waits to fork
+    fork_pending: bool = False  # it will fork once all but its last prompt token is computed
     parent_id: str | None = None  # a sample's: the request it forked from
     sample_index: int = 0  # a sample's place among its siblings
     # Everything below is owned by the Scheduler (the engine's output path appends tokens).
@@ -74,6 +74,16 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_held_back(self) -> int:
+        """Tokens it does not compute yet: its last prompt token while a fork is pending."""
+        return 1 if self.fork_pending else 0
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences it stands for in the batch: its n samples while a fork is pending."""
+        return self.sampling_params.n if self.fork_pending else 1
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -3,8 +3,22 @@
 from __future__ import annotations
 
 import abc
+from dataclasses import dataclass, field
 
 from engine.scheduler import SchedulerOutput
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What a step's forward pass produced, handed back to the engine."""
+    # request id -> its sampled token, for every scheduled request that samples
+    tokens: dict[str, int] = field(default_factory=dict)
+    # request id -> [sampled token's logprob, top ids, top logprobs], for the requests
+    # that asked (SamplingParams.logprobs)
+    logprobs: dict[str, list] = field(default_factory=dict)
+    # request id -> [(position, logprob, top ids, top logprobs), ...] of the prompt tokens
+    # whose logprobs this step computed (SamplingParams.prompt_logprobs)
+    prompt_logprobs: dict[str, list] = field(default_factory=dict)
 
 
 class Runner(abc.ABC):
@@ -22,24 +36,16 @@ class Runner(abc.ABC):
     # A hybrid model's layer groups (engine/kv_layout.py): each group's window (None:
     # global), group 0 global; None: one block table for every layer
     kv_group_windows: tuple[int | None, ...] | None = None
-    # After each step: request id -> [sampled token's logprob, top ids, top logprobs], for
-    # the requests that asked (SamplingParams.logprobs).
-    logprobs: dict[str, list] = {}
-    # After each step: request id -> [(position, logprob, top ids, top logprobs), ...] of
-    # the prompt tokens whose logprobs this step computed (SamplingParams.prompt_logprobs).
-    prompt_logprobs: dict[str, list] = {}
 
-    def execute(self, out: SchedulerOutput) -> dict[str, int]:
+    def execute(self, out: SchedulerOutput) -> StepResult:
         """Run one step: block copies in order (swap out, swap in, copy-on-write), then the
-        forward pass. Returns the sampled token of every scheduled request that samples."""
-        self.logprobs = {}
-        self.prompt_logprobs = {}
+        forward pass. Returns its sampled tokens and the logprobs asked for."""
         self.swap_out(out.swap_out)
         self.swap_in(out.swap_in)
         self.copy_blocks(out.copies)
         self.copy_ahead(out.copy_ahead)
         if not out.scheduled:
-            return {}
+            return StepResult()
         return self.forward(out)
 
     def copy_ahead(self, mapping: list[tuple[int, int]]) -> None:
@@ -50,7 +56,7 @@ class Runner(abc.ABC):
         self.swap_out(mapping)
 
     @abc.abstractmethod
-    def forward(self, out: SchedulerOutput) -> dict[str, int]:
+    def forward(self, out: SchedulerOutput) -> StepResult:
         """Write the new tokens' K/V through the block tables and sample."""
 
     @abc.abstractmethod

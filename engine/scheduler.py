@@ -99,7 +99,7 @@ class Scheduler:
     def add(self, request: Request, compiling: bool = False) -> None:
         """A new request: queued, or (compiling) live but held until release()."""
         self.requests[request.request_id] = request
-        if request.held_back:
+        if request.fork_pending:
             self.unforked.append(request)
         if compiling:
             self.compiling[request.request_id] = request
@@ -161,7 +161,7 @@ class Scheduler:
         while i < len(running) and budget > 0:
             request = running[i]
             start = request.num_computed_tokens
-            num_tokens = len(request.all_token_ids) - request.held_back
+            num_tokens = len(request.all_token_ids) - (1 if request.fork_pending else 0)
             num_new = min(num_tokens - start, budget)
             alloc = allocate(request, num_new)
             while alloc is None:
@@ -179,7 +179,7 @@ class Scheduler:
             scheduled.append(ScheduledRequest(request, num_new, start,
                                               step_ids(request.request_id),
                                               start + num_new == num_tokens
-                                              and not request.held_back))
+                                              and not request.fork_pending))
             budget -= num_new
             i += 1
         return budget
@@ -189,14 +189,14 @@ class Scheduler:
         for request in list(self.swapped):
             if request.parked:
                 continue
-            extra = request.sampling_params.n - 1 if request.held_back else 0
+            extra = request.num_seqs - 1
             if len(self.running) + reserved + 1 + extra > self.config.max_num_seqs:
                 break
             reserved += extra
             if not self._swap_in(request, out.swap_in):
                 break
             if budget > 0:
-                num_new = min(request.num_tokens - request.held_back
+                num_new = min(request.num_tokens - request.num_held_back
                               - request.num_computed_tokens, budget)
                 alloc = self.kv.allocate_slots(request, num_new) if num_new > 0 else None
                 if alloc is not None:
@@ -219,12 +219,12 @@ class Scheduler:
             request = self.waiting.peek()
             if held and not self._within_share(request, held):
                 request = self._next_within_share(held)
-            extra = request.sampling_params.n - 1 if request.held_back else 0
+            extra = request.num_seqs - 1
             if len(self.running) + reserved + 1 + extra > self.config.max_num_seqs:
                 break  # its samples will all run: wait until there is room for them
             match = self.kv.find_prefix(request)
             request.num_computed_tokens = match.num_computed_tokens
-            num_new = min(request.num_tokens - request.held_back
+            num_new = min(request.num_tokens - request.num_held_back
                           - request.num_computed_tokens, budget)
             alloc = self.kv.allocate_slots(request, num_new, match)
             if alloc is None:
@@ -265,8 +265,7 @@ class Scheduler:
         held: dict[str, int] = {}
         for request in self.running:
             if request.tenant is not None:
-                held[request.tenant] = held.get(request.tenant, 0) + (
-                    request.sampling_params.n if request.held_back else 1)
+                held[request.tenant] = held.get(request.tenant, 0) + request.num_seqs
         return held
 
     def _next_within_share(self, held: dict[str, int]) -> Request:
@@ -284,8 +283,7 @@ class Scheduler:
         tenant = request.tenant
         if tenant is None or not held.get(tenant):
             return True
-        return held[tenant] + (request.sampling_params.n if request.held_back else 1) \
-            <= self.share_cap
+        return held[tenant] + request.num_seqs <= self.share_cap
 
     def _victim(self, at: int) -> Request:
         """Whom to preempt so that running[at] gets blocks: the last request not yet
@@ -324,7 +322,7 @@ class Scheduler:
                 counters.num_prompt_tokens += s.num_new_tokens
             request.num_computed_tokens += s.num_new_tokens
             if not s.samples:
-                if request.held_back and \
+                if request.fork_pending and \
                         request.num_computed_tokens == len(request.all_token_ids) - 1:
                     self._fork(request)  # its prompt but the last token is computed
                 continue
@@ -387,7 +385,7 @@ class Scheduler:
         request.finish_reason = reason
         request.num_computed_tokens = 0
         del self.requests[request.request_id]
-        if request.held_back:  # ended before it forked
+        if request.fork_pending:  # ended before it forked
             self.unforked.remove(request)
         if request.parent_id is not None:  # the fork is over once its last sample is
             siblings = self.forks.get(request.parent_id, ())

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from engine.runner import Runner
+from engine.runner import Runner, StepResult
 from engine.scheduler import SchedulerOutput
 
 _MASK = (1 << 64) - 1
@@ -73,17 +73,18 @@ class SimulatedRunner(Runner):
         self.gpu_cache = [0] * (num_gpu_blocks * block_size)
         self.cpu_cache = [0] * (num_cpu_blocks * block_size)
 
-    def forward(self, out: SchedulerOutput) -> dict[str, int]:
+    def forward(self, out: SchedulerOutput) -> StepResult:
         started = time.monotonic()
-        sampled = self._forward(out)
+        result = self._forward(out)
         if self.step_s or self.token_s:
             budget = self.step_s + self.token_s * out.num_batched_tokens
             time.sleep(max(0.0, budget - (time.monotonic() - started)))
-        return sampled
+        return result
 
-    def _forward(self, out: SchedulerOutput) -> dict[str, int]:
+    def _forward(self, out: SchedulerOutput) -> StepResult:
         cache, bs, vocab = self.gpu_cache, self.block_size, self.vocab_size
-        sampled = {}
+        result = StepResult()
+        sampled = result.tokens
         # Batch order matters: a request may hit blocks another one fills in this step,
         # and it was scheduled after it (as a layer writes all K/V before attending).
         if out.group_block_ids is not None:
@@ -101,20 +102,23 @@ class SimulatedRunner(Runner):
             if s.samples:  # `prev` is the last slot's value, as just written
                 sampled[s.request.request_id] = token = prev % vocab  # next_token
                 if s.request.sampling_params.logprobs is not None:
-                    self._logprobs(s.request, token)
-        return sampled
+                    self._logprobs(result, s.request, token)
+        return result
 
-    def _logprobs(self, request, token: int) -> None:
+    @staticmethod
+    def _logprobs(result: StepResult, request, token: int) -> None:
         """The stand-in model is deterministic: its token has probability 1."""
         top = request.sampling_params.logprobs
-        self.logprobs[request.request_id] = [0.0, [token] if top else [], [0.0] if top else []]
+        result.logprobs[request.request_id] = [0.0, [token] if top else [],
+                                               [0.0] if top else []]
 
-    def _forward_groups(self, out: SchedulerOutput) -> dict[str, int]:
+    def _forward_groups(self, out: SchedulerOutput) -> StepResult:
         """_forward with a block table per layer group: each group's slots hold the
         states too, and the slot before a request's new tokens must hold the same state
         in every group's table (else a group's K/V was lost or mixed up)."""
         cache, bs, vocab = self.gpu_cache, self.block_size, self.vocab_size
-        sampled = {}
+        result = StepResult()
+        sampled = result.tokens
         for s in out.scheduled:
             tokens, start, rid = s.request.all_token_ids, s.start, s.request.request_id
             tables = out.group_block_ids[rid]
@@ -134,8 +138,8 @@ class SimulatedRunner(Runner):
             if s.samples:
                 sampled[rid] = token = prev % vocab
                 if s.request.sampling_params.logprobs is not None:
-                    self._logprobs(s.request, token)
-        return sampled
+                    self._logprobs(result, s.request, token)
+        return result
 
     def _copy(self, src: list[int], dst: list[int], mapping: list[tuple[int, int]]) -> None:
         bs = self.block_size

@@ -124,7 +124,7 @@ class EngineMachine(RuleBasedStateMachine):
         self.engine.kv.check_invariants()
         scheduler = self.engine.scheduler  # the live requests that will fork, and only they
         assert {id(r) for r in scheduler.unforked} == {
-            id(r) for r in scheduler.requests.values() if r.held_back}
+            id(r) for r in scheduler.requests.values() if r.fork_pending}
 
     @invariant()
     def cached_blocks_hold_what_their_hash_says(self):
