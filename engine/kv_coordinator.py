@@ -79,6 +79,11 @@ class KVCacheCoordinator:
             if tier_on else None
         if self.tier is not None:
             self.gpu.on_evict = self.tier.note_reused
+        # The step's hot path, once per running request per step: room for a request that
+        # runs already (no hit to place), and its table's ids for the step. With one group
+        # these are that group's own methods, without a call in between.
+        self.allocate_more = self.main.allocate if self.num_groups == 1 else self._allocate_more
+        self.step_block_ids = self.main.step_block_ids
         self._cpu_held: list[KVBlock] = []  # CPU blocks this step's swap-ins read
         # export_pool's memo, per pool: key -> (the table list, its length, its ids)
         self._exported: dict[str, dict] = {}
@@ -135,9 +140,6 @@ class KVCacheCoordinator:
 
     def cpu_block_ids(self, request_id: str) -> list[int]:
         return self.main.cpu_block_ids(request_id)
-
-    def step_block_ids(self, request_id: str) -> list[int]:
-        return self.main.step_block_ids(request_id)
 
     def group_step_block_ids(self, request_id: str) -> list[list[int]]:
         """Each group's table for this step's batch (-1 where a window gave a block back)."""
@@ -291,6 +293,10 @@ class KVCacheCoordinator:
             return NOTHING_ALLOCATED
         return Allocation(new_blocks=[b for a in allocations for b in a.new_blocks],
                           copies=[c for a in allocations for c in a.copies])
+
+    def _allocate_more(self, request: Request, num_new_tokens: int) -> Allocation | None:
+        """allocate_more over several groups."""
+        return self.allocate_slots(request, num_new_tokens)
 
     def fork(self, parent: Request, child: Request) -> None:
         for g in self.groups:

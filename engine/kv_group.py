@@ -22,6 +22,7 @@ hit finds each group's blocks for the same tokens.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 from engine.block_hash import BlockHash, short
@@ -80,6 +81,8 @@ class KVGroup:
         # write into it copies it (allocate).
         self._shared_tail: set[str] = set()
         self._step_ids: dict[str, tuple[list, list[int]]] = {}  # step_block_ids cache
+        # events of this group's blocks say which group they are (group 0: unsaid)
+        self._emit = functools.partial(events.emit, group=group) if group else events.emit
 
     # --- prefix hits -----------------------------------------------------------------
     def keys(self, request: Request, start: int, end: int) -> list[BlockHash]:
@@ -239,14 +242,14 @@ class KVGroup:
                 indices.append(i)
                 uncomputed.add(block.block_id)
         self._num_offered[rid] = max(start, end)
-        if stored and self._events.on:
-            full = self._events.full and not group  # (routers know group 0's hashes)
+        if stored:
+            # (the full chain only for a reader that asks, of group 0: routers' hashes)
+            chain = self._chain(request, indices) if self._events.full and not group else {}
             self._emit("BlockStored", request_id=rid,
                        block_ids=[b.block_id for b in stored],
                        block_hashes=[short(b.block_hash) for b in stored],
                        ref_cnts=[b.ref_cnt for b in stored],
-                       num_tokens=end * self.block_size,
-                       **(self._chain(request, indices) if full else {}))
+                       num_tokens=end * self.block_size, **chain)
 
     def _chain(self, request: Request, indices: list[int]) -> dict:
         """The full hashes, parents and token ids of the request's blocks at `indices`
@@ -255,11 +258,6 @@ class KVGroup:
         return {"hashes": [hashes[i] for i in indices],
                 "parents": [hashes[i - 1] if i else None for i in indices],
                 "token_ids": [t for i in indices for t in tokens[i * bs:(i + 1) * bs]]}
-
-    def _emit(self, type: str, **fields) -> None:
-        if self.group:
-            fields["group"] = self.group
-        self._events.emit(type, **fields)
 
     def free(self, request: Request) -> None:
         """Release the request's GPU blocks, last block first (so a chain's tail is

@@ -154,7 +154,7 @@ class Scheduler:
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         # Every running request passes here every step: names are bound once, and the
         # ScheduledRequest is built inline (see _add_scheduled).
-        running, allocate, step_ids = self.running, self.kv.allocate_slots, \
+        running, allocate, step_ids = self.running, self.kv.allocate_more, \
             self.kv.step_block_ids
         scheduled = out.scheduled
         i = 0
@@ -198,7 +198,7 @@ class Scheduler:
             if budget > 0:
                 num_new = min(request.num_tokens - request.num_held_back
                               - request.num_computed_tokens, budget)
-                alloc = self.kv.allocate_slots(request, num_new) if num_new > 0 else None
+                alloc = self.kv.allocate_more(request, num_new) if num_new > 0 else None
                 if alloc is not None:
                     self._add_scheduled(out, request, num_new)
                     budget -= num_new
