@@ -397,34 +397,25 @@ class KVCacheCoordinator:
         """Pin a cached prefix (group 0's blocks, from block 0): the other groups' blocks
         a hit on it needs are pinned too. Returns group 0's newly pinned."""
         for g in self.groups[1:]:
-            self._pin(g, self._same_tokens(g, blocks))
-        return self._pin(self.main, blocks)
+            self._pin(g, self._same_tokens(g, blocks), True)
+        return self._pin(self.main, blocks, True)
 
     def unpin(self, blocks: list[KVBlock]) -> list[KVBlock]:
         for g in self.groups[1:]:
-            self._unpin(g, self._same_tokens(g, blocks))
-        return self._unpin(self.main, blocks)
+            self._pin(g, self._same_tokens(g, blocks), False)
+        return self._pin(self.main, blocks, False)
 
-    def _pin(self, group: KVGroup, blocks: list[KVBlock]) -> list[KVBlock]:
-        newly = [b for b in blocks if self.gpu.pin(b)]
-        if newly:
-            self._emit_for(group, "Pinned", block_ids=[b.block_id for b in newly],
-                           block_hashes=[short(b.block_hash) for b in newly],
-                           ref_cnts=[b.ref_cnt for b in newly])
-        return newly
-
-    def _unpin(self, group: KVGroup, blocks: list[KVBlock]) -> list[KVBlock]:
-        released = [b for b in blocks if self.gpu.unpin(b)]
-        if released:
-            self._emit_for(group, "Unpinned", block_ids=[b.block_id for b in released],
-                           block_hashes=[short(b.block_hash) for b in released],
-                           ref_cnts=[b.ref_cnt for b in released])
-        return released
-
-    def _emit_for(self, group: KVGroup, type: str, **fields) -> None:
-        if group.group:
-            fields["group"] = group.group
-        self._events.emit(type, **fields)
+    def _pin(self, group: KVGroup, blocks: list[KVBlock], pin: bool) -> list[KVBlock]:
+        """Pin (or unpin) a group's blocks; the ones whose pin changed, said in an event."""
+        change = self.gpu.pin if pin else self.gpu.unpin
+        changed = [b for b in blocks if change(b)]
+        if changed:
+            self._events.emit("Pinned" if pin else "Unpinned",
+                              block_ids=[b.block_id for b in changed],
+                              block_hashes=[short(b.block_hash) for b in changed],
+                              ref_cnts=[b.ref_cnt for b in changed],
+                              **({"group": group.group} if group.group else {}))
+        return changed
 
     def _same_tokens(self, group: KVGroup, blocks: list[KVBlock]) -> list[KVBlock]:
         """Group `group`'s cached blocks for the tokens of group 0's prefix `blocks`: all
