@@ -341,8 +341,10 @@ def test_the_timeline_shows_an_older_state_and_returns_to_live(login, stack):
         page.wait_for_function(f"kvops.timeline.span && kvops.timeline.span.newest > {idle_to + 1}")
         middle = (idle_from + idle_to) / 2
         drag_timeline_to(page, middle)
+        # (not loading: the state shown is the one at `want`, not one a fetch still replaces)
         page.wait_for_function(f"() => kvops.state() !== kvops.live() && ({USED})(kvops.state()) === 0"
-                               f" && Math.abs(kvops.timeline.want - {middle}) < 0.2")
+                               f" && Math.abs(kvops.timeline.want - {middle}) < 0.2"
+                               " && !kvops.timeline.loading")
         shown = page.evaluate(f"""() => ({{ts: kvops.state().ts, seq: kvops.state().seq,
             job: kvops.state().requestById("{request_id}"), live: ({USED})(kvops.live()),
             liveSeq: kvops.live().seq}})""")
