@@ -36,7 +36,8 @@ EVENT_TYPES = (
     "WindowFreed",  # a request gave back blocks no layer's sliding window reaches any more
 )
 
-# Why blocks left the cache or a request, or why a request was preempted:
+# Why blocks left the cache or a request, or why a request was preempted (a request's
+# BlockRemoved says its finish reason, "forked", or its preemption's reason):
 REASONS = {
     "evicted": "taken for another request's new blocks, least recently used first",
     "operator_evict": "an operator's evict",

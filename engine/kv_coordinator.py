@@ -302,9 +302,11 @@ class KVCacheCoordinator:
         for g in self.groups:
             g.fork(parent, child)
 
-    def free(self, request: Request) -> None:
+    def free(self, request: Request, reason: str | None = None) -> None:
+        """Release every group's blocks of the request (reason: why, for the event: its
+        finish reason, a preemption's, or "forked")."""
         for g in self.groups:
-            g.free(request)
+            g.free(request, reason)
 
     # --- the step's copies -----------------------------------------------------------
     def flush_offloads(self) -> list[tuple[int, int]]:

@@ -259,9 +259,10 @@ class KVGroup:
                 "parents": [hashes[i - 1] if i else None for i in indices],
                 "token_ids": [t for i in indices for t in tokens[i * bs:(i + 1) * bs]]}
 
-    def free(self, request: Request) -> None:
+    def free(self, request: Request, reason: str | None = None) -> None:
         """Release the request's GPU blocks, last block first (so a chain's tail is
-        evicted before its head), and any CPU blocks it holds."""
+        evicted before its head), and any CPU blocks it holds (reason: why, for the
+        BlockRemoved events)."""
         rid = request.request_id
         self._num_offered.pop(rid, None)
         self._window_freed.pop(rid, None)
@@ -270,13 +271,13 @@ class KVGroup:
         self._step_ids.pop(rid, None)
         if table:
             self.gpu.free(reversed(table))
-            self._emit("BlockRemoved", request_id=rid,
+            self._emit("BlockRemoved", request_id=rid, reason=reason,
                        block_ids=[b.block_id for b in table],
                        ref_cnts=[b.ref_cnt for b in table])
         cpu_table = self.req_to_cpu_blocks.pop(rid, [])
         if cpu_table:
             self.cpu.free(reversed(cpu_table))
-            self._emit("BlockRemoved", request_id=rid, pool="cpu",
+            self._emit("BlockRemoved", request_id=rid, pool="cpu", reason=reason,
                        block_ids=[b.block_id for b in cpu_table],
                        ref_cnts=[b.ref_cnt for b in cpu_table])
 

@@ -359,7 +359,7 @@ class Scheduler:
         at = self.running.index(parent)
         self.running[at:at + 1] = samples
         table = self.kv.block_ids(parent.request_id)
-        self.kv.free(parent)
+        self.kv.free(parent, "forked")
         del self.requests[parent.request_id]
         self.unforked.remove(parent)
         parent.status = RequestStatus.FINISHED
@@ -380,7 +380,7 @@ class Scheduler:
             self.waiting.remove(request)
         elif request.status == RequestStatus.SWAPPED:
             self.swapped.remove(request)
-        self.kv.free(request)
+        self.kv.free(request, reason)
         request.status = status
         request.finish_reason = reason
         request.num_computed_tokens = 0
@@ -415,7 +415,7 @@ class Scheduler:
     def _preempt_recompute(self, victim: Request, detail: str, reason: str,
                            by: str | None) -> None:
         num_blocks = self.kv.num_blocks_held(victim.request_id)
-        self.kv.free(victim)
+        self.kv.free(victim, reason)
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
         victim.status = RequestStatus.WAITING

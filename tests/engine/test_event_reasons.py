@@ -87,3 +87,21 @@ def test_a_window_passed_says_window():
     engine.generate([list(range(30))], greedy(10))
     freed = [e for e in engine.take_events() if e.type == "WindowFreed"]
     assert freed and all(e.reason == "window" for e in freed)
+
+
+def test_a_requests_released_blocks_say_why():
+    engine = sim_engine(num_cpu_blocks=16)
+    engine.generate([list(range(12))], greedy(3))
+    (done,) = [e for e in engine.take_events() if e.type == "BlockRemoved"]
+    assert done.reason == "length"
+    engine.add_request("r", list(range(40, 52)), SamplingParams(max_tokens=20))
+    engine.step()
+    engine.preempt("r")
+    (pre,) = [e for e in engine.take_events() if e.type == "BlockRemoved"]
+    assert pre.reason == "operator"
+    engine.add_request("s", list(range(60, 72)), SamplingParams(max_tokens=20))
+    engine.step()
+    engine.take_events()
+    engine.abort("s")
+    (aborted,) = [e for e in engine.take_events() if e.type == "BlockRemoved"]
+    assert aborted.reason == "abort"
