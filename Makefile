@@ -8,7 +8,7 @@ export KVOPS_DATA_DIR ?= $(CURDIR)/data
 
 DEFAULT_MODEL := $(KVOPS_DATA_DIR)/models/SmolLM2-135M-Instruct/config.json
 
-.PHONY: setup setup-python setup-system data-dir model kernels test run clean
+.PHONY: setup setup-python setup-system data-dir model kernels test test-fast run clean
 
 setup: setup-python setup-system data-dir model kernels
 
@@ -47,6 +47,11 @@ $(STAMP): pyproject.toml
 test: setup
 	$(VENV)/bin/lint-imports --no-logo
 	$(PY) -m pytest
+
+# The inner loop: all but the tests that start a stack, a browser or a load (tests/conftest.py).
+test-fast: setup
+	$(VENV)/bin/lint-imports --no-logo
+	$(PY) -m pytest -m "not stack"
 
 run: setup
 	$(PY) -m kvops.run

@@ -161,9 +161,11 @@ CHANNEL_LAYERS = {
 }
 
 REST_FRAMEWORK = {
+    # Token first: a call without credentials gets a 401 with `WWW-Authenticate: Token`
+    # (DRF answers with the first class's challenge; the session's has none: a 403)
     "DEFAULT_AUTHENTICATION_CLASSES": [
-        "rest_framework.authentication.SessionAuthentication",
         "rest_framework.authentication.TokenAuthentication",
+        "rest_framework.authentication.SessionAuthentication",
     ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",

@@ -199,7 +199,7 @@ def test_pin_survives_eviction_and_pressure():
     engine.generate([prefix + [1]], greedy(1))
     res = engine.pin_prefix(prefix)
     assert len(res["block_ids"]) == 3 and res["num_newly_pinned"] == 3
-    assert engine.evict_cached_blocks() >= 0
+    assert engine.evict_cached_blocks() == 0  # every cached block is a pinned one
     engine.generate(prompts(3, lo=20, hi=40, seed=3), greedy(8))  # pressure
     (out,) = engine.generate([prefix + [9]], greedy(2))
     assert out.num_cached_tokens == 12

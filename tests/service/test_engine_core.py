@@ -223,6 +223,7 @@ def test_a_core_killed_mid_stream_ends_the_stream_with_an_error(process_stack):
     assert result.text == expected_text("next one", 8)
 
 
+@pytest.mark.stack
 def test_a_core_stopped_with_its_worker_is_not_replaced(tmp_path):
     """SIGTERM to the worker's process group (`make run`'s Ctrl-C, `docker stop`) stops
     the core and the worker together: the worker starts no new core on its way out (one

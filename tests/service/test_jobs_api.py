@@ -73,8 +73,9 @@ def test_jobs_are_private_to_their_owner(stack):
 
 
 def test_anonymous_is_refused(stack):
-    assert stack.api("GET", "/api/jobs/", user=None).status_code in (401, 403)
-    assert stack.api("POST", "/api/jobs/", user=None, json={"prompt": "x"}).status_code in (401, 403)
+    anonymous = stack.api("GET", "/api/jobs/", user=None)
+    assert anonymous.status_code == 401 and anonymous.headers["WWW-Authenticate"] == "Token"
+    assert stack.api("POST", "/api/jobs/", user=None, json={"prompt": "x"}).status_code == 401
 
 
 @pytest.mark.parametrize("body, field", [

@@ -194,4 +194,5 @@ def test_the_writers_bench_runs_both_backends():
     rows = {line[:24].strip(): line[24:].split() for line in out.splitlines()[2:]}
     assert set(rows) == {"django (busy handler)", "kvops (writer queue)"}, out
     for writes, *latencies in rows.values():
-        assert int(writes) > 0 and all(float(x) >= 0 for x in latencies), out
+        p50, p90, p99, most = map(float, latencies)  # each write waits for the lock a while
+        assert int(writes) > 0 and 0 < p50 <= p90 <= p99 <= most, out

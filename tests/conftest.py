@@ -1,0 +1,17 @@
+"""The suite's split for the inner loop: `make test-fast` runs everything but the tests
+that start a stack (a web server and engine workers: kvops.localstack.Stack), drive a
+browser or load the service; `make test` (CI) runs everything. A test is marked `stack`
+when it uses one of these fixtures or lives in one of these modules."""
+import pytest
+
+STACK_FIXTURES = {"stack", "fuzz_stack", "tiny_stack", "default_stack", "hermes_stack",
+                  "process_stack", "capped", "two_engines", "gpu_paced", "login"}
+STACK_MODULES = {"test_faults", "test_load", "test_make_run", "test_bench_serve",
+                 "test_redis_restart", "test_browser", "test_what_if_browser"}
+
+
+def pytest_collection_modifyitems(items) -> None:
+    for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1] if item.module else ""
+        if STACK_FIXTURES & set(getattr(item, "fixturenames", ())) or module in STACK_MODULES:
+            item.add_marker(pytest.mark.stack)
