@@ -775,20 +775,12 @@ def operator_action(user, engine: Engine, action: str, target: str, arguments: d
     row.ok, row.status_code, row.result = status == 200, status, body
     row.save()
     if status == 200 and action in STATE_COMMANDS:
-        _note_engine_state(engine, str((body.get("result") or {}).get("state", "ready")))
+        # the worker wrote the engine's new state (its heartbeat) before it answered: the
+        # next read of the engines must see it
+        selectors.forget_recent_engines()
         if action in ("drain", "undrain"):  # a draining worker takes nothing from the shared queue
             consumers = control.app.control
             (consumers.cancel_consumer if action == "drain" else consumers.add_consumer)(
                 SHARED_QUEUE, destination=[engine.worker], reply=True,
                 timeout=settings.KVOPS_CONTROL_TIMEOUT_S)
     return status, body, False
-
-
-def _note_engine_state(engine: Engine, state: str) -> None:
-    """Routing and the API see a pause, a drain or their end now, not at the next
-    heartbeat (which brings the same state from the engine)."""
-    with transaction.atomic():
-        row = Engine.objects.select_for_update().get(pk=engine.pk)
-        row.metrics = {**(row.metrics or {}), "state": state}
-        row.save(update_fields=["metrics"])
-    selectors.forget_recent_engines()

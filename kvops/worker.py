@@ -104,6 +104,18 @@ def _engine_ready(sender=None, **kwargs) -> None:
                      name="kvops-heartbeat", daemon=True).start()
 
 
+def _beat_now(client) -> None:
+    from django.db import connection
+
+    from kvops import services
+    try:
+        services.heartbeat(client.name, client.instance, client.latest_metrics)
+    except Exception as e:  # the next beat says it
+        log.warning("heartbeat after a state command failed: %s", e)
+    finally:
+        connection.close()
+
+
 def _heartbeat(name: str, instance: str) -> None:
     from django.conf import settings
     from django.db import connection
@@ -152,6 +164,7 @@ def kvops_engine(state, command: str, arguments: dict | None = None,
     from django.conf import settings
 
     from engine import EngineError
+    from engine.commands import STATE_COMMANDS
 
     started = time.monotonic()
     timeout_s = settings.KVOPS_CONTROL_TIMEOUT_S
@@ -160,10 +173,13 @@ def kvops_engine(state, command: str, arguments: dict | None = None,
     try:
         if timeout_s <= 0:
             raise TimeoutError("the command arrived after its deadline")
-        # (a state command's new state is in the client's metrics before its reply: the
-        # core sends them first, engine/core_proc.py)
-        result = get_engine_client().command(command, dict(arguments or {}),
-                                             timeout_s=timeout_s)
+        client = get_engine_client()
+        result = client.command(command, dict(arguments or {}), timeout_s=timeout_s)
+        if command in STATE_COMMANDS:
+            # The engine's row says its new state before the web hears the answer (its
+            # metrics, which the core sent before the reply, written as a heartbeat: the
+            # row's one writer is this worker, with what its core reports)
+            _beat_now(client)
         return {"ok": True, "result": result, "ms": round(1000 * (time.monotonic() - started))}
     except TimeoutError as e:
         return {"ok": False, "error": "CommandExpired", "message": f"not applied: {e}"}

@@ -24,3 +24,16 @@ def test_batch_limits_change_live_within_their_bounds(stack):
     actions = stack.api("GET", "/api/actions/?limit=20").json()["results"]
     assert any(a["action"] == "set-limits" and a["params"] == {"max_num_seqs": 4}
                for a in actions)
+
+
+def test_a_state_command_is_seen_as_soon_as_it_is_answered(stack):
+    """A pause's new state is in the engine's row, written by its worker from what its
+    core reports (the row's one writer), before the web answers: the next read shows it,
+    with no heartbeat to wait for."""
+    try:
+        assert stack.api("POST", "/api/engines/sim/pause/").json()["ok"]
+        engine = stack.api("GET", "/api/engines/sim/").json()["engine"]
+        assert engine["state"] == "paused" and engine["metrics"]["state"] == "paused"
+    finally:
+        assert stack.api("POST", "/api/engines/sim/resume/").json()["ok"]
+    assert stack.api("GET", "/api/engines/sim/").json()["engine"]["state"] == "ready"
