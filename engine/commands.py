@@ -44,20 +44,6 @@ def _request_id(arguments: dict) -> str:
     return request_id
 
 
-def _inject_fault(engine: LLMEngine, arguments: dict) -> dict:
-    """Test hook: the next forward pass raises (only with EngineConfig.fault_injection:
-    run_command refuses it otherwise)."""
-    runner = engine.runner
-    original = runner.forward
-
-    def failing(out):
-        runner.forward = original
-        raise RuntimeError("injected fault (KVOPS_ENGINE_FAULT_INJECTION test hook)")
-
-    runner.forward = failing
-    return {"armed": True}
-
-
 # Commands that change the engine's state (LLMEngine.state): whoever relays one passes
 # the new state on at once (the core's next metrics, the worker's heartbeat, routing).
 STATE_COMMANDS = ("pause", "resume", "drain", "undrain")
@@ -77,7 +63,6 @@ OPERATOR_COMMANDS: dict[str, Callable[[LLMEngine, dict], Any]] = {
     # the GPU pool's cached hashes, or the CPU tier's with {"pool": "cpu"}
     "prefix-hashes": lambda e, a: [short(h) for h in (
         e.kv.cpu if a.get("pool") == "cpu" else e.kv.gpu).cached],
-    "inject-fault": _inject_fault,
     "pause": lambda e, a: e.pause(),
     "resume": lambda e, a: e.resume(),
     "drain": lambda e, a: e.drain(),
@@ -89,7 +74,7 @@ OPERATOR_COMMANDS: dict[str, Callable[[LLMEngine, dict], Any]] = {
 def run_command(engine: LLMEngine, name: str, arguments: dict) -> Any:
     """Apply one operator command (call between two steps, on the engine's thread)."""
     op = OPERATOR_COMMANDS.get(name)
-    if op is None or (name == "inject-fault" and not engine.config.fault_injection):
+    if op is None:
         raise InvalidRequestError(f"unknown command {name!r}")
     return op(engine, arguments)
 

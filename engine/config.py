@@ -60,7 +60,6 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None  # CPU: bytes for the KV pool (None: 512 MiB)
     name: str = "default"  # engine name, shown in snapshots
     max_pending_events: int = 100_000  # KV events kept for take_events(); oldest dropped
-    fault_injection: bool = False  # tests: the `inject-fault` command makes a step raise
     # CPU, float32: the C++ kernels of kernels/cpu_ext.py: "on", "off" (torch's paths),
     # or "auto": on where the CPU has AVX-512, which they are written for (their tiles
     # assume 32 vector registers; with AVX2's 16 they spill, and torch's paths are 1.2-5x

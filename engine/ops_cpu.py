@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from kernels.cpu_ext import MatmulChoice
 
 # Up to this many rows, kernels/csrc/small_gemm.cpp beats MKL on any x86 CPU (on Intel:
-# 1.4x at 64 rows, 0.9x at 128: python -m kernels.bench_cpu gemm); above it, matmuls go
+# 1.4x at 64 rows, 0.9x at 128: python -m benchmarks.bench_cpu gemm); above it, matmuls go
 # to MKL unless the packed kernel does every matmul (large_matmuls, on AMD: ~2x).
 PACKED_MAX_ROWS = 96
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters

@@ -26,7 +26,7 @@ the cache: no gather, no grouping, no cascade (a shared prefix is read from the 
 caches by every sequence). Decodes and chunks of a few tokens go to
 kvops::paged_decode_attention, each row a query that sees the context up to its own
 position; longer chunks to kvops::paged_prefill_attention, which takes 16 rows at a
-time (2-3x the rate of one row at a time, and of SDPA: python -m kernels.bench_cpu
+time (2-3x the rate of one row at a time, and of SDPA: python -m benchmarks.bench_cpu
 attention). One call of each per layer, whatever the number of chunks.
 """
 from __future__ import annotations

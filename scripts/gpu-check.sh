@@ -52,16 +52,16 @@ fi
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true
   "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
   echo "== through the service: 32 streams, default model, bfloat16 on cuda"
-  timeout 150 "$PY" -m kvops.bench_serve --streams "" --real 32 --real-tokens 128 \
+  timeout 150 "$PY" -m benchmarks.bench_serve --streams "" --real 32 --real-tokens 128 \
     --real-device cuda --real-dtype bfloat16
   echo "== engine alone, default model, bfloat16"
-  timeout 60 "$PY" -m engine.bench --dtype bfloat16 --repeats 1
-  echo "== kernels.bench"
-  timeout 60 "$PY" -m kernels.bench
+  timeout 60 "$PY" -m benchmarks.bench_engine --dtype bfloat16 --repeats 1
+  echo "== benchmarks.bench_kernels"
+  timeout 60 "$PY" -m benchmarks.bench_kernels
   echo "== CUDA-marked tests"
   timeout 110 "$PY" -m pytest -q -m cuda tests/kernels
   echo "== tiny models on CUDA: Triton attention, windowed layers, the fused MoE kernel, the CPU tier"
   timeout 70 "$PY" -m pytest -q tests/engine/test_model_triton.py tests/engine/test_cpu_tier.py
   echo "== the service path with many free cores: the simulator, short streams at 5 ms a step"
-  timeout 90 "$PY" -m kvops.bench_serve --streams 32,256 --sim-tokens 64-64 --step-ms 5
+  timeout 90 "$PY" -m benchmarks.bench_serve --streams 32,256 --sim-tokens 64-64 --step-ms 5
 } 2>&1 | tee "$LOG"

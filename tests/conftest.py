@@ -1,5 +1,5 @@
 """The suite's split for the inner loop: `make test-fast` runs everything but the tests
-that start a stack (a web server and engine workers: kvops.localstack.Stack), drive a
+that start a stack (a web server and engine workers: tests.support.stack.Stack), drive a
 browser or load the service; `make test` (CI) runs everything. A test is marked `stack`
 when it uses one of these fixtures or lives in one of these modules."""
 import pytest

@@ -12,7 +12,7 @@ import time
 
 
 def free_port() -> int:
-    # Not kvops.localstack.free_port: importing kvops here would load settings too early.
+    # Not tests.support.stack.free_port: importing kvops here would load settings too early.
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

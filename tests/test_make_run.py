@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from kvops.localstack import REPO, free_port
+from tests.support.stack import REPO, free_port
 
 DEFAULT_MODEL = REPO / "data" / "models" / "SmolLM2-135M-Instruct" / "config.json"
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import tests.session_redis  # noqa: F401  (a private redis-server; sets REDIS_URL first)
 from tests.dashboard.page_perf import signed_in_page
-from tests.service.stack import Stack
+from tests.support.stack import Stack
 SYSTEM = "You are kvops, a careful assistant. Answer briefly and cite the block tables. " * 3
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.service.stack import Stack
+from tests.support.stack import Stack
 
 ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts" / "dashboard"
 FREE_RGB = [0xE9, 0xEC, 0xF1]  # static/kvops/colors.js CSS.free

@@ -14,7 +14,7 @@ import pytest
 import redis
 
 from engine.snapshot import decode_array
-from kvops.localstack import Stack
+from tests.support.stack import Stack
 from tests.session_redis import free_port, start_redis
 
 ENGINE = dict(simulate=1, vocab_size=32000, num_gpu_blocks=256, num_cpu_blocks=64,

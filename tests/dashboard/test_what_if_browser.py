@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.service.stack import Stack
+from tests.support.stack import Stack
 
 ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts" / "dashboard"
 

@@ -34,7 +34,7 @@ def test_an_operators_evict_and_reset_say_so():
 
 
 def test_a_failed_steps_blocks_leave_the_cache_as_step_failed():
-    engine = sim_engine(fault_injection=True)
+    engine = sim_engine()
     engine.add_request("r", list(range(40)), greedy(4))
     engine.take_events()
     engine.scheduler.schedule()  # registers the blocks the step was to write

@@ -168,7 +168,7 @@ def test_bad_arguments_are_refused(ops, change, message):
 
 
 def test_bench_attention_section_prints_both_kinds(ops, capsys):
-    from kernels import bench_cpu
+    from benchmarks import bench_cpu
 
     assert bench_cpu.main(["attention", "--quick", "--repeats", "1"]) == 0
     lines = [line.split() for line in capsys.readouterr().out.splitlines()]

@@ -157,7 +157,7 @@ def test_rejects_bad_arguments(ops, make_args, message: str) -> None:
 
 
 def test_bench_gemm_section_prints_a_row_per_row_count(ops, capsys: pytest.CaptureFixture[str]) -> None:
-    from kernels import bench_cpu
+    from benchmarks import bench_cpu
 
     assert bench_cpu.main(["gemm", "--rows", "1", "3", "--layers", "1", "--repeats", "1"]) == 0
     table = capsys.readouterr().out.splitlines()

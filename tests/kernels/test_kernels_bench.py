@@ -1,4 +1,4 @@
-"""kernels.bench runs: a clear message without CUDA, a smoke run in the interpreter."""
+"""benchmarks.bench_kernels runs: a clear message without CUDA, a smoke run in the interpreter."""
 
 import os
 import subprocess
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import bench
+from benchmarks import bench_kernels as bench
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -23,7 +23,7 @@ def test_without_cuda_it_says_so_and_exits_0(capsys: pytest.CaptureFixture[str])
 def test_cpu_interpret_smoke_run_prints_both_tables() -> None:
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-m", "kernels.bench", "--cpu-interpret"], cwd=REPO_ROOT,
+    result = subprocess.run([sys.executable, "-m", "benchmarks.bench_kernels", "--cpu-interpret"], cwd=REPO_ROOT,
                             env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()

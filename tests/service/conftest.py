@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.service.stack import Stack
+from tests.support.stack import Stack
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,7 @@ import sys
 import pytest
 import requests
 
-from kvops.localstack import Stack
+from tests.support.stack import Stack
 
 
 @pytest.fixture(scope="module")

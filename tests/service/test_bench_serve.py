@@ -1,4 +1,4 @@
-"""`python -m kvops.bench_serve` runs from a checkout as the README shows it (a small
+"""`python -m benchmarks.bench_serve` runs from a checkout as the README shows it (a small
 concurrency, so it stays short); its figures are not checked here, only that every
 stream ended and the table came out."""
 import os
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvops import bench_serve
+from benchmarks import bench_serve
 
 
 def test_bench_serve_runs_and_loses_no_stream(capsys):
@@ -68,10 +68,10 @@ def _cmdline(pid: int) -> str:
 
 
 def test_a_terminated_run_stops_its_stack():
-    """`timeout ... python -m kvops.bench_serve` sends SIGTERM to the benchmark alone; its
+    """`timeout ... python -m benchmarks.bench_serve` sends SIGTERM to the benchmark alone; its
     stack's processes (in sessions of their own) must stop with it, not run on."""
     bench = subprocess.Popen(
-        [sys.executable, "-m", "kvops.bench_serve", "--streams", "8", "--step-ms", "10",
+        [sys.executable, "-m", "benchmarks.bench_serve", "--streams", "8", "--step-ms", "10",
          "--sim-tokens", "1500-1500", "--deadline", "600"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     stack: set[int] = set()

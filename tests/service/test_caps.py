@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.service.stack import Stack
+from tests.support.stack import Stack
 
 CAP = 3
 

@@ -17,7 +17,7 @@ from engine import EngineConfig, InvalidRequestError, LLMEngine, SamplingParams,
     UnknownRequestError
 from engine.errors import CommandExpired
 from kvops.engine_client import InprocClient, MPClient
-from kvops.localstack import Stack
+from tests.support.stack import Stack
 from kvops.sse_client import stream_completion
 from tests.service.test_jobs_api import expected_text
 

@@ -1,5 +1,4 @@
 """Nothing is lost when a worker dies, Redis restarts, or an engine step raises."""
-import json
 import os
 import signal
 import subprocess
@@ -10,7 +9,7 @@ import pytest
 import redis
 
 from engine.snapshot import decode_array
-from kvops.localstack import Stack
+from tests.support.stack import Stack
 
 ENGINE = dict(simulate=1, num_gpu_blocks=256, block_size=16, max_num_seqs=8,
               simulate_step_ms=20)
@@ -23,8 +22,8 @@ def faulty(tmp_path):
     port = free_port()
     redis_proc = start_redis(port, str(tmp_path))
     s = Stack(tmp_path, env={"REDIS_URL": f"redis://127.0.0.1:{port}/0",
-                             "KVOPS_ENGINE_DEAD_AFTER_S": "3", "KVOPS_ROUTING": "round-robin",
-                             "KVOPS_ENGINE_FAULT_INJECTION": "1"})
+                             "KVOPS_ENGINE_DEAD_AFTER_S": "3", "KVOPS_ROUTING": "round-robin"},
+              faults=True)
     s.redis_port, s.redis_proc = port, redis_proc
     try:
         s.start_web()
@@ -135,15 +134,8 @@ def test_a_failing_step_fails_its_jobs_only(faulty):
     long_ids = submit(faulty, 2, max_tokens=400)
     faulty.wait(lambda: all(faulty.api("GET", f"/api/jobs/{i}/").json()["status"] == "running"
                             for i in long_ids), "jobs running", 30)
-    engines = {e["name"]: e for e in faulty.api("GET", "/api/engines/").json()}
     victim = faulty.api("GET", f"/api/jobs/{long_ids[0]}/").json()["engine"]
-    # The test hook is a control command only (not in the REST API); send it from a
-    # process configured like the stack's web server.
-    reply = json.loads(faulty.manage("shell", "-c", (  # the last line is the reply
-        "import json; from kvops import control; print(json.dumps("
-        f"control.send_engine_command({engines[victim]['worker']!r}, 'inject-fault', {{}})))"))
-        .splitlines()[-1])
-    assert reply["ok"] and reply["result"] == {"armed": True}
+    faulty.arm_fault(victim)  # (tests/support/faults: its next step raises)
     failed = faulty.wait_job(long_ids[0], timeout_s=60)
     assert failed["status"] == "failed" and "injected fault" in failed["error"]
     (after,) = submit(faulty, 1, max_tokens=5)

@@ -1,7 +1,7 @@
 """2,000 jobs through the REST API to two simulated engines: all end, no block leaks."""
 import pytest
 
-from kvops import loadtest
+from benchmarks import loadtest
 
 
 @pytest.mark.slow

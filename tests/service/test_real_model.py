@@ -8,7 +8,7 @@ import openai
 import pytest
 
 from engine.hf_tokenizer import HFTokenizer
-from kvops.localstack import Stack
+from tests.support.stack import Stack
 from tests.models.tiny import SPECS, build_tiny_model, hf_greedy
 
 

@@ -5,7 +5,7 @@ import redis
 
 import pytest
 
-from kvops.localstack import Stack
+from tests.support.stack import Stack
 
 SYSTEM_A = "System prompt A: answer in French, briefly. " * 3
 SYSTEM_B = "System prompt B: you are a careful code reviewer. " * 3

@@ -188,7 +188,7 @@ def test_a_sqlite_database_url_gets_this_backend(tmp_path):
 
 
 def test_the_writers_bench_runs_both_backends():
-    out = subprocess.run([sys.executable, "-m", "kvops.sqlite.bench", "--writers", "2",
+    out = subprocess.run([sys.executable, "-m", "benchmarks.bench_sqlite", "--writers", "2",
                           "--seconds", "0.3", "--rounds", "1", "--gap-ms", "5"],
                          capture_output=True, text=True, check=True, cwd=ROOT, timeout=120).stdout
     rows = {line[:24].strip(): line[24:].split() for line in out.splitlines()[2:]}

@@ -1,6 +1,6 @@
 """Streams at an engine's pace: many concurrent /v1 streams on the simulator paced like a
 GPU step, through the job stream. Correctness only (every stream ends, in order, equal to
-its unstreamed answer); the speed is measured by `python -m kvops.bench_serve`."""
+its unstreamed answer); the speed is measured by `python -m benchmarks.bench_serve`."""
 import asyncio
 import random
 import socket
@@ -9,7 +9,7 @@ from urllib.parse import urlparse
 import openai
 import pytest
 
-from kvops.localstack import Stack
+from tests.support.stack import Stack
 from kvops.sse_client import completion_request, stream_completion
 from tests.service.test_jobs_api import expected_text
 

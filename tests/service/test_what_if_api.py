@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kvops.localstack import Stack
+from tests.support.stack import Stack
 
 SYSTEM = "You are the KV cache of a serving engine. Say how blocks are shared. "
 

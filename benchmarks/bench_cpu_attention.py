@@ -1,4 +1,4 @@
-"""The `attention` section of `python -m kernels.bench_cpu`: the C++ kernels as the
+"""The `attention` section of `python -m benchmarks.bench_cpu`: the C++ kernels as the
 engine plans them (kvops::paged_decode_attention for decodes, paged_prefill_attention
 for prompts) against the torch path of kernels/cpu_attention.py (gather + SDPA, grouped
 decodes) on one step's attention over every layer; for prompts also

@@ -1,7 +1,7 @@
 """Scrubbing the engine page's timeline at scale, measured in a real browser (headless
 Chromium).
 
-    .venv/bin/python -m tests.dashboard.bench_timeline [--blocks 65536] [--requests 1000]
+    .venv/bin/python -m benchmarks.bench_timeline [--blocks 65536] [--requests 1000]
         [--minutes 5] [--deltas-per-s 10] [--steps-per-delta 5] [--positions 600]
 
 First it stores a history as the publisher does (kvops/timeline.py, with the settings'
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import tests.session_redis  # noqa: F401  (a private redis-server; sets REDIS_URL first)
 from tests.dashboard.page_perf import percentile, signed_in_page
-from tests.service.stack import Stack
+from tests.support.stack import Stack
 
 # Moves the slider to each offset (seconds before the right end) as a drag does, one
 # input event per position, and waits for the position to be shown (after the fetch of

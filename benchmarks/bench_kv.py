@@ -1,4 +1,4 @@
-"""Benchmark of the KV core (no model): `python -m engine.bench_kv`.
+"""Benchmark of the KV core (no model): `python -m benchmarks.bench_kv`.
 
 Prints scheduler + KV manager time per step at 64/256/1024 running requests, block
 allocation operations per second, and KV utilisation on a synthetic mixed-length trace
@@ -103,7 +103,7 @@ def allocation_ops_per_s(num_blocks: int = 65536, rounds: int = 200_000) -> floa
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m engine.bench_kv", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_kv", description=__doc__)
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--trace-requests", type=int, default=400)
     args = p.parse_args(argv)

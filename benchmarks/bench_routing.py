@@ -1,4 +1,4 @@
-"""Prefix-aware routing vs round-robin: `python -m kvops.bench_routing`.
+"""Prefix-aware routing vs round-robin: `python -m benchmarks.bench_routing`.
 
 Starts a throwaway deployment (web server + two simulated engine workers whose steps
 take GPU-like time: a fixed cost plus a cost per computed token) once per policy, sends
@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from engine.capacity import format_table
-from kvops.localstack import Stack
+from tests.support.stack import Stack
 
 # Each engine can hold two of the four system prompts with room to run, not all four.
 ENGINE = dict(simulate=1, num_gpu_blocks=112, block_size=16, max_num_seqs=8,
@@ -72,7 +72,7 @@ def _split(jobs: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvops.bench_routing", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_routing", description=__doc__)
     p.add_argument("--jobs", type=int, default=200)
     p.add_argument("--max-tokens", type=int, default=16)
     args = p.parse_args(argv)

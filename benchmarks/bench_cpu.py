@@ -1,11 +1,11 @@
 """Benchmark the CPU kernels (kernels/csrc, built by kernels.cpu_ext) against torch.
 
-    python -m kernels.bench_cpu                   # every section
-    python -m kernels.bench_cpu gemm              # packed_linear against torch.mm
-    python -m kernels.bench_cpu gemm --rows 1 8   # only these row counts
-    python -m kernels.bench_cpu attention         # the paged attention kernels (see
-                                                  # kernels/bench_cpu_attention.py)
-    python -m kernels.bench_cpu gemm --prefill    # and prefill's row counts, 256 .. 2048
+    python -m benchmarks.bench_cpu                   # every section
+    python -m benchmarks.bench_cpu gemm              # packed_linear against torch.mm
+    python -m benchmarks.bench_cpu gemm --rows 1 8   # only these row counts
+    python -m benchmarks.bench_cpu attention         # the paged attention kernels (see
+                                                  # benchmarks/bench_cpu_attention.py)
+    python -m benchmarks.bench_cpu gemm --prefill    # and prefill's row counts, 256 .. 2048
 
 gemm: the linear layers of a decode step of SmolLM2-135M (30 layers; qkv, o, gate_up
 and down projections), run as one sweep over 30 distinct weight copies per shape, so
@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from kernels.bench_cpu_attention import add_attention_args, best_ms
+from benchmarks.bench_cpu_attention import add_attention_args, best_ms
 
 # SmolLM2-135M's projections as [K, N] (weight_t): qkv, o, gate_up, down.
 GEMM_SHAPES = ((576, 960), (576, 576), (576, 3072), (1536, 576))
@@ -112,7 +112,7 @@ SECTIONS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kernels.bench_cpu", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_cpu", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads before timing")
     subparsers = parser.add_subparsers(dest="section", metavar="SECTION")

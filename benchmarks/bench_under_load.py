@@ -1,9 +1,9 @@
 """The dashboard while the service streams: the engine page open in a real browser
 (headless Chromium) during N concurrent streamed completions on the paced simulator.
 
-    .venv/bin/python -m tests.dashboard.bench_under_load [--streams 256] [--step-ms 10]
+    .venv/bin/python -m benchmarks.bench_under_load [--streams 256] [--step-ms 10]
 
-One stack (uvicorn and one engine worker, as kvops.bench_serve starts them), the page of
+One stack (uvicorn and one engine worker, as benchmarks.bench_serve starts them), the page of
 its engine opened as admin, then the streams from a light SSE client; it prints the
 page's figures over the streams' run (apply+paint per delta, frame intervals, websocket
 KB/s) and the streams' own (delivered tok/s, lost, hung). Chromium shares the machine's
@@ -18,8 +18,8 @@ import tempfile
 import threading
 from pathlib import Path
 
-from kvops.bench_serve import engine_config, make_workload, run_streams
-from kvops.localstack import Stack
+from benchmarks.bench_serve import engine_config, make_workload, run_streams
+from tests.support.stack import Stack
 from kvops.run import ensure_redis
 from tests.dashboard.page_perf import measure
 

@@ -18,7 +18,7 @@ import requests
 from kvops.private_file import ensure_secret_key
 from kvops.run import web_server_argv
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 _stack_count = itertools.count(1)
 
 
@@ -36,8 +36,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+FAULTS = Path(__file__).resolve().parent / "faults"  # sitecustomize.py: fault injection
+
+
 class Stack:
-    def __init__(self, workdir: Path, env: dict | None = None) -> None:
+    def __init__(self, workdir: Path, env: dict | None = None, faults: bool = False) -> None:
+        """faults: its processes load tests/support/faults (arm_fault makes an engine's
+        next step raise)."""
         self.workdir = workdir
         ensure_secret_key(workdir)  # as `make run` does (DJANGO_SECRET_KEY, if set, wins)
         self.port = free_port()
@@ -49,6 +54,10 @@ class Stack:
                         DJANGO_SUPERUSER_USERNAME="admin", DJANGO_SUPERUSER_EMAIL="a@x.org",
                         DJANGO_SUPERUSER_PASSWORD="admin-pass-123")
         self.env.update(env or {})
+        if faults:
+            self.env["PYTHONPATH"] = os.pathsep.join(
+                [str(FAULTS), *filter(None, [self.env.get("PYTHONPATH")])])
+            self.env["KVOPS_TEST_FAULT_DIR"] = str(workdir)
         if "REDIS_URL" not in (env or {}):
             self.env["REDIS_URL"] = _own_database(os.environ.get("REDIS_URL",
                                                                  "redis://127.0.0.1:6379/0"))
@@ -86,6 +95,12 @@ class Stack:
         self._spawn(f"engine-{name}", [sys.executable, "manage.py", "engine_worker", "--name",
                                        name, "--threads", str(threads)], env)
         self.wait(lambda: self.engine_alive(name), f"engine {name}", 120)
+
+    def arm_fault(self, engine: str) -> None:
+        """The engine's next simulated step raises (a stack started with faults=True)."""
+        if "KVOPS_TEST_FAULT_DIR" not in self.env:
+            raise RuntimeError("this stack was started without faults=True")
+        (Path(self.env["KVOPS_TEST_FAULT_DIR"]) / f"fault-{engine}").touch()
 
     def start_ops_worker(self, **env: str) -> None:
         """The ops worker (what-if replays). Tasks sent before it is up wait in its queue."""

@@ -1,4 +1,4 @@
-"""Load test: `python -m kvops.loadtest [--jobs 2000]`.
+"""Load test: `python -m benchmarks.loadtest [--jobs 2000]`.
 
 Starts a throwaway deployment (web server + two simulated engines) on loopback, submits
 the jobs through the REST API from a bounded pool of client threads, waits for all of
@@ -20,7 +20,7 @@ from pathlib import Path
 
 from engine.capacity import format_table
 from engine.snapshot import decode_array
-from kvops.localstack import Stack
+from tests.support.stack import Stack
 
 ENGINE = dict(simulate=1, num_gpu_blocks=2048, block_size=16, max_num_seqs=64,
               max_num_batched_tokens=2048, simulate_step_ms=2)
@@ -100,7 +100,7 @@ def run(jobs: int, clients: int, deadline_s: float) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvops.loadtest", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m benchmarks.loadtest", description=__doc__)
     p.add_argument("--jobs", type=int, default=2000)
     p.add_argument("--clients", type=int, default=16)
     p.add_argument("--deadline", type=float, default=600.0, help="give up after this many s")

@@ -1,8 +1,8 @@
 """Benchmark paged_attention against SDPA on the same data laid out contiguously.
 
-    python -m kernels.bench                  # CUDA: decode and prefill tables
-    python -m kernels.bench --quick          # CUDA: fewer shapes
-    python -m kernels.bench --cpu-interpret  # no GPU: tiny smoke run in Triton's interpreter
+    python -m benchmarks.bench_kernels                  # CUDA: decode and prefill tables
+    python -m benchmarks.bench_kernels --quick          # CUDA: fewer shapes
+    python -m benchmarks.bench_kernels --cpu-interpret  # no GPU: tiny smoke run in Triton's interpreter
 
 Shapes are Llama-8B-like: 32 query / 8 KV heads, head_dim 128, bf16, block size 16.
 Columns: time per call (median); bytes a perfect kernel must move (K/V of every
@@ -169,15 +169,15 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.cpu_interpret:
         if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-            print("kernels.bench: Triton was already imported outside interpreter mode; run in a fresh process")
+            print("benchmarks.bench_kernels: Triton was already imported outside interpreter mode; run in a fresh process")
             return 2
         os.environ["TRITON_INTERPRET"] = "1"  # before the first launch imports Triton
         device = torch.device("cpu")
         decode = [c for c in interpreter_cases() if c.kind == "decode"]
         prefill = [c for c in interpreter_cases() if c.kind != "decode"]
     elif not torch.cuda.is_available():
-        print("kernels.bench needs a CUDA GPU and found none; nothing to measure. "
-              "`python -m kernels.bench --cpu-interpret` runs a tiny smoke test in Triton's interpreter.")
+        print("benchmarks.bench_kernels needs a CUDA GPU and found none; nothing to measure. "
+              "`python -m benchmarks.bench_kernels --cpu-interpret` runs a tiny smoke test in Triton's interpreter.")
         return 0
     else:
         device = torch.device("cuda")

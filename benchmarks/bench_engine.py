@@ -1,7 +1,7 @@
 """Throughput benchmark: one workload through kvops and through transformers
 `generate` (static batches, left padding) in the same process, on the same weights.
 
-    python -m engine.bench [--model PATH] [--num-requests 32] [--hf-batch-sizes 8,32]
+    python -m benchmarks.bench_engine [--model PATH] [--num-requests 32] [--hf-batch-sizes 8,32]
                            [--torch-paths] [--dtype float32|bfloat16] [--repeats N]
 
 Workload: prompts of uniform random length in [16, 256] (random token ids), outputs of

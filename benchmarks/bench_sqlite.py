@@ -1,6 +1,6 @@
 """Write latency with several writer processes on one SQLite file: Django's backend
 (SQLite's busy handler) against this one (writers queue on a flock), same workload, same
-run: `python -m kvops.sqlite.bench`.
+run: `python -m benchmarks.bench_sqlite`.
 
 Each writer process stands for one of the service's: every few milliseconds (exponential
 gaps) it writes a batch of rows in one transaction (as the web stores a burst's jobs, a

@@ -1,6 +1,6 @@
 """The engine page at scale, measured in a real browser (headless Chromium).
 
-    .venv/bin/python -m tests.dashboard.bench_browser [--blocks 65536] [--requests 1000]
+    .venv/bin/python -m benchmarks.bench_browser [--blocks 65536] [--requests 1000]
         [--seconds 30] [--screenshot artifacts/dashboard/scale.png]
 
 Starts the web server (uvicorn) on a private Redis and SQLite file, and, in this process,
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import tests.session_redis  # noqa: F401  (a private redis-server; sets REDIS_URL first)
 from tests.dashboard.page_perf import measure
-from tests.service.stack import Stack
+from tests.support.stack import Stack
 
 
 class _Outputs:

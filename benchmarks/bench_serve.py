@@ -1,4 +1,4 @@
-"""Streaming benchmark: `python -m kvops.bench_serve`.
+"""Streaming benchmark: `python -m benchmarks.bench_serve`.
 
 The service path measured end to end at an engine's pace: a throwaway stack (uvicorn and
 one engine worker, loopback only) with the simulated engine paced like a GPU step
@@ -40,7 +40,7 @@ from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.capacity import format_table
 from engine.core_proc import core_nice, raise_priority
 from kvops.engine_client import core_environment
-from kvops.localstack import Stack
+from tests.support.stack import Stack
 from kvops.run import ensure_redis
 from kvops.sse_client import StreamResult, stream_completion
 
@@ -83,7 +83,7 @@ def engine_alone(config: dict, work: Workload, core: str = "process") -> dict:
     itself), so that the engine alone and the engine in the service differ by the
     service alone."""
     done = subprocess.run(
-        [sys.executable, "-m", "kvops.bench_serve", "--alone", core], capture_output=True,
+        [sys.executable, "-m", "benchmarks.bench_serve", "--alone", core], capture_output=True,
         text=True, input=json.dumps({"config": config, "prompts": work.prompts,
                                      "max_tokens": work.max_tokens}),
         env=core_environment(os.environ) if core == "process" else None, timeout=3600)

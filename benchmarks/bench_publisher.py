@@ -1,6 +1,6 @@
 """What live publishing costs the engine's step loop, at dashboard scale.
 
-    .venv/bin/python -m tests.dashboard.bench_publisher [--blocks 65536] [--requests 1000]
+    .venv/bin/python -m benchmarks.bench_publisher [--blocks 65536] [--requests 1000]
         [--seconds 20] [--step-ms 20 0]
 
 Runs the simulated engine's core on a thread of this process (kvops/engine_client.py's
