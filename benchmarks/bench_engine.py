@@ -87,12 +87,23 @@ def useful_flops(args: ModelArgs, w: Workload, cached: list[int] | None = None) 
     return total
 
 
-def matmul_rates(n: int = 4096, repeats: int = 5,
-                 dtype: torch.dtype = torch.float32) -> dict[str, float]:
+def matmul_rates(n: int = 4096, repeats: int = 5, dtype: torch.dtype = torch.float32,
+                 device: str = "cpu") -> dict[str, float]:
     """FLOP/s of an n x n x n matmul (best of a few) by torch.mm, and by the packed
     kernel of kernels/csrc/small_gemm.cpp where it runs (float32, built here)."""
     from kernels import cpu_ext
 
+    if device != "cpu":
+        x, w = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype,
+                                                                            device=device)
+        best = float("inf")
+        for _ in range(repeats + 1):
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            torch.mm(x, w)
+            torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - started)
+        return {"torch.mm": 2 * n ** 3 / best}
     return cpu_ext.time_matmuls(n, n, n, repeats, dtype,
                                 packed=dtype == torch.float32 and cpu_ext.available())
 
@@ -176,17 +187,21 @@ def run_hf(model, w: Workload, batch_size: int) -> float:
         for i in range(0, len(w.prompts), batch_size):
             prompts, lens = w.prompts[i:i + batch_size], w.output_lens[i:i + batch_size]
             width = max(len(p) for p in prompts)
-            ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+            ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts],
+                               device=model.device)
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts],
+                                device=model.device)
             model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(lens),
                            do_sample=False, pad_token_id=0)
+    if model.device.type == "cuda":
+        torch.cuda.synchronize()
     return time.perf_counter() - t
 
 
-def load_hf(path: str, dtype: torch.dtype = torch.float32):
+def load_hf(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu"):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     model.generation_config.eos_token_id = None  # ignore_eos, as the kvops requests
     return model
 
@@ -234,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--torch-paths", action="store_true",
                    help="also run kvops with its C++ CPU kernels off (cpu_kernels=False)")
+    p.add_argument("--device", default="cpu",
+                   help="the engine's and transformers' device (cpu, cuda)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="both systems' dtype (and the matmul rate's)")
     p.add_argument("--matmul-size", type=int, default=4096,
@@ -250,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
 
     dtype = getattr(torch, args.dtype)
-    config = EngineConfig(model=args.model, device="cpu", dtype=args.dtype,
+    config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
                           block_size=args.block_size,
                           max_num_batched_tokens=args.max_num_batched_tokens)
     engine = LLMEngine(config)
@@ -258,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     model_args = engine.runner.folder.args
     workloads = make_workloads(args.num_requests, model_args.vocab_size, args.seed,
                                args.system_prompt_len)
-    rates = matmul_rates(args.matmul_size, dtype=dtype)
+    rates = matmul_rates(args.matmul_size, dtype=dtype, device=args.device)
     peak = max(rates.values())
     print(f"model {engine.runner.model_id}, {torch.get_num_threads()} threads; "
           f"{args.dtype} matmul {args.matmul_size}^3: "
@@ -266,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
           + f" GFLOP/s (% mm below: of the best, {peak / 1e9:.0f}); C++ CPU kernels "
           f"{'on' if engine.runner.cpu_kernels else 'off'}")
     hf_sizes = [int(b) for b in args.hf_batch_sizes.split(",") if b.strip()]
-    hf_model = load_hf(str(engine.runner.folder.path), dtype) if hf_sizes else None
+    hf_model = load_hf(str(engine.runner.folder.path), dtype, args.device) if hf_sizes else None
     warm_prompts = workloads[0].prompts[:4]
     warm = Workload("warm-up", warm_prompts, [4] * len(warm_prompts))
     run_kvops(engine, warm)

@@ -49,7 +49,33 @@ NATIVE_CHUNK_MIN_ROWS = 8
 # Flash attention that also returns the log-sum-exp of each query's scores (what
 # F.scaled_dot_product_attention calls on CPU for 4-d inputs); needed to merge the
 # shared-prefix and own-blocks halves of a cascade.
-_flash_attention = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_cpu_flash_attention = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     attn_mask: torch.Tensor | None = None,
+                     scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over [B, H, Lq, D] queries and [B, KV, Lk, D] keys and values (KV divides
+    H), with the log-sum-exp [B, H, Lq] of each query's scores. On the CPU, aten's flash
+    kernel; elsewhere (this torch path run on a GPU: tests, a backend chosen by hand) the
+    same in plain tensor algebra, in float32."""
+    if q.device.type == "cpu":
+        return _cpu_flash_attention(q, k, v, attn_mask=attn_mask, scale=scale)
+    return _attention_with_lse(q, k, v, attn_mask, scale)
+
+
+def _attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        attn_mask: torch.Tensor | None,
+                        scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    if k.shape[1] != q.shape[1]:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if attn_mask is not None:
+        scores = scores + attn_mask
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.matmul(torch.softmax(scores, dim=-1), v.float())
+    return out.to(q.dtype), lse
 
 
 @dataclass(slots=True)
