@@ -45,6 +45,7 @@ def start_engine(name: str, blocks: int, num_requests: int, step_ms: float):
     from engine import EngineConfig
     from kvops.engine_client import InprocClient
     from kvops.models import Engine
+    from kvops.prefix_index import PrefixIndex
     from kvops.publisher import EnginePublisher
 
     config = EngineConfig(simulate=True, name=name, num_gpu_blocks=blocks,
@@ -52,7 +53,8 @@ def start_engine(name: str, blocks: int, num_requests: int, step_ms: float):
                           max_num_batched_tokens=8192, simulate_step_ms=step_ms,
                           preemption_mode="swap")
     client = InprocClient(config, _Outputs(), on_kv_item=lambda item: publisher.on_item(item))
-    publisher = EnginePublisher(name, source=client)  # as a worker wires them
+    publisher = EnginePublisher(name, source=client,  # as a worker wires them
+                                prefix_index=PrefixIndex(name, client))
     client.start()
     fields = {f.name for f in Engine._meta.fields}
     row = {"worker": f"engine-{name}@{socket.gethostname()}", "host": socket.gethostname(),

@@ -48,6 +48,7 @@ def run(blocks: int, num_requests: int, seconds: float, step_ms: float,
         publish: bool) -> dict:
     from engine import EngineConfig
     from kvops.engine_client import InprocClient
+    from kvops.prefix_index import PrefixIndex
     from kvops.publisher import EnginePublisher
 
     name = f"bench{int(time.time() * 1000) % 100000}"
@@ -58,7 +59,8 @@ def run(blocks: int, num_requests: int, seconds: float, step_ms: float,
     # as a worker wires them, or with no view at all
     client = InprocClient(config, _Outputs(),
                           on_kv_item=(lambda item: publisher.on_item(item)) if publish else None)
-    publisher = EnginePublisher(name, source=client) if publish else None
+    publisher = EnginePublisher(name, source=client, prefix_index=PrefixIndex(name, client)) \
+        if publish else None
     client.start()
     client.submit_many([[f"r{i}", prompt, {"max_tokens": 3000}, 0, None, None, None]
                         for i, prompt in enumerate(population(num_requests))])

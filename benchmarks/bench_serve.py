@@ -38,7 +38,7 @@ from urllib.parse import urlparse, urlunparse
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.capacity import format_table
-from engine.core_proc import core_nice, raise_priority
+from engine.core_proc import CORE_NICE, raise_priority
 from kvops.engine_client import core_environment
 from tests.support.stack import Stack
 from kvops.run import ensure_redis
@@ -86,17 +86,23 @@ def engine_alone(config: dict, work: Workload, core: str = "process") -> dict:
         [sys.executable, "-m", "benchmarks.bench_serve", "--alone", core], capture_output=True,
         text=True, input=json.dumps({"config": config, "prompts": work.prompts,
                                      "max_tokens": work.max_tokens}),
-        env=core_environment(os.environ) if core == "process" else None, timeout=3600)
+        env=core_environment(os.environ, _core_nice()) if core == "process" else None,
+        timeout=3600)
     if done.returncode != 0:
         raise RuntimeError(f"the engine alone failed: {done.stderr[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _core_nice() -> int:
+    """The niceness a worker of this environment gives its core (kvops/settings.py)."""
+    return int(os.environ.get("KVOPS_ENGINE_CORE_NICE") or CORE_NICE)
 
 
 def _engine_alone_here(core: str) -> None:
     """The engine-alone process (`--alone`): the job from stdin, the result to stdout."""
     job = json.loads(sys.stdin.read())
     if core == "process":  # before the first parallel region starts torch's threads
-        raise_priority(core_nice())
+        raise_priority(_core_nice())
     work = Workload(job["prompts"], job["max_tokens"])
     engine = LLMEngine(EngineConfig(**job["config"]), detokenize=False)  # as a core runs it
     # One short request first, as the service gets one (bench_once): on a GPU the first

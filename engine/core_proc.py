@@ -229,11 +229,6 @@ SPIN_NICE = -10
 SPIN_COUNT = 3000
 
 
-def core_nice(environ=os.environ) -> int:
-    """The niceness the core takes: KVOPS_ENGINE_CORE_NICE, else CORE_NICE."""
-    return int(environ.get("KVOPS_ENGINE_CORE_NICE") or CORE_NICE)
-
-
 def may_take_niceness(nice: int) -> bool:
     """Whether a process started from this one may lower its niceness to `nice` (root,
     CAP_SYS_NICE or RLIMIT_NICE). Tried on the calling thread, which Linux gives a
@@ -269,11 +264,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", required=True, help="ZMQ address to send messages to")
     parser.add_argument("--no-kv-view", action="store_true",
                         help="keep no live KV view (nobody watches this engine's blocks)")
+    parser.add_argument("--nice", type=int, default=CORE_NICE,
+                        help=f"the niceness the core takes (default {CORE_NICE})")
+    parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=os.environ.get("KVOPS_LOG_LEVEL", "INFO"),
+    logging.basicConfig(level=args.log_level,
                         format="%(asctime)s %(levelname)s engine-core: %(message)s")
     config = EngineConfig(**json.loads(args.config))
-    raise_priority(core_nice())
+    raise_priority(args.nice)
     serve(config, args.input, args.output, kv_view=not args.no_kv_view)
     return 0
 

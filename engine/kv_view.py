@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from engine.events import KVEvent
 from engine.kv_export import REQUEST_FIELDS, KVExport, PoolExport
-from engine.snapshot import BLOCK_STATES, CACHED, EVICTION_ORDER_LEN, FREE, PINNED, USED, \
+from engine.snapshot import BLOCK_STATES, CACHED, FREE, PINNED, USED, \
     encode_array
 
 if TYPE_CHECKING:
@@ -302,7 +302,7 @@ class KVMirror:
         return None
 
     def snapshot(self, compact: bool = True) -> dict:
-        """The whole state (the format of DESIGN.md's snapshot, with type and epoch):
+        """The whole state (the snapshot format of docs/design.md, with type and epoch):
         the one builder of the document, for the live view, the timeline's keyframes and
         engine.snapshot(). compact: per-block arrays as base64 of their bytes."""
         return {

@@ -6,7 +6,7 @@ acknowledges messages of tasks that finish meanwhile on the dead channel; both f
 kombu and the worker exits with "Unrecoverable error". kvops needs neither: a job whose
 worker stopped is re-dispatched by kvops.reaper under a new task id, and a job that
 finished is finished in the database, so a late redelivery of its message is ignored
-(services.claim_jobs). Here the restore is off and acks on a closed channel are dropped,
+(job_store.claim_jobs). Here the restore is off and acks on a closed channel are dropped,
 so the worker rides out the restart and reconnects.
 """
 import logging

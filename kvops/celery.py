@@ -4,23 +4,21 @@ import os
 
 from celery import Celery
 
-from kvops.broker import broker_url
+import kvops.broker  # noqa: F401  (registers the broker transport that settings name)
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "kvops.settings")
 
 app = Celery("kvops")
 app.config_from_object("django.conf:settings", namespace="CELERY")
 
-_job_timeout = int(os.environ.get("KVOPS_JOB_TIMEOUT_S", 3600))
+# The broker and its redelivery timeout come from settings (CELERY_*), read when Celery
+# first needs its configuration.
 app.conf.update(
-    broker_url=broker_url(os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")),
     # A GPU job is long and expensive: take one at a time, acknowledge it only when it
     # is done, and hand it back if the worker process dies under it.
     task_acks_late=True,
     task_reject_on_worker_lost=True,
     worker_prefetch_multiplier=1,
-    # Redis redelivers an unacknowledged message after this long: longer than any job.
-    broker_transport_options={"visibility_timeout": _job_timeout + 300},
     task_default_queue="jobs",
     task_ignore_result=True,
     worker_hijack_root_logger=False,
@@ -29,6 +27,6 @@ app.conf.update(
     enable_utc=True,
 )
 app.autodiscover_tasks(["kvops"])
-
-# Control commands and worker signals: importing registers them (harmless off-worker).
-from kvops import worker  # noqa: E402,F401
+# Control commands and worker signals: a worker imports the module as it starts, and
+# importing registers them (by name here: the worker module imports what imports this).
+app.conf.imports = ("kvops.worker",)

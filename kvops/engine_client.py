@@ -39,11 +39,11 @@ from typing import Any, Protocol
 import zmq
 
 from engine import EngineConfig, EngineError
-from engine.core_proc import SPIN_COUNT, SPIN_NICE, core_nice, may_take_niceness, pack, serve, \
+from engine.core_proc import CORE_NICE, SPIN_COUNT, SPIN_NICE, may_take_niceness, pack, serve, \
     unpack
 from engine.errors import error_from_wire
 from engine.outputs import CoreOutput
-from kvops.prompts import render_chat, tokenizer_for
+from kvops.prompts import prompt_ids, tokenizer_for, tokenizer_id
 
 log = logging.getLogger(__name__)
 
@@ -193,8 +193,15 @@ class EngineClient(ABC):
         """A question to the core's KV view (see KVFeed.ask)."""
         return self._call(["kvask", None, kind, argument], timeout_s)
 
-    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> str:
-        return render_chat(self.tokenizer, messages, tools)
+    def prompt_of(self, job) -> list[int]:
+        """A stored job's prompt as token ids for this engine: those the web rendered at
+        intake (kvops/intake.py) when they were made with this engine's tokenizer, else
+        rendered here the same way (a job stored while no engine of its kind was
+        registered, or whose tokenizer the web could not read)."""
+        if job.prompt_token_ids is not None and job.tokenizer == tokenizer_id(self.described):
+            return job.prompt_token_ids
+        tools = ((job.params or {}).get("tool_call") or {}).get("tools")
+        return prompt_ids(self.tokenizer, job.prompt, job.messages, tools)
 
     def _call(self, message: list, timeout_s: float) -> Any:
         if not self.alive:
@@ -302,10 +309,12 @@ class MPClient(EngineClient):
     def __init__(self, config: EngineConfig, sink: OutputSink,
                  on_kv_item: Callable[[dict], None] | None = None,
                  startup_timeout_s: float = 900.0, tokenizer=None,
-                 worker_stopping: Callable[[], bool] = lambda: False) -> None:
+                 worker_stopping: Callable[[], bool] = lambda: False,
+                 core_nice: int = CORE_NICE, log_level: str = "INFO") -> None:
         super().__init__(config, sink, on_kv_item, startup_timeout_s, tokenizer)
         # True once the worker is shutting down: a core that dies then is not replaced
         self.worker_stopping = worker_stopping
+        self.core_nice, self.log_level = core_nice, log_level
         self.restarts = 0  # core deaths in a row
         self._proc: subprocess.Popen | None = None
 
@@ -320,8 +329,9 @@ class MPClient(EngineClient):
         self._proc = subprocess.Popen([
             sys.executable, "-m", "engine.core_proc", "--config", json.dumps(fields),
             "--input", self._in_address, "--output", self._out_address,
+            "--nice", str(self.core_nice), "--log-level", self.log_level,
             *([] if self.on_kv_item is not None else ["--no-kv-view"])],
-            env=core_environment(os.environ))
+            env=core_environment(os.environ, self.core_nice))
 
     def _exit_code(self) -> int | None:
         return self._proc.poll() if self._proc is not None else None
@@ -402,29 +412,31 @@ class InprocClient(EngineClient):
 
 def make_engine_client(mode: str, config: EngineConfig, sink: OutputSink,
                        on_kv_item: Callable[[dict], None] | None = None, tokenizer=None,
-                       worker_stopping: Callable[[], bool] = lambda: False) -> EngineClient:
-    """The client for KVOPS_ENGINE_CORE's `mode`: `process` or `thread`."""
+                       worker_stopping: Callable[[], bool] = lambda: False,
+                       core_nice: int = CORE_NICE, log_level: str = "INFO") -> EngineClient:
+    """The client for KVOPS_ENGINE_CORE's `mode`: `process` (its niceness `core_nice`)
+    or `thread`."""
     if mode == "process":
         return MPClient(config, sink, on_kv_item, tokenizer=tokenizer,
-                        worker_stopping=worker_stopping)
+                        worker_stopping=worker_stopping, core_nice=core_nice,
+                        log_level=log_level)
     if mode == "thread":
         return InprocClient(config, sink, on_kv_item, tokenizer=tokenizer)
     raise ValueError(f"KVOPS_ENGINE_CORE={mode!r}: use `thread` or `process`")
 
 
-def core_environment(environ) -> dict[str, str]:
+def core_environment(environ, nice: int = CORE_NICE) -> dict[str, str]:
     """The core process's environment: the worker's, with the wait of the OpenMP threads
     (torch's CPU threads, libgomp) chosen unless OMP_WAIT_POLICY or GOMP_SPINCOUNT is
-    set. A core that will run at SPIN_NICE or lower (engine.core_proc) spins briefly at a
+    set. A core that will run (at niceness `nice`) at SPIN_NICE or lower (engine.core_proc) spins briefly at a
     barrier (GOMP_SPINCOUNT=SPIN_COUNT) and sleeps after that: it outranks the service's
     processes, and a step on the CPU runs about a fifth faster (on 2 cores the service
-    delivers 9-25% more tokens a second, README). Any other core sleeps at once
+    delivers 9-25% more tokens a second, docs/history/streaming.md). Any other core sleeps at once
     (OMP_WAIT_POLICY=PASSIVE): at equal rank a spinning thread holds the CPU that the
     service, or the other thread's work, needs."""
     env = dict(environ)
     if "OMP_WAIT_POLICY" in env or "GOMP_SPINCOUNT" in env:
         return env
-    nice = core_nice(environ)
     if nice <= SPIN_NICE and may_take_niceness(nice):
         env["GOMP_SPINCOUNT"] = str(SPIN_COUNT)
     else:

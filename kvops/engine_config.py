@@ -8,9 +8,11 @@ from typing import Any
 from engine import EngineConfig, InvalidRequestError
 
 
-def config_from_env(environ: dict[str, str]) -> EngineConfig:
-    """EngineConfig from KVOPS_ENGINE_<FIELD> variables (e.g. KVOPS_ENGINE_BLOCK_SIZE=32)."""
-    kwargs: dict[str, Any] = {}
+def config_from_env(environ: dict[str, str],
+                    defaults: dict[str, Any] | None = None) -> EngineConfig:
+    """EngineConfig from KVOPS_ENGINE_<FIELD> variables (e.g. KVOPS_ENGINE_BLOCK_SIZE=32);
+    a field no variable sets takes its value from `defaults`, else EngineConfig's."""
+    kwargs: dict[str, Any] = dict(defaults or {})
     for f in dataclasses.fields(EngineConfig):
         raw = environ.get(f"KVOPS_ENGINE_{f.name.upper()}")
         if raw is None or raw == "":

@@ -10,7 +10,7 @@ from typing import AsyncIterator
 
 from asgiref.sync import sync_to_async
 
-from kvops import services
+from kvops import job_store
 from kvops.job_stream import TextAssembler, state_update
 from kvops.models import Job
 from kvops.stream_hub import StreamError, Subscription
@@ -38,7 +38,7 @@ class JobListener:
         self.sub = sub
         self.job_id = job.pk
         self.text = TextAssembler()
-        self.state: dict = services.job_payload(job)
+        self.state: dict = job_store.job_payload(job)
         self.num_output_tokens = job.num_output_tokens
         self.num_prompt_tokens = job.num_prompt_tokens  # both also in the stream's updates
         self.num_cached_tokens = job.num_cached_tokens
@@ -49,6 +49,10 @@ class JobListener:
         self.sample_tokens: dict[int, int] = {}
         self._logprobs: dict[int, list[list]] = {}  # per sample: [token, logprob, top]
         self.text.add(job.attempts, 0, job.output_text)
+        if job.is_terminal:  # (a retry's replay of an ended job: the row has it all)
+            self.prompt_logprobs = job.prompt_logprobs or None
+            if job.output_logprobs:
+                self._logprobs[0] = list(job.output_logprobs)
         self._last_reload = float("-inf")
 
     @property
@@ -104,7 +108,7 @@ class JobListener:
                 job = await reload(self.job_id)
                 if not job.is_terminal:
                     continue
-                batch = [state_update(job.pk, job.attempts, services.job_payload(job))]
+                batch = [state_update(job.pk, job.attempts, job_store.job_payload(job))]
             except StreamError as e:
                 raise JobFailed(str(e)) from None
             for update in batch:
@@ -141,8 +145,8 @@ def _cancel(job_id: int) -> None:
     if job is None or job.is_terminal:
         return
     try:
-        services.cancel_job(job)
-    except services.Conflict:
+        job_store.cancel_job(job)
+    except job_store.Conflict:
         pass  # it ended meanwhile
     except Exception as e:
         log.warning("could not cancel abandoned job %s: %s", job_id, e)

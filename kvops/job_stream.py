@@ -18,7 +18,7 @@ pieces that arrive from two places (the database row, then the stream):
   offset    where `text` starts in the attempt's output (characters)
   text      the new text (a state update carries the whole text at offset 0)
   n         output tokens so far
-  state     only when the job's status changed: the job's payload (services.job_payload),
+  state     only when the job's status changed: the job's payload (job_store.job_payload),
             `finished` among it
 """
 from __future__ import annotations

@@ -1,14 +1,21 @@
-"""What a job may ask for: the one set of rules that both the REST API's serializer
-(kvops/api/serializers.py) and the OpenAI-compatible API (kvops/openai_api.py) apply,
-so a request one refuses the other refuses too, with the same words."""
-import os
-import re
+"""What a job may ask for: the one set of field rules every intake applies (the REST
+job, /v1/completions and /v1/chat/completions parsers in kvops/intake.py), so that a
+value one API refuses the others refuse too, in the same words.
 
-# Characters, not tokens: the engine checks the token count against its model's limit.
-MAX_PROMPT_CHARS = int(os.environ.get("KVOPS_MAX_PROMPT_CHARS", 200_000))
-MAX_TOKENS = int(os.environ.get("KVOPS_MAX_TOKENS", 8192))
+Each rule takes the field's name and the value the client sent (None: not sent) and
+returns the value as the job keeps it, or raises InvalidParam naming the field. Types
+are not coerced: "0.5" is not a number and `false` is not an integer.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from django.conf import settings
+
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 8, 256
 MAX_STOP_TOKEN_IDS = 64
+TOKEN_ID_MAX = 2**31 - 1
 TEMPERATURE = (0.0, 2.0)
 TOP_P = (0.0, 1.0)  # 0 excluded
 TOP_K_MAX = 1_000_000
@@ -21,6 +28,16 @@ LOGIT_BIAS = (-100.0, 100.0)
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_LOGPROBS = 20  # as engine.sampling_params.MAX_LOGPROBS
 MAX_N = 16  # as engine.sampling_params.MAX_N
+ROLES = ("system", "user", "assistant")
+
+
+def max_prompt_chars() -> int:
+    """Characters, not tokens: the engine checks the token count against its model."""
+    return settings.KVOPS_MAX_PROMPT_CHARS
+
+
+def max_tokens_limit() -> int:
+    return settings.KVOPS_MAX_TOKENS
 
 
 class InvalidParam(ValueError):
@@ -33,6 +50,88 @@ class InvalidParam(ValueError):
 
 class NotAllowed(InvalidParam):
     """The value is valid but this user may not ask for it (HTTP 403)."""
+
+
+# --- types -----------------------------------------------------------------------------------
+def integer(name: str, value: Any, default: Any, lo: int, hi: int) -> Any:
+    """An integer in [lo, hi] (a boolean is not one); default if not sent."""
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise InvalidParam(name, f"`{name}` must be an integer in [{lo}, {hi}]")
+    return value
+
+
+def number(name: str, value: Any, default: float | None, lo: float, hi: float,
+           above_lo: bool = False) -> float | None:
+    """A number in [lo, hi] (in (lo, hi] if above_lo) as a float; default if not sent."""
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not lo <= value <= hi:
+        raise InvalidParam(name, f"`{name}` must be a number in "
+                                 f"{'(' if above_lo else '['}{lo:g}, {hi:g}]")
+    if above_lo and value <= lo:
+        raise InvalidParam(name, f"`{name}` must be greater than {lo:g}")
+    return float(value)
+
+
+def flag(name: str, value: Any, default: bool = False) -> bool:
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise InvalidParam(name, f"`{name}` must be a boolean")
+    return value
+
+
+def text(name: str, value: Any, max_chars: int | None = None) -> str:
+    """A non-empty string of at most max_chars (the prompt limit by default) characters,
+    without NUL (no database stores it in text)."""
+    limit = max_prompt_chars() if max_chars is None else max_chars
+    if not isinstance(value, str) or not value:
+        raise InvalidParam(name, f"`{name}` must be a non-empty string")
+    if len(value) > limit:
+        raise InvalidParam(name, f"`{name}` is longer than {limit} characters")
+    if "\x00" in value:
+        raise InvalidParam(name, f"`{name}` must not contain NUL characters (U+0000)")
+    return value
+
+
+# --- fields ----------------------------------------------------------------------------------
+def prompt(value: Any) -> str:
+    """A completion's prompt: a string, or a list holding one string (OpenAI's batch form,
+    one prompt at a time here)."""
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
+        value = value[0]
+    return text("prompt", value)
+
+
+def messages(value: Any) -> list[dict]:
+    """A chat: a non-empty list of {"role": system | user | assistant, "content": text or
+    a list of text parts}; kept as {"role", "content"} with the parts joined."""
+    if not isinstance(value, list) or not value:
+        raise InvalidParam("messages", "`messages` must be a non-empty list")
+    out = []
+    for m in value:
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise InvalidParam("messages", "each message needs a `role` of system, user or "
+                                           "assistant")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: the text ones
+            if not all(isinstance(p, dict) and p.get("type") == "text"
+                       and isinstance(p.get("text", ""), str) for p in content):
+                raise InvalidParam("messages", "only text content parts are supported")
+            content = "".join(p.get("text", "") for p in content)
+        if not isinstance(content, str):
+            raise InvalidParam("messages", "message `content` must be a string")
+        if len(content) > max_prompt_chars():
+            raise InvalidParam("messages", f"message `content` is longer than "
+                                           f"{max_prompt_chars()} characters")
+        if "\x00" in content:
+            raise InvalidParam("messages", "message `content` must not contain NUL "
+                                           "characters (U+0000)")
+        out.append({"role": m["role"], "content": content})
+    return out
 
 
 def stop_strings(value) -> list[str]:
@@ -50,6 +149,24 @@ def stop_strings(value) -> list[str]:
     return value
 
 
+def stop_token_ids(value) -> list[int]:
+    if value is None:
+        return []
+    if not isinstance(value, list) or len(value) > MAX_STOP_TOKEN_IDS or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= TOKEN_ID_MAX
+            for t in value):
+        raise InvalidParam("stop_token_ids", f"`stop_token_ids` must be a list of at most "
+                                             f"{MAX_STOP_TOKEN_IDS} token ids")
+    return value
+
+
+def top_k(value) -> int | None:
+    """vLLM's: an integer of at least 1; 0 and -1 (and not sent) mean no limit."""
+    if not isinstance(value, bool) and value in (None, -1, 0):
+        return None
+    return integer("top_k", value, None, 1, TOP_K_MAX)
+
+
 def priority(value, is_staff: bool) -> int:
     """An integer in PRIORITY; below 0 (ahead of everyone's default) only for staff."""
     if value is None:
@@ -62,20 +179,6 @@ def priority(value, is_staff: bool) -> int:
         raise NotAllowed("priority", "only staff may set a priority below 0 (it runs ahead "
                                      "of everyone's jobs); use 0 or more")
     return value
-
-
-def sampling_params(params: dict) -> dict:
-    """The job's sampling parameters as the engine will take them, or InvalidParam naming
-    the field the engine refuses (min_tokens above max_tokens, a bad logit_bias key...):
-    both APIs answer 400 before the job exists rather than failing it on the engine."""
-    from engine.errors import InvalidRequestError
-    from engine.sampling_params import SamplingParams
-    try:
-        SamplingParams(**params)
-    except InvalidRequestError as e:
-        message = str(e)
-        raise InvalidParam(message.split(" ", 1)[0], message) from None
-    return params
 
 
 _TOKEN_ID_DIGITS = 10  # token ids are below 2**31
@@ -121,3 +224,47 @@ def structured(value, param: str) -> dict | None:
     except InvalidRequestError as e:
         raise InvalidParam(param, f"`{param}`: {e}") from None
     return value
+
+
+def sampling(body: dict, max_tokens: Any, default_max_tokens: int,
+             default_temperature: float) -> dict:
+    """The sampling fields every intake shares (max_tokens given apart: chat also calls
+    it max_completion_tokens), as the engine's SamplingParams takes them. Which of
+    them the engine refuses together (min_tokens above max_tokens...) is checked by
+    engine_params()."""
+    return {
+        "max_tokens": integer("max_tokens", max_tokens, default_max_tokens, 1,
+                              max_tokens_limit()),
+        "temperature": number("temperature", body.get("temperature"), default_temperature,
+                              *TEMPERATURE),
+        "top_p": number("top_p", body.get("top_p"), 1.0, *TOP_P, above_lo=True),
+        "top_k": top_k(body.get("top_k")),
+        "seed": integer("seed", body.get("seed"), None, 0, SEED_MAX),
+        "stop": stop_strings(body.get("stop")),
+        "stop_token_ids": stop_token_ids(body.get("stop_token_ids")),
+        "ignore_eos": flag("ignore_eos", body.get("ignore_eos")),
+        "min_tokens": integer("min_tokens", body.get("min_tokens"), 0, 0, max_tokens_limit()),
+        "min_p": number("min_p", body.get("min_p"), 0.0, *MIN_P),
+        "presence_penalty": number("presence_penalty", body.get("presence_penalty"), 0.0,
+                                   *PENALTY),
+        "frequency_penalty": number("frequency_penalty", body.get("frequency_penalty"), 0.0,
+                                    *PENALTY),
+        "repetition_penalty": number("repetition_penalty", body.get("repetition_penalty"), 1.0,
+                                     *REPETITION_PENALTY, above_lo=True),
+        "logit_bias": logit_bias(body.get("logit_bias")),
+        "n": integer("n", body.get("n"), 1, 1, MAX_N),
+    }
+
+
+def engine_params(params: dict) -> dict:
+    """The job's sampling parameters as the engine will take them, or InvalidParam naming
+    the field the engine refuses (min_tokens above max_tokens...): every API answers 400
+    before the job exists rather than failing it on the engine."""
+    from engine.errors import InvalidRequestError
+    from engine.sampling_params import SamplingParams
+    try:
+        SamplingParams(**params)
+    except InvalidRequestError as e:
+        message = str(e)
+        raise InvalidParam(message.split(" ", 1)[0], message) from None
+    return params

@@ -49,6 +49,13 @@ class Job(models.Model):
     prompt = models.TextField(blank=True)
     messages = models.JSONField(null=True, blank=True, help_text="chat messages, if a chat job")
     params = models.JSONField(default=dict, help_text="sampling parameters")
+    prompt_token_ids = models.JSONField(
+        null=True, blank=True, help_text="the prompt as the engine runs it (its chat rendered "
+                                         "and tokenized once, at intake); null: not rendered")
+    tokenizer = models.CharField(max_length=512, blank=True,
+                                 help_text="the tokenizer that made prompt_token_ids")
+    model = models.CharField(max_length=255, blank=True,
+                             help_text="the model the job asked for (/v1), if any")
     priority = models.IntegerField(default=0)
     requested_engine = models.CharField(max_length=64, blank=True)
     engine = models.CharField(max_length=64, blank=True, help_text="engine that ran it")

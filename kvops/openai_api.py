@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 from functools import partial
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import msgspec
 from asgiref.sync import sync_to_async
@@ -17,14 +17,14 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 from rest_framework.authtoken.models import Token
 
-from kvops import grammar_check, json_body, limits, selectors, services, tool_calls
-from kvops.admission import get_admissions
+from kvops import (admission, grammar_check, idempotency, intake, json_body, limits, selectors,
+                   tool_calls)
 from kvops.api_handler import EventStream
+from kvops.idempotency import KeyReused
 from kvops.job_listener import JobFailed, JobListener, cancel_abandoned
 from kvops.models import Job
-from kvops.prompt_check import DoesNotFit, check_fits
-from kvops.prompts import inspector, render_chat
-from kvops.stream_hub import Subscription, get_hub
+from kvops.prompts import inspector, prompt_ids
+from kvops.stream_hub import get_hub
 from kvops.throttles import TooManyJobs, allow_submission
 
 
@@ -47,36 +47,6 @@ class BadRequest(Exception):
 
 
 TOKEN_CACHE_S = 5.0  # a deleted token or deactivated user is refused this long after, at most
-_token_users: dict[str, tuple[float, Any]] = {}  # key -> (checked at, user)
-_token_lookups: dict[tuple, asyncio.Future] = {}  # (event loop, key) -> its lookup under way
-
-
-async def _authenticate(request: HttpRequest):
-    """The user of the request's bearer token, or None. Tokens are looked up once every
-    TOKEN_CACHE_S per key: a database read per call (a connection, under SQLite, opened
-    for it) was the largest part of a /v1 call's cost."""
-    header = request.headers.get("Authorization", "")
-    scheme, _, key = header.partition(" ")
-    key = key.strip()
-    if scheme.lower() != "bearer" or not key:
-        return None
-    now = time.monotonic()
-    cached = _token_users.get(key)
-    if cached is not None and now - cached[0] < TOKEN_CACHE_S:
-        return cached[1]
-    # One lookup per key at a time: a burst of calls with a new key waits for the first
-    # one's answer instead of each opening a database connection.
-    slot = (asyncio.get_running_loop(), key)
-    pending = _token_lookups.get(slot)
-    if pending is None:
-        pending = _token_lookups[slot] = asyncio.ensure_future(
-            sync_to_async(_token_user, thread_sensitive=False)(key))
-        pending.add_done_callback(lambda _: _token_lookups.pop(slot, None))
-    user = await asyncio.shield(pending)
-    if len(_token_users) > 10_000:  # keys that stopped coming are dropped now and then
-        _token_users.clear()
-    _token_users[key] = (now, user)
-    return user
 
 
 def _token_user(key: str):
@@ -87,167 +57,53 @@ def _token_user(key: str):
         close_old_connections()
 
 
-def _number(body: dict, name: str, default: float, lo: float, hi: float,
-            integer: bool = False) -> Any:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    ok_type = isinstance(value, int) if integer else isinstance(value, (int, float))
-    if isinstance(value, bool) or not ok_type or not (lo <= value <= hi):
-        kind = "an integer" if integer else "a number"
-        raise BadRequest(f"`{name}` must be {kind} in [{lo}, {hi}]", name)
-    return value
+class TokenUsers:
+    """Bearer tokens' users, each key looked up at most once every TOKEN_CACHE_S: a
+    database read per call (a connection, under SQLite, opened for it) was the largest
+    part of a /v1 call's cost. One lookup per key at a time: a burst of calls with a new
+    key waits for the first one's answer instead of each opening a connection."""
+
+    def __init__(self, lookup: Callable[[str], Any] = _token_user) -> None:
+        self._lookup = lookup
+        self._users: dict[str, tuple[float, Any]] = {}  # key -> (checked at, user)
+        self._pending: dict[tuple, asyncio.Future] = {}  # (event loop, key) -> its lookup
+
+    async def user(self, key: str):
+        now = time.monotonic()
+        cached = self._users.get(key)
+        if cached is not None and now - cached[0] < TOKEN_CACHE_S:
+            return cached[1]
+        slot = (asyncio.get_running_loop(), key)
+        pending = self._pending.get(slot)
+        if pending is None:
+            pending = self._pending[slot] = asyncio.ensure_future(
+                sync_to_async(self._lookup, thread_sensitive=False)(key))
+            pending.add_done_callback(lambda _: self._pending.pop(slot, None))
+        user = await asyncio.shield(pending)
+        if len(self._users) > 10_000:  # keys that stopped coming are dropped now and then
+            self._users.clear()
+        self._users[key] = (now, user)
+        return user
 
 
-# Every field a call may send: honoured, or refused with a 400 naming it; an unknown
-# field is refused too (a typo must not pass for a default). vLLM's extra sampling fields
-# (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids, priority)
-# are taken as vLLM takes them.
-COMMON_FIELDS = {"model", "stream", "stream_options", "max_tokens", "temperature", "top_p",
-                 "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
-                 "response_format", "structured_outputs",
-                 "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
-                 "logit_bias", "n", "priority", "user"}
-COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "logprobs", "best_of", "suffix"}
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
-                               "tools", "tool_choice", "functions", "function_call",
-                               "parallel_tool_calls"}
-# Known fields not served yet, with the value that asks for nothing (accepted).
-NOT_SUPPORTED = {"best_of": (1,), "suffix": ("",)}
+_tokens = TokenUsers()  # this web process's
 
 
-def _sampling(body: dict, default_max_tokens: int, chat: bool) -> dict:
-    _refuse_unknown(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
-    for name, nothing in NOT_SUPPORTED.items():
-        if body.get(name) is not None and body[name] not in nothing:
-            raise BadRequest(f"`{name}` is not supported", name)
-    n = _number(body, "n", 1, 1, limits.MAX_N, integer=True)
-    if body.get("user") is not None and not isinstance(body["user"], str):
-        raise BadRequest("`user` must be a string", "user")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    try:
-        stop = limits.stop_strings(body.get("stop"))
-        logit_bias = limits.logit_bias(body.get("logit_bias"))
-    except limits.InvalidParam as e:
-        raise BadRequest(str(e), e.param) from None
-    top_k = body.get("top_k")
-    top_p = _number(body, "top_p", 1.0, *limits.TOP_P)
-    if top_p <= limits.TOP_P[0]:
-        raise BadRequest(f"`top_p` must be greater than {limits.TOP_P[0]}", "top_p")
-    stop_token_ids = body.get("stop_token_ids") or []
-    if not isinstance(stop_token_ids, list) or len(stop_token_ids) > limits.MAX_STOP_TOKEN_IDS \
-            or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
-                       for t in stop_token_ids):
-        raise BadRequest(f"`stop_token_ids` must be a list of at most "
-                         f"{limits.MAX_STOP_TOKEN_IDS} token ids", "stop_token_ids")
-    logprobs = _logprobs(body, chat)
-    structured = _structured(body)
-    try:
-        tools = tool_calls.parse(body) if chat else None
-    except tool_calls.ToolError as e:
-        raise BadRequest(str(e), e.param) from None
-    if tools is not None:
-        if structured is not None and tools["structured"] is not None:
-            raise BadRequest("tool calls are constrained already: send `tools` or a "
-                             "structured output, not both", "tools")
-        if n > 1:
-            raise BadRequest("tool calls with n > 1 are not served yet", "n")
-        if tools["structured"] is not None:
-            structured = limits.structured(tools["structured"], "tools")
-    if not isinstance(body.get("parallel_tool_calls", True), bool):
-        raise BadRequest("`parallel_tool_calls` must be a boolean", "parallel_tool_calls")
-    repetition = _number(body, "repetition_penalty", 1.0, *limits.REPETITION_PENALTY)
-    if repetition <= limits.REPETITION_PENALTY[0]:
-        raise BadRequest("`repetition_penalty` must be greater than 0", "repetition_penalty")
-    params = {
-        "max_tokens": _number({"max_tokens": max_tokens}, "max_tokens", default_max_tokens, 1,
-                              limits.MAX_TOKENS, integer=True),
-        "temperature": float(_number(body, "temperature", 1.0, *limits.TEMPERATURE)),
-        "top_p": float(top_p),
-        "top_k": None if top_k in (None, -1, 0) else _number(body, "top_k", None, 1,
-                                                              limits.TOP_K_MAX, integer=True),
-        "seed": _number(body, "seed", None, 0, limits.SEED_MAX, integer=True),
-        "stop": stop,
-        "stop_token_ids": stop_token_ids,
-        "ignore_eos": _flag(body, "ignore_eos"),
-        "min_tokens": _number(body, "min_tokens", 0, 0, limits.MAX_TOKENS, integer=True),
-        "min_p": float(_number(body, "min_p", 0.0, *limits.MIN_P)),
-        "presence_penalty": float(_number(body, "presence_penalty", 0.0, *limits.PENALTY)),
-        "frequency_penalty": float(_number(body, "frequency_penalty", 0.0, *limits.PENALTY)),
-        "repetition_penalty": float(repetition),
-        "logit_bias": logit_bias,
-        "logprobs": logprobs,
-        "structured": structured,
-        "n": n,
-    }
-    try:
-        limits.sampling_params(params)
-    except limits.InvalidParam as e:
-        raise BadRequest(str(e), e.param) from None
-    if tools is not None:  # the worker keeps this for the prompt and the answer
-        params["tool_call"] = {"kind": tools["kind"], "names": tools["names"],
-                               "tools": body["tools"]}
-    return params
-
-
-def _refuse_unknown(body: dict, known: set[str]) -> None:
-    unknown = sorted(set(body) - known)
-    if unknown:
-        raise BadRequest(f"unknown field `{unknown[0]}`", unknown[0])
-
-
-def _structured(body: dict) -> dict | None:
-    """OpenAI's `response_format` (json_object, or json_schema with its schema) or vLLM's
-    `structured_outputs` (json, json_object, regex, choice or grammar): the constraint
-    the engine applies (engine/structured.py), its shape and size checked here (whether
-    it compiles: kvops/grammar_check.py, off the event loop)."""
-    response_format, vllm = body.get("response_format"), body.get("structured_outputs")
-    if response_format is not None and vllm is not None:
-        raise BadRequest("send `response_format` or `structured_outputs`, not both",
-                         "structured_outputs")
-    param, spec = "structured_outputs", vllm
-    if response_format is not None:
-        param = "response_format"
-        kind = response_format.get("type") if isinstance(response_format, dict) else None
-        if kind == "text":
-            return None
-        if kind == "json_object":
-            spec = {"json_object": True}
-        elif kind == "json_schema":
-            json_schema = response_format.get("json_schema")
-            if not isinstance(json_schema, dict) or not isinstance(json_schema.get("schema"),
-                                                                   dict):
-                raise BadRequest("`response_format.json_schema.schema` must be a JSON schema "
-                                 "object", param)
-            spec = {"json": json_schema["schema"]}
-        else:
-            raise BadRequest("`response_format.type` must be text, json_object or "
-                             "json_schema", param)
-    try:
-        return limits.structured(spec, param)
-    except limits.InvalidParam as e:
-        raise BadRequest(str(e), e.param) from None
-
-
-def _logprobs(body: dict, chat: bool) -> int | None:
-    """How many most likely tokens to report per sampled token, or None: completions'
-    `logprobs` (an integer), chat's `logprobs` (a boolean) with `top_logprobs`."""
-    if chat:
-        if not _flag(body, "logprobs"):
-            if body.get("top_logprobs") not in (None, 0):
-                raise BadRequest("`top_logprobs` needs `logprobs: true`", "top_logprobs")
-            return None
-        return _number(body, "top_logprobs", 0, 0, limits.MAX_LOGPROBS, integer=True)
-    return _number(body, "logprobs", None, 0, limits.MAX_LOGPROBS, integer=True)
+async def _authenticate(request: HttpRequest):
+    """The user of the request's bearer token, or None."""
+    header = request.headers.get("Authorization", "")
+    scheme, _, key = header.partition(" ")
+    key = key.strip()
+    if scheme.lower() != "bearer" or not key:
+        return None
+    return await _tokens.user(key)
 
 
 def _flag(body: dict, name: str, default: bool = False) -> bool:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise BadRequest(f"`{name}` must be a boolean", name)
-    return value
+    try:
+        return limits.flag(name, body.get(name), default)
+    except limits.InvalidParam as e:
+        raise BadRequest(str(e), e.param) from None
 
 
 def _stream_options(body: dict, stream: bool) -> dict:
@@ -276,63 +132,12 @@ def _parse(request: HttpRequest) -> dict:
     return body
 
 
-def _calls_tools(model: str) -> bool:
-    """Does the chat template of this model's engines write tool calls the way `auto`
-    parses them? (An engine whose tokenizer is not readable here is given the benefit of
-    the doubt.)"""
-    for engine in selectors.engines_serving(model):
-        tokenizer = inspector.tokenizer(engine.config)
-        if tokenizer is None or tool_calls.template_calls_tools(
-                getattr(tokenizer, "chat_template", None)):
-            return True
-    return False
-
-
-def _simulated_only(model: str) -> bool:
-    """Are all the live engines that serve this model simulators?"""
-    return all(e.config.get("simulate") for e in selectors.engines_serving(model))
-
-
 def _check_model(model: Any) -> str:
     if not isinstance(model, str) or not model:
         raise BadRequest("`model` is required", "model")
     if model not in selectors.served_models():
         raise LookupError(f"model {model!r} is not served here; GET /v1/models lists them")
     return model
-
-
-def _checks(model: Any, chat: bool, structured_param: str = "structured_outputs"):
-    """The checks a call passes before it is stored (run in the admission batch)."""
-    def check(new: services.NewJob) -> None:
-        _check_model(model)
-        if new.params.get("prompt_logprobs") is not None and _simulated_only(model):
-            raise BadRequest("`echo` with `logprobs` needs the prompt's logprobs, which a "
-                             f"model with logits computes; the engines serving {model!r} "
-                             "simulate one", "echo")
-        tool_call = new.params.get("tool_call")
-        if tool_call is not None and tool_call["kind"] == "auto" and not _calls_tools(model):
-            raise BadRequest(f"tool_choice \"auto\" (the default with tools) needs a chat "
-                             f"template that writes tool calls ({tool_calls.CALL_START}...); "
-                             f"{model!r}'s does not: send tool_choice \"required\" or a named "
-                             "function", "tool_choice")
-        if new.params.get("structured") and _simulated_only(model):
-            raise BadRequest("structured output needs a model with logits; the engines "
-                             f"serving {model!r} simulate one", structured_param)
-        try:
-            check_fits(new.prompt, new.messages, new.params, model=model)
-        except DoesNotFit as e:
-            raise BadRequest(str(e), e.param) from None
-    return check
-
-
-async def _admit(user, sub: Subscription, model: Any, chat: bool, kwargs: dict,
-                 structured_param: str = "structured_outputs") -> Job:
-    """Check the model and the prompt's length, store the job, and bind the listener to
-    it before the commit dispatches it (so the listener sees every update). Calls that
-    arrive together are stored together (kvops/admission.py)."""
-    new = services.NewJob(user, source=Job.Source.OPENAI, **kwargs)
-    return await get_admissions().admit(new, _checks(model, chat, structured_param),
-                                        lambda job: sub.hub.bind(sub, job.pk))
 
 
 def _format_logprobs(entries: list[list], chat: bool, text_offset: int) -> dict:
@@ -393,42 +198,33 @@ async def _handle(request: HttpRequest, chat: bool) -> HttpResponse:
             response["Retry-After"] = str(max(1, round(wait)))
             return response
     try:
+        key = idempotency.key_of(request.headers)
         body = _parse(request)
-        model = body.get("model")
-        kwargs: dict[str, Any] = {"priority": 0, "engine": ""}
-        if chat:
-            messages = body.get("messages")
-            if not isinstance(messages, list) or not messages:
-                raise BadRequest("`messages` must be a non-empty list", "messages")
-            kwargs["messages"] = [_message(m) for m in messages]
-        else:
-            kwargs["prompt"] = _prompt(body.get("prompt"))
-        kwargs["params"] = _sampling(body, default_max_tokens=256 if chat else 16, chat=chat)
-        kwargs["priority"] = limits.priority(body.get("priority"), user.is_staff)
+        new = (intake.parse_chat if chat else intake.parse_completion)(body, user, key)
         stream = _flag(body, "stream")
         stream_options = _stream_options(body, stream)
-        echo = "" if chat or not _flag(body, "echo") else kwargs["prompt"]
-        if echo and kwargs["params"]["logprobs"] is not None:  # the prompt's too (vLLM's
-            kwargs["params"]["prompt_logprobs"] = kwargs["params"]["logprobs"]  # way)
-        structured_param = "tools" if kwargs["params"].get("tool_call") \
-            else "response_format" if "response_format" in body else "structured_outputs"
-        await grammar_check.check_async(kwargs["params"]["structured"], structured_param,
-                                        model=model if isinstance(model, str) else None)
+        echo = "" if chat or not _flag(body, "echo") else new.prompt
         sub = await get_hub().open()
         try:
-            job = await _admit(user, sub, model, chat, kwargs, structured_param)
+            # stored with the calls that arrive with it; the listener is bound to the job
+            # before the commit dispatches it, so it sees every update
+            job = await admission.admit_async(new, lambda job: sub.hub.bind(sub, job.pk))
         except BaseException:
             sub.close()
             raise
+    except idempotency.BadKey as e:
+        return _error(400, str(e), idempotency.HEADER)
     except BadRequest as e:
         return _error(400, str(e), e.param)
     except limits.NotAllowed as e:
         return _error(403, str(e), e.param, type_="permission_error")
     except limits.InvalidParam as e:
         return _error(400, str(e), e.param)
-    except LookupError as e:
-        return _error(404, str(e), "model", code="model_not_found")
-    except (services.Unavailable, grammar_check.Busy) as e:
+    except intake.NotFound as e:
+        return _error(404, str(e), e.param, code="model_not_found")
+    except KeyReused as e:
+        return _error(409, str(e), idempotency.HEADER, code="idempotency_key_reused")
+    except (admission.Unavailable, grammar_check.Busy) as e:
         return _error(503, str(e), type_="service_unavailable")
     except TooManyJobs as e:
         return _error(429, str(e), type_="rate_limit_exceeded", code="too_many_jobs")
@@ -437,7 +233,7 @@ async def _handle(request: HttpRequest, chat: bool) -> HttpResponse:
     listener = JobListener(sub, job)
     sub.on_cut_off = partial(cancel_abandoned, job.pk)
     if stream:
-        return EventStream(_sse(listener, ident, model, created, chat,
+        return EventStream(_sse(listener, ident, new.model, created, chat,
                                 job.params.get("logprobs") is not None,
                                 n=job.params.get("n") or 1, echo=echo,
                                 tool_call=job.params.get("tool_call"),
@@ -486,33 +282,8 @@ async def _handle(request: HttpRequest, chat: bool) -> HttpResponse:
             choice["text"] = echo + outcome["text"]
         choices.append(choice)
     return JsonResponse({"id": ident, "object": "chat.completion" if chat else "text_completion",
-                         "created": created, "model": model, "choices": choices,
+                         "created": created, "model": new.model, "choices": choices,
                          "usage": _usage(state), "kvops_job_id": job.pk})
-
-
-def _message(m: Any) -> dict:
-    if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant"):
-        raise BadRequest("each message needs a `role` of system, user or assistant", "messages")
-    content = m.get("content")
-    if isinstance(content, list):  # content parts: keep the text ones
-        if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-            raise BadRequest("only text content parts are supported", "messages")
-        content = "".join(str(p.get("text", "")) for p in content)
-    if not isinstance(content, str):
-        raise BadRequest("message `content` must be a string", "messages")
-    if len(content) > limits.MAX_PROMPT_CHARS:
-        raise BadRequest("message content is too long", "messages")
-    return {"role": m["role"], "content": content}
-
-
-def _prompt(prompt: Any) -> str:
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if not isinstance(prompt, str) or not prompt:
-        raise BadRequest("`prompt` must be a non-empty string", "prompt")
-    if len(prompt) > limits.MAX_PROMPT_CHARS:
-        raise BadRequest(f"`prompt` is longer than {limits.MAX_PROMPT_CHARS} characters", "prompt")
-    return prompt
 
 
 class _Diverged(Exception):
@@ -691,7 +462,7 @@ async def models(request: HttpRequest) -> HttpResponse:
 
 # --- /tokenize and /detokenize, as vLLM serves them ----------------------------------------
 
-TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens",
+TOKENIZE_FIELDS = {"model", "prompt", "messages", "tools", "add_special_tokens",
                    "add_generation_prompt", "return_token_strs"}
 
 
@@ -706,7 +477,9 @@ async def _tokenizer_call(request: HttpRequest, fields: set[str]):
         return _unauthorized()
     try:
         body = _parse(request)
-        _refuse_unknown(body, fields)
+        unknown = sorted(set(body) - fields)
+        if unknown:
+            raise BadRequest(f"unknown field `{unknown[0]}`", unknown[0])
         model = body.get("model")
         config = await sync_to_async(_engine_config_of, thread_sensitive=False)(model)
     except BadRequest as e:
@@ -743,14 +516,20 @@ async def tokenize(request: HttpRequest) -> HttpResponse:
             if not _flag(body, "add_generation_prompt", default=True):
                 raise BadRequest("only add_generation_prompt: true is supported",
                                  "add_generation_prompt")
-            text = render_chat(tokenizer, [_message(m) for m in messages])
-            tokens = tokenizer.encode(text)
+            tools = body.get("tools")
+            if tools is not None:  # checked as a chat's are; rendered as the engine's
+                tool_calls.parse({"tools": tools, "tool_choice": "none"})
+            tokens = prompt_ids(tokenizer, "", limits.messages(messages), tools)
         else:
-            text = _prompt(body.get("prompt"))
+            if "tools" in body:
+                raise BadRequest("`tools` need `messages`", "tools")
+            text = limits.prompt(body.get("prompt"))
             tokens = tokenizer.encode(text) if add_special \
                 else tokenizer.encode(text, add_special_tokens=False)
         return_strs = _flag(body, "return_token_strs")
     except BadRequest as e:
+        return _error(400, str(e), e.param)
+    except (limits.InvalidParam, tool_calls.ToolError) as e:
         return _error(400, str(e), e.param)
     answer: dict[str, Any] = {"count": len(tokens), "max_model_len": config.get("max_model_len"),
                               "tokens": tokens}

@@ -26,7 +26,7 @@ from django.utils import timezone
 
 from engine.detokenizer import IncrementalDetokenizer, Tokenizer
 from engine.outputs import CoreOutput
-from kvops import services
+from kvops import job_store
 from kvops.job_stream import StreamProducer, state_update
 
 log = logging.getLogger(__name__)
@@ -252,7 +252,7 @@ class OutputProcessor:
             members = self._pop_attempt(request_id)
             if members:
                 t = members[0]
-                services.fail_job(t.job_id, message, request_id=t.attempt_id)
+                job_store.fail_job(t.job_id, message, request_id=t.attempt_id)
                 t.handle.set("failed")
         self.stats.flushes += 1
 
@@ -274,7 +274,7 @@ class OutputProcessor:
         for t in ended:
             self._pop_attempt(t.request_id)
         try:
-            jobs = {job.pk: job for job in services.finish_jobs([_final_state(t) for t in ended])}
+            jobs = {job.pk: job for job in job_store.finish_jobs([_final_state(t) for t in ended])}
         except Exception:  # their tasks fail the jobs themselves, with the reason
             log.exception("could not write the end of %d jobs", len(ended))
             for t in ended:
@@ -287,7 +287,7 @@ class OutputProcessor:
                 t.handle.set("fenced")
                 continue
             t.handle.set(job.status)
-            updates.append(state_update(job.pk, t.attempt, services.job_payload(job)))
+            updates.append(state_update(job.pk, t.attempt, job_store.job_payload(job)))
         return updates
 
     def _token_logprobs(self, token_ids: list[int], entries: list[list]) -> list[list]:
@@ -352,12 +352,12 @@ class OutputProcessor:
             if not t.dirty or t.index:  # a fork's row follows its sample 0
                 continue
             first = t.first_token_at if not t.first_token_written else None
-            deltas.append(services.ProgressDelta(
+            deltas.append(job_store.ProgressDelta(
                 t.job_id, t.attempt_id, "".join(t.unwritten), t.num_output_tokens,
                 t.num_prompt_tokens, t.num_cached_tokens, t.num_preemptions, first))
         if not deltas:
             return
-        fenced = services.record_progress(deltas)
+        fenced = job_store.record_progress(deltas)
         self.stats.db_writes += 1
         for request_id in fenced:  # its job runs elsewhere now, or ended: stop this one
             members = self._pop_attempt(request_id if request_id in self._jobs
@@ -381,14 +381,14 @@ class OutputProcessor:
             log.warning("job stream write failed (%d updates): %s", len(updates), e)
 
 
-def _final_state(t: _Tracked) -> services.FinalState:
+def _final_state(t: _Tracked) -> job_store.FinalState:
     """The row's final state: the attempt's (a fork's: sample 0's, with every sample's
     outcome in `samples`)."""
     samples = [{"text": "".join(s.text), "token_ids": list(s.token_ids),
                 "finish_reason": s.finish_reason or "",
                 **({"logprobs": s.logprobs} if s.logprobs else {})}
                for s in t.siblings or ()]
-    return services.FinalState(
+    return job_store.FinalState(
         job_id=t.job_id, request_id=t.attempt_id, text="".join(t.text),
         token_ids=list(t.token_ids), num_prompt_tokens=t.num_prompt_tokens,
         num_cached_tokens=t.num_cached_tokens, num_preemptions=t.num_preemptions,

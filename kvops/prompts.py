@@ -24,6 +24,20 @@ def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None
     return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
 
 
+def prompt_ids(tokenizer, prompt: str, messages: list[dict] | None,
+               tools: list[dict] | None = None) -> list[int]:
+    """The token ids an engine runs for a job: its chat rendered (with its tools) and
+    tokenized, or its prompt tokenized. The web does this once, at intake
+    (kvops/intake.py); the ids travel with the job to routing, the worker and the core."""
+    return tokenizer.encode(render_chat(tokenizer, messages, tools) if messages else prompt)
+
+
+def tokenizer_id(config: dict) -> str:
+    """Which tokenizer an engine described by describe_config() uses: token ids made for
+    one id are valid on every engine with that id."""
+    return "sim" if config.get("simulate") else f"path:{config.get('model_path') or ''}"
+
+
 def load_tokenizer(config: dict):
     """The tokenizer of an engine described by describe_config(): the simulator's, or the
     model folder's (None if that folder is not readable from this process)."""
@@ -71,13 +85,22 @@ class PromptInspector:
             self._tokenizers[key] = load_tokenizer(config)
         return self._tokenizers[key]
 
-    def token_ids(self, config: dict, prompt: str, messages: list[dict] | None) -> list[int] | None:
-        """The prompt's token ids, or None if this engine's tokenizer is not readable
-        from here (its model folder is on another machine)."""
+    def token_ids(self, config: dict, prompt: str, messages: list[dict] | None,
+                  tools: list[dict] | None = None) -> list[int] | None:
+        """The prompt's token ids on this engine (prompt_ids), or None if its tokenizer is
+        not readable from here (its model folder is on another machine)."""
         tokenizer = self.tokenizer(config)
         if tokenizer is None:
             return None
-        return tokenizer.encode(render_chat(tokenizer, messages) if messages else prompt)
+        return prompt_ids(tokenizer, prompt, messages, tools)
+
+    def job_token_ids(self, config: dict, job) -> list[int] | None:
+        """A stored job's token ids on this engine: those rendered at intake when they were
+        made with its tokenizer, else rendered now (None if not readable here)."""
+        if job.prompt_token_ids is not None and job.tokenizer == tokenizer_id(config):
+            return job.prompt_token_ids
+        tools = ((job.params or {}).get("tool_call") or {}).get("tools")
+        return self.token_ids(config, job.prompt, job.messages, tools)
 
     def short_hashes(self, config: dict, token_ids: list[int] | None,
                      cache_salt: str | None = None) -> list[str]:

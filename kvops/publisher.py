@@ -24,7 +24,6 @@ from typing import Any, Protocol
 from channels.exceptions import ChannelFull
 from django.conf import settings
 
-from engine.kv_feed import KVFeed
 from kvops import live
 from kvops.prefix_index import PrefixIndex
 from kvops.timeline import TimelineWriter, limits_from_settings
@@ -44,44 +43,23 @@ def _setting(name: str, default: int) -> int:
 
 
 class KVSource(Protocol):
-    """Where the feed runs: an engine client (kvops/engine_client.py), or a feed of our own."""
+    """Where the engine's feed runs: an engine client (kvops/engine_client.py)."""
 
     def ask_kv(self, kind: str, argument: Any, timeout_s: float) -> Any: ...
 
-    def command(self, name: str, arguments: dict, timeout_s: float = 30.0) -> Any: ...
-
-
-class _OwnFeed:
-    """A feed run by the publisher itself, as an engine hook (tests, benchmarks: an
-    LLMEngine driven in this process)."""
-
-    def __init__(self, feed: KVFeed) -> None:
-        self.feed = feed
-
-    def ask_kv(self, kind: str, argument: Any, timeout_s: float) -> Any:
-        return self.feed.ask_wait(kind, argument, timeout_s)
-
 
 class EnginePublisher:
-    def __init__(self, name: str, source: KVSource | None = None, interval_s: float = 0.1,
+    def __init__(self, name: str, source: KVSource, prefix_index: PrefixIndex | None = None,
                  store_interval_s: float = 1.0, summary_interval_s: float = 0.5,
                  metrics_interval_s: float = 1.0) -> None:
-        """source: where the engine's feed runs; None: the publisher runs a feed of its
-        own (capturing every interval_s) and is used as a hook on an engine in this
-        process."""
+        """source: where the engine's feed runs (its items come to on_item); prefix_index:
+        the routing index the feed's prefix-cache changes go to (a worker's, kept with
+        the engine's cached hashes through its commands), if any."""
         self.name = name
         self.store_interval_s = store_interval_s
         self.summary_interval_s = summary_interval_s
         self.metrics_interval_s = metrics_interval_s
-        self.feed: KVFeed | None = None  # only when the publisher runs its own
-        # The routing index needs the engine's cached hashes now and then (a command),
-        # so it is kept only where commands reach the engine: not with a feed of our own.
-        self.prefix_index: PrefixIndex | None = None
-        if source is None:
-            self.feed = KVFeed(name, self.on_item, interval_s=interval_s)
-            source = _OwnFeed(self.feed)
-        else:
-            self.prefix_index = PrefixIndex(name, source)
+        self.prefix_index = prefix_index
         self.source = source
         self.timeline = TimelineWriter(name, limits_from_settings())  # publisher thread only
         self.errors = 0
@@ -98,25 +76,11 @@ class EnginePublisher:
                                         daemon=True)
         self._thread.start()
 
-    # --- an engine hook, for a publisher with its own feed ---------------------------------
-    def __call__(self, engine) -> None:
-        self.feed(engine)
-
-    @property
-    def stats(self):
-        """What producing and sending the view costs (the feed's figures)."""
-        return self.feed.stats if self.feed is not None else None
-
-    @property
-    def mirror(self):
-        return self.feed.mirror if self.feed is not None else None
-
     @property
     def idle(self) -> bool:
-        """Every capture taken so far has been sent."""
+        """Every item handed over so far has been sent."""
         with self._lock:
-            caught_up = not self._items and not self._busy
-        return caught_up and (self.feed is None or self.feed.idle)
+            return not self._items and not self._busy
 
     # --- any thread --------------------------------------------------------------------------
     def on_item(self, item: dict) -> None:
@@ -126,8 +90,6 @@ class EnginePublisher:
         self._wake.set()
 
     def close(self, timeout_s: float = 5.0) -> None:
-        if self.feed is not None:
-            self.feed.close(timeout_s)
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout_s)

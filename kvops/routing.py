@@ -9,7 +9,7 @@ A job naming an engine always goes to that engine's queue.
 """
 from __future__ import annotations
 
-import os
+from django.conf import settings
 
 from kvops import live, prefix_index, selectors
 from kvops.models import Engine, Job
@@ -24,7 +24,7 @@ def engine_queue(name: str) -> str:
 
 
 def policy() -> str:
-    return os.environ.get("KVOPS_ROUTING", "prefix")
+    return settings.KVOPS_ROUTING
 
 
 PENDING_KEY = "kvops:routing:pending:{engine}"
@@ -60,24 +60,39 @@ def choose_queues(jobs: list[Job]) -> list[tuple[str, dict]]:
         return out
     mode = policy()
     engines = _candidates()
+    allowed = {i: _serving(engines, jobs[i].model) for i in routed}
     if mode == "shared" or not engines:
         reason = ("no live engine takes jobs (draining or none): the first free worker "
                   "takes it") if not engines else "shared queue: the first free worker takes it"
         for i in routed:
             out[i] = SHARED_QUEUE, {"policy": mode, "engine": None, "reason": reason}
         return out
+    for i in [i for i in routed if not allowed[i]]:
+        out[i] = SHARED_QUEUE, {"policy": mode, "engine": None, "reason": (
+            f"no live engine serving {jobs[i].model!r} takes jobs (draining or none): the "
+            "first free worker takes it")}
+    routed = [i for i in routed if allowed[i]]
+    if not routed:
+        return out
     redis = live.redis_client()
     if mode == "round-robin":
         first = redis.incrby("kvops:routing:rr", len(routed)) - len(routed)
         for turn, i in enumerate(routed, start=first):
-            chosen = engines[turn % len(engines)]
+            chosen = allowed[i][turn % len(allowed[i])]
             out[i] = engine_queue(chosen.name), {
                 "policy": mode, "engine": chosen.name,
-                "reason": f"turn {turn} of {len(engines)} engines"}
+                "reason": f"turn {turn} of {len(allowed[i])} engines"}
         return out
-    for i, decision in zip(routed, _by_prefix([jobs[i] for i in routed], engines, redis)):
+    decisions = _by_prefix([jobs[i] for i in routed], [allowed[i] for i in routed], engines,
+                           redis)
+    for i, decision in zip(routed, decisions):
         out[i] = decision
     return out
+
+
+def _serving(engines: list[Engine], model: str) -> list[Engine]:
+    """The engines that may take a job asking for `model` ("": any)."""
+    return [e for e in engines if not model or selectors.model_name(e) == model]
 
 
 def _candidates() -> list[Engine]:
@@ -98,23 +113,27 @@ def _load(engine: Engine, pending: bytes | None) -> int:
     return int(m.get("running_tokens", 0)) + int(m.get("waiting_tokens", 0)) + int(pending or 0)
 
 
-def _by_prefix(jobs: list[Job], engines: list[Engine], redis) -> list[tuple[str, dict]]:
+def _by_prefix(jobs: list[Job], allowed: list[list[Engine]], engines: list[Engine],
+               redis) -> list[tuple[str, dict]]:
     """The longest prefix wins, held in either tier (copying a block back from the CPU
-    costs far less than recomputing it); then more of it on the GPU; then load."""
+    costs far less than recomputing it); then more of it on the GPU; then load. Each
+    job goes to one of its `allowed` engines (those serving its model), and its prefix
+    is hashed from the token ids rendered at intake (on engines of another tokenizer,
+    rendered here)."""
     names = [e.name for e in engines]
-    hashes: list[dict[str, list[str]]] = []  # per job, per engine
+    hashes: list[dict[str, list[str]]] = []  # per job, per allowed engine
     memo: dict[tuple, list[str]] = {}  # engines of one model share a prompt's hashes
     pipe = redis.pipeline(transaction=False)
     for e in engines:
         pipe.get(PENDING_KEY.format(engine=e.name))
-    for job in jobs:
+    for job, its_engines in zip(jobs, allowed):
         salt = cache_salt(job.owner)  # its blocks are found under its owner's salt only
         per_engine = {}
-        for e in engines:
+        for e in its_engines:
             key = (inspector.tokenizer_key(e.config), e.config.get("block_size"),
                    e.config.get("model"), salt)
             if key not in memo:
-                token_ids = inspector.token_ids(e.config, job.prompt, job.messages)
+                token_ids = inspector.job_token_ids(e.config, job)
                 memo[key] = inspector.short_hashes(e.config, token_ids, salt)
             per_engine[e.name] = memo[key]
             prefix_index.look_up(pipe, e.name, per_engine[e.name])
@@ -125,15 +144,15 @@ def _by_prefix(jobs: list[Job], engines: list[Engine], redis) -> list[tuple[str,
     routed_tokens = dict.fromkeys(names, 0)
     expected: dict[str, set[str]] = {name: set() for name in names}
     decisions = []
-    for job, per_engine in zip(jobs, hashes):
+    for job, per_engine, its_engines in zip(jobs, hashes, allowed):
         cached, on_gpu = {}, {}
-        for name in names:
+        for name in per_engine:
             chain = per_engine[name]
             on_gpu_read, on_cpu_read = (next(replies), next(replies)) if chain else ([], [])
             cached[name], on_gpu[name] = prefix_index.leading_blocks(
                 chain, on_gpu_read, on_cpu_read, expected[name])
         shown_load = dict(load)
-        chosen = min(engines, key=lambda e: (-cached[e.name], -on_gpu[e.name], load[e.name],
+        chosen = min(its_engines, key=lambda e: (-cached[e.name], -on_gpu[e.name], load[e.name],
                                              e.name))
         if cached[chosen.name]:
             tier = cached[chosen.name] - on_gpu[chosen.name]

@@ -28,21 +28,22 @@ LISTEN_BACKLOG = 4096
 WS_MAX_BYTES = 4 * 1024
 
 
-def web_server_argv(host: str, port: int) -> list[str]:
+def web_server_argv(host: str, port: int, proxies: str = "") -> list[str]:
     """The web server's command: uvicorn on uvloop with httptools' HTTP parser.
 
     Streaming hundreds of SSE responses is mostly socket writes and event-loop turns, and
     uvicorn's C-backed loop and parser cost the web process a fraction of the CPU per
-    streamed token that daphne's Twisted reactor does (README, Benchmarks). Websockets
+    streamed token that daphne's Twisted reactor does (docs/history/streaming.md). Websockets
     (Channels) go through the `websockets` package. Named explicitly so that a missing
     package fails at start-up instead of falling back to the slow pure-Python paths.
     Open streams get a few seconds to end at shutdown, then are closed.
 
-    The client's address is the connection's own unless KVOPS_TRUSTED_PROXIES names the
-    proxies (addresses or networks, comma-separated) whose X-Forwarded-For is believed:
+    The client's address is the connection's own unless `proxies`
+    (KVOPS_TRUSTED_PROXIES) names the proxies (addresses or networks, comma-separated)
+    whose X-Forwarded-For is believed:
     uvicorn believes 127.0.0.1 by default, and with the login lockout keyed on the
     address, a forged header from a local client reset it."""
-    proxies = os.environ.get("KVOPS_TRUSTED_PROXIES", "").strip()
+    proxies = proxies.strip()
     return [sys.executable, "-m", "uvicorn", "kvops.asgi:application", "--host", host,
             "--port", str(port), "--backlog", str(LISTEN_BACKLOG), "--loop", "uvloop",
             "--http", "httptools", "--ws", "websockets-sansio",
@@ -124,8 +125,11 @@ def main() -> int:
         data_dir.chmod(0o700)
     if not os.environ.get("DJANGO_SECRET_KEY"):
         ensure_secret_key(data_dir)  # on first run; kept across runs (sessions survive)
-    redis_url = os.environ.setdefault("REDIS_URL", "redis://127.0.0.1:6379/0")
-    port = int(os.environ.get("KVOPS_PORT", "8000"))
+    # The rest from the settings (now that the secret key is there), as every process
+    # of the stack reads them.
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "kvops.settings")
+    from django.conf import settings
+    redis_url, port = settings.REDIS_URL, settings.KVOPS_PORT
     children: list[subprocess.Popen] = []
     redis_proc = ensure_redis(redis_url, data_dir)
     if redis_proc is not None:
@@ -134,8 +138,9 @@ def main() -> int:
         manage("migrate", "--noinput", "-v0")
         manage("ensure_admin")
         children.append(subprocess.Popen(
-            web_server_argv("127.0.0.1", port), cwd=REPO, start_new_session=True))
-        name = os.environ.get("KVOPS_ENGINE_NAME", "default")
+            web_server_argv("127.0.0.1", port, settings.KVOPS_TRUSTED_PROXIES), cwd=REPO,
+            start_new_session=True))
+        name = settings.KVOPS_ENGINE_NAME
         children.append(subprocess.Popen(
             [sys.executable, "manage.py", "engine_worker", "--name", name], cwd=REPO,
             start_new_session=True))

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import dj_database_url
 
+from kvops.broker import broker_url
+
 BASE_DIR = Path(__file__).resolve().parent.parent
 DATA_DIR = Path(os.environ.get("KVOPS_DATA_DIR", BASE_DIR / "data"))
 
@@ -179,6 +181,9 @@ REST_FRAMEWORK = {
     # Job submissions per user (kvops/throttles.py; staff exempt): REST and /v1 alike.
     "DEFAULT_THROTTLE_RATES": {"jobs": os.environ.get("KVOPS_JOB_RATE", "3000/min") or None},
 }
+# One prompt's characters (the token limit is the model's) and one answer's tokens
+KVOPS_MAX_PROMPT_CHARS = int(os.environ.get("KVOPS_MAX_PROMPT_CHARS", 200_000))
+KVOPS_MAX_TOKENS = int(os.environ.get("KVOPS_MAX_TOKENS", 8192))
 KVOPS_MAX_JOBS_PER_USER = int(os.environ.get("KVOPS_MAX_JOBS_PER_USER", 1024))  # 0: no cap
 # and sequences: a job with `n` counts n (0: no cap); staff are exempt from both
 KVOPS_MAX_SEQS_PER_USER = int(os.environ.get("KVOPS_MAX_SEQS_PER_USER", 1024))
@@ -216,7 +221,29 @@ CELERY_RESULT_BACKEND = None
 KVOPS_GRAMMAR_WORKERS = max(1, int(os.environ.get("KVOPS_GRAMMAR_WORKERS", 2)))
 KVOPS_GRAMMAR_TIMEOUT_S = float(os.environ.get("KVOPS_GRAMMAR_TIMEOUT_S", 5))
 KVOPS_JOB_TIMEOUT_S = int(os.environ.get("KVOPS_JOB_TIMEOUT_S", 3600))
+# Celery (kvops/celery.py): the broker is REDIS_URL through kvops/broker.py's transport;
+# Redis redelivers an unacknowledged message after the visibility timeout: longer than
+# any job.
+CELERY_BROKER_URL = broker_url(REDIS_URL)
+CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": KVOPS_JOB_TIMEOUT_S + 300}
 KVOPS_CONTROL_TIMEOUT_S = float(os.environ.get("KVOPS_CONTROL_TIMEOUT_S", 5))
+# How jobs that name no engine are spread: `prefix` (the engine caching the longest
+# prefix of the prompt), `round-robin` or `shared` (kvops/routing.py).
+KVOPS_ROUTING = os.environ.get("KVOPS_ROUTING", "prefix")
+# An engine worker (python manage.py engine_worker sets KVOPS_ENGINE_WORKER=1 and the
+# name). The engine's own settings are EngineConfig's fields, each read from
+# KVOPS_ENGINE_<FIELD> (kvops/engine_config.py); these are the worker's, not fields.
+KVOPS_ENGINE_WORKER = os.environ.get("KVOPS_ENGINE_WORKER") == "1"
+KVOPS_ENGINE_NAME = os.environ.get("KVOPS_ENGINE_NAME", "default")
+KVOPS_ENGINE_CORE = os.environ.get("KVOPS_ENGINE_CORE", "process")  # or `thread`
+# The core process's niceness (unset: engine.core_proc.CORE_NICE, -19 where allowed).
+KVOPS_ENGINE_CORE_NICE = int(os.environ["KVOPS_ENGINE_CORE_NICE"]) \
+    if os.environ.get("KVOPS_ENGINE_CORE_NICE") else None
+KVOPS_PORT = int(os.environ.get("KVOPS_PORT", 8000))
+# Proxies (addresses or networks, comma-separated) whose X-Forwarded-For the web server
+# believes; none by default (kvops/run.py, web_server_argv).
+KVOPS_TRUSTED_PROXIES = os.environ.get("KVOPS_TRUSTED_PROXIES", "").strip()
+KVOPS_LOG_LEVEL = os.environ.get("KVOPS_LOG_LEVEL", "INFO")
 # A what-if replay (kvops/what_if.py, on the ops worker) that runs longer is stopped and
 # marked failed.
 KVOPS_WHAT_IF_TIME_LIMIT_S = float(os.environ.get("KVOPS_WHAT_IF_TIME_LIMIT_S", 600))
@@ -252,7 +279,7 @@ LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
     "handlers": {"console": {"class": "logging.StreamHandler"}},
-    "root": {"handlers": ["console"], "level": os.environ.get("KVOPS_LOG_LEVEL", "INFO")},
+    "root": {"handlers": ["console"], "level": KVOPS_LOG_LEVEL},
     "loggers": {"uvicorn": {"level": "WARNING"}, "django.channels.server": {"level": "WARNING"},
                 # Celery's two lines per task (received, succeeded): at hundreds of jobs a
                 # second their handler's lock is contended by every job thread. Failures

@@ -1,4 +1,4 @@
-"""Celery tasks: thin; they take ids and call services."""
+"""Celery tasks: thin; they take ids and call the job store (kvops/job_store.py)."""
 from __future__ import annotations
 
 import logging
@@ -7,18 +7,12 @@ import time
 from celery import shared_task
 from django.conf import settings
 
-from kvops import services
 from engine import EngineError
-from kvops.group_commit import GroupCommit
+from kvops import job_store
 from kvops.tenancy import cache_salt, tenant
-from kvops.worker import get_engine_client, get_output_processor
+from kvops.worker import context
 
 log = logging.getLogger(__name__)
-
-# Deliveries that arrive together claim their jobs in one transaction (a delivery's own
-# jobs always in the same one: all claimed or none).
-claim = GroupCommit(services.claim_jobs)
-
 
 # Job params the service keeps for itself (how to shape the answer), not the engine's.
 SERVICE_PARAMS = ("tool_call",)
@@ -30,7 +24,7 @@ CLAIM_RETRIES = 5  # a delivery whose claim fails (database away) is sent again 
 def run_jobs(self, job_ids: list[int]) -> list[str]:
     """Run jobs on this worker's engine until each ends; one outcome per job.
 
-    Jobs admitted together for one engine travel as one task (services._send_tasks):
+    Jobs admitted together for one engine travel as one task (kvops/outbox.py):
     Celery's cost is per delivery, and in a burst of hundreds of streams that cost, on
     the worker's one interpreter, is what delays the first tokens. The task holds its
     delivery (acks late) while its jobs run, but does no per-token work: the output
@@ -38,10 +32,14 @@ def run_jobs(self, job_ids: list[int]) -> list[str]:
     has ended. Whatever goes wrong once the jobs are claimed, each ends (failed, with the
     reason) and its engine request is aborted; a claim that fails is tried again (a new
     delivery under the same task id)."""
-    service = get_engine_client()
+    worker = context()
+    service = worker.client
     try:
-        jobs = claim.many([services.Claim(job_id, service.name, service.instance,
-                                          self.request.id or "") for job_id in job_ids])
+        # Deliveries that arrive together claim their jobs in one transaction (a
+        # delivery's own jobs always in the same one: all claimed or none).
+        jobs = worker.claim.many([job_store.Claim(job_id, service.name, service.instance,
+                                                  self.request.id or "")
+                                  for job_id in job_ids])
     except Exception as e:  # noqa: BLE001  (the database is away: the jobs are still queued)
         log.warning("jobs %s could not be claimed: %s", job_ids, e)
         if self.request.retries >= CLAIM_RETRIES:
@@ -53,24 +51,24 @@ def run_jobs(self, job_ids: list[int]) -> list[str]:
     claimed = [job for job in jobs if job is not None]
     outcomes: dict[int, str] = {}
     try:
-        _run_claimed(service, claimed, outcomes)
+        _run_claimed(worker, claimed, outcomes)
     except Exception as e:  # noqa: BLE001  (anything: no job may stay `running`)
         log.exception("jobs %s: running them failed", [job.pk for job in claimed])
         for job in claimed:
             if job.pk not in outcomes:
-                get_output_processor().untrack(job.request_id)
+                worker.processor.untrack(job.request_id)
                 _abort_quietly(service, job.request_id)
                 _fail_quietly(job.pk, f"{type(e).__name__}: {e}", job.request_id)
                 outcomes[job.pk] = "failed"
     return [outcomes.get(job_id, "skipped") for job_id in job_ids]
 
 
-def _run_claimed(service, jobs: list, outcomes: dict[int, str]) -> None:
+def _run_claimed(worker, jobs: list, outcomes: dict[int, str]) -> None:
     """Submit the claimed jobs in one message to the engine and wait for each to end,
     recording each job's outcome as it is known."""
     if not jobs:
         return
-    processor = get_output_processor()
+    service, processor = worker.client, worker.processor
     items, handles = [], {}
     for job in jobs:
         params = job.params or {}
@@ -78,11 +76,10 @@ def _run_claimed(service, jobs: list, outcomes: dict[int, str]) -> None:
                                           params.get("stop"), params.get("min_tokens") or 0,
                                           params.get("n") or 1)
         try:
-            tools = (params.get("tool_call") or {}).get("tools")
-            prompt = service.render_chat(job.messages, tools) if job.messages else job.prompt
+            prompt = service.prompt_of(job)
         except Exception as e:  # noqa: BLE001  (that job's messages: it alone fails)
             processor.untrack(job.request_id)
-            services.fail_job(job.pk, f"its chat could not be rendered: {e}", job.request_id)
+            job_store.fail_job(job.pk, f"its chat could not be rendered: {e}", job.request_id)
             outcomes[job.pk] = "rejected"
             continue
         engine_params = {k: v for k, v in params.items() if k not in SERVICE_PARAMS}
@@ -94,13 +91,13 @@ def _run_claimed(service, jobs: list, outcomes: dict[int, str]) -> None:
     for job, refusal in zip(submitted, refusals, strict=True):
         if isinstance(refusal, EngineError):
             processor.untrack(job.request_id)
-            services.fail_job(job.pk, str(refusal), request_id=job.request_id)
+            job_store.fail_job(job.pk, str(refusal), request_id=job.request_id)
             outcomes[job.pk] = "rejected"
         else:
             running.append(job)
     # A cancel that came between the claim and the submit found no engine request to
     # abort: look again now that there is one.
-    for job_id in services.cancels_requested([job.pk for job in running]):
+    for job_id in job_store.cancels_requested([job.pk for job in running]):
         _abort_quietly(service, next(j.request_id for j in running if j.pk == job_id))
     deadline = time.monotonic() + settings.KVOPS_JOB_TIMEOUT_S
     for job in running:
@@ -108,11 +105,11 @@ def _run_claimed(service, jobs: list, outcomes: dict[int, str]) -> None:
         if outcome is None:
             processor.untrack(job.request_id)
             _abort_quietly(service, job.request_id)
-            services.fail_job(job.pk, f"request {job.request_id} ran past "
+            job_store.fail_job(job.pk, f"request {job.request_id} ran past "
                                       f"{settings.KVOPS_JOB_TIMEOUT_S:.0f} s", job.request_id)
             outcome = "timeout"
         elif outcome == "error":  # its end could not be written: try once more, as a failure
-            services.fail_job(job.pk, "the job's result could not be stored", job.request_id)
+            job_store.fail_job(job.pk, "the job's result could not be stored", job.request_id)
         outcomes[job.pk] = outcome
 
 
@@ -125,7 +122,7 @@ def _abort_quietly(service, request_id: str) -> None:
 
 def _fail_quietly(job_id: int, error: str, request_id: str | None) -> None:
     try:
-        services.fail_job(job_id, error, request_id=request_id)
+        job_store.fail_job(job_id, error, request_id=request_id)
     except Exception:  # noqa: BLE001  (the database is away too: the reaper moves it on)
         log.exception("job %s: could not record its failure", job_id)
 

@@ -164,9 +164,9 @@ def start(user, engine: Engine, minutes: int, max_jobs: int, changes: dict,
             raise
         return prior
     try:
-        from kvops.tasks import what_if
+        from kvops.celery import app
 
-        what_if.apply_async(args=[run.pk], queue=OPS_QUEUE)
+        app.send_task("kvops.what_if", args=[run.pk], queue=OPS_QUEUE)  # (kvops/tasks.py)
     except Exception as e:  # noqa: BLE001  (the broker is away: say so, keep nothing queued)
         error = f"could not be queued: {type(e).__name__}: {e}"
         _fail(run.pk, error)

@@ -108,7 +108,7 @@ def _prompt_units(config: dict, jobs: list[Job]) -> tuple[list[tuple], str]:
     salts = [cache_salt(job.owner) or "" for job in jobs]
     if inspector.tokenizer(config) is not None:
         try:
-            return [(salt, inspector.token_ids(config, job.prompt, job.messages))
+            return [(salt, inspector.job_token_ids(config, job))
                     for salt, job in zip(salts, jobs)], "tokens"
         except Exception as e:  # noqa: BLE001  (any tokenizer or template error)
             log.warning("what-if trace: prompts compared as characters (%s: %s)",

@@ -16,51 +16,77 @@ import os
 import socket
 import threading
 import time
+from typing import Any
 
 from celery import signals
 from celery.worker.control import control_command
 
+from kvops.group_commit import GroupCommit
+
 log = logging.getLogger(__name__)
 
-_client = None  # the EngineClient of this process, if it is an engine worker
-_processor = None  # its OutputProcessor
+
+@dataclasses.dataclass
+class WorkerContext:
+    """What an engine worker process holds: its engine client, the output processor that
+    streams and stores its jobs' progress, and the batcher that claims jobs delivered
+    together in one transaction. Made once, at the worker's start (or by a test, for an
+    engine in its own process), and reached through `context()`."""
+    client: Any  # an EngineClient (kvops/engine_client.py)
+    processor: Any  # its OutputProcessor
+    claim: GroupCommit = dataclasses.field(
+        default_factory=lambda: GroupCommit(_claim_jobs))
+
+    def close(self) -> None:
+        self.client.stop()
+        self.processor.close()
+
+
+def _claim_jobs(claims):
+    from kvops import job_store
+    return job_store.claim_jobs(claims)
+
+
+_context: WorkerContext | None = None
 _stop = threading.Event()
 _shutting_down = threading.Event()  # the worker got its stop signal (warm or cold)
 
 
-def get_engine_client():
-    if _client is None:
+def context() -> WorkerContext:
+    """This process's worker context; a RuntimeError where it is not an engine worker."""
+    if _context is None:
         raise RuntimeError("this process is not an engine worker (KVOPS_ENGINE_WORKER=1)")
-    return _client
+    return _context
 
 
-def get_output_processor():
-    if _processor is None:
-        raise RuntimeError("this process is not an engine worker (KVOPS_ENGINE_WORKER=1)")
-    return _processor
+def install(ctx: WorkerContext | None) -> WorkerContext | None:
+    """Make `ctx` this process's worker context (None: none); returns the one before."""
+    global _context
+    before, _context = _context, ctx
+    return before
 
 
 @signals.worker_init.connect
 def _start_engine(sender=None, **kwargs) -> None:
-    global _client, _processor
-    if os.environ.get("KVOPS_ENGINE_WORKER") != "1":
+    from django.conf import settings
+    if not settings.KVOPS_ENGINE_WORKER:
         return
     import django
     django.setup()
-    from django.conf import settings
 
-    from kvops import live, services
+    from kvops import live, registry
+    from kvops.reaper import reap
     from kvops.engine_client import make_engine_client
     from kvops.engine_config import config_from_env
     from kvops.job_stream import StreamProducer
     from kvops.output_processor import OutputProcessor
+    from kvops.prefix_index import PrefixIndex
     from kvops.prompts import tokenizer_for
     from kvops.publisher import EnginePublisher
 
-    config = config_from_env(os.environ)
-    if not os.environ.get("KVOPS_ENGINE_MAX_BATCH_SHARE"):  # the service-wide share
-        config = dataclasses.replace(config, max_batch_share=settings.KVOPS_MAX_BATCH_SHARE)
-    mode = os.environ.get("KVOPS_ENGINE_CORE", "process")
+    # the share of a batch one user may hold: the service-wide one unless set per engine
+    config = config_from_env(os.environ, {"max_batch_share": settings.KVOPS_MAX_BATCH_SHARE})
+    mode = settings.KVOPS_ENGINE_CORE
     log.info("starting engine %s (core: %s)", config.name, mode)
     tokenizer = tokenizer_for(config)
     if tokenizer is None:
@@ -68,22 +94,31 @@ def _start_engine(sender=None, **kwargs) -> None:
                          f"({config.model})")
     # The processor and the publisher reach the client through these closures: none is
     # called before the client has started.
-    _processor = OutputProcessor(config.name, StreamProducer(live.redis_client(), config.name),
-                                 tokenizer, lambda request_id: client.finish_request(request_id))
+    processor = OutputProcessor(config.name, StreamProducer(live.redis_client(), config.name),
+                                tokenizer, lambda request_id: client.finish_request(request_id))
     try:
-        client = make_engine_client(mode, config, _processor,
+        client = make_engine_client(mode, config, processor,
                                     on_kv_item=lambda item: publisher.on_item(item),
-                                    tokenizer=tokenizer, worker_stopping=_shutting_down.is_set)
+                                    tokenizer=tokenizer, worker_stopping=_shutting_down.is_set,
+                                    **_core_process_settings(settings))
     except ValueError as e:
         raise SystemExit(str(e)) from None
-    publisher = EnginePublisher(config.name, source=client)
+    publisher = EnginePublisher(config.name, source=client,
+                                prefix_index=PrefixIndex(config.name, client))
     client.start()
-    _client = client
+    install(WorkerContext(client, processor))
     hostname = getattr(sender, "hostname", None) or f"engine-{config.name}@{socket.gethostname()}"
-    services.register_engine(config.name, hostname, socket.gethostname(), client.instance,
+    registry.register_engine(config.name, hostname, socket.gethostname(), client.instance,
                              client.describe_config())
     # Jobs a previous run of this engine left `running` will never finish: move them on.
-    services.reap()
+    reap()
+
+
+def _core_process_settings(settings) -> dict:
+    out = {"log_level": settings.KVOPS_LOG_LEVEL}
+    if settings.KVOPS_ENGINE_CORE_NICE is not None:
+        out["core_nice"] = settings.KVOPS_ENGINE_CORE_NICE
+    return out
 
 
 @signals.worker_ready.connect
@@ -91,43 +126,44 @@ def _engine_ready(sender=None, **kwargs) -> None:
     """Celery's consumer is up, remote control included: only now is the engine `ready`.
     (Registered ready at worker_init, an operator's command sent in between went to no
     one: control is a broadcast, and a worker not yet listening never sees it.)"""
-    if _client is None:
+    if _context is None:
         return
     from django.db import connection
 
-    from kvops import services
+    from kvops import registry
+    client = _context.client
     try:
-        services.heartbeat(_client.name, _client.instance, _client.latest_metrics)
+        registry.heartbeat(client.name, client.instance, client.latest_metrics)
     finally:
         connection.close()
-    threading.Thread(target=_heartbeat, args=(_client.name, _client.instance),
+    threading.Thread(target=_heartbeat, args=(client,),
                      name="kvops-heartbeat", daemon=True).start()
 
 
 def _beat_now(client) -> None:
     from django.db import connection
 
-    from kvops import services
+    from kvops import registry
     try:
-        services.heartbeat(client.name, client.instance, client.latest_metrics)
+        registry.heartbeat(client.name, client.instance, client.latest_metrics)
     except Exception as e:  # the next beat says it
         log.warning("heartbeat after a state command failed: %s", e)
     finally:
         connection.close()
 
 
-def _heartbeat(name: str, instance: str) -> None:
+def _heartbeat(client) -> None:
     from django.conf import settings
     from django.db import connection
 
-    from kvops import services
+    from kvops import registry
     from kvops.routing import reset_pending_load
 
     while not _stop.wait(settings.KVOPS_HEARTBEAT_S):
         try:
-            if _client is not None and _client.alive:
-                services.heartbeat(name, instance, _client.latest_metrics)
-                reset_pending_load(name)
+            if client.alive:
+                registry.heartbeat(client.name, client.instance, client.latest_metrics)
+                reset_pending_load(client.name)
         except Exception as e:  # database briefly away: try again next beat
             log.warning("heartbeat failed: %s", e)
         finally:
@@ -142,16 +178,15 @@ def _note_shutting_down(**kwargs) -> None:
 @signals.worker_shutdown.connect
 def _stop_engine(**kwargs) -> None:
     _stop.set()
-    if _client is None:
+    ctx = install(None)
+    if ctx is None:
         return
-    from kvops import services
+    from kvops import registry
     try:
-        services.mark_engine_stopped(_client.name)
+        registry.mark_engine_stopped(ctx.client.name)
     except Exception as e:
         log.warning("could not mark engine stopped: %s", e)
-    _client.stop()
-    if _processor is not None:
-        _processor.close()
+    ctx.close()
 
 
 @control_command(args=[("command", str), ("arguments", dict), ("deadline", float)],
@@ -173,7 +208,7 @@ def kvops_engine(state, command: str, arguments: dict | None = None,
     try:
         if timeout_s <= 0:
             raise TimeoutError("the command arrived after its deadline")
-        client = get_engine_client()
+        client = context().client
         result = client.command(command, dict(arguments or {}), timeout_s=timeout_s)
         if command in STATE_COMMANDS:
             # The engine's row says its new state before the web hears the answer (its

@@ -1,25 +1,20 @@
-"""Validation of what clients send, and the shape of what they get back."""
+"""Validation of what operators send, and the shape of what clients get back. (A job's
+fields are parsed by kvops/intake.py, the one parser per job schema.)"""
 from __future__ import annotations
 
 import math
 
+from django.conf import settings
 from django.utils import timezone
-from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from engine.capacity import StepCost
 from engine.config import PREEMPTION_MODES
-from kvops import limits
 from kvops.models import Engine, Job, OperatorAction, WhatIfRun
 from kvops.what_if import MAX_POOL_TOKENS, SETTINGS
 from kvops.what_if_trace import MAX_JOBS, MAX_MINUTES
 
 QUEUED_HINT_S = 30  # a what-if run queued this long gets a note: is an ops worker up?
-
-SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
-                   "stop_token_ids", "ignore_eos", "min_tokens", "min_p", "presence_penalty",
-                   "frequency_penalty", "repetition_penalty", "logit_bias", "n", "logprobs",
-                   "prompt_logprobs")
 
 
 class StrictMixin:
@@ -54,149 +49,17 @@ class FiniteFloatField(serializers.FloatField):
         return value
 
 
-class ChatMessageSerializer(StrictMixin, serializers.Serializer):
-    role = serializers.ChoiceField(choices=["system", "user", "assistant"])
-    content = TextField(allow_blank=True, max_length=limits.MAX_PROMPT_CHARS,
-                                    trim_whitespace=False)
-
-
-class LimitsField(serializers.Field):
-    """A field checked by one of kvops/limits.py's rules (`check`), so both APIs refuse
-    the same values in the same words; the value is stored as the rule returns it."""
-
-    def check(self, data):
-        raise NotImplementedError
-
-    def to_internal_value(self, data):
-        try:
-            return self.check(data)
-        except limits.InvalidParam as e:
-            raise serializers.ValidationError(str(e)) from None
-
-    def to_representation(self, value):
-        return value
-
-
-@extend_schema_field({"oneOf": [{"type": "string", "maxLength": limits.MAX_STOP_CHARS},
-                                {"type": "array", "maxItems": limits.MAX_STOP_STRINGS,
-                                 "items": {"type": "string", "maxLength": limits.MAX_STOP_CHARS}}]})
-class StopField(LimitsField):
-    """A string or a list of non-empty strings (limits.stop_strings)."""
-
-    def check(self, data):
-        return limits.stop_strings(data)
-
-
-@extend_schema_field({"type": "object", "additionalProperties": {
-    "type": "number", "minimum": limits.LOGIT_BIAS[0], "maximum": limits.LOGIT_BIAS[1]},
-    "maxProperties": limits.MAX_LOGIT_BIAS_ENTRIES})
-class LogitBiasField(LimitsField):
-    """Token id -> bias (limits.logit_bias)."""
-
-    def check(self, data):
-        return limits.logit_bias(data)
-
-
-@extend_schema_field({"type": "object", "description": "one of json (a JSON schema), "
-                      "json_object (true), regex, choice (a list of strings), grammar (EBNF)"})
-class StructuredField(LimitsField):
-    """A structured-output constraint (limits.structured), as vLLM's structured_outputs."""
-
-    def check(self, data):
-        return limits.structured(data, "structured_outputs")
-
-
-class JobCreateSerializer(StrictMixin, serializers.Serializer):
-    prompt = TextField(required=False, max_length=limits.MAX_PROMPT_CHARS,
-                                   trim_whitespace=False)
-    messages = ChatMessageSerializer(many=True, required=False, allow_empty=False)
-    max_tokens = serializers.IntegerField(required=False, default=128, min_value=1,
-                                          max_value=limits.MAX_TOKENS)
-    temperature = FiniteFloatField(required=False, default=0.0, min_value=limits.TEMPERATURE[0],
-                                   max_value=limits.TEMPERATURE[1])
-    top_p = FiniteFloatField(required=False, default=1.0, min_value=limits.TOP_P[0],
-                             max_value=limits.TOP_P[1])
-    top_k = serializers.IntegerField(required=False, allow_null=True, default=None, min_value=1,
-                                     max_value=limits.TOP_K_MAX)
-    seed = serializers.IntegerField(required=False, allow_null=True, default=None,
-                                    min_value=0, max_value=limits.SEED_MAX)
-    stop = StopField(required=False, default=list)
-    stop_token_ids = serializers.ListField(child=serializers.IntegerField(min_value=0,
-                                                                          max_value=2**31 - 1),
-                                           required=False, default=list,
-                                           max_length=limits.MAX_STOP_TOKEN_IDS)
-    ignore_eos = serializers.BooleanField(required=False, default=False)
-    min_tokens = serializers.IntegerField(required=False, default=0, min_value=0,
-                                          max_value=limits.MAX_TOKENS)
-    min_p = FiniteFloatField(required=False, default=0.0, min_value=limits.MIN_P[0],
-                             max_value=limits.MIN_P[1])
-    presence_penalty = FiniteFloatField(required=False, default=0.0,
-                                        min_value=limits.PENALTY[0], max_value=limits.PENALTY[1])
-    frequency_penalty = FiniteFloatField(required=False, default=0.0,
-                                         min_value=limits.PENALTY[0], max_value=limits.PENALTY[1])
-    repetition_penalty = FiniteFloatField(required=False, default=1.0,
-                                          min_value=limits.REPETITION_PENALTY[0],
-                                          max_value=limits.REPETITION_PENALTY[1])
-    logit_bias = LogitBiasField(required=False, default=None, allow_null=True)
-    structured_outputs = StructuredField(required=False, default=None, allow_null=True)
-    n = serializers.IntegerField(required=False, default=1, min_value=1, max_value=limits.MAX_N,
-                                 help_text="samples of the prompt (the job's `samples`)")
-    logprobs = serializers.IntegerField(
-        required=False, default=None, allow_null=True, min_value=0, max_value=limits.MAX_LOGPROBS,
-        help_text="the job's `output_logprobs`: each token's and the k most likely")
-    prompt_logprobs = serializers.IntegerField(
-        required=False, default=None, allow_null=True, min_value=0, max_value=limits.MAX_LOGPROBS,
-        help_text="the job's `prompt_logprobs`: the same for each prompt token")
-    priority = serializers.IntegerField(required=False, default=0, min_value=limits.PRIORITY[0],
-                                        max_value=limits.PRIORITY[1])
-    engine = TextField(required=False, default="", allow_blank=True, max_length=64)
-
-    def validate_top_p(self, value):
-        if value <= 0.0:
-            raise serializers.ValidationError("must be greater than 0")
-        return value
-
-    def validate_repetition_penalty(self, value):
-        if value <= 0.0:
-            raise serializers.ValidationError("must be greater than 0")
-        return value
-
-    def validate(self, attrs):
-        has_prompt = bool(attrs.get("prompt"))
-        has_messages = bool(attrs.get("messages"))
-        if has_prompt == has_messages:
-            raise serializers.ValidationError(
-                {"prompt": ["give exactly one of `prompt` (non-empty text) or `messages`"]})
-        try:
-            limits.sampling_params({k: attrs[k] for k in SAMPLING_FIELDS if k in attrs})
-        except limits.InvalidParam as e:
-            raise serializers.ValidationError({e.param: [str(e)]}) from None
-        return attrs
-
-    def job_kwargs(self) -> dict:
-        data = self.validated_data
-        return {
-            "prompt": data.get("prompt", ""),
-            "messages": [dict(m) for m in data["messages"]] if data.get("messages") else None,
-            "params": {**{k: data[k] for k in SAMPLING_FIELDS},
-                       "structured": data["structured_outputs"]},
-            "priority": data["priority"],
-            "engine": data["engine"],
-        }
-
-
 class JobSerializer(serializers.ModelSerializer):
     owner = serializers.CharField(source="owner.username", read_only=True)
 
     class Meta:
         model = Job
-        fields = ["id", "status", "owner", "source", "engine", "requested_engine", "routing",
-                  "request_id", "prompt", "messages", "params", "priority", "output_text",
-                  "output_token_ids", "output_logprobs", "prompt_logprobs", "samples",
-                  "finish_reason", "num_prompt_tokens",
-                  "num_cached_tokens",
-                  "num_output_tokens", "num_preemptions", "attempts", "error", "queued_at",
-                  "started_at", "first_token_at", "finished_at"]
+        fields = ["id", "status", "owner", "source", "model", "engine", "requested_engine",
+                  "routing", "request_id", "prompt", "messages", "prompt_token_ids", "params",
+                  "priority", "output_text", "output_token_ids", "output_logprobs",
+                  "prompt_logprobs", "samples", "finish_reason", "num_prompt_tokens",
+                  "num_cached_tokens", "num_output_tokens", "num_preemptions", "attempts",
+                  "error", "queued_at", "started_at", "first_token_at", "finished_at"]
         read_only_fields = fields
 
 
@@ -266,8 +129,8 @@ class LimitsSerializer(StrictMixin, serializers.Serializer):
 
 
 class PrefixSerializer(StrictMixin, serializers.Serializer):
-    prompt = TextField(required=False, max_length=limits.MAX_PROMPT_CHARS,
-                                   trim_whitespace=False)
+    prompt = TextField(required=False, max_length=settings.KVOPS_MAX_PROMPT_CHARS,
+                       trim_whitespace=False)
     token_ids = serializers.ListField(child=serializers.IntegerField(min_value=0,
                                                                      max_value=2**31 - 1),
                                       required=False, max_length=1_000_000)

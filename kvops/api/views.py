@@ -1,4 +1,6 @@
-"""REST API (thin: validation in serializers, work in services, reads in selectors)."""
+"""REST API (thin: jobs parsed by kvops/intake.py and stored by kvops/admission.py,
+other input validated in serializers, writes in the modules that own them, reads in
+selectors)."""
 from __future__ import annotations
 
 import re
@@ -14,13 +16,13 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from engine.commands import STATE_COMMANDS
-from kvops import grammar_check, idempotency, limits, selectors, services, visibility, what_if
+from kvops import (admission, grammar_check, idempotency, intake, job_store, limits,
+                   operator_actions, selectors, visibility, what_if)
 from kvops.api.serializers import (EmptySerializer, EngineSerializer, EvictSerializer,
-                                   JobCreateSerializer, JobSerializer, LimitsSerializer,
+                                   JobSerializer, LimitsSerializer,
                                    OperatorActionSerializer, PrefixSerializer,
                                    WhatIfRunSerializer, WhatIfSerializer)
 from kvops.models import Engine, Job
-from kvops.prompt_check import DoesNotFit, check_fits
 from kvops.throttles import JobSubmitThrottle, TooManyJobs
 
 
@@ -42,7 +44,7 @@ def _answer(create) -> Response | None:
     `Idempotent-Replayed: true` if it was stored by an earlier call with the same key."""
     try:
         job = create()
-    except services.Unavailable as e:
+    except (admission.Unavailable, grammar_check.Busy) as e:
         raise ServiceUnavailable(str(e)) from None
     except idempotency.KeyReused as e:
         raise KeyConflict(str(e)) from None
@@ -95,48 +97,32 @@ class JobViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.Retrieve
         return qs
 
     @extend_schema(
-        request=JobCreateSerializer, responses={201: JobSerializer},
+        request={"application/json": intake.job_schema()}, responses={201: JobSerializer},
         parameters=[OpenApiParameter(
             idempotency.HEADER, str, OpenApiParameter.HEADER, required=False,
             description="a retried submission with the same key (per user) returns the "
                         "job the first one stored; the same key for another job: 409")])
     def create(self, request, *args, **kwargs):
-        serializer = JobCreateSerializer(data=request.data)
-        serializer.is_valid(raise_exception=True)
-        kwargs = serializer.job_kwargs()
-        try:
-            limits.priority(kwargs["priority"], request.user.is_staff)
-        except limits.NotAllowed as e:
-            raise PermissionDenied({"priority": [str(e)]}) from None
         key = _idempotency_key(request)
-        # A token means a program; a session means someone on the pages.
-        new = services.NewJob(request.user, source=Job.Source.API if request.auth is not None
-                              else Job.Source.WEB, idempotency_key=key, **kwargs)
-        if key:  # a retry gets the first answer, even if the engine has gone since
-            prior = _answer(lambda: services.prior_job(new))
-            if prior is not None:
-                return prior
-        if kwargs["engine"] and not Engine.objects.filter(name=kwargs["engine"]).exists():
-            raise NotFound(f"no engine named {kwargs['engine']!r}")
         try:
-            check_fits(kwargs["prompt"], kwargs["messages"], kwargs["params"], kwargs["engine"])
-            grammar_check.check(kwargs["params"]["structured"], "structured_outputs",
-                                kwargs["engine"])
-        except DoesNotFit as e:
-            raise ValidationError({e.param: [str(e)]}) from None
+            # A token means a program; a session means someone on the pages.
+            new = intake.parse_job(request.data, request.user, Job.Source.API
+                                   if request.auth is not None else Job.Source.WEB, key)
+            return _answer(lambda: admission.admit(new))
+        except limits.NotAllowed as e:
+            raise PermissionDenied({e.param: [str(e)]}) from None
         except limits.InvalidParam as e:
             raise ValidationError({e.param: [str(e)]}) from None
-        except grammar_check.Busy as e:
-            raise ServiceUnavailable(str(e)) from None
-        return _answer(lambda: services.create_job(new))
+        except intake.NotFound as e:
+            raise NotFound(str(e)) from None
 
     @extend_schema(request=None, responses={200: JobSerializer})
     @action(detail=True, methods=["post"])
     def cancel(self, request, pk=None):
         job = self.get_object()
         try:
-            job = services.cancel_job(job)
-        except services.Conflict as e:
+            job = job_store.cancel_job(job)
+        except job_store.Conflict as e:
             return Response({"error": str(e)}, status=status.HTTP_409_CONFLICT)
         return Response(JobSerializer(job).data)
 
@@ -241,7 +227,7 @@ OPERATOR_RESPONSES = {200: ACTION_RESULT, 400: ERROR, 403: ERROR, 404: ACTION_RE
 def _action_answer(request, engine: Engine, action: str, target: str,
                    arguments: dict) -> Response:
     try:
-        code, body, replayed = services.operator_action(
+        code, body, replayed = operator_actions.operator_action(
             request.user, engine, action, target, arguments, _idempotency_key(request))
     except idempotency.KeyReused as e:
         raise KeyConflict(str(e)) from None

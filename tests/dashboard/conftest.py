@@ -69,15 +69,15 @@ def engine_setup():
     """A simulated engine registered under a fresh name, with its publisher running:
     (name, engine, publisher, churn)."""
     from kvops.models import Engine
-    from kvops.publisher import EnginePublisher
     from tests.dashboard.churn import Churn, churn_engine
     from tests.dashboard.wsclient import wait_for
+    from tests.support.local_publisher import LocalPublisher
 
     name = f"t{uuid.uuid4().hex[:8]}"
     engine = churn_engine(name=name)
     Engine.objects.create(name=name, worker=f"engine-{name}@test", status="ready",
                           config=engine.describe_config())
-    publisher = EnginePublisher(name, interval_s=0.0)
+    publisher = LocalPublisher(name)
     churn = Churn(engine, seed=3)
     for _ in range(20):
         churn()

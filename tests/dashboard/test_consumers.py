@@ -129,7 +129,7 @@ async def test_event_history_and_summary(users, engine_setup):
     await comm.send_json_to({"type": "subscribe", "level": "summary"})
     assert (await receive_type(comm, "subscribed"))["level"] == "summary"
     churn()
-    publisher._due["summary"] = 0  # the next capture sends one
+    publisher.publisher._due["summary"] = 0  # the next capture sends one
     await settle(publisher, engine)
     summary = await receive_type(comm, "summary")
     assert summary["engine"] == name and "kv_usage" in summary["metrics"]

@@ -10,7 +10,7 @@ from channels.routing import URLRouter
 from channels.testing import WebsocketCommunicator
 
 from engine.kv_feed import decode
-from kvops.publisher import EnginePublisher
+from tests.support.local_publisher import LocalPublisher
 from kvops.ws_routing import websocket_urlpatterns
 
 APP = URLRouter(websocket_urlpatterns)
@@ -48,7 +48,7 @@ async def receive_type(comm, kind: str, timeout: float = 5) -> dict:
             return message
 
 
-async def settle(publisher: EnginePublisher, engine) -> int:
+async def settle(publisher: LocalPublisher, engine) -> int:
     """Let the publisher catch up with the engine; the seq of its last delta."""
     publisher(engine)
     await asyncio.to_thread(wait_for, lambda: publisher.mirror.version == engine.version

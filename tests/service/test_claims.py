@@ -1,11 +1,11 @@
-"""services.claim_jobs: which delivery runs which job. Queued jobs of the delivery's task
+"""job_store.claim_jobs: which delivery runs which job. Queued jobs of the delivery's task
 are claimed by one UPDATE per task id; every other case is judged row by row. Both must
 leave a job in the same state, and the verdicts must hold in a batch that mixes them."""
 import pytest
 from django.contrib.auth.models import User
 from django.utils import timezone
 
-from kvops import services
+from kvops import job_store
 from kvops.models import Engine, Job
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -27,7 +27,7 @@ def job(owner, task_id="task-a", **fields) -> Job:
 
 def claim(*pairs) -> list[Job | None]:
     """Claims of (job, task id) by the live worker, in one call."""
-    return services.claim_jobs([services.Claim(j.pk, "eng", LIVE, task_id)
+    return job_store.claim_jobs([job_store.Claim(j.pk, "eng", LIVE, task_id)
                                 for j, task_id in pairs])
 
 
@@ -80,7 +80,7 @@ def test_deliveries_that_must_not_run_their_job(owner):
 
 def test_a_cancelled_job_or_one_out_of_attempts_ends_at_its_claim(owner):
     cancelled = job(owner, cancel_requested=True)
-    worn = job(owner, attempts=services.MAX_ATTEMPTS)
+    worn = job(owner, attempts=job_store.MAX_ATTEMPTS)
     fresh = job(owner)
     got = claim((cancelled, "task-a"), (worn, "task-a"), (fresh, "task-a"))
     assert got[:2] == [None, None]
@@ -107,6 +107,6 @@ def test_an_unknown_job_is_not_claimed(owner):
 
 def test_a_job_delivered_twice_to_a_worker_not_yet_live_runs_once(owner):
     a = job(owner)
-    got = services.claim_jobs([services.Claim(a.pk, "eng", "worker-new", "task-a")] * 2)
+    got = job_store.claim_jobs([job_store.Claim(a.pk, "eng", "worker-new", "task-a")] * 2)
     assert got[0] is not None and got[1] is None
     assert Job.objects.get(pk=a.pk).attempts == 1

@@ -35,14 +35,13 @@ def test_the_login_lockout_holds_with_forged_forwarded_addresses(stack):
     assert answer.status_code == 429, answer.status_code  # still locked: one address
 
 
-def test_no_proxy_is_trusted_unless_named(monkeypatch):
+def test_no_proxy_is_trusted_unless_named(settings):
     from kvops.run import WS_MAX_BYTES, web_server_argv
-    monkeypatch.delenv("KVOPS_TRUSTED_PROXIES", raising=False)
-    argv = web_server_argv("127.0.0.1", 8000)
+    assert settings.KVOPS_TRUSTED_PROXIES == ""  # the default
+    argv = web_server_argv("127.0.0.1", 8000, settings.KVOPS_TRUSTED_PROXIES)
     assert "--no-proxy-headers" in argv and "--forwarded-allow-ips" not in argv
     assert argv[argv.index("--ws-max-size") + 1] == str(WS_MAX_BYTES)
-    monkeypatch.setenv("KVOPS_TRUSTED_PROXIES", "10.0.0.5,10.1.0.0/16")
-    argv = web_server_argv("127.0.0.1", 8000)
+    argv = web_server_argv("127.0.0.1", 8000, "10.0.0.5,10.1.0.0/16")
     assert argv[argv.index("--forwarded-allow-ips") + 1] == "10.0.0.5,10.1.0.0/16"
 
 

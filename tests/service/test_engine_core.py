@@ -109,11 +109,10 @@ def test_the_cores_threads_spin_only_where_the_core_outranks_the_service(core):
     value the operator set stays."""
     from engine.core_proc import SPIN_COUNT
     from kvops.engine_client import core_environment
-    for nice in ("0", "-5"):
-        env = core_environment({"KVOPS_ENGINE_CORE_NICE": nice})
+    for nice in (0, -5):
+        env = core_environment({}, nice)
         assert env["OMP_WAIT_POLICY"] == "PASSIVE" and "GOMP_SPINCOUNT" not in env
-    assert core_environment({"KVOPS_ENGINE_CORE_NICE": "0", "OMP_WAIT_POLICY": "ACTIVE"})[
-        "OMP_WAIT_POLICY"] == "ACTIVE"
+    assert core_environment({"OMP_WAIT_POLICY": "ACTIVE"}, 0)["OMP_WAIT_POLICY"] == "ACTIVE"
     assert core_environment({"GOMP_SPINCOUNT": "7"}) == {"GOMP_SPINCOUNT": "7"}
     if os.geteuid() != 0 or {"KVOPS_ENGINE_CORE_NICE", "OMP_WAIT_POLICY",
                              "GOMP_SPINCOUNT"} & set(os.environ):

@@ -1,12 +1,9 @@
 """Nothing is lost when a worker dies, Redis restarts, or an engine step raises."""
 import os
 import signal
-import subprocess
 import time
-from pathlib import Path
 
 import pytest
-import redis
 
 from engine.snapshot import decode_array
 from tests.support.stack import Stack
@@ -79,7 +76,7 @@ def test_redis_restart_loses_nothing(faulty):
 
 def test_a_job_submitted_while_redis_is_away_is_answered_201_and_runs(faulty):
     """The broker is unreachable when the job commits: the client gets its 201 (the job
-    exists), and the job runs once Redis is back (outbox; kvops/services.send_unsent)."""
+    exists), and the job runs once Redis is back (outbox; kvops/outbox.send_unsent)."""
     faulty.redis_proc.kill()
     faulty.redis_proc.wait()
     try:  # a job naming its engine: its routing needs no Redis, only its send does

@@ -10,7 +10,7 @@ from django.contrib.auth.models import User
 from django.utils import timezone
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from kvops import live, services
+from kvops import job_store, live
 from engine.outputs import CoreOutput
 from kvops.job_stream import STREAM_KEY, StreamProducer, TextAssembler, decode_entry
 from kvops.models import Job
@@ -151,18 +151,18 @@ def test_a_forked_job_ends_once_all_its_samples_have_and_a_dead_core_fails_it():
 def test_a_stale_attempt_writes_nothing():
     owner = User.objects.create_user("u2")
     job = running_job(owner, attempt=2)
-    fenced = services.record_progress([
-        services.ProgressDelta(job.pk, f"job-{job.pk}-1", "stale", 5, 3, 0, 0),
-        services.ProgressDelta(job.pk, job.request_id, "", 0, 3, 0, 0)])
+    fenced = job_store.record_progress([
+        job_store.ProgressDelta(job.pk, f"job-{job.pk}-1", "stale", 5, 3, 0, 0),
+        job_store.ProgressDelta(job.pk, job.request_id, "", 0, 3, 0, 0)])
     assert fenced == {f"job-{job.pk}-1"}  # the stale attempt is told, the owner is not
     first = timezone.now()
-    services.record_progress([services.ProgressDelta(job.pk, job.request_id, "fre", 1,
+    job_store.record_progress([job_store.ProgressDelta(job.pk, job.request_id, "fre", 1,
                                                      3, 0, 0, first)])
-    services.record_progress([services.ProgressDelta(job.pk, job.request_id, "sh", 2,
+    job_store.record_progress([job_store.ProgressDelta(job.pk, job.request_id, "sh", 2,
                                                      3, 0, 0, timezone.now())])
-    final = services.FinalState(job.pk, f"job-{job.pk}-1", "stale end", [1, 2], 3, 0, 0,
+    final = job_store.FinalState(job.pk, f"job-{job.pk}-1", "stale end", [1, 2], 3, 0, 0,
                                 "length", None)
-    assert services.finish_jobs([final]) == []
+    assert job_store.finish_jobs([final]) == []
     job.refresh_from_db()
     assert (job.status, job.output_text, job.num_output_tokens) == ("running", "fresh", 2)
     assert job.first_token_at == first  # kept from the first write

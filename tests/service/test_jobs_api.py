@@ -1,5 +1,4 @@
 """Jobs over REST against a real web server, Redis and engine worker."""
-import time
 
 import pytest
 
@@ -87,7 +86,9 @@ def test_anonymous_is_refused(stack):
     ({"prompt": "x", "max_tokens": "ten"}, "max_tokens"),
     ({"prompt": "x", "temperature": -1}, "temperature"),
     ({"prompt": "x", "top_p": 0}, "top_p"),
-    ({"prompt": "x", "top_k": 0}, "top_k"),
+    ({"prompt": "x", "top_k": -2}, "top_k"),
+    ({"prompt": "x", "top_k": False}, "top_k"),
+    ({"prompt": "x", "temperature": "0.5"}, "temperature"),
     ({"prompt": "x", "stop": [""]}, "stop"),
     ({"prompt": "x", "bogus": 1}, "bogus"),
     ({"prompt": 42}, "prompt"),

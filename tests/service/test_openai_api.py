@@ -336,3 +336,16 @@ def test_tools_refusals_name_the_field(client):
     r = client.chat.completions.create(model="simulated-v1", max_tokens=2, messages=messages,
                                        tools=[tool], tool_choice="none")
     assert r.choices[0].message.content and not r.choices[0].message.tool_calls
+
+
+def test_a_retry_with_the_same_idempotency_key_gets_the_first_job(client, stack):
+    """A client that retries a call (its connection dropped) with the same
+    Idempotency-Key gets the first call's job and answer; nothing runs twice."""
+    headers = {"Idempotency-Key": "v1-retry-once"}
+    first = client.completions.create(model="simulated-v1", prompt="only once", max_tokens=4,
+                                      temperature=0, extra_headers=headers)
+    again = client.completions.create(model="simulated-v1", prompt="only once", max_tokens=4,
+                                      temperature=0, extra_headers=headers)
+    assert again.id == first.id and again.choices[0].text == first.choices[0].text
+    jobs = stack.api("GET", "/api/jobs/?mine=1&limit=200", user="alice").json()["results"]
+    assert sum(j["prompt"] == "only once" for j in jobs) == 1

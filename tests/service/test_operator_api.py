@@ -1,5 +1,4 @@
 """Operator actions over HTTP change the engine; every one is audited."""
-import time
 
 import pytest
 

@@ -8,7 +8,10 @@ from django.contrib.auth.models import User
 from django.utils import timezone
 from kombu.exceptions import OperationalError
 
-from kvops import live, services
+from kvops import live, outbox
+from kvops.admission import create_job
+from kvops.intake import NewJob
+from kvops.reaper import reap
 from kvops.models import Job
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -29,50 +32,50 @@ def broker_down(monkeypatch):
     """The broker refuses every send (what kombu raises once its retries are spent)."""
     def refuse(*args, **kwargs):
         raise OperationalError("Error 111 connecting to 127.0.0.1:6379. Connection refused.")
-    monkeypatch.setattr("kvops.tasks.run_jobs.apply_async", refuse)
+    monkeypatch.setattr("kvops.outbox.app.send_task", refuse)
     return monkeypatch
 
 
 def test_a_job_whose_send_fails_is_stored_then_sent_by_the_reaper(owner, broker_down):
     queue = "engine.outbox-a"
     live.redis_client().delete(queue)
-    job = services.create_job(services.NewJob(owner, {"max_tokens": 4}, "hi",
+    job = create_job(NewJob(owner, {"max_tokens": 4}, "hi",
                                              engine="outbox-a"))  # no exception: the job exists
     job.refresh_from_db()
     assert job.status == Job.Status.QUEUED and job.dispatched_at is None
-    assert services.send_unsent(older_than_s=60) == []  # not due yet
+    assert outbox.send_unsent(older_than_s=60) == []  # not due yet
 
     broker_down.undo()  # the broker is back
     Job.objects.filter(pk=job.pk).update(queued_at=timezone.now() - timedelta(minutes=5))
-    assert job.pk in services.reap()
+    assert job.pk in reap()
     job.refresh_from_db()
     assert job.dispatched_at is not None and job.celery_task_id
     assert [m for m in queued_messages(queue) if job.celery_task_id in m]
-    assert services.send_unsent(older_than_s=0) == []  # sent once, not again
+    assert outbox.send_unsent(older_than_s=0) == []  # sent once, not again
 
 
 def test_a_sent_job_is_marked_and_left_alone(owner):
     queue = "engine.outbox-b"
     live.redis_client().delete(queue)
-    job = services.create_job(services.NewJob(owner, {"max_tokens": 4}, "hi",
+    job = create_job(NewJob(owner, {"max_tokens": 4}, "hi",
                                              engine="outbox-b"))
     job.refresh_from_db()
     assert job.dispatched_at is not None
     assert len([m for m in queued_messages(queue) if job.celery_task_id in m]) == 1
-    assert services.send_unsent(older_than_s=0) == []
+    assert outbox.send_unsent(older_than_s=0) == []
 
 
 def test_a_job_queued_long_after_its_send_is_sent_again_under_the_same_id(owner):
     queue = "engine.outbox-c"
     live.redis_client().delete(queue)
-    lost = services.create_job(services.NewJob(owner, {"max_tokens": 4}, "hi",
+    lost = create_job(NewJob(owner, {"max_tokens": 4}, "hi",
                                                engine="outbox-c"))
-    fresh = services.create_job(services.NewJob(owner, {"max_tokens": 4}, "ho",
+    fresh = create_job(NewJob(owner, {"max_tokens": 4}, "ho",
                                                 engine="outbox-c"))
     Job.objects.filter(pk=lost.pk).update(dispatched_at=timezone.now() - timedelta(hours=1))
-    assert services.send_unsent(older_than_s=10, resend_after_s=900) == [lost.pk]
+    assert outbox.send_unsent(older_than_s=10, resend_after_s=900) == [lost.pk]
     lost.refresh_from_db()
     assert len([m for m in queued_messages(queue) if lost.celery_task_id in m]) == 2
     assert len([m for m in queued_messages(queue) if fresh.celery_task_id in m]) == 1
     assert timezone.now() - lost.dispatched_at < timedelta(minutes=1)  # not again at once
-    assert services.send_unsent(older_than_s=10, resend_after_s=900) == []
+    assert outbox.send_unsent(older_than_s=10, resend_after_s=900) == []

@@ -29,6 +29,14 @@ def hf_logprobs(folder, token_ids: list[int]):
 @pytest.fixture(scope="module")
 def tiny_stack(tmp_path_factory):
     folder = build_tiny_model(SPECS["gqa16"], Path(tmp_path_factory.mktemp("models")))
+    # Its chat template renders OpenAI tools (their names, ahead of the chat) and writes
+    # calls the Hermes way, as Qwen's does; without tools it renders what it did before.
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = (
+        "{# a call is written <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call> #}"
+        "{% if tools %}{{ '<s>tools ' }}{% for t in tools %}{{ t['function']['name'] + ' ' }}"
+        "{% endfor %}{{ '</s> ' }}{% endif %}" + config["chat_template"])
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
     s = Stack(Path(tmp_path_factory.mktemp("tiny-stack")))
     try:
         s.start_web()
@@ -56,6 +64,39 @@ def test_rest_job_matches_transformers(tiny_stack):
     again = tiny_stack.wait_job(tiny_stack.api("POST", "/api/jobs/", json={
         "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}).json()["id"])
     assert again["output_token_ids"] == want and again["num_cached_tokens"] >= 8
+
+
+def test_a_chat_with_tools_is_rendered_once_the_same_on_both_apis(tiny_stack):
+    """The web renders a chat with its tools and tokenizes it once: REST and /v1 store
+    the same token ids (transformers' rendering, tokenized), the engine runs exactly
+    those (its prompt length, and the second job's prefix-cache hit on the first's
+    blocks), and routing hashes them as the engine does (the second job is routed by
+    the first one's blocks)."""
+    from transformers import AutoTokenizer
+
+    tools = [{"type": "function", "function": {"name": "w44", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    messages = [{"role": "user", "content": "w5 w17 w33 w101 w7 w64 w12 w99 w3 w150 w42 w8"}]
+    text = AutoTokenizer.from_pretrained(tiny_stack.model_folder).apply_chat_template(
+        messages, tools=tools, add_generation_prompt=True, tokenize=False)
+    want = HFTokenizer.from_folder(tiny_stack.model_folder).encode(text)
+    assert 44 in want  # the tool's name is in the prompt
+    r = tiny_stack.api("POST", "/api/jobs/", user="alice", json={
+        "model": "gqa16", "messages": messages, "tools": tools, "max_tokens": 2,
+        "ignore_eos": True})
+    assert r.status_code == 201, r.text
+    rest = tiny_stack.wait_job(r.json()["id"], timeout_s=120, user="alice")
+    answer = client_of(tiny_stack).chat.completions.create(
+        model="gqa16", messages=messages, tools=tools, max_tokens=2,
+        extra_body={"ignore_eos": True})
+    v1 = tiny_stack.wait_job(int(answer.id.split("-")[1]), timeout_s=120, user="alice")
+    assert rest["status"] == v1["status"] == "finished", (rest["error"], v1["error"])
+    assert rest["prompt_token_ids"] == v1["prompt_token_ids"] == want
+    assert rest["num_prompt_tokens"] == v1["num_prompt_tokens"] == len(want)
+    block = 8
+    assert v1["num_cached_tokens"] == (len(want) - 1) // block * block
+    assert v1["routing"]["engine"] == "tiny"
+    assert v1["routing"]["cached_blocks"]["tiny"] == len(want) // block
 
 
 def test_openai_chat_on_the_model(tiny_stack):

@@ -20,10 +20,10 @@ SYSTEM_B = "Beta: you review this code. "
 
 
 @pytest.fixture
-def engines(monkeypatch):
+def engines(settings):
     """Two live simulated engines, idle, with names of their own (their Redis keys are
     this test's); removed from Redis afterwards."""
-    monkeypatch.setenv("KVOPS_ROUTING", "prefix")
+    settings.KVOPS_ROUTING = "prefix"
     config = LLMEngine(EngineConfig(simulate=True, vocab_size=32000, block_size=BLOCK,
                                     num_gpu_blocks=64)).describe_config()
     tag = uuid.uuid4().hex[:6]
@@ -103,8 +103,8 @@ def prefix_index_chain(engines, prompt, owner):
                                   cache_salt(owner))
 
 
-def test_round_robin_gives_a_batch_consecutive_turns(engines, monkeypatch):
-    monkeypatch.setenv("KVOPS_ROUTING", "round-robin")
+def test_round_robin_gives_a_batch_consecutive_turns(engines, settings):
+    settings.KVOPS_ROUTING = "round-robin"
     owner = User.objects.create_user("dave")
     jobs = [Job(owner=owner, prompt=f"job {i}", params={}) for i in range(5)]
     turns = [int(d["reason"].split()[1]) for _, d in choose_queues(jobs)]

@@ -7,7 +7,9 @@ from django.contrib.auth.models import User
 from django.db import DatabaseError
 
 from engine import EngineConfig
-from kvops import live, services, worker
+from kvops import job_store, live, worker
+from kvops.admission import create_job, create_jobs
+from kvops.intake import NewJob
 from kvops.engine_client import InprocClient
 from kvops.prompts import tokenizer_for
 from kvops.job_stream import StreamProducer
@@ -19,7 +21,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 
 @pytest.fixture()
-def engine_worker(monkeypatch):
+def engine_worker():
     """This process as an engine worker named `inproc` (what kvops.worker sets up, with
     the core on a thread)."""
     config = EngineConfig(name="inproc", simulate=True, vocab_size=1000, num_gpu_blocks=128,
@@ -30,18 +32,16 @@ def engine_worker(monkeypatch):
                                 db_interval_s=0.05)
     client = InprocClient(config, processor, tokenizer=tokenizer)
     client.start()
-    monkeypatch.setattr(worker, "_client", client)
-    monkeypatch.setattr(worker, "_processor", processor)
+    before = worker.install(worker.WorkerContext(client, processor))
     try:
         yield client
     finally:
-        processor.close()
-        client.stop()
+        worker.install(before).close()
 
 
 def new_job(max_tokens: int) -> Job:
     owner, _ = User.objects.get_or_create(username="run-job-user")
-    job = services.create_job(services.NewJob(owner, {"max_tokens": max_tokens,
+    job = create_job(NewJob(owner, {"max_tokens": max_tokens,
                                                       "ignore_eos": True}, "a prompt",
                                               engine="inproc"))
     job.refresh_from_db()
@@ -65,7 +65,7 @@ def test_an_unexpected_error_after_the_claim_fails_the_job_and_aborts_its_reques
         engine_worker, monkeypatch):
     def broken(job_ids):  # the first read after the submit fails
         raise DatabaseError("disk I/O error")
-    monkeypatch.setattr(services, "cancels_requested", broken)
+    monkeypatch.setattr(job_store, "cancels_requested", broken)
     job = new_job(1000)
     assert run(job) == "failed"
     job.refresh_from_db()
@@ -83,7 +83,7 @@ def test_a_cancel_between_claim_and_submit_is_not_lost(engine_worker, monkeypatc
         # The owner cancels now: the job is running but its engine request does not exist
         # yet, so the abort cancel_job asks for has nothing to abort.
         for item in items:
-            services.cancel_job(Job.objects.get(request_id=item[0]))
+            job_store.cancel_job(Job.objects.get(request_id=item[0]))
         return submit_many(items)
     monkeypatch.setattr(engine_worker, "submit_many", cancel_then_submit)
     job = new_job(1000)  # seconds of steps, unless cancelled
@@ -96,8 +96,8 @@ def test_jobs_admitted_together_run_as_one_task_and_each_ends_on_its_own(engine_
     """A burst for one engine is one task (one delivery, one claim, one submit message);
     a job the engine refuses fails alone, and each job gets its own outcome."""
     owner, _ = User.objects.get_or_create(username="run-job-user")
-    jobs = services.create_jobs([
-        services.NewJob(owner, {"max_tokens": n, "ignore_eos": True}, prompt, engine="inproc")
+    jobs = create_jobs([
+        NewJob(owner, {"max_tokens": n, "ignore_eos": True}, prompt, engine="inproc")
         for prompt, n in (("first", 5), ("x" * 5000, 5), ("third", 9))])
     assert len({job.celery_task_id for job in jobs}) == 1
     outcomes = run_jobs.apply(args=[[job.pk for job in jobs]],

@@ -99,8 +99,7 @@ async def test_a_burst_of_v1_calls_looks_a_token_up_once(monkeypatch, rf):
     def counted(key):
         lookups.append(key)
         return real(key)
-    monkeypatch.setattr(openai_api, "_token_user", counted)
-    monkeypatch.setattr(openai_api, "_token_users", {})
+    monkeypatch.setattr(openai_api, "_tokens", openai_api.TokenUsers(counted))
     request = rf.post("/v1/completions", HTTP_AUTHORIZATION=f"Bearer {token.key}")
     users = await asyncio.gather(*(openai_api._authenticate(request) for _ in range(20)))
     assert all(u is not None and u.pk == user.pk for u in users)

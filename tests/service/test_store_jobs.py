@@ -1,22 +1,23 @@
-"""services.create_jobs stores a batch with INSERTs built before its transaction: every
+"""admission.create_jobs stores a batch with INSERTs built before its transaction: every
 row as the ORM's bulk_create would store it, each job given its own id, in as many
 statements as the database's parameter limit needs."""
 import pytest
 from django.contrib.auth.models import User
 
-from kvops import services
+from kvops import admission
+from kvops.intake import NewJob
 from kvops.models import Job
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
-def new_jobs(owner) -> list[services.NewJob]:
-    return [services.NewJob(owner, {"max_tokens": 5, "stop": ["\n"]}, "a prompt", priority=2,
+def new_jobs(owner) -> list[NewJob]:
+    return [NewJob(owner, {"max_tokens": 5, "stop": ["\n"]}, "a prompt", priority=2,
                             engine="eng-a", idempotency_key="key-1"),
-            services.NewJob(owner, {"max_tokens": 7}, messages=[{"role": "user",
+            NewJob(owner, {"max_tokens": 7}, messages=[{"role": "user",
                                                                  "content": "hi"}],
                             source=Job.Source.OPENAI),
-            services.NewJob(owner, {}, "third", engine="eng-b")]
+            NewJob(owner, {}, "third", engine="eng-b")]
 
 
 def stored(job: Job) -> dict:
@@ -31,12 +32,12 @@ def test_a_batch_is_stored_as_bulk_create_stores_it(monkeypatch, rows_per_insert
     owner = User.objects.create(username="store")
     other = User.objects.create(username="store-reference")  # (its own idempotency keys)
     if rows_per_insert:
-        monkeypatch.setattr(services, "_rows_per_insert", lambda *args: rows_per_insert)
+        monkeypatch.setattr(admission, "_rows_per_insert", lambda *args: rows_per_insert)
     statements = []
-    real = services._insert_statements
-    monkeypatch.setattr(services, "_insert_statements",
+    real = admission._insert_statements
+    monkeypatch.setattr(admission, "_insert_statements",
                         lambda jobs: statements.extend(real(jobs)) or statements)
-    jobs = services.create_jobs(new_jobs(owner))
+    jobs = admission.create_jobs(new_jobs(owner))
     assert len(statements) == (2 if rows_per_insert else 1)
     assert all(job.pk and not job._state.adding for job in jobs)
     assert [job.pk for job in jobs] == sorted({job.pk for job in jobs})
@@ -54,8 +55,8 @@ def test_a_batch_is_stored_as_bulk_create_stores_it(monkeypatch, rows_per_insert
 def test_a_duplicate_idempotency_key_stores_nothing_of_its_batch():
     from django.db import IntegrityError
     owner = User.objects.create(username="store-dup")
-    services.create_jobs([services.NewJob(owner, {}, "first", idempotency_key="same")])
+    admission.create_jobs([NewJob(owner, {}, "first", idempotency_key="same")])
     with pytest.raises(IntegrityError):
-        services.create_jobs([services.NewJob(owner, {}, "other"),
-                              services.NewJob(owner, {}, "again", idempotency_key="same")])
+        admission.create_jobs([NewJob(owner, {}, "other"),
+                              NewJob(owner, {}, "again", idempotency_key="same")])
     assert list(Job.objects.filter(owner=owner).values_list("prompt", flat=True)) == ["first"]

@@ -4,14 +4,17 @@ import os
 import socket
 import sys
 
+from django.conf import settings
 from django.core.management.base import BaseCommand
+
+from kvops.engine_config import config_from_env
 
 
 class Command(BaseCommand):
     help = "Start an engine worker (configure the engine with KVOPS_ENGINE_* variables)."
 
     def add_arguments(self, parser):
-        parser.add_argument("--name", default=os.environ.get("KVOPS_ENGINE_NAME", "default"))
+        parser.add_argument("--name", default=settings.KVOPS_ENGINE_NAME)
         parser.add_argument("--threads", type=int, default=None,
                             help="job threads (default: max_num_seqs + 16)")
         parser.add_argument("--no-shared-queue", action="store_true",
@@ -23,7 +26,7 @@ class Command(BaseCommand):
         env = dict(os.environ, KVOPS_ENGINE_WORKER="1", KVOPS_ENGINE_NAME=name)
         # Each job holds a thread while it runs: more threads than the batch holds, or
         # continuous batching never sees a full batch.
-        max_seqs = int(env.get("KVOPS_ENGINE_MAX_NUM_SEQS", 256))
+        max_seqs = config_from_env(env).max_num_seqs
         threads = opts["threads"] or max_seqs + 16
         queues = f"engine.{name}" if opts["no_shared_queue"] else f"engine.{name},jobs"
         argv = [sys.executable, "-m", "celery", "-A", "kvops", "worker", "-P", "threads",

@@ -2,6 +2,7 @@
 web_server_argv), for containers and process managers."""
 import os
 
+from django.conf import settings
 from django.core.management.base import BaseCommand
 
 from kvops.run import web_server_argv
@@ -12,8 +13,8 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser):
         parser.add_argument("--host", default="127.0.0.1")
-        parser.add_argument("--port", type=int, default=int(os.environ.get("KVOPS_PORT", 8000)))
+        parser.add_argument("--port", type=int, default=settings.KVOPS_PORT)
 
     def handle(self, *args, **opts):
-        argv = web_server_argv(opts["host"], opts["port"])
+        argv = web_server_argv(opts["host"], opts["port"], settings.KVOPS_TRUSTED_PROXIES)
         os.execv(argv[0], argv)
