@@ -1,4 +1,4 @@
-"""kvops inference engine: paged KV cache, scheduler, model runner (see DESIGN.md)."""
+"""kvops inference engine: paged KV cache, scheduler, model runner (see docs/design.md)."""
 from engine.config import EngineConfig
 from engine.errors import (EngineError, InvalidRequestError, InvalidStateError,
                            NotEnoughBlocksError, PrefixNotCachedError, UnknownRequestError)

@@ -1,4 +1,4 @@
-"""Engine configuration (the public contract in DESIGN.md)."""
+"""Engine configuration (the public contract in docs/design.md)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

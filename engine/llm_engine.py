@@ -1,4 +1,4 @@
-"""LLMEngine: the public face of the engine (DESIGN.md's contract).
+"""LLMEngine: the public face of the engine (the engine's contract in docs/design.md).
 
 One thread drives it. step() is schedule -> run -> update -> outputs; operator commands
 act immediately and must be called between steps from the same thread (the service

@@ -1,4 +1,4 @@
-"""The KV snapshot's vocabulary (format in DESIGN.md): block states and the encoding of
+"""The KV snapshot's vocabulary (format in docs/design.md): block states and the encoding of
 per-block arrays. One builder makes the document (engine/kv_view.py's KVMirror.snapshot),
 for engine.snapshot(), the live view and the timeline's keyframes."""
 from __future__ import annotations

@@ -110,7 +110,7 @@ def manage(*args: str, env: dict) -> subprocess.CompletedProcess:
 
 
 def test_the_production_env_passes_check_deploy(tmp_path):
-    """The env the README's "Running in production" section gives: no warnings."""
+    """The env that docs/operations.md's "Running in production" section gives: no warnings."""
     out = manage("check", "--deploy", "--fail-level", "WARNING", env={
         "DJANGO_SECRET_KEY": secrets.token_urlsafe(50), "KVOPS_HTTPS": "1",
         "KVOPS_ALLOWED_HOSTS": "kvops.example.org", "KVOPS_DATA_DIR": str(tmp_path)})

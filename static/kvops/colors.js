@@ -1,6 +1,6 @@
 // Colours of KV blocks. The block map paints them into an ImageData (packed RGBA in a
 // Uint32Array, little-endian: 0xAABBGGRR); the legend and the request table use the CSS
-// forms. The README explains each one.
+// forms. docs/engine-page.md explains each one.
 
 export const STATE = { free: 0, used: 1, cached: 2, pinned: 3 };
 export const CSS = {

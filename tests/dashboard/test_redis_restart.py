@@ -1,4 +1,4 @@
-"""Redis restarts under open pages (README "What happens when things fail"): a real stack
+"""Redis restarts under open pages (docs/operations.md, "What happens when things fail"): a real stack
 (uvicorn, a simulated engine worker) on a redis-server of its own, the engine page and a
 job page open in headless Chromium, jobs running; Redis is killed and started again on
 the same port. The channel layer's group memberships went with it, so the pages only
