@@ -43,7 +43,7 @@ from engine.core_proc import CORE_NICE, SPIN_COUNT, SPIN_NICE, may_take_niceness
     unpack
 from engine.errors import error_from_wire
 from engine.outputs import CoreOutput
-from kvops.prompts import prompt_ids, tokenizer_for, tokenizer_id
+from kvops.prompts import ids_for, prompt_ids, tokenizer_for
 
 log = logging.getLogger(__name__)
 
@@ -198,8 +198,9 @@ class EngineClient(ABC):
         intake (kvops/intake.py) when they were made with this engine's tokenizer, else
         rendered here the same way (a job stored while no engine of its kind was
         registered, or whose tokenizer the web could not read)."""
-        if job.prompt_token_ids is not None and job.tokenizer == tokenizer_id(self.described):
-            return job.prompt_token_ids
+        ids = ids_for(job.tokenizer, job.prompt_token_ids, self.described)
+        if ids is not None:
+            return ids
         tools = ((job.params or {}).get("tool_call") or {}).get("tools")
         return prompt_ids(self.tokenizer, job.prompt, job.messages, tools)
 

@@ -1,10 +1,15 @@
 """GET /healthz: 200 when the database and Redis answer, else 503. Anyone may ask (load
 balancers, compose): they get the status only. A signed-in user or a token holder also
-gets each check's error and the engines."""
+gets each check's error and the engines.
+
+GET /health and /ping, /version: as vLLM serves them, for clients and load tools that
+probe a server before they use it."""
 from __future__ import annotations
 
 from django.db import DatabaseError, connection
-from django.http import HttpRequest, JsonResponse
+from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.views.decorators.csrf import csrf_exempt
+from django.views.decorators.http import require_http_methods
 from rest_framework.authentication import TokenAuthentication
 from rest_framework.exceptions import AuthenticationFailed
 
@@ -49,3 +54,37 @@ def _signed_in(request: HttpRequest) -> bool:
         return TokenAuthentication().authenticate(request) is not None
     except (AuthenticationFailed, DatabaseError):
         return False
+
+
+@require_http_methods(["GET", "HEAD"])
+def health(request: HttpRequest) -> HttpResponse:
+    """200 when an engine serves (alive, taking jobs), else 503; no body."""
+    return _serving()
+
+
+@csrf_exempt
+@require_http_methods(["GET", "HEAD", "POST"])
+def ping(request: HttpRequest) -> HttpResponse:
+    """/health's answer (vLLM serves /ping for SageMaker, by GET or POST)."""
+    return _serving()
+
+
+def _serving() -> HttpResponse:
+    try:
+        serving = bool(selectors.served_models())
+    except DatabaseError:
+        serving = False
+    return HttpResponse(status=200 if serving else 503)
+
+
+@require_http_methods(["GET", "HEAD"])
+def version(request: HttpRequest) -> JsonResponse:
+    return JsonResponse({"version": _version()})
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version as package_version
+    try:
+        return package_version("kvops")
+    except PackageNotFoundError:
+        return "unknown"

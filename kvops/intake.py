@@ -11,13 +11,14 @@ words it in its own shape (DRF's {"error", "fields"}, OpenAI's {"error": {"messa
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvops import limits, selectors, tool_calls
 from kvops.limits import InvalidParam
 from kvops.models import Engine, Job
-from kvops.prompts import inspector, prompt_ids, tokenizer_id
+from kvops.prompts import GIVEN_IDS, ids_for, inspector, prompt_ids, tokenizer_id
 
 
 class NotFound(LookupError):
@@ -67,8 +68,14 @@ REST_FIELDS = SAMPLING_FIELDS | TOOL_FIELDS | {"prompt", "messages", "logprobs",
                                                "prompt_logprobs", "engine", "model"}
 # /v1: vLLM's extra sampling fields (top_k, min_p, repetition_penalty, min_tokens,
 # ignore_eos, stop_token_ids, priority, structured_outputs) are taken as vLLM takes them.
-OPENAI_FIELDS = SAMPLING_FIELDS | {"model", "stream", "stream_options", "response_format",
-                                   "user"}
+# Fields OpenAI's clients send that ask nothing of a self-hosted model: checked, then
+# ignored, as vLLM does (docs/api.md says what each would mean): `store` and `metadata`
+# (OpenAI keeps the completion for its dashboard), `reasoning_effort` (no model served
+# here reasons apart from its answer), `service_tier` (one tier), `user` (an end user's
+# id, for OpenAI's abuse checks).
+IGNORED_FIELDS = {"store", "metadata", "reasoning_effort", "service_tier", "user"}
+OPENAI_FIELDS = SAMPLING_FIELDS | IGNORED_FIELDS | {"model", "stream", "stream_options",
+                                                    "response_format"}
 COMPLETION_FIELDS = OPENAI_FIELDS | {"prompt", "echo", "logprobs", "best_of", "suffix"}
 CHAT_FIELDS = OPENAI_FIELDS | TOOL_FIELDS | {"messages", "max_completion_tokens", "logprobs",
                                              "top_logprobs", "functions", "function_call"}
@@ -108,12 +115,17 @@ def parse_job(body: Any, owner, source: str = Job.Source.API,
     return new
 
 
-def parse_completion(body: Any, owner, idempotency_key: str = "") -> NewJob:
-    """POST /v1/completions (OpenAI's defaults: temperature 1, 16 tokens). `echo` asks
-    for the prompt back, and with `logprobs` its logprobs too (vLLM's way)."""
+def parse_completion(body: Any, owner, idempotency_key: str = "") -> list[NewJob]:
+    """POST /v1/completions (OpenAI's defaults: temperature 1, 16 tokens): a job per
+    prompt (`prompt` as text or token ids, one or a list), each with the same
+    parameters. `echo` asks for the prompt back, and with `logprobs` its logprobs too
+    (vLLM's way)."""
     body = _object(body, COMPLETION_FIELDS)
     new = _openai(body, owner, idempotency_key)
-    new.prompt = limits.prompt(body.get("prompt"))
+    prompts = limits.prompts(body.get("prompt"))
+    if len(prompts) > 1 and idempotency_key:
+        raise InvalidParam("Idempotency-Key", "an Idempotency-Key names one job: send a list "
+                                              "of prompts without it, or one prompt a call")
     params = limits.sampling(body, body.get("max_tokens"), 16, 1.0)
     params["logprobs"] = limits.integer("logprobs", body.get("logprobs"), None, 0,
                                         limits.MAX_LOGPROBS)
@@ -122,7 +134,15 @@ def parse_completion(body: Any, owner, idempotency_key: str = "") -> NewJob:
         new.fields["prompt_logprobs"] = "echo"
     params["structured"] = _response_format(body, new)
     new.params = limits.engine_params(params)
-    return new
+    news = []
+    for prompt in prompts:
+        one = dataclasses.replace(new, params=dict(new.params), fields=dict(new.fields))
+        if isinstance(prompt, str):
+            one.prompt = prompt
+        else:
+            one.token_ids, one.tokenizer = prompt, GIVEN_IDS
+        news.append(one)
+    return news
 
 
 def parse_chat(body: Any, owner, idempotency_key: str = "") -> NewJob:
@@ -166,11 +186,41 @@ def _openai(body: dict, owner, idempotency_key: str) -> NewJob:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise InvalidParam("model", "`model` is required")
-    if body.get("user") is not None and not isinstance(body["user"], str):
-        raise InvalidParam("user", "`user` must be a string")
+    _ignored_fields(body)
     return NewJob(owner, {}, model=model, source=Job.Source.OPENAI,
                   idempotency_key=idempotency_key,
                   priority=limits.priority(body.get("priority"), owner.is_staff))
+
+
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
+SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority")
+
+
+def _ignored_fields(body: dict) -> None:
+    """IGNORED_FIELDS: refused only when malformed, as OpenAI would refuse them."""
+    for name in ("user", "service_tier", "reasoning_effort"):
+        if body.get(name) is not None and not isinstance(body[name], str):
+            raise InvalidParam(name, f"`{name}` must be a string")
+    if body.get("service_tier") not in (None, *SERVICE_TIERS):
+        raise InvalidParam("service_tier", f"`service_tier` must be one of {SERVICE_TIERS}")
+    if body.get("reasoning_effort") not in (None, *REASONING_EFFORTS):
+        raise InvalidParam("reasoning_effort",
+                           f"`reasoning_effort` must be one of {REASONING_EFFORTS}")
+    limits.flag("store", body.get("store"))
+    metadata(body.get("metadata"))
+
+
+def metadata(value: Any) -> dict[str, str]:
+    """OpenAI's `metadata`: at most 16 pairs, keys up to 64 characters, string values up
+    to 512."""
+    if value is None:
+        return {}
+    if (not isinstance(value, dict) or len(value) > 16
+            or not all(isinstance(k, str) and len(k) <= 64 and isinstance(v, str)
+                       and len(v) <= 512 for k, v in value.items())):
+        raise InvalidParam("metadata", "`metadata` must be an object of at most 16 string "
+                                       "values (keys up to 64 characters, values up to 512)")
+    return dict(value)
 
 
 def _name(param: str, value: Any, max_chars: int = ENGINE_NAME_CHARS) -> str:
@@ -283,10 +333,27 @@ def check(new: NewJob) -> None:
 
 
 def _render(new: NewJob, engines: list[Engine]) -> None:
+    if new.tokenizer == GIVEN_IDS:  # sent as token ids: their text, for the job's page
+        for engine in engines:
+            tokenizer = inspector.tokenizer(engine.config)
+            if tokenizer is not None:
+                try:
+                    new.prompt = tokenizer.decode(new.token_ids)
+                except Exception:  # noqa: BLE001  (an id past the vocabulary: refused later)
+                    pass
+                return
+        return
+    tool_turns = any(m.get("tool_calls") or m["role"] == "tool" for m in new.messages or ())
     for engine in engines:
         tokenizer = inspector.tokenizer(engine.config)
         if tokenizer is None:
             continue
+        template = getattr(tokenizer, "chat_template", None)
+        if tool_turns and template is not None and "tool_calls" not in template:
+            raise InvalidParam(new.field_name("messages"),
+                               f"{selectors.model_name(engine)!r}'s chat template does not "
+                               "render tool calls or tool results: send this chat to a model "
+                               "whose template does, or without them")
         try:
             new.token_ids = prompt_ids(tokenizer, new.prompt, new.messages, new.tools)
         except Exception as e:  # noqa: BLE001  (the model's template refuses this chat)
@@ -321,8 +388,12 @@ def _refusal(engine: Engine, new: NewJob) -> tuple[str, str] | None:
                 return name, (f"`{name}` names token id {max(ids)}; engine {engine.name}'s "
                               f"model has {vocab} tokens (ids below {vocab})")
     limit = engine.config.get("max_model_len")
-    token_ids = new.token_ids if new.tokenizer == tokenizer_id(engine.config) \
-        else inspector.token_ids(engine.config, new.prompt, new.messages, new.tools)
+    token_ids = ids_for(new.tokenizer, new.token_ids, engine.config)
+    if token_ids is None:
+        token_ids = inspector.token_ids(engine.config, new.prompt, new.messages, new.tools)
+    if token_ids and vocab and new.tokenizer == GIVEN_IDS and max(token_ids) >= vocab:
+        return "prompt", (f"`prompt` holds token id {max(token_ids)}; engine {engine.name}'s "
+                          f"model has {vocab} tokens (ids below {vocab})")
     if token_ids is not None and limit and len(token_ids) >= limit:
         return (new.field_name("messages") if new.messages else "prompt",
                 f"the prompt is too long: {len(token_ids)} tokens on engine {engine.name}, "
@@ -340,8 +411,10 @@ def job_schema() -> dict:
         return {"type": "number", "minimum": lo, "maximum": hi, **extra}
 
     text = {"type": "string", "maxLength": limits.max_prompt_chars()}
-    message = {"type": "object", "required": ["role", "content"], "properties": {
-        "role": {"type": "string", "enum": list(limits.ROLES)}, "content": text}}
+    message = {"type": "object", "required": ["role"], "properties": {
+        "role": {"type": "string", "enum": list(limits.ROLES)},
+        "content": {**text, "nullable": True}, "tool_calls": {"type": "array"},
+        "tool_call_id": {"type": "string"}, "name": {"type": "string"}}}
     return {"type": "object", "additionalProperties": False, "properties": {
         "prompt": {**text, "description": "the text to continue (or `messages`)"},
         "messages": {"type": "array", "items": message, "minItems": 1,

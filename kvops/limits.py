@@ -13,6 +13,8 @@ from typing import Any
 
 from django.conf import settings
 
+from kvops import json_body
+
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 8, 256
 MAX_STOP_TOKEN_IDS = 64
 TOKEN_ID_MAX = 2**31 - 1
@@ -28,7 +30,8 @@ LOGIT_BIAS = (-100.0, 100.0)
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_LOGPROBS = 20  # as engine.sampling_params.MAX_LOGPROBS
 MAX_N = 16  # as engine.sampling_params.MAX_N
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")  # developer: as system
+MAX_TOOL_CALLS = 64  # in one assistant message
 
 
 def max_prompt_chars() -> int:
@@ -99,24 +102,80 @@ def text(name: str, value: Any, max_chars: int | None = None) -> str:
 
 # --- fields ----------------------------------------------------------------------------------
 def prompt(value: Any) -> str:
-    """A completion's prompt: a string, or a list holding one string (OpenAI's batch form,
-    one prompt at a time here)."""
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
-        value = value[0]
+    """A prompt as text (REST's `prompt`)."""
     return text("prompt", value)
 
 
+MAX_TOKEN_ID = 2**31 - 1
+
+
+def prompts(value: Any) -> list[str | list[int]]:
+    """A completion's `prompt` in any of OpenAI's forms: a string, a list of strings, a
+    list of token ids, or a list of such lists; each prompt a string or a list of ids.
+    At most max_batch_prompts() of them (the body's size bounds them all together)."""
+    if isinstance(value, str):
+        return [text("prompt", value)]
+    if not isinstance(value, list) or not value:
+        raise InvalidParam("prompt", "`prompt` must be a string, a list of strings, a list "
+                                     "of token ids or a list of lists of token ids")
+    if all(_is_id(t) for t in value):
+        return [_token_prompt(value)]
+    if len(value) > max_batch_prompts():
+        raise InvalidParam("prompt", f"`prompt`: at most {max_batch_prompts()} prompts in "
+                                     "one request (KVOPS_MAX_BATCH_PROMPTS)")
+    if all(isinstance(p, str) for p in value):
+        return [text("prompt", p) for p in value]
+    if all(isinstance(p, list) for p in value):
+        return [_token_prompt(p) for p in value]
+    raise InvalidParam("prompt", "`prompt`: a list of prompts must hold only strings or only "
+                                 "lists of token ids")
+
+
+def _is_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _token_prompt(ids: list) -> list[int]:
+    if not ids or not all(_is_id(t) and 0 <= t <= MAX_TOKEN_ID for t in ids):
+        raise InvalidParam("prompt", "a prompt of token ids must be a non-empty list of "
+                                     "non-negative integers")
+    if len(ids) > max_prompt_chars():
+        raise InvalidParam("prompt", f"`prompt` is longer than {max_prompt_chars()} tokens")
+    return ids
+
+
+def max_batch_prompts() -> int:
+    return settings.KVOPS_MAX_BATCH_PROMPTS
+
+
 def messages(value: Any) -> list[dict]:
-    """A chat: a non-empty list of {"role": system | user | assistant, "content": text or
-    a list of text parts}; kept as {"role", "content"} with the parts joined."""
+    """A chat: a non-empty list of {"role", "content": text or a list of text parts}, as
+    OpenAI's chat completions take it, an agent's tool loop included: an assistant
+    message may carry `tool_calls` (its content then null), a `tool` message answers
+    one (`tool_call_id`), and `developer` is a system message. Kept as the model's chat
+    template expects them, as transformers passes them: parts joined, a call's
+    `arguments` as the object they encode, a null content empty."""
     if not isinstance(value, list) or not value:
         raise InvalidParam("messages", "`messages` must be a non-empty list")
     out = []
     for m in value:
         if not isinstance(m, dict) or m.get("role") not in ROLES:
-            raise InvalidParam("messages", "each message needs a `role` of system, user or "
-                                           "assistant")
+            raise InvalidParam("messages", "each message needs a `role` of system, developer, "
+                                           "user, assistant or tool")
+        kept: dict[str, Any] = {"role": "system" if m["role"] == "developer" else m["role"]}
         content = m.get("content")
+        if m["role"] == "assistant" and m.get("tool_calls") is not None:
+            kept["tool_calls"] = _tool_calls(m["tool_calls"])
+            if content is None:
+                content = ""
+        if m["role"] == "tool":
+            call_id = m.get("tool_call_id")
+            if not isinstance(call_id, str) or not call_id or len(call_id) > 256:
+                raise InvalidParam("messages", "a `tool` message needs the `tool_call_id` "
+                                               "(a string) of the call it answers")
+            kept["tool_call_id"] = call_id
+        if isinstance(m.get("name"), str) and m["role"] in ("tool", "user", "assistant"):
+            kept["name"] = m["name"][:256]
         if isinstance(content, list):  # content parts: the text ones
             if not all(isinstance(p, dict) and p.get("type") == "text"
                        and isinstance(p.get("text", ""), str) for p in content):
@@ -130,8 +189,41 @@ def messages(value: Any) -> list[dict]:
         if "\x00" in content:
             raise InvalidParam("messages", "message `content` must not contain NUL "
                                            "characters (U+0000)")
-        out.append({"role": m["role"], "content": content})
+        kept["content"] = content
+        out.append(kept)
     return out
+
+
+def _tool_calls(value: Any) -> list[dict]:
+    """An assistant message's `tool_calls`: [{"id", "type": "function", "function":
+    {"name", "arguments": JSON text}}]; kept with `arguments` decoded (chat templates
+    write them with tojson)."""
+    if not isinstance(value, list) or len(value) > MAX_TOOL_CALLS:
+        raise InvalidParam("messages", f"`tool_calls` must be a list of at most "
+                                       f"{MAX_TOOL_CALLS} calls")
+    calls = []
+    for call in value:
+        function = call.get("function") if isinstance(call, dict) else None
+        if (not isinstance(function, dict) or call.get("type", "function") != "function"
+                or not isinstance(function.get("name"), str) or not function["name"]):
+            raise InvalidParam("messages", "each of `tool_calls` needs `type` \"function\" "
+                                           "and a `function` with its `name` and `arguments`")
+        arguments = function.get("arguments", "{}")
+        if isinstance(arguments, str):
+            try:
+                arguments = json_body.parse((arguments or "{}").encode("utf-8", "replace"))
+            except ValueError:
+                raise InvalidParam("messages", f"tool call {function['name']!r}: `arguments` "
+                                               "is not JSON") from None
+        if not isinstance(arguments, dict):
+            raise InvalidParam("messages", f"tool call {function['name']!r}: `arguments` must "
+                                           "encode a JSON object")
+        kept = {"type": "function", "function": {"name": function["name"],
+                                                 "arguments": arguments}}
+        if isinstance(call.get("id"), str):
+            kept["id"] = call["id"][:256]
+        calls.append(kept)
+    return calls
 
 
 def stop_strings(value) -> list[str]:

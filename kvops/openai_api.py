@@ -5,6 +5,8 @@ before its job ends cancels it."""
 from __future__ import annotations
 
 import asyncio
+import functools
+import logging
 import time
 from functools import partial
 from typing import Any, AsyncIterator, Callable
@@ -12,6 +14,7 @@ from typing import Any, AsyncIterator, Callable
 import msgspec
 from asgiref.sync import sync_to_async
 from django.conf import settings
+from django.core.exceptions import DisallowedHost
 from django.db import close_old_connections
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
@@ -27,6 +30,7 @@ from kvops.prompts import inspector, prompt_ids
 from kvops.stream_hub import get_hub
 from kvops.throttles import TooManyJobs, allow_submission
 
+log = logging.getLogger(__name__)
 
 
 def _error(status: int, message: str, param: str | None = None,
@@ -200,18 +204,12 @@ async def _handle(request: HttpRequest, chat: bool) -> HttpResponse:
     try:
         key = idempotency.key_of(request.headers)
         body = _parse(request)
-        new = (intake.parse_chat if chat else intake.parse_completion)(body, user, key)
+        news = [intake.parse_chat(body, user, key)] if chat \
+            else intake.parse_completion(body, user, key)
         stream = _flag(body, "stream")
         stream_options = _stream_options(body, stream)
-        echo = "" if chat or not _flag(body, "echo") else new.prompt
-        sub = await get_hub().open()
-        try:
-            # stored with the calls that arrive with it; the listener is bound to the job
-            # before the commit dispatches it, so it sees every update
-            job = await admission.admit_async(new, lambda job: sub.hub.bind(sub, job.pk))
-        except BaseException:
-            sub.close()
-            raise
+        echo = not chat and _flag(body, "echo")
+        jobs, subs = await _admit(news)
     except idempotency.BadKey as e:
         return _error(400, str(e), idempotency.HEADER)
     except BadRequest as e:
@@ -229,35 +227,99 @@ async def _handle(request: HttpRequest, chat: bool) -> HttpResponse:
     except TooManyJobs as e:
         return _error(429, str(e), type_="rate_limit_exceeded", code="too_many_jobs")
     created = int(time.time())
-    ident = f"{'chatcmpl' if chat else 'cmpl'}-{job.pk}"
-    listener = JobListener(sub, job)
-    sub.on_cut_off = partial(cancel_abandoned, job.pk)
+    model = news[0].model
+    ident = f"{'chatcmpl' if chat else 'cmpl'}-{jobs[0].pk}"
+    listeners = []
+    for sub, job in zip(subs, jobs):
+        listeners.append(JobListener(sub, job))
+        sub.on_cut_off = partial(cancel_abandoned, job.pk)
+    n = jobs[0].params.get("n") or 1
+    # each prompt's prompt text, for echo (a prompt sent as token ids: their text)
+    echoes = [new.prompt if echo else "" for new in news]
     if stream:
-        return EventStream(_sse(listener, ident, new.model, created, chat,
-                                job.params.get("logprobs") is not None,
-                                n=job.params.get("n") or 1, echo=echo,
-                                tool_call=job.params.get("tool_call"),
-                                call_id=f"call_{job.pk}", **stream_options))
+        streams = [_sse(listener, ident, model, created, chat,
+                        job.params.get("logprobs") is not None, n=n, echo=prompt,
+                        tool_call=job.params.get("tool_call"), call_id=f"call_{job.pk}",
+                        index_base=i * n, last=len(jobs) == 1, **stream_options)
+                   for i, (listener, job, prompt) in enumerate(zip(listeners, jobs, echoes))]
+        if len(streams) == 1:
+            return EventStream(streams[0])
+        return EventStream(_merged(streams, listeners, ident, model, created,
+                                   stream_options.get("include_usage", False)))
     try:
-        async for _ in listener.updates():
-            pass
+        await asyncio.gather(*(_drain(listener) for listener in listeners))
     except JobFailed as e:
-        cancel_abandoned(job.pk)
+        for job in jobs:
+            cancel_abandoned(job.pk)
         return _error(500, f"the job's updates were lost: {e}", type_="server_error")
     except asyncio.CancelledError:  # the client disconnected
-        cancel_abandoned(job.pk)
+        for job in jobs:
+            cancel_abandoned(job.pk)
         raise
     finally:
-        sub.close()
+        for sub in subs:
+            sub.close()
+    choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0, "cached": 0}
+    for i, (listener, job, prompt) in enumerate(zip(listeners, jobs, echoes)):
+        state = listener.state
+        if state.get("status") == Job.Status.FAILED:
+            return _error(500, f"the job failed: {state.get('error')}", type_="server_error")
+        choices += _choices(listener, job, chat, prompt, i * n)
+        one = _usage(state)
+        usage["prompt_tokens"] += one["prompt_tokens"]
+        usage["completion_tokens"] += one["completion_tokens"]
+        usage["cached"] += one["prompt_tokens_details"]["cached_tokens"]
+    answer = {"id": ident, "object": "chat.completion" if chat else "text_completion",
+              "created": created, "model": model, "choices": choices,
+              "usage": _usage_of(usage["prompt_tokens"], usage["completion_tokens"],
+                                 usage["cached"]),
+              "kvops_job_id": jobs[0].pk}
+    if len(jobs) > 1:
+        answer["kvops_job_ids"] = [job.pk for job in jobs]
+    return JsonResponse(answer)
+
+
+async def _admit(news: list[intake.NewJob]) -> tuple[list[Job], list]:
+    """Store the calls' jobs, each with a hub subscription bound to it before its commit
+    dispatches it (so it sees every update). A batch whose job is refused is refused
+    whole: the jobs of it already stored are cancelled, as a client gone away cancels."""
+    hub = get_hub()
+    subs = []
+    try:
+        for _ in news:
+            subs.append(await hub.open())
+        outcomes = await asyncio.gather(
+            *(admission.admit_async(new, lambda job, sub=sub: sub.hub.bind(sub, job.pk))
+              for new, sub in zip(news, subs)), return_exceptions=True)
+    except BaseException:
+        for sub in subs:
+            sub.close()
+        raise
+    failed = next((o for o in outcomes if isinstance(o, BaseException)), None)
+    if failed is not None:
+        for outcome, sub in zip(outcomes, subs):
+            sub.close()
+            if isinstance(outcome, Job):
+                cancel_abandoned(outcome.pk)
+        raise failed
+    return outcomes, subs
+
+
+async def _drain(listener: JobListener) -> None:
+    async for _ in listener.updates():
+        pass
+
+
+def _choices(listener: JobListener, job: Job, chat: bool, echo: str,
+             index_base: int) -> list[dict]:
+    """A finished job's choices (n > 1: every sample's outcome is in the row's
+    `samples`), numbered from index_base."""
     state = listener.state
-    if state.get("status") == Job.Status.FAILED:
-        return _error(500, f"the job failed: {state.get('error')}", type_="server_error")
-    # n > 1: every sample's outcome is in the row's `samples`
     outcomes = state.get("samples") or [{"text": listener.text.text,
                                          "finish_reason": _finish_reason(state)}]
     choices = []
     for index, outcome in enumerate(outcomes):
-        choice: dict[str, Any] = {"index": index,
+        choice: dict[str, Any] = {"index": index_base + index,
                                   "finish_reason": outcome["finish_reason"] or None,
                                   "logprobs": None}
         if job.params.get("logprobs") is not None:
@@ -281,9 +343,48 @@ async def _handle(request: HttpRequest, chat: bool) -> HttpResponse:
         else:
             choice["text"] = echo + outcome["text"]
         choices.append(choice)
-    return JsonResponse({"id": ident, "object": "chat.completion" if chat else "text_completion",
-                         "created": created, "model": new.model, "choices": choices,
-                         "usage": _usage(state), "kvops_job_id": job.pk})
+    return choices
+
+
+async def _merged(streams: list[AsyncIterator[bytes]], listeners: list[JobListener],
+                  ident: str, model: str, created: int,
+                  include_usage: bool) -> AsyncIterator[bytes]:
+    """A batch's streams as one: each prompt's chunks (their choice indices its own) as
+    they come, then the whole batch's usage if asked, then [DONE]."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(events: AsyncIterator[bytes]) -> None:
+        try:
+            async for event in events:
+                await queue.put(event)
+        finally:
+            await queue.put(None)
+
+    tasks = [asyncio.ensure_future(pump(events)) for events in streams]
+    try:
+        running = len(tasks)
+        while running:
+            event = await queue.get()
+            if event is None:
+                running -= 1
+            else:
+                yield event
+        if include_usage:
+            states = [listener.state for listener in listeners]
+            usages = [_usage(state) for state in states]
+            yield _event({"id": ident, "object": "text_completion", "created": created,
+                          "model": model, "choices": [], "usage": _usage_of(
+                              sum(u["prompt_tokens"] for u in usages),
+                              sum(u["completion_tokens"] for u in usages),
+                              sum(u["prompt_tokens_details"]["cached_tokens"]
+                                  for u in usages))})
+        yield b"data: [DONE]\n\n"
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for events in streams:  # each closes its listener (a client gone: cancels its job)
+            await events.aclose()
 
 
 class _Diverged(Exception):
@@ -303,7 +404,7 @@ async def _sse(listener: JobListener, ident: str, model: str, created: int,
                chat: bool, logprobs: bool = False, include_usage: bool = False,
                continuous_usage_stats: bool = False, n: int = 1,
                echo: str = "", tool_call: dict | None = None,
-               call_id: str = "") -> AsyncIterator[str]:
+               call_id: str = "", index_base: int = 0, last: bool = True) -> AsyncIterator[str]:
     """The job's output as server-sent events: each chunk holds all the text produced
     since the previous one, and chunks are spaced so that a web process sends at most
     KVOPS_SSE_MAX_CHUNKS_PER_S of them, however many streams it serves. include_usage
@@ -311,7 +412,9 @@ async def _sse(listener: JobListener, ident: str, model: str, created: int,
     far to every chunk (stream_options). With n > 1 each sample's chunks carry its
     `index`. `echo` (completions): the prompt, sent first. With a tool call the text is
     the call: a named function's arguments stream as tool_calls deltas; a `required`
-    list of calls is sent whole once it is complete."""
+    list of calls is sent whole once it is complete. One prompt of a batch numbers its
+    choices from index_base, and leaves the usage chunk and [DONE] to the batch
+    (last=False)."""
     kind = "chat.completion.chunk" if chat else "text_completion"
     logprobs_sent = [0] * n  # each sample's logprob entries streamed so far
     text_offset = [len(echo)] * n  # and where the next one's text starts
@@ -332,11 +435,11 @@ async def _sse(listener: JobListener, ident: str, model: str, created: int,
                 delta["tool_calls"] = [{"index": 0, "function": {"arguments": delta_text}}]
             elif delta_text:
                 delta["content"] = delta_text
-            choice = {"index": index, "delta": delta, "finish_reason": finish,
+            choice = {"index": index_base + index, "delta": delta, "finish_reason": finish,
                       "logprobs": entries}
         else:
-            choice = {"index": index, "text": delta_text or "", "finish_reason": finish,
-                      "logprobs": entries}
+            choice = {"index": index_base + index, "text": delta_text or "",
+                      "finish_reason": finish, "logprobs": entries}
         data = {"id": ident, "object": kind, "created": created, "model": model,
                 "choices": [choice]}
         if continuous_usage_stats:
@@ -423,7 +526,7 @@ async def _sse(listener: JobListener, ident: str, model: str, created: int,
                         if len(outcome["text"]) > len(sent[index]):
                             yield chunk(outcome["text"][len(sent[index]):], None, index=index)
                         yield chunk(None, outcome["finish_reason"] or "stop", index=index)
-                    if include_usage:
+                    if include_usage and last:
                         yield _event({
                             "id": ident, "object": kind, "created": created, "model": model,
                             "choices": [], "usage": _usage(state)})
@@ -432,32 +535,78 @@ async def _sse(listener: JobListener, ident: str, model: str, created: int,
         except _Diverged:
             yield error("the job ran again after its engine stopped, and its new output "
                         "differs from what was streamed; retry the request")
-        yield b"data: [DONE]\n\n"
+        if last:
+            yield b"data: [DONE]\n\n"
     finally:
         listener.sub.close()
         if not listener.finished:  # the client went away, or the stream broke
             cancel_abandoned(listener.job_id)
 
 
-@csrf_exempt
+def _json_errors(view):
+    """Every answer of a /v1 view in OpenAI's error shape, a failure's 500 included
+    (Django's would be an HTML page, of which clients print only the status)."""
+    @functools.wraps(view)
+    async def wrapped(request: HttpRequest, *args, **kwargs) -> HttpResponse:
+        try:
+            return await view(request, *args, **kwargs)
+        except DisallowedHost:
+            return _error(400, "this host is not allowed (KVOPS_ALLOWED_HOSTS)")
+        except Exception as e:  # noqa: BLE001  (the client gets JSON whatever failed)
+            log.exception("%s %s failed", request.method, request.path)
+            return _error(500, f"internal error: {type(e).__name__}", type_="server_error")
+    return csrf_exempt(wrapped)
+
+
+@_json_errors
 async def completions(request: HttpRequest) -> HttpResponse:
     return await _handle(request, chat=False)
 
 
-@csrf_exempt
+@_json_errors
 async def chat_completions(request: HttpRequest) -> HttpResponse:
     return await _handle(request, chat=True)
 
 
+def _model_entry(name: str, engines: list) -> dict:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "kvops",
+            "kvops_engines": engines}
+
+
+@_json_errors
 async def models(request: HttpRequest) -> HttpResponse:
     request.get_host()
+    if request.method != "GET":
+        return _error(405, "use GET")
     user = await _authenticate(request)
     if user is None:
         return _unauthorized()
     served = await sync_to_async(selectors.served_models)()
     return JsonResponse({"object": "list", "data": [
-        {"id": name, "object": "model", "created": 0, "owned_by": "kvops",
-         "kvops_engines": engines} for name, engines in sorted(served.items())]})
+        _model_entry(name, engines) for name, engines in sorted(served.items())]})
+
+
+@_json_errors
+async def model(request: HttpRequest, model: str) -> HttpResponse:
+    """GET /v1/models/<id>: one served model, or a 404 naming it."""
+    request.get_host()
+    if request.method != "GET":
+        return _error(405, "use GET")
+    user = await _authenticate(request)
+    if user is None:
+        return _unauthorized()
+    served = await sync_to_async(selectors.served_models)()
+    if model not in served:
+        return _error(404, f"the model `{model}` does not exist (GET /v1/models lists those "
+                           "served)", "model", code="model_not_found")
+    return JsonResponse(_model_entry(model, served[model]))
+
+
+@_json_errors
+async def not_found(request: HttpRequest, path: str = "") -> HttpResponse:
+    """Any other /v1 path: a 404 in OpenAI's shape."""
+    return _error(404, f"no such endpoint: {request.method} {request.path}",
+                  code="unknown_url")
 
 
 # --- /tokenize and /detokenize, as vLLM serves them ----------------------------------------
@@ -499,7 +648,7 @@ def _engine_config_of(model: Any) -> dict:
     return selectors.engines_serving(_check_model(model))[0].config
 
 
-@csrf_exempt
+@_json_errors
 async def tokenize(request: HttpRequest) -> HttpResponse:
     """{"model", "prompt"} or {"model", "messages"} -> the token ids the engine will see:
     {"count", "max_model_len", "tokens"} (and "token_strs" if return_token_strs)."""
@@ -538,7 +687,7 @@ async def tokenize(request: HttpRequest) -> HttpResponse:
     return JsonResponse(answer)
 
 
-@csrf_exempt
+@_json_errors
 async def detokenize(request: HttpRequest) -> HttpResponse:
     """{"model", "tokens": [ids]} -> {"prompt": their text}."""
     checked = await _tokenizer_call(request, {"model", "tokens"})

@@ -3,6 +3,7 @@ a model folder's), chat templates, and the web side's inspection of a prompt (it
 ids and block hashes under an engine's registered config) for validation and routing."""
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
@@ -21,7 +22,14 @@ def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None
         if tools:
             return tokenizer.apply_chat_template(messages, tools=tools)
         return tokenizer.apply_chat_template(messages)
-    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+    return "".join(f"{m['role']}: {m['content']}{_calls_text(m)}\n"
+                   for m in messages) + "assistant: "
+
+
+def _calls_text(message: dict) -> str:
+    calls = message.get("tool_calls")
+    return "".join(f" <tool_call>{json.dumps(c['function'])}</tool_call>"
+                   for c in calls) if calls else ""
 
 
 def prompt_ids(tokenizer, prompt: str, messages: list[dict] | None,
@@ -30,6 +38,19 @@ def prompt_ids(tokenizer, prompt: str, messages: list[dict] | None,
     tokenized, or its prompt tokenized. The web does this once, at intake
     (kvops/intake.py); the ids travel with the job to routing, the worker and the core."""
     return tokenizer.encode(render_chat(tokenizer, messages, tools) if messages else prompt)
+
+
+# Job.tokenizer of a prompt its client sent as token ids: those ids run on any engine
+# serving its model (the model's vocabulary made them).
+GIVEN_IDS = "given"
+
+
+def ids_for(job_tokenizer: str, token_ids: list[int] | None, config: dict) -> list[int] | None:
+    """A job's stored token ids if they are this engine's (sent as ids, or rendered with
+    its tokenizer), else None (render them again)."""
+    if token_ids is not None and job_tokenizer in (GIVEN_IDS, tokenizer_id(config)):
+        return token_ids
+    return None
 
 
 def tokenizer_id(config: dict) -> str:
@@ -97,8 +118,9 @@ class PromptInspector:
     def job_token_ids(self, config: dict, job) -> list[int] | None:
         """A stored job's token ids on this engine: those rendered at intake when they were
         made with its tokenizer, else rendered now (None if not readable here)."""
-        if job.prompt_token_ids is not None and job.tokenizer == tokenizer_id(config):
-            return job.prompt_token_ids
+        ids = ids_for(job.tokenizer, job.prompt_token_ids, config)
+        if ids is not None:
+            return ids
         tools = ((job.params or {}).get("tool_call") or {}).get("tools")
         return self.token_ids(config, job.prompt, job.messages, tools)
 

@@ -184,6 +184,8 @@ REST_FRAMEWORK = {
 # One prompt's characters (the token limit is the model's) and one answer's tokens
 KVOPS_MAX_PROMPT_CHARS = int(os.environ.get("KVOPS_MAX_PROMPT_CHARS", 200_000))
 KVOPS_MAX_TOKENS = int(os.environ.get("KVOPS_MAX_TOKENS", 8192))
+# Prompts in one /v1/completions call (OpenAI's batch form: a job each).
+KVOPS_MAX_BATCH_PROMPTS = int(os.environ.get("KVOPS_MAX_BATCH_PROMPTS", 256))
 KVOPS_MAX_JOBS_PER_USER = int(os.environ.get("KVOPS_MAX_JOBS_PER_USER", 1024))  # 0: no cap
 # and sequences: a job with `n` counts n (0: no cap); staff are exempt from both
 KVOPS_MAX_SEQS_PER_USER = int(os.environ.get("KVOPS_MAX_SEQS_PER_USER", 1024))

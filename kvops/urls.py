@@ -1,6 +1,6 @@
 from django.contrib import admin
 from django.contrib.auth import views as auth_views
-from django.urls import include, path
+from django.urls import include, path, re_path
 
 from kvops import health, metrics_view, openai_api, views
 
@@ -17,8 +17,13 @@ urlpatterns = [
     path("v1/completions", openai_api.completions),
     path("v1/chat/completions", openai_api.chat_completions),
     path("v1/models", openai_api.models),
+    path("v1/models/<path:model>", openai_api.model),
+    re_path(r"^v1/(?P<path>.*)$", openai_api.not_found),  # after every /v1 route
     path("tokenize", openai_api.tokenize),  # vLLM serves these two at the root
     path("detokenize", openai_api.detokenize),
     path("metrics", metrics_view.metrics, name="metrics"),
     path("healthz", health.healthz, name="healthz"),
+    path("health", health.health),  # as vLLM serves these three
+    path("ping", health.ping),
+    path("version", health.version),
 ]

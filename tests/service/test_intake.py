@@ -140,3 +140,94 @@ def test_v1_honours_the_idempotency_key(erin, sim_engine, client):
                 {"Idempotency-Key": "once"})
     assert reused.status_code == 409 and reused.json()["error"]["param"] == "Idempotency-Key"
     assert Job.objects.count() == 1
+
+
+def test_an_agent_loops_messages_are_kept_as_chat_templates_expect_them():
+    """An agent's second turn: its call (content null, arguments as JSON text), the tool's
+    result, a developer message (a system one); kept as transformers passes them."""
+    from kvops import limits
+    kept = limits.messages([
+        {"role": "developer", "content": "be brief"},
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}])
+    assert kept == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+
+
+@pytest.mark.parametrize("message, says", [
+    ({"role": "tool", "content": "sunny"}, "tool_call_id"),
+    ({"role": "assistant", "content": None, "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": "{not json"}}]},
+     "not JSON"),
+    ({"role": "assistant", "content": None, "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": "[1]"}}]}, "JSON object"),
+    ({"role": "assistant", "tool_calls": [{"type": "function", "function": {}}]}, "`name`"),
+    ({"role": "assistant", "content": None}, "must be a string"),
+    ({"role": "critic", "content": "x"}, "developer"),
+])
+def test_a_malformed_tool_turn_is_refused_alike_on_rest_and_chat(erin, sim_engine, client,
+                                                                  message, says):
+    messages = [{"role": "user", "content": "hi"}, message]
+    answer = rest(erin, {"messages": messages})
+    assert answer.status_code == 400 and says in answer.json()["fields"]["messages"][0]
+    chat = v1(client, erin, "/v1/chat/completions", {"model": "sim-model",
+                                                     "messages": messages})
+    assert chat.status_code == 400 and chat.json()["error"]["param"] == "messages"
+    assert answer.json()["fields"]["messages"][0] == chat.json()["error"]["message"]
+
+
+@pytest.fixture()
+def smol_engine():
+    """A live engine row serving the default model, whose chat template (SmolLM2's)
+    writes no tool calls."""
+    from engine.model_runner import resolve_model_path
+    path = resolve_model_path(None)
+    engine = Engine.objects.create(
+        name="intake-smol", worker="engine-intake-smol@here", status=Engine.Status.READY,
+        last_heartbeat=timezone.now(),
+        config={"model": "SmolLM2-135M-Instruct", "model_path": str(path), "block_size": 16,
+                "vocab_size": 49152, "max_model_len": 8192})
+    selectors.forget_recent_engines()
+    yield engine
+    selectors.forget_recent_engines()
+
+
+def test_a_tool_turn_a_template_cannot_render_is_a_400_that_says_so(erin, smol_engine,
+                                                                       client):
+    messages = [{"role": "user", "content": "weather?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "c1", "type": "function",
+                     "function": {"name": "get_weather", "arguments": "{}"}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    answer = v1(client, erin, "/v1/chat/completions", {"model": "SmolLM2-135M-Instruct",
+                                                       "messages": messages})
+    assert answer.status_code == 400, answer.content
+    assert "does not render tool calls" in answer.json()["error"]["message"]
+    # the same chat without the tool turns is taken (the template is otherwise fine)
+    plain = v1(client, erin, "/v1/chat/completions", {
+        "model": "SmolLM2-135M-Instruct", "messages": messages[:1], "max_tokens": 1,
+        "stream": True})
+    assert plain.status_code == 200
+
+
+@pytest.mark.parametrize("path, base", [
+    ("/v1/completions", {"model": "sim-model", "prompt": "x"}),
+    ("/v1/chat/completions", {"model": "sim-model", "messages": CHAT})])
+def test_openais_bookkeeping_fields_are_checked_then_ignored_on_both_apis(erin, sim_engine,
+                                                                            client, path,
+                                                                            base):
+    fine = {"store": True, "metadata": {"run": "nightly"}, "reasoning_effort": "low",
+            "service_tier": "auto", "user": "end-user-7", "max_tokens": 2, "stream": True}
+    assert v1(client, erin, path, {**base, **fine}).status_code == 200
+    for field, bad in [("store", "yes"), ("metadata", {"run": 1}), ("reasoning_effort", "max"),
+                       ("service_tier", "fastest"), ("user", 7)]:
+        answer = v1(client, erin, path, {**base, field: bad})
+        assert answer.status_code == 400 and answer.json()["error"]["param"] == field, field

@@ -349,3 +349,48 @@ def test_a_retry_with_the_same_idempotency_key_gets_the_first_job(client, stack)
     assert again.id == first.id and again.choices[0].text == first.choices[0].text
     jobs = stack.api("GET", "/api/jobs/?mine=1&limit=200", user="alice").json()["results"]
     assert sum(j["prompt"] == "only once" for j in jobs) == 1
+
+
+def test_batched_and_token_id_prompts_as_lm_eval_sends_them(client, stack):
+    """/v1/completions takes OpenAI's batch forms: a list of prompts, a prompt of token
+    ids, a list of those; each prompt is a job, its choices numbered after the prompts
+    before it (n each), the usage summed; streamed, the chunks of every prompt come in
+    one stream."""
+    prompts = ["alpha", "beta gamma", "delta"]
+    r = client.completions.create(model="simulated-v1", prompt=prompts, max_tokens=5,
+                                  temperature=0)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.text for c in r.choices] == [expected_text(p, 5) for p in prompts]
+    assert r.usage.prompt_tokens == sum(len(p) for p in prompts)
+    assert r.usage.completion_tokens == 15
+    ids = [list(p.encode()) for p in prompts]  # the simulator's tokens are UTF-8 bytes
+    one = client.completions.create(model="simulated-v1", prompt=ids[0], max_tokens=5,
+                                    temperature=0)
+    assert one.choices[0].text == expected_text("alpha", 5)
+    assert one.usage.prompt_tokens == len(ids[0])
+    many = client.completions.create(model="simulated-v1", prompt=ids[1:], max_tokens=4,
+                                     temperature=0, n=2)
+    assert [c.index for c in many.choices] == [0, 1, 2, 3]
+    assert [c.text for c in many.choices] == [expected_text(p, 4) for p in prompts[1:]
+                                              for _ in range(2)]
+    job_ids = many.model_extra["kvops_job_ids"]
+    assert len(job_ids) == 2
+    assert stack.api("GET", f"/api/jobs/{job_ids[1]}/").json()["prompt_token_ids"] == ids[2]
+    texts: dict[int, str] = {}
+    chunks = list(client.completions.create(model="simulated-v1", prompt=prompts,
+                                            max_tokens=6, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    for chunk in chunks[:-1]:
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    assert texts == {i: expected_text(p, 6) for i, p in enumerate(prompts)}
+    assert chunks[-1].usage.completion_tokens == 18 and not chunks[-1].choices
+
+
+@pytest.mark.parametrize("prompt, says", [
+    ([1, -2], "non-negative"), (["a", [1]], "only strings"), ([[]], "non-empty"),
+    ([True, 3], "only strings"), ([40000, 1], "token id 40000")])
+def test_a_bad_batch_is_refused_whole_naming_the_prompt(client, prompt, says):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="simulated-v1", prompt=prompt, max_tokens=2)
+    assert e.value.body["param"] == "prompt" and says in e.value.body["message"]

@@ -29,13 +29,19 @@ def hf_logprobs(folder, token_ids: list[int]):
 @pytest.fixture(scope="module")
 def tiny_stack(tmp_path_factory):
     folder = build_tiny_model(SPECS["gqa16"], Path(tmp_path_factory.mktemp("models")))
-    # Its chat template renders OpenAI tools (their names, ahead of the chat) and writes
-    # calls the Hermes way, as Qwen's does; without tools it renders what it did before.
+    # Its chat template renders OpenAI tools (their names, ahead of the chat), an agent's
+    # calls and their results, and writes calls the Hermes way, as Qwen's does; a chat
+    # without tools it renders as before.
     config = json.loads((folder / "tokenizer_config.json").read_text())
     config["chat_template"] = (
         "{# a call is written <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call> #}"
         "{% if tools %}{{ '<s>tools ' }}{% for t in tools %}{{ t['function']['name'] + ' ' }}"
-        "{% endfor %}{{ '</s> ' }}{% endif %}" + config["chat_template"])
+        "{% endfor %}{{ '</s> ' }}{% endif %}"
+        "{% for m in messages %}{{ '<s>' + m['role'] + ' ' + (m['content'] or '') }}"
+        "{% for c in m.tool_calls or [] %}{{ ' <tool_call> ' + c['function']['name'] + ' ' }}"
+        "{% for k, v in c['function']['arguments'].items() %}{{ k + ' ' + v + ' ' }}"
+        "{% endfor %}{{ '</tool_call>' }}{% endfor %}{{ ' </s> ' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<s>assistant ' }}{% endif %}")
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     s = Stack(Path(tmp_path_factory.mktemp("tiny-stack")))
     try:
@@ -97,6 +103,37 @@ def test_a_chat_with_tools_is_rendered_once_the_same_on_both_apis(tiny_stack):
     assert v1["num_cached_tokens"] == (len(want) - 1) // block * block
     assert v1["routing"]["engine"] == "tiny"
     assert v1["routing"]["cached_blocks"]["tiny"] == len(want) // block
+
+
+def test_an_agents_second_turn_runs_as_transformers_renders_it(tiny_stack):
+    """A tool loop's second turn through the official client: the assistant's call
+    (content null, arguments as JSON text) and the tool's result, rendered by the model's
+    chat template as transformers renders it; the answer is transformers' greedy one."""
+    from transformers import AutoTokenizer
+
+    tools = [{"type": "function", "function": {"name": "w44", "parameters": {
+        "type": "object", "properties": {"w7": {"type": "string"}}}}}]
+    messages = [{"role": "developer", "content": "w3 w4"},
+                {"role": "user", "content": "w5 w17 w33"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_9", "type": "function",
+                     "function": {"name": "w44", "arguments": "{\"w7\": \"w64\"}"}}]},
+                {"role": "tool", "tool_call_id": "call_9", "content": "w12 w99"}]
+    answer = client_of(tiny_stack).chat.completions.create(
+        model="gqa16", messages=messages, tools=tools, max_tokens=4,
+        temperature=0, extra_body={"ignore_eos": True})
+    as_hf = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
+    as_hf[2] = {**as_hf[2], "tool_calls": [{**as_hf[2]["tool_calls"][0], "function": {
+        "name": "w44", "arguments": {"w7": "w64"}}}]}  # transformers takes them decoded
+    text = AutoTokenizer.from_pretrained(tiny_stack.model_folder).apply_chat_template(
+        as_hf, tools=tools, add_generation_prompt=True, tokenize=False)
+    assert "<tool_call> w44 w7 w64 </tool_call>" in text and "<s>tool w12 w99" in text
+    want = HFTokenizer.from_folder(tiny_stack.model_folder).encode(text)
+    job = tiny_stack.wait_job(int(answer.id.split("-")[1]), timeout_s=120, user="alice")
+    assert job["prompt_token_ids"] == want
+    tok = HFTokenizer.from_folder(tiny_stack.model_folder)
+    assert answer.choices[0].message.content == tok.decode(hf_greedy(
+        tiny_stack.model_folder, [want], 4)[0])
 
 
 def test_openai_chat_on_the_model(tiny_stack):
