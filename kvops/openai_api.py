@@ -192,15 +192,9 @@ async def _handle(request: HttpRequest, chat: bool) -> HttpResponse:
     user = await _authenticate(request)
     if user is None:
         return _unauthorized()
-    if not user.is_staff:
-        wait = await sync_to_async(allow_submission)(user)
-        if wait is not None:
-            rate = settings.REST_FRAMEWORK["DEFAULT_THROTTLE_RATES"]["jobs"]
-            response = _error(429, f"too many requests: at most {rate} (KVOPS_JOB_RATE); "
-                                   f"retry in {wait:.0f} s", type_="rate_limit_exceeded",
-                              code="rate_limit_exceeded")
-            response["Retry-After"] = str(max(1, round(wait)))
-            return response
+    refusal = await _rate_limited(user)
+    if refusal is not None:
+        return refusal
     try:
         key = idempotency.key_of(request.headers)
         body = _parse(request)
@@ -210,22 +204,11 @@ async def _handle(request: HttpRequest, chat: bool) -> HttpResponse:
         stream_options = _stream_options(body, stream)
         echo = not chat and _flag(body, "echo")
         jobs, subs = await _admit(news)
-    except idempotency.BadKey as e:
-        return _error(400, str(e), idempotency.HEADER)
-    except BadRequest as e:
-        return _error(400, str(e), e.param)
-    except limits.NotAllowed as e:
-        return _error(403, str(e), e.param, type_="permission_error")
-    except limits.InvalidParam as e:
-        return _error(400, str(e), e.param)
-    except intake.NotFound as e:
-        return _error(404, str(e), e.param, code="model_not_found")
-    except KeyReused as e:
-        return _error(409, str(e), idempotency.HEADER, code="idempotency_key_reused")
-    except (admission.Unavailable, grammar_check.Busy) as e:
-        return _error(503, str(e), type_="service_unavailable")
-    except TooManyJobs as e:
-        return _error(429, str(e), type_="rate_limit_exceeded", code="too_many_jobs")
+    except Exception as e:  # noqa: BLE001  (each refusal its own status; others are 500s)
+        refusal = _refusal(e)
+        if refusal is None:
+            raise
+        return refusal
     created = int(time.time())
     model = news[0].model
     ident = f"{'chatcmpl' if chat else 'cmpl'}-{jobs[0].pk}"
@@ -277,6 +260,42 @@ async def _handle(request: HttpRequest, chat: bool) -> HttpResponse:
     if len(jobs) > 1:
         answer["kvops_job_ids"] = [job.pk for job in jobs]
     return JsonResponse(answer)
+
+
+async def _rate_limited(user) -> JsonResponse | None:
+    """A 429 if the user is over the submission rate (staff never are)."""
+    if user.is_staff:
+        return None
+    wait = await sync_to_async(allow_submission)(user)
+    if wait is None:
+        return None
+    rate = settings.REST_FRAMEWORK["DEFAULT_THROTTLE_RATES"]["jobs"]
+    response = _error(429, f"too many requests: at most {rate} (KVOPS_JOB_RATE); "
+                           f"retry in {wait:.0f} s", type_="rate_limit_exceeded",
+                      code="rate_limit_exceeded")
+    response["Retry-After"] = str(max(1, round(wait)))
+    return response
+
+
+def _refusal(e: Exception) -> JsonResponse | None:
+    """The answer to a call that parsing or admission refused; None for a failure."""
+    if isinstance(e, idempotency.BadKey):
+        return _error(400, str(e), idempotency.HEADER)
+    if isinstance(e, BadRequest):
+        return _error(400, str(e), e.param)
+    if isinstance(e, limits.NotAllowed):
+        return _error(403, str(e), e.param, type_="permission_error")
+    if isinstance(e, limits.InvalidParam):
+        return _error(400, str(e), e.param)
+    if isinstance(e, intake.NotFound):
+        return _error(404, str(e), e.param, code="model_not_found")
+    if isinstance(e, KeyReused):
+        return _error(409, str(e), idempotency.HEADER, code="idempotency_key_reused")
+    if isinstance(e, (admission.Unavailable, grammar_check.Busy)):
+        return _error(503, str(e), type_="service_unavailable")
+    if isinstance(e, TooManyJobs):
+        return _error(429, str(e), type_="rate_limit_exceeded", code="too_many_jobs")
+    return None
 
 
 async def _admit(news: list[intake.NewJob]) -> tuple[list[Job], list]:

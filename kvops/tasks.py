@@ -15,7 +15,7 @@ from kvops.worker import context
 log = logging.getLogger(__name__)
 
 # Job params the service keeps for itself (how to shape the answer), not the engine's.
-SERVICE_PARAMS = ("tool_call",)
+SERVICE_PARAMS = ("tool_call", "response")
 
 CLAIM_RETRIES = 5  # a delivery whose claim fails (database away) is sent again this often
 

@@ -2,7 +2,7 @@ from django.contrib import admin
 from django.contrib.auth import views as auth_views
 from django.urls import include, path, re_path
 
-from kvops import health, metrics_view, openai_api, views
+from kvops import health, metrics_view, openai_api, responses_api, views
 
 urlpatterns = [
     path("", views.overview, name="overview"),
@@ -18,6 +18,8 @@ urlpatterns = [
     path("v1/chat/completions", openai_api.chat_completions),
     path("v1/models", openai_api.models),
     path("v1/models/<path:model>", openai_api.model),
+    path("v1/responses", responses_api.responses),
+    path("v1/responses/<str:response_id>", responses_api.response),
     re_path(r"^v1/(?P<path>.*)$", openai_api.not_found),  # after every /v1 route
     path("tokenize", openai_api.tokenize),  # vLLM serves these two at the root
     path("detokenize", openai_api.detokenize),

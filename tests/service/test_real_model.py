@@ -424,3 +424,67 @@ def test_rest_jobs_keep_their_logprobs(tiny_stack):
     for position, (token, entry) in enumerate(zip((ids + out)[1:], scored)):
         assert abs(entry[1] - reference[position][token].item()) < 1e-4
     assert all(len(e[2]) == 2 for e in job["output_logprobs"])
+
+
+def test_responses_function_tool_and_json_schema_on_the_default_model(default_stack):
+    """The Responses API through the official client: a required function call comes
+    back as a function_call item whose arguments validate (streamed too), and
+    text.format json_schema constrains the message's text."""
+    import jsonschema
+
+    client = client_of(default_stack)
+    tool = {"type": "function", "name": "get_weather",
+            "description": WEATHER_TOOL["function"]["description"],
+            "parameters": WEATHER_TOOL["function"]["parameters"]}
+    r = client.responses.create(model="SmolLM2-135M-Instruct", input="Weather in Paris?",
+                                tools=[tool], tool_choice="required", max_output_tokens=60,
+                                temperature=0)
+    [call] = [item for item in r.output if item.type == "function_call"]
+    assert call.name == "get_weather" and call.call_id
+    jsonschema.validate(json.loads(call.arguments), tool["parameters"])
+    events = list(client.responses.create(
+        model="SmolLM2-135M-Instruct", input="Weather in Paris?", tools=[tool],
+        tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=60,
+        temperature=0, stream=True))
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert len(done) == 1
+    jsonschema.validate(json.loads(done[0].arguments), tool["parameters"])
+    schema = {"type": "object", "additionalProperties": False, "required": ["answer"],
+              "properties": {"answer": {"type": "string", "maxLength": 20}}}
+    r = client.responses.create(model="SmolLM2-135M-Instruct", input="Say yes.",
+                                max_output_tokens=40, temperature=0, text={"format": {
+                                    "type": "json_schema", "name": "a", "schema": schema}})
+    jsonschema.validate(json.loads(r.output_text), schema)
+
+
+def test_a_responses_tool_round_trip_renders_as_transformers(tiny_stack):
+    """The second turn of a function tool round trip on the Responses API: the model's
+    call and its output as input items after previous_response_id's conversation,
+    rendered by the chat template as transformers renders that chat."""
+    from transformers import AutoTokenizer
+
+    client = client_of(tiny_stack)
+    tools = [{"type": "function", "name": "w44", "parameters": {
+        "type": "object", "properties": {"w7": {"type": "string"}}}}]
+    first = client.responses.create(model="gqa16", input="w5 w17 w33", tools=tools,
+                                    max_output_tokens=3, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    second = client.responses.create(
+        model="gqa16", previous_response_id=first.id, tools=tools, max_output_tokens=3,
+        temperature=0, extra_body={"ignore_eos": True}, input=[
+            {"type": "function_call", "call_id": "call_5", "name": "w44",
+             "arguments": "{\"w7\": \"w64\"}"},
+            {"type": "function_call_output", "call_id": "call_5", "output": "w12 w99"}])
+    chat = [{"role": "user", "content": "w5 w17 w33"},
+            {"role": "assistant", "content": first.output_text},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_5", "type": "function",
+                 "function": {"name": "w44", "arguments": {"w7": "w64"}}}]},
+            {"role": "tool", "tool_call_id": "call_5", "content": "w12 w99"}]
+    text = AutoTokenizer.from_pretrained(tiny_stack.model_folder).apply_chat_template(
+        chat, tools=[{"type": "function", "function": {k: v for k, v in tools[0].items()
+                                                       if k != "type"}}],
+        add_generation_prompt=True, tokenize=False)
+    job = tiny_stack.wait_job(second.model_extra["kvops_job_id"], timeout_s=120, user="alice")
+    assert job["prompt_token_ids"] == HFTokenizer.from_folder(tiny_stack.model_folder).encode(text)
+    assert second.output_text == job["output_text"]
