@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.models.tiny import SPECS, build_tiny_model
+from tests.models.tiny import MOE_SPECS, SPECS, build_tiny_model
 
 
 @pytest.fixture(scope="session")
@@ -16,7 +16,7 @@ def tiny_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_model(tiny_root: Path):
-    """tiny_model(name) -> folder of SPECS[name], built on first use."""
+    """tiny_model(name) -> folder of SPECS[name] (or MOE_SPECS[name]), built on first use."""
     def get(name: str) -> Path:
-        return build_tiny_model(SPECS[name], tiny_root)
+        return build_tiny_model(SPECS[name] if name in SPECS else MOE_SPECS[name], tiny_root)
     return get

@@ -98,6 +98,40 @@ SPECS = {
 }
 
 
+# Wider random MoE models for tests/engine/test_moe_parity.py (kept out of SPECS, which
+# every family test runs in every KV situation): per family several seeds, the
+# renormalised top-k of Mixtral and of Qwen3-MoE's norm_topk_prob, more experts and a
+# larger k, a dense middle layer. Their tests run longer prompts and generations than
+# SPECS' (a small error in the experts shows only after some tokens).
+MOE_SPECS = {spec.name: spec for spec in [
+    TinySpec("mixtral-e4k2", vocab_size=269, hidden_size=64, num_heads=4, num_kv_heads=2,
+             head_dim=16, model_type="mixtral", seed=21,
+             extra={"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None}),
+    TinySpec("mixtral-e4k2-b", vocab_size=241, hidden_size=64, num_heads=4, num_kv_heads=2,
+             head_dim=16, model_type="mixtral", seed=26,
+             extra={"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None}),
+    TinySpec("mixtral-e8k3", vocab_size=251, hidden_size=64, num_heads=4, num_kv_heads=1,
+             head_dim=16, intermediate_size=64, model_type="mixtral", seed=22,
+             extra={"num_local_experts": 8, "num_experts_per_tok": 3, "sliding_window": None}),
+    TinySpec("qwen3moe-e6k2-norm", vocab_size=271, hidden_size=64, num_heads=4, num_kv_heads=2,
+             head_dim=16, model_type="qwen3_moe", seed=23,
+             extra={"num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 40,
+                    "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []}),
+    TinySpec("qwen3moe-e6k2-norm-b", vocab_size=233, hidden_size=64, num_heads=4,
+             num_kv_heads=2, head_dim=16, model_type="qwen3_moe", seed=27,
+             extra={"num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 40,
+                    "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []}),
+    TinySpec("qwen3moe-e8k3-norm", vocab_size=257, hidden_size=48, num_heads=4, num_kv_heads=2,
+             head_dim=16, num_layers=3, model_type="qwen3_moe", seed=24,
+             extra={"num_experts": 8, "num_experts_per_tok": 3, "moe_intermediate_size": 32,
+                    "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [1]}),
+    TinySpec("qwen3moe-e6k2", vocab_size=263, hidden_size=64, num_heads=4, num_kv_heads=2,
+             head_dim=16, model_type="qwen3_moe", seed=25,
+             extra={"num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+                    "norm_topk_prob": False, "decoder_sparse_step": 1, "mlp_only_layers": []}),
+]}
+
+
 def build_tiny_model(spec: TinySpec, root: Path) -> Path:
     """Save a random model for `spec` under root/spec.name; returns the folder."""
     from transformers import AutoConfig, AutoModelForCausalLM
