@@ -41,6 +41,7 @@ RESPONSE_FIELDS = {"model", "input", "instructions", "max_output_tokens", "tempe
 _RENAMED = {"max_tokens": "max_output_tokens", "messages": "input",
             "response_format": "text.format"}
 PREFIX = "resp_"
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
 
 class NotStored(Exception):
@@ -57,8 +58,10 @@ def chat_body(body: dict, history: list[dict]) -> dict:
     if body.get("truncation") not in (None, "disabled"):
         raise InvalidParam("truncation", "`truncation` \"auto\" is not supported: a prompt "
                                          "longer than the model takes is refused")
-    if body.get("include"):
-        raise InvalidParam("include", "`include` asks for output kvops does not produce")
+    include = body.get("include") or []
+    if not isinstance(include, list) or any(i != LOGPROBS_INCLUDE for i in include):
+        raise InvalidParam("include", f"`include` may ask for {LOGPROBS_INCLUDE!r} only: "
+                                      "kvops produces no other additional output")
     reasoning = body.get("reasoning")
     if reasoning is not None and not isinstance(reasoning, dict):
         raise InvalidParam("reasoning", "`reasoning` must be an object")
@@ -71,12 +74,17 @@ def chat_body(body: dict, history: list[dict]) -> dict:
             chat[name] = body[name]
     if "max_output_tokens" in body:
         chat["max_tokens"] = body["max_output_tokens"]
-    if body.get("top_logprobs") is not None:
-        chat["logprobs"], chat["top_logprobs"] = True, body["top_logprobs"]
-    if body.get("tools") is not None:
-        chat["tools"] = [_chat_tool(t) for t in _list("tools", body["tools"])]
-    if body.get("tool_choice") is not None:
-        chat["tool_choice"] = _chat_tool_choice(body["tool_choice"])
+    if body.get("top_logprobs") is not None or include:
+        chat["logprobs"] = True
+        chat["top_logprobs"] = body.get("top_logprobs") or 0
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise InvalidParam("tools", "`tools` must be a list")
+    if tools:  # an empty list is no tools (the Agents SDK sends one)
+        chat["tools"] = [_chat_tool(t) for t in tools]
+    choice = body.get("tool_choice")
+    if choice is not None and (tools or choice not in ("auto", "none")):
+        chat["tool_choice"] = _chat_tool_choice(choice)
     text = body.get("text")
     if text is not None:
         if not isinstance(text, dict):
@@ -190,6 +198,10 @@ def parse(body: dict, owner, idempotency_key: str, history: list[dict]) -> intak
     # what the checks against the engines refuse, they name as this API does
     new.fields.update({"messages": "input", "structured": "text.format"})
     new.params["response"] = {
+        # what the Response repeats of its request
+        "tools": body.get("tools") or [], "tool_choice": body.get("tool_choice") or "auto",
+        "parallel_tool_calls": body.get("parallel_tool_calls", True) is not False,
+        "text": body.get("text") or {"format": {"type": "text"}},
         "store": body.get("store", True) is not False,
         "instructions": body.get("instructions"),
         "previous_response_id": body.get("previous_response_id"),
@@ -230,9 +242,11 @@ def _output_messages(job: Job) -> list[dict]:
 
 
 # --- the answer -------------------------------------------------------------------------------
-def output_items(job_id: int, text: str, tool_call: dict | None) -> list[dict]:
-    """The Response's `output`: a message with the text, function_call items for the
-    calls the answer makes (auto: any text before them as a message too)."""
+def output_items(job_id: int, text: str, tool_call: dict | None, status: str = "completed",
+                 logprobs: list | None = None) -> list[dict]:
+    """The Response's `output`: a message with the text (its logprobs if asked),
+    function_call items for the calls the answer makes (auto: any text before them as a
+    message too)."""
     calls = []
     if tool_call is not None:
         try:
@@ -245,7 +259,7 @@ def output_items(job_id: int, text: str, tool_call: dict | None) -> list[dict]:
             text = ""
     items: list[dict] = []
     if text or not calls:
-        items.append(_message_item(job_id, text))
+        items.append(_message_item(job_id, text, status, logprobs if not calls else None))
     for i, call in enumerate(calls):
         items.append({"type": "function_call", "id": f"fc_{job_id}_{i}",
                       "call_id": call["id"], "name": call["function"]["name"],
@@ -253,21 +267,32 @@ def output_items(job_id: int, text: str, tool_call: dict | None) -> list[dict]:
     return items
 
 
-def _message_item(job_id: int, text: str, status: str = "completed") -> dict:
+def _message_item(job_id: int, text: str, status: str = "completed",
+                  logprobs: list | None = None) -> dict:
     return {"type": "message", "id": f"msg_{job_id}", "status": status, "role": "assistant",
             "content": [{"type": "output_text", "text": text, "annotations": [],
-                         "logprobs": []}]}
+                         "logprobs": _logprobs(logprobs or [])}]}
+
+
+def _logprobs(entries: list) -> list[dict]:
+    """The job's logprob entries ([token, logprob, [[token, logprob], ...]]) in the
+    Responses API's shape."""
+    def one(token: str, logprob: float) -> dict:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+    return [{**one(e[0], e[1]), "top_logprobs": [one(t, lp) for t, lp in (e[2] or [])]}
+            for e in entries]
 
 
 def response_object(job: Job | None, job_id: int, state: dict, text: str, created: int,
-                    model: str, params: dict, status: str | None = None) -> dict:
+                    model: str, params: dict, status: str | None = None,
+                    logprobs: list | None = None) -> dict:
     meta = params.get("response") or {}
     finish = state.get("finish_reason")
     failed = state.get("status") == Job.Status.FAILED
     if status is None:
         status = "failed" if failed else "incomplete" if finish == "length" else "completed"
     output = [] if status in ("in_progress", "failed") else \
-        output_items(job_id, text, params.get("tool_call"))
+        output_items(job_id, text, params.get("tool_call"), status, logprobs)
     prompt, cached = state.get("num_prompt_tokens") or 0, state.get("num_cached_tokens") or 0
     produced = state.get("num_output_tokens") or 0
     return {
@@ -283,8 +308,9 @@ def response_object(job: Job | None, job_id: int, state: dict, text: str, create
         "previous_response_id": meta.get("previous_response_id"),
         "max_output_tokens": params.get("max_tokens"),
         "temperature": params.get("temperature"), "top_p": params.get("top_p"),
-        "parallel_tool_calls": True, "tool_choice": "auto", "tools": [],
-        "store": meta.get("store", True), "text": {"format": {"type": "text"}},
+        "parallel_tool_calls": meta.get("parallel_tool_calls", True),
+        "tool_choice": meta.get("tool_choice", "auto"), "tools": meta.get("tools", []),
+        "store": meta.get("store", True), "text": meta.get("text", {"format": {"type": "text"}}),
         "usage": {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached},
                   "output_tokens": produced,
                   "output_tokens_details": {"reasoning_tokens": 0},
@@ -341,7 +367,8 @@ async def responses(request: HttpRequest) -> HttpResponse:
         sub.close()
     state = listener.state
     return JsonResponse(response_object(job, job.pk, state, listener.text.text, created,
-                                        new.model, job.params))
+                                        new.model, job.params,
+                                        logprobs=listener.logprobs_of(0)))
 
 
 @openai_api._json_errors
@@ -372,7 +399,7 @@ async def response(request: HttpRequest, response_id: str) -> HttpResponse:
              "num_output_tokens": job.num_output_tokens}
     return JsonResponse(response_object(job, job.pk, state, job.output_text,
                                         int(job.queued_at.timestamp()), job.model,
-                                        job.params or {}, status))
+                                        job.params or {}, status, job.output_logprobs))
 
 
 async def _events(listener: JobListener, job: Job, model: str,
@@ -415,7 +442,8 @@ async def _events(listener: JobListener, job: Job, model: str,
             state = {"status": Job.Status.FAILED, "error": f"the job's updates were lost: {e}"}
         else:
             state = listener.state
-        final = response_object(job, job.pk, state, listener.text.text, created, model, params)
+        final = response_object(job, job.pk, state, listener.text.text, created, model, params,
+                                logprobs=listener.logprobs_of(0))
         if final["status"] == "failed":
             yield event("response.failed", response=final)
             return

@@ -84,3 +84,22 @@ def test_refusals_name_the_responses_fields(client):
         with pytest.raises(openai.BadRequestError) as e:
             client.responses.create(**{"model": "simulated-v1", "input": "x", **kwargs})
         assert e.value.body["param"] == param, (kwargs, e.value.body)
+
+
+def test_what_the_agents_sdk_sends_is_taken_and_repeated(client):
+    """The OpenAI Agents SDK sends `tools: []` and `include` for logprobs; a Response
+    repeats its request's tool settings and marks a cut-off message incomplete."""
+    r = client.responses.create(model="simulated-v1", input="agents", tools=[],
+                                tool_choice="auto", max_output_tokens=3,
+                                include=["message.output_text.logprobs"], top_logprobs=2,
+                                parallel_tool_calls=False)
+    assert r.tools == [] and r.tool_choice == "auto" and r.parallel_tool_calls is False
+    [message] = r.output
+    assert message.status == "incomplete" and r.status == "incomplete"
+    logprobs = message.content[0].logprobs
+    assert len(logprobs) == 3 and all(lp.top_logprobs for lp in logprobs)
+    assert "".join(lp.token for lp in logprobs) == r.output_text
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model="simulated-v1", input="x",
+                                include=["reasoning.encrypted_content"])
+    assert e.value.body["param"] == "include"
