@@ -14,9 +14,14 @@ If the core dies (its process killed, out of memory; its thread raised), every r
 it was running fails with the reason and every waiting command is answered with it. A
 core process is started again; after MAX_RESTARTS in a row the worker reports itself
 dead (`alive` is False, so its heartbeat stops and the reaper moves its jobs elsewhere).
+A core that ends because its worker stops (halt(), stop(), or a stop signal to the
+worker's process group that reaches the core too) is not replaced; its requests fail only
+once the worker has handed their jobs back to the queue (kvops/worker.py). Nothing sent
+to a core blocks once it has exited.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -103,6 +108,7 @@ class EngineClient(ABC):
         self._ids = itertools.count(1)
         self._ready = threading.Event()
         self._stopping = False
+        self._halting = False  # halt() or stop() ends the core: it is not replaced
         self._dead = False  # gave up on the core
         self._reader = threading.Thread(target=self._read, name=f"engine-core-{self.name}",
                                         daemon=True)
@@ -135,14 +141,69 @@ class EngineClient(ABC):
             raise EngineError(f"engine core {self.name} could not start (see the log)")
 
     def stop(self, timeout_s: float = 10.0) -> None:
+        """Shut the core down and close the client, within about timeout_s whatever the
+        core does: a core that does not exit is ended. A core that died before it was
+        told to (e.g. of the stop signal its worker got too) is first said by the reader
+        thread, which fails its requests."""
+        deadline = time.monotonic() + timeout_s
+        self._halting = True  # nothing replaces the core from now on
+        if self._exit_code() is not None:
+            while (self._reader.is_alive() and not self._dead
+                   and time.monotonic() < deadline - timeout_s / 2):
+                time.sleep(0.02)
         self._stopping = True
-        self._send(["shutdown"])
-        self._await_exit(timeout_s)
-        self._reader.join(timeout_s)
-        self._to_core.close(linger=0)
+        if self._exit_code() is None:
+            self._send_nowait(["shutdown"], max(0.0, deadline - time.monotonic()))
+        self._await_exit(max(0.1, deadline - time.monotonic()))
+        self._reader.join(max(0.1, deadline - time.monotonic()))
+        with self._send_lock_within(1.0) as locked:
+            if locked:  # (else a thread is stuck sending to the dead core: leave it be)
+                self._to_core.close(linger=0)
         self._from_core.close(linger=0)
-        self._context.term()
+        if locked:  # term() waits for every socket to close
+            self._context.term()
         shutil.rmtree(self._dir, ignore_errors=True)
+
+    def halt(self, timeout_s: float = 2.0) -> None:
+        """End the core's work now, without waiting for its requests, as a worker does
+        that stops (kvops/worker.py, once it has handed its jobs back): the core is told
+        to shut down, and ended if it has not exited within timeout_s. Its requests and
+        the calls waiting for it then fail, as when a core dies, and no new core is
+        started. stop() still closes the client."""
+        self._halting = True
+        if self._exit_code() is None:
+            self._send_nowait(["shutdown"], timeout_s)
+        self._await_exit(timeout_s)
+
+    def _send_nowait(self, message: list, timeout_s: float) -> bool:
+        """Send, waiting at most timeout_s in all (for the send lock too) while the core
+        lives and cannot take it (stuck, or starting). Whether it was sent."""
+        deadline = time.monotonic() + timeout_s
+        data = pack(message)
+        while True:
+            with self._send_lock_within(max(0.0, deadline - time.monotonic())) as locked:
+                if locked:
+                    try:
+                        self._to_core.send(data, zmq.NOBLOCK)
+                        return True
+                    except zmq.Again:
+                        pass
+                    except zmq.ZMQError:  # closed already
+                        return False
+            if self._exit_code() is not None or time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
+
+    @contextlib.contextmanager
+    def _send_lock_within(self, timeout_s: float):
+        """The send lock if it is free within timeout_s (yields whether it is held): a
+        thread waiting to send to a core that is stuck must not hold the client's stop."""
+        locked = self._send_lock.acquire(timeout=timeout_s)
+        try:
+            yield locked
+        finally:
+            if locked:
+                self._send_lock.release()
 
     @property
     def alive(self) -> bool:
@@ -184,7 +245,10 @@ class EngineClient(ABC):
 
     def finish_request(self, request_id: str) -> None:
         """End a request whose text reached a stop string (does not wait)."""
-        self._send(["stop", request_id])
+        try:
+            self._send(["stop", request_id])
+        except CoreDied:  # the request ended with its core
+            pass
 
     def describe_config(self) -> dict:
         return dict(self.described)
@@ -223,8 +287,21 @@ class EngineClient(ABC):
                 self._calls.pop(call_id, None)
 
     def _send(self, message: list) -> None:
+        """Send to the core, waiting while it cannot take the message (starting, or
+        behind); CoreDied once it has exited: a PUSH socket with no peer would wait for
+        one forever, and a thread stuck here (the output processor, stopping a request
+        of a core that died) would hold the worker's stop."""
+        data = pack(message)
         with self._send_lock:
-            self._to_core.send(pack(message))
+            while True:
+                try:
+                    self._to_core.send(data, zmq.NOBLOCK)
+                    return
+                except zmq.Again:
+                    if self._exit_code() is not None:
+                        raise CoreDied(f"the engine core of {self.name} is not running") \
+                            from None
+                    self._to_core.poll(POLL_MS, zmq.POLLOUT)
 
     # --- the reader thread ---------------------------------------------------------------
     def _read(self) -> None:
@@ -287,8 +364,11 @@ class EngineClient(ABC):
     def _core_died(self, code: int) -> None:
         how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
         reason = f"the engine core of {self.name} stopped ({how})"
-        log.error("%s", reason)
+        (log.info if self._halting else log.error)("%s", reason)
         self._ready.clear()
+        # Decided before its requests fail: a worker that stops hands their jobs back
+        # first (see MPClient's worker_stopping), and then nothing replaces the core.
+        with_worker = self._halting or self._stopping or self._stops_with_worker(code)
         with self._lock:
             calls, self._calls = dict(self._calls), {}
             lost, self._in_flight = sorted(self._in_flight), set()
@@ -297,9 +377,16 @@ class EngineClient(ABC):
                 future.set_exception(CoreDied(reason))
         if lost:
             self.sink.fail(lost, reason)
-        if not self._replace(code):
+        if with_worker:
+            log.info("engine core %s stopped with its worker: not replaced", self.name)
+        if with_worker or not self._replace(code):
             self._dead = True
             self._ready.set()  # wakes start() if it is still waiting
+
+    def _stops_with_worker(self, code: int) -> bool:
+        """Whether the core died of `code` because its worker is stopping (then it is
+        not replaced)."""
+        return False
 
 
 class MPClient(EngineClient):
@@ -313,7 +400,9 @@ class MPClient(EngineClient):
                  worker_stopping: Callable[[], bool] = lambda: False,
                  core_nice: int = CORE_NICE, log_level: str = "INFO") -> None:
         super().__init__(config, sink, on_kv_item, startup_timeout_s, tokenizer)
-        # True once the worker is shutting down: a core that dies then is not replaced
+        # True once the worker is shutting down: a core that dies of a stop signal then
+        # is not replaced. Asked before that core's requests fail, so the worker may
+        # hand their jobs back to the queue before it answers True.
         self.worker_stopping = worker_stopping
         self.core_nice, self.log_level = core_nice, log_level
         self.restarts = 0  # core deaths in a row
@@ -342,7 +431,13 @@ class MPClient(EngineClient):
             try:
                 self._proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
+                log.warning("engine core %s did not exit within %.1f s: killing it",
+                            self.name, timeout_s)
                 self._proc.kill()
+                try:
+                    self._proc.wait(5)
+                except subprocess.TimeoutExpired:  # (uninterruptible, in the kernel)
+                    log.error("engine core %s (pid %s) did not die", self.name, self.pid)
 
     def _dispatch(self, message: list) -> None:
         if message[0] == "ready":
@@ -352,9 +447,11 @@ class MPClient(EngineClient):
     def _where(self) -> str:
         return f"pid {self.pid}"
 
+    def _stops_with_worker(self, code: int) -> bool:
+        return code in STOP_SIGNALS and self._stopped_with_worker()
+
     def _replace(self, code: int) -> bool:
-        if code in STOP_SIGNALS and self._stopped_with_worker():
-            log.info("engine core %s stopped with its worker: not replaced", self.name)
+        if self._stopping or self._halting:  # (stop() came while the death was said)
             return False
         self.restarts += 1
         if self.restarts > MAX_RESTARTS:
@@ -370,6 +467,8 @@ class MPClient(EngineClient):
         worker may handle it a moment after the core died of it."""
         deadline = time.monotonic() + STOP_GRACE_S
         while not self.worker_stopping():
+            if self._stopping or self._halting:
+                return True
             if time.monotonic() >= deadline:
                 return False
             time.sleep(0.05)

@@ -3,6 +3,14 @@
 Finds Redis at REDIS_URL or starts a private redis-server, applies migrations, makes an
 admin account if there is none, then runs the web server (uvicorn), one engine worker and
 the ops worker (what-if replays).
+
+Stopping: SIGINT, SIGTERM, SIGHUP or SIGQUIT, to this process or to its whole process
+group (a terminal's Ctrl-C or close, `docker stop`, systemd), once or many times, stops
+every process it started within STOP_S + REDIS_STOP_S seconds. The first signal starts
+the stop; the others change nothing (the handlers only note them, so nothing interrupts
+the stop). Each child runs in a process group of its own, out of reach of a signal to
+ours: each group gets SIGTERM, and whatever is left of it after STOP_S gets SIGKILL; a
+private Redis goes last, once the workers have handed their jobs back through it.
 """
 from __future__ import annotations
 
@@ -26,6 +34,13 @@ LISTEN_BACKLOG = 4096
 # kvops/consumers.py) in UTF-8. A larger one closes the socket (1009) before the server
 # buffers it; uvicorn's default, 16 MiB, let four sockets add 100 MB to the web.
 WS_MAX_BYTES = 4 * 1024
+# After the stop signal: how long the children have to exit on their SIGTERM (the web
+# server closes its streams after 5 s, an engine worker hands its jobs back and exits in
+# a second or two, kvops/worker.py) before what is left of them is killed; then the
+# private Redis, if any.
+STOP_S = 7.0
+REDIS_STOP_S = 1.0
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 
 
 def web_server_argv(host: str, port: int, proxies: str = "") -> list[str]:
@@ -66,6 +81,26 @@ def redis_reachable(host: str, port: int) -> bool:
         return False
 
 
+class Stopped(Exception):
+    """A stop signal came while the stack was starting."""
+
+
+_stop_signal: int | None = None  # the first stop signal
+
+
+def _note_stop(signum: int, frame: object) -> None:
+    """Only notes the signal: the main loop stops the stack. Raising here instead (it
+    once raised KeyboardInterrupt) let a second signal, from a Ctrl-C both to the group
+    and to us, break off the stop half-way and leave the children running."""
+    global _stop_signal
+    if _stop_signal is None:
+        _stop_signal = signum
+
+
+def stopping() -> bool:
+    return _stop_signal is not None
+
+
 def ensure_redis(url: str, data_dir: Path) -> subprocess.Popen | None:
     """Use the Redis at url, or start a private one there (local URLs only)."""
     parsed = urlparse(url)
@@ -83,7 +118,7 @@ def ensure_redis(url: str, data_dir: Path) -> subprocess.Popen | None:
                              "--appendonly", "no", "--dir", str(workdir)],
                             stdout=subprocess.DEVNULL, start_new_session=True)
     for _ in range(100):
-        if redis_reachable(host, port):
+        if redis_reachable(host, port) or stopping():  # (stopped: main() stops it)
             return proc
         time.sleep(0.1)
     proc.kill()
@@ -105,18 +140,97 @@ def install_redis() -> str:
 
 
 def manage(*args: str) -> None:
-    subprocess.run([sys.executable, "manage.py", *args], cwd=REPO, check=True)
+    """A management command, run to its end; Stopped if a stop signal comes first."""
+    proc = subprocess.Popen([sys.executable, "manage.py", *args], cwd=REPO)
+    while proc.poll() is None and not stopping():
+        time.sleep(0.1)
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    if stopping():
+        raise Stopped
+    if proc.returncode != 0:
+        raise subprocess.CalledProcessError(proc.returncode, proc.args)
 
 
-def _stop(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
+def spawn(argv: list[str]) -> subprocess.Popen:
+    """A child of the stack, in a process group (and session) of its own."""
+    return subprocess.Popen(argv, cwd=REPO, start_new_session=True)
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a process of the group lives (a zombie, dead but not yet reaped by
+    whoever adopted it, does not count: it holds nothing)."""
+    try:
+        entries = os.listdir("/proc")
+    except OSError:  # no /proc: ask the kernel, zombies included
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return False
+        return True
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:  # gone meanwhile
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # state, ppid, pgrp, ...
+        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            return True
+    return False
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def stop_children(children: list[subprocess.Popen], redis_proc: subprocess.Popen | None,
+                  stop_s: float = STOP_S, redis_stop_s: float = REDIS_STOP_S) -> None:
+    """SIGTERM each child's process group (the child and what it started: an engine
+    worker's core, the ops worker's pool), wait until every group is empty or stop_s has
+    passed, SIGKILL what is left (and wait for it a moment); then the same for the private
+    Redis (redis_stop_s)."""
+    for procs, limit in ((children, stop_s), ([redis_proc] if redis_proc else [], redis_stop_s)):
+        deadline = time.monotonic() + limit
+        for proc in procs:
+            _signal_group(proc.pid, signal.SIGTERM)
+        killed = False
+        while True:
+            for proc in procs:
+                proc.poll()  # reap
+            left = [proc for proc in procs if _group_alive(proc.pid)]
+            if not left:
+                break
+            if time.monotonic() >= deadline:
+                if killed:  # (stuck in the kernel: nothing more to do)
+                    break
+                for proc in left:
+                    log(f"{_name(proc)} did not stop within {limit:g} s: killing it")
+                    _signal_group(proc.pid, signal.SIGKILL)
+                killed, deadline = True, time.monotonic() + 0.5
+            time.sleep(0.05)
+
+
+def _name(proc: subprocess.Popen) -> str:
+    return " ".join(map(str, proc.args[:4]))
 
 
 def main() -> int:
-    # Ctrl-C and SIGTERM (docker stop, systemd) both stop the stack; set explicitly,
-    # since a shell that starts us in the background hands SIGINT down ignored.
-    signal.signal(signal.SIGINT, _stop)
-    signal.signal(signal.SIGTERM, _stop)
+    # Ctrl-C, SIGTERM (docker stop, systemd), SIGHUP (the terminal closed) and SIGQUIT
+    # stop the stack; set explicitly, since a shell that starts us in the background hands
+    # SIGINT down ignored.
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, _note_stop)
     data_dir = Path(os.environ.setdefault("KVOPS_DATA_DIR", str(REPO / "data")))
     data_dir.mkdir(parents=True, exist_ok=True)
     # The database, its tokens and prompts, and the secret key live here: ours alone
@@ -130,40 +244,34 @@ def main() -> int:
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "kvops.settings")
     from django.conf import settings
     redis_url, port = settings.REDIS_URL, settings.KVOPS_PORT
+    # (The signal handler raises nothing: every child started is in these.)
     children: list[subprocess.Popen] = []
-    redis_proc = ensure_redis(redis_url, data_dir)
-    if redis_proc is not None:
-        children.append(redis_proc)
+    redis_proc: subprocess.Popen | None = None
     try:
+        redis_proc = ensure_redis(redis_url, data_dir)
         manage("migrate", "--noinput", "-v0")
         manage("ensure_admin")
-        children.append(subprocess.Popen(
-            web_server_argv("127.0.0.1", port, settings.KVOPS_TRUSTED_PROXIES), cwd=REPO,
-            start_new_session=True))
         name = settings.KVOPS_ENGINE_NAME
-        children.append(subprocess.Popen(
-            [sys.executable, "manage.py", "engine_worker", "--name", name], cwd=REPO,
-            start_new_session=True))
-        children.append(subprocess.Popen(  # what-if replays, away from the engine
-            [sys.executable, "manage.py", "ops_worker"], cwd=REPO, start_new_session=True))
+        for argv in (web_server_argv("127.0.0.1", port, settings.KVOPS_TRUSTED_PROXIES),
+                     [sys.executable, "manage.py", "engine_worker", "--name", name],
+                     [sys.executable, "manage.py", "ops_worker"]):  # what-if replays
+            if stopping():
+                raise Stopped
+            children.append(spawn(argv))
         log(f"kvops is starting at http://127.0.0.1:{port}/ (engine {name!r}); Ctrl-C stops it")
-        while all(c.poll() is None for c in children):
-            time.sleep(0.5)
-        dead = next(c for c in children if c.poll() is not None)
-        log(f"{' '.join(map(str, dead.args[:4]))} exited with {dead.returncode}; stopping")
-        return 1
-    except KeyboardInterrupt:
+        while not stopping():
+            dead = next((c for c in [*children, *filter(None, [redis_proc])]
+                         if c.poll() is not None), None)
+            if dead is not None:
+                log(f"{_name(dead)} exited with {dead.returncode}; stopping")
+                return 1
+            time.sleep(0.2)
+        raise Stopped
+    except Stopped:
         log("stopping")
         return 0
     finally:
-        for child in reversed(children):
-            if child.poll() is None:
-                os.killpg(child.pid, signal.SIGTERM)
-        for child in reversed(children):
-            try:
-                child.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(child.pid, signal.SIGKILL)
+        stop_children(children, redis_proc)
 
 
 if __name__ == "__main__":

@@ -11,9 +11,12 @@ Start one with `python manage.py engine_worker --name NAME`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
+import signal
 import socket
+import sys
 import threading
 import time
 from typing import Any
@@ -44,12 +47,36 @@ class WorkerContext:
 
 def _claim_jobs(claims):
     from kvops import job_store
-    return job_store.claim_jobs(claims)
+    if _shutting_down.is_set():  # (see _refuse)
+        _refuse(claims)
+        return [None] * len(claims)
+    jobs = job_store.claim_jobs(claims)
+    if _shutting_down.is_set() and any(job is not None for job in jobs):
+        # The stop came while they were claimed: back to the queue with the others.
+        _requeue([job.pk for job in jobs if job is not None], claims[0].engine)
+        return [None] * len(jobs)
+    return jobs
 
 
 _context: WorkerContext | None = None
-_stop = threading.Event()
+_stop = threading.Event()  # heartbeats stop
 _shutting_down = threading.Event()  # the worker got its stop signal (warm or cold)
+
+# A worker told to stop (SIGTERM, SIGINT, SIGQUIT: each a warm shutdown, see
+# _install_stop_signals) does not wait for its jobs, which may run for minutes while Celery's warm shutdown waits for
+# their tasks. It hands them back to the queue at once (_hand_back: they run again from
+# their prompt on the next engine, as the reaper moves the jobs of a killed worker, only
+# sooner) and ends its core's work (EngineClient.halt), so their tasks return and the
+# warm shutdown completes within a second or two. A worker still running STOP_DEADLINE_S
+# after the signal (a thread stuck, on the database say) exits there and then, as if
+# killed: the reaper moves whatever it left.
+STOP_DEADLINE_S = 6.0
+_handed_back = threading.Event()
+_hand_back_lock = threading.Lock()
+_stopping_context: WorkerContext | None = None  # the context the stop signal found
+_heartbeat_thread: threading.Thread | None = None
+_refused: set[tuple[int, str]] = set()  # (job id, task id) delivered while stopping
+_refused_lock = threading.Lock()
 
 
 def context() -> WorkerContext:
@@ -99,7 +126,7 @@ def _start_engine(sender=None, **kwargs) -> None:
     try:
         client = make_engine_client(mode, config, processor,
                                     on_kv_item=lambda item: publisher.on_item(item),
-                                    tokenizer=tokenizer, worker_stopping=_shutting_down.is_set,
+                                    tokenizer=tokenizer, worker_stopping=_worker_stopping,
                                     **_core_process_settings(settings))
     except ValueError as e:
         raise SystemExit(str(e)) from None
@@ -126,7 +153,8 @@ def _engine_ready(sender=None, **kwargs) -> None:
     """Celery's consumer is up, remote control included: only now is the engine `ready`.
     (Registered ready at worker_init, an operator's command sent in between went to no
     one: control is a broadcast, and a worker not yet listening never sees it.)"""
-    if _context is None:
+    global _heartbeat_thread
+    if _context is None or _shutting_down.is_set():
         return
     from django.db import connection
 
@@ -136,14 +164,18 @@ def _engine_ready(sender=None, **kwargs) -> None:
         registry.heartbeat(client.name, client.instance, client.latest_metrics)
     finally:
         connection.close()
-    threading.Thread(target=_heartbeat, args=(client,),
-                     name="kvops-heartbeat", daemon=True).start()
+    _heartbeat_thread = threading.Thread(target=_heartbeat, args=(client,),
+                                         name="kvops-heartbeat", daemon=True)
+    _heartbeat_thread.start()
+    _install_stop_signals(getattr(sender, "hostname", None))
 
 
 def _beat_now(client) -> None:
     from django.db import connection
 
     from kvops import registry
+    if _stop.is_set():  # stopping: the row says so, and stays so
+        return
     try:
         registry.heartbeat(client.name, client.instance, client.latest_metrics)
     except Exception as e:  # the next beat says it
@@ -170,9 +202,167 @@ def _heartbeat(client) -> None:
             connection.close()
 
 
+def _install_stop_signals(hostname: str | None) -> None:
+    """SIGTERM, SIGINT and SIGQUIT, once or again, each make Celery's warm shutdown (on
+    Celery's handlers, installed by now: the consumer is up). The stop hands the jobs
+    back at once, so a warm shutdown takes a second or two; Celery's cold one (its
+    SIGQUIT, its second SIGINT) cannot cancel a threads pool's tasks (NotImplementedError
+    in the signal handler) and then waits for them, minutes for a long job."""
+    try:
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT):
+            signal.signal(sig, functools.partial(_on_stop_signal, hostname))
+    except ValueError:  # not the main thread: Celery's handlers stay
+        log.warning("the stop signals keep Celery's handlers")
+
+
+def _on_stop_signal(hostname: str | None, signum: int, frame) -> None:
+    """Celery's warm shutdown, as its own SIGTERM handler starts it."""
+    from celery.platforms import EX_FAILURE, EX_OK
+    from celery.worker import state
+    if state.should_stop is not None:  # (a signal again: the stop goes on)
+        return
+    exitcode = EX_OK if signum == signal.SIGTERM else EX_FAILURE
+    try:
+        print(f"worker: Warm shutdown (MainProcess) on {signal.Signals(signum).name}",
+              file=sys.__stdout__, flush=True)
+        signals.worker_shutting_down.send(sender=hostname, sig=signal.Signals(signum).name,
+                                          how="Warm", exitcode=exitcode)
+    finally:
+        state.should_stop = exitcode
+
+
 @signals.worker_shutting_down.connect
-def _note_shutting_down(**kwargs) -> None:
+def _note_shutting_down(sig=None, how=None, **kwargs) -> None:
+    """The stop signal (Celery's handler, on the main thread): hand the jobs back and end
+    the core's work on a thread of its own; a later signal changes nothing."""
+    global _stopping_context
+    if _shutting_down.is_set():
+        return
     _shutting_down.set()
+    ctx = _stopping_context = _context
+    if ctx is None:  # not an engine worker
+        return
+    log.warning("%s: stopping (%s shutdown); running jobs go back to the queue", sig, how)
+    threading.Thread(target=_exit_by, args=(time.monotonic() + STOP_DEADLINE_S, ctx.client),
+                     name="kvops-stop-deadline", daemon=True).start()
+    threading.Thread(target=_stop_now, args=(ctx,), name="kvops-stop", daemon=True).start()
+
+
+def _stop_now(ctx: WorkerContext) -> None:
+    _hand_back(ctx.client)
+    try:
+        ctx.client.halt()  # its requests fail now (their jobs are queued): the tasks return
+    except Exception:  # (the deadline ends it)
+        log.exception("stopping: ending the engine core failed")
+
+
+def _worker_stopping() -> bool:
+    """For the engine client (worker_stopping): whether this worker is stopping; once it
+    is, its jobs have been handed back by the time this answers True."""
+    if not _shutting_down.is_set():
+        return False
+    ctx = _stopping_context
+    if ctx is not None:
+        _hand_back(ctx.client)
+    return True
+
+
+def _hand_back(client) -> None:
+    """Once: mark the engine stopped (no job is routed to it, and its instance is no
+    longer live) and requeue every job running on it, to run again from its prompt on the
+    next engine. From then on its engine requests' ends, failures and progress are
+    ignored (they are written only while their attempt owns the job), so whatever the
+    core and the tasks do next loses nothing. Should the database be away, the jobs stay
+    `running` on an instance that no longer beats, and the reaper moves them."""
+    with _hand_back_lock:
+        if _handed_back.is_set():
+            return
+        from django.db import connection
+
+        from kvops.models import Engine, Job
+        _stop.set()  # a heartbeat would mark the engine ready again
+        beating = _heartbeat_thread
+        if beating is not None and beating is not threading.current_thread():
+            beating.join(1.0)  # (one under way)
+        try:
+            Engine.objects.filter(name=client.name, instance=client.instance) \
+                .update(status=Engine.Status.STOPPED)
+            running = list(Job.objects.filter(status=Job.Status.RUNNING,
+                                              engine_instance=client.instance)
+                           .values_list("pk", flat=True))
+            if running:
+                log.warning("stopping: handing jobs %s back to the queue", running)
+            _requeue(running, client.name)
+        except Exception as e:  # noqa: BLE001  (the database away)
+            log.warning("stopping: could not hand the running jobs back (%s); the reaper "
+                        "moves them", e)
+        finally:
+            connection.close()
+            _handed_back.set()
+
+
+def _requeue(job_ids: list[int], engine: str) -> None:
+    from kvops.job_store import requeue_job
+    for job_id in job_ids:
+        try:
+            requeue_job(job_id, f"engine {engine} stopped while running it")
+        except Exception as e:  # noqa: BLE001  (the reaper moves it)
+            log.warning("stopping: could not requeue job %s: %s", job_id, e)
+
+
+def _refuse(claims) -> None:
+    """Deliveries that reach the worker after its stop signal (Celery's consumer takes a
+    moment to stop, and the jobs handed back may come straight back to it) are not run:
+    their tasks end, and once the consumer has stopped the jobs are sent again
+    (_send_again), for the next worker."""
+    with _refused_lock:
+        _refused.update((c.job_id, c.task_id) for c in claims)
+    log.info("stopping: jobs %s are sent again once the worker takes no more",
+             [c.job_id for c in claims])
+
+
+def _send_again() -> None:
+    """Send anew (routed again, under a new task id) the jobs whose delivery the worker
+    refused as it stopped, unless they moved on meanwhile (ended, claimed, sent again)."""
+    with _refused_lock:
+        refused = sorted(_refused)
+        _refused.clear()
+    if not refused:
+        return
+    from django.db import connection
+
+    from kvops.models import Job
+    from kvops.outbox import dispatch_job
+    try:
+        for job_id, task_id in refused:
+            if Job.objects.filter(pk=job_id, status=Job.Status.QUEUED,
+                                  celery_task_id=task_id).exists():
+                dispatch_job(job_id)
+    except Exception as e:  # noqa: BLE001  (queued still: the reaper's outbox pass sends
+        # them again, KVOPS_RESEND_AFTER_S after their last send)
+        log.warning("stopping: could not send jobs %s again: %s", refused, e)
+    finally:
+        connection.close()
+
+
+def _exit_by(deadline: float, client) -> None:
+    """The stop's bound: a worker still here at the deadline exits at once, its core
+    with it (what the stop handed back is safe; what it did not, the reaper moves)."""
+    time.sleep(max(0.0, deadline - time.monotonic()))
+    log.error("the worker did not stop within %.0f s of its stop signal: exiting now",
+              STOP_DEADLINE_S)
+    pid = getattr(client, "pid", None)  # a core process (MPClient)
+    if pid is not None:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001, S110  (exiting all the same)
+            pass
+    os._exit(1)
 
 
 @signals.worker_shutdown.connect
@@ -181,11 +371,8 @@ def _stop_engine(**kwargs) -> None:
     ctx = install(None)
     if ctx is None:
         return
-    from kvops import registry
-    try:
-        registry.mark_engine_stopped(ctx.client.name)
-    except Exception as e:
-        log.warning("could not mark engine stopped: %s", e)
+    _hand_back(ctx.client)  # (already done if a signal stopped the worker)
+    _send_again()  # (Celery's consumer has stopped: they cannot come back here)
     ctx.close()
 
 
