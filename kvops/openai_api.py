@@ -185,13 +185,7 @@ def _finish_reason(state: dict) -> str | None:
     return state.get("finish_reason") or None
 
 
-async def _handle(request: HttpRequest, chat: bool) -> HttpResponse:
-    request.get_host()  # ALLOWED_HOSTS (no CommonMiddleware on /v1): 400 if not allowed
-    if request.method != "POST":
-        return _error(405, "use POST")
-    user = await _authenticate(request)
-    if user is None:
-        return _unauthorized()
+async def _handle(request: HttpRequest, user, chat: bool) -> HttpResponse:
     refusal = await _rate_limited(user)
     if refusal is not None:
         return refusal
@@ -577,14 +571,32 @@ def _json_errors(view):
     return csrf_exempt(wrapped)
 
 
-@_json_errors
-async def completions(request: HttpRequest) -> HttpResponse:
-    return await _handle(request, chat=False)
+def v1_view(method: str):
+    """A /v1 view taking `method` only, for an authenticated caller (the view gets its
+    user after the request), every answer in OpenAI's shape. The Host header is checked
+    against ALLOWED_HOSTS here: /v1 runs without CommonMiddleware."""
+    def wrap(view):
+        @functools.wraps(view)
+        async def checked(request: HttpRequest, *args, **kwargs) -> HttpResponse:
+            request.get_host()
+            if request.method != method:
+                return _error(405, f"use {method}")
+            user = await _authenticate(request)
+            if user is None:
+                return _unauthorized()
+            return await view(request, user, *args, **kwargs)
+        return _json_errors(checked)
+    return wrap
 
 
-@_json_errors
-async def chat_completions(request: HttpRequest) -> HttpResponse:
-    return await _handle(request, chat=True)
+@v1_view("POST")
+async def completions(request: HttpRequest, user) -> HttpResponse:
+    return await _handle(request, user, chat=False)
+
+
+@v1_view("POST")
+async def chat_completions(request: HttpRequest, user) -> HttpResponse:
+    return await _handle(request, user, chat=True)
 
 
 def _model_entry(name: str, engines: list) -> dict:
@@ -592,28 +604,16 @@ def _model_entry(name: str, engines: list) -> dict:
             "kvops_engines": engines}
 
 
-@_json_errors
-async def models(request: HttpRequest) -> HttpResponse:
-    request.get_host()
-    if request.method != "GET":
-        return _error(405, "use GET")
-    user = await _authenticate(request)
-    if user is None:
-        return _unauthorized()
+@v1_view("GET")
+async def models(request: HttpRequest, user) -> HttpResponse:
     served = await sync_to_async(selectors.served_models)()
     return JsonResponse({"object": "list", "data": [
         _model_entry(name, engines) for name, engines in sorted(served.items())]})
 
 
-@_json_errors
-async def model(request: HttpRequest, model: str) -> HttpResponse:
+@v1_view("GET")
+async def model(request: HttpRequest, user, model: str) -> HttpResponse:
     """GET /v1/models/<id>: one served model, or a 404 naming it."""
-    request.get_host()
-    if request.method != "GET":
-        return _error(405, "use GET")
-    user = await _authenticate(request)
-    if user is None:
-        return _unauthorized()
     served = await sync_to_async(selectors.served_models)()
     if model not in served:
         return _error(404, f"the model `{model}` does not exist (GET /v1/models lists those "
@@ -637,12 +637,6 @@ TOKENIZE_FIELDS = {"model", "prompt", "messages", "tools", "add_special_tokens",
 async def _tokenizer_call(request: HttpRequest, fields: set[str]):
     """Common checks of the two endpoints: (body, engine config, tokenizer) or an error
     response."""
-    request.get_host()
-    if request.method != "POST":
-        return _error(405, "use POST")
-    user = await _authenticate(request)
-    if user is None:
-        return _unauthorized()
     try:
         body = _parse(request)
         unknown = sorted(set(body) - fields)
@@ -667,8 +661,8 @@ def _engine_config_of(model: Any) -> dict:
     return selectors.engines_serving(_check_model(model))[0].config
 
 
-@_json_errors
-async def tokenize(request: HttpRequest) -> HttpResponse:
+@v1_view("POST")
+async def tokenize(request: HttpRequest, user) -> HttpResponse:
     """{"model", "prompt"} or {"model", "messages"} -> the token ids the engine will see:
     {"count", "max_model_len", "tokens"} (and "token_strs" if return_token_strs)."""
     checked = await _tokenizer_call(request, TOKENIZE_FIELDS)
@@ -706,8 +700,8 @@ async def tokenize(request: HttpRequest) -> HttpResponse:
     return JsonResponse(answer)
 
 
-@_json_errors
-async def detokenize(request: HttpRequest) -> HttpResponse:
+@v1_view("POST")
+async def detokenize(request: HttpRequest, user) -> HttpResponse:
     """{"model", "tokens": [ids]} -> {"prompt": their text}."""
     checked = await _tokenizer_call(request, {"model", "tokens"})
     if isinstance(checked, HttpResponse):

@@ -319,14 +319,8 @@ def response_object(job: Job | None, job_id: int, state: dict, text: str, create
 
 
 # --- the endpoints ------------------------------------------------------------------------------
-@openai_api._json_errors
-async def responses(request: HttpRequest) -> HttpResponse:
-    request.get_host()
-    if request.method != "POST":
-        return openai_api._error(405, "use POST")
-    user = await openai_api._authenticate(request)
-    if user is None:
-        return openai_api._unauthorized()
+@openai_api.v1_view("POST")
+async def responses(request: HttpRequest, user) -> HttpResponse:
     refusal = await openai_api._rate_limited(user)
     if refusal is not None:
         return refusal
@@ -371,15 +365,9 @@ async def responses(request: HttpRequest) -> HttpResponse:
                                         logprobs=listener.logprobs_of(0)))
 
 
-@openai_api._json_errors
-async def response(request: HttpRequest, response_id: str) -> HttpResponse:
+@openai_api.v1_view("GET")
+async def response(request: HttpRequest, user, response_id: str) -> HttpResponse:
     """GET /v1/responses/<id>: a stored response of the caller's."""
-    request.get_host()
-    if request.method != "GET":
-        return openai_api._error(405, "use GET")
-    user = await openai_api._authenticate(request)
-    if user is None:
-        return openai_api._unauthorized()
 
     def read() -> Job | None:
         if not response_id.startswith(PREFIX) or not response_id[len(PREFIX):].isdigit():
