@@ -1,7 +1,7 @@
 """Keeping jobs moving when workers or Redis go away: reap() moves on the jobs nobody
 will finish, and a background thread in the web process runs it every few seconds and
 re-dispatches queued jobs when Redis restarts (a restarted Redis has lost the broker's
-messages). An engine worker reaps once as it starts."""
+messages), across restarts of the web process too (check_broker). An engine worker reaps once as it starts."""
 from __future__ import annotations
 
 import logging
@@ -52,26 +52,36 @@ def start() -> None:
     threading.Thread(target=_loop, name="kvops-reaper", daemon=True).start()
 
 
-def _redis_run_id() -> str | None:
+# Set in Redis while its broker queues hold kvops' messages: a Redis started again empty
+# (the private one `make run` starts, or any without persistence) has lost the mark and
+# the messages together, whichever process started it.
+QUEUE_MARK = "kvops:broker:queue-mark"
+
+
+def check_broker() -> int:
+    """Re-dispatch the queued jobs if the broker lost its messages (the mark is gone);
+    the first web process to see it does, once. Stale deliveries are ignored by the
+    claim, so a job whose message survived still runs once."""
     try:
-        return live.redis_client().info("server")["run_id"]
-    except Exception:
-        return None
+        lost = live.redis_client().set(QUEUE_MARK, "1", nx=True)
+    except Exception:  # Redis away: the next pass looks again
+        return 0
+    if not lost:
+        return 0
+    n = redispatch_queued("Redis restarted and lost the queue")
+    if n:
+        log.warning("Redis started afresh: re-dispatched %d queued jobs", n)
+    return n
 
 
 def _loop() -> None:
     interval = max(1.0, settings.KVOPS_HEARTBEAT_S)
-    run_id = _redis_run_id()
     while True:
-        threading.Event().wait(interval)
         try:
+            check_broker()
             reap()
-            current = _redis_run_id()
-            if current and run_id and current != run_id:
-                n = redispatch_queued("Redis restarted and lost the queue")
-                log.warning("Redis restarted: re-dispatched %d queued jobs", n)
-            run_id = current or run_id
         except Exception:
             log.exception("reaper pass failed")
         finally:
             close_old_connections()
+        threading.Event().wait(interval)

@@ -79,3 +79,18 @@ def test_a_job_queued_long_after_its_send_is_sent_again_under_the_same_id(owner)
     assert len([m for m in queued_messages(queue) if fresh.celery_task_id in m]) == 1
     assert timezone.now() - lost.dispatched_at < timedelta(minutes=1)  # not again at once
     assert outbox.send_unsent(older_than_s=10, resend_after_s=900) == []
+
+
+def test_a_redis_started_afresh_gets_the_queued_jobs_again(owner):
+    """The broker's messages went with a Redis started again empty (the private one of a
+    `make run` stopped and started): the first reaper pass that finds the queue's mark
+    gone sends every queued job again, once, whatever web process it runs in."""
+    from kvops.reaper import QUEUE_MARK, check_broker
+    queue = "engine.outbox-d"
+    job = create_job(NewJob(owner, {"max_tokens": 4}, "hi", engine="outbox-d"))
+    check_broker()  # the mark, as a running web process keeps it
+    assert check_broker() == 0  # nothing lost
+    live.redis_client().delete(queue, QUEUE_MARK)  # Redis restarted empty
+    assert check_broker() == 1 and check_broker() == 0
+    job.refresh_from_db()
+    assert [m for m in queued_messages(queue) if job.celery_task_id in m]
