@@ -48,7 +48,8 @@ def start_engine(name: str, blocks: int, num_requests: int, step_ms: float):
     from kvops.prefix_index import PrefixIndex
     from kvops.publisher import EnginePublisher
 
-    config = EngineConfig(simulate=True, name=name, num_gpu_blocks=blocks,
+    config = EngineConfig(simulate=True, simulate_tokenizer="bytes",
+                          name=name, num_gpu_blocks=blocks,
                           num_cpu_blocks=blocks // 4, max_num_seqs=1024,
                           max_num_batched_tokens=8192, simulate_step_ms=step_ms,
                           preemption_mode="swap")

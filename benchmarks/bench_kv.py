@@ -29,7 +29,8 @@ def step_time(num_running: int, steps: int, block_size: int = 16) -> tuple[float
     rng = random.Random(0)
     num_blocks = num_running * (1024 // block_size + 8)
     engine = LLMEngine(EngineConfig(
-        simulate=True, vocab_size=32000, block_size=block_size, num_gpu_blocks=num_blocks,
+        simulate=True, simulate_tokenizer="bytes",
+        vocab_size=32000, block_size=block_size, num_gpu_blocks=num_blocks,
         num_cpu_blocks=0, max_num_seqs=num_running, max_num_batched_tokens=1 << 20,
         max_model_len=4096, max_pending_events=0))
     for i in range(num_running):
@@ -69,7 +70,8 @@ def whole_step_ms(num_running: int, steps: int = 200) -> float:
     simulated model, update, outputs; KV events on) with num_running decoding requests:
     what the engine core spends per step beside the model."""
     engine = LLMEngine(EngineConfig(
-        simulate=True, vocab_size=32000, num_gpu_blocks=num_running * 72,
+        simulate=True, simulate_tokenizer="bytes",
+        vocab_size=32000, num_gpu_blocks=num_running * 72,
         max_num_seqs=num_running, max_num_batched_tokens=8192), detokenize=False)
     for i in range(num_running):
         engine.add_request(f"r{i}", f"request {i}: " + "lorem ipsum " * 5,
@@ -128,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
 
     trace = synthetic_trace(args.trace_requests, seed=1, rate_per_s=30.0,
                             prompt_range=(16, 1024), output_range=(16, 512))
-    config = EngineConfig(simulate=True, vocab_size=32000, block_size=16, num_gpu_blocks=4096,
+    config = EngineConfig(simulate=True, simulate_tokenizer="bytes",
+                          vocab_size=32000, block_size=16, num_gpu_blocks=4096,
                           num_cpu_blocks=0, max_model_len=2048, max_num_seqs=256,
                           max_num_batched_tokens=2048, max_pending_events=0)
     paged = replay_paged(trace, config)

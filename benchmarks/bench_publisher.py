@@ -52,7 +52,8 @@ def run(blocks: int, num_requests: int, seconds: float, step_ms: float,
     from kvops.publisher import EnginePublisher
 
     name = f"bench{int(time.time() * 1000) % 100000}"
-    config = EngineConfig(simulate=True, num_gpu_blocks=blocks, num_cpu_blocks=blocks // 4,
+    config = EngineConfig(simulate=True, simulate_tokenizer="bytes",
+                          num_gpu_blocks=blocks, num_cpu_blocks=blocks // 4,
                           max_num_seqs=1024, max_num_batched_tokens=8192,
                           simulate_step_ms=step_ms, name=name, preemption_mode="swap")
     # The core's loop on a thread of this process, with the live view and its publisher

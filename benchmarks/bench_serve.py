@@ -70,7 +70,8 @@ def engine_config(args, streams: int, real: bool) -> dict:
         return dict(model=str(resolve_model_path(None)), max_num_seqs=max(32, streams),
                     max_num_batched_tokens=2048, device=args.real_device,
                     dtype=args.real_dtype)
-    return dict(simulate=True, vocab_size=SIM_VOCAB, simulate_step_ms=args.step_ms,
+    return dict(simulate=True, simulate_tokenizer="bytes",
+                vocab_size=SIM_VOCAB, simulate_step_ms=args.step_ms,
                 max_num_seqs=max(256, streams), num_gpu_blocks=65536,
                 max_num_batched_tokens=8192)
 

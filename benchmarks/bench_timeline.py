@@ -70,7 +70,8 @@ def build_history(name: str, blocks: int, num_requests: int, minutes: float,
     from kvops.models import Engine
     from kvops.timeline import TimelineWriter, limits_from_settings
 
-    engine = LLMEngine(EngineConfig(simulate=True, name=name, num_gpu_blocks=blocks,
+    engine = LLMEngine(EngineConfig(simulate=True, simulate_tokenizer="bytes",
+                                    name=name, num_gpu_blocks=blocks,
                                     num_cpu_blocks=blocks // 4, max_num_seqs=1024,
                                     max_num_batched_tokens=8192, preemption_mode="swap"),
                        detokenize=False)

@@ -46,7 +46,12 @@ class EngineConfig:
     attention_backend: str = "auto"
     seed: int = 0
     simulate: bool = False  # run the real scheduler/KV manager with a stand-in model
-    vocab_size: int = 32000  # simulate only: the stand-in model's vocabulary
+    vocab_size: int = 32000  # simulate with simulate_tokenizer="bytes": the stand-in's vocabulary
+    # simulate only: the stand-in's tokenizer. "default": the converted default model's
+    # (token counts agree with a client's; bytes if it has not been converted), "bytes":
+    # UTF-8 bytes in, syllables out (engine/detokenizer.SimTokenizer), or an HF folder.
+    # With a real tokenizer the stand-in's vocabulary is the tokenizer's.
+    simulate_tokenizer: str = "default"
     simulate_step_ms: float = 0.0  # simulate only: wall time a step takes (GPU-like pacing)
     simulate_token_us: float = 0.0  # simulate only: and this much more per computed token
     # simulate only: the stand-in model attends to this many last tokens on every layer

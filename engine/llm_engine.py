@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import logging
 import time
 
 from engine.block_hash import hash_blocks, root_hash
@@ -28,8 +29,35 @@ from engine.kv_export import KVExport
 from engine.snapshot import EVICTION_ORDER_LEN
 
 _ENDED = frozenset({RequestStatus.FINISHED, RequestStatus.ABORTED})
+log = logging.getLogger(__name__)
 SIMULATED_MAX_MODEL_LEN = 4096
 SIMULATED_NUM_GPU_BLOCKS = 4096
+
+
+def simulated_tokenizer_path(config: EngineConfig) -> str | None:
+    """The HF folder the simulator reads its tokenizer from (config.simulate_tokenizer),
+    or None for the byte tokenizer."""
+    choice = config.simulate_tokenizer
+    if choice == "bytes":
+        return None
+    if choice == "default":
+        from engine.default_model import default_model_dir
+        folder = default_model_dir()
+        if not (folder / "tokenizer.json").is_file():
+            log.warning("simulate_tokenizer=default: %s is not converted (make setup); "
+                        "the simulator counts UTF-8 bytes as tokens", folder)
+            return None
+        return str(folder)
+    return choice
+
+
+def simulated_tokenizer(path: str | None):
+    """The simulator's tokenizer at simulated_tokenizer_path(): SimTokenizer for None,
+    else the HF folder's. The worker reads it too, to detokenise."""
+    if path is None:
+        return SimTokenizer()
+    from engine.hf_tokenizer import HFTokenizer
+    return HFTokenizer.from_folder(path)
 
 
 def build_runner(config: EngineConfig) -> Runner:
@@ -37,13 +65,19 @@ def build_runner(config: EngineConfig) -> Runner:
         from engine.simulated_runner import SimulatedRunner
         num_gpu = config.num_gpu_blocks or SIMULATED_NUM_GPU_BLOCKS
         num_cpu = num_gpu // 2 if config.num_cpu_blocks is None else config.num_cpu_blocks
-        runner = SimulatedRunner(num_gpu, num_cpu, config.block_size, config.vocab_size,
+        path = simulated_tokenizer_path(config)
+        tokenizer = simulated_tokenizer(path)
+        # with a real tokenizer, its vocabulary (every id it encodes is a valid prompt)
+        vocab = tokenizer.vocab_size if hasattr(tokenizer, "vocab_size") else config.vocab_size
+        runner = SimulatedRunner(num_gpu, num_cpu, config.block_size, vocab,
                                  config.max_model_len or SIMULATED_MAX_MODEL_LEN,
                                  step_ms=config.simulate_step_ms,
                                  token_us=config.simulate_token_us,
                                  sliding_window=config.simulate_sliding_window,
-                                 hybrid=config.simulate_hybrid)
-        runner.tokenizer = SimTokenizer()
+                                 hybrid=config.simulate_hybrid,
+                                 avoid=frozenset(tokenizer.eos_token_ids))
+        runner.tokenizer = tokenizer
+        runner.tokenizer_path = path
         return runner
     from engine.model_runner import ModelRunner  # imports torch: only for real models
     return ModelRunner(config)
@@ -665,7 +699,11 @@ class LLMEngine:
                 "tensor_parallel_size": getattr(self.runner, "tensor_parallel_size", 1),
                 # per rank: device, weight, KV and swap bytes (a real model)
                 "rank_memory": getattr(self.runner, "rank_memory", None),
-                "model_path": getattr(self.runner, "model_path", None)}
+                "model_path": getattr(self.runner, "model_path", None),
+                # the HF folder of the tokenizer (a real model's folder; the simulator's
+                # when it has one; None: the simulator's byte tokenizer)
+                "tokenizer_path": getattr(self.runner, "tokenizer_path",
+                                          getattr(self.runner, "model_path", None))}
 
     def metrics(self) -> dict:
         now = time.time()

@@ -78,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--hybrid and --cpu-cache-blocks: a model with layer groups "
                              "keeps one table with the CPU tier on (not modelled here)")
         config = EngineConfig(
-            simulate=True, vocab_size=32000, block_size=args.block_size,
+            simulate=True, simulate_tokenizer="bytes", vocab_size=32000,
+            block_size=args.block_size,
             num_gpu_blocks=args.num_gpu_blocks, num_cpu_blocks=args.num_cpu_blocks,
             max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,

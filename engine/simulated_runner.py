@@ -26,18 +26,24 @@ def digest(prev: int, token: int) -> int:
     return z ^ (z >> 31)
 
 
-def next_token(slot_value: int, vocab_size: int) -> int:
-    return slot_value % vocab_size
+def next_token(slot_value: int, vocab_size: int, avoid: frozenset[int] = frozenset()) -> int:
+    """The token after a slot: its value mod the vocabulary, stepping past `avoid` (the
+    tokenizer's EOS ids: the stand-in never ends a request early)."""
+    token = slot_value % vocab_size
+    while token in avoid:
+        token = (token + 1) % vocab_size
+    return token
 
 
-def reference_generate(token_ids: list[int], max_tokens: int, vocab_size: int) -> list[int]:
+def reference_generate(token_ids: list[int], max_tokens: int, vocab_size: int,
+                       avoid: frozenset[int] = frozenset()) -> list[int]:
     """What the stand-in model must produce, computed without any cache."""
     state = _SEED
     for t in token_ids:
         state = digest(state, t)
     out = []
     for _ in range(max_tokens):
-        t = next_token(state, vocab_size)
+        t = next_token(state, vocab_size, avoid)
         out.append(t)
         state = digest(state, t)
     return out
@@ -47,7 +53,7 @@ class SimulatedRunner(Runner):
     def __init__(self, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int,
                  vocab_size: int, max_model_len: int, step_ms: float = 0.0,
                  token_us: float = 0.0, sliding_window: int | None = None,
-                 hybrid: bool = False) -> None:
+                 hybrid: bool = False, avoid: frozenset[int] = frozenset()) -> None:
         # Pacing: a step takes at least step_s + token_s per computed token, like a GPU
         # whose prefill cost grows with the tokens (so prefix-cache hits save time).
         self.step_s = step_ms / 1000.0
@@ -58,6 +64,7 @@ class SimulatedRunner(Runner):
         self.block_size = block_size
         self.block_bytes = block_size * 8  # one 64-bit state per slot
         self.vocab_size = vocab_size
+        self.avoid = avoid  # tokens it never samples (next_token)
         self.max_model_len = max_model_len
         self.device = "simulated"
         self.dtype = "uint64"
@@ -82,7 +89,7 @@ class SimulatedRunner(Runner):
         return result
 
     def _forward(self, out: SchedulerOutput) -> StepResult:
-        cache, bs, vocab = self.gpu_cache, self.block_size, self.vocab_size
+        cache, bs, vocab, avoid = self.gpu_cache, self.block_size, self.vocab_size, self.avoid
         result = StepResult()
         sampled = result.tokens
         # Batch order matters: a request may hit blocks another one fills in this step,
@@ -100,7 +107,10 @@ class SimulatedRunner(Runner):
                 prev = digest(prev, tokens[p])
                 cache[ids[p // bs] * bs + p % bs] = prev
             if s.samples:  # `prev` is the last slot's value, as just written
-                sampled[s.request.request_id] = token = prev % vocab  # next_token
+                token = prev % vocab  # next_token, inlined: this loop is the step's time
+                if token in avoid:
+                    token = next_token(prev, vocab, avoid)
+                sampled[s.request.request_id] = token
                 if s.request.sampling_params.logprobs is not None:
                     self._logprobs(result, s.request, token)
         return result
@@ -116,7 +126,7 @@ class SimulatedRunner(Runner):
         """_forward with a block table per layer group: each group's slots hold the
         states too, and the slot before a request's new tokens must hold the same state
         in every group's table (else a group's K/V was lost or mixed up)."""
-        cache, bs, vocab = self.gpu_cache, self.block_size, self.vocab_size
+        cache, bs, vocab, avoid = self.gpu_cache, self.block_size, self.vocab_size, self.avoid
         result = StepResult()
         sampled = result.tokens
         for s in out.scheduled:
@@ -136,7 +146,10 @@ class SimulatedRunner(Runner):
                 for ids in tables:
                     cache[ids[p // bs] * bs + p % bs] = prev
             if s.samples:
-                sampled[rid] = token = prev % vocab
+                token = prev % vocab
+                if token in avoid:
+                    token = next_token(prev, vocab, avoid)
+                sampled[rid] = token
                 if s.request.sampling_params.logprobs is not None:
                     self._logprobs(result, s.request, token)
         return result

@@ -56,30 +56,39 @@ def ids_for(job_tokenizer: str, token_ids: list[int] | None, config: dict) -> li
 def tokenizer_id(config: dict) -> str:
     """Which tokenizer an engine described by describe_config() uses: token ids made for
     one id are valid on every engine with that id."""
-    return "sim" if config.get("simulate") else f"path:{config.get('model_path') or ''}"
+    path = _tokenizer_path(config)
+    return "sim" if config.get("simulate") and not path else f"path:{path or ''}"
+
+
+def _tokenizer_path(config: dict) -> str | None:
+    """The tokenizer's folder in describe_config() (model_path for engines registered
+    before tokenizer_path was)."""
+    if "tokenizer_path" in config:
+        return config["tokenizer_path"]
+    return None if config.get("simulate") else config.get("model_path")
 
 
 def load_tokenizer(config: dict):
     """The tokenizer of an engine described by describe_config(): the simulator's, or the
-    model folder's (None if that folder is not readable from this process)."""
-    if config.get("simulate"):
-        return SimTokenizer()
-    if not config.get("model_path"):
-        return None
+    tokenizer folder's (None if that folder is not readable from this process)."""
+    path = _tokenizer_path(config)
+    if not path:
+        return SimTokenizer() if config.get("simulate") else None
     from engine.hf_tokenizer import HFTokenizer
     try:
-        return HFTokenizer.from_folder(config["model_path"])
+        return HFTokenizer.from_folder(path)
     except (OSError, EngineError) as e:
-        log.warning("tokenizer of %s not readable here: %s", config["model_path"], e)
+        log.warning("tokenizer of %s not readable here: %s", path, e)
         return None
 
 
 def tokenizer_for(config) -> object | None:
     """The tokenizer an engine with this EngineConfig will use, read here (the worker
-    detokenises and renders chats with it): the simulator's, or the model folder's
-    (EngineConfig.model, else the converted default model)."""
+    detokenises and renders chats with it): the simulator's (simulate_tokenizer), or the
+    model folder's (EngineConfig.model, else the converted default model)."""
     if config.simulate:
-        return SimTokenizer()
+        from engine.llm_engine import simulated_tokenizer, simulated_tokenizer_path
+        return simulated_tokenizer(simulated_tokenizer_path(config))
     from engine.default_model import default_model_dir
     return load_tokenizer({"model_path": str(config.model or default_model_dir())})
 
@@ -94,9 +103,9 @@ class PromptInspector:
         self._tokenizers: dict[tuple, Any] = {}
 
     @staticmethod
-    def tokenizer_key(config: dict) -> tuple:
+    def tokenizer_key(config: dict) -> str:
         """Engines with equal keys have the same tokenizer."""
-        return bool(config.get("simulate")), config.get("model_path")
+        return tokenizer_id(config)
 
     def tokenizer(self, config: dict):
         """The engine's tokenizer (cached), or None if its model folder is not readable

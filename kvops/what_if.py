@@ -75,7 +75,9 @@ def baseline_config(engine_config: dict) -> EngineConfig:
         # as holding its window's blocks once, not once per sliding group)
         fields.update(simulate_sliding_window=max(w for w in groups if w),
                       simulate_hybrid=True)
-    return _checked(EngineConfig, simulate=True, max_pending_events=0, **fields)
+    # token ids from a trace: the byte tokenizer keeps the registered vocabulary
+    return _checked(EngineConfig, simulate=True, simulate_tokenizer="bytes",
+                    max_pending_events=0, **fields)
 
 
 def alternative_config(base: EngineConfig, changes: dict) -> EngineConfig:

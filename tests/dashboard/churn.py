@@ -8,7 +8,8 @@ from engine import EngineConfig, EngineError, LLMEngine, SamplingParams
 
 
 def churn_engine(**overrides) -> LLMEngine:
-    config = dict(simulate=True, vocab_size=1000, block_size=4, num_gpu_blocks=96,
+    config = dict(simulate=True, simulate_tokenizer="bytes",
+                  vocab_size=1000, block_size=4, num_gpu_blocks=96,
                   num_cpu_blocks=48, max_num_seqs=12, max_num_batched_tokens=64, name="t")
     config.update(overrides)
     return LLMEngine(EngineConfig(**config))

@@ -6,7 +6,8 @@ VOCAB = 1000
 
 
 def sim_engine(**kw) -> LLMEngine:
-    cfg = dict(simulate=True, vocab_size=VOCAB, block_size=4, num_gpu_blocks=64,
+    cfg = dict(simulate=True, simulate_tokenizer="bytes", vocab_size=VOCAB, block_size=4,
+               num_gpu_blocks=64,
                num_cpu_blocks=64, max_num_batched_tokens=64)
     cfg.update(kw)
     return LLMEngine(EngineConfig(**cfg))

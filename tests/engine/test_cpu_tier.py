@@ -140,9 +140,11 @@ def test_a_reset_forgets_the_cpu_tier_too():
 
 def test_the_tier_needs_cpu_blocks_and_prefix_caching():
     with pytest.raises(ConfigError, match="num_cpu_blocks"):
-        EngineConfig(simulate=True, num_cpu_blocks=0, cpu_prefix_cache=True)
+        EngineConfig(simulate=True, simulate_tokenizer="bytes",
+                     num_cpu_blocks=0, cpu_prefix_cache=True)
     with pytest.raises(ConfigError, match="enable_prefix_caching"):
-        EngineConfig(simulate=True, enable_prefix_caching=False, cpu_prefix_cache=True)
+        EngineConfig(simulate=True, simulate_tokenizer="bytes",
+                     enable_prefix_caching=False, cpu_prefix_cache=True)
 
 
 @pytest.mark.cuda

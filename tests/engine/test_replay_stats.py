@@ -8,7 +8,8 @@ from engine.config import EngineConfig
 from engine.replay_stats import ReplayRecorder, percentile, replay_stats
 from engine.trace import TraceRequest, synthetic_trace
 
-CFG = dict(simulate=True, vocab_size=32000, block_size=16, num_cpu_blocks=64,
+CFG = dict(simulate=True, simulate_tokenizer="bytes",
+           vocab_size=32000, block_size=16, num_cpu_blocks=64,
            max_model_len=1024, max_pending_events=0)
 
 

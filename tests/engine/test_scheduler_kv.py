@@ -30,7 +30,8 @@ def kv_manager(num_gpu_blocks: int = 16, num_cpu_blocks: int = 8,
 
 
 def scheduler(num_gpu_blocks: int = 16, **config) -> Scheduler:
-    cfg = EngineConfig(simulate=True, block_size=BS, num_gpu_blocks=num_gpu_blocks,
+    cfg = EngineConfig(simulate=True, simulate_tokenizer="bytes",
+                       block_size=BS, num_gpu_blocks=num_gpu_blocks,
                        num_cpu_blocks=8, **config)
     kv = KVCacheCoordinator(BS, num_gpu_blocks, 8, cfg.enable_prefix_caching, EventLog(1000))
     return Scheduler(cfg, kv, max_model_len=4096, events=EventLog(1000))

@@ -12,7 +12,8 @@ def test_paged_beats_contiguous_reservation_on_utilisation_and_concurrency():
     # Everyone arrives at once, so the pool's capacity decides the concurrency.
     trace = synthetic_trace(60, seed=3, rate_per_s=1000.0, prompt_range=(16, 300),
                             output_range=(8, 100), prefix_len=64)
-    cfg = EngineConfig(simulate=True, vocab_size=32000, block_size=16, num_gpu_blocks=512,
+    cfg = EngineConfig(simulate=True, simulate_tokenizer="bytes",
+                       vocab_size=32000, block_size=16, num_gpu_blocks=512,
                        num_cpu_blocks=0, max_model_len=512, max_pending_events=0)
     paged = replay_paged(trace, cfg)
     contiguous = replay_contiguous(trace, 512 * 16, 512, 256, 2048)
@@ -60,7 +61,8 @@ def test_a_sliding_window_is_modelled():
     allocator reserves a ring buffer of the window instead of max_model_len."""
     trace = synthetic_trace(60, seed=3, rate_per_s=1000.0, prompt_range=(16, 300),
                             output_range=(100, 400), prefix_len=64)
-    cfg = dict(simulate=True, vocab_size=32000, block_size=16, num_gpu_blocks=256,
+    cfg = dict(simulate=True, simulate_tokenizer="bytes",
+               vocab_size=32000, block_size=16, num_gpu_blocks=256,
                num_cpu_blocks=0, max_model_len=1024, max_pending_events=0)
     full = replay_paged(trace, EngineConfig(**cfg))
     windowed = replay_paged(trace, EngineConfig(**cfg, simulate_sliding_window=64))
@@ -78,7 +80,8 @@ def test_layer_groups_are_modelled(capsys):
     once and the trace ends sooner."""
     trace = synthetic_trace(60, seed=3, rate_per_s=1000.0, prompt_range=(16, 300),
                             output_range=(100, 400), prefix_len=64)
-    cfg = dict(simulate=True, vocab_size=32000, block_size=16, num_cpu_blocks=0,
+    cfg = dict(simulate=True, simulate_tokenizer="bytes",
+               vocab_size=32000, block_size=16, num_cpu_blocks=0,
                max_model_len=1024, max_pending_events=0)
     groups = replay_paged(trace, EngineConfig(**cfg, num_gpu_blocks=256,
                                               simulate_sliding_window=64, simulate_hybrid=True))
@@ -105,7 +108,8 @@ def test_a_cpu_tier_raises_the_hit_rate_of_a_trace_whose_prefixes_overflow_the_p
             "--num-gpu-blocks", "96", "--max-model-len", "512"]
     trace = synthetic_trace(150, seed=0, rate_per_s=20.0, prompt_range=(16, 256),
                             output_range=(16, 128), num_prefix_groups=40, prefix_len=128)
-    base = EngineConfig(simulate=True, vocab_size=32000, block_size=16, num_gpu_blocks=96,
+    base = EngineConfig(simulate=True, simulate_tokenizer="bytes",
+                        vocab_size=32000, block_size=16, num_gpu_blocks=96,
                         num_cpu_blocks=1024, max_model_len=512, max_pending_events=0)
     without = replay_paged(trace, base)
     with_tier = replay_paged(trace, dataclasses.replace(base, cpu_prefix_cache=True))
@@ -119,7 +123,8 @@ def test_a_cpu_tier_raises_the_hit_rate_of_a_trace_whose_prefixes_overflow_the_p
 
 
 def test_layer_groups_are_modelled_only_where_a_model_keeps_them():
-    cfg = dict(simulate=True, simulate_sliding_window=64, simulate_hybrid=True)
+    cfg = dict(simulate=True, simulate_tokenizer="bytes",
+               simulate_sliding_window=64, simulate_hybrid=True)
     for off in (dict(cpu_prefix_cache=True), dict(hybrid_kv_cache=False)):
         with pytest.raises(ValueError, match="simulate_hybrid"):
             EngineConfig(**cfg, **off)

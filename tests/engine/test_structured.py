@@ -114,7 +114,8 @@ def test_the_step_loop_never_waits_for_a_compile(engine):
 
 
 def test_the_simulator_refuses_constraints():
-    sim = LLMEngine(EngineConfig(simulate=True, vocab_size=1000, num_gpu_blocks=16))
+    sim = LLMEngine(EngineConfig(simulate=True, simulate_tokenizer="bytes",
+                                 vocab_size=1000, num_gpu_blocks=16))
     with pytest.raises(InvalidRequestError, match="simulated"):
         sim.add_request("r", "x", SamplingParams(structured={"json_object": True}))
 

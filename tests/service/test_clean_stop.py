@@ -24,7 +24,8 @@ pytestmark = pytest.mark.stack
 
 STOP_WITHIN_S = 10.0
 # The engine: simulated, quick to start; a job of LONG_JOB tokens runs for about 20 s.
-ENGINE_ENV = {"KVOPS_ENGINE_SIMULATE": "1", "KVOPS_ENGINE_SIMULATE_STEP_MS": "5",
+ENGINE_ENV = {"KVOPS_ENGINE_SIMULATE": "1", "KVOPS_ENGINE_SIMULATE_TOKENIZER": "bytes",
+              "KVOPS_ENGINE_SIMULATE_STEP_MS": "5",
               "KVOPS_ENGINE_VOCAB_SIZE": "32000", "KVOPS_ENGINE_NUM_GPU_BLOCKS": "512",
               "KVOPS_ENGINE_MAX_NUM_SEQS": "8"}
 LONG_JOB = {"prompt": "a long one", "max_tokens": 4000, "ignore_eos": True}

@@ -21,7 +21,8 @@ from tests.support.stack import Stack
 from kvops.sse_client import stream_completion
 from tests.service.test_jobs_api import expected_text
 
-CONFIG = dict(simulate=True, vocab_size=1000, num_gpu_blocks=256, simulate_step_ms=5)
+CONFIG = dict(simulate=True, simulate_tokenizer="bytes",
+              vocab_size=1000, num_gpu_blocks=256, simulate_step_ms=5)
 
 
 class ListSink:

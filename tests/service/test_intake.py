@@ -231,3 +231,22 @@ def test_openais_bookkeeping_fields_are_checked_then_ignored_on_both_apis(erin, 
                        ("service_tier", "fastest"), ("user", 7)]:
         answer = v1(client, erin, path, {**base, field: bad})
         assert answer.status_code == 400 and answer.json()["error"]["param"] == field, field
+
+
+def test_a_simulated_engine_with_the_default_tokenizer_counts_as_the_default_model():
+    """The web side reads a simulated engine's tokenizer from its registered config:
+    the default model's folder (tokenizer_path), or bytes for one registered without it."""
+    from engine.default_model import default_model_dir
+    from engine.detokenizer import SimTokenizer
+    from engine.hf_tokenizer import HFTokenizer
+    from kvops.prompts import PromptInspector, tokenizer_id
+
+    folder = str(default_model_dir())
+    sim = {"simulate": True, "tokenizer_path": folder, "model_path": None}
+    real = {"simulate": False, "model_path": folder, "tokenizer_path": folder}
+    old_sim = {"simulate": True, "model_path": None}  # registered before tokenizer_path
+    inspector = PromptInspector()
+    text = "Count me as SmolLM2 would, please."
+    assert inspector.token_ids(sim, text, None) == HFTokenizer.from_folder(folder).encode(text)
+    assert tokenizer_id(sim) == tokenizer_id(real) != tokenizer_id(old_sim) == "sim"
+    assert isinstance(inspector.tokenizer(old_sim), SimTokenizer)

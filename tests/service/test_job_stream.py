@@ -58,7 +58,8 @@ def test_text_assembler_places_pieces_from_two_sources():
 def test_output_processor_streams_and_writes_every_job_in_batches():
     live.redis_client().delete(STREAM_KEY)
     owner = User.objects.create_user("u1")
-    engine = LLMEngine(EngineConfig(simulate=True, vocab_size=1000, num_gpu_blocks=256),
+    engine = LLMEngine(EngineConfig(simulate=True, simulate_tokenizer="bytes",
+                                    vocab_size=1000, num_gpu_blocks=256),
                        detokenize=False)
     processor = OutputProcessor("e", StreamProducer(live.redis_client(), "e"),
                                 engine.tokenizer, engine.finish_request, db_interval_s=0.05)
@@ -96,7 +97,8 @@ def test_a_first_token_does_not_wait_for_the_flush_gap(monkeypatch, settings):
     settings.KVOPS_STREAM_UPDATES_PER_S = 1e-4
     live.redis_client().delete(STREAM_KEY)
     owner = User.objects.create_user("u9")
-    engine = LLMEngine(EngineConfig(simulate=True, vocab_size=1000, num_gpu_blocks=256),
+    engine = LLMEngine(EngineConfig(simulate=True, simulate_tokenizer="bytes",
+                                    vocab_size=1000, num_gpu_blocks=256),
                        detokenize=False)
     processor = OutputProcessor("e", StreamProducer(live.redis_client(), "e"),
                                 engine.tokenizer, engine.finish_request)
@@ -124,7 +126,8 @@ def test_a_forked_job_ends_once_all_its_samples_have_and_a_dead_core_fails_it():
     last sample does, with every sample's outcome; a failure reported for the parent's
     id (a core that died before any sample's output) fails the job, once."""
     owner = User.objects.create_user("u5")
-    engine = LLMEngine(EngineConfig(simulate=True, vocab_size=1000, num_gpu_blocks=256),
+    engine = LLMEngine(EngineConfig(simulate=True, simulate_tokenizer="bytes",
+                                    vocab_size=1000, num_gpu_blocks=256),
                        detokenize=False)
     processor = OutputProcessor("e", StreamProducer(live.redis_client(), "e"),
                                 engine.tokenizer, engine.finish_request, db_interval_s=0.05)
@@ -175,7 +178,8 @@ def test_an_attempt_that_lost_its_job_stops_its_engine_request():
     job = running_job(owner, attempt=1)
     stopped: list[str] = []
     processor = OutputProcessor("e", StreamProducer(live.redis_client(), "e"),
-                                LLMEngine(EngineConfig(simulate=True, vocab_size=1000,
+                                LLMEngine(EngineConfig(simulate=True, simulate_tokenizer="bytes",
+                                                       vocab_size=1000,
                                                        num_gpu_blocks=64)).tokenizer,
                                 stopped.append, db_interval_s=0.05)
     handle = processor.track(job.pk, job.request_id, 1, None)
@@ -254,7 +258,8 @@ async def test_a_listener_that_stops_reading_is_cut_off_and_its_owner_told():
 
 def test_a_stop_string_ends_the_job_in_the_worker_and_stops_the_engine_request():
     owner = User.objects.create_user("u3")
-    config = EngineConfig(simulate=True, vocab_size=1000, num_gpu_blocks=256)
+    config = EngineConfig(simulate=True, simulate_tokenizer="bytes",
+                          vocab_size=1000, num_gpu_blocks=256)
     reference = LLMEngine(config).generate(["stop here"], SamplingParams(max_tokens=40))[0]
     stop = reference.text[22:27]  # a piece of what the request will say
     cut = reference.text[:reference.text.index(stop)]

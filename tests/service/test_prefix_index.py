@@ -29,7 +29,8 @@ def finish(engine: LLMEngine, rid: str, prompt: list[int]) -> None:
 
 
 def test_a_prefix_on_the_cpu_tier_still_counts_and_the_rewrite_agrees():
-    engine = LLMEngine(EngineConfig(simulate=True, vocab_size=1000, block_size=BLOCK,
+    engine = LLMEngine(EngineConfig(simulate=True, simulate_tokenizer="bytes",
+                                    vocab_size=1000, block_size=BLOCK,
                                     num_gpu_blocks=8, num_cpu_blocks=64,
                                     cpu_prefix_cache=True))
     name = f"tiers-{uuid.uuid4().hex[:8]}"

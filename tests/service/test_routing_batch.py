@@ -24,7 +24,8 @@ def engines(settings):
     """Two live simulated engines, idle, with names of their own (their Redis keys are
     this test's); removed from Redis afterwards."""
     settings.KVOPS_ROUTING = "prefix"
-    config = LLMEngine(EngineConfig(simulate=True, vocab_size=32000, block_size=BLOCK,
+    config = LLMEngine(EngineConfig(simulate=True, simulate_tokenizer="bytes",
+                                    vocab_size=32000, block_size=BLOCK,
                                     num_gpu_blocks=64)).describe_config()
     tag = uuid.uuid4().hex[:6]
     names = [f"a-{tag}", f"b-{tag}"]

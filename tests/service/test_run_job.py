@@ -24,7 +24,8 @@ pytestmark = pytest.mark.django_db(transaction=True)
 def engine_worker():
     """This process as an engine worker named `inproc` (what kvops.worker sets up, with
     the core on a thread)."""
-    config = EngineConfig(name="inproc", simulate=True, vocab_size=1000, num_gpu_blocks=128,
+    config = EngineConfig(name="inproc", simulate=True, simulate_tokenizer="bytes",
+                                         vocab_size=1000, num_gpu_blocks=128,
                           simulate_step_ms=5)
     tokenizer = tokenizer_for(config)
     processor = OutputProcessor("inproc", StreamProducer(live.redis_client(), "inproc"),

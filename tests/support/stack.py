@@ -91,6 +91,10 @@ class Stack:
                   "web server", 30)
 
     def start_engine(self, name: str, threads: int = 24, **config: str | int) -> None:
+        """A simulated engine counts bytes as tokens (its outputs are what the tests
+        compute: tests/engine/sim.py) unless `simulate_tokenizer` says otherwise."""
+        if config.get("simulate"):
+            config.setdefault("simulate_tokenizer", "bytes")
         env = {f"KVOPS_ENGINE_{k.upper()}": str(v) for k, v in config.items()}
         self._spawn(f"engine-{name}", [sys.executable, "manage.py", "engine_worker", "--name",
                                        name, "--threads", str(threads)], env)
