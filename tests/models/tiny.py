@@ -129,6 +129,15 @@ MOE_SPECS = {spec.name: spec for spec in [
              head_dim=16, model_type="qwen3_moe", seed=25,
              extra={"num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
                     "norm_topk_prob": False, "decoder_sparse_step": 1, "mlp_only_layers": []}),
+    # The families' own head shapes at hidden 64 (what AutoConfig gives when only the
+    # width, depth and experts are set): Mixtral's 32 heads of 2, Qwen3-MoE's 32 of 128
+    TinySpec("mixtral-e4k2-heads32", vocab_size=1000, hidden_size=64, num_heads=32,
+             num_kv_heads=8, head_dim=2, intermediate_size=512, model_type="mixtral", seed=28,
+             extra={"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None}),
+    TinySpec("qwen3moe-e6k2-heads32", vocab_size=1000, hidden_size=64, num_heads=32,
+             num_kv_heads=4, head_dim=128, model_type="qwen3_moe", seed=29,
+             extra={"num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 768,
+                    "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []}),
 ]}
 
 
