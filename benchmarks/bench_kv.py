@@ -65,25 +65,65 @@ def step_time(num_running: int, steps: int, block_size: int = 16) -> tuple[float
     return 1000 * total / steps, kv_time / total
 
 
-def whole_step_ms(num_running: int, steps: int = 200) -> float:
+def whole_step_ms(num_running: int, steps: int = 200, history: bool = True,
+                  churn: bool = False) -> float:
     """Median wall milliseconds of a whole engine step (step_core: schedule, the
     simulated model, update, outputs; KV events on) with num_running decoding requests:
-    what the engine core spends per step beside the model."""
+    what the engine core spends per step beside the model. history: the KV history
+    behind requests' KV stories (kv_history_blocks) on or off; churn: requests end after
+    32 tokens and new ones (sharing a 64-token prefix) take their places, so that
+    admissions, stories and finishes are in the steps timed."""
     engine = LLMEngine(EngineConfig(
         simulate=True, simulate_tokenizer="bytes",
         vocab_size=32000, num_gpu_blocks=num_running * 72,
-        max_num_seqs=num_running, max_num_batched_tokens=8192), detokenize=False)
-    for i in range(num_running):
-        engine.add_request(f"r{i}", f"request {i}: " + "lorem ipsum " * 5,
-                           SamplingParams(max_tokens=100_000, ignore_eos=True))
+        max_num_seqs=num_running, max_num_batched_tokens=8192,
+        kv_history_blocks=100_000 if history else 0), detokenize=False)
+    serial = iter(range(10**9))
+    prefix = "shared system prompt " * 3
+
+    def add() -> None:
+        i = next(serial)
+        engine.add_request(f"r{i}", f"{prefix}request {i}: " + "lorem ipsum " * 5,
+                           SamplingParams(max_tokens=32 if churn else 100_000,
+                                          ignore_eos=True))
+
+    for _ in range(num_running):
+        add()
     while engine.scheduler.waiting:  # prefill, not timed
         engine.step_core()
     times = []
     for _ in range(steps):
         t = time.perf_counter()
-        engine.step_core()
+        ended = sum(o.finished for o in engine.step_core())
+        for _ in range(ended):
+            add()
         times.append(time.perf_counter() - t)
     return 1000 * statistics.median(times)
+
+
+def history_bytes_per_1000(num_blocks: int = 100_000) -> float:
+    """Memory the KV history takes per 1,000 block hashes it remembers (records, the
+    content index and the Bloom filter of dropped hashes), measured with tracemalloc."""
+    import os
+    import tracemalloc
+
+    from engine.block_hash import short
+    from engine.events import KVEvent
+    from engine.kv_story import KVHistory
+
+    hashes = [os.urandom(32) for _ in range(num_blocks)]
+    keys = [short(h) for h in hashes]
+    tracemalloc.start()
+    before = tracemalloc.take_snapshot()
+    history = KVHistory(num_blocks)
+    for i in range(0, num_blocks, 16):
+        history.apply(KVEvent("BlockStored", 1, time.time(), request_id=f"r{i}",
+                              block_hashes=keys[i:i + 16]))
+        history.note_content(keys[i:i + 16], hashes[i:i + 16])
+    after = tracemalloc.take_snapshot()
+    tracemalloc.stop()
+    grown = sum(s.size_diff for s in after.compare_to(before, "filename"))
+    return 1000 * grown / num_blocks
 
 
 def allocation_ops_per_s(num_blocks: int = 65536, rounds: int = 200_000) -> float:
@@ -124,6 +164,21 @@ def main(argv: list[str] | None = None) -> int:
           "200 steps; three runs (a shared VM's noise shows between them)")
     print(format_table(["running", "run 1 ms", "run 2 ms", "run 3 ms"], rows))
     print("target: <= 0.8 ms at 256 running\n")
+
+    rows = []
+    for churn in (False, True):
+        # off and on in turns, three pairs: the medians of each side are compared
+        pairs = [(whole_step_ms(256, history=False, churn=churn),
+                  whole_step_ms(256, history=True, churn=churn)) for _ in range(3)]
+        off = statistics.median(p[0] for p in pairs)
+        on = statistics.median(p[1] for p in pairs)
+        rows.append(["ends and admits (32-token requests)" if churn else "decode only",
+                     f"{off:.2f}", f"{on:.2f}", f"{100 * (on / off - 1):+.1f}%"])
+    print("The KV history (requests' KV stories) off and on: a whole step at 256 running, "
+          "median of three runs each")
+    print(format_table(["steps", "history off ms", "history on ms", "on vs off"], rows))
+    print(f"target: <= 3% apart; memory: {history_bytes_per_1000() / 1024:.0f} KiB per "
+          "1,000 block hashes remembered\n")
 
     ops = allocation_ops_per_s()
     print(f"BlockPool allocate+free: {ops / 1e6:.2f} M ops/s (65,536 blocks, 25% cached)\n")

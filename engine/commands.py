@@ -48,14 +48,20 @@ def _request_id(arguments: dict) -> str:
 # the new state on at once (the core's next metrics, the worker's heartbeat, routing).
 STATE_COMMANDS = ("pause", "resume", "drain", "undrain")
 
+def _by(arguments: dict) -> str:
+    """Who sent the command (the service passes the operator's name), for KV stories."""
+    by = arguments.get("by")
+    return by if isinstance(by, str) and by else "operator"
+
+
 OPERATOR_COMMANDS: dict[str, Callable[[LLMEngine, dict], Any]] = {
-    "preempt": lambda e, a: e.preempt(_request_id(a)),
-    "swap-out": lambda e, a: e.swap_out(_request_id(a)),
+    "preempt": lambda e, a: e.preempt(_request_id(a), _by(a)),
+    "swap-out": lambda e, a: e.swap_out(_request_id(a), _by(a)),
     "swap-in": lambda e, a: e.swap_in(_request_id(a)),
     "abort": lambda e, a: _abort_result(e.abort(_request_id(a))),
     "evict": lambda e, a: {"num_evicted": e.evict_cached_blocks(
-        _int_or_none(a.get("num_blocks"), "num_blocks"))},
-    "reset": lambda e, a: e.reset_prefix_cache(),
+        _int_or_none(a.get("num_blocks"), "num_blocks"), _by(a))},
+    "reset": lambda e, a: e.reset_prefix_cache(_by(a)),
     "pin": lambda e, a: e.pin_prefix(_prompt_arg(a), a.get("cache_salt")),
     "unpin": lambda e, a: e.unpin_prefix(_prompt_arg(a), a.get("cache_salt")),
     "snapshot": lambda e, a: e.snapshot(compact=bool(a.get("compact", True))),

@@ -65,6 +65,10 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None  # CPU: bytes for the KV pool (None: 512 MiB)
     name: str = "default"  # engine name, shown in snapshots
     max_pending_events: int = 100_000  # KV events kept for take_events(); oldest dropped
+    # The KV history behind requests' KV stories (engine/kv_story.py): what happened to
+    # this many of the newest block hashes (about 200 bytes each); 0: no history, no
+    # stories
+    kv_history_blocks: int = 100_000
     # CPU, float32: the C++ kernels of kernels/cpu_ext.py: "on", "off" (torch's paths),
     # or "auto": on where the CPU has AVX-512, which they are written for (their tiles
     # assume 32 vector registers; with AVX2's 16 they spill, and torch's paths are 1.2-5x
@@ -118,6 +122,7 @@ class EngineConfig:
                "without simulate_hybrid and simulate_sliding_window, in half as many blocks)")
         _check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]")
         _check(self.max_pending_events >= 0, "max_pending_events must be >= 0")
+        _check(self.kv_history_blocks >= 0, "kv_history_blocks must be >= 0")
         _check(1 <= self.tensor_parallel_size <= 64,
                f"tensor_parallel_size must be in [1, 64], got {self.tensor_parallel_size}")
         _check(not (self.simulate and self.tensor_parallel_size > 1),

@@ -67,7 +67,12 @@ class KVEvent:
     # in; 0: the global layers' group, or the only one. Its hashes are the group's own.
     group: int = 0
     reason: str | None = None  # a removal's or preemption's cause: a key of REASONS
-    by: str | None = None  # who caused it: a request id, or "operator"
+    by: str | None = None  # who caused it: a request id, or an operator's name
+    # A preemption's circumstances: the blocks the request that needed room asked for,
+    # the free blocks then, and the computed tokens whose K/V the victim lost
+    needed_blocks: int | None = None
+    free_blocks: int | None = None
+    dropped_tokens: int | None = None
     # For readers that rebuild the prefix cache elsewhere (EventLog.full): the full
     # hashes of block_ids' blocks, and for BlockStored on the GPU each one's parent hash
     # (None: the chain's first) and their token ids, block_size per block

@@ -39,6 +39,7 @@ class PrefixMatch:
     num_computed_tokens: int  # tokens they cover, capped so the last token is computed
     # The tier's blocks that continue group 0's (copied into new GPU blocks)
     tier_blocks: list = field(default_factory=list)
+    story: object = None  # a first admission's KV story (engine/kv_story.py), if kept
 
     @property
     def blocks(self) -> list[KVBlock]:
@@ -63,6 +64,7 @@ class KVCacheCoordinator:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self._events = events
+        self.stories = None  # the engine's StoryBook (engine/kv_story.py), if it keeps one
         tier_on = cpu_prefix_cache and enable_caching and num_cpu_blocks > 0 and len(windows) == 1
         self.gpu = BlockPool(num_gpu_blocks, enable_caching, events, "gpu")
         self.cpu = BlockPool(num_cpu_blocks, tier_on, events, "cpu")
@@ -154,6 +156,19 @@ class KVCacheCoordinator:
 
     # --- admission -------------------------------------------------------------------
     def find_prefix(self, request: Request) -> PrefixMatch:
+        """_find_prefix, and at a first admission the story of what it found and why
+        (told now, before the request takes any block)."""
+        match = self._find_prefix(request)
+        if self.stories is not None and request.num_cached_tokens is None:
+            off = None if self.enable_caching else "prefix caching is off on this engine"
+            if off is None and request.sampling_params.prompt_logprobs is not None:
+                off = "its prompt's logprobs need every position computed: no cache is read"
+            match.story = self.stories.draft(
+                request, len(match.groups[0].blocks), len(match.tier_blocks),
+                match.num_computed_tokens, self.cached_where, off, windowed=self.num_groups > 1)
+        return match
+
+    def _find_prefix(self, request: Request) -> PrefixMatch:
         """The longest prefix every group can serve, from the GPU pool and then the tier:
         group 0's leading cached blocks, shortened until each sliding group holds the
         blocks its window reaches from the first token to compute, and each other global
@@ -251,6 +266,8 @@ class KVCacheCoordinator:
     def record_prefix_query(self, request: Request, match: PrefixMatch) -> None:
         self.prefix_cache_queries += request.num_tokens
         self.prefix_cache_hits += match.num_computed_tokens
+        if match.story is not None:
+            self.stories.admitted(request, match.story)
         blocks = match.groups[0].blocks
         if blocks:
             self._events.emit("PrefixHit", request_id=request.request_id,
@@ -293,6 +310,19 @@ class KVCacheCoordinator:
             return NOTHING_ALLOCATED
         return Allocation(new_blocks=[b for a in allocations for b in a.new_blocks],
                           copies=[c for a in allocations for c in a.copies])
+
+    def blocks_needed(self, request: Request, num_new_tokens: int) -> int:
+        """The free GPU blocks allocate_slots(request, num_new_tokens) would take now."""
+        return sum(g.blocks_needed(request, num_new_tokens) for g in self.groups)
+
+    def cached_where(self, block_hash: BlockHash) -> str | None:
+        """Where group 0's prefix cache holds this hash now: "gpu", "cpu" (the tier), or
+        None."""
+        if self.gpu.get_cached(block_hash) is not None:
+            return "gpu"
+        if self.tier is not None and self.tier.lookup([block_hash]):
+            return "cpu"
+        return None
 
     def _allocate_more(self, request: Request, num_new_tokens: int) -> Allocation | None:
         """allocate_more over several groups."""
@@ -376,16 +406,18 @@ class KVCacheCoordinator:
         return SwapResult(mappings, num_hit_blocks=hits)
 
     # --- operator: evict, reset, pin (group 0's prefix, and what other groups need) ------
-    def evict(self, n: int | None) -> int:
-        return len(self.gpu.evict(n))
+    def evict(self, n: int | None, by: str | None = None) -> int:
+        """An operator's evict (by: their name)."""
+        return len(self.gpu.evict(n, by))
 
-    def reset_prefix_cache(self) -> dict:
+    def reset_prefix_cache(self, by: str | None = None) -> dict:
         unpinned = [b for b in self.gpu.blocks if b.pinned]
         for block in unpinned:
             self.gpu.unpin(block)
         n = self.gpu.forget_all_hashes()
         n_cpu = self.cpu.forget_all_hashes()
         self._events.emit("AllBlocksCleared", num_tokens=n * self.block_size, reason="reset",
+                          by=by or "operator",
                           detail=f"{n} cached blocks forgotten, {len(unpinned)} unpinned"
                           + (f", {n_cpu} on the CPU tier" if n_cpu else ""))
         return {"num_blocks_forgotten": n, "num_blocks_unpinned": len(unpinned),

@@ -396,6 +396,7 @@ class SlidingWindowGroup(KVGroup):
         self._step_ids.pop(rid, None)
         self.gpu.free(reversed(gone))
         self._emit("WindowFreed", request_id=rid, block_ids=[b.block_id for b in gone],
+                   block_hashes=[short(b.block_hash) for b in gone],
                    ref_cnts=[b.ref_cnt for b in gone],
                    num_tokens=(freed + n) * self.block_size, reason="window",
                    detail=f"out of the {self.window}-token window")

@@ -19,6 +19,7 @@ from engine.errors import InvalidRequestError, NotEnoughBlocksError, PrefixNotCa
 from engine.events import EventLog, KVEvent
 from engine.kv_coordinator import KVCacheCoordinator
 from engine.kv_layout import blocks_for
+from engine.kv_story import STORY_QUEUE_MAX, StoryBook
 from engine.outputs import CoreOutput, RequestOutput
 from engine.rate_meter import RateMeter
 from engine.request import Request, RequestStatus
@@ -104,6 +105,11 @@ class LLMEngine:
                                      self.events, windows,
                                      cpu_prefix_cache=config.cpu_prefix_cache)
         self.scheduler = Scheduler(config, self.kv, self.max_model_len, self.events)
+        # requests' KV stories (engine/kv_story.py), read from the event stream
+        self.stories = StoryBook(config.name, config.kv_history_blocks,
+                                 self.events.subscribe(STORY_QUEUE_MAX)) \
+            if config.kv_history_blocks else None
+        self.kv.stories = self.stories
         self.step_count = 0
         self.step_seconds = 0.0  # wall time inside the steps that ran (schedule to outputs)
         self.version = 0  # grows with every change to requests or blocks (for publishers)
@@ -296,7 +302,38 @@ class LLMEngine:
 
     def step_core(self) -> list[CoreOutput]:
         """Run one batch and report progress as token ids only (no text): each request
-        that made progress or ended, with the tokens it gained this step."""
+        that made progress or ended, with the tokens it gained this step (and its KV
+        story, when that changed)."""
+        outputs = self._step_core()
+        if self.stories is not None:
+            self._attach_stories(outputs)
+        return outputs
+
+    def _attach_stories(self, outputs: list[CoreOutput]) -> None:
+        stories = self.stories
+        stories.drain()
+        if stories.awaiting_first_token:
+            now = time.time()
+            for o in outputs:
+                if o.new_token_ids:
+                    stories.first_token(o.request_id, now)
+        changed = stories.changed
+        if changed:
+            for o in outputs:
+                if o.request_id in changed:
+                    o.kv_story = stories.story(o.request_id)
+                    changed.discard(o.request_id)
+            stories.forget_ended_changes()
+
+    def kv_story(self, request_id: str) -> dict | None:
+        """The request's KV story (engine/kv_story.py) while it runs and for a while
+        after it ended; None if unknown or kv_history_blocks is 0."""
+        if self.stories is None:
+            return None
+        self.stories.drain()
+        return self.stories.story(request_id)
+
+    def _step_core(self) -> list[CoreOutput]:
         if self._compiled:
             self._queue_compiled()
         ended, self._pending = self._pending, []
@@ -475,15 +512,16 @@ class LLMEngine:
         self._pending.extend(ended)
         return True
 
-    def preempt(self, request_id: str) -> dict:
+    def preempt(self, request_id: str, by: str = "operator") -> dict:
+        """Preempt a running request (by: who asked, for its KV story)."""
         self.version += 1
-        request = self.scheduler.preempt(request_id)
+        request = self.scheduler.preempt(request_id, by)
         return {"request_id": request_id, "status": request.status.value,
                 "num_preemptions": request.num_preemptions}
 
-    def swap_out(self, request_id: str) -> dict:
+    def swap_out(self, request_id: str, by: str = "operator") -> dict:
         self.version += 1
-        mapping = self.scheduler.swap_out(request_id)
+        mapping = self.scheduler.swap_out(request_id, by)
         self.runner.swap_out(mapping)
         return {"request_id": request_id, "status": "swapped", "num_blocks": len(mapping),
                 "cpu_block_table": self.kv.cpu_block_ids(request_id)}
@@ -561,19 +599,20 @@ class LLMEngine:
         return bool(self._pending) or bool(self._compiled) or (
             not self.paused and self.scheduler.has_queued())
 
-    def evict_cached_blocks(self, n: int | None = None) -> int:
-        """Drop up to n refcount-0 cached blocks (all if None), LRU first."""
+    def evict_cached_blocks(self, n: int | None = None, by: str = "operator") -> int:
+        """Drop up to n refcount-0 cached blocks (all if None), LRU first (by: who
+        asked, named where the blocks' hashes are explained)."""
         self.version += 1
         if n is not None and (not isinstance(n, int) or n < 0):
             raise InvalidRequestError("n must be a non-negative integer or None")
-        evicted = self.kv.evict(n)
+        evicted = self.kv.evict(n, by)
         if self._kv_events is not None:
             self._publish_kv_events()
         return evicted
 
-    def reset_prefix_cache(self) -> dict:
+    def reset_prefix_cache(self, by: str = "operator") -> dict:
         self.version += 1
-        result = self.kv.reset_prefix_cache()
+        result = self.kv.reset_prefix_cache(by)
         if self._kv_events is not None:
             self._publish_kv_events()
         return result

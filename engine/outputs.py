@@ -43,12 +43,14 @@ class CoreOutput:
     # with the first token, if asked: see Request.prompt_logprobs
     prompt_logprobs: list[list] | None = None
     error: str | None = None  # finish_reason "error": why the engine could not serve it
+    # its KV story (engine/kv_story.py), when it changed in this step
+    kv_story: dict | None = None
 
     def to_wire(self) -> list:
         """The fields as a list, for IPC (the request object stays behind)."""
         return [self.request_id, self.new_token_ids, self.finished, self.finish_reason,
                 self.num_prompt_tokens, self.num_cached_tokens, self.num_preemptions,
-                self.logprobs, None, self.prompt_logprobs, self.error]
+                self.logprobs, None, self.prompt_logprobs, self.error, self.kv_story]
 
     @classmethod
     def from_wire(cls, row: list) -> CoreOutput:

@@ -168,7 +168,7 @@ class Scheduler:
                 # Preempt the least important request not yet scheduled (the last one);
                 # if that is this request, it gives way itself.
                 victim = running[-1] if self.share_cap is None else self._victim(i)
-                self._preempt(victim, out, request)
+                self._preempt(victim, out, request, num_new)
                 if victim is request:
                     break
                 alloc = allocate(request, num_new)
@@ -396,8 +396,12 @@ class Scheduler:
                          num_tokens=request.num_tokens)
 
     # --- preemption and swap -------------------------------------------------------------
-    def _preempt(self, victim: Request, out: SchedulerOutput, needy: Request) -> None:
-        """Make room for `needy` (which may be the victim itself, giving way)."""
+    def _preempt(self, victim: Request, out: SchedulerOutput, needy: Request,
+                 num_new: int) -> None:
+        """Make room for `needy`'s num_new tokens (it may be the victim itself, giving
+        way)."""
+        room = (self.kv.blocks_needed(needy, num_new), self.kv.gpu.num_free) \
+            if self.events.on else (None, None)
         self.running.remove(victim)
         out.preempted.append(victim.request_id)
         # the reason: a request that ranks higher took the room, or the pool was full
@@ -408,13 +412,16 @@ class Scheduler:
             result = self.kv.swap_out(victim)
             if result is not None:
                 out.swap_out.extend(result.mapping)
-                self._mark_swapped(victim, result.mapping, parked=False, reason=reason, by=by)
+                self._mark_swapped(victim, result.mapping, parked=False, reason=reason, by=by,
+                                   room=room)
                 return
-        self._preempt_recompute(victim, "out of blocks", reason, by)
+        self._preempt_recompute(victim, "out of blocks", reason, by, room)
 
     def _preempt_recompute(self, victim: Request, detail: str, reason: str,
-                           by: str | None) -> None:
+                           by: str | None, room: tuple = (None, None)) -> None:
+        """room: (blocks the request that needed room asked for, free blocks then)."""
         num_blocks = self.kv.num_blocks_held(victim.request_id)
+        dropped = victim.num_computed_tokens
         self.kv.free(victim, reason)
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
@@ -423,10 +430,12 @@ class Scheduler:
         self.counters.num_preemptions += 1
         self.events.emit("Preempted", request_id=victim.request_id, detail=detail,
                          reason=reason, by=by, num_tokens=victim.num_tokens,
-                         ref_cnts=[num_blocks])
+                         ref_cnts=[num_blocks], needed_blocks=room[0], free_blocks=room[1],
+                         dropped_tokens=dropped)
 
     def _mark_swapped(self, request: Request, mapping: list[tuple[int, int]], parked: bool,
-                      reason: str = "operator", by: str | None = "operator") -> None:
+                      reason: str = "operator", by: str | None = "operator",
+                      room: tuple = (None, None)) -> None:
         request.status = RequestStatus.SWAPPED
         request.parked = parked
         request.num_preemptions += 1
@@ -435,7 +444,8 @@ class Scheduler:
         self.events.emit("SwappedOut", request_id=request.request_id,
                          block_ids=[g for g, _ in mapping], pool="gpu",
                          detail="operator" if parked else "out of blocks",
-                         reason=reason, by=by, num_tokens=request.num_computed_tokens)
+                         reason=reason, by=by, num_tokens=request.num_computed_tokens,
+                         needed_blocks=room[0], free_blocks=room[1])
 
     def _swap_in(self, request: Request, mapping_out: list[tuple[int, int]]) -> bool:
         result = self.kv.swap_in(request)
@@ -481,14 +491,15 @@ class Scheduler:
             self.finish(request, RequestStatus.ABORTED, "abort")
         return ended
 
-    def preempt(self, request_id: str) -> Request:
+    def preempt(self, request_id: str, by: str = "operator") -> Request:
+        """An operator's preemption (by: their name)."""
         request = self.get_live(request_id)
         self._require(request, RequestStatus.RUNNING, "preempt")
         self.running.remove(request)
-        self._preempt_recompute(request, "operator", "operator", "operator")
+        self._preempt_recompute(request, "operator", "operator", by)
         return request
 
-    def swap_out(self, request_id: str) -> list[tuple[int, int]]:
+    def swap_out(self, request_id: str, by: str = "operator") -> list[tuple[int, int]]:
         """Park a running request in the CPU pool; the caller copies the blocks now."""
         request = self.get_live(request_id)
         self._require(request, RequestStatus.RUNNING, "swap out")
@@ -500,7 +511,7 @@ class Scheduler:
             raise NotEnoughBlocksError(
                 f"request {request_id!r} needs {need} CPU blocks, {self.kv.cpu.num_free} free")
         self.running.remove(request)
-        self._mark_swapped(request, result.mapping, parked=True)
+        self._mark_swapped(request, result.mapping, parked=True, by=by)
         return result.mapping
 
     def swap_in(self, request_id: str) -> list[tuple[int, int]]:

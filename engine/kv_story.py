@@ -1,0 +1,441 @@
+"""The KV story of a request: where its prompt's blocks came from, why the first one that
+missed was not cached (proved from the history of its hash), and what its blocks went
+through while it ran (preemptions with their causes, copies on write, blocks a sliding
+window gave back).
+
+Two parts, both readers of the KV event stream (engine/events.py), fed by the engine
+after each step and at each first admission (so that an admission sees every event
+before it, even one of the same step):
+* KVHistory: per block hash (group 0's: the chain routers and pins know), when it was
+  stored and by whom, its hits, when a sliding window gave it back, and when, why and
+  for whom it left the cache; bounded (the least recently touched records go first,
+  into a Bloom filter that remembers only that the hash was seen). A reset is one
+  event, not one per block: the history keeps the last resets, and a record stored
+  before one and not removed since was forgotten by it.
+* StoryBook: the story of each live request, begun at its first admission and handed
+  out (LLMEngine.kv_story, the core's outputs) with every change.
+
+Reasons for a first miss (FIRST_MISS_REASONS) are proved, never guessed: where the
+history cannot tell (a hash it dropped, events it lost), the reason is "unknown" and
+the detail says why. Two reasons need more than one engine's view and are settled by
+the service: `other_engine` (the router saw the prefix on another engine) and the
+names behind request ids.
+"""
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+
+from engine.block_hash import BlockHash, hash_blocks, short
+from engine.events import REASONS, EventQueue, KVEvent
+
+FIRST_MISS_REASONS = {
+    "never_cached": "no engine block has held this hash within the history kept",
+    "evicted": "its block was taken for another request's new blocks",
+    "reset": "the prefix cache was reset",
+    "operator_evict": "an operator evicted it",
+    "salt": "these tokens are cached, under another tenant's cache salt",
+    "other_engine": "another engine holds it (a routing miss)",
+    "window": "a sliding window gave the block back",
+    "caching_off": "prefix caching is off",
+    "partial_block": "only the last block missed: it holds the prompt's last token, "
+                     "which is always computed",
+    "unknown": "the history cannot tell",
+}
+PREEMPTION_REASONS = ("kv_full", "priority", "operator", "migration")
+_RESETS_KEPT = 64  # the newest resets the history remembers
+STORY_QUEUE_MAX = 1 << 20  # events between two drains; more are dropped (and said)
+
+
+def iso(ts: float | None) -> str | None:
+    return None if ts is None else datetime.fromtimestamp(ts, timezone.utc).isoformat()
+
+
+@dataclass(slots=True)
+class HashRecord:
+    """What happened to one hash (group 0's), newest facts only."""
+    stored_at: float
+    stored_by: str | None  # the request whose block first held it (this time)
+    first_stored_at: float  # the first store the history saw
+    hits: int = 0
+    last_hit: float | None = None
+    window_at: float | None = None  # a sliding window gave its block back (while cached)
+    removed_at: float | None = None  # the last time it left the GPU pool's cache
+    removed_reason: str | None = None  # a key of events.REASONS
+    removed_by: str | None = None  # the request it was taken for, or who evicted it
+    cpu_removed_at: float | None = None  # the last time it left the CPU tier
+
+    @property
+    def live(self) -> bool:
+        """Stored since it was last removed."""
+        return self.removed_at is None or self.removed_at < self.stored_at
+
+
+class _Bloom:
+    """Hashes the history dropped: 'maybe seen' or 'never seen' (no false negatives)."""
+
+    def __init__(self, num_items: int) -> None:
+        self.bits = max(1 << 16, 16 * num_items)  # ~2 bytes per record: ~0.1% false positives
+        self._array = bytearray(self.bits // 8)
+
+    def _indices(self, key: str) -> tuple[int, int]:
+        value = int(key, 16)
+        return (value & 0xFFFFFFFF) % self.bits, (value >> 32) % self.bits
+
+    def add(self, key: str) -> None:
+        for i in self._indices(key):
+            self._array[i >> 3] |= 1 << (i & 7)
+
+    def __contains__(self, key: str) -> bool:
+        return all(self._array[i >> 3] & (1 << (i & 7)) for i in self._indices(key))
+
+
+class KVHistory:
+    """Per hash, what happened to it (HashRecord), for the newest `max_blocks` hashes."""
+
+    def __init__(self, max_blocks: int) -> None:
+        self.max_blocks = max_blocks
+        self._records: collections.OrderedDict[str, HashRecord] = collections.OrderedDict()
+        self._dropped = _Bloom(max_blocks)
+        self.num_dropped = 0  # records pushed out by the bound
+        self.resets: collections.deque[tuple[float, str | None]] = \
+            collections.deque(maxlen=_RESETS_KEPT)
+        self.lost_events = 0  # events the queue dropped before they were read
+        # Per content (the unsalted chain's hash): the salted hashes seen for it, so that
+        # a salted miss can tell "cached under another salt" (StoryBook.admitted fills it)
+        self._content: collections.OrderedDict[str, set[BlockHash]] = collections.OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def get(self, key: str) -> HashRecord | None:
+        return self._records.get(key)
+
+    def maybe_dropped(self, key: str) -> bool:
+        return key in self._dropped
+
+    def _touch(self, key: str, ts: float, by: str | None) -> HashRecord:
+        record = self._records.get(key)
+        if record is None:
+            record = self._records[key] = HashRecord(ts, by, ts)
+            if len(self._records) > self.max_blocks:
+                old, _ = self._records.popitem(last=False)
+                self._dropped.add(old)
+                self.num_dropped += 1
+        else:
+            self._records.move_to_end(key)
+        return record
+
+    def note_content(self, content: list[str], salted: list[BlockHash]) -> None:
+        """A request's prompt blocks: their unsalted and (its) salted hashes."""
+        index = self._content
+        for key, block_hash in zip(content, salted):
+            seen = index.get(key)
+            if seen is None:
+                index[key] = {block_hash}
+                if len(index) > self.max_blocks:
+                    index.popitem(last=False)
+            else:
+                seen.add(block_hash)
+                index.move_to_end(key)
+
+    def salted_elsewhere(self, content: str, mine: BlockHash) -> list[BlockHash]:
+        return [h for h in self._content.get(content, ()) if h != mine]
+
+    def apply(self, event: KVEvent) -> None:
+        kind = event.type
+        if event.group:
+            return  # other groups' hashes are their own: the story follows group 0's
+        if kind == "BlockStored":
+            if event.pool != "gpu":
+                return
+            for key in event.block_hashes:
+                record = self._touch(key, event.ts, event.request_id)
+                if not record.live or record.stored_by is None:
+                    record.stored_by = event.request_id
+                record.stored_at = event.ts
+        elif kind == "PrefixHit":
+            for key in event.block_hashes:
+                record = self._records.get(key)
+                if record is not None:
+                    record.hits += 1
+                    record.last_hit = event.ts
+        elif kind == "BlockEvicted":
+            for key in event.block_hashes:
+                record = self._records.get(key)
+                if record is None:
+                    continue
+                if event.pool == "cpu":
+                    record.cpu_removed_at = event.ts
+                else:
+                    record.removed_at, record.removed_reason = event.ts, event.reason
+                    record.removed_by = event.by
+        elif kind == "WindowFreed":
+            for key in event.block_hashes:
+                record = self._records.get(key)
+                if record is not None:
+                    record.window_at = event.ts
+        elif kind == "AllBlocksCleared":
+            self.resets.append((event.ts, event.by))
+
+    def reset_after(self, ts: float) -> tuple[float, str | None] | None:
+        """The first reset after `ts`, if the history still knows it."""
+        for at, by in self.resets:
+            if at >= ts:
+                return at, by
+        return None
+
+
+@dataclass(slots=True)
+class Story:
+    """One request's KV story as it grows (StoryBook)."""
+    request_id: str
+    job_id: str | None
+    block_size: int
+    prompt_tokens: int
+    hashes: list[str]  # short hex of the prompt's full blocks (group 0's)
+    gpu_blocks: int  # leading blocks served from the GPU pool's cache
+    cpu_blocks: int  # then from the CPU tier
+    cached: dict[str, int]  # prompt tokens not computed, by where they came from
+    first_miss: dict | None
+    admitted_at: float
+    preemptions: list[dict] = field(default_factory=list)
+    copy_on_write: int = 0
+    window_freed: int = 0
+    first_token_at: float | None = None
+    ended_at: float | None = None
+    content: list[str] | None = None  # the prompt's unsalted hashes, until admitted
+    finish_reason: str | None = None
+
+    def document(self, engine: str) -> dict:
+        gpu, cpu = self.gpu_blocks, self.cpu_blocks
+        return {
+            "engine": engine, "request_id": self.request_id, "job_id": self.job_id,
+            "block_size": self.block_size, "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": dict(self.cached), "hashes": list(self.hashes),
+            "sources": {"gpu": gpu, "cpu": cpu, "disk": 0},
+            "first_miss": dict(self.first_miss) if self.first_miss else None,
+            "preemptions": [dict(p) for p in self.preemptions],
+            "copy_on_write": self.copy_on_write, "window_freed": self.window_freed,
+            "moments": {"admitted": iso(self.admitted_at), "first_token": iso(self.first_token_at),
+                        "preemptions": [p["at"] for p in self.preemptions],
+                        "ended": iso(self.ended_at)},
+            "finish_reason": self.finish_reason,
+        }
+
+
+class StoryBook:
+    """The stories of live requests (and of the last ended ones, until handed out)."""
+
+    def __init__(self, engine_name: str, max_blocks: int, queue: EventQueue,
+                 keep_ended: int = 1024) -> None:
+        self.engine_name = engine_name
+        self.history = KVHistory(max_blocks)
+        self._queue = queue
+        self._stories: dict[str, Story] = {}
+        self.awaiting_first_token: set[str] = set()
+        self._ended: collections.OrderedDict[str, Story] = collections.OrderedDict()
+        self._keep_ended = keep_ended
+        self.changed: set[str] = set()  # request ids whose story changed since taken
+
+    # --- feeding ---------------------------------------------------------------------
+    def drain(self) -> None:
+        """Read every event emitted so far."""
+        if self._queue.num_dropped:
+            self.history.lost_events += self._queue.num_dropped
+            self._queue.num_dropped = 0
+        for event in self._queue.take():
+            self.history.apply(event)
+            if event.request_id is not None:
+                self._on_request_event(event)
+
+    def _on_request_event(self, event: KVEvent) -> None:
+        story = self._stories.get(event.request_id)
+        if story is None:
+            return
+        kind = event.type
+        if kind in ("Preempted", "SwappedOut") and event.reason is not None:
+            story.preemptions.append({
+                "at": iso(event.ts), "reason": event.reason, "by": event.by,
+                "needed_blocks": event.needed_blocks, "free_blocks": event.free_blocks,
+                "recomputed_tokens": event.dropped_tokens or 0 if kind == "Preempted" else 0,
+                "swapped_blocks": len(event.block_ids) if kind == "SwappedOut" else 0})
+        elif kind == "CopiedOnWrite":
+            story.copy_on_write += 1
+        elif kind == "WindowFreed":
+            story.window_freed += len(event.block_ids)
+        elif kind == "Forked":  # its samples carry the story on; the parent's ends
+            n = int((event.detail or "0").split()[0])
+            self.forked(story.request_id, [f"{story.request_id}/{i}" for i in range(n)])
+            self._stories.pop(story.request_id, None)
+            return
+        elif kind == "Finished":
+            story.ended_at, story.finish_reason = event.ts, event.detail
+            self._end(story)
+        else:
+            return
+        self.changed.add(story.request_id)
+
+    def _end(self, story: Story) -> None:
+        self._stories.pop(story.request_id, None)
+        self.awaiting_first_token.discard(story.request_id)
+        self._ended[story.request_id] = story
+        while len(self._ended) > self._keep_ended:
+            self._ended.popitem(last=False)
+
+    def first_token(self, request_id: str, ts: float) -> None:
+        if request_id in self.awaiting_first_token:
+            self.awaiting_first_token.discard(request_id)
+            story = self._stories.get(request_id) or self._ended.get(request_id)
+            if story is not None:
+                story.first_token_at = ts
+                self.changed.add(request_id)
+
+    def forget_ended_changes(self) -> None:
+        """Changes of stories that ended went out with their final output, if any."""
+        self.changed.intersection_update(self._stories)
+
+    def forked(self, parent_id: str, child_ids: list[str]) -> None:
+        """A request with n > 1 became its samples: each carries its story on."""
+        story = self._stories.get(parent_id)
+        if story is None:
+            return
+        for child in child_ids:
+            self._stories[child] = Story(
+                child, story.job_id, story.block_size, story.prompt_tokens, story.hashes,
+                story.gpu_blocks, story.cpu_blocks, dict(story.cached), story.first_miss,
+                story.admitted_at, list(story.preemptions), story.copy_on_write,
+                story.window_freed)
+            self.changed.add(child)
+            if story.first_token_at is None:
+                self.awaiting_first_token.add(child)
+
+    # --- admission -------------------------------------------------------------------
+    def draft(self, request, gpu_blocks: int, cpu_blocks: int, num_cached: int,
+              where, off: str | None, windowed: bool) -> Story:
+        """The story of a request about to be admitted for the first time, told before
+        it takes any block: `gpu_blocks` and `cpu_blocks` of its prompt's leading full
+        blocks were found cached (num_cached tokens not computed); `where` (a hash ->
+        "gpu" | "cpu" | None) says where a hash is cached now; `off`: why no cache was
+        read (None: it was); `windowed`: a sliding layer group may have shortened the
+        hit. admitted() keeps it once the request has its blocks."""
+        self.drain()
+        at = time.time()
+        bs = request.block_size
+        prompt_hashes = request.block_hashes[:request.num_prompt_tokens // bs]
+        keys = [short(h) for h in prompt_hashes]
+        gpu_tokens = min(gpu_blocks * bs, num_cached)
+        story = Story(request.request_id, request.job_id, bs, request.num_prompt_tokens, keys,
+                      gpu_blocks, cpu_blocks,
+                      {"gpu": gpu_tokens, "cpu": num_cached - gpu_tokens, "disk": 0},
+                      None, at)
+        if request.pinned_root is not None:  # salted: its tokens' unsalted chain too
+            content = [short(h) for h in hash_blocks(request.pinned_root,
+                                                    request.prompt_token_ids, bs)]
+        else:
+            content = keys
+        story.first_miss = self._first_miss(request, prompt_hashes, content,
+                                            gpu_blocks + cpu_blocks, where, at, off, windowed)
+        story.content = content
+        return story
+
+    def admitted(self, request, story: Story) -> None:
+        self.history.note_content(story.content, request.block_hashes[:len(story.hashes)])
+        story.content = None
+        self._stories[request.request_id] = story
+        self.awaiting_first_token.add(request.request_id)
+        self.changed.add(request.request_id)
+
+    def _first_miss(self, request, prompt_hashes: list[BlockHash], content: list[str],
+                    hit: int, where, at: float, off: str | None, windowed: bool) -> dict | None:
+        if off is not None:
+            return _miss(0, "caching_off", None, None, off) if prompt_hashes else None
+        if hit >= len(prompt_hashes):
+            return None
+        block_hash = prompt_hashes[hit]
+        key = short(block_hash)
+        here = where(block_hash)
+        if here is not None:
+            if hit == len(prompt_hashes) - 1 and \
+                    request.num_prompt_tokens == len(prompt_hashes) * request.block_size:
+                return _miss(hit, "partial_block", None, None,
+                             f"block {hit} is cached ({here.upper()}) but holds the prompt's "
+                             "last token, which is always computed")
+            if windowed:
+                return _miss(hit, "window", None, None,
+                             f"block {hit} is cached for the full-attention layers, but the "
+                             "sliding-window layers had given their copy back")
+            return _miss(hit, "unknown", None, None,
+                         f"block {hit} is cached ({here.upper()}) but was not served: "
+                         "it was being written by the same step")
+        record = self.history.get(key)
+        if record is None or record.first_stored_at > at:
+            for other in self.history.salted_elsewhere(content[hit], block_hash):
+                if where(other) is not None:
+                    return _miss(hit, "salt", None, None,
+                                 f"the tokens of block {hit} are cached under another "
+                                 "tenant's cache salt (hash " + short(other) + "); cache "
+                                 "salts keep tenants' prefixes apart")
+            if self.history.lost_events:
+                return _miss(hit, "unknown", None, None,
+                             f"no record of block {hit}'s hash, but the history lost "
+                             f"{self.history.lost_events} events")
+            if self.history.maybe_dropped(key):
+                return _miss(hit, "unknown", None, None,
+                             f"block {hit}'s hash was seen before the history's depth "
+                             f"({self.history.max_blocks} hashes); why it left is no "
+                             "longer known")
+            return _miss(hit, "never_cached", None, None,
+                         f"no block on this engine has held block {hit}'s hash since it "
+                         "started")
+        reset = self.history.reset_after(record.stored_at)
+        removed = record.removed_at if record.removed_at is not None and \
+            record.removed_at >= record.stored_at else None
+        if reset is not None and (removed is None or reset[0] <= removed):
+            return _miss(hit, "reset", reset[0], reset[1],
+                         f"block {hit} was forgotten when the prefix cache was reset at "
+                         f"{_clock(reset[0])}" + (f" by {reset[1]}" if reset[1] else ""))
+        if removed is None:
+            return _miss(hit, "unknown", None, None,
+                         f"block {hit}'s hash was stored at {_clock(record.stored_at)} and "
+                         "no removal is recorded, yet it was not found")
+        reason, by = record.removed_reason, record.removed_by
+        if reason == "evicted":
+            if record.window_at is not None and record.window_at >= record.stored_at:
+                return _miss(hit, "window", removed, by,
+                             f"block {hit} was given back by a sliding window at "
+                             f"{_clock(record.window_at)}, then reused at {_clock(removed)}"
+                             + (f" for {by}" if by else "") + " (least recently used)")
+            return _miss(hit, "evicted", removed, by,
+                         f"block {hit} was evicted at {_clock(removed)}"
+                         + (f" to make room for {by}" if by else "")
+                         + " (least recently used first)"
+                         + (f"; it had served {record.hits} hit"
+                            + ("s" if record.hits > 1 else "") if record.hits else ""))
+        if reason == "operator_evict":
+            return _miss(hit, "operator_evict", removed, by,
+                         f"block {hit} was evicted by an operator"
+                         + (f" ({by})" if by and by != "operator" else "")
+                         + f" at {_clock(removed)}")
+        return _miss(hit, "unknown", removed, by,
+                     f"block {hit} left the cache at {_clock(removed)}: "
+                     + REASONS.get(reason or "", reason or "no reason recorded"))
+
+    # --- reading ---------------------------------------------------------------------
+    def story(self, request_id: str) -> dict | None:
+        story = self._stories.get(request_id) or self._ended.get(request_id)
+        return None if story is None else story.document(self.engine_name)
+
+    def take_changed(self) -> set[str]:
+        changed, self.changed = self.changed, set()
+        return changed
+
+
+def _miss(block: int, reason: str, at: float | None, by: str | None, detail: str) -> dict:
+    return {"block": block, "reason": reason, "at": iso(at), "by": by, "detail": detail}
+
+
+def _clock(ts: float) -> str:
+    return datetime.fromtimestamp(ts, timezone.utc).strftime("%H:%M:%S")

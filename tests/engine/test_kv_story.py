@@ -1,0 +1,189 @@
+"""The KV story of a request (engine/kv_story.py), in the engine: each first-miss reason
+produced by the situation it names, preemptions with their causes, and the bounds."""
+from engine import EngineConfig, LLMEngine, SamplingParams
+from tests.engine.sim import greedy, run_all, sim_engine
+
+BS = 4
+A = list(range(10, 30))  # five full blocks
+
+
+def flood(engine: LLMEngine, n: int, prefix: str = "flood") -> list[str]:
+    """n requests of unrelated prompts, run to the end: their blocks take the pool's."""
+    ids = [f"{prefix}{i}" for i in range(n)]
+    for i, rid in enumerate(ids):
+        engine.add_request(rid, list(range(1000 + 40 * i, 1040 + 40 * i)), greedy(2))
+    run_all(engine)
+    return ids
+
+
+def story_of(engine: LLMEngine, rid: str, prompt, **kw) -> dict:
+    engine.add_request(rid, prompt, kw.pop("params", greedy(2)), **kw)
+    run_all(engine)
+    return engine.kv_story(rid)
+
+
+def small(**kw) -> LLMEngine:
+    return sim_engine(**{"num_gpu_blocks": 16, "block_size": BS, "vocab_size": 2000, **kw})
+
+
+def test_a_full_hit_has_no_first_miss_and_says_where_each_block_came_from():
+    engine = small()
+    first = story_of(engine, "a1", A)
+    assert first["first_miss"]["reason"] == "never_cached"
+    assert first["first_miss"]["block"] == 0 and first["cached_tokens"]["gpu"] == 0
+    again = story_of(engine, "a2", A)
+    assert again["first_miss"] is None
+    assert again["hashes"] == first["hashes"] and len(again["hashes"]) == 5
+    assert again["sources"] == {"gpu": 5, "cpu": 0, "disk": 0}
+    # the last token is always computed: 19 of 20 prompt tokens came from the cache
+    assert again["cached_tokens"] == {"gpu": 19, "cpu": 0, "disk": 0}
+    moments = again["moments"]
+    assert moments["admitted"] <= moments["first_token"] <= moments["ended"]
+    assert again["finish_reason"] == "length"
+
+
+def test_evicted_names_the_request_the_block_was_taken_for():
+    engine = small()
+    story_of(engine, "a1", A)
+    flooders = flood(engine, 4)
+    miss = story_of(engine, "a2", A)["first_miss"]
+    assert miss["reason"] == "evicted" and miss["block"] == 0
+    assert miss["by"] in flooders and miss["at"] is not None
+    assert "least recently used" in miss["detail"] and miss["by"] in miss["detail"]
+
+
+def test_a_reset_and_an_operators_evict_name_the_operator():
+    engine = small()
+    story_of(engine, "a1", A)
+    engine.reset_prefix_cache(by="olive")
+    miss = story_of(engine, "a2", A)["first_miss"]
+    assert (miss["reason"], miss["by"]) == ("reset", "olive")
+    engine.evict_cached_blocks(None, by="oscar")
+    miss = story_of(engine, "a3", A)["first_miss"]
+    assert (miss["reason"], miss["by"]) == ("operator_evict", "oscar")
+    assert "oscar" in miss["detail"]
+
+
+def test_salt_the_same_tokens_cached_for_another_tenant():
+    engine = small()
+    story_of(engine, "alice", A, cache_salt="alice-salt")
+    miss = story_of(engine, "bob", A, cache_salt="bob-salt")["first_miss"]
+    assert miss["reason"] == "salt" and miss["block"] == 0
+    # unsalted (staff) against salted, too; and the same salt hits
+    assert story_of(engine, "staff", A)["first_miss"]["reason"] == "salt"
+    assert story_of(engine, "alice2", A, cache_salt="alice-salt")["first_miss"] is None
+
+
+def test_window_a_sliding_window_gave_the_block_back():
+    # a 16-token window: a 40-token prompt gives its first blocks back while it runs,
+    # and they are the first free blocks the next allocations reuse
+    engine = small(simulate_sliding_window=16, num_gpu_blocks=20)
+    long_prompt = list(range(50, 90))
+    story_of(engine, "w1", long_prompt, params=greedy(8))
+    flood(engine, 2)
+    story = story_of(engine, "w2", long_prompt)
+    assert story["first_miss"]["reason"] == "window", story["first_miss"]
+    assert "sliding window" in story["first_miss"]["detail"]
+    assert engine.kv_story("w1")["window_freed"] > 0
+
+
+def test_a_hybrid_models_global_layers_cached_but_sliding_ones_given_back():
+    # the sliding group gives its early blocks back while the request runs: they are
+    # reused first, while the global group's copies (freed at its end) stay cached
+    engine = LLMEngine(EngineConfig(simulate=True, simulate_tokenizer="bytes", vocab_size=2000,
+                                    block_size=BS, num_gpu_blocks=24, num_cpu_blocks=0,
+                                    simulate_sliding_window=8, simulate_hybrid=True,
+                                    max_num_batched_tokens=64))
+    prompt = list(range(50, 90))
+    story_of(engine, "h1", prompt, params=greedy(4))
+    for i in range(2):
+        story_of(engine, f"x{i}", list(range(500 + 12 * i, 512 + 12 * i)))
+    miss = story_of(engine, "h2", prompt)["first_miss"]
+    assert miss["reason"] == "window", miss
+    assert "sliding-window layers" in miss["detail"]
+
+
+def test_caching_off():
+    off = small(enable_prefix_caching=False)
+    story_of(off, "a1", A)
+    miss = story_of(off, "a2", A)["first_miss"]
+    assert (miss["reason"], miss["block"]) == ("caching_off", 0)
+    assert off.kv_story("none") is None
+
+
+def test_partial_block_the_last_block_holds_the_token_that_is_always_computed():
+    # with the CPU tier, a prompt of whole blocks found on the tier leaves its last one
+    engine = sim_engine(num_gpu_blocks=12, num_cpu_blocks=32, block_size=BS, vocab_size=2000,
+                        cpu_prefix_cache=True)
+    story_of(engine, "p1", A)
+    flood(engine, 3)
+    story = story_of(engine, "p2", A)
+    assert story["sources"]["cpu"] == 4 and story["cached_tokens"]["cpu"] > 0
+    assert story["first_miss"]["reason"] == "partial_block"
+    assert story["first_miss"]["block"] == 4
+
+
+def test_preemptions_say_why_who_and_what_they_cost():
+    engine = sim_engine(num_gpu_blocks=10, block_size=BS, vocab_size=2000,
+                        enable_prefix_caching=False, max_num_batched_tokens=64)
+    for i in range(3):
+        engine.add_request(f"r{i}", list(range(100 * i + 1, 100 * i + 9)), greedy(20))
+    run_all(engine)
+    preemptions = [p for i in range(3) for p in engine.kv_story(f"r{i}")["preemptions"]]
+    assert preemptions, "the pool was to run short"
+    p = preemptions[0]
+    assert p["reason"] == "kv_full" and p["by"] in {"r0", "r1", "r2"}
+    assert p["needed_blocks"] > p["free_blocks"]
+    assert p["recomputed_tokens"] > 0 and p["swapped_blocks"] == 0
+
+    engine.add_request("op", list(range(1, 9)), greedy(20))
+    engine.step()
+    engine.preempt("op", by="olive")
+    run_all(engine)
+    story = engine.kv_story("op")
+    [p] = story["preemptions"]
+    assert (p["reason"], p["by"]) == ("operator", "olive")
+    assert story["moments"]["preemptions"] == [p["at"]]
+
+
+def test_swap_preemptions_count_the_blocks_moved():
+    engine = sim_engine(num_gpu_blocks=10, num_cpu_blocks=32, block_size=BS, vocab_size=2000,
+                        enable_prefix_caching=False, preemption_mode="swap")
+    for i in range(3):
+        engine.add_request(f"s{i}", list(range(100 * i + 1, 100 * i + 9)), greedy(20))
+    run_all(engine)
+    swaps = [p for i in range(3) for p in engine.kv_story(f"s{i}")["preemptions"]]
+    assert swaps and all(p["swapped_blocks"] > 0 and p["recomputed_tokens"] == 0 for p in swaps)
+
+
+def test_forked_samples_carry_the_story_and_count_their_copies_on_write():
+    engine = small()
+    engine.add_request("f", A[:18], SamplingParams(n=3, max_tokens=3, temperature=0.0))
+    run_all(engine)
+    stories = [engine.kv_story(f"f/{i}") for i in range(3)]
+    assert all(s is not None and s["prompt_tokens"] == 18 for s in stories)
+    assert sum(s["copy_on_write"] for s in stories) >= 2
+
+
+def test_a_hash_older_than_the_history_is_unknown_not_never_cached():
+    engine = small(kv_history_blocks=4, num_gpu_blocks=32)
+    story_of(engine, "a1", A)
+    flood(engine, 6)  # pushes a1's records out of a 4-hash history (and its blocks out)
+    miss = story_of(engine, "a2", A)["first_miss"]
+    assert miss["reason"] == "unknown" and "history" in miss["detail"]
+
+
+def test_no_history_no_stories():
+    engine = small(kv_history_blocks=0)
+    assert story_of(engine, "a", A) is None
+
+
+def test_outputs_carry_the_story_when_it_changes():
+    engine = small()
+    engine.add_request("o", A, greedy(3))
+    stories = []
+    while engine.has_unfinished_requests():
+        stories += [o.kv_story for o in engine.step_core() if o.kv_story is not None]
+    assert stories[0]["first_miss"]["reason"] == "never_cached"
+    assert stories[-1]["finish_reason"] == "length"
+    assert len(stories) <= 3  # admitted (with its first token), ended: not every step
