@@ -19,7 +19,7 @@ Reasons for a first miss (FIRST_MISS_REASONS) are proved, never guessed: where t
 history cannot tell (a hash it dropped, events it lost), the reason is "unknown" and
 the detail says why. Two reasons need more than one engine's view and are settled by
 the service: `other_engine` (the router saw the prefix on another engine) and the
-names behind request ids.
+names behind request ids. Times are Unix seconds (the service writes them as ISO 8601).
 """
 from __future__ import annotations
 
@@ -47,10 +47,6 @@ FIRST_MISS_REASONS = {
 PREEMPTION_REASONS = ("kv_full", "priority", "operator", "migration")
 _RESETS_KEPT = 64  # the newest resets the history remembers
 STORY_QUEUE_MAX = 1 << 20  # events between two drains; more are dropped (and said)
-
-
-def iso(ts: float | None) -> str | None:
-    return None if ts is None else datetime.fromtimestamp(ts, timezone.utc).isoformat()
 
 
 @dataclass(slots=True)
@@ -103,9 +99,10 @@ class KVHistory:
         self.resets: collections.deque[tuple[float, str | None]] = \
             collections.deque(maxlen=_RESETS_KEPT)
         self.lost_events = 0  # events the queue dropped before they were read
-        # Per content (the unsalted chain's hash): the salted hashes seen for it, so that
-        # a salted miss can tell "cached under another salt" (StoryBook.admitted fills it)
-        self._content: collections.OrderedDict[str, set[BlockHash]] = collections.OrderedDict()
+        # Per content (the unsalted chain's hash): the hash it was last admitted under
+        # (its tenant's salt in it), so that a salted miss can tell "cached under another
+        # salt" (StoryBook.admitted fills it)
+        self._content: collections.OrderedDict[str, BlockHash] = collections.OrderedDict()
 
     def __len__(self) -> int:
         return len(self._records)
@@ -132,17 +129,16 @@ class KVHistory:
         """A request's prompt blocks: their unsalted and (its) salted hashes."""
         index = self._content
         for key, block_hash in zip(content, salted):
-            seen = index.get(key)
-            if seen is None:
-                index[key] = {block_hash}
-                if len(index) > self.max_blocks:
-                    index.popitem(last=False)
-            else:
-                seen.add(block_hash)
+            if key in index:
                 index.move_to_end(key)
+            index[key] = block_hash
+        while len(index) > self.max_blocks:
+            index.popitem(last=False)
 
-    def salted_elsewhere(self, content: str, mine: BlockHash) -> list[BlockHash]:
-        return [h for h in self._content.get(content, ()) if h != mine]
+    def salted_elsewhere(self, content: str, mine: BlockHash) -> BlockHash | None:
+        """The hash these tokens were last admitted under, if not `mine`."""
+        other = self._content.get(content)
+        return other if other != mine else None
 
     def apply(self, event: KVEvent) -> None:
         kind = event.type
@@ -219,9 +215,9 @@ class Story:
             "first_miss": dict(self.first_miss) if self.first_miss else None,
             "preemptions": [dict(p) for p in self.preemptions],
             "copy_on_write": self.copy_on_write, "window_freed": self.window_freed,
-            "moments": {"admitted": iso(self.admitted_at), "first_token": iso(self.first_token_at),
+            "moments": {"admitted": self.admitted_at, "first_token": self.first_token_at,
                         "preemptions": [p["at"] for p in self.preemptions],
-                        "ended": iso(self.ended_at)},
+                        "ended": self.ended_at},
             "finish_reason": self.finish_reason,
         }
 
@@ -258,7 +254,7 @@ class StoryBook:
         kind = event.type
         if kind in ("Preempted", "SwappedOut") and event.reason is not None:
             story.preemptions.append({
-                "at": iso(event.ts), "reason": event.reason, "by": event.by,
+                "at": event.ts, "reason": event.reason, "by": event.by,
                 "needed_blocks": event.needed_blocks, "free_blocks": event.free_blocks,
                 "recomputed_tokens": event.dropped_tokens or 0 if kind == "Preempted" else 0,
                 "swapped_blocks": len(event.block_ids) if kind == "SwappedOut" else 0})
@@ -273,6 +269,8 @@ class StoryBook:
             return
         elif kind == "Finished":
             story.ended_at, story.finish_reason = event.ts, event.detail
+            if story.first_token_at is None and (event.num_tokens or 0) > story.prompt_tokens:
+                story.first_token_at = event.ts  # its first token came in its last step
             self._end(story)
         else:
             return
@@ -345,8 +343,8 @@ class StoryBook:
         self.history.note_content(story.content, request.block_hashes[:len(story.hashes)])
         story.content = None
         self._stories[request.request_id] = story
+        # (handed out with its first token, or its end if that comes first)
         self.awaiting_first_token.add(request.request_id)
-        self.changed.add(request.request_id)
 
     def _first_miss(self, request, prompt_hashes: list[BlockHash], content: list[str],
                     hit: int, where, at: float, off: str | None, windowed: bool) -> dict | None:
@@ -372,12 +370,12 @@ class StoryBook:
                          "it was being written by the same step")
         record = self.history.get(key)
         if record is None or record.first_stored_at > at:
-            for other in self.history.salted_elsewhere(content[hit], block_hash):
-                if where(other) is not None:
-                    return _miss(hit, "salt", None, None,
-                                 f"the tokens of block {hit} are cached under another "
-                                 "tenant's cache salt (hash " + short(other) + "); cache "
-                                 "salts keep tenants' prefixes apart")
+            other = self.history.salted_elsewhere(content[hit], block_hash)
+            if other is not None and where(other) is not None:
+                return _miss(hit, "salt", None, None,
+                             f"the tokens of block {hit} are cached under another tenant's "
+                             f"cache salt (hash {short(other)}); cache salts keep tenants' "
+                             "prefixes apart")
             if self.history.lost_events:
                 return _miss(hit, "unknown", None, None,
                              f"no record of block {hit}'s hash, but the history lost "
@@ -434,7 +432,7 @@ class StoryBook:
 
 
 def _miss(block: int, reason: str, at: float | None, by: str | None, detail: str) -> dict:
-    return {"block": block, "reason": reason, "at": iso(at), "by": by, "detail": detail}
+    return {"block": block, "reason": reason, "at": at, "by": by, "detail": detail}
 
 
 def _clock(ts: float) -> str:

@@ -313,10 +313,11 @@ class LLMEngine:
         stories = self.stories
         stories.drain()
         if stories.awaiting_first_token:
-            now = time.time()
-            for o in outputs:
-                if o.new_token_ids:
-                    stories.first_token(o.request_id, now)
+            now, requests = time.time(), self.scheduler.requests
+            for rid in list(stories.awaiting_first_token):
+                request = requests.get(rid)
+                if request is not None and request.output_token_ids:
+                    stories.first_token(rid, now)
         changed = stories.changed
         if changed:
             for o in outputs:

@@ -99,7 +99,7 @@ class Claim:
 CLAIM_FIELDS = ["attempts", "status", "engine", "engine_instance", "request_id", "started_at",
                 "first_token_at", "output_text", "output_token_ids", "samples", "output_logprobs",
                 "prompt_logprobs", "finish_reason", "error", "num_output_tokens",
-                "num_cached_tokens", "num_preemptions"]
+                "num_cached_tokens", "num_preemptions", "kv_story"]
 
 
 def claim_jobs(claims: list[Claim]) -> list[Job | None]:
@@ -183,7 +183,7 @@ def _claim_queued(claims: list[Claim]) -> set[int]:
                 f"{column('output_logprobs')} = %s, {column('prompt_logprobs')} = %s, "
                 f"{column('finish_reason')} = '', {column('error')} = '', "
                 f"{column('num_output_tokens')} = 0, {column('num_cached_tokens')} = 0, "
-                f"{column('num_preemptions')} = 0 "
+                f"{column('num_preemptions')} = 0, {column('kv_story')} = NULL "
                 f"WHERE {column('id')} IN ({', '.join(['%s'] * len(job_ids))}) "
                 f"AND {column('status')} = %s AND NOT {column('cancel_requested')} "
                 f"AND {column('attempts')} < %s AND {column('celery_task_id')} = %s "
@@ -234,6 +234,7 @@ def _claim(job: Job, c: Claim, live: set[str]) -> str | None:
     job.output_text, job.output_token_ids, job.finish_reason, job.error = "", [], "", ""
     job.samples, job.output_logprobs, job.prompt_logprobs = [], [], []
     job.num_output_tokens = job.num_cached_tokens = job.num_preemptions = 0
+    job.kv_story = None
     return "run"
 
 
@@ -249,6 +250,7 @@ class ProgressDelta:
     num_cached_tokens: int
     num_preemptions: int
     first_token_at: datetime | None = None  # set when this delta holds the first token
+    kv_story: dict | None = None  # its KV story, when the engine told a new one
 
 
 @dataclass(slots=True)
@@ -266,6 +268,7 @@ class FinalState:
     samples: list[dict] = field(default_factory=list)  # n > 1: every sample's outcome
     logprobs: list[list] = field(default_factory=list)  # if asked: see Job.output_logprobs
     prompt_logprobs: list[list] = field(default_factory=list)
+    kv_story: dict | None = None  # its KV story, if the engine told one
 
 
 def record_progress(deltas: list[ProgressDelta]) -> set[str]:
@@ -278,12 +281,13 @@ def record_progress(deltas: list[ProgressDelta]) -> set[str]:
     table = connection.ops.quote_name(Job._meta.db_table)
     sql = (f"UPDATE {table} SET output_text = output_text || %s, num_output_tokens = %s, "
            "num_prompt_tokens = %s, num_cached_tokens = %s, num_preemptions = %s, "
-           "first_token_at = COALESCE(first_token_at, %s) "
+           "first_token_at = COALESCE(first_token_at, %s), kv_story = COALESCE(%s, kv_story) "
            "WHERE id = %s AND request_id = %s AND status = %s")
     when = connection.ops.adapt_datetimefield_value
+    story = _story_prep()
     rows = [(d.text, d.num_output_tokens, d.num_prompt_tokens, d.num_cached_tokens,
-             d.num_preemptions, when(d.first_token_at), d.job_id, d.request_id,
-             Job.Status.RUNNING) for d in deltas]
+             d.num_preemptions, when(d.first_token_at), story(d.kv_story), d.job_id,
+             d.request_id, Job.Status.RUNNING) for d in deltas]
     with transaction.atomic(), connection.cursor() as cursor:
         cursor.executemany(sql, rows)
         if cursor.rowcount == -1 or cursor.rowcount >= len(rows):
@@ -308,13 +312,14 @@ def finish_jobs(finals: list[FinalState]) -> list[Job]:
            "num_output_tokens = %s, num_prompt_tokens = %s, num_cached_tokens = %s, "
            "num_preemptions = %s, first_token_at = COALESCE(first_token_at, %s), "
            "finish_reason = %s, samples = %s, output_logprobs = %s, prompt_logprobs = %s, "
-           "status = %s, error = '', finished_at = %s "
+           "kv_story = COALESCE(%s, kv_story), status = %s, error = '', finished_at = %s "
            "WHERE id = %s AND request_id = %s AND status IN (%s, %s)")
     token_ids = Job._meta.get_field("output_token_ids")
     samples = Job._meta.get_field("samples")
     logprobs = Job._meta.get_field("output_logprobs")
     when = connection.ops.adapt_datetimefield_value
     now = when(timezone.now())
+    story = _story_prep()
     with transaction.atomic(), connection.cursor() as cursor:
         for f in finals:
             if f.finish_reason == "abort":
@@ -329,7 +334,7 @@ def finish_jobs(finals: list[FinalState]) -> list[Job]:
                 samples.get_db_prep_value(f.samples, connection),
                 logprobs.get_db_prep_value(f.logprobs, connection),
                 logprobs.get_db_prep_value(f.prompt_logprobs, connection),
-                Job.Status.FINISHED, now, f.job_id,
+                story(f.kv_story), Job.Status.FINISHED, now, f.job_id,
                 f.request_id, Job.Status.RUNNING, Job.Status.QUEUED))
             if cursor.rowcount:
                 finished.append(f.job_id)
@@ -354,14 +359,22 @@ def _finish_aborted(final: FinalState) -> Job | None:
     job.finish_reason = final.finish_reason
     job.samples = final.samples
     job.output_logprobs, job.prompt_logprobs = final.logprobs, final.prompt_logprobs
+    job.kv_story = final.kv_story or job.kv_story
     reason = "cancelled by its owner" if job.cancel_requested \
         else f"aborted by an operator on engine {job.engine}"
     _end(job, Job.Status.CANCELLED, error=reason)
     job.save(update_fields=[
         "output_text", "output_token_ids", "num_output_tokens", "num_prompt_tokens",
         "num_cached_tokens", "num_preemptions", "first_token_at", "finish_reason", "samples",
-        "output_logprobs", "prompt_logprobs", *END_FIELDS])
+        "output_logprobs", "prompt_logprobs", "kv_story", *END_FIELDS])
     return job
+
+
+def _story_prep():
+    """A KV story as a parameter of plain SQL: JSON, or NULL (COALESCE keeps the one
+    stored) when there is none."""
+    field = Job._meta.get_field("kv_story")
+    return lambda story: None if story is None else field.get_db_prep_value(story, connection)
 
 
 def fail_job(job_id: int, error: str, request_id: str | None = None) -> None:

@@ -87,6 +87,11 @@ class Job(models.Model):
         help_text="with n > 1: every sample's {text, token_ids, finish_reason}, in order "
                   "(output_text and output_token_ids hold sample 0's)")
     finish_reason = models.CharField(max_length=16, blank=True)
+    kv_story = models.JSONField(
+        null=True, blank=True,
+        help_text="its KV story as its engine told it (engine/kv_story.py): where its "
+                  "prompt's blocks came from, why the first miss missed, its preemptions; "
+                  "GET /api/jobs/<id>/kv/ shows it")
     error = models.TextField(blank=True)
     num_prompt_tokens = models.PositiveIntegerField(default=0)
     num_cached_tokens = models.PositiveIntegerField(default=0)

@@ -41,7 +41,9 @@ def operator_action(user, engine: Engine, action: str, target: str, arguments: d
                 raise KeyReused(f"the first call with {idempotency.HEADER} "
                                 f"{idempotency_key!r} is still being answered") from None
             return prior.status_code, prior.result, True
-    reply = control.send_engine_command(engine.worker, action, arguments)
+    # the engine names the operator where it explains what the command did (KV stories)
+    reply = control.send_engine_command(engine.worker, action,
+                                        {**arguments, "by": user.username})
     if reply is None:
         status, body = 504, {"ok": False, "error": "Timeout",
                              "message": f"engine {engine.name} ({engine.worker}) did not answer "

@@ -84,6 +84,8 @@ class _Tracked:
     prompt_logprobs: list[list] = field(default_factory=list)  # the same per prompt token
     prompt_logprobs_sent: bool = False
     dirty: bool = False  # progress not in the database yet
+    kv_story: dict | None = None  # the engine's newest KV story of it
+    kv_story_unwritten: bool = False  # that story is not in the database yet
     # n > 1: this is sample `index` of the attempt `parent_id`; `siblings` (one list for
     # them all, in order) end the job together, and sample 0's progress is the row's.
     index: int = 0
@@ -302,6 +304,8 @@ class OutputProcessor:
         step for the text, so that a stop string ends the job at the step that made it
         (tokens the engine produced after it are not the job's)."""
         for out in outs:
+            if out.kv_story is not None:
+                t.kv_story, t.kv_story_unwritten = out.kv_story, True
             if out.new_token_ids:
                 t.token_ids.extend(out.new_token_ids)
                 t.detok.add(out.new_token_ids)
@@ -354,7 +358,8 @@ class OutputProcessor:
             first = t.first_token_at if not t.first_token_written else None
             deltas.append(job_store.ProgressDelta(
                 t.job_id, t.attempt_id, "".join(t.unwritten), t.num_output_tokens,
-                t.num_prompt_tokens, t.num_cached_tokens, t.num_preemptions, first))
+                t.num_prompt_tokens, t.num_cached_tokens, t.num_preemptions, first,
+                t.kv_story if t.kv_story_unwritten else None))
         if not deltas:
             return
         fenced = job_store.record_progress(deltas)
@@ -371,7 +376,7 @@ class OutputProcessor:
             if t.dirty:
                 t.unwritten.clear()
                 t.first_token_written = t.first_token_written or t.first_token_at is not None
-                t.dirty = False
+                t.dirty = t.kv_story_unwritten = False
 
     def _send(self, updates: list[dict]) -> None:
         try:
@@ -393,4 +398,4 @@ def _final_state(t: _Tracked) -> job_store.FinalState:
         token_ids=list(t.token_ids), num_prompt_tokens=t.num_prompt_tokens,
         num_cached_tokens=t.num_cached_tokens, num_preemptions=t.num_preemptions,
         finish_reason=t.finish_reason or "", first_token_at=t.first_token_at, samples=samples,
-        logprobs=t.logprobs, prompt_logprobs=t.prompt_logprobs)
+        logprobs=t.logprobs, prompt_logprobs=t.prompt_logprobs, kv_story=t.kv_story)

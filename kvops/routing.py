@@ -48,17 +48,18 @@ def choose_queues(jobs: list[Job]) -> list[tuple[str, dict]]:
     (their tokens count as load, their prefixes as cached on the engine they went to).
     A burst of hundreds of jobs used to cost four round trips a job here."""
     out: list[tuple[str, dict] | None] = [None] * len(jobs)
-    routed = []
+    routed, requested = [], []
     for i, job in enumerate(jobs):
         if job.requested_engine:
             out[i] = engine_queue(job.requested_engine), {
                 "policy": "requested", "engine": job.requested_engine,
                 "reason": "the job named its engine"}
+            requested.append(i)
         else:
             routed.append(i)
-    if not routed:
-        return out
     mode = policy()
+    if not routed and not (requested and mode == "prefix"):
+        return out
     engines = _candidates()
     allowed = {i: _serving(engines, jobs[i].model) for i in routed}
     if mode == "shared" or not engines:
@@ -72,7 +73,7 @@ def choose_queues(jobs: list[Job]) -> list[tuple[str, dict]]:
             f"no live engine serving {jobs[i].model!r} takes jobs (draining or none): the "
             "first free worker takes it")}
     routed = [i for i in routed if allowed[i]]
-    if not routed:
+    if not routed and not requested:
         return out
     redis = live.redis_client()
     if mode == "round-robin":
@@ -83,11 +84,25 @@ def choose_queues(jobs: list[Job]) -> list[tuple[str, dict]]:
                 "policy": mode, "engine": chosen.name,
                 "reason": f"turn {turn} of {len(allowed[i])} engines"}
         return out
-    decisions = _by_prefix([jobs[i] for i in routed], [allowed[i] for i in routed], engines,
-                           redis)
-    for i, decision in zip(routed, decisions):
-        out[i] = decision
+    # A job that named its engine goes there; the prefixes the others hold are looked
+    # up all the same, so that its KV story can say what the router saw (a routing miss)
+    # (in the jobs' order: each sees those before it as if routed one by one)
+    named = {e.name: e for e in engines}
+    requested = {i for i in requested if jobs[i].requested_engine in named}
+    order = sorted([*routed, *requested])
+    shown = [_with(_serving(engines, jobs[i].model), named[jobs[i].requested_engine])
+             if i in requested else _serving(engines, jobs[i].model) for i in order]
+    chooseable = [[named[jobs[i].requested_engine]] if i in requested else allowed[i]
+                  for i in order]
+    decisions = _by_prefix([jobs[i] for i in order], chooseable, engines, redis, shown)
+    for i, (queue, decision) in zip(order, decisions):
+        out[i] = (queue, {**decision, "policy": "requested", "reason": "the job named its engine"}
+                  if i in requested else decision)
     return out
+
+
+def _with(engines: list[Engine], engine: Engine) -> list[Engine]:
+    return engines if engine in engines else [*engines, engine]
 
 
 def _serving(engines: list[Engine], model: str) -> list[Engine]:
@@ -114,19 +129,21 @@ def _load(engine: Engine, pending: bytes | None) -> int:
 
 
 def _by_prefix(jobs: list[Job], allowed: list[list[Engine]], engines: list[Engine],
-               redis) -> list[tuple[str, dict]]:
+               redis, shown: list[list[Engine]] | None = None) -> list[tuple[str, dict]]:
     """The longest prefix wins, held in either tier (copying a block back from the CPU
     costs far less than recomputing it); then more of it on the GPU; then load. Each
     job goes to one of its `allowed` engines (those serving its model), and its prefix
     is hashed from the token ids rendered at intake (on engines of another tokenizer,
-    rendered here)."""
+    rendered here). `shown`: per job, the engines whose cached prefix the decision
+    shows (by default its allowed ones; always a superset of them)."""
+    shown = shown or allowed
     names = [e.name for e in engines]
     hashes: list[dict[str, list[str]]] = []  # per job, per allowed engine
     memo: dict[tuple, list[str]] = {}  # engines of one model share a prompt's hashes
     pipe = redis.pipeline(transaction=False)
     for e in engines:
         pipe.get(PENDING_KEY.format(engine=e.name))
-    for job, its_engines in zip(jobs, allowed):
+    for job, its_engines in zip(jobs, shown):
         salt = cache_salt(job.owner)  # its blocks are found under its owner's salt only
         per_engine = {}
         for e in its_engines:

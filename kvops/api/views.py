@@ -16,7 +16,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from engine.commands import STATE_COMMANDS
-from kvops import (admission, grammar_check, idempotency, intake, job_store, limits,
+from kvops import (admission, grammar_check, idempotency, intake, job_store, kv_story, limits,
                    operator_actions, selectors, visibility, what_if)
 from kvops.api.serializers import (EmptySerializer, EngineSerializer, EvictSerializer,
                                    JobSerializer, LimitsSerializer,
@@ -94,6 +94,8 @@ class JobViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.Retrieve
             qs = qs.filter(engine=params["engine"])
         if params.get("mine") in ("1", "true"):
             qs = qs.filter(owner=self.request.user)
+        if self.action == "list":
+            qs = qs.defer("kv_story")  # (GET /api/jobs/<id>/kv/ shows it)
         return qs
 
     @extend_schema(
@@ -125,6 +127,28 @@ class JobViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.Retrieve
         except job_store.Conflict as e:
             return Response({"error": str(e)}, status=status.HTTP_409_CONFLICT)
         return Response(JobSerializer(job).data)
+
+    @extend_schema(responses={200: inline_serializer("JobKVStory", {
+        "job": serializers.IntegerField(), "status": serializers.CharField(),
+        "engine": serializers.CharField(allow_null=True),
+        "told": serializers.BooleanField(),
+        "block_size": serializers.IntegerField(allow_null=True),
+        "prompt_tokens": serializers.IntegerField(),
+        "cached_tokens": serializers.DictField(child=serializers.IntegerField()),
+        "blocks": serializers.ListField(child=serializers.DictField()),
+        "first_miss": serializers.DictField(allow_null=True),
+        "preemptions": serializers.ListField(child=serializers.DictField()),
+        "routing": serializers.DictField(),
+        "copy_on_write": serializers.IntegerField(),
+        "window_freed": serializers.IntegerField(),
+        "moments": serializers.DictField()})})
+    @action(detail=True, methods=["get"])
+    def kv(self, request, pk=None):
+        """The job's KV story: where each prompt block's K/V came from (GPU, CPU tier,
+        or computed), why the first block that missed was not cached (proved from its
+        engine's history, "unknown" where that cannot tell), its preemptions and their
+        causes, and the router's view when it chose (docs/api.md, "KV story")."""
+        return Response(kv_story.document(self.get_object(), request.user))
 
 
 EVENTS_PAGE_MAX = 1000  # KV events per page of /api/engines/<name>/events/

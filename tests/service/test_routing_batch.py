@@ -71,8 +71,13 @@ def test_a_burst_follows_its_prefixes_as_one_by_one_routing_would(engines):
     assert [redis.smembers(prefix_index.INDEX_KEY.format(engine=n)) for n in engines] == index
 
     decided = [d for _, d in together]
-    assert decided[3] == {"policy": "requested", "engine": engines[0],
-                          "reason": "the job named its engine"}
+    named = decided[3]
+    assert (named["policy"], named["engine"], named["reason"]) == (
+        "requested", engines[0], "the job named its engine")
+    # the router looked all the same: what each engine held of its prefix (B's, cached
+    # by the job before it), for its KV story
+    assert set(named["cached_blocks"]) == set(engines)
+    assert max(named["cached_blocks"].values()) > 0
     a_jobs, b_jobs = [decided[i] for i in (0, 2, 6)], [decided[i] for i in (1, 5)]
     home_a, home_b = a_jobs[0]["engine"], b_jobs[0]["engine"]
     assert home_a != home_b  # B's first job found A's engine loaded by A's first
@@ -84,14 +89,13 @@ def test_a_burst_follows_its_prefixes_as_one_by_one_routing_would(engines):
         assert d["reason"].startswith("holds the longest cached prefix")
     assert a_jobs[0]["reason"] == "no engine holds a prefix of it: least loaded"
     assert decided[1]["load_tokens"][home_a] > 0 == decided[1]["load_tokens"][home_b]
-    # What the batch recorded: each routed job's full blocks as load (a job with none
-    # counts 1 token), and its prefix as cached, on the engine it went to.
-    chains = [prefix_index_chain(engines, job.prompt, owner)
-              for job in burst(owner, engines) if not job.requested_engine]
+    # What the batch recorded: each job's full blocks as load (a job with none counts
+    # 1 token), and its prefix as cached, on the engine it went to (the one it named,
+    # for a job that named one).
+    chains = [prefix_index_chain(engines, job.prompt, owner) for job in burst(owner, engines)]
     assert sum(pending) == sum(max(1, len(c) * BLOCK) for c in chains)
     held = {name: {h.decode() for h in members} for name, members in zip(engines, index)}
-    routed = [d for d in decided if d["policy"] == "prefix"]
-    for chain, d in zip(chains, routed):
+    for chain, d in zip(chains, decided):
         assert set(chain) <= held[d["engine"]]
     assert held[home_a] | held[home_b] == set().union(*map(set, chains))
 
