@@ -69,6 +69,10 @@ class EngineConfig:
     # this many of the newest block hashes (about 200 bytes each); 0: no history, no
     # stories
     kv_history_blocks: int = 100_000
+    # with the history: the share of block hashes whose residency (lifetime, idle time
+    # before eviction, gaps between hits) the metrics sample, as vLLM's
+    # --kv-cache-metrics-sample
+    kv_metrics_sample: float = 0.01
     # CPU, float32: the C++ kernels of kernels/cpu_ext.py: "on", "off" (torch's paths),
     # or "auto": on where the CPU has AVX-512, which they are written for (their tiles
     # assume 32 vector registers; with AVX2's 16 they spill, and torch's paths are 1.2-5x
@@ -123,6 +127,7 @@ class EngineConfig:
         _check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]")
         _check(self.max_pending_events >= 0, "max_pending_events must be >= 0")
         _check(self.kv_history_blocks >= 0, "kv_history_blocks must be >= 0")
+        _check(0.0 <= self.kv_metrics_sample <= 1.0, "kv_metrics_sample must be in [0, 1]")
         _check(1 <= self.tensor_parallel_size <= 64,
                f"tensor_parallel_size must be in [1, 64], got {self.tensor_parallel_size}")
         _check(not (self.simulate and self.tensor_parallel_size > 1),

@@ -45,6 +45,8 @@ FIRST_MISS_REASONS = {
     "unknown": "the history cannot tell",
 }
 PREEMPTION_REASONS = ("kv_full", "priority", "operator", "migration")
+# Bounds (seconds) of the block residency histograms (vLLM's kv_block_* names)
+RESIDENCY_BUCKETS = (0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)
 _RESETS_KEPT = 64  # the newest resets the history remembers
 STORY_QUEUE_MAX = 1 << 20  # events between two drains; more are dropped (and said)
 
@@ -69,6 +71,25 @@ class HashRecord:
         return self.removed_at is None or self.removed_at < self.stored_at
 
 
+class Histogram:
+    """Counts per bucket (not cumulative) and the sum, as the metrics carry them."""
+
+    def __init__(self, bounds: tuple[float, ...] = RESIDENCY_BUCKETS) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last: above every bound
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        i = 0
+        while i < len(self.bounds) and value > self.bounds[i]:
+            i += 1
+        self.counts[i] += 1
+        self.sum += value
+
+    def as_dict(self) -> dict:
+        return {"bounds": list(self.bounds), "counts": list(self.counts), "sum": self.sum}
+
+
 class _Bloom:
     """Hashes the history dropped: 'maybe seen' or 'never seen' (no false negatives)."""
 
@@ -91,8 +112,15 @@ class _Bloom:
 class KVHistory:
     """Per hash, what happened to it (HashRecord), for the newest `max_blocks` hashes."""
 
-    def __init__(self, max_blocks: int) -> None:
+    def __init__(self, max_blocks: int, sample: float = 0.01) -> None:
         self.max_blocks = max_blocks
+        # Block residency, for a `sample` share of hashes (chosen by the hash, so a
+        # block is followed through its life): stored -> evicted, last touched ->
+        # evicted, and the gap between two hits
+        self._sample_below = int(sample * (1 << 32))
+        self.lifetime = Histogram()
+        self.idle_before_evict = Histogram()
+        self.reuse_gap = Histogram()
         self._records: collections.OrderedDict[str, HashRecord] = collections.OrderedDict()
         self._dropped = _Bloom(max_blocks)
         self.num_dropped = 0  # records pushed out by the bound
@@ -153,9 +181,13 @@ class KVHistory:
                     record.stored_by = event.request_id
                 record.stored_at = event.ts
         elif kind == "PrefixHit":
+            if event.pool != "gpu":
+                return
             for key in event.block_hashes:
                 record = self._records.get(key)
                 if record is not None:
+                    if self._sampled(key):
+                        self.reuse_gap.observe(event.ts - (record.last_hit or record.stored_at))
                     record.hits += 1
                     record.last_hit = event.ts
         elif kind == "BlockEvicted":
@@ -168,6 +200,10 @@ class KVHistory:
                 else:
                     record.removed_at, record.removed_reason = event.ts, event.reason
                     record.removed_by = event.by
+                    if self._sampled(key):
+                        self.lifetime.observe(event.ts - record.stored_at)
+                        self.idle_before_evict.observe(
+                            event.ts - max(record.stored_at, record.last_hit or 0.0))
         elif kind == "WindowFreed":
             for key in event.block_hashes:
                 record = self._records.get(key)
@@ -175,6 +211,9 @@ class KVHistory:
                     record.window_at = event.ts
         elif kind == "AllBlocksCleared":
             self.resets.append((event.ts, event.by))
+
+    def _sampled(self, key: str) -> bool:
+        return int(key[:8], 16) < self._sample_below
 
     def reset_after(self, ts: float) -> tuple[float, str | None] | None:
         """The first reset after `ts`, if the history still knows it."""
@@ -226,9 +265,12 @@ class StoryBook:
     """The stories of live requests (and of the last ended ones, until handed out)."""
 
     def __init__(self, engine_name: str, max_blocks: int, queue: EventQueue,
-                 keep_ended: int = 1024) -> None:
+                 keep_ended: int = 1024, sample: float = 0.01) -> None:
         self.engine_name = engine_name
-        self.history = KVHistory(max_blocks)
+        self.history = KVHistory(max_blocks, sample)
+        # prompt tokens computed at first admissions, by the first miss's reason (a full
+        # hit's: its last, partly filled block, "partial_block")
+        self.missed_tokens: collections.Counter = collections.Counter()
         self._queue = queue
         self._stories: dict[str, Story] = {}
         self.awaiting_first_token: set[str] = set()
@@ -341,6 +383,8 @@ class StoryBook:
 
     def admitted(self, request, story: Story) -> None:
         self.history.note_content(story.content, request.block_hashes[:len(story.hashes)])
+        reason = story.first_miss["reason"] if story.first_miss else "partial_block"
+        self.missed_tokens[reason] += story.prompt_tokens - sum(story.cached.values())
         story.content = None
         self._stories[request.request_id] = story
         # (handed out with its first token, or its end if that comes first)
@@ -426,9 +470,13 @@ class StoryBook:
         story = self._stories.get(request_id) or self._ended.get(request_id)
         return None if story is None else story.document(self.engine_name)
 
-    def take_changed(self) -> set[str]:
-        changed, self.changed = self.changed, set()
-        return changed
+    def metrics(self) -> dict:
+        h = self.history
+        return {"missed_tokens_by_reason": dict(self.missed_tokens),
+                "kv_history_blocks": len(h), "kv_history_dropped": h.num_dropped,
+                "kv_block_lifetime_seconds": h.lifetime.as_dict(),
+                "kv_block_idle_before_evict_seconds": h.idle_before_evict.as_dict(),
+                "kv_block_reuse_gap_seconds": h.reuse_gap.as_dict()}
 
 
 def _miss(block: int, reason: str, at: float | None, by: str | None, detail: str) -> dict:

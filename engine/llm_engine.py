@@ -107,7 +107,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.kv, self.max_model_len, self.events)
         # requests' KV stories (engine/kv_story.py), read from the event stream
         self.stories = StoryBook(config.name, config.kv_history_blocks,
-                                 self.events.subscribe(STORY_QUEUE_MAX)) \
+                                 self.events.subscribe(STORY_QUEUE_MAX),
+                                 sample=config.kv_metrics_sample) \
             if config.kv_history_blocks else None
         self.kv.stories = self.stories
         self.step_count = 0
@@ -763,6 +764,7 @@ class LLMEngine:
             "num_preemptions": c.num_preemptions,
             "num_swaps_out": c.num_swaps_out,
             "num_swaps_in": c.num_swaps_in,
+            "preemptions_by_reason": dict(c.preemptions_by_reason),
             "running": len(sched.running),
             "waiting": len(sched.waiting),
             "swapped": len(sched.swapped),
@@ -776,4 +778,6 @@ class LLMEngine:
             # Load, for routing: tokens the engine still has to hold or compute.
             "running_tokens": sum(r.num_tokens for r in sched.running),
             "waiting_tokens": sum(r.num_tokens for r in sched.waiting),
+            # the KV history's: tokens missed by reason, block residency histograms
+            **(self.stories.metrics() if self.stories is not None else {}),
         }

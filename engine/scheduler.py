@@ -71,6 +71,8 @@ class SchedulerCounters:
     num_swaps_in: int = 0
     num_prompt_tokens: int = 0  # prefill tokens computed (prompts, recomputed outputs)
     num_generation_tokens: int = 0  # tokens sampled
+    # every preemption (recompute or swap) by its reason (events.REASONS)
+    preemptions_by_reason: collections.Counter = field(default_factory=collections.Counter)
 
 
 class Scheduler:
@@ -428,6 +430,7 @@ class Scheduler:
         victim.status = RequestStatus.WAITING
         self.waiting.push_front(victim)
         self.counters.num_preemptions += 1
+        self.counters.preemptions_by_reason[reason] += 1
         self.events.emit("Preempted", request_id=victim.request_id, detail=detail,
                          reason=reason, by=by, num_tokens=victim.num_tokens,
                          ref_cnts=[num_blocks], needed_blocks=room[0], free_blocks=room[1],
@@ -441,6 +444,7 @@ class Scheduler:
         request.num_preemptions += 1
         self.swapped.append(request)
         self.counters.num_swaps_out += 1
+        self.counters.preemptions_by_reason[reason] += 1
         self.events.emit("SwappedOut", request_id=request.request_id,
                          block_ids=[g for g, _ in mapping], pool="gpu",
                          detail="operator" if parked else "out of blocks",

@@ -1,4 +1,5 @@
-"""Job latency histograms kept in Redis, so every web process exports the same counts."""
+"""Job latency histograms and the router's regret kept in Redis, so every web process
+exports the same counts."""
 from __future__ import annotations
 
 import logging
@@ -64,6 +65,32 @@ def observe_jobs(jobs) -> None:
         pipe.execute()
     except Exception as e:
         log.warning("could not record latency of jobs %s: %s", [j.pk for j in jobs], e)
+
+
+ROUTING_KEY = "kvops:routing:regret:{engine}"  # hash: jobs, missed (jobs), tokens
+
+
+def count_routing(pipe, engine: str, regret_tokens: int) -> None:
+    """One routed job (in the router's pipeline): its regret is the prompt tokens the best
+    engine held beyond the one chosen (a job that named its engine may have some)."""
+    key = ROUTING_KEY.format(engine=engine)
+    pipe.hincrby(key, "jobs", 1)
+    if regret_tokens > 0:
+        pipe.hincrby(key, "missed", 1)
+        pipe.hincrby(key, "tokens", regret_tokens)
+    pipe.sadd(ENGINES_KEY, engine)
+
+
+def read_routing() -> dict[str, dict[str, int]]:
+    """{engine: {"jobs", "missed", "tokens"}}: jobs routed to it, those another engine
+    held more of, and the tokens it held more."""
+    client = live.redis_client()
+    out = {}
+    for engine in sorted(e.decode() for e in client.smembers(ENGINES_KEY)):
+        raw = client.hgetall(ROUTING_KEY.format(engine=engine))
+        if raw:
+            out[engine] = {k: int(raw.get(k.encode(), 0)) for k in ("jobs", "missed", "tokens")}
+    return out
 
 
 def read_histograms() -> dict[str, dict[str, dict[str, float]]]:

@@ -61,6 +61,7 @@ class _Collector:
         for status in Job.Status.values:
             jobs.add_metric([status], Job.objects.filter(status=status).count())
         yield jobs
+        yield from _kv_story_families(engines)
         for hist_name, per_engine in metrics_store.read_histograms().items():
             bounds = metrics_store.HISTOGRAMS[hist_name]
             family = HistogramMetricFamily(f"kvops:{hist_name}",
@@ -71,6 +72,69 @@ class _Collector:
                 buckets.append(("+Inf", counts.get("+Inf", 0.0)))
                 family.add_metric([engine], buckets, sum_value=counts.get("sum", 0.0))
             yield family
+
+
+# The KV history's block residency histograms (vLLM's names), sampled in the engine
+RESIDENCY = [
+    ("kv_block_lifetime_seconds", "Seconds from a block's store in the prefix cache to its "
+     "eviction (sampled: EngineConfig.kv_metrics_sample)."),
+    ("kv_block_idle_before_evict_seconds", "Seconds from a block's store or last hit to its "
+     "eviction (sampled)."),
+    ("kv_block_reuse_gap_seconds", "Seconds between a block's store or hit and its next hit "
+     "(sampled)."),
+]
+# prompt tokens by where their K/V came from, as vLLM labels them (the CPU tier is the
+# transfer from outside the GPU pool)
+SOURCES = [("local_compute", lambda m: m["prefix_cache_queries"] - m["prefix_cache_hits"]),
+           ("local_cache_hit", lambda m: m["prefix_cache_hits"] - m.get("cpu_prefix_cache_hits", 0)),
+           ("external_kv_transfer", lambda m: m.get("cpu_prefix_cache_hits", 0))]
+
+
+def _kv_story_families(engines):
+    """Preemptions and missed prompt tokens by reason, prompt tokens by source, block
+    residency, and the router's regret."""
+    by_reason = CounterMetricFamily(
+        "kvops:num_preemptions_by_reason", "Preemptions (recompute or swap) by cause: "
+        "kv_full, priority, operator, migration.", labels=["engine", "reason"])
+    missed = CounterMetricFamily(
+        "kvops:missed_prompt_tokens_by_reason", "Prompt tokens computed at admission, by why "
+        "the first block that missed was not cached (a full hit's: partial_block).",
+        labels=["engine", "reason"])
+    sources = CounterMetricFamily(
+        "kvops:prompt_tokens_by_source", "Prompt tokens at admission by where their K/V "
+        "came from: computed, the GPU prefix cache, the CPU tier.", labels=["engine", "source"])
+    residency = {name: HistogramMetricFamily(f"kvops:{name}", text, labels=["engine"])
+                 for name, text in RESIDENCY}
+    for engine in engines:
+        m = engine.metrics or {}
+        for reason, n in sorted((m.get("preemptions_by_reason") or {}).items()):
+            by_reason.add_metric([engine.name, reason], float(n))
+        for reason, n in sorted((m.get("missed_tokens_by_reason") or {}).items()):
+            missed.add_metric([engine.name, reason], float(n))
+        if "prefix_cache_queries" in m:
+            for source, value in SOURCES:
+                sources.add_metric([engine.name, source], float(value(m)))
+        for name, family in residency.items():
+            h = m.get(name)
+            if h:
+                running, buckets = 0, []
+                for bound, count in zip(h["bounds"] + ["+Inf"], h["counts"]):
+                    running += count
+                    buckets.append((repr(float(bound)) if bound != "+Inf" else bound, running))
+                family.add_metric([engine.name], buckets, sum_value=h["sum"])
+    yield from (by_reason, missed, sources, *residency.values())
+    regret = CounterMetricFamily(
+        "kvops:routing_regret_tokens", "Prompt tokens the best engine held beyond the one a "
+        "job went to (the router's regret; a job that named its engine may have some).",
+        labels=["engine"])
+    misses = CounterMetricFamily(
+        "kvops:routing_misses", "Jobs that went to an engine holding less of their prefix "
+        "than another did.", labels=["engine"])
+    for engine, counts in metrics_store.read_routing().items():
+        regret.add_metric([engine], float(counts["tokens"]))
+        misses.add_metric([engine], float(counts["missed"]))
+    yield regret
+    yield misses
 
 
 def metrics(request: HttpRequest) -> HttpResponse:

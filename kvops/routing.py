@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from django.conf import settings
 
-from kvops import live, prefix_index, selectors
+from kvops import live, metrics_store, prefix_index, selectors
 from kvops.models import Engine, Job
 from kvops.prompts import inspector
 from kvops.tenancy import cache_salt
@@ -161,6 +161,7 @@ def _by_prefix(jobs: list[Job], allowed: list[list[Engine]], engines: list[Engin
     routed_tokens = dict.fromkeys(names, 0)
     expected: dict[str, set[str]] = {name: set() for name in names}
     decisions = []
+    regrets = []  # per job: (engine chosen, tokens the best engine held beyond it)
     for job, per_engine, its_engines in zip(jobs, hashes, allowed):
         cached, on_gpu = {}, {}
         for name in per_engine:
@@ -181,6 +182,8 @@ def _by_prefix(jobs: list[Job], allowed: list[list[Engine]], engines: list[Engin
         # jobs of the same burst follow it (the engine's next full index rewrite corrects
         # this), and count its tokens as that engine's load until its next heartbeat.
         chain = per_engine[chosen.name]
+        block_size = int(chosen.config.get("block_size") or 1)
+        regrets.append((chosen.name, (max(cached.values()) - cached[chosen.name]) * block_size))
         expected[chosen.name].update(chain)
         tokens = max(len(chain) * int(chosen.config.get("block_size") or 1), 1)
         load[chosen.name] += tokens
@@ -190,6 +193,8 @@ def _by_prefix(jobs: list[Job], allowed: list[list[Engine]], engines: list[Engin
             "cached_blocks": cached, "gpu_cached_blocks": on_gpu,
             "load_tokens": shown_load}))
     pipe = redis.pipeline(transaction=False)
+    for name, regret in regrets:
+        metrics_store.count_routing(pipe, name, regret)
     for name in names:
         prefix_index.expect(pipe, name, expected[name])
         if routed_tokens[name]:

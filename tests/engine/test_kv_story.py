@@ -187,3 +187,29 @@ def test_outputs_carry_the_story_when_it_changes():
     assert stories[0]["first_miss"]["reason"] == "never_cached"
     assert stories[-1]["finish_reason"] == "length"
     assert len(stories) <= 3  # admitted (with its first token), ended: not every step
+
+
+def test_metrics_count_misses_by_reason_preemptions_by_reason_and_residency():
+    engine = small(kv_metrics_sample=1.0)
+    story_of(engine, "a1", A)  # never cached: 20 tokens computed
+    story_of(engine, "a2", A)  # a full hit: the last token computed
+    flood(engine, 4)
+    story_of(engine, "a3", A)  # evicted
+    m = engine.metrics()
+    missed = m["missed_tokens_by_reason"]
+    assert missed["evicted"] == 20 and missed["partial_block"] == 1
+    assert missed["never_cached"] == 20 + 4 * 40  # a1 and the flood
+    lifetime = m["kv_block_lifetime_seconds"]
+    assert sum(lifetime["counts"]) >= 5 and lifetime["sum"] >= 0
+    assert len(lifetime["counts"]) == len(lifetime["bounds"]) + 1
+    # a2 hit a1's 5 blocks (and preempted flood requests their own, on their return)
+    assert sum(m["kv_block_reuse_gap_seconds"]["counts"]) >= 5
+    assert sum(m["kv_block_idle_before_evict_seconds"]["counts"]) == sum(lifetime["counts"])
+
+    pressed = sim_engine(num_gpu_blocks=10, block_size=BS, vocab_size=2000,
+                         enable_prefix_caching=False)
+    for i in range(3):
+        pressed.add_request(f"r{i}", list(range(100 * i + 1, 100 * i + 9)), greedy(20))
+    run_all(pressed)
+    by_reason = pressed.metrics()["preemptions_by_reason"]
+    assert by_reason["kv_full"] == pressed.metrics()["num_preemptions"] > 0

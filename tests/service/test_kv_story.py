@@ -149,3 +149,37 @@ def test_another_users_request_ids_are_hidden(stack):
     miss = told["first_miss"]
     assert miss["reason"] == "evicted" and miss["by"] == "another user's request"
     assert "job-" not in miss["detail"]
+
+
+def test_metrics_export_the_reasons(stack):
+    """After the stories above: /metrics counts them, from the engines' heartbeats."""
+    import re
+
+    def sample(text: str, name: str, **labels) -> float:
+        for line in text.splitlines():
+            if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+    def scraped() -> str:
+        return stack.api("GET", "/metrics", user=None).text
+
+    stack.wait(lambda: sample(scraped(), "kvops:missed_prompt_tokens_by_reason_total",
+                              engine="a", reason="operator_evict") > 0, "a heartbeat", 30)
+    text = scraped()
+    for reason in ("never_cached", "evicted", "reset", "salt", "partial_block"):
+        assert sample(text, "kvops:missed_prompt_tokens_by_reason_total", engine="a",
+                      reason=reason) > 0, reason
+    stack.wait(lambda: sample(scraped(), "kvops:num_preemptions_by_reason_total",
+                              engine="p", reason="kv_full") > 0, "p's heartbeat", 30)
+    text = scraped()
+    assert sample(text, "kvops:num_preemptions_by_reason_total", engine="a",
+                  reason="operator") >= 1
+    assert sample(text, "kvops:prompt_tokens_by_source_total", engine="a",
+                  source="local_cache_hit") >= 176
+    assert sample(text, "kvops:prompt_tokens_by_source_total", engine="a",
+                  source="local_compute") > 0
+    # the job sent to b by name while a held its prefix
+    assert sample(text, "kvops:routing_misses_total", engine="b") >= 1
+    assert sample(text, "kvops:routing_regret_tokens_total", engine="b") >= 48
+    assert re.search(r'^kvops:kv_block_lifetime_seconds_count\{engine="a"\} ', text, re.M)
