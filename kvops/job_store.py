@@ -80,7 +80,15 @@ def job_payload(job: Job) -> dict:
             "num_prompt_tokens": job.num_prompt_tokens,
             "finished": job.is_terminal, "error": job.error, "engine": job.engine,
             "request_id": job.request_id, "num_cached_tokens": job.num_cached_tokens,
-            "num_preemptions": job.num_preemptions, "samples": job.samples}
+            "num_preemptions": job.num_preemptions, "samples": job.samples,
+            "cached_tokens_by_tier": _cached_by_tier(job)}
+
+
+def _cached_by_tier(job: Job) -> dict | None:
+    """Its cached prompt tokens by tier ({"gpu", "cpu", "disk"}), from its KV story when
+    that is loaded (never a query of its own: finish_jobs sets the story it wrote)."""
+    story = job.__dict__.get("kv_story")
+    return story.get("cached_tokens") if story else None
 
 
 # --- jobs, worker side ------------------------------------------------------------------
@@ -340,7 +348,11 @@ def finish_jobs(finals: list[FinalState]) -> list[Job]:
                 finished.append(f.job_id)
     # Read back only what the job's final update and its latency need (not its prompt,
     # token ids or logprobs: parsing those JSON lists was a third of a job's end)
-    jobs = list(Job.objects.filter(pk__in=finished).only(*PAYLOAD_FIELDS)) + aborted
+    jobs = list(Job.objects.filter(pk__in=finished).only(*PAYLOAD_FIELDS))
+    stories = {f.job_id: f.kv_story for f in finals if f.kv_story}
+    for job in jobs:  # (the story as just written, for job_payload; not read back)
+        job.kv_story = stories.get(job.pk)
+    jobs += aborted
     metrics_store.observe_jobs(jobs)
     return jobs
 

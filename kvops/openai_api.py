@@ -173,12 +173,27 @@ def _usage(state: dict) -> dict:
     output = sum(len(s["token_ids"]) for s in samples) if samples \
         else state.get("num_output_tokens", 0)
     return _usage_of(state.get("num_prompt_tokens", 0), output,
-                     state.get("num_cached_tokens", 0))
+                     state.get("num_cached_tokens", 0), state.get("cached_tokens_by_tier"))
 
 
-def _usage_of(prompt: int, output: int, cached: int) -> dict:
+def _usage_of(prompt: int, output: int, cached: int, by_tier: dict | None = None) -> dict:
+    """by_tier: the cached tokens by tier, a kvops extension beside OpenAI's cached_tokens
+    (docs/api.md)."""
+    details = {"cached_tokens": cached}
+    if by_tier:
+        details["cached_tokens_by_tier"] = by_tier
     return {"prompt_tokens": prompt, "completion_tokens": output,
-            "total_tokens": prompt + output, "prompt_tokens_details": {"cached_tokens": cached}}
+            "total_tokens": prompt + output, "prompt_tokens_details": details}
+
+
+def _total_usage(usages: list[dict]) -> dict:
+    """Several prompts' usage as one (a completion of a list of prompts)."""
+    tiers = [u["prompt_tokens_details"].get("cached_tokens_by_tier") for u in usages]
+    by_tier = {k: sum(t.get(k, 0) for t in tiers) for k in tiers[0]} \
+        if tiers and all(tiers) else None
+    return _usage_of(sum(u["prompt_tokens"] for u in usages),
+                     sum(u["completion_tokens"] for u in usages),
+                     sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages), by_tier)
 
 
 def _finish_reason(state: dict) -> str | None:
@@ -236,20 +251,16 @@ async def _handle(request: HttpRequest, user, chat: bool) -> HttpResponse:
     finally:
         for sub in subs:
             sub.close()
-    choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0, "cached": 0}
+    choices, usages = [], []
     for i, (listener, job, prompt) in enumerate(zip(listeners, jobs, echoes)):
         state = listener.state
         if state.get("status") == Job.Status.FAILED:
             return _error(500, f"the job failed: {state.get('error')}", type_="server_error")
         choices += _choices(listener, job, chat, prompt, i * n)
-        one = _usage(state)
-        usage["prompt_tokens"] += one["prompt_tokens"]
-        usage["completion_tokens"] += one["completion_tokens"]
-        usage["cached"] += one["prompt_tokens_details"]["cached_tokens"]
+        usages.append(_usage(state))
     answer = {"id": ident, "object": "chat.completion" if chat else "text_completion",
               "created": created, "model": model, "choices": choices,
-              "usage": _usage_of(usage["prompt_tokens"], usage["completion_tokens"],
-                                 usage["cached"]),
+              "usage": _total_usage(usages),
               "kvops_job_id": jobs[0].pk}
     if len(jobs) > 1:
         answer["kvops_job_ids"] = [job.pk for job in jobs]
@@ -384,13 +395,9 @@ async def _merged(streams: list[AsyncIterator[bytes]], listeners: list[JobListen
                 yield event
         if include_usage:
             states = [listener.state for listener in listeners]
-            usages = [_usage(state) for state in states]
             yield _event({"id": ident, "object": "text_completion", "created": created,
-                          "model": model, "choices": [], "usage": _usage_of(
-                              sum(u["prompt_tokens"] for u in usages),
-                              sum(u["completion_tokens"] for u in usages),
-                              sum(u["prompt_tokens_details"]["cached_tokens"]
-                                  for u in usages))})
+                          "model": model, "choices": [],
+                          "usage": _total_usage([_usage(state) for state in states])})
         yield b"data: [DONE]\n\n"
     finally:
         for task in tasks:

@@ -311,7 +311,10 @@ def response_object(job: Job | None, job_id: int, state: dict, text: str, create
         "parallel_tool_calls": meta.get("parallel_tool_calls", True),
         "tool_choice": meta.get("tool_choice", "auto"), "tools": meta.get("tools", []),
         "store": meta.get("store", True), "text": meta.get("text", {"format": {"type": "text"}}),
-        "usage": {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached},
+        "usage": {"input_tokens": prompt, "input_tokens_details": {
+                      "cached_tokens": cached,
+                      **({"cached_tokens_by_tier": state["cached_tokens_by_tier"]}
+                         if state.get("cached_tokens_by_tier") else {})},
                   "output_tokens": produced,
                   "output_tokens_details": {"reasoning_tokens": 0},
                   "total_tokens": prompt + produced},

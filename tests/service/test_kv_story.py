@@ -183,3 +183,25 @@ def test_metrics_export_the_reasons(stack):
     assert sample(text, "kvops:routing_misses_total", engine="b") >= 1
     assert sample(text, "kvops:routing_regret_tokens_total", engine="b") >= 48
     assert re.search(r'^kvops:kv_block_lifetime_seconds_count\{engine="a"\} ', text, re.M)
+
+
+def test_openai_usage_splits_cached_tokens_by_tier(stack):
+    """usage.prompt_tokens_details keeps OpenAI's cached_tokens and adds the split by
+    tier (a kvops extension), on /v1/completions and /v1/responses."""
+    prompt = "The OpenAI clients see the cached tokens split by tier as well. " * 3
+    run(stack, prompt, "a")
+    bearer = {"Authorization": f"Bearer {stack.tokens['admin']}"}
+    model = stack.api("GET", "/v1/models", user=None, headers=bearer).json()["data"][0]["id"]
+    r = stack.api("POST", "/v1/completions", user=None, headers=bearer,
+                  json={"model": model, "prompt": prompt, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    details = r.json()["usage"]["prompt_tokens_details"]
+    assert details["cached_tokens"] >= 16 * (len(prompt) // 16 - 1)
+    assert details["cached_tokens_by_tier"] == {"gpu": details["cached_tokens"], "cpu": 0,
+                                                "disk": 0}
+    for _ in range(2):  # (its input is rendered as a conversation: the second one hits)
+        r = stack.api("POST", "/v1/responses", user=None, headers=bearer,
+                      json={"model": model, "input": prompt, "max_output_tokens": 2})
+        assert r.status_code == 200, r.text
+    details = r.json()["usage"]["input_tokens_details"]
+    assert details["cached_tokens_by_tier"]["gpu"] == details["cached_tokens"] > 0
