@@ -108,7 +108,7 @@ class SimulatedRunner(Runner):
                 cache[ids[p // bs] * bs + p % bs] = prev
             if s.samples:  # `prev` is the last slot's value, as just written
                 token = prev % vocab  # next_token, inlined: this loop is the step's time
-                if token in avoid:
+                if avoid and token in avoid:
                     token = next_token(prev, vocab, avoid)
                 sampled[s.request.request_id] = token
                 if s.request.sampling_params.logprobs is not None:
@@ -147,7 +147,7 @@ class SimulatedRunner(Runner):
                     cache[ids[p // bs] * bs + p % bs] = prev
             if s.samples:
                 token = prev % vocab
-                if token in avoid:
+                if avoid and token in avoid:
                     token = next_token(prev, vocab, avoid)
                 sampled[rid] = token
                 if s.request.sampling_params.logprobs is not None:
