@@ -35,5 +35,6 @@ def heartbeat(name: str, instance: str, metrics: dict) -> None:
         last_heartbeat=timezone.now(), metrics=metrics, status=Engine.Status.READY)
 
 
-def mark_engine_stopped(name: str) -> None:
-    Engine.objects.filter(name=name).update(status=Engine.Status.STOPPED)
+def mark_engine_stopped(name: str, instance: str) -> None:
+    """The worker instance stops: no job is routed to its engine any more."""
+    Engine.objects.filter(name=name, instance=instance).update(status=Engine.Status.STOPPED)

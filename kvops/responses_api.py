@@ -118,6 +118,10 @@ def input_messages(value: Any) -> list[dict]:
         if kind == "message":
             out.append({"role": item.get("role"), "content": _text(item.get("content"))})
         elif kind == "function_call":
+            for field in ("call_id", "name"):
+                if not isinstance(item.get(field), str) or not item[field]:
+                    raise InvalidParam("input", f"a function_call item needs a `{field}` "
+                                                "(a non-empty string)")
             call = {"id": item.get("call_id"), "type": "function",
                     "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
             if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls") \
@@ -126,6 +130,9 @@ def input_messages(value: Any) -> list[dict]:
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
+            if not isinstance(item.get("call_id"), str) or not item["call_id"]:
+                raise InvalidParam("input", "a function_call_output item needs the `call_id` "
+                                            "of the function_call it answers")
             output = item.get("output")
             out.append({"role": "tool", "tool_call_id": item.get("call_id"),
                         "content": output if isinstance(output, str) else json.dumps(output)})
@@ -283,7 +290,7 @@ def _logprobs(entries: list) -> list[dict]:
             for e in entries]
 
 
-def response_object(job: Job | None, job_id: int, state: dict, text: str, created: int,
+def response_object(job_id: int, state: dict, text: str, created: int,
                     model: str, params: dict, status: str | None = None,
                     logprobs: list | None = None) -> dict:
     meta = params.get("response") or {}
@@ -363,7 +370,7 @@ async def responses(request: HttpRequest, user) -> HttpResponse:
     finally:
         sub.close()
     state = listener.state
-    return JsonResponse(response_object(job, job.pk, state, listener.text.text, created,
+    return JsonResponse(response_object(job.pk, state, listener.text.text, created,
                                         new.model, job.params,
                                         logprobs=listener.logprobs_of(0)))
 
@@ -388,7 +395,7 @@ async def response(request: HttpRequest, user, response_id: str) -> HttpResponse
              "num_prompt_tokens": job.num_prompt_tokens,
              "num_cached_tokens": job.num_cached_tokens,
              "num_output_tokens": job.num_output_tokens}
-    return JsonResponse(response_object(job, job.pk, state, job.output_text,
+    return JsonResponse(response_object(job.pk, state, job.output_text,
                                         int(job.queued_at.timestamp()), job.model,
                                         job.params or {}, status, job.output_logprobs))
 
@@ -412,7 +419,7 @@ async def _events(listener: JobListener, job: Job, model: str,
     sent = ""
     state: dict = {"status": "in_progress"}
     try:
-        begun = response_object(job, job.pk, state, "", created, model, params, "in_progress")
+        begun = response_object(job.pk, state, "", created, model, params, "in_progress")
         yield event("response.created", response=begun)
         yield event("response.in_progress", response=begun)
         if streaming_text:
@@ -433,7 +440,7 @@ async def _events(listener: JobListener, job: Job, model: str,
             state = {"status": Job.Status.FAILED, "error": f"the job's updates were lost: {e}"}
         else:
             state = listener.state
-        final = response_object(job, job.pk, state, listener.text.text, created, model, params,
+        final = response_object(job.pk, state, listener.text.text, created, model, params,
                                 logprobs=listener.logprobs_of(0))
         if final["status"] == "failed":
             yield event("response.failed", response=final)

@@ -279,14 +279,14 @@ def _hand_back(client) -> None:
             return
         from django.db import connection
 
-        from kvops.models import Engine, Job
+        from kvops import registry
+        from kvops.models import Job
         _stop.set()  # a heartbeat would mark the engine ready again
         beating = _heartbeat_thread
         if beating is not None and beating is not threading.current_thread():
             beating.join(1.0)  # (one under way)
         try:
-            Engine.objects.filter(name=client.name, instance=client.instance) \
-                .update(status=Engine.Status.STOPPED)
+            registry.mark_engine_stopped(client.name, client.instance)
             running = list(Job.objects.filter(status=Job.Status.RUNNING,
                                               engine_instance=client.instance)
                            .values_list("pk", flat=True))

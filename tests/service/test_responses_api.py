@@ -80,6 +80,11 @@ def test_refusals_name_the_responses_fields(client):
                           ({"input": []}, "input"),
                           ({"input": [{"type": "web_search_call"}]}, "input"),
                           ({"tools": [{"type": "web_search"}]}, "tools"),
+                          # a tool call and its output must name the call they belong to
+                          ({"input": [{"type": "function_call", "name": "f",
+                                       "arguments": "{}"}]}, "input"),
+                          ({"input": [{"type": "function_call_output", "output": "1"}]},
+                           "input"),
                           ({"extra_body": {"frobnicate": 1}}, "frobnicate")]:
         with pytest.raises(openai.BadRequestError) as e:
             client.responses.create(**{"model": "simulated-v1", "input": "x", **kwargs})
