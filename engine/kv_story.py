@@ -308,6 +308,8 @@ class StoryBook:
             n = int((event.detail or "0").split()[0])
             self.forked(story.request_id, [f"{story.request_id}/{i}" for i in range(n)])
             self._stories.pop(story.request_id, None)
+            self.awaiting_first_token.discard(story.request_id)
+            self.changed.discard(story.request_id)
             return
         elif kind == "Finished":
             story.ended_at, story.finish_reason = event.ts, event.detail

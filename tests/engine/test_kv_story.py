@@ -163,6 +163,9 @@ def test_forked_samples_carry_the_story_and_count_their_copies_on_write():
     stories = [engine.kv_story(f"f/{i}") for i in range(3)]
     assert all(s is not None and s["prompt_tokens"] == 18 for s in stories)
     assert sum(s["copy_on_write"] for s in stories) >= 2
+    assert all(s["moments"]["first_token"] for s in stories)
+    # nothing of the parent is left waiting (it never produces a token of its own)
+    assert not engine.stories.awaiting_first_token and not engine.stories.changed
 
 
 def test_a_hash_older_than_the_history_is_unknown_not_never_cached():
