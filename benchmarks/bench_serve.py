@@ -65,15 +65,17 @@ def make_workload(n: int, lo: int, hi: int, seed: int = 0) -> Workload:
 
 def engine_config(args, streams: int, real: bool) -> dict:
     """The engine's settings, as KVOPS_ENGINE_* values and EngineConfig fields alike."""
+    history = {} if args.kv_history_blocks is None else \
+        {"kv_history_blocks": args.kv_history_blocks}
     if real:  # the default model, named by its folder (a stack has its own data dir)
         from engine.model_runner import resolve_model_path
         return dict(model=str(resolve_model_path(None)), max_num_seqs=max(32, streams),
                     max_num_batched_tokens=2048, device=args.real_device,
-                    dtype=args.real_dtype)
+                    dtype=args.real_dtype, **history)
     return dict(simulate=True, simulate_tokenizer="bytes",
                 vocab_size=SIM_VOCAB, simulate_step_ms=args.step_ms,
                 max_num_seqs=max(256, streams), num_gpu_blocks=65536,
-                max_num_batched_tokens=8192)
+                max_num_batched_tokens=8192, **history)
 
 
 def engine_alone(config: dict, work: Workload, core: str = "process") -> dict:
@@ -339,6 +341,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=1,
                         help="runs per level, each the engine alone then a fresh stack: the "
                              "table shows the median run, and the ratios' range")
+    parser.add_argument("--kv-history-blocks", type=int, default=None,
+                        help="the engines' KV history (EngineConfig.kv_history_blocks; 0: no "
+                             "KV stories); default: the engine's default")
     parser.add_argument("--deadline", type=float, default=300.0,
                         help="seconds after which a stream counts as hung")
     parser.add_argument("--alone", choices=("thread", "process"), help=argparse.SUPPRESS)
