@@ -486,4 +486,4 @@ def _miss(block: int, reason: str, at: float | None, by: str | None, detail: str
 
 
 def _clock(ts: float) -> str:
-    return datetime.fromtimestamp(ts, timezone.utc).strftime("%H:%M:%S")
+    return datetime.fromtimestamp(ts, timezone.utc).strftime("%H:%M:%S UTC")

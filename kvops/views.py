@@ -5,6 +5,7 @@ from django.contrib.auth.decorators import login_required
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, render
 
+from engine.kv_story import FIRST_MISS_REASONS
 from kvops import selectors, tenancy
 from kvops.models import Engine, Job
 
@@ -24,8 +25,9 @@ def overview(request: HttpRequest) -> HttpResponse:
 def engine_page(request: HttpRequest, name: str) -> HttpResponse:
     engine = get_object_or_404(Engine, name=name)
     # tenant: the label of this user's requests in the engine's state (kvops/tenancy.py)
+    # miss_reasons: each first-miss reason in words (the KV stories, static/kvops/kv_story.js)
     page = {"name": engine.name, "operator": request.user.is_staff, "config": engine.config,
-            "tenant": tenancy.tenant(request.user)}
+            "tenant": tenancy.tenant(request.user), "miss_reasons": FIRST_MISS_REASONS}
     return render(request, "kvops/engine.html",
                   {"engine": engine, "page": page, "operator": request.user.is_staff})
 
@@ -40,7 +42,7 @@ def jobs_page(request: HttpRequest) -> HttpResponse:
 @login_required
 def job_page(request: HttpRequest, job_id: int) -> HttpResponse:
     job = get_object_or_404(selectors.jobs_visible_to(request.user), pk=job_id)
-    page = {"id": job.pk, "operator": request.user.is_staff}
+    page = {"id": job.pk, "operator": request.user.is_staff, "miss_reasons": FIRST_MISS_REASONS}
     return render(request, "kvops/job.html", {"job": job, "page": page})
 
 

@@ -12,6 +12,9 @@ export const CSS = {
   evictDot: "#e0241b",   // among the next blocks the free queue gives out: loses its data
   background: "#ffffff",
 };
+// Where a prompt block's K/V came from, in a job's KV story (kv_story.js): found in the
+// GPU pool's prefix cache, found in the CPU tier, or computed for the request.
+export const SOURCE_CSS = { gpu: "#1d8a4e", cpu: "#8a5cd6", computed: "#e3a33b" };
 const GOLDEN_ANGLE = 137.508;
 
 export function ownerHue(index) { return (index * GOLDEN_ANGLE) % 360; }

@@ -2,19 +2,22 @@
 // they were at a moment of the timeline strip (timeline.js; live updates keep the live
 // state current meanwhile, unpainted). Data: a snapshot, then deltas in sequence
 // (live_sync.js: a gap or a restart asks for a new snapshot); operator actions go
-// through the REST API. window.kvopsPerf keeps timings for tests.
+// through the REST API. ?request=<id> selects a request once it shows; ?at=<time> opens
+// the timeline at that moment (a job's KV story links here). window.kvopsPerf keeps
+// timings for tests.
 import { api, errorText } from "./api.js";
 import { BlockMap } from "./blockmap.js";
 import { timeChart } from "./charts.js";
 import { Palette, ownerCss } from "./colors.js";
 import { HeaderState } from "./engine_state.js";
 import { EventLog } from "./event_log.js";
-import { $, esc, num, pct, toast } from "./format.js";
+import { $, clock, esc, num, pct, toast } from "./format.js";
+import { TERMINAL, compactStoryHtml, missesHtml } from "./kv_story.js";
 import { MetricsHistory, cumulativeHitRate } from "./metrics.js";
 import { LiveSync } from "./live_sync.js";
 import { RequestTable } from "./request_table.js";
 import { LiveSocket } from "./socket.js";
-import { TimelineStrip } from "./timeline.js";
+import { TimelineStrip, parseMoment } from "./timeline.js";
 
 const page = JSON.parse($("#engine-data").textContent);
 const palette = new Palette();
@@ -33,9 +36,15 @@ let state = null;  // the KVState on screen: sync.state, or a past one while scr
 let heldEvents = [];  // the live deltas' events while scrubbing, logged on the way back
 let selected = null;  // request index
 let prevCounts = [null, null];  // preemptions, swaps out: the charts' totals follow them
-let wanted = new URLSearchParams(location.search).get("request");  // select once it shows up
+const query = new URLSearchParams(location.search);
+let wanted = query.get("request");  // select once it shows up (live, or at the moment opened)
 const timeline = new TimelineStrip($("#timeline"), page.name, {
   onShow: (shown) => showPast(shown), onLive: () => backToLive(), current: () => state, perf });
+if (query.get("at")) {
+  const at = parseMoment(query.get("at"));
+  if (at === null) toast(`?at=${query.get("at")} is not a time: give Unix seconds or an ISO 8601 time`, true);
+  else timeline.openAt(at);
+}
 window.kvops = { state: () => state, live: () => sync.state, scrubbing: () => timeline.scrubbing, timeline,
                  selected: () => selected, gpuMap, cpuMap };  // tests, console
 
@@ -146,7 +155,7 @@ function applyDelta(delta, meta) {
   if (timeline.scrubbing) {  // kept, not painted
     heldEvents.push([delta.events, delta.event_counts]);
     if (heldEvents.length > 600) heldEvents.shift();  // the log keeps fewer lines anyway
-    history.add({ ts: delta.ts, ...delta.metrics });
+    if (history.add({ ts: delta.ts, ...delta.metrics })) drawMisses();  // (the last minutes, not the moment shown)
     return;
   }
   const applied = performance.now();
@@ -208,6 +217,7 @@ function showPast(shown) {
     }
     [painted, tabled] = paintChanges(shown.changed);
   }
+  pickWanted();  // (a request that exists only in the past)
   void table.body.offsetHeight;  // lay the page out now: the measured time includes it
   const parts = perf.scrubParts;
   parts.maps += painted - started;
@@ -288,10 +298,35 @@ function drawCharts() {
     { color: "#c62f2f", values: history.rate("num_preemptions"), bars: true },
     { color: "#8a5cd6", values: history.rate("num_swaps_out") },
   ], { integer: true });
+  drawMisses();
   const last = state?.metrics || history.points[history.points.length - 1] || {};
   $("#now-kv").textContent = pct(last.kv_usage);
   $("#now-hit").textContent = `overall ${pct(cumulativeHitRate(last))}`;
   $("#now-pre").textContent = `${num(last.num_preemptions)} / ${num(last.num_swaps_out)} in total`;
+}
+
+// Prompt tokens missed per first-miss reason over the last MISSES_SPAN_S of the metrics
+// points this page has (the stored history, then live): the growth of the engine's
+// cumulative counters (missed_tokens_by_reason) between them; preemptions by cause too.
+const MISSES_SPAN_S = 300;
+
+function drawMisses() {
+  const newest = history.points[history.points.length - 1];
+  const missed = newest && history.increases("missed_tokens_by_reason", newest.ts - MISSES_SPAN_S);
+  if (!missed) {
+    $("#misses-span").textContent = "";
+    $("#misses").innerHTML = '<p class="muted">Waiting for two metrics samples…</p>';
+    return;
+  }
+  const span = newest.ts - missed.from;
+  $("#misses-span").textContent = span >= MISSES_SPAN_S - 1 ? `over the last ${MISSES_SPAN_S / 60} minutes`
+    : `since ${clock(missed.from)}, the oldest sample this page has (${Math.round(span)} s)`;
+  $("#misses").innerHTML = missesHtml(missed.totals, page.miss_reasons);
+  const preempted = history.increases("preemptions_by_reason", missed.from).totals;
+  const causes = Object.entries(preempted).filter(([, n]) => n > 0).sort((a, b) => b[1] - a[1]);
+  $("#preempted-by").textContent = causes.length
+    ? `Preemptions by cause, same span: ${causes.map(([reason, n]) => `${reason} ${num(n)}`).join(" · ")}`
+    : "No preemptions in this span.";
 }
 
 // --- selection ------------------------------------------------------------------------
@@ -309,7 +344,13 @@ function select(index, reveal) {
 function pickWanted() {
   if (!wanted || !state) return;
   const r = state.requestById(wanted);
-  if (r) { wanted = null; select(r.index, true); }
+  if (!r) return;
+  wanted = null;
+  if (!table.shows(r)) {  // (a finished one, say): asked for by name, so it shows
+    $("#req-filter").value = "all";
+    table.setFilter("all", $("#req-search").value);
+  }
+  select(r.index, true);
 }
 
 // A model with a block table per layer group (sliding and global layers): a block holds
@@ -353,8 +394,35 @@ function renderSelected() {
     ${r.block_table.length} GPU blocks (${shared} shared), ${r.cpu_block_table.length} CPU blocks.</p>
     <div class="muted" style="font-size:12px">GPU block table, in order (² = shared)</div>
     <div class="chips">${chips(r.block_table, "gpu") || '<span class="muted">none</span>'}</div>
-    ${r.cpu_block_table.length ? `<div class="muted" style="font-size:12px;margin-top:6px">CPU block table</div><div class="chips">${chips(r.cpu_block_table, "cpu")}</div>` : ""}`;
+    ${r.cpu_block_table.length ? `<div class="muted" style="font-size:12px;margin-top:6px">CPU block table</div><div class="chips">${chips(r.cpu_block_table, "cpu")}</div>` : ""}
+    <div id="selected-story">${storyOf(r)}</div>`;
   $("#unselect").onclick = () => select(null, false);
+}
+
+// The selected request's job's KV story (GET /api/jobs/<id>/kv/), for a viewer who may
+// see the job (staff, or its owner: another user's request shows none). Fetched when
+// the selection names another job, and again when the request's status changes until
+// the story fetched is its ended job's (then it is whole).
+const story = { job: null, status: null, doc: null, html: "" };
+
+function storyOf(r) {
+  const job = r.job_id && !othersOf(r) ? String(r.job_id) : null;
+  if (job === null) return "";
+  const whole = story.job === job && story.doc && TERMINAL.has(story.doc.status);
+  if (story.job !== job || (!whole && story.status !== r.status)) loadStory(job, r.status);
+  return story.html;
+}
+
+async function loadStory(job, status) {
+  if (story.job !== job) Object.assign(story, { doc: null, html: '<p class="muted">Loading its KV story…</p>' });
+  Object.assign(story, { job, status });
+  const result = await api("GET", `/api/jobs/${encodeURIComponent(job)}/kv/`);
+  if (story.job !== job || story.status !== status) return;  // asked again meanwhile
+  story.doc = result.ok ? result.data : null;
+  story.html = result.ok ? compactStoryHtml(result.data, page.miss_reasons)
+    : `<p class="muted">No KV story: ${esc(errorText(result))}</p>`;
+  const box = $("#selected-story");
+  if (box) box.innerHTML = story.html;
 }
 
 // --- hover and click on the maps --------------------------------------------------------

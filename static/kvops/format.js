@@ -50,4 +50,5 @@ export function toast(message, bad = false) {
   setTimeout(() => el.remove(), 5000);
 }
 
-export const operator = document.body.dataset.operator === "1";
+// (guarded: node's unit tests import these helpers without a page)
+export const operator = typeof document !== "undefined" && document.body?.dataset.operator === "1";

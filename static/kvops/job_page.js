@@ -1,14 +1,15 @@
 // A job: its tokens as they stream (websocket /ws/jobs/<id>/), facts and timings (REST),
-// and, while it runs, its request's block table (asked of the engine once a second).
+// while it runs its request's block table (asked of the engine once a second), and its
+// KV story (REST, kv_story.js: read on load and whenever its status changes).
 import { api, errorText } from "./api.js";
 import { ownerCss } from "./colors.js";
 import { $, esc, num, seconds, toast, when } from "./format.js";
+import { TERMINAL, storyHtml } from "./kv_story.js";
 import { LiveSocket } from "./socket.js";
 
 const page = JSON.parse($("#job-data").textContent);
 let job = null;
 let lastStatus = null;
-const TERMINAL = new Set(["finished", "failed", "cancelled"]);
 
 async function loadJob() {
   const result = await api("GET", `/api/jobs/${page.id}/`);
@@ -83,8 +84,29 @@ function showState(message) {
     renderFacts();
   }
   if (status !== lastStatus || message.finished) loadJob();
+  if (status !== lastStatus) loadStory();  // admitted, or ended (or changed since the first read)
   if (TERMINAL.has(status) && !TERMINAL.has(lastStatus ?? "")) blocksReleased();
   lastStatus = status;
+}
+
+// The story as the job's row has it. Reads may overlap: only the latest one is shown.
+// The row may lag the live status: a running job's story is written with its next
+// progress, an ended one's with its end; such a read is tried again a second later.
+let storyReads = 0;
+const STORY_RETRIES = 5;
+
+async function loadStory(retry = 0) {
+  const read = ++storyReads;
+  const result = await api("GET", `/api/jobs/${page.id}/kv/`);
+  if (read !== storyReads) return;
+  const body = $("#kv-story-body");
+  if (!result.ok) { body.innerHTML = `<p class="error">${esc(errorText(result))}</p>`; return; }
+  body.innerHTML = storyHtml(result.data, page.miss_reasons);
+  $("#kv-story-when").textContent = `as of ${new Date().toLocaleTimeString(undefined, { hour12: false })}`
+    + (TERMINAL.has(result.data.status) ? " (the job has ended: the story is whole)" : "");
+  const behind = (TERMINAL.has(lastStatus ?? "") && !TERMINAL.has(result.data.status))
+    || (lastStatus === "running" && !result.data.told);
+  if (behind && retry < STORY_RETRIES) setTimeout(() => loadStory(retry + 1), 1000);
 }
 
 function blocksReleased() {  // the last table shown stays, marked as the past
@@ -130,3 +152,4 @@ $("#cancel").onclick = async () => {
   loadJob();
 };
 loadJob();
+loadStory();

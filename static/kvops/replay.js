@@ -164,6 +164,20 @@ export class Replay {
     return this.windows.find((w) => w.holds(t)) || null;
   }
 
+  // The time of the first state stored at or after t: t itself when a state was stored
+  // then, else the next delta of the window holding t, else the next window's keyframe
+  // (t when no state was stored after it). null when no window fetched holds t. What
+  // happened at t (an event's time) shows in the state stored at the end of its step,
+  // which is this one; the state at t is the one before.
+  firstFrom(t) {
+    const window = this.windowAt(t);
+    if (!window) return null;
+    const count = window.countUpTo(t);
+    if (t === window.start || (count > 0 && window.deltas[count - 1].ts === t)) return t;
+    if (count < window.deltas.length) return window.deltas[count].ts;
+    return window.end ?? t;
+  }
+
   // The state at time t, or null when no window fetched holds t. Returns {state, changed,
   // at, gap}: `changed` is what differs from the state on screen (the last seek's, or
   // onScreen on the first): {gpu, cpu: the block ids whose cells look different, tables:

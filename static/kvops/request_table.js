@@ -107,6 +107,14 @@ export class RequestTable {
     this.refresh(true);
   }
 
+  // Whether the filter and the search let request `r` through.
+  shows(r) {
+    const { filter, search } = this;
+    if (filter === "live" && !(r.status === "running" || r.status === "waiting" || r.status === "swapped")) return false;
+    if (filter !== "live" && filter !== "all" && r.status !== filter) return false;
+    return !search || r.request_id.toLowerCase().includes(search) || String(r.job_id ?? "").includes(search);
+  }
+
   // Re-filter and re-sort (when forced, or RESORT_MS after the last time), then draw
   // the rows in view from the current state.
   refresh(force = true) {
@@ -114,11 +122,8 @@ export class RequestTable {
     const now = performance.now();
     if (!force && now - this.sortedAt < RESORT_MS) { this.renderRows(); return; }
     this.sortedAt = now;
-    const { filter, search, sortKey } = this;
-    let rows = [...this.state.requests.values()];
-    if (filter === "live") rows = rows.filter((r) => r.status === "running" || r.status === "waiting" || r.status === "swapped");
-    else if (filter !== "all") rows = rows.filter((r) => r.status === filter);
-    if (search) rows = rows.filter((r) => r.request_id.toLowerCase().includes(search) || String(r.job_id ?? "").includes(search));
+    const sortKey = this.sortKey;
+    const rows = [...this.state.requests.values()].filter((r) => this.shows(r));
     const dir = this.ascending ? 1 : -1;
     rows.sort((a, b) => {
       const x = sortValue(a, sortKey), y = sortValue(b, sortKey);

@@ -9,6 +9,21 @@ import { Replay } from "./replay.js";
 
 const INDEX_EVERY_MS = 5000;  // how often the span is read again while live
 
+// A moment as a URL gives it (?at=): Unix seconds, or an ISO 8601 time (UTC unless it
+// says; its fraction of a second kept whole, past the milliseconds Date.parse keeps).
+// null when it is neither.
+export function parseMoment(text) {
+  const value = String(text ?? "").trim();
+  if (value === "") return null;
+  if (/^[0-9]+(\.[0-9]*)?$/.test(value)) return Number(value);
+  const parts = value.match(/^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(\.\d+)?(Z|[+-]\d\d:?\d\d)?$/i);
+  if (!parts) return null;
+  const zone = (parts[3] ?? "Z").toUpperCase().replace(/^([+-]\d\d)(\d\d)$/, "$1:$2");
+  const whole = Date.parse(`${parts[1]}${zone}`);
+  if (Number.isNaN(whole)) return null;
+  return whole / 1000 + (parts[2] ? Number(`0${parts[2]}`) : 0);
+}
+
 function ago(seconds) {
   const s = Math.max(0, Math.round(seconds));
   return `−${Math.floor(s / 60)}:${String(s % 60).padStart(2, "0")}`;
@@ -52,13 +67,44 @@ export class TimelineStrip {
   moved() {
     const offset = Number(this.range.value);
     if (offset >= 0 || !this.span) { this.goLive(); return; }
-    if (!this.scrubbing) {
-      this.scrubbing = true;
-      this.anchor = this.span.newest;  // fixed while scrubbing: the slider must not slide
-      this.replay = new Replay({ onScreen: this.current() });
-      this.liveButton.style.visibility = "visible";
-    }
+    this.begin();
     this.want = Math.max(this.span.oldest, this.anchor + offset);
+    this.show();
+  }
+
+  begin() {
+    if (this.scrubbing) return;
+    this.scrubbing = true;
+    this.anchor = this.span.newest;  // fixed while scrubbing: the slider must not slide
+    this.replay = new Replay({ onScreen: this.current() });
+    this.liveButton.style.visibility = "visible";
+  }
+
+  // Open the timeline at moment t (Unix seconds), as a link from a job's KV story asks
+  // (?at=): the first state stored at or after t, in which what happened at t shows
+  // (replay.js firstFrom). Says so on the strip when the history does not hold t.
+  async openAt(t) {
+    await this.readSpan();
+    if (this.scrubbing) return;  // the slider was moved meanwhile: it wins
+    if (!this.span || t < this.span.oldest || t > this.span.newest) {
+      const held = this.span ? `it holds ${clock(this.span.oldest)} to ${clock(this.span.newest)}` : "it holds nothing yet";
+      this.say(`${clock(t)}: not in the stored history (${held})`, "offline");
+      return;
+    }
+    this.begin();
+    const replay = this.replay;
+    this.want = null;  // (set by the slider if it moves meanwhile)
+    this.loading = true;
+    this.say("loading…", "stale");
+    const result = await api("GET", `${this.path}state/?at=${t}&through=window`);
+    this.loading = false;
+    if (!this.scrubbing || replay !== this.replay) return;  // back to live meanwhile
+    if (!result.ok) { this.say(errorText(result), "offline"); return; }
+    replay.add(result.data);
+    if (this.want === null) {
+      this.want = replay.firstFrom(t) ?? t;
+      this.range.value = String(Math.max(Number(this.range.min), this.want - this.anchor));
+    }
     this.show();
   }
 

@@ -1,0 +1,159 @@
+// A job's KV story (GET /api/jobs/<id>/kv/, built by kvops/kv_story.py) as HTML: the
+// prompt as a strip of blocks coloured by where their K/V came from, the first miss
+// marked on it with its reason, the preemptions with their causes, the router's view.
+// The job page shows all of it (storyHtml), the engine page's selected request a compact
+// version (compactStoryHtml) and its "Misses by reason" panel the bars (missesHtml).
+// No DOM and no fetch here: the pages fetch and place the HTML, and
+// tests/dashboard/js/kv_story.test.mjs runs this in node.
+//
+// `reasons` is engine/kv_story.py FIRST_MISS_REASONS (reason -> sentence), which the
+// page views hand to the pages: the sentences are kept there only.
+import { SOURCE_CSS } from "./colors.js";
+import { clock, esc, num } from "./format.js";
+
+export const SOURCE_WORDS = { gpu: "GPU hit", cpu: "CPU-tier hit", computed: "computed" };
+// Why a request was preempted (engine/kv_story.py PREEMPTION_REASONS), in words.
+export const PREEMPTION_WORDS = {
+  kv_full: "the GPU pool ran out of free blocks",
+  priority: "a request of higher priority needed its blocks",
+  operator: "an operator preempted it",
+  migration: "it was moved to another engine",
+};
+// Reasons whose `by` is the request that took the blocks (the others' is an operator).
+const BY_A_REQUEST = new Set(["evicted", "kv_full", "priority"]);
+// What a plain user sees instead of another user's request id (kvops/kv_story.py _seal).
+const SEALED = "another user's request";
+export const TERMINAL = new Set(["finished", "failed", "cancelled"]);
+
+// ISO 8601 -> Unix seconds (to the millisecond: for showing, not for seeking).
+function isoSeconds(iso) {
+  return Date.parse(iso) / 1000;
+}
+
+// The engine page at a moment of its timeline, with the request that took the blocks
+// selected when `by` names one the viewer may see. null without a moment.
+export function momentHref(engine, at, by, reason) {
+  if (!engine || !at) return null;
+  const query = new URLSearchParams();
+  if (by && by !== SEALED && BY_A_REQUEST.has(reason)) query.set("request", by);
+  query.set("at", at);
+  return `/engines/${encodeURIComponent(engine)}/?${query}`;
+}
+
+// One cell per prompt block, coloured by source; the first miss's cell is ringed.
+export function stripHtml(doc, { compact = false } = {}) {
+  const bs = doc.block_size;
+  const missAt = doc.first_miss ? doc.first_miss.block : null;
+  const cells = doc.blocks.map((b) => {
+    const first = b.index * bs, last = Math.min((b.index + 1) * bs, doc.prompt_tokens) - 1;
+    const miss = b.index === missAt;
+    const title = `block ${b.index}: tokens ${first}–${last}, ${SOURCE_WORDS[b.source] ?? b.source}`
+      + (b.hash ? `, hash ${b.hash}` : ", partly filled (no hash: always computed)")
+      + (miss ? ". The first miss" : "");
+    return `<span class="kv-cell src-${esc(b.source)}${miss ? " first-miss" : ""}" data-block="${b.index}"`
+      + ` style="--src:${SOURCE_CSS[b.source] ?? "#999"}" title="${esc(title)}"></span>`;
+  });
+  return `<div class="kv-strip${compact ? " compact" : ""}" aria-label="the prompt's blocks">${cells.join("")}</div>`;
+}
+
+export function legendHtml() {
+  const item = (source) => `<span><span class="swatch" style="background:${SOURCE_CSS[source]}"></span>${SOURCE_WORDS[source]}</span>`;
+  return `<div class="kv-legend">${Object.keys(SOURCE_WORDS).map(item).join("")}
+    <span><span class="swatch first-miss"></span>first miss</span></div>`;
+}
+
+function cachedHtml(doc) {
+  const c = doc.cached_tokens;
+  const cached = c.gpu + c.cpu + c.disk;
+  return `<span class="kv-cached"><b>${num(cached)}</b> of ${num(doc.prompt_tokens)} prompt tokens cached `
+    + `(GPU ${num(c.gpu)} · CPU ${num(c.cpu)} · disk ${num(c.disk)}), <b>${num(doc.prompt_tokens - cached)}</b> computed</span>`;
+}
+
+function missHtml(doc, reasons) {
+  const miss = doc.first_miss;
+  if (!miss) {
+    return `<div class="kv-miss none"><b>No miss</b>: every full block of the prompt was found cached.</div>`;
+  }
+  const href = momentHref(doc.engine, miss.at, miss.by, miss.reason);
+  return `<div class="kv-miss" data-reason="${esc(miss.reason)}" data-block="${miss.block}">
+    <b>First miss</b> at block ${miss.block}: <b class="mono">${esc(miss.reason)}</b>
+    <span class="muted">(${esc(reasons[miss.reason] ?? "no sentence for this reason")})</span>
+    <div class="kv-detail">${esc(miss.detail)}</div>
+    ${href ? `<a class="moment" href="${esc(href)}">see it on engine ${esc(doc.engine)}'s timeline at ${clock(isoSeconds(miss.at))}</a>` : ""}
+  </div>`;
+}
+
+function preemptionsHtml(doc) {
+  if (!doc.preemptions.length) return `<p class="muted kv-preemptions">No preemptions.</p>`;
+  const rows = doc.preemptions.map((p) => {
+    const cost = [p.recomputed_tokens ? `${num(p.recomputed_tokens)} tokens recomputed` : "",
+                  p.swapped_blocks ? `${num(p.swapped_blocks)} blocks swapped out` : ""].filter(Boolean).join(", ");
+    const href = momentHref(doc.engine, p.at, p.by, p.reason);
+    return `<tr data-reason="${esc(p.reason)}"><td class="muted">${p.at ? clock(isoSeconds(p.at)) : "–"}</td>
+      <td><b class="mono">${esc(p.reason)}</b><br><span class="muted">${esc(PREEMPTION_WORDS[p.reason] ?? "")}</span></td>
+      <td class="mono">${esc(p.by ?? "–")}</td>
+      <td>${p.needed_blocks == null ? "–" : `${num(p.needed_blocks)} needed, ${num(p.free_blocks)} free`}</td>
+      <td>${cost || "–"}</td>
+      <td>${href ? `<a class="moment" href="${esc(href)}">timeline</a>` : ""}</td></tr>`;
+  });
+  return `<table class="list kv-preemptions"><thead><tr><th>at</th><th>cause</th><th>by</th>
+    <th>blocks</th><th>cost</th><th></th></tr></thead><tbody>${rows.join("")}</tbody></table>`;
+}
+
+function routingRows(doc) {
+  const r = doc.routing;
+  const engine = (name) => `<a href="/engines/${encodeURIComponent(name)}/">${esc(name)}</a>`;
+  if (r.hit_tokens === null) {
+    return [["routing", `${esc(r.policy ?? "–")}: looked at no cached prefixes`],
+            ["engine chosen", r.engine ? engine(r.engine) : "–"]];
+  }
+  const best = r.best_engine === null ? "none held any of its prefix"
+    : r.best_engine === r.engine ? `${engine(r.best_engine)} (the one chosen)`
+    : `${engine(r.best_engine)}, holding ${num(r.best_hit_tokens)} tokens of its prefix`;
+  return [["routing", esc(r.policy ?? "–")],
+          ["engine chosen", `${r.engine ? engine(r.engine) : "–"}, holding ${num(r.hit_tokens)} tokens of its prefix`],
+          ["best engine", best]];
+}
+
+// The job page's panel: everything the story says.
+export function storyHtml(doc, reasons) {
+  if (!doc.told) return `<p class="muted kv-untold">No KV story yet: ${esc(doc.detail)}.</p>`;
+  const m = doc.moments;
+  const at = (iso) => (iso ? clock(isoSeconds(iso)) : "–");
+  const facts = [
+    ...routingRows(doc),
+    ["copy on write", `${num(doc.copy_on_write)} blocks copied before a write (shared with another request)`],
+    ["window", `${num(doc.window_freed)} blocks given back by a sliding window`],
+    ["moments", `admitted ${at(m.admitted)} · first token ${at(m.first_token)} · ended ${at(m.ended)}`],
+  ];
+  return `<p class="kv-summary">${num(doc.prompt_tokens)} prompt tokens in ${num(doc.blocks.length)} blocks
+      of ${num(doc.block_size)} tokens on engine ${esc(doc.engine)}: ${cachedHtml(doc)}.</p>
+    ${stripHtml(doc)}${legendHtml()}${missHtml(doc, reasons)}
+    <dl class="facts">${facts.map(([k, v]) => `<dt>${k}</dt><dd>${v}</dd>`).join("")}</dl>
+    <h4>Preemptions (${doc.preemptions.length})</h4>${preemptionsHtml(doc)}`;
+}
+
+// The engine page's selected request: the strip, cached tokens, the first miss and how
+// many preemptions, with a link to the job's page for the rest.
+export function compactStoryHtml(doc, reasons) {
+  const head = `<div class="muted" style="font-size:12px">KV story of <a href="/jobs/${esc(doc.job)}/">job ${esc(doc.job)}</a></div>`;
+  if (!doc.told) return `<div class="kv-compact">${head}<p class="muted kv-untold">${esc(doc.detail)}.</p></div>`;
+  const causes = {};
+  for (const p of doc.preemptions) causes[p.reason] = (causes[p.reason] ?? 0) + 1;
+  const listed = Object.entries(causes).map(([reason, n]) => `${esc(reason)} ${n}`).join(", ");
+  return `<div class="kv-compact">${head}${stripHtml(doc, { compact: true })}
+    <p>${cachedHtml(doc)}</p>${missHtml(doc, reasons)}
+    <p class="kv-preemption-count">preemptions: <b>${doc.preemptions.length}</b>${listed ? ` (${listed})` : ""}</p></div>`;
+}
+
+// The engine page's "Misses by reason": totals {reason: prompt tokens}, a bar each,
+// largest first, the reason in words.
+export function missesHtml(totals, reasons) {
+  const rows = Object.entries(totals).filter(([, n]) => n > 0).sort((a, b) => b[1] - a[1] || (a[0] < b[0] ? -1 : 1));
+  if (!rows.length) return `<p class="muted">No prompt tokens missed in this span.</p>`;
+  const top = rows[0][1];
+  return `<div class="bars">${rows.map(([reason, n]) => `<div class="bar-row" data-reason="${esc(reason)}" data-tokens="${n}">
+      <span><b class="mono">${esc(reason)}</b> <span class="muted">${esc(reasons[reason] ?? "")}</span></span>
+      <span class="bar"><span style="width:${(100 * n / top).toFixed(1)}%"></span></span>
+      <span class="num">${num(n)}</span></div>`).join("")}</div>`;
+}
