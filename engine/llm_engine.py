@@ -15,11 +15,13 @@ import time
 from engine.block_hash import hash_blocks, root_hash
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, SimTokenizer
-from engine.errors import InvalidRequestError, NotEnoughBlocksError, PrefixNotCachedError
+from engine.errors import (InvalidRequestError, InvalidStateError, NotEnoughBlocksError,
+                           PrefixNotCachedError)
 from engine.events import EventLog, KVEvent
 from engine.kv_coordinator import KVCacheCoordinator
 from engine.kv_layout import blocks_for
 from engine.kv_story import STORY_QUEUE_MAX, StoryBook
+from engine import migration
 from engine.outputs import CoreOutput, RequestOutput
 from engine.rate_meter import RateMeter
 from engine.request import Request, RequestStatus
@@ -513,6 +515,51 @@ class LLMEngine:
             self.scheduler.finish(request, RequestStatus.FINISHED, reason)
         self._pending.extend(ended)
         return True
+
+    # --- moving a request to another engine (engine/migration.py) ---------------------
+    def migration_offer(self, request_id: str) -> dict:
+        """Source: a running request's state and block hashes, for a destination's check."""
+        request = self.scheduler.get_live(request_id)
+        if request.status is not RequestStatus.RUNNING:
+            raise InvalidStateError(f"request {request_id!r} is {request.status.value}: only "
+                                    "a running request moves")
+        migration.check_movable(self)
+        return migration.state_of(self, request)
+
+    def migration_check(self, offer: dict) -> dict:
+        """Destination: refuses a request that cannot come here; else the leading blocks
+        it caches already ({"cached_blocks": k, "free_blocks": n})."""
+        return migration.check(self, offer)
+
+    def migrate_out(self, request_id: str, skip_blocks: int = 0) -> tuple[dict, object]:
+        """Source: the request leaves the batch (its blocks kept until migration_done);
+        its state and its computed tokens' K/V from block skip_blocks on."""
+        self.version += 1
+        return migration.take_out(self, request_id, skip_blocks)
+
+    def migration_commit(self, state: dict, blocks, skip_blocks: int = 0) -> dict:
+        """Destination: the request runs here from the next step (MigrationFailed, and
+        nothing changed, if it cannot now)."""
+        result = migration.commit(self, state, blocks, skip_blocks)
+        if self.detokenize:  # the text so far was the source's to deliver
+            self._follow_text(state["request_id"], self.scheduler.requests[
+                state["request_id"]].sampling_params)
+            detok = self._detok.get(state["request_id"])
+            if detok is not None:
+                detok.add(state["output_token_ids"])
+                detok.take_delta(False)
+        return result
+
+    def migration_done(self, request_id: str, moved: bool) -> None:
+        """Source: the request ended here (moved), or runs on here (the commit failed)."""
+        self.version += 1
+        migration.done(self, request_id, moved)
+        if moved:
+            self._detok.pop(request_id, None)
+
+    def next_request_index(self) -> int:
+        """A new request's engine-wide number (snapshots' block owner id)."""
+        return next(self._indices)
 
     def preempt(self, request_id: str, by: str = "operator") -> dict:
         """Preempt a running request (by: who asked, for its KV story)."""

@@ -279,6 +279,27 @@ class ModelRunner(Runner):
         self._tell_ranks([], [], mapping)
         self._copy_blocks(mapping)
 
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """[layers, 2, n, block_size, kv heads, head dim] on the host."""
+        self._single_rank("move a request's blocks")
+        self._wait_copy_ahead()
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.kv_cache.device)
+        return self.kv_cache.index_select(2, index).to("cpu")
+
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        self._single_rank("move a request's blocks")
+        self._wait_copy_ahead()
+        if data.shape[2] != len(block_ids) or data.shape[:2] != self.kv_cache.shape[:2] or \
+                data.shape[3:] != self.kv_cache.shape[3:]:
+            raise ValueError(f"blocks of shape {tuple(data.shape)} do not fit this engine's "
+                             f"cache {tuple(self.kv_cache.shape)}")
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.kv_cache.device)
+        self.kv_cache.index_copy_(2, index, data.to(self.kv_cache.device, self.kv_cache.dtype))
+
+    def _single_rank(self, what: str) -> None:
+        if getattr(self, "tensor_parallel_size", 1) > 1:
+            raise NotImplementedError(f"cannot {what} of a model split over ranks yet")
+
     def copy_ahead(self, mapping: list[tuple[int, int]]) -> None:
         """On CUDA, on a copy stream of its own, beside the forward pass: it starts once
         this step's copies are done (a swap-in may read a CPU block it overwrites), and

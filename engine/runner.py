@@ -70,3 +70,12 @@ class Runner(abc.ABC):
     @abc.abstractmethod
     def copy_blocks(self, mapping: list[tuple[int, int]]) -> None:
         """Copy (src, dst) pairs inside the device pool (copy-on-write)."""
+
+    def read_blocks(self, block_ids: list[int]):
+        """These device blocks' K/V (every layer), in host memory, for another engine of
+        the same model and block size (a request that moves: engine/migration.py)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot move a request's blocks")
+
+    def write_blocks(self, block_ids: list[int], data) -> None:
+        """read_blocks' data (of another engine) into these device blocks, in order."""
+        raise NotImplementedError(f"{type(self).__name__} cannot move a request's blocks")

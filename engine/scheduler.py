@@ -92,6 +92,9 @@ class Scheduler:
         # gives each its own detokenizer and grammar); live forks' sample ids by parent.
         self.make_sample: Callable[[Request, int], Request] | None = None
         self.forks: dict[str, list[str]] = {}
+        # running requests taken out of the batch while they are copied to another
+        # engine, their blocks kept (engine/migration.py)
+        self.suspended: dict[str, Request] = {}
         self.unforked: list[Request] = []  # live requests with n > 1 not forked yet (few)
         # Live requests not queued yet: their constraint compiles beside the step loop
         # (engine/structured.py); the engine queues each once its grammar is ready.
@@ -374,7 +377,9 @@ class Scheduler:
 
     def finish(self, request: Request, status: RequestStatus, reason: str) -> None:
         """End a live request (finished or aborted) and release all its blocks."""
-        if request.status == RequestStatus.RUNNING:
+        if request.request_id in self.suspended:
+            del self.suspended[request.request_id]
+        elif request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         elif request.request_id in self.compiling:
             del self.compiling[request.request_id]
@@ -502,6 +507,32 @@ class Scheduler:
         self.running.remove(request)
         self._preempt_recompute(request, "operator", "operator", by)
         return request
+
+    # --- migration (engine/migration.py) -------------------------------------------------
+    def suspend(self, request_id: str) -> Request:
+        """Take a running request out of the batch, its blocks kept, while it is copied to
+        another engine."""
+        request = self.get_live(request_id)
+        self._require(request, RequestStatus.RUNNING, "migrate")
+        if request.fork_pending or request.parent_id is not None:
+            raise InvalidStateError(f"request {request_id!r} is part of a fork (n > 1): its "
+                                    "samples move together, which is not supported yet")
+        if request.grammar is not None:
+            raise InvalidStateError(f"request {request_id!r} has a structured-output "
+                                    "constraint: moving one is not supported yet")
+        self.running.remove(request)
+        self.suspended[request_id] = request
+        return request
+
+    def resume(self, request_id: str) -> None:
+        """The copy failed: the request runs on here."""
+        self.running.append(self.suspended.pop(request_id))
+
+    def adopt(self, request: Request) -> None:
+        """A request copied from another engine, its blocks in place: it runs."""
+        request.status = RequestStatus.RUNNING
+        self.requests[request.request_id] = request
+        self.running.append(request)
 
     def swap_out(self, request_id: str, by: str = "operator") -> list[tuple[int, int]]:
         """Park a running request in the CPU pool; the caller copies the blocks now."""

@@ -161,6 +161,15 @@ class SimulatedRunner(Runner):
         for (_, b), block in zip(mapping, blocks):
             dst[b * bs:(b + 1) * bs] = block
 
+    def read_blocks(self, block_ids: list[int]) -> list[list[int]]:
+        bs, cache = self.block_size, self.gpu_cache
+        return [cache[b * bs:(b + 1) * bs] for b in block_ids]
+
+    def write_blocks(self, block_ids: list[int], data: list[list[int]]) -> None:
+        bs, cache = self.block_size, self.gpu_cache
+        for b, block in zip(block_ids, data, strict=True):
+            cache[b * bs:(b + 1) * bs] = block
+
     def swap_out(self, mapping: list[tuple[int, int]]) -> None:
         self._copy(self.gpu_cache, self.cpu_cache, mapping)
 

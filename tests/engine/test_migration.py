@@ -1,0 +1,151 @@
+"""A running request moved to another engine with its KV cache (engine/migration.py):
+its output is the output it would have had, blocks the destination caches are not
+sent, and a failed move leaves it running where it was; the invariants hold at both
+ends."""
+import pytest
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.migration import MIGRATED, MigrationFailed
+from tests.engine.sim import expected, greedy, sim_engine
+from tests.models.fixtures import tiny_model, tiny_root  # noqa: F401 (fixtures)
+
+BS = 4
+PROMPT = list(range(10, 33))  # 23 tokens: 5 full blocks and a partial one
+
+
+def step(engine: LLMEngine, n: int = 1) -> dict:
+    final = {}
+    for _ in range(n):
+        for o in engine.step():
+            if o.finished:
+                final[o.request_id] = o
+        engine.kv.check_invariants()
+    return final
+
+
+def run_all(*engines: LLMEngine) -> dict:
+    final = {}
+    while any(e.has_unfinished_requests() for e in engines):
+        for e in engines:
+            final.update(step(e))
+    return final
+
+
+def move(src: LLMEngine, dst: LLMEngine, rid: str) -> dict:
+    """The five calls, as a service makes them; returns the check and the commit."""
+    offer = src.migration_offer(rid)
+    checked = dst.migration_check(offer)
+    state, blocks = src.migrate_out(rid, checked["cached_blocks"])
+    try:
+        committed = dst.migration_commit(state, blocks, checked["cached_blocks"])
+    except Exception:
+        src.migration_done(rid, moved=False)
+        raise
+    src.migration_done(rid, moved=True)
+    return {"check": checked, "commit": committed, "sent": len(blocks)}
+
+
+def pair(**kw) -> tuple[LLMEngine, LLMEngine]:
+    cfg = dict(block_size=BS, num_gpu_blocks=64, num_cpu_blocks=0)
+    cfg.update(kw)
+    return sim_engine(**cfg), sim_engine(**cfg)
+
+
+def test_a_request_moved_mid_generation_gives_the_output_it_would_have():
+    src, dst = pair()
+    src.add_request("r", PROMPT, greedy(40))
+    step(src, 12)  # prefill and some tokens
+    assert 0 < len(src.scheduler.requests["r"].output_token_ids) < 40
+    moved = move(src, dst, "r")
+    assert moved["check"]["cached_blocks"] == 0 and moved["sent"] > 5
+    assert not src.has_unfinished_requests()
+    assert [r.finish_reason for r in src.scheduler.recently_finished] == [MIGRATED]
+    final = run_all(src, dst)
+    assert final["r"].output_token_ids == expected(PROMPT, 40)
+    for e in (src, dst):
+        e.kv.check_invariants()
+        assert e.kv.gpu.num_free + sum(b.ref_cnt > 0 for b in e.kv.gpu.blocks) == 64
+
+
+def test_blocks_the_destination_caches_are_not_sent():
+    src, dst = pair()
+    dst.add_request("warm", PROMPT, greedy(2))  # the prompt's blocks, cached there
+    run_all(dst)
+    src.add_request("r", PROMPT, greedy(30))
+    step(src, 10)
+    moved = move(src, dst, "r")
+    # the prompt's five full blocks and a sixth that the warm-up's first token filled (a
+    # greedy request's first token is the same one)
+    assert moved["check"]["cached_blocks"] == 6
+    assert moved["commit"]["blocks_cached"] == 6 and moved["sent"] < 10
+    assert "r" not in src.scheduler.requests
+    final = run_all(src, dst)
+    assert final["r"].output_token_ids == expected(PROMPT, 30)
+
+
+def test_a_refused_or_failed_move_leaves_the_request_running_where_it_was():
+    src, _ = pair()
+    full = sim_engine(block_size=BS, num_gpu_blocks=8, num_cpu_blocks=0)
+    full.add_request("hog", list(range(500, 524)), greedy(4))  # 6 of its 8 blocks
+    step(full, 1)
+    src.add_request("r", PROMPT, greedy(30))
+    step(src, 10)
+    with pytest.raises(Exception, match="free blocks"):
+        full.migration_check(src.migration_offer("r"))
+    # the check passed, then the destination's cache changed before the commit
+    dst = sim_engine(block_size=BS, num_gpu_blocks=64, num_cpu_blocks=0)
+    dst.add_request("warm", PROMPT, greedy(2))
+    run_all(dst)
+    checked = dst.migration_check(src.migration_offer("r"))
+    dst.evict_cached_blocks(None)
+    state, blocks = src.migrate_out("r", checked["cached_blocks"])
+    with pytest.raises(MigrationFailed):
+        dst.migration_commit(state, blocks, checked["cached_blocks"])
+    src.migration_done("r", moved=False)
+    dst.kv.check_invariants()
+    assert "r" not in dst.scheduler.requests and dst.kv.gpu.num_free == 64
+    final = run_all(src)
+    assert final["r"].output_token_ids == expected(PROMPT, 30)
+
+
+def test_what_cannot_move_is_refused_with_a_reason():
+    src, dst = pair()
+    src.add_request("r", PROMPT, greedy(30))
+    step(src, 3)
+    other = sim_engine(block_size=8, num_gpu_blocks=64, num_cpu_blocks=0)
+    with pytest.raises(Exception, match="blocks of 4"):
+        other.migration_check(src.migration_offer("r"))
+    src.add_request("waiting", PROMPT, greedy(3))
+    with pytest.raises(Exception, match="only a running request moves"):
+        src.migration_offer("waiting")
+    windowed = sim_engine(block_size=BS, num_gpu_blocks=64, simulate_sliding_window=8)
+    windowed.add_request("w", PROMPT, greedy(8))
+    step(windowed, 2)
+    with pytest.raises(Exception, match="sliding windows"):
+        windowed.migration_offer("w")
+    assert not dst.has_unfinished_requests()
+
+
+def make_model_engine(folder) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(folder), device="cpu", dtype="float32",
+                                  attention_backend="torch", block_size=4, num_gpu_blocks=128,
+                                  num_cpu_blocks=0, seed=0))
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
+    SamplingParams(max_tokens=24, temperature=1.0, top_p=0.9, seed=7, ignore_eos=True,
+                   repetition_penalty=1.3),
+], ids=["greedy", "seeded-sampled-penalised"])
+def test_a_real_models_request_continues_exactly_on_the_other_engine(tiny_model, params):
+    folder = tiny_model("gqa16")
+    prompt = list(range(5, 35))
+    alone = make_model_engine(folder).generate([prompt], params)[0]
+    src, dst = make_model_engine(folder), make_model_engine(folder)
+    src.add_request("r", prompt, params)
+    step(src, 9)
+    assert 0 < len(src.scheduler.requests["r"].output_token_ids) < 24
+    move(src, dst, "r")
+    final = run_all(src, dst)
+    assert final["r"].output_token_ids == alone.output_token_ids
+    assert final["r"].text == alone.text  # the destination's text follows on
