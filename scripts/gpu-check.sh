@@ -72,8 +72,11 @@ ONLY="$*"
   # tier's copies ahead, the torch attention path off the CPU
   section tiny 60 "$PY" -m pytest -q tests/engine/test_model_triton.py \
     tests/engine/test_cpu_tier.py tests/kernels/test_torch_attention_off_cpu.py
+  # a request moved between two engines with its KV cache: blocks read from one device
+  # pool to the host and written into the other's (engine/migration.py)
+  section migration 40 "$PY" -m pytest -q tests/engine/test_migration.py
   # the service path with many free cores: the simulator, short streams at 5 ms a step
-  section sim 100 "$PY" -m benchmarks.bench_serve --streams 256 --sim-tokens 64-64 --step-ms 5
+  section sim 90 "$PY" -m benchmarks.bench_serve --streams 256 --sim-tokens 64-64 --step-ms 5
   # 256 streams of the default model through the service (named only: over the budget
   # of one command together with the rest)
   [ -n "$ONLY" ] && section serve256 150 "$PY" -m benchmarks.bench_serve --streams "" \

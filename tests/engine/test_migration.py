@@ -3,6 +3,7 @@ its output is the output it would have had, blocks the destination caches are no
 sent, and a failed move leaves it running where it was; the invariants hold at both
 ends."""
 import pytest
+import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.migration import MIGRATED, MigrationFailed
@@ -126,22 +127,28 @@ def test_what_cannot_move_is_refused_with_a_reason():
     assert not dst.has_unfinished_requests()
 
 
-def make_model_engine(folder) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(folder), device="cpu", dtype="float32",
-                                  attention_backend="torch", block_size=4, num_gpu_blocks=128,
-                                  num_cpu_blocks=0, seed=0))
+def make_model_engine(folder, device: str = "cpu") -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(folder), device=device, dtype="float32",
+                                  attention_backend="torch" if device == "cpu" else "auto",
+                                  block_size=4, num_gpu_blocks=128, num_cpu_blocks=0, seed=0))
 
 
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                          reason="needs a CUDA device"))])
 @pytest.mark.parametrize("params", [
     SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
     SamplingParams(max_tokens=24, temperature=1.0, top_p=0.9, seed=7, ignore_eos=True,
                    repetition_penalty=1.3),
 ], ids=["greedy", "seeded-sampled-penalised"])
-def test_a_real_models_request_continues_exactly_on_the_other_engine(tiny_model, params):
+def test_a_real_models_request_continues_exactly_on_the_other_engine(tiny_model, params,
+                                                                     device):
+    """(On CUDA: the blocks read from one engine's device pool to the host and written
+    into the other's.)"""
     folder = tiny_model("gqa16")
     prompt = list(range(5, 35))
-    alone = make_model_engine(folder).generate([prompt], params)[0]
-    src, dst = make_model_engine(folder), make_model_engine(folder)
+    alone = make_model_engine(folder, device).generate([prompt], params)[0]
+    src, dst = make_model_engine(folder, device), make_model_engine(folder, device)
     src.add_request("r", prompt, params)
     step(src, 9)
     assert 0 < len(src.scheduler.requests["r"].output_token_ids) < 24
