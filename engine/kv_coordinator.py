@@ -311,6 +311,15 @@ class KVCacheCoordinator:
         return Allocation(new_blocks=[b for a in allocations for b in a.new_blocks],
                           copies=[c for a in allocations for c in a.copies])
 
+    def hold(self, request_id: str, hashes: list[BlockHash], num_blocks: int) -> int | None:
+        """A table of num_blocks for a request being copied here (engine/migration.py):
+        the leading blocks of `hashes` cached here, held, and fresh ones for the rest (not
+        findable by hash until the request runs). Returns how many were cached, or None
+        when the pool is short. One layer group only."""
+        cached = self.cached_chain(hashes[:num_blocks])
+        fresh = self.main.hold(request_id, cached, num_blocks - len(cached))
+        return None if fresh is None else len(cached)
+
     def blocks_needed(self, request: Request, num_new_tokens: int) -> int:
         """The free GPU blocks allocate_slots(request, num_new_tokens) would take now."""
         return sum(g.blocks_needed(request, num_new_tokens) for g in self.groups)

@@ -170,6 +170,20 @@ class KVGroup:
         self._offer_to_cache(request, total_tokens)
         return result
 
+    def hold(self, request_id: str, cached: list[KVBlock], num_new: int) -> list[KVBlock] | None:
+        """A table for a request being copied here from another engine: its leading
+        `cached` blocks (a reference each) and num_new fresh ones, which are offered to
+        the prefix cache only once their data is in and the request runs (its next
+        allocate). None, changing nothing, when the pool is short."""
+        revived = sum(1 for b in cached if b.ref_cnt == 0)
+        if num_new + revived > self.gpu.num_free:
+            return None
+        self.gpu.touch(cached)
+        fresh = self.gpu.take_new(num_new, request_id)
+        self.req_to_blocks[request_id] = [*cached, *fresh]
+        self._num_offered[request_id] = len(cached)
+        return fresh
+
     def _free_out_of_window(self, request: Request) -> None:
         """A sliding group gives back the blocks its window passed (SlidingWindowGroup)."""
 

@@ -113,6 +113,8 @@ class LLMEngine:
                                  sample=config.kv_metrics_sample) \
             if config.kv_history_blocks else None
         self.kv.stories = self.stories
+        # requests being copied here from another engine: (request, blocks cached here)
+        self.incoming_migrations: dict[str, tuple[Request, int]] = {}
         self.step_count = 0
         self.step_seconds = 0.0  # wall time inside the steps that ran (schedule to outputs)
         self.version = 0  # grows with every change to requests or blocks (for publishers)
@@ -549,6 +551,26 @@ class LLMEngine:
                 detok.add(state["output_token_ids"])
                 detok.take_delta(False)
         return result
+
+    def migration_reserve(self, offer: dict) -> dict:
+        """Destination, for a staged copy: blocks held for the offer's full computed
+        blocks ({"cached_blocks": k}: the source stages from k on)."""
+        return migration.reserve(self, offer)
+
+    def migration_stage(self, request_id: str, start_block: int,
+                        end_block: int | None = None) -> tuple[object, int]:
+        """Source, while the request runs: its full computed blocks' K/V from
+        start_block on (below end_block: what the destination holds), and the index
+        after them."""
+        return migration.stage(self, request_id, start_block, end_block)
+
+    def migration_write(self, request_id: str, start_block: int, blocks) -> None:
+        """Destination: staged K/V into the held blocks."""
+        migration.write(self, request_id, start_block, blocks)
+
+    def migration_cancel(self, request_id: str) -> None:
+        """Destination: a staged copy stopped; its held blocks go back."""
+        migration.cancel(self, request_id)
 
     def migration_done(self, request_id: str, moved: bool) -> None:
         """Source: the request ended here (moved), or runs on here (the commit failed)."""

@@ -1,7 +1,6 @@
-"""Moving a running request to another engine of the same model with its KV cache (the
-first step of request migration: one stop-and-copy between two steps of each engine).
+"""Moving a running request to another engine of the same model with its KV cache.
 
-Between the source's steps and the destination's, in this order:
+Between the source's steps and the destination's, in this order (a stop-and-copy):
 
 1. `source.migration_offer(rid)`: the request's state (everything its next tokens depend
    on: tokens, sampling parameters, its place in its seed's stream, which is its number
@@ -19,9 +18,17 @@ Between the source's steps and the destination's, in this order:
 5. `source.migration_done(rid, moved)`: the request ends there ("migrated"), its blocks
    freed; or, when the commit failed, it runs on there.
 
-Not yet: copying full blocks in stages while the request keeps decoding (so that the
-pause does not grow with the context), layer groups and sliding windows, forks,
-structured output, a model split over ranks, and the transport between processes.
+A staged copy keeps the pause short whatever the context (as Llumnix does): after the
+offer, `destination.migration_reserve(offer)` holds blocks for the request's full
+computed blocks (its leading ones cached there; fresh ones, not findable by hash until
+it runs, for the rest); between the source's steps `source.migration_stage(rid, start,
+end)` reads the full blocks computed so far (they no longer change) and
+`destination.migration_write(rid, start, blocks)` puts them in the held blocks; the stop
+(`migrate_out` from the first block not staged, `migration_commit`) then copies only the
+last blocks and the state. `migration_cancel` gives the held blocks back.
+
+Not yet: layer groups and sliding windows, forks, structured output, a model split
+over ranks, and the transport between processes.
 """
 from __future__ import annotations
 
@@ -118,9 +125,65 @@ def done(engine: LLMEngine, request_id: str, moved: bool) -> None:
     engine.scheduler.finish(request, RequestStatus.FINISHED, MIGRATED)
 
 
+def reserve(engine: LLMEngine, offer: dict) -> dict:
+    """Destination, for a staged copy: hold blocks for the offer's full computed blocks
+    (its leading ones cached here, fresh ones for the rest), which write() fills while
+    the request keeps running at the source. Returns {"cached_blocks": k}: the source
+    stages its blocks from k on."""
+    _fits(engine, offer)
+    rid = offer["request_id"]
+    if rid in engine.incoming_migrations:
+        raise InvalidRequestError(f"request {rid!r} is already being copied here")
+    request = _request(engine, offer)
+    num_full = offer["num_computed_tokens"] // engine.config.block_size
+    cached = engine.kv.hold(rid, request.block_hashes, num_full)
+    if cached is None:
+        raise NotEnoughBlocksError(f"request {rid!r} needs {num_full} blocks here, "
+                                   f"{engine.kv.gpu.num_free} are free")
+    engine.incoming_migrations[rid] = (request, cached)
+    return {"cached_blocks": cached, "reserved_blocks": num_full - cached}
+
+
+def stage(engine: LLMEngine, request_id: str, start: int,
+          end: int | None = None) -> tuple[Any, int]:
+    """Source, while the request runs: the K/V of its full computed blocks from `start`
+    on (they no longer change; below `end`, the blocks the destination holds), and the
+    index after the last one."""
+    request = engine.scheduler.get_live(request_id)
+    if request.status is not RequestStatus.RUNNING or request_id in engine.scheduler.suspended:
+        raise InvalidStateError(f"request {request_id!r} is not running here")
+    full = request.num_computed_tokens // engine.config.block_size
+    end = full if end is None else min(end, full)
+    ids = engine.kv.block_ids(request_id)[start:end]
+    return (engine.runner.read_blocks(ids) if ids else None), max(end, start)
+
+
+def write(engine: LLMEngine, request_id: str, start: int, data: Any) -> None:
+    """Destination: staged K/V into the held blocks from index `start` on."""
+    if request_id not in engine.incoming_migrations:
+        raise InvalidRequestError(f"no copy of request {request_id!r} is under way here")
+    _, cached = engine.incoming_migrations[request_id]
+    table = engine.kv.block_ids(request_id)
+    n = engine.runner.num_blocks_in(data) if data is not None else 0
+    if start < cached or start + n > len(table):
+        raise InvalidRequestError(f"blocks {start}..{start + n - 1} are not held for request "
+                                  f"{request_id!r} (blocks {cached}..{len(table) - 1} are)")
+    if n:
+        engine.runner.write_blocks(table[start:start + n], data)
+
+
+def cancel(engine: LLMEngine, request_id: str) -> None:
+    """Destination: the copy stopped; the held blocks go back."""
+    request, _ = engine.incoming_migrations.pop(request_id)
+    engine.kv.free(request, "migration")
+
+
 def commit(engine: LLMEngine, state: dict, data: Any, skip: int) -> dict:
     """Destination: the request with its blocks (cached here, or new ones given `data`,
-    the K/V of its blocks from `skip` on); it runs from the next step."""
+    the K/V of its blocks from `skip` on); it runs from the next step. After reserve()
+    and write(), the held blocks are its, and `data` is the rest from `skip` on."""
+    if state["request_id"] in engine.incoming_migrations:
+        return _commit_held(engine, state, data, skip)
     _fits(engine, state)
     bs, kv = engine.config.block_size, engine.kv
     request = _request(engine, state)
@@ -148,12 +211,45 @@ def commit(engine: LLMEngine, state: dict, data: Any, skip: int) -> dict:
     first = max(skip, shared)
     last = cdiv(computed, bs)
     if first < last:
-        engine.runner.write_blocks(table[first:last], data[first - skip:last - skip])
+        engine.runner.write_blocks(table[first:last], engine.runner.blocks_between(
+            data, first - skip, last - skip))
     kv.mark_computed()  # (between steps: only its new blocks wait to be computed)
     engine.scheduler.adopt(request)
     engine.version += 1
     return {"request_id": request.request_id, "num_blocks": len(table),
             "blocks_written": max(0, last - first), "blocks_cached": shared}
+
+
+def _commit_held(engine: LLMEngine, state: dict, data: Any, skip: int) -> dict:
+    rid = state["request_id"]
+    request, cached = engine.incoming_migrations[rid]
+    bs, kv = engine.config.block_size, engine.kv
+    if skip < cached:
+        raise InvalidRequestError(f"request {rid!r}: blocks from {skip} sent, but blocks "
+                                  f"below {cached} are shared cached blocks here")
+    for token in state["output_token_ids"][len(request.output_token_ids):]:
+        request.append_output_token(token)  # (made at the source since the offer)
+    request.output_logprobs = list(state["output_logprobs"])
+    request.num_preemptions = state["num_preemptions"]
+    if [h.hex() for h in request.block_hashes] != state["block_hashes"]:
+        cancel(engine, rid)
+        raise MigrationFailed(f"request {rid!r}: its tokens changed since the offer")
+    request.num_computed_tokens = state["num_computed_tokens"]
+    if kv.allocate_more(request, 0) is None:  # (room for the tail; full blocks offered)
+        cancel(engine, rid)
+        raise MigrationFailed(f"request {rid!r} needs more free blocks than this engine "
+                              f"has now ({kv.gpu.num_free})")
+    del engine.incoming_migrations[rid]
+    table = kv.block_ids(rid)
+    last = cdiv(request.num_computed_tokens, bs)
+    if skip < last:
+        engine.runner.write_blocks(table[skip:last],
+                                   engine.runner.blocks_between(data, 0, last - skip))
+    kv.mark_computed()  # (between steps: only its blocks wait to be computed)
+    engine.scheduler.adopt(request)
+    engine.version += 1
+    return {"request_id": rid, "num_blocks": len(table), "blocks_written": max(0, last - skip),
+            "blocks_cached": cached}
 
 
 def _request(engine: LLMEngine, state: dict) -> Request:

@@ -296,6 +296,14 @@ class ModelRunner(Runner):
         index = torch.tensor(block_ids, dtype=torch.long, device=self.kv_cache.device)
         self.kv_cache.index_copy_(2, index, data.to(self.kv_cache.device, self.kv_cache.dtype))
 
+    @staticmethod
+    def num_blocks_in(data: torch.Tensor) -> int:
+        return data.shape[2]
+
+    @staticmethod
+    def blocks_between(data: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        return data[:, :, start:end]
+
     def _single_rank(self, what: str) -> None:
         if getattr(self, "tensor_parallel_size", 1) > 1:
             raise NotImplementedError(f"cannot {what} of a model split over ranks yet")

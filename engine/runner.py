@@ -79,3 +79,13 @@ class Runner(abc.ABC):
     def write_blocks(self, block_ids: list[int], data) -> None:
         """read_blocks' data (of another engine) into these device blocks, in order."""
         raise NotImplementedError(f"{type(self).__name__} cannot move a request's blocks")
+
+    @staticmethod
+    def num_blocks_in(data) -> int:
+        """How many blocks read_blocks' data holds."""
+        return len(data)
+
+    @staticmethod
+    def blocks_between(data, start: int, end: int):
+        """The blocks start..end-1 of read_blocks' data."""
+        return data[start:end]

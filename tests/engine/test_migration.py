@@ -141,8 +141,9 @@ def make_model_engine(folder, device: str = "cpu") -> LLMEngine:
     SamplingParams(max_tokens=24, temperature=1.0, top_p=0.9, seed=7, ignore_eos=True,
                    repetition_penalty=1.3),
 ], ids=["greedy", "seeded-sampled-penalised"])
+@pytest.mark.parametrize("how", ["stop-and-copy", "staged"])
 def test_a_real_models_request_continues_exactly_on_the_other_engine(tiny_model, params,
-                                                                     device):
+                                                                     device, how):
     """(On CUDA: the blocks read from one engine's device pool to the host and written
     into the other's.)"""
     folder = tiny_model("gqa16")
@@ -152,7 +153,62 @@ def test_a_real_models_request_continues_exactly_on_the_other_engine(tiny_model,
     src.add_request("r", prompt, params)
     step(src, 9)
     assert 0 < len(src.scheduler.requests["r"].output_token_ids) < 24
-    move(src, dst, "r")
+    if how == "staged":
+        staged_move(src, dst, "r", steps_between=4)
+    else:
+        move(src, dst, "r")
     final = run_all(src, dst)
     assert final["r"].output_token_ids == alone.output_token_ids
     assert final["r"].text == alone.text  # the destination's text follows on
+
+
+def staged_move(src: LLMEngine, dst: LLMEngine, rid: str, steps_between: int) -> dict:
+    """A staged copy: the destination holds blocks for what the request has computed,
+    its full blocks are copied while it keeps decoding at the source, then one short
+    stop-and-copy of the rest."""
+    reserved = dst.migration_reserve(src.migration_offer(rid))
+    held = reserved["cached_blocks"] + reserved["reserved_blocks"]
+    done, staged = reserved["cached_blocks"], 0
+    for _ in range(steps_between):  # the source decodes on; a stage between its steps
+        blocks, end = src.migration_stage(rid, done, held)
+        dst.migration_write(rid, done, blocks)
+        staged += end - done
+        done = end
+        step(src)
+        step(dst)
+    state, rest = src.migrate_out(rid, done)
+    committed = dst.migration_commit(state, rest, done)
+    src.migration_done(rid, moved=True)
+    return {"reserved": reserved, "staged": staged, "last": len(rest), "commit": committed}
+
+
+def test_a_staged_copy_leaves_only_the_last_blocks_for_the_stop():
+    src, dst = pair(num_gpu_blocks=128)
+    prompt = list(range(10, 90))  # 20 full blocks
+    src.add_request("r", prompt, greedy(40))
+    step(src, 3)
+    moved = staged_move(src, dst, "r", steps_between=6)
+    assert moved["reserved"]["reserved_blocks"] >= 20 and moved["staged"] >= 20
+    assert moved["last"] <= 3  # the stop copies the tail, not the context
+    final = run_all(src, dst)
+    assert final["r"].output_token_ids == expected(prompt, 40)
+    for e in (src, dst):
+        e.kv.check_invariants()
+    assert dst.kv.gpu.num_free + sum(b.ref_cnt > 0 for b in dst.kv.gpu.blocks) == 128
+
+
+def test_a_cancelled_staged_copy_gives_the_held_blocks_back():
+    src, dst = pair()
+    dst.add_request("warm", PROMPT, greedy(2))
+    run_all(dst)
+    cached_before = len(dst.kv.gpu.cached)
+    src.add_request("r", PROMPT, greedy(30))
+    step(src, 8)
+    reserved = dst.migration_reserve(src.migration_offer("r"))
+    assert reserved["cached_blocks"] == 6  # held: not evictable meanwhile
+    with pytest.raises(Exception, match="not held"):
+        dst.migration_write("r", 0, src.migration_stage("r", 0)[0])
+    dst.migration_cancel("r")
+    dst.kv.check_invariants()
+    assert dst.kv.gpu.num_free == 64 and len(dst.kv.gpu.cached) == cached_before
+    assert run_all(src)["r"].output_token_ids == expected(PROMPT, 30)
