@@ -472,6 +472,25 @@ class StoryBook:
         story = self._stories.get(request_id) or self._ended.get(request_id)
         return None if story is None else story.document(self.engine_name)
 
+    def arrived(self, document: dict, source: str, blocks_sent: int) -> None:
+        """A request moved here from engine `source` (engine/migration.py): its story goes
+        on from the one told there, the hop a preemption with reason `migration`."""
+        self.drain()
+        story = Story(
+            document["request_id"], document["job_id"], document["block_size"],
+            document["prompt_tokens"], list(document["hashes"]), document["sources"]["gpu"],
+            document["sources"]["cpu"], dict(document["cached_tokens"]),
+            document["first_miss"], document["moments"]["admitted"],
+            [dict(p) for p in document["preemptions"]], document["copy_on_write"],
+            document["window_freed"], document["moments"]["first_token"])
+        story.preemptions.append({
+            "at": time.time(), "reason": "migration", "by": source, "needed_blocks": None,
+            "free_blocks": None, "recomputed_tokens": 0, "swapped_blocks": blocks_sent})
+        self._stories[story.request_id] = story
+        if story.first_token_at is None:
+            self.awaiting_first_token.add(story.request_id)
+        self.changed.add(story.request_id)
+
     def metrics(self) -> dict:
         h = self.history
         return {"missed_tokens_by_reason": dict(self.missed_tokens),

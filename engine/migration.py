@@ -73,6 +73,8 @@ def state_of(engine: LLMEngine, request: Request) -> dict:
         "num_cached_tokens": request.num_cached_tokens or 0,
         "num_preemptions": request.num_preemptions,
         "block_hashes": [h.hex() for h in request.block_hashes],
+        "engine": engine.config.name,
+        "kv_story": engine.kv_story(request.request_id),  # (None without a history)
     }
 
 
@@ -216,6 +218,7 @@ def commit(engine: LLMEngine, state: dict, data: Any, skip: int) -> dict:
     kv.mark_computed()  # (between steps: only its new blocks wait to be computed)
     engine.scheduler.adopt(request)
     engine.version += 1
+    _story_arrives(engine, state, max(0, last - first))
     return {"request_id": request.request_id, "num_blocks": len(table),
             "blocks_written": max(0, last - first), "blocks_cached": shared}
 
@@ -248,8 +251,14 @@ def _commit_held(engine: LLMEngine, state: dict, data: Any, skip: int) -> dict:
     kv.mark_computed()  # (between steps: only its blocks wait to be computed)
     engine.scheduler.adopt(request)
     engine.version += 1
+    _story_arrives(engine, state, max(0, last - cached))  # (staged, and at the stop)
     return {"request_id": rid, "num_blocks": len(table), "blocks_written": max(0, last - skip),
             "blocks_cached": cached}
+
+
+def _story_arrives(engine: LLMEngine, state: dict, blocks_sent: int) -> None:
+    if engine.stories is not None and state.get("kv_story"):
+        engine.stories.arrived(state["kv_story"], state["engine"], blocks_sent)
 
 
 def _request(engine: LLMEngine, state: dict) -> Request:

@@ -212,3 +212,21 @@ def test_a_cancelled_staged_copy_gives_the_held_blocks_back():
     dst.kv.check_invariants()
     assert dst.kv.gpu.num_free == 64 and len(dst.kv.gpu.cached) == cached_before
     assert run_all(src)["r"].output_token_ids == expected(PROMPT, 30)
+
+
+def test_the_kv_story_goes_on_at_the_destination_with_the_hop():
+    src = sim_engine(block_size=BS, num_gpu_blocks=64, num_cpu_blocks=0, name="east")
+    dst = sim_engine(block_size=BS, num_gpu_blocks=64, num_cpu_blocks=0, name="west")
+    src.add_request("r", PROMPT, greedy(30))
+    step(src, 8)
+    told_there = src.kv_story("r")
+    staged_move(src, dst, "r", steps_between=2)
+    run_all(src, dst)
+    story = dst.kv_story("r")
+    assert story["engine"] == "west" and story["hashes"] == told_there["hashes"]
+    assert story["first_miss"] == told_there["first_miss"]
+    assert story["moments"]["first_token"] == told_there["moments"]["first_token"]
+    [hop] = story["preemptions"]
+    assert (hop["reason"], hop["by"], hop["recomputed_tokens"]) == ("migration", "east", 0)
+    assert hop["swapped_blocks"] >= 6 and story["finish_reason"] == "length"
+    assert src.kv_story("r")["finish_reason"] == "migrated"
