@@ -24,6 +24,7 @@ names behind request ids. Times are Unix seconds (the service writes them as ISO
 from __future__ import annotations
 
 import collections
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -241,7 +242,6 @@ class Story:
     window_freed: int = 0
     first_token_at: float | None = None
     ended_at: float | None = None
-    content: list[str] | None = None  # the prompt's unsalted hashes, until admitted
     finish_reason: str | None = None
 
     def document(self, engine: str) -> dict:
@@ -345,11 +345,9 @@ class StoryBook:
         if story is None:
             return
         for child in child_ids:
-            self._stories[child] = Story(
-                child, story.job_id, story.block_size, story.prompt_tokens, story.hashes,
-                story.gpu_blocks, story.cpu_blocks, dict(story.cached), story.first_miss,
-                story.admitted_at, list(story.preemptions), story.copy_on_write,
-                story.window_freed)
+            self._stories[child] = dataclasses.replace(
+                story, request_id=child, cached=dict(story.cached),
+                preemptions=list(story.preemptions))
             self.changed.add(child)
             if story.first_token_at is None:
                 self.awaiting_first_token.add(child)
@@ -373,27 +371,22 @@ class StoryBook:
                       gpu_blocks, cpu_blocks,
                       {"gpu": gpu_tokens, "cpu": num_cached - gpu_tokens, "disk": 0},
                       None, at)
-        if request.pinned_root is not None:  # salted: its tokens' unsalted chain too
-            content = [short(h) for h in hash_blocks(request.pinned_root,
-                                                    request.prompt_token_ids, bs)]
-        else:
-            content = keys
-        story.first_miss = self._first_miss(request, prompt_hashes, content,
-                                            gpu_blocks + cpu_blocks, where, at, off, windowed)
-        story.content = content
+        story.first_miss = self._first_miss(request, prompt_hashes, gpu_blocks + cpu_blocks,
+                                            where, at, off, windowed)
         return story
 
     def admitted(self, request, story: Story) -> None:
-        self.history.note_content(story.content, request.block_hashes[:len(story.hashes)])
+        n = len(story.hashes)
+        content = story.hashes if request.pinned_root is None else _content_keys(request, n)
+        self.history.note_content(content, request.block_hashes[:n])
         reason = story.first_miss["reason"] if story.first_miss else "partial_block"
         self.missed_tokens[reason] += story.prompt_tokens - sum(story.cached.values())
-        story.content = None
         self._stories[request.request_id] = story
         # (handed out with its first token, or its end if that comes first)
         self.awaiting_first_token.add(request.request_id)
 
-    def _first_miss(self, request, prompt_hashes: list[BlockHash], content: list[str],
-                    hit: int, where, at: float, off: str | None, windowed: bool) -> dict | None:
+    def _first_miss(self, request, prompt_hashes: list[BlockHash], hit: int, where,
+                    at: float, off: str | None, windowed: bool) -> dict | None:
         if off is not None:
             return _miss(0, "caching_off", None, None, off) if prompt_hashes else None
         if hit >= len(prompt_hashes):
@@ -416,7 +409,8 @@ class StoryBook:
                          "it was being written by the same step")
         record = self.history.get(key)
         if record is None or record.first_stored_at > at:
-            other = self.history.salted_elsewhere(content[hit], block_hash)
+            other = self.history.salted_elsewhere(_content_keys(request, hit + 1)[hit],
+                                                  block_hash)
             if other is not None and where(other) is not None:
                 return _miss(hit, "salt", None, None,
                              f"the tokens of block {hit} are cached under another tenant's "
@@ -498,6 +492,16 @@ class StoryBook:
                 "kv_block_lifetime_seconds": h.lifetime.as_dict(),
                 "kv_block_idle_before_evict_seconds": h.idle_before_evict.as_dict(),
                 "kv_block_reuse_gap_seconds": h.reuse_gap.as_dict()}
+
+
+def _content_keys(request, n: int) -> list[str]:
+    """Short hashes of the first n prompt blocks' tokens under no cache salt (a salted
+    request's own chain otherwise: the same tokens of every tenant share these)."""
+    if request.pinned_root is None:
+        return [short(h) for h in request.block_hashes[:n]]
+    bs = request.block_size
+    return [short(h) for h in hash_blocks(request.pinned_root,
+                                          request.prompt_token_ids[:n * bs], bs)]
 
 
 def _miss(block: int, reason: str, at: float | None, by: str | None, detail: str) -> dict:

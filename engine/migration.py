@@ -187,7 +187,7 @@ def commit(engine: LLMEngine, state: dict, data: Any, skip: int) -> dict:
     if state["request_id"] in engine.incoming_migrations:
         return _commit_held(engine, state, data, skip)
     _fits(engine, state)
-    bs, kv = engine.config.block_size, engine.kv
+    kv = engine.kv
     request = _request(engine, state)
     match = kv.find_prefix(request)  # (its story was told on the engine it came from)
     hit_blocks = len(match.blocks) + len(match.tier_blocks)
@@ -208,25 +208,15 @@ def commit(engine: LLMEngine, state: dict, data: Any, skip: int) -> dict:
         engine.runner.copy_blocks(alloc.copies)
     request.num_computed_tokens = computed
     # New blocks take the sent K/V; the shared cached blocks already hold it
-    table = kv.block_ids(request.request_id)
     shared = len(match.blocks) - (1 if match.cow else 0)
     first = max(skip, shared)
-    last = cdiv(computed, bs)
-    if first < last:
-        engine.runner.write_blocks(table[first:last], engine.runner.blocks_between(
-            data, first - skip, last - skip))
-    kv.mark_computed()  # (between steps: only its new blocks wait to be computed)
-    engine.scheduler.adopt(request)
-    engine.version += 1
-    _story_arrives(engine, state, max(0, last - first))
-    return {"request_id": request.request_id, "num_blocks": len(table),
-            "blocks_written": max(0, last - first), "blocks_cached": shared}
+    return _runs_here(engine, state, request, data, skip, first, first, shared)
 
 
 def _commit_held(engine: LLMEngine, state: dict, data: Any, skip: int) -> dict:
     rid = state["request_id"]
     request, cached = engine.incoming_migrations[rid]
-    bs, kv = engine.config.block_size, engine.kv
+    kv = engine.kv
     if skip < cached:
         raise InvalidRequestError(f"request {rid!r}: blocks from {skip} sent, but blocks "
                                   f"below {cached} are shared cached blocks here")
@@ -234,7 +224,7 @@ def _commit_held(engine: LLMEngine, state: dict, data: Any, skip: int) -> dict:
         request.append_output_token(token)  # (made at the source since the offer)
     request.output_logprobs = list(state["output_logprobs"])
     request.num_preemptions = state["num_preemptions"]
-    if [h.hex() for h in request.block_hashes] != state["block_hashes"]:
+    if not _same_blocks(request, state):
         cancel(engine, rid)
         raise MigrationFailed(f"request {rid!r}: its tokens changed since the offer")
     request.num_computed_tokens = state["num_computed_tokens"]
@@ -243,22 +233,33 @@ def _commit_held(engine: LLMEngine, state: dict, data: Any, skip: int) -> dict:
         raise MigrationFailed(f"request {rid!r} needs more free blocks than this engine "
                               f"has now ({kv.gpu.num_free})")
     del engine.incoming_migrations[rid]
-    table = kv.block_ids(rid)
-    last = cdiv(request.num_computed_tokens, bs)
-    if skip < last:
-        engine.runner.write_blocks(table[skip:last],
-                                   engine.runner.blocks_between(data, 0, last - skip))
+    # (the blocks from `cached` on were sent: staged, and from `skip` on at the stop)
+    return _runs_here(engine, state, request, data, skip, skip, cached, cached)
+
+
+def _runs_here(engine: LLMEngine, state: dict, request: Request, data: Any, skip: int,
+               first: int, sent_from: int, cached: int) -> dict:
+    """The request's table is complete: `data` (its blocks from `skip` on) goes into its
+    blocks from `first` on, and it runs from the next step; its story goes on here (the
+    blocks from `sent_from` on came from the source; its first `cached` were here)."""
+    kv = engine.kv
+    table = kv.block_ids(request.request_id)
+    last = cdiv(request.num_computed_tokens, engine.config.block_size)
+    if first < last:
+        engine.runner.write_blocks(table[first:last], engine.runner.blocks_between(
+            data, first - skip, last - skip))
     kv.mark_computed()  # (between steps: only its blocks wait to be computed)
     engine.scheduler.adopt(request)
     engine.version += 1
-    _story_arrives(engine, state, max(0, last - cached))  # (staged, and at the stop)
-    return {"request_id": rid, "num_blocks": len(table), "blocks_written": max(0, last - skip),
-            "blocks_cached": cached}
-
-
-def _story_arrives(engine: LLMEngine, state: dict, blocks_sent: int) -> None:
     if engine.stories is not None and state.get("kv_story"):
-        engine.stories.arrived(state["kv_story"], state["engine"], blocks_sent)
+        engine.stories.arrived(state["kv_story"], state["engine"], max(0, last - sent_from))
+    return {"request_id": request.request_id, "num_blocks": len(table),
+            "blocks_written": max(0, last - first), "blocks_cached": cached}
+
+
+def _same_blocks(request: Request, state: dict) -> bool:
+    """Whether the request's block hashes here are the ones the source sent."""
+    return [h.hex() for h in request.block_hashes] == state["block_hashes"]
 
 
 def _request(engine: LLMEngine, state: dict) -> Request:
@@ -277,7 +278,7 @@ def _request(engine: LLMEngine, state: dict) -> Request:
     request.prompt_logprobs = list(state["prompt_logprobs"])
     request.num_cached_tokens = state["num_cached_tokens"]
     request.num_preemptions = state["num_preemptions"]
-    if [h.hex() for h in request.block_hashes] != state["block_hashes"]:
+    if not _same_blocks(request, state):
         raise InvalidRequestError(f"request {request.request_id!r}: its block hashes differ "
                                   "here (another model identity or cache salt)")
     return request

@@ -45,9 +45,8 @@ def document(job: Job, viewer) -> dict:
             **miss, "reason": "other_engine", "by": None,
             "detail": f"engine {routing['best_engine']} held {routing['best_hit_tokens']} "
                       f"tokens of this prompt's prefix when the job was routed, engine "
-                      f"{job.engine} {routing['engine_hit_tokens_words']}; it ran on "
+                      f"{job.engine} held {routing['hit_tokens'] or 'none'}; it ran on "
                       f"{job.engine} ({_why_there(job)})"}
-    routing.pop("engine_hit_tokens_words")
     if not viewer.is_staff:
         _seal(doc, viewer)
     return doc
@@ -95,15 +94,13 @@ def _routing(job: Job, block_size: int | None) -> dict:
     routing = job.routing or {}
     cached = routing.get("cached_blocks") or {}
     out = {"policy": routing.get("policy"), "engine": job.engine or None,
-           "hit_tokens": None, "best_engine": None, "best_hit_tokens": None,
-           "engine_hit_tokens_words": "held none"}
+           "hit_tokens": None, "best_engine": None, "best_hit_tokens": None}
     if not cached or not block_size:
         return out
     best = max(sorted(cached), key=lambda name: cached[name])
     hit = cached.get(job.engine, 0) * block_size
     out.update(hit_tokens=hit, best_engine=best if cached[best] else None,
-               best_hit_tokens=cached[best] * block_size,
-               engine_hit_tokens_words=f"held {hit}" if hit else "held none")
+               best_hit_tokens=cached[best] * block_size)
     return out
 
 
