@@ -90,6 +90,12 @@ class EngineConfig:
     # e.g. "tcp://*:5557"; and a ROUTER for replay requests, e.g. "tcp://*:5558"
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None
+    # Where the core takes requests moving in from other engines (engine/migration_link.py):
+    # it binds this host on `migration_port` (0: a free one) and tells its address to the
+    # service; the host must be one the other engines reach ("0.0.0.0" binds every
+    # interface and gives the machine's name)
+    migration_host: str = "127.0.0.1"
+    migration_port: int = 0
 
     def __post_init__(self) -> None:
         _check(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0
@@ -127,6 +133,7 @@ class EngineConfig:
         _check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]")
         _check(self.max_pending_events >= 0, "max_pending_events must be >= 0")
         _check(self.kv_history_blocks >= 0, "kv_history_blocks must be >= 0")
+        _check(0 <= self.migration_port < 65536, "migration_port must be in [0, 65535]")
         _check(0.0 <= self.kv_metrics_sample <= 1.0, "kv_metrics_sample must be in [0, 1]")
         _check(1 <= self.tensor_parallel_size <= 64,
                f"tensor_parallel_size must be in [1, 64], got {self.tensor_parallel_size}")

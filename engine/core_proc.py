@@ -9,11 +9,14 @@ sockets, messages packed with msgpack:
   worker -> core   ["adds", id, [[request_id, prompt, sampling params, priority, job_id,
                                 cache_salt], ...]]  (new requests; the reply holds None
                                                     or [error, message] for each)
-                   ["cmd", id, name, arguments, deadline]   (an operator command)
+                   ["cmd", id, name, arguments, deadline]   (an operator command; "migrate"
+                                                             is answered once the request
+                                                             runs at the destination:
+                                                             engine/migration_link.py)
                    ["stop", request_id]                     (its text hit a stop string)
                    ["kvask", id, kind, argument]            (a question to the KV view)
                    ["shutdown"]
-  core -> worker   ["ready", describe_config, metrics]
+  core -> worker   ["ready", describe_config, metrics]   (with its "migration_address")
                    ["out", [CoreOutput.to_wire(), ...]]     (one per step: every request
                                                              that progressed or ended)
                    ["failed", [request_id, ...], message]   (a step raised)
@@ -46,6 +49,7 @@ from engine.config import EngineConfig
 from engine.errors import CommandExpired, EngineError, InvalidRequestError
 from engine.kv_feed import KVFeed
 from engine.llm_engine import LLMEngine
+from engine.migration_link import MigrationLink
 
 log = logging.getLogger("engine.core")
 
@@ -66,10 +70,14 @@ class CoreServer:
     thread (kvops/engine_client.py's two transports)."""
 
     def __init__(self, engine: LLMEngine, inbox: zmq.Socket, outbox: zmq.Socket,
-                 kv_view: bool = True) -> None:
+                 kv_view: bool = True, link: MigrationLink | None = None) -> None:
         self.engine = engine
         self.inbox = inbox  # PULL: the worker's messages
         self.outbox = outbox  # PUSH: to the worker; the loop and the feed's thread send
+        # requests moving in and out (engine/migration_link.py); None: none can
+        self.link = link
+        self._poller = zmq.Poller()
+        self._polled: list[zmq.Socket] = []
         self._send_lock = threading.Lock()
         # the live KV view (engine/kv_feed.py), unless nobody watches (kv_view False)
         self.feed = KVFeed(engine.config.name, lambda item: self._send(["kv", item])) \
@@ -79,13 +87,18 @@ class CoreServer:
 
     def run(self) -> None:
         engine = self.engine
-        self._send(["ready", engine.describe_config(), engine.metrics()])
+        described = engine.describe_config()
+        described["migration_address"] = self.link.address if self.link is not None else None
+        self._send(["ready", described, engine.metrics()])
         while True:
-            busy = engine.has_work_to_run()
+            busy = engine.has_work_to_run() or (self.link is not None and self.link.busy)
             if not self._take_input(0 if busy else IDLE_POLL_MS):
                 return
             if engine.has_work_to_run():
                 self._step()
+            if self.link is not None:
+                self.link.advance()
+                self.link.expire()
             if self.feed is not None:
                 self.feed(engine)
             now = time.monotonic()
@@ -111,7 +124,17 @@ class CoreServer:
     def _take_input(self, timeout_ms: int) -> bool:
         """Apply every message waiting (waiting up to timeout_ms for the first); False
         once told to shut down."""
-        if not self.inbox.poll(timeout_ms):
+        sockets = [self.inbox, *(self.link.sockets() if self.link is not None else ())]
+        if sockets != self._polled:  # (a move out connected a new destination)
+            self._poller = zmq.Poller()
+            for sock in sockets:
+                self._poller.register(sock, zmq.POLLIN)
+            self._polled = sockets
+        ready = dict(self._poller.poll(timeout_ms))
+        for sock in sockets[1:]:
+            if sock in ready:
+                self.link.on_readable(sock)
+        if self.inbox not in ready:
             return True
         while True:
             try:
@@ -142,6 +165,12 @@ class CoreServer:
                 _, _, name, arguments, deadline = message
                 if deadline is not None and time.time() > deadline:
                     raise CommandExpired(f"{name}: its caller had stopped waiting; not applied")
+                if name == "migrate":  # answered once the request runs at the destination
+                    if self.link is None:
+                        raise InvalidRequestError("this engine core moves no requests")
+                    self.link.start(dict(arguments or {}), deadline, lambda ok, result: self._send(
+                        ["reply", call_id, ok, result]))
+                    return
                 result = run_command(self.engine, name, dict(arguments or {}))
                 if name in STATE_COMMANDS:  # the worker's metrics carry the new state before
                     self._send(["metrics", self.metrics()])  # the reply reaches it
@@ -184,10 +213,12 @@ def serve(config: EngineConfig, input_address: str, output_address: str,
     outbox.connect(output_address)
     try:
         engine = LLMEngine(config, detokenize=False)
-        server = CoreServer(engine, inbox, outbox, kv_view)
+        link = MigrationLink(engine, context, config.migration_host, config.migration_port)
+        server = CoreServer(engine, inbox, outbox, kv_view, link)
         try:
             server.run()
         finally:
+            link.close()
             if server.feed is not None:
                 server.feed.close()
             engine.close()  # a split model's other ranks

@@ -127,6 +127,9 @@ class LLMEngine:
         self._compiled: collections.deque = collections.deque()
         self.scheduler.make_sample = self._make_sample
         self._pending: list[Request] = []  # ended by abort or finish_request, not reported yet
+        # moved here or away since the last step (engine/migration.py): their first or
+        # last output, not reported yet
+        self._moved: list[CoreOutput] = []
         self._inflight = None  # the SchedulerOutput being run, until its update is done
         self._prompt_rate = RateMeter()
         self._gen_rate = RateMeter()
@@ -298,7 +301,7 @@ class LLMEngine:
         return token_ids
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._pending)
+        return self.scheduler.has_unfinished() or bool(self._pending) or bool(self._moved)
 
     # --- the step --------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -343,7 +346,10 @@ class LLMEngine:
         if self._compiled:
             self._queue_compiled()
         ended, self._pending = self._pending, []
-        outputs = [self._core_output(request, []) for request in ended]
+        outputs = [self.core_output(request, []) for request in ended]
+        if self._moved:
+            outputs += self._moved
+            self._moved = []
         if self.paused:  # (aborts still end while paused)
             return outputs
         started = time.perf_counter()
@@ -359,7 +365,7 @@ class LLMEngine:
             self._keep_prompt_logprobs(out, result.prompt_logprobs)
         progressed = self.scheduler.update_from_output(out, result.tokens)
         self._inflight = None
-        # As _core_output, inline: this runs for every request in every step.
+        # As core_output, inline: this runs for every request in every step.
         ended_states = _ENDED
         outputs += [CoreOutput(r.request_id, [r.output_token_ids[-1]],
                                r.status in ended_states, r.finish_reason,
@@ -403,7 +409,7 @@ class LLMEngine:
                     kept.append([request.prompt_token_ids[position + 1], logprob, ids, values])
 
     @staticmethod
-    def _core_output(request: Request, new_token_ids: list[int]) -> CoreOutput:
+    def core_output(request: Request, new_token_ids: list[int]) -> CoreOutput:
         # Positional and without the status property: this runs for every request in
         # every step.
         return CoreOutput(request.request_id, new_token_ids, request.status in _ENDED,
@@ -572,12 +578,18 @@ class LLMEngine:
         """Destination: a staged copy stopped; its held blocks go back."""
         migration.cancel(self, request_id)
 
-    def migration_done(self, request_id: str, moved: bool) -> None:
-        """Source: the request ended here (moved), or runs on here (the commit failed)."""
+    def migration_done(self, request_id: str, moved: bool, to: str | None = None) -> None:
+        """Source: the request ended here (moved to engine `to`), or runs on here (the
+        commit failed)."""
         self.version += 1
-        migration.done(self, request_id, moved)
+        migration.done(self, request_id, moved, to)
         if moved:
             self._detok.pop(request_id, None)
+
+    def report_moved(self, output: CoreOutput) -> None:
+        """A moved request's last output here or first one (engine/migration.py): the
+        next step reports it."""
+        self._moved.append(output)
 
     def next_request_index(self) -> int:
         """A new request's engine-wide number (snapshots' block owner id)."""
@@ -667,7 +679,7 @@ class LLMEngine:
     def has_work_to_run(self) -> bool:
         """Whether a step now would do anything: requests and not paused, or ended
         requests (an abort while paused) to report."""
-        return bool(self._pending) or bool(self._compiled) or (
+        return bool(self._pending) or bool(self._compiled) or bool(self._moved) or (
             not self.paused and self.scheduler.has_queued())
 
     def evict_cached_blocks(self, n: int | None = None, by: str = "operator") -> int:

@@ -88,6 +88,8 @@ def _fits(engine: LLMEngine, state: dict) -> None:
     if state["engine_seed"] != engine.config.seed and state["params"]["seed"] is None:
         raise InvalidRequestError("the engines' seeds differ: an unseeded sampled request "
                                   "would not continue its stream of draws")
+    if engine.paused or engine.draining:
+        raise InvalidStateError(f"this engine is {engine.state}: it takes no request now")
     if state["request_id"] in engine.scheduler.requests:
         raise InvalidRequestError(f"request {state['request_id']!r} already exists here")
     check_movable(engine)
@@ -118,13 +120,17 @@ def take_out(engine: LLMEngine, request_id: str, skip: int) -> tuple[dict, Any]:
     return state_of(engine, request), data
 
 
-def done(engine: LLMEngine, request_id: str, moved: bool) -> None:
-    """Source: the request ended here (it runs elsewhere), or runs on here."""
+def done(engine: LLMEngine, request_id: str, moved: bool, to: str | None = None) -> None:
+    """Source: the request ended here (it runs on `to`; the next step reports its end,
+    finish_reason "migrated"), or runs on here."""
     if not moved:
         engine.scheduler.resume(request_id)
         return
     request = engine.scheduler.suspended[request_id]
     engine.scheduler.finish(request, RequestStatus.FINISHED, MIGRATED)
+    out = engine.core_output(request, [])
+    out.migration = {"to": to}
+    engine.report_moved(out)
 
 
 def reserve(engine: LLMEngine, offer: dict) -> dict:
@@ -251,6 +257,13 @@ def _runs_here(engine: LLMEngine, state: dict, request: Request, data: Any, skip
     kv.mark_computed()  # (between steps: only its blocks wait to be computed)
     engine.scheduler.adopt(request)
     engine.version += 1
+    # its first output here says where it came from and what it had made (whoever reads
+    # the outputs picks up its text where the source left it)
+    out = engine.core_output(request, [])
+    out.migration = {"from": state["engine"], "job_id": state["job_id"],
+                     "output_token_ids": list(state["output_token_ids"]),
+                     "output_logprobs": list(state["output_logprobs"])}
+    engine.report_moved(out)
     if engine.stories is not None and state.get("kv_story"):
         engine.stories.arrived(state["kv_story"], state["engine"], max(0, last - sent_from))
     return {"request_id": request.request_id, "num_blocks": len(table),

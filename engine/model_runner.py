@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -280,11 +281,19 @@ class ModelRunner(Runner):
         self._copy_blocks(mapping)
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """[layers, 2, n, block_size, kv heads, head dim] on the host."""
+        """[layers, 2, n, block_size, kv heads, head dim] on the host (from a GPU, through
+        a pinned buffer: the copy runs at the link's full speed, and its pages are not
+        moved under the network send that reads them)."""
         self._single_rank("move a request's blocks")
         self._wait_copy_ahead()
         index = torch.tensor(block_ids, dtype=torch.long, device=self.kv_cache.device)
-        return self.kv_cache.index_select(2, index).to("cpu")
+        picked = self.kv_cache.index_select(2, index)
+        if picked.device.type != "cuda":
+            return picked
+        host = torch.empty(picked.shape, dtype=picked.dtype, pin_memory=True)
+        host.copy_(picked, non_blocking=True)
+        torch.cuda.current_stream(picked.device).synchronize()
+        return host
 
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
         self._single_rank("move a request's blocks")
@@ -303,6 +312,31 @@ class ModelRunner(Runner):
     @staticmethod
     def blocks_between(data: torch.Tensor, start: int, end: int) -> torch.Tensor:
         return data[:, :, start:end]
+
+    @staticmethod
+    def blocks_to_frames(data: torch.Tensor) -> tuple[dict, list]:
+        """The tensor's bytes as one frame (its own memory, no copy), its shape and dtype
+        in the header."""
+        data = data.contiguous()
+        return ({"kind": "tensor", "shape": list(data.shape),
+                 "dtype": str(data.dtype).removeprefix("torch.")},
+                [data.view(torch.uint8).numpy().data if data.numel() else b""])
+
+    @staticmethod
+    def blocks_from_frames(header: dict, frames: list) -> torch.Tensor:
+        if header.get("kind") != "tensor":
+            raise ValueError(f"blocks of kind {header.get('kind')!r} do not fit this engine")
+        dtype = getattr(torch, header["dtype"])
+        raw = frames[0]
+        if not len(raw):
+            return torch.empty(header["shape"], dtype=dtype)
+        # A view of the received frame (no copy), which lives as long as the tensor; it is
+        # only read (write_blocks copies it into the cache), so that it is read-only
+        # does not matter.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(raw, dtype=torch.uint8)
+        return flat.view(dtype).view(header["shape"])
 
     def _single_rank(self, what: str) -> None:
         if getattr(self, "tensor_parallel_size", 1) > 1:

@@ -45,12 +45,17 @@ class CoreOutput:
     error: str | None = None  # finish_reason "error": why the engine could not serve it
     # its KV story (engine/kv_story.py), when it changed in this step
     kv_story: dict | None = None
+    # a request that moved between engines (engine/migration.py): its end at the one it
+    # left ({"to": name}, finish_reason "migrated"), and its first output at the one it
+    # came to ({"from": name, "job_id", "output_token_ids": made before, "output_logprobs"})
+    migration: dict | None = None
 
     def to_wire(self) -> list:
         """The fields as a list, for IPC (the request object stays behind)."""
         return [self.request_id, self.new_token_ids, self.finished, self.finish_reason,
                 self.num_prompt_tokens, self.num_cached_tokens, self.num_preemptions,
-                self.logprobs, None, self.prompt_logprobs, self.error, self.kv_story]
+                self.logprobs, None, self.prompt_logprobs, self.error, self.kv_story,
+                self.migration]
 
     @classmethod
     def from_wire(cls, row: list) -> CoreOutput:

@@ -89,3 +89,25 @@ class Runner(abc.ABC):
     def blocks_between(data, start: int, end: int):
         """The blocks start..end-1 of read_blocks' data."""
         return data[start:end]
+
+    @staticmethod
+    def blocks_to_frames(data) -> tuple[dict, list]:
+        """read_blocks' data as a header and buffers, for another process (ZMQ frames,
+        sent without a copy where the buffers allow: engine/migration_link.py)."""
+        import array
+        n = len(data)
+        # (the simulator's blocks hold 64-bit unsigned hashes)
+        flat = array.array("Q", [token for block in data for token in block])
+        return {"kind": "ints", "n": n}, [flat]
+
+    @staticmethod
+    def blocks_from_frames(header: dict, frames: list):
+        """blocks_to_frames' data back, as read_blocks gives it."""
+        import array
+        if header.get("kind") != "ints":
+            raise ValueError(f"blocks of kind {header.get('kind')!r} do not fit this engine")
+        flat = array.array("Q")
+        flat.frombytes(bytes(frames[0]))
+        n = header["n"]
+        size = len(flat) // n if n else 0
+        return [list(flat[i * size:(i + 1) * size]) for i in range(n)]

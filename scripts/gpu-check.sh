@@ -73,8 +73,9 @@ ONLY="$*"
   section tiny 60 "$PY" -m pytest -q tests/engine/test_model_triton.py \
     tests/engine/test_cpu_tier.py tests/kernels/test_torch_attention_off_cpu.py
   # a request moved between two engines with its KV cache: blocks read from one device
-  # pool to the host and written into the other's (engine/migration.py)
-  section migration 40 "$PY" -m pytest -q tests/engine/test_migration.py
+  # pool to the host (pinned) and written into the other's (engine/migration.py), and
+  # between two cores over ZMQ (engine/migration_link.py)
+  section migration 60 "$PY" -m pytest -q tests/engine/test_migration.py tests/engine/test_migration_link.py
   # the service path with many free cores: the simulator, short streams at 5 ms a step
   section sim 90 "$PY" -m benchmarks.bench_serve --streams 256 --sim-tokens 64-64 --step-ms 5
   # 256 streams of the default model through the service (named only: over the budget

@@ -59,7 +59,14 @@ def test_a_request_moved_mid_generation_gives_the_output_it_would_have():
     assert 0 < len(src.scheduler.requests["r"].output_token_ids) < 40
     moved = move(src, dst, "r")
     assert moved["check"]["cached_blocks"] == 0 and moved["sent"] > 5
+    ended = src.step_core()  # its end here is reported once, with where it went
+    assert [(o.request_id, o.finish_reason, o.migration) for o in ended] == \
+        [("r", MIGRATED, {"to": None})]
     assert not src.has_unfinished_requests()
+    [arrived] = dst.step_core()[:1]  # its first output there says what it had made
+    assert arrived.migration["output_token_ids"] == \
+        src.scheduler.recently_finished[-1].output_token_ids
+    assert arrived.new_token_ids == [] and arrived.migration["job_id"] is None
     assert [r.finish_reason for r in src.scheduler.recently_finished] == [MIGRATED]
     final = run_all(src, dst)
     assert final["r"].output_token_ids == expected(PROMPT, 40)
@@ -230,3 +237,18 @@ def test_the_kv_story_goes_on_at_the_destination_with_the_hop():
     assert (hop["reason"], hop["by"], hop["recomputed_tokens"]) == ("migration", "east", 0)
     assert hop["swapped_blocks"] >= 6 and story["finish_reason"] == "length"
     assert src.kv_story("r")["finish_reason"] == "migrated"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_real_models_blocks_cross_a_process_boundary_as_they_were(dtype):
+    """ModelRunner's frames (engine/migration_link.py sends them): one buffer, no copy
+    on either side, the same values and dtype back."""
+    from engine.model_runner import ModelRunner
+    data = torch.randn(3, 2, 5, 4, 2, 8).to(dtype)[:, :, 1:4]  # (not contiguous)
+    header, frames = ModelRunner.blocks_to_frames(data)
+    assert len(frames) == 1 and memoryview(frames[0]).nbytes == data.numel() * data.element_size()
+    back = ModelRunner.blocks_from_frames(header, [bytes(frames[0])])
+    assert back.dtype == dtype and torch.equal(back, data)
+    assert ModelRunner.num_blocks_in(back) == 3
+    with pytest.raises(ValueError):
+        ModelRunner.blocks_from_frames({"kind": "ints", "n": 1}, frames)

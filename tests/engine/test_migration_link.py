@@ -1,0 +1,280 @@
+"""Requests moving between engine cores over ZMQ (engine/migration_link.py): each core's
+step loop on a thread of its own, as in a core process, talking to the other over TCP.
+The moved request's tokens are the ones it would have made; a staged copy stops it for
+its last blocks only; a destination that refuses or falls silent leaves it running at the
+source, and a source that falls silent leaves nothing held at the destination. The
+invariants hold at both ends."""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import threading
+import time
+
+import msgpack
+import pytest
+import zmq
+
+from engine import migration_link
+from engine.core_proc import CoreServer
+from engine.migration import MIGRATED
+from engine.migration_link import MigrationLink
+from tests.engine.sim import expected, greedy, sim_engine
+
+BS = 4
+PROMPT = list(range(10, 90))  # 80 tokens: 20 blocks
+_ids = itertools.count(1)
+
+
+def pack(message: list) -> bytes:
+    return msgpack.packb(message, use_bin_type=True)
+
+
+class Core:
+    """An engine core serving on a thread: the test is its worker."""
+
+    def __init__(self, name: str, **cfg) -> None:
+        options = dict(block_size=BS, num_gpu_blocks=96, num_cpu_blocks=0,
+                       simulate_step_ms=2.0, name=name)
+        options.update(cfg)
+        self.engine = sim_engine(**options)
+        self.ctx = zmq.Context()
+        where = f"inproc://core-{name}-{next(_ids)}"
+        self.to_core = self.ctx.socket(zmq.PUSH)
+        self.to_core.bind(f"{where}-in")
+        self.from_core = self.ctx.socket(zmq.PULL)
+        self.from_core.bind(f"{where}-out")
+        inbox, outbox = self.ctx.socket(zmq.PULL), self.ctx.socket(zmq.PUSH)
+        inbox.connect(f"{where}-in")
+        outbox.connect(f"{where}-out")
+        self.link = MigrationLink(self.engine, self.ctx)
+        self.server = CoreServer(self.engine, inbox, outbox, kv_view=False, link=self.link)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        self.outputs: list[list] = []  # CoreOutput wire rows, in order
+        self.replies: dict[int, list] = {}
+        ready = msgpack.unpackb(self.from_core.recv(), raw=False)
+        assert ready[0] == "ready"
+        self.address = ready[1]["migration_address"]
+        self._sockets = (inbox, outbox)
+
+    def send(self, message: list) -> None:
+        self.to_core.send(pack(message))
+
+    def add(self, rid: str, prompt: list[int], max_tokens: int, job_id: str = "7") -> None:
+        call = next(_ids)
+        self.send(["adds", call, [[rid, prompt, dataclasses.asdict(greedy(max_tokens)), 0,
+                                   job_id, None, None]]])
+        assert pump(self, until=lambda: call in self.replies)[call] == [True, [None]]
+
+    def command(self, name: str, arguments: dict, deadline_s: float = 30.0) -> int:
+        call = next(_ids)
+        self.send(["cmd", call, name, arguments, time.time() + deadline_s])
+        return call
+
+    def read(self) -> None:
+        while True:
+            try:
+                message = msgpack.unpackb(self.from_core.recv(zmq.NOBLOCK), raw=False)
+            except zmq.Again:
+                return
+            if message[0] == "out":
+                self.outputs += message[1]
+            elif message[0] == "reply":
+                self.replies[message[1]] = message[2:]
+
+    def tokens(self, rid: str) -> list[int]:
+        """Every token this core reported for rid, the ones it came with first."""
+        out = []
+        for row in self.outputs:
+            if row[0] == rid:
+                migration = row[12]
+                if migration and "from" in migration:
+                    out += migration["output_token_ids"]
+                out += row[1]
+        return out
+
+    def ended(self, rid: str) -> list | None:
+        return next((row for row in self.outputs if row[0] == rid and row[2]), None)
+
+    def stop(self) -> None:
+        self.send(["shutdown"])
+        self.thread.join(10)
+        assert not self.thread.is_alive()
+        self.link.close()
+        for sock in (*self._sockets, self.to_core, self.from_core):
+            sock.close(linger=0)
+        self.ctx.term()
+        self.engine.kv.check_invariants()
+        assert not self.engine.incoming_migrations
+        assert self.engine.kv.gpu.num_free == self.engine.kv.gpu.num_blocks - sum(
+            len(self.engine.kv.block_ids(r)) for r in self.engine.scheduler.requests)
+
+
+def pump(*cores: Core, until, timeout_s: float = 20.0) -> dict:
+    """Read every core's messages until `until()` holds; returns the first core's replies."""
+    deadline = time.monotonic() + timeout_s
+    while not until():
+        assert time.monotonic() < deadline, "timed out"
+        for core in cores:
+            core.read()
+        time.sleep(0.001)
+    return cores[0].replies
+
+
+@pytest.fixture
+def cores():
+    made: list[Core] = []
+
+    def make(name: str, **cfg) -> Core:
+        made.append(Core(name, **cfg))
+        return made[-1]
+
+    yield make
+    for core in made:
+        core.stop()
+
+
+def started(core: Core, rid: str, n: int) -> None:
+    """Wait until the request has made n tokens at `core`."""
+    pump(core, until=lambda: len(core.tokens(rid)) >= n)
+
+
+@pytest.mark.parametrize("staged", [True, False])
+def test_a_moved_request_goes_on_at_the_destination_with_the_tokens_it_would_have(
+        cores, staged):
+    src, dst = cores("a"), cores("b")
+    src.add("r", PROMPT, 60)
+    started(src, "r", 12)
+    call = src.command("migrate", {"request_id": "r", "address": dst.address, "to": "b",
+                                   "staged": staged})
+    ok, result = pump(src, dst, until=lambda: call in src.replies)[call]
+    assert ok, result
+    assert result["moved"] and result["to"] == "b" and result["blocks_cached"] == 0
+    pump(src, dst, until=lambda: dst.ended("r") is not None and src.ended("r") is not None)
+    end = src.ended("r")
+    assert end[3] == MIGRATED and end[12] == {"to": "b"}
+    arrived = next(row for row in dst.outputs if row[0] == "r")
+    assert arrived[12]["from"] == "a" and arrived[12]["job_id"] == "7"
+    # what the source made, then what the destination made: the request's whole output
+    assert src.tokens("r") == arrived[12]["output_token_ids"]
+    assert dst.tokens("r") == expected(PROMPT, 60)
+    assert dst.ended("r")[3] == "length"
+    full = 92 // BS  # (80 prompt tokens and at least 12 made: 23 full blocks at least)
+    if staged:  # the stop copied the last few blocks only
+        assert result["stages"] >= 1 and result["blocks_at_stop"] <= 3
+        assert result["blocks_sent"] >= full
+    else:
+        assert result["stages"] == 0 and result["blocks_at_stop"] >= full
+    assert result["bytes_sent"] > 0
+
+
+def test_blocks_the_destination_caches_are_not_sent(cores):
+    src, dst = cores("a"), cores("b")
+    dst.add("warm", PROMPT, 1)
+    pump(dst, until=lambda: dst.ended("warm") is not None)
+    src.add("r", PROMPT, 40)
+    started(src, "r", 5)
+    call = src.command("migrate", {"request_id": "r", "address": dst.address, "to": "b"})
+    ok, result = pump(src, dst, until=lambda: call in src.replies)[call]
+    assert ok, result
+    assert result["blocks_cached"] == 20  # the prompt's 20 full blocks were there
+    pump(src, dst, until=lambda: dst.ended("r") is not None)
+    assert dst.tokens("r") == expected(PROMPT, 40)
+
+
+def test_a_destination_that_refuses_leaves_the_request_running_at_the_source(cores):
+    src, dst = cores("a"), cores("b", num_gpu_blocks=8)  # no room there
+    src.add("r", PROMPT, 40)
+    started(src, "r", 5)
+    call = src.command("migrate", {"request_id": "r", "address": dst.address, "to": "b"})
+    ok, error = pump(src, dst, until=lambda: call in src.replies)[call]
+    assert not ok and error[0] == "NotEnoughBlocksError"
+    pump(src, dst, until=lambda: src.ended("r") is not None)
+    assert src.ended("r")[3] == "length" and src.tokens("r") == expected(PROMPT, 40)
+    assert not any(row[0] == "r" for row in dst.outputs)
+
+
+def test_a_paused_destination_refuses(cores):
+    src, dst = cores("a"), cores("b")
+    pause = dst.command("pause", {})
+    pump(dst, until=lambda: pause in dst.replies)
+    src.add("r", PROMPT, 30)
+    started(src, "r", 3)
+    call = src.command("migrate", {"request_id": "r", "address": dst.address, "to": "b"})
+    ok, error = pump(src, dst, until=lambda: call in src.replies)[call]
+    assert not ok and error[0] == "InvalidStateError" and "paused" in error[1]
+    pump(src, dst, until=lambda: src.ended("r") is not None)
+    assert src.tokens("r") == expected(PROMPT, 30)
+
+
+def test_a_request_that_is_not_running_cannot_move(cores):
+    src, dst = cores("a"), cores("b")
+    call = src.command("migrate", {"request_id": "nope", "address": dst.address})
+    ok, error = pump(src, dst, until=lambda: call in src.replies)[call]
+    assert not ok and error[0] == "UnknownRequestError"
+    call = src.command("migrate", {"request_id": "nope", "address": "not-an-address"})
+    ok, error = pump(src, until=lambda: call in src.replies)[call]
+    assert not ok and error[0] == "InvalidRequestError"
+
+
+def test_a_destination_that_falls_silent_mid_copy_leaves_the_request_at_the_source(
+        cores, monkeypatch):
+    """A destination that answers the reservation and then nothing (it died): the source
+    gives up after the link's timeout and the request runs on there, with its output."""
+    monkeypatch.setattr(migration_link, "LINK_TIMEOUT_S", 0.3)
+    src = cores("a", simulate_step_ms=5.0)
+    ctx = zmq.Context()
+    fake = ctx.socket(zmq.ROUTER)
+    port = fake.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        src.add("r", PROMPT, 80)
+        started(src, "r", 3)
+        call = src.command("migrate", {"request_id": "r", "to": "dead",
+                                       "address": f"tcp://127.0.0.1:{port}"})
+        assert fake.poll(5000)
+        peer, header = fake.recv_multipart()
+        kind, rid, seq, offer = msgpack.unpackb(header, raw=False)
+        assert (kind, rid) == ("reserve", "r") and offer["request_id"] == "r"
+        fake.send_multipart([peer, pack(["ok", "r", seq, {"cached_blocks": 0,
+                                                         "reserved_blocks": 20}])])
+        ok, error = pump(src, until=lambda: call in src.replies)[call]
+        assert not ok and "did not answer" in error[1]
+        pump(src, until=lambda: src.ended("r") is not None)
+        assert src.ended("r")[3] == "length" and src.tokens("r") == expected(PROMPT, 80)
+        # the source told the destination to let go of what it held
+        messages = []
+        while fake.poll(200):
+            messages.append(msgpack.unpackb(fake.recv_multipart()[1], raw=False)[0])
+        assert "cancel" in messages
+    finally:
+        fake.close(linger=0)
+        ctx.term()
+
+
+def test_a_source_that_falls_silent_mid_copy_leaves_nothing_held(cores, monkeypatch):
+    """A source that reserved blocks and then stopped (it died): the destination gives
+    them back after HOLD_TIMEOUT_S."""
+    monkeypatch.setattr(migration_link, "HOLD_TIMEOUT_S", 0.3)
+    src_engine = sim_engine(block_size=BS, num_gpu_blocks=96, num_cpu_blocks=0, name="a")
+    src_engine.add_request("r", PROMPT, greedy(30))
+    for _ in range(8):
+        src_engine.step()
+    offer = src_engine.migration_offer("r")
+    dst = cores("b")
+    free = dst.engine.kv.gpu.num_free
+    ctx = zmq.Context()
+    fake = ctx.socket(zmq.DEALER)
+    fake.connect(dst.address)
+    try:
+        fake.send(pack(["reserve", "r", 1, offer]))
+        assert fake.poll(5000)
+        kind, rid, seq, answer = msgpack.unpackb(fake.recv(), raw=False)
+        assert kind == "ok" and answer["reserved_blocks"] >= 20
+        assert dst.engine.kv.gpu.num_free < free
+        # held: fewer free blocks there, until the source is given up on
+        pump(dst, until=lambda: not dst.engine.incoming_migrations)
+        pump(dst, until=lambda: dst.engine.kv.gpu.num_free == free)
+    finally:
+        fake.close(linger=0)
+        ctx.term()
