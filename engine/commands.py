@@ -74,6 +74,12 @@ OPERATOR_COMMANDS: dict[str, Callable[[LLMEngine, dict], Any]] = {
     "drain": lambda e, a: e.drain(),
     "undrain": lambda e, a: e.undrain(),
     "set-limits": lambda e, a: e.set_limits(a.get("max_num_seqs"), a.get("max_num_batched_tokens")),
+    # the live requests' ids by where they are (a drain by migration moves the running)
+    "live-requests": lambda e, a: {
+        "running": [r.request_id for r in e.scheduler.running],
+        "waiting": [r.request_id for r in (*e.scheduler.waiting, *e.scheduler.swapped)]
+        + list(e.scheduler.compiling),
+        "moving": list(e.scheduler.suspended)},
 }
 
 

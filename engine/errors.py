@@ -33,6 +33,11 @@ class CommandExpired(EngineError):
     """A command reached the engine after its caller's deadline: it was not applied."""
 
 
+class MigrationFailed(InvalidStateError):
+    """The destination cannot take a moving request now (nothing changed there; it runs
+    on where it was)."""
+
+
 def error_from_wire(name: str, message: str) -> EngineError:
     """The error a core process reported as [type name, message], raised again on the
     caller's side (an unknown name becomes a plain EngineError naming it)."""
@@ -42,4 +47,5 @@ def error_from_wire(name: str, message: str) -> EngineError:
 
 _BY_NAME: dict[str, type[EngineError]] = {
     cls.__name__: cls for cls in (UnknownRequestError, InvalidStateError, NotEnoughBlocksError,
-                                  InvalidRequestError, PrefixNotCachedError, CommandExpired)}
+                                  InvalidRequestError, PrefixNotCachedError, CommandExpired,
+                                  MigrationFailed)}

@@ -35,7 +35,8 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from engine.errors import InvalidRequestError, InvalidStateError, NotEnoughBlocksError
+from engine.errors import (InvalidRequestError, InvalidStateError, MigrationFailed,
+                           NotEnoughBlocksError)
 from engine.kv_layout import cdiv
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
@@ -44,10 +45,6 @@ if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine
 
 MIGRATED = "migrated"  # the finish reason of a request on the engine it left
-
-
-class MigrationFailed(InvalidStateError):
-    """The destination cannot take the request now (nothing changed there)."""
 
 
 def check_movable(engine: LLMEngine) -> None:

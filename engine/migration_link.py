@@ -50,8 +50,8 @@ from typing import Any
 import msgpack
 import zmq
 
-from engine.errors import EngineError, InvalidRequestError, InvalidStateError
-from engine.migration import MigrationFailed
+from engine.errors import (CommandExpired, EngineError, InvalidRequestError, InvalidStateError,
+                           MigrationFailed, error_from_wire)
 
 log = logging.getLogger("engine.migration")
 
@@ -193,7 +193,11 @@ class MigrationLink:
         whose destination is silent."""
         now = time.monotonic()
         for move in list(self._moves.values()):
-            if move.seq:
+            if move.phase != "commit" and time.time() > move.deadline:
+                self._give_up(move, CommandExpired(
+                    f"request {move.request_id!r} had not moved by its caller's deadline; "
+                    "it runs on here"))
+            elif move.seq:
                 limit = (move.commit_deadline + COMMIT_GRACE_S - time.time()
                          if move.phase == "commit" else move.sent_at + LINK_TIMEOUT_S - now)
                 if limit < 0:
@@ -221,13 +225,17 @@ class MigrationLink:
         move.stages += 1
 
     def _stop(self, move: _Move) -> None:
-        """The request leaves the batch; its state and its last blocks go."""
+        """The request leaves the batch; its state and its last blocks go. The commit's
+        deadline and the wait for its answer end within the caller's deadline: a move is
+        never done after its caller gave up."""
+        commit_deadline = min(time.time() + COMMIT_TIMEOUT_S, move.deadline - 2 * COMMIT_GRACE_S)
+        if commit_deadline - time.time() < 0.05:
+            raise CommandExpired(f"request {move.request_id!r}: too little time is left "
+                                 "before its caller's deadline to move it")
         state, data = self.engine.migrate_out(move.request_id, move.next_block)
         move.stopped = time.monotonic()
         move.phase = "commit"
-        # (within the caller's deadline, but never so short that the commit cannot land)
-        move.commit_deadline = min(time.time() + COMMIT_TIMEOUT_S,
-                                   max(move.deadline, time.time() + 0.5))
+        move.commit_deadline = commit_deadline
         header, frames = self.transport.encode(data)
         n = self.engine.runner.num_blocks_in(data) if data is not None else 0
         move.blocks_sent += n
@@ -255,9 +263,7 @@ class MigrationLink:
         move.seq = 0
         if kind != "ok":
             error_type, text = payload
-            self._give_up(move, MigrationFailed(f"engine {move.to}: {text}")
-                          if error_type == "MigrationFailed" else
-                          _error(error_type, f"engine {move.to} refused: {text}"),
+            self._give_up(move, error_from_wire(error_type, f"engine {move.to} refused: {text}"),
                           tell=move.phase != "commit")
             return
         if move.phase in ("reserve", "check"):
@@ -373,8 +379,3 @@ class MigrationLink:
                 log.warning("request %s: its source stopped sending it; the blocks held "
                             "for it go back", rid)
                 self._let_go(rid)
-
-
-def _error(error_type: str, message: str) -> EngineError:
-    from engine.errors import error_from_wire
-    return error_from_wire(error_type, message)

@@ -476,7 +476,10 @@ class Scheduler:
     def get_live(self, request_id: str) -> Request:
         request = self.requests.get(request_id)
         if request is None:
-            if any(r.request_id == request_id for r in self.recently_finished):
+            ended = next((r for r in self.recently_finished if r.request_id == request_id), None)
+            if ended is not None and ended.finish_reason == "migrated":
+                raise InvalidStateError(f"request {request_id!r} has moved to another engine")
+            if ended is not None:
                 raise InvalidStateError(f"request {request_id!r} has already finished")
             raise UnknownRequestError(f"no request {request_id!r} on this engine")
         return request

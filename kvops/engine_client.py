@@ -215,6 +215,25 @@ class EngineClient(ABC):
         One deadline for both sides: past it the core drops the command."""
         return self._call(["cmd", None, name, arguments, time.time() + timeout_s], timeout_s)
 
+    def command_async(self, name: str, arguments: dict, timeout_s: float = 30.0) -> Future:
+        """command() without waiting: a future of its result, so that several commands
+        are in flight at once (a drain's moves, which the core runs side by side). The
+        core answers each by its deadline (a move, when its link gives up)."""
+        if not self.alive:
+            raise EngineError(f"engine {self.name} is not running")
+        call_id = next(self._ids)
+        future: Future = Future()
+        with self._lock:
+            self._calls[call_id] = future
+
+        def forget(_: Future) -> None:
+            with self._lock:
+                self._calls.pop(call_id, None)
+
+        future.add_done_callback(forget)
+        self._send(["cmd", call_id, name, arguments, time.time() + timeout_s])
+        return future
+
     def submit(self, request_id: str, prompt: str | list[int], params: dict,
                priority: int = 0, job_id: str | None = None,
                cache_salt: str | None = None, tenant: str | None = None) -> None:
@@ -324,6 +343,12 @@ class EngineClient(ABC):
             # output on: they are what a dead core leaves to fail.
             samples = [o.request_id for o in outputs if "/" in o.request_id
                        and not o.finished and o.request_id not in self._in_flight]
+            # A request that moved here from another engine is this core's from now on.
+            moved_in = [o.request_id for o in outputs if o.migration and not o.finished
+                        and "from" in o.migration]
+            if moved_in:
+                with self._lock:
+                    self._in_flight.update(moved_in)
             if samples:
                 with self._lock:
                     self._in_flight.update(samples)

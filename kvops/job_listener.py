@@ -48,6 +48,7 @@ class JobListener:
         self.sample_texts: dict[int, TextAssembler] = {}
         self.sample_tokens: dict[int, int] = {}
         self._logprobs: dict[int, list[list]] = {}  # per sample: [token, logprob, top]
+        self._early_logprobs: dict[int, dict[int, list[list]]] = {}  # past a hole, by offset
         self.text.add(job.attempts, 0, job.output_text)
         if job.is_terminal:  # (a retry's replay of an ended job: the row has it all)
             self.prompt_logprobs = job.prompt_logprobs or None
@@ -81,22 +82,45 @@ class JobListener:
         attempt = text.attempt
         if not text.add(update["attempt"], update["offset"], update["text"]):
             return  # an older attempt's
-        if text.attempt != attempt:  # a re-run starts again
+        rerun = text.attempt != attempt
+        if rerun:  # a re-run starts again
             self._logprobs.pop(index, None)
         if "lp" in update:
-            self._logprobs.setdefault(index, []).extend(update["lp"])
+            self._place_logprobs(index, update.get("lpo"), update["lp"])
+        # (within an attempt the count only grows: a request that moved between engines
+        # has two producers, whose updates may cross)
+        n = update["n"] if rerun else max(update["n"], (
+            self.sample_tokens.get(index, 0) if index else self.num_output_tokens))
         if index:
-            self.sample_tokens[index] = update["n"]
+            self.sample_tokens[index] = n
             return
-        self.num_output_tokens = update["n"]
+        self.num_output_tokens = n
         if "plp" in update:
             self.prompt_logprobs = update["plp"]
         if "p" in update:
             self.num_prompt_tokens, self.num_cached_tokens = update["p"], update["c"]
-        if "state" in update:
+        # (an attempt's end is never followed by its running state: a moved request's
+        # hand-over, said by the engine it left, may arrive after its end elsewhere)
+        if "state" in update and (rerun or update["state"].get("finished")
+                                  or not self.finished):
             self.state = update["state"]
             self.num_prompt_tokens = self.state.get("num_prompt_tokens", self.num_prompt_tokens)
             self.num_cached_tokens = self.state.get("num_cached_tokens", self.num_cached_tokens)
+
+    def _place_logprobs(self, index: int, offset: int | None, entries: list[list]) -> None:
+        """Logprob entries at their place (`offset`, the count before them): a request that
+        moved between engines has two producers, whose updates may cross."""
+        have = self._logprobs.setdefault(index, [])
+        if offset is None or offset == len(have):
+            have.extend(entries)
+        elif offset < len(have):  # (some already here)
+            have[offset:offset + len(entries)] = entries
+        else:  # after a hole: once the hole is filled
+            self._early_logprobs.setdefault(index, {})[offset] = entries
+            return
+        early = self._early_logprobs.get(index)
+        while early and len(have) in early:
+            have.extend(early.pop(len(have)))
 
     async def updates(self) -> AsyncIterator[None]:
         """Yields after each batch of updates, until the job ends. Raises JobFailed if

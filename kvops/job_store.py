@@ -69,7 +69,7 @@ def publish_jobs(jobs: list[Job]) -> None:
 PAYLOAD_FIELDS = ("status", "attempts", "output_text", "num_output_tokens", "finish_reason",
                   "num_prompt_tokens", "error", "engine", "request_id", "num_cached_tokens",
                   "num_preemptions", "samples", "queued_at", "started_at", "first_token_at",
-                  "finished_at")
+                  "finished_at", "engines")
 
 
 def job_payload(job: Job) -> dict:
@@ -81,7 +81,20 @@ def job_payload(job: Job) -> dict:
             "finished": job.is_terminal, "error": job.error, "engine": job.engine,
             "request_id": job.request_id, "num_cached_tokens": job.num_cached_tokens,
             "num_preemptions": job.num_preemptions, "samples": job.samples,
+            "engines": engines_of(job),
             "cached_tokens_by_tier": _cached_by_tier(job)}
+
+
+def engines_of(job: Job) -> list[dict]:
+    """Each engine the job ran on, oldest first: [{engine, at, reason}] ("start", or
+    "migration" for an engine it moved to while it ran). A job that ran on one engine
+    stores none: its engine and start say it."""
+    if job.engines:
+        return job.engines
+    if not job.engine:
+        return []
+    return [{"engine": job.engine, "at": job.started_at.isoformat() if job.started_at else None,
+             "reason": "start"}]
 
 
 def _cached_by_tier(job: Job) -> dict | None:
@@ -107,7 +120,7 @@ class Claim:
 CLAIM_FIELDS = ["attempts", "status", "engine", "engine_instance", "request_id", "started_at",
                 "first_token_at", "output_text", "output_token_ids", "samples", "output_logprobs",
                 "prompt_logprobs", "finish_reason", "error", "num_output_tokens",
-                "num_cached_tokens", "num_preemptions", "kv_story"]
+                "num_cached_tokens", "num_preemptions", "kv_story", "engines"]
 
 
 def claim_jobs(claims: list[Claim]) -> list[Job | None]:
@@ -243,6 +256,7 @@ def _claim(job: Job, c: Claim, live: set[str]) -> str | None:
     job.samples, job.output_logprobs, job.prompt_logprobs = [], [], []
     job.num_output_tokens = job.num_cached_tokens = job.num_preemptions = 0
     job.kv_story = None
+    job.engines = []
     return "run"
 
 
@@ -304,6 +318,64 @@ def record_progress(deltas: list[ProgressDelta]) -> set[str]:
     owned = set(Job.objects.filter(pk__in=[d.job_id for d in deltas], status=Job.Status.RUNNING)
                 .values_list("pk", "request_id"))
     return {d.request_id for d in deltas if (d.job_id, d.request_id) not in owned}
+
+
+def hand_over(delta: ProgressDelta, to_engine: str, reason: str = "migration") -> Job | None:
+    """The attempt's request now runs on engine `to_engine` (it moved there while it ran;
+    the source's output processor calls this once it has seen the request end there):
+    the last progress made here is appended, and the job becomes that engine's (its
+    instance, `engines` one entry longer), in one transaction. The destination's writes
+    wait for this (record_adopted), so the row's text stays in order. None if the
+    attempt no longer owns a running job (it ended there already, or runs again)."""
+    now = timezone.now()
+    with transaction.atomic():
+        job = Job.objects.select_for_update().filter(
+            pk=delta.job_id, request_id=delta.request_id, status=Job.Status.RUNNING).first()
+        if job is None:
+            return None
+        instance = Engine.objects.filter(name=to_engine).values_list("instance", flat=True).first()
+        job.engines = [*engines_of(job), {"engine": to_engine, "at": now.isoformat(),
+                                          "reason": reason}]
+        job.engine, job.engine_instance = to_engine, instance or ""
+        job.output_text += delta.text
+        job.num_output_tokens = delta.num_output_tokens
+        job.num_preemptions = delta.num_preemptions
+        if delta.first_token_at is not None and job.first_token_at is None:
+            job.first_token_at = delta.first_token_at
+        if delta.kv_story is not None:
+            job.kv_story = delta.kv_story
+        job.save(update_fields=["engines", "engine", "engine_instance", "output_text",
+                                "num_output_tokens", "num_preemptions", "first_token_at",
+                                "kv_story"])
+    return job
+
+
+def record_adopted(deltas: list[ProgressDelta], instance: str) -> tuple[set[str], set[str]]:
+    """The progress of attempts that moved to this engine (`instance`) and whose move the
+    source has not yet written (hand_over): each delta's text is the whole output so
+    far, and replaces the row's once the row is this instance's. Returns (written,
+    fenced): the attempts whose row took it, and those that no longer own a running job;
+    the rest wait for the hand-over (their caller writes them again)."""
+    table = connection.ops.quote_name(Job._meta.db_table)
+    sql = (f"UPDATE {table} SET output_text = %s, num_output_tokens = %s, "
+           "num_prompt_tokens = %s, num_cached_tokens = %s, num_preemptions = %s, "
+           "first_token_at = COALESCE(first_token_at, %s), kv_story = COALESCE(%s, kv_story) "
+           "WHERE id = %s AND request_id = %s AND status = %s AND engine_instance = %s")
+    when = connection.ops.adapt_datetimefield_value
+    story = _story_prep()
+    written: set[str] = set()
+    with transaction.atomic(), connection.cursor() as cursor:
+        for d in deltas:
+            cursor.execute(sql, (d.text, d.num_output_tokens, d.num_prompt_tokens,
+                                 d.num_cached_tokens, d.num_preemptions,
+                                 when(d.first_token_at), story(d.kv_story), d.job_id,
+                                 d.request_id, Job.Status.RUNNING, instance))
+            if cursor.rowcount:
+                written.add(d.request_id)
+    rest = [d for d in deltas if d.request_id not in written]
+    owned = set(Job.objects.filter(pk__in=[d.job_id for d in rest], status=Job.Status.RUNNING)
+                .values_list("pk", "request_id")) if rest else set()
+    return written, {d.request_id for d in rest if (d.job_id, d.request_id) not in owned}
 
 
 def finish_jobs(finals: list[FinalState]) -> list[Job]:

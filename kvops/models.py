@@ -62,6 +62,10 @@ class Job(models.Model):
     engine_instance = models.CharField(max_length=64, blank=True,
                                        help_text="worker process that runs it (Engine.instance)")
     routing = models.JSONField(default=dict, blank=True, help_text="why it went where it went")
+    engines = models.JSONField(
+        default=list, blank=True,
+        help_text="each engine it ran on when it moved while running (migration): "
+                  "[{engine, at, reason}], oldest first; empty if it ran on one")
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.QUEUED,
                               db_index=True)
     request_id = models.CharField(max_length=64, blank=True)

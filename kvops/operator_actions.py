@@ -12,7 +12,7 @@ from kvops.models import Engine, OperatorAction
 from kvops.routing import SHARED_QUEUE
 
 
-ERROR_STATUS = {"UnknownRequestError": 404, "InvalidStateError": 409,
+ERROR_STATUS = {"UnknownRequestError": 404, "InvalidStateError": 409, "MigrationFailed": 409,
                 "NotEnoughBlocksError": 409, "PrefixNotCachedError": 409,
                 "InvalidRequestError": 400, "CommandExpired": 504}
 

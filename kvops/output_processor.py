@@ -25,6 +25,7 @@ from django.db import connection
 from django.utils import timezone
 
 from engine.detokenizer import IncrementalDetokenizer, Tokenizer
+from engine.migration import MIGRATED
 from engine.outputs import CoreOutput
 from kvops import job_store
 from kvops.job_stream import StreamProducer, state_update
@@ -91,6 +92,9 @@ class _Tracked:
     index: int = 0
     parent_id: str | None = None
     siblings: list[_Tracked] | None = None
+    # moved here from another engine, and the row not yet handed over to this one
+    # (job_store.hand_over): its progress is written whole, once the row is ours
+    adopted: bool = False
 
     @property
     def attempt_id(self) -> str:
@@ -108,8 +112,13 @@ class ProcessorStats:
 
 class OutputProcessor:
     def __init__(self, engine_name: str, producer: StreamProducer, tokenizer: Tokenizer,
-                 on_stop: Callable[[str], None], db_interval_s: float = DB_INTERVAL_S) -> None:
+                 on_stop: Callable[[str], None], db_interval_s: float = DB_INTERVAL_S,
+                 on_adopt: Callable[[object, JobHandle], None] | None = None) -> None:
+        """on_adopt(job, handle): a job whose request moved here from another engine is
+        followed from now on (the worker watches its deadline)."""
         self.engine_name = engine_name
+        self.on_adopt = on_adopt
+        self.instance = ""  # this worker's run of the engine (set once its client exists)
         self.producer = producer
         self.tokenizer = tokenizer
         self.on_stop = on_stop  # tell the engine a request hit a stop string
@@ -234,15 +243,23 @@ class OutputProcessor:
                 failed.append((out.request_id, out.error))
                 continue
             by_request.setdefault(out.request_id, []).append(out)
+        moved: list[tuple[_Tracked, str]] = []  # moved away: (attempt, where to)
         for request_id, outs in by_request.items():
             t = self._jobs.get(request_id)
+            if t is None and outs[0].migration and "from" in outs[0].migration:
+                t = self._adopt(outs[0])
             if t is not None and t.finish_reason is None:
                 self._absorb(t, outs, updates)
+                if t.finish_reason == MIGRATED:
+                    moved.append((t, (outs[-1].migration or {}).get("to") or ""))
+                    continue
                 if t.finish_reason is not None and (
                         t.siblings is None or all(s.finish_reason is not None
                                                   for s in t.siblings)):
                     ended.append(t.siblings[0] if t.siblings else t)
         self._send(updates)  # progress: to the stream at once, to the database in batches
+        for t, to in moved:
+            self._hand_over(t, to)
         if ended:  # their final rows carry all their text: no progress write for them
             self._send(self._end(ended))
         if write_db:
@@ -269,6 +286,68 @@ class OutputProcessor:
         for m in members:
             self._jobs.pop(m.request_id, None)
         return members
+
+    def _adopt(self, first: CoreOutput) -> _Tracked | None:
+        """A request that moved here from another engine (its first output here): its job
+        is followed from where the source left it. The text the source streamed is the
+        one its tokens make, so it is made again here from them (what the source held
+        back, it held back here too), and this engine's text continues at its end."""
+        from kvops.models import Job
+        moved = first.migration
+        rid = first.request_id
+        try:
+            job = Job.objects.filter(pk=int(moved["job_id"])).first()
+        except (TypeError, ValueError):  # (a request of no job: nothing to follow)
+            job = None
+        if job is None or job.request_id != rid or job.is_terminal:
+            log.warning("request %s moved here, but no running job of it is waiting; "
+                        "stopping it", rid)
+            self.on_stop(rid)
+            return None
+        params = job.params or {}
+        handle = JobHandle()
+        t = _Tracked(job.pk, rid, job.attempts, handle, IncrementalDetokenizer(
+            self.tokenizer, list(params.get("stop") or []), params.get("min_tokens") or 0))
+        prior = list(moved.get("output_token_ids") or [])
+        if prior:
+            t.detok.add(prior)
+            t.token_ids = prior
+        streamed = t.detok.take_delta(False)
+        t.text, t.chars = ([streamed] if streamed else []), len(streamed)
+        t.num_output_tokens = len(prior)
+        t.num_prompt_tokens = first.num_prompt_tokens
+        t.num_cached_tokens = first.num_cached_tokens
+        t.num_preemptions = first.num_preemptions
+        # its first token's time is the source's to write
+        t.first_token_at, t.first_token_written = job.first_token_at, bool(prior)
+        if moved.get("output_logprobs"):
+            t.logprobs = self._token_logprobs(prior, moved["output_logprobs"])
+            t.logprobs_sent = len(t.logprobs)
+        t.adopted = True
+        self._jobs[rid] = t
+        log.info("job %s: its request %s moved here from engine %s", job.pk, rid,
+                 moved.get("from"))
+        if self.on_adopt is not None:
+            self.on_adopt(job, handle)
+        return t
+
+    def _hand_over(self, t: _Tracked, to: str) -> None:
+        """The attempt's request moved to engine `to`: the row is that engine's now, with
+        the text made here (the destination's writes wait for this)."""
+        self._pop_attempt(t.request_id)
+        delta = job_store.ProgressDelta(
+            t.job_id, t.attempt_id, "".join(t.unwritten), t.num_output_tokens,
+            t.num_prompt_tokens, t.num_cached_tokens, t.num_preemptions,
+            t.first_token_at if not t.first_token_written else None,
+            t.kv_story if t.kv_story_unwritten else None)
+        try:
+            job = job_store.hand_over(delta, to)
+        except Exception:  # the destination's final write still carries all its text
+            log.exception("job %s: could not hand it over to engine %s", t.job_id, to)
+            job = None
+        if job is not None:
+            self._send([state_update(job.pk, t.attempt, job_store.job_payload(job))])
+        t.handle.set("migrated")
 
     def _end(self, ended: list[_Tracked]) -> list[dict]:
         """Write the final state of attempts that ended (one transaction), wake their
@@ -326,7 +405,8 @@ class OutputProcessor:
         n = len(t.token_ids)
         if n and t.first_token_at is None:
             t.first_token_at = timezone.now()
-        delta = t.detok.take_delta(t.finish_reason is not None)
+        # (a request that moved on holds back what it held back: its text goes on there)
+        delta = t.detok.take_delta(t.finish_reason not in (None, MIGRATED))
         if delta or n != t.num_output_tokens:
             update = {"job": t.job_id, "attempt": t.attempt, "offset": t.chars,
                       "text": delta, "n": n}
@@ -334,8 +414,8 @@ class OutputProcessor:
                 update["i"] = t.index
             if out.num_prompt_tokens != t.num_prompt_tokens:  # the attempt's first update
                 update["p"], update["c"] = out.num_prompt_tokens, out.num_cached_tokens
-            if len(t.logprobs) > t.logprobs_sent:
-                update["lp"] = t.logprobs[t.logprobs_sent:]
+            if len(t.logprobs) > t.logprobs_sent:  # (lpo: where they go, as offset)
+                update["lp"], update["lpo"] = t.logprobs[t.logprobs_sent:], t.logprobs_sent
                 t.logprobs_sent = len(t.logprobs)
             if t.prompt_logprobs and not t.prompt_logprobs_sent:
                 update["plp"], t.prompt_logprobs_sent = t.prompt_logprobs, True
@@ -351,18 +431,27 @@ class OutputProcessor:
         t.dirty = True
 
     def _write_progress(self) -> None:
-        deltas = []
+        deltas, adopted = [], []
         for t in self._jobs.values():
             if not t.dirty or t.index:  # a fork's row follows its sample 0
                 continue
             first = t.first_token_at if not t.first_token_written else None
-            deltas.append(job_store.ProgressDelta(
-                t.job_id, t.attempt_id, "".join(t.unwritten), t.num_output_tokens,
-                t.num_prompt_tokens, t.num_cached_tokens, t.num_preemptions, first,
-                t.kv_story if t.kv_story_unwritten else None))
-        if not deltas:
+            (adopted if t.adopted else deltas).append(job_store.ProgressDelta(
+                t.job_id, t.attempt_id, "".join(t.text if t.adopted else t.unwritten),
+                t.num_output_tokens, t.num_prompt_tokens, t.num_cached_tokens,
+                t.num_preemptions, first, t.kv_story if t.kv_story_unwritten else None))
+        if not deltas and not adopted:
             return
-        fenced = job_store.record_progress(deltas)
+        fenced = job_store.record_progress(deltas) if deltas else set()
+        waiting: set[str] = set()  # moved here, the row not handed over yet: again later
+        if adopted:
+            written, lost = job_store.record_adopted(adopted, self.instance)
+            fenced |= lost
+            for d in adopted:
+                if d.request_id in written:
+                    self._jobs[d.request_id].adopted = False
+                elif d.request_id not in lost:
+                    waiting.add(d.request_id)
         self.stats.db_writes += 1
         for request_id in fenced:  # its job runs elsewhere now, or ended: stop this one
             members = self._pop_attempt(request_id if request_id in self._jobs
@@ -373,7 +462,7 @@ class OutputProcessor:
                 self.on_stop(request_id)  # a fork's parent id stops all its samples
                 members[0].handle.set("fenced")
         for t in self._jobs.values():
-            if t.dirty:
+            if t.dirty and t.request_id not in waiting:
                 t.unwritten.clear()
                 t.first_token_written = t.first_token_written or t.first_token_at is not None
                 t.dirty = t.kv_story_unwritten = False

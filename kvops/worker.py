@@ -24,6 +24,7 @@ from typing import Any
 from celery import signals
 from celery.worker.control import control_command
 
+from engine import EngineError
 from kvops.group_commit import GroupCommit
 
 log = logging.getLogger(__name__)
@@ -106,6 +107,7 @@ def _start_engine(sender=None, **kwargs) -> None:
     from kvops.engine_client import make_engine_client
     from kvops.engine_config import config_from_env
     from kvops.job_stream import StreamProducer
+    from kvops.migration import watch_moved_in
     from kvops.output_processor import OutputProcessor
     from kvops.prefix_index import PrefixIndex
     from kvops.prompts import tokenizer_for
@@ -122,7 +124,9 @@ def _start_engine(sender=None, **kwargs) -> None:
     # The processor and the publisher reach the client through these closures: none is
     # called before the client has started.
     processor = OutputProcessor(config.name, StreamProducer(live.redis_client(), config.name),
-                                tokenizer, lambda request_id: client.finish_request(request_id))
+                                tokenizer, lambda request_id: client.finish_request(request_id),
+                                on_adopt=lambda job, handle: watch_moved_in(
+                                    client, processor, job, handle))
     try:
         client = make_engine_client(mode, config, processor,
                                     on_kv_item=lambda item: publisher.on_item(item),
@@ -130,6 +134,7 @@ def _start_engine(sender=None, **kwargs) -> None:
                                     **_core_process_settings(settings))
     except ValueError as e:
         raise SystemExit(str(e)) from None
+    processor.instance = client.instance
     publisher = EnginePublisher(config.name, source=client,
                                 prefix_index=PrefixIndex(config.name, client))
     client.start()
@@ -376,6 +381,39 @@ def _stop_engine(**kwargs) -> None:
     ctx.close()
 
 
+DRAIN_MODES = ("wait", "migrate", "abort")
+
+
+def _drain(client, arguments: dict, timeout_s: float) -> dict:
+    """Drain the engine: take no new jobs, and let its requests finish here (`wait`),
+    move them to other engines (`migrate`, to `to` or the router's choice), or end them
+    (`abort`: their jobs end as cancelled)."""
+    from engine.errors import InvalidRequestError
+    from kvops import migration
+    mode = arguments.get("mode") or "wait"
+    if mode not in DRAIN_MODES:
+        raise InvalidRequestError(f"mode must be one of {', '.join(DRAIN_MODES)}")
+    targets = migration.drain_targets(client.name, arguments.get("to")) \
+        if mode == "migrate" else []  # (refused before the engine drains)
+    result = client.command("drain", {}, timeout_s=timeout_s)
+    result["mode"] = mode
+    if mode == "migrate":
+        migration.start_drain(client, targets)
+        result["to"] = targets
+    elif mode == "abort":
+        live = client.command("live-requests", {}, timeout_s=timeout_s)
+        aborted = []
+        for rid in [*live["running"], *live["waiting"], *live["moving"]]:
+            try:
+                client.command("abort", {"request_id": rid, "by": arguments.get("by")},
+                               timeout_s=timeout_s)
+                aborted.append(rid)
+            except EngineError:  # (it ended meanwhile)
+                pass
+        result["aborted"] = aborted
+    return result
+
+
 @control_command(args=[("command", str), ("arguments", dict), ("deadline", float)],
                  signature="<command> [arguments] [deadline]")
 def kvops_engine(state, command: str, arguments: dict | None = None,
@@ -396,7 +434,16 @@ def kvops_engine(state, command: str, arguments: dict | None = None,
         if timeout_s <= 0:
             raise TimeoutError("the command arrived after its deadline")
         client = context().client
-        result = client.command(command, dict(arguments or {}), timeout_s=timeout_s)
+        arguments = dict(arguments or {})
+        if command == "migrate":  # the destination's address, from the registry
+            from kvops import migration
+            result = migration.migrate(client, arguments.get("request_id"),
+                                       arguments.get("to"), bool(arguments.get("staged", True)),
+                                       timeout_s)
+        elif command == "drain":
+            result = _drain(client, arguments, timeout_s)
+        else:
+            result = client.command(command, arguments, timeout_s=timeout_s)
         if command in STATE_COMMANDS:
             # The engine's row says its new state before the web hears the answer (its
             # metrics, which the core sent before the reply, written as a heartbeat: the

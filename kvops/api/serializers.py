@@ -6,10 +6,12 @@ import math
 
 from django.conf import settings
 from django.utils import timezone
+from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from engine.capacity import StepCost
 from engine.config import PREEMPTION_MODES
+from kvops import job_store
 from kvops.models import Engine, Job, OperatorAction, WhatIfRun
 from kvops.what_if import MAX_POOL_TOKENS, SETTINGS
 from kvops.what_if_trace import MAX_JOBS, MAX_MINUTES
@@ -51,6 +53,8 @@ class FiniteFloatField(serializers.FloatField):
 
 class JobSerializer(serializers.ModelSerializer):
     owner = serializers.CharField(source="owner.username", read_only=True)
+    # each engine it ran on, with when and why (it moved while it ran: "migration")
+    engines = serializers.SerializerMethodField()
 
     class Meta:
         model = Job
@@ -59,8 +63,13 @@ class JobSerializer(serializers.ModelSerializer):
                   "priority", "output_text", "output_token_ids", "output_logprobs",
                   "prompt_logprobs", "samples", "finish_reason", "num_prompt_tokens",
                   "num_cached_tokens", "num_output_tokens", "num_preemptions", "attempts",
-                  "error", "queued_at", "started_at", "first_token_at", "finished_at"]
+                  "error", "queued_at", "started_at", "first_token_at", "finished_at",
+                  "engines"]
         read_only_fields = fields
+
+    @extend_schema_field(serializers.ListField(child=serializers.DictField()))
+    def get_engines(self, job: Job) -> list[dict]:
+        return job_store.engines_of(job)
 
 
 class EngineSerializer(serializers.ModelSerializer):
@@ -112,6 +121,28 @@ class EvictSerializer(StrictMixin, serializers.Serializer):
 
 class EmptySerializer(StrictMixin, serializers.Serializer):
     pass
+
+
+class MigrateSerializer(StrictMixin, serializers.Serializer):
+    to = serializers.CharField(max_length=64, help_text="the engine to move the request to")
+    staged = serializers.BooleanField(
+        required=False, default=True,
+        help_text="copy its full blocks while it keeps running, then stop it for the last "
+                  "few (false: stop it and copy everything at once)")
+
+
+class DrainSerializer(StrictMixin, serializers.Serializer):
+    mode = serializers.ChoiceField(
+        ["wait", "migrate", "abort"], required=False, default="wait",
+        help_text="wait: its requests finish here; migrate: they move to the other engines "
+                  "of its model; abort: they end now")
+    to = serializers.CharField(max_length=64, required=False, allow_null=True, default=None,
+                               help_text="migrate: the one engine to move them to")
+
+    def validate(self, data):
+        if data.get("to") and data.get("mode") != "migrate":
+            raise serializers.ValidationError({"to": "only with mode migrate"})
+        return data
 
 
 class LimitsSerializer(StrictMixin, serializers.Serializer):

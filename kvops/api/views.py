@@ -18,7 +18,8 @@ from rest_framework.views import APIView
 from engine.commands import STATE_COMMANDS
 from kvops import (admission, grammar_check, idempotency, intake, job_store, kv_story, limits,
                    operator_actions, selectors, visibility, what_if)
-from kvops.api.serializers import (EmptySerializer, EngineSerializer, EvictSerializer,
+from kvops.api.serializers import (DrainSerializer, EmptySerializer, EngineSerializer,
+                                   EvictSerializer, MigrateSerializer,
                                    JobSerializer, LimitsSerializer,
                                    OperatorActionSerializer, PrefixSerializer,
                                    WhatIfRunSerializer, WhatIfSerializer)
@@ -268,35 +269,46 @@ IDEMPOTENCY_KEY = OpenApiParameter(
 
 
 class RequestActionView(APIView):
-    """POST /api/engines/<name>/requests/<request_id>/<action>/"""
+    """POST /api/engines/<name>/requests/<request_id>/<action>/: preempt, swap-out,
+    swap-in, abort, or migrate {"to": engine, "staged": true}: move the running request
+    with its KV cache to another engine of the same model; answered once it runs there
+    (its client's stream goes on from there)."""
     permission_classes = [permissions.IsAuthenticated, IsOperator]
-    ACTIONS = ("preempt", "swap-out", "swap-in", "abort")
+    ACTIONS = ("preempt", "swap-out", "swap-in", "abort", "migrate")
 
-    @extend_schema(request=EmptySerializer, responses=OPERATOR_RESPONSES, parameters=[
+    @extend_schema(request=MigrateSerializer, responses=OPERATOR_RESPONSES, parameters=[
         OpenApiParameter("action", str, OpenApiParameter.PATH, enum=list(ACTIONS)),
-        IDEMPOTENCY_KEY])
+        IDEMPOTENCY_KEY], description="The body is {} but for migrate.")
     def post(self, request, name: str, request_id: str, action: str):
         if action not in self.ACTIONS:
             raise NotFound(f"unknown action {action!r}; one of {', '.join(self.ACTIONS)}")
-        EmptySerializer(data=request.data or {}).is_valid(raise_exception=True)
+        serializer = (MigrateSerializer if action == "migrate" else EmptySerializer)(
+            data=request.data or {})
+        serializer.is_valid(raise_exception=True)
         engine = get_object_or_404(Engine, name=name)
-        return _action_answer(request, engine, action, request_id, {"request_id": request_id})
+        return _action_answer(request, engine, action, request_id,
+                              {"request_id": request_id, **serializer.validated_data})
 
 
 class EngineActionView(APIView):
     """POST /api/engines/<name>/pause/ and /resume/: stop running steps (every request
     keeps its place and its KV blocks; new jobs routed here wait) and start again.
     /drain/ and /undrain/: route no new jobs here (its worker leaves the shared queue),
-    let the running ones finish (the state goes draining, then drained), and back."""
+    and let the running ones finish (mode "wait", the default), move them to the other
+    engines of its model (mode "migrate", optionally "to" one engine) or end them (mode
+    "abort"); the state goes draining, then drained. /undrain/ takes jobs again."""
     permission_classes = [permissions.IsAuthenticated, IsOperator]
     ACTIONS = STATE_COMMANDS
 
-    @extend_schema(request=EmptySerializer, responses=OPERATOR_RESPONSES,
-                   parameters=[IDEMPOTENCY_KEY])
+    @extend_schema(request=DrainSerializer, responses=OPERATOR_RESPONSES,
+                   parameters=[IDEMPOTENCY_KEY], description="The body is {} but for drain.")
     def post(self, request, name: str, action: str):
-        EmptySerializer(data=request.data or {}).is_valid(raise_exception=True)
+        serializer = (DrainSerializer if action == "drain" else EmptySerializer)(
+            data=request.data or {})
+        serializer.is_valid(raise_exception=True)
         engine = get_object_or_404(Engine, name=name)
-        return _action_answer(request, engine, action, name, {})
+        arguments = {k: v for k, v in serializer.validated_data.items() if v is not None}
+        return _action_answer(request, engine, action, name, arguments)
 
 
 class EngineLimitsView(APIView):

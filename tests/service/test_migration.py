@@ -1,0 +1,174 @@
+"""Moving running requests between engines on the real stack (web, two engine workers,
+their cores talking over ZMQ): an operator's move keeps the client's /v1 stream whole
+(no gap, no repeat, one [DONE]) and the job records both engines; the API's refusals;
+a drain by migration moves eight running requests, none started again."""
+from __future__ import annotations
+
+import threading
+import uuid
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.service.test_jobs_api import expected_text
+from tests.support.stack import Stack
+
+MODEL = "simulated-v1"
+SIM = dict(simulate=1, vocab_size=32000, block_size=16, num_gpu_blocks=512, num_cpu_blocks=0,
+           max_num_seqs=16, simulate_step_ms=20)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    s = Stack(Path(tmp_path_factory.mktemp("migration")))
+    try:
+        s.start_web()
+        for name in ("a", "b"):
+            s.start_engine(name, **SIM)
+        yield s
+    finally:
+        s.stop()
+
+
+def engine_row(stack, name: str) -> dict:
+    return next(e for e in stack.api("GET", "/api/engines/").json()
+                if e["name"] == name)
+
+
+def other(name: str) -> str:
+    return "b" if name == "a" else "a"
+
+
+def test_an_operators_move_keeps_the_clients_stream_whole(stack):
+    prompt, n = "A request that moves between engines while it streams. " * 3, 150
+    chunks: list[str] = []
+    finishes: list[str | None] = []
+    done = threading.Event()
+    errors: list[BaseException] = []
+
+    def stream() -> None:
+        try:
+            client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key=stack.tokens["alice"],
+                                   max_retries=0, timeout=120)
+            for chunk in client.completions.create(model=MODEL, prompt=prompt, max_tokens=n,
+                                                   temperature=0, stream=True,
+                                                   extra_body={"ignore_eos": True}):
+                chunks.append(chunk.choices[0].text)
+                finishes.append(chunk.choices[0].finish_reason)
+        except BaseException as e:  # noqa: BLE001  (the test reads it)
+            errors.append(e)
+        finally:
+            done.set()
+
+    threading.Thread(target=stream, daemon=True).start()
+    job: dict = {}
+
+    def streaming() -> bool:
+        jobs = stack.api("GET", "/api/jobs/", user="alice").json()["results"]
+        job.update(next((j for j in jobs if j["prompt"] == prompt), {}))
+        return job.get("status") == "running" and job.get("num_output_tokens", 0) >= 20
+
+    stack.wait(streaming, "the stream to start", 30)
+    source, rid = job["engine"], job["request_id"]
+    r = stack.api("POST", f"/api/engines/{source}/requests/{rid}/migrate/",
+                  json={"to": other(source)}, headers={"Idempotency-Key": uuid.uuid4().hex})
+    assert r.status_code == 200, r.text
+    moved = r.json()["result"]
+    assert moved["moved"] and moved["to"] == other(source) and moved["blocks_sent"] >= 4
+    assert moved["blocks_at_stop"] <= 3  # the rest went while it ran
+    assert done.wait(60) and not errors, errors
+    text = "".join(chunks)
+    assert text == expected_text(prompt, n)  # no gap, no repeat
+    assert [f for f in finishes if f] == ["length"]
+    final = stack.wait_job(job["id"], user="alice")
+    assert final["output_text"] == text and final["attempts"] == 1
+    assert final["engine"] == other(source)
+    assert [(e["engine"], e["reason"]) for e in final["engines"]] == \
+        [(source, "start"), (other(source), "migration")]
+    story = stack.api("GET", f"/api/jobs/{job['id']}/kv/", user="alice").json()
+    [hop] = [p for p in story["preemptions"] if p["reason"] == "migration"]
+    assert hop["recomputed_tokens"] == 0 and hop["swapped_blocks"] >= 1
+    assert story["engine"] == other(source)
+    log = stack.api("GET", "/api/actions/").json()["results"]
+    assert any(a["action"] == "migrate" and a["target"] == rid and a["ok"] for a in log)
+
+
+def run_long(stack, prompt: str, engine: str, n: int = 200) -> dict:
+    r = stack.api("POST", "/api/jobs/", json={"prompt": prompt, "max_tokens": n,
+                                              "engine": engine, "ignore_eos": True})
+    assert r.status_code == 201, r.text
+    return r.json()
+
+
+def test_what_cannot_move_is_refused_with_the_reason(stack):
+    job = run_long(stack, "a long one to refuse moves of", "a", n=300)
+    rid = stack.wait_running(job["id"])
+    url = f"/api/engines/a/requests/{rid}/migrate/"
+    assert stack.api("POST", "/api/engines/zz/requests/x/migrate/",
+                     json={"to": "b"}).status_code == 404
+    r = stack.api("POST", "/api/engines/a/requests/nope/migrate/", json={"to": "b"})
+    assert r.status_code == 404, r.text
+    r = stack.api("POST", url, json={})
+    assert r.status_code == 400 and "to" in r.json()["fields"]
+    r = stack.api("POST", url, json={"to": "zz"})
+    assert r.status_code == 400 and "no engine is named" in r.json()["message"]
+    r = stack.api("POST", url, json={"to": "a"})
+    assert r.status_code == 400 and "already runs" in r.json()["message"]
+    assert stack.api("POST", url, json={"to": "b"}, user="alice").status_code == 403
+    assert stack.api("POST", "/api/engines/b/pause/").status_code == 200
+    try:
+        r = stack.api("POST", url, json={"to": "b"})
+        assert r.status_code == 409 and "paused" in r.json()["message"], r.text
+    finally:
+        assert stack.api("POST", "/api/engines/b/resume/").status_code == 200
+    # an Idempotency-Key: the move happens once, the retry gets the first answer
+    key = {"Idempotency-Key": uuid.uuid4().hex}
+    first = stack.api("POST", url, json={"to": "b"}, headers=key)
+    again = stack.api("POST", url, json={"to": "b"}, headers=key)
+    assert first.status_code == again.status_code == 200, first.text
+    assert again.headers.get("Idempotent-Replayed") == "true"
+    assert again.json() == first.json()
+    # moved: on b now, and not on a
+    r = stack.api("POST", f"/api/engines/a/requests/{rid}/migrate/", json={"to": "b"})
+    assert r.status_code == 409 and "moved to another engine" in r.json()["message"], r.text
+    assert stack.api("POST", f"/api/jobs/{job['id']}/cancel/").status_code in (200, 202)
+    final = stack.wait_job(job["id"])
+    assert final["status"] == "cancelled" and final["engine"] == "b"
+
+
+def test_a_drain_by_migration_moves_every_running_request(stack):
+    prompts = [f"drain me {i}: " + "words to carry over " * (1 + i % 3) for i in range(8)]
+    jobs = [run_long(stack, p, "a", n=120) for p in prompts]
+    for job in jobs:
+        stack.wait_running(job["id"])
+    stack.wait(lambda: all(stack.api("GET", f"/api/jobs/{j['id']}/").json()["num_output_tokens"]
+                           >= 5 for j in jobs), "all eight to stream", 30)
+    r = stack.api("POST", "/api/engines/a/drain/", json={"mode": "migrate"})
+    assert r.status_code == 200, r.text
+    assert r.json()["result"]["mode"] == "migrate" and r.json()["result"]["to"] == ["b"]
+    try:
+        finals = [stack.wait_job(j["id"], timeout_s=90) for j in jobs]
+        for prompt, final in zip(prompts, finals):
+            assert final["status"] == "finished" and final["attempts"] == 1
+            assert final["output_text"] == expected_text(prompt, 120), prompt
+            assert [e["engine"] for e in final["engines"]] == ["a", "b"]
+            story = stack.api("GET", f"/api/jobs/{final['id']}/kv/").json()
+            hops = [p for p in story["preemptions"] if p["reason"] == "migration"]
+            assert len(hops) == 1 and hops[0]["recomputed_tokens"] == 0
+        stack.wait(lambda: engine_row(stack, "a")["state"] == "drained", "a drained", 30)
+        log = stack.api("GET", "/api/actions/").json()["results"]
+        drained = [a for a in log if a["action"] == "migrate" and a["params"].get("by") == "drain"]
+        assert {a["target"] for a in drained if a["ok"]} >= {f["request_id"] for f in finals}
+    finally:
+        assert stack.api("POST", "/api/engines/a/undrain/").status_code == 200
+
+
+def test_a_drain_with_a_bad_mode_or_nowhere_to_go_is_refused(stack):
+    r = stack.api("POST", "/api/engines/a/drain/", json={"mode": "sideways"})
+    assert r.status_code == 400
+    r = stack.api("POST", "/api/engines/a/drain/", json={"mode": "wait", "to": "b"})
+    assert r.status_code == 400
+    r = stack.api("POST", "/api/engines/a/drain/", json={"mode": "migrate", "to": "zz"})
+    assert r.status_code == 400, r.text
+    assert engine_row(stack, "a")["state"] == "ready"  # refused before it drained
