@@ -11,6 +11,7 @@ LARGE_MATMULS = ("auto", "mkl", "packed", "measure")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ROLES = ("both", "prefill", "decode")
 
 
 class ConfigError(EngineError, ValueError):
@@ -54,6 +55,9 @@ class EngineConfig:
     simulate_tokenizer: str = "default"
     simulate_step_ms: float = 0.0  # simulate only: wall time a step takes (GPU-like pacing)
     simulate_token_us: float = 0.0  # simulate only: and this much more per computed token
+    # simulate only: the K/V bytes per token of the model it stands for, carried by a
+    # request that moves to another engine (0: only the stand-in's 8)
+    simulate_kv_bytes_per_token: int = 0
     # simulate only: the stand-in model attends to this many last tokens on every layer
     # (its requests give back the blocks out of reach, as a sliding-window model's do)
     simulate_sliding_window: int | None = None
@@ -96,6 +100,12 @@ class EngineConfig:
     # interface and gives the machine's name)
     migration_host: str = "127.0.0.1"
     migration_port: int = 0
+    # Prefill/decode on separate engines: "prefill" runs prompts and hands each request
+    # to the decode engine the router chose for it once its first token is out (it
+    # decodes it itself if there is none, or the move fails); "decode" takes no routed
+    # jobs while a prefill or "both" engine of its model runs, only the requests moved to
+    # it; "both" (the default) does both
+    role: str = "both"
 
     def __post_init__(self) -> None:
         _check(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0
@@ -120,6 +130,8 @@ class EngineConfig:
                f"attention_backend must be one of {ATTENTION_BACKENDS}")
         _check(self.vocab_size >= 2, "vocab_size must be >= 2")
         _check(0.0 <= self.simulate_step_ms <= 60_000, "simulate_step_ms must be in [0, 60000]")
+        _check(0 <= self.simulate_kv_bytes_per_token <= 1 << 24,
+               "simulate_kv_bytes_per_token must be in [0, 16 MiB]")
         _check(0.0 <= self.simulate_token_us <= 1_000_000,
                "simulate_token_us must be in [0, 1000000]")
         _check(self.simulate_sliding_window is None or self.simulate_sliding_window >= 2,
@@ -134,6 +146,7 @@ class EngineConfig:
         _check(self.max_pending_events >= 0, "max_pending_events must be >= 0")
         _check(self.kv_history_blocks >= 0, "kv_history_blocks must be >= 0")
         _check(0 <= self.migration_port < 65536, "migration_port must be in [0, 65535]")
+        _check(self.role in ROLES, f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
         _check(0.0 <= self.kv_metrics_sample <= 1.0, "kv_metrics_sample must be in [0, 1]")
         _check(1 <= self.tensor_parallel_size <= 64,
                f"tensor_parallel_size must be in [1, 64], got {self.tensor_parallel_size}")

@@ -76,6 +76,9 @@ class CoreServer:
         self.outbox = outbox  # PUSH: to the worker; the loop and the feed's thread send
         # requests moving in and out (engine/migration_link.py); None: none can
         self.link = link
+        # requests to hand to a decode engine once their first token is out (a prefill
+        # engine's): request id -> {"address", "to"}
+        self.handoffs: dict[str, dict] = {}
         self._poller = zmq.Poller()
         self._polled: list[zmq.Socket] = []
         self._send_lock = threading.Lock()
@@ -160,7 +163,16 @@ class CoreServer:
             return
         try:
             if kind == "adds":
-                result = add_requests(self.engine, message[2])
+                items = message[2]
+                for item in items:  # an 8th field: where to hand it over to decode
+                    if len(item) > 7:
+                        if item[7] and self.link is not None:
+                            self.handoffs[item[0]] = item[7]
+                        del item[7:]
+                result = add_requests(self.engine, items)
+                for item, refusal in zip(items, result):
+                    if refusal is not None:
+                        self.handoffs.pop(item[0], None)
             elif kind == "cmd":
                 _, _, name, arguments, deadline = message
                 if deadline is not None and time.time() > deadline:
@@ -198,6 +210,30 @@ class CoreServer:
             return
         if outputs:
             self._send(["out", [o.to_wire() for o in outputs]])
+            if self.handoffs:
+                self._hand_over(outputs)
+
+    def _hand_over(self, outputs: list) -> None:
+        """Prefill/decode: a request whose first token is out moves to its decode engine
+        (the same move as an operator's, with the full blocks copied while it goes on
+        decoding here); should the move fail, it decodes here."""
+        for out in outputs:
+            target = self.handoffs.get(out.request_id)
+            if target is None:
+                continue
+            if out.finished or not out.new_token_ids:
+                if out.finished:
+                    del self.handoffs[out.request_id]
+                continue
+            del self.handoffs[out.request_id]
+            rid = out.request_id
+            try:
+                self.link.start({"request_id": rid, "address": target["address"],
+                                 "to": target["to"], "staged": True, "reason": "decode"},
+                                None, lambda ok, result, rid=rid: None if ok else log.info(
+                                    "request %s decodes here: %s", rid, result))
+            except EngineError as e:  # (a fork, a structured output: it decodes here)
+                log.info("request %s decodes here: %s", rid, e)
 
 
 def serve(config: EngineConfig, input_address: str, output_address: str,

@@ -78,7 +78,8 @@ def build_runner(config: EngineConfig) -> Runner:
                                  token_us=config.simulate_token_us,
                                  sliding_window=config.simulate_sliding_window,
                                  hybrid=config.simulate_hybrid,
-                                 avoid=frozenset(tokenizer.eos_token_ids))
+                                 avoid=frozenset(tokenizer.eos_token_ids),
+                                 kv_bytes_per_token=config.simulate_kv_bytes_per_token)
         runner.tokenizer = tokenizer
         runner.tokenizer_path = path
         return runner
@@ -578,11 +579,13 @@ class LLMEngine:
         """Destination: a staged copy stopped; its held blocks go back."""
         migration.cancel(self, request_id)
 
-    def migration_done(self, request_id: str, moved: bool, to: str | None = None) -> None:
-        """Source: the request ended here (moved to engine `to`), or runs on here (the
-        commit failed)."""
+    def migration_done(self, request_id: str, moved: bool, to: str | None = None,
+                       reason: str = "migration") -> None:
+        """Source: the request ended here (moved to engine `to`; `reason`: "migration",
+        or "decode" for a prefill engine's hand-over), or runs on here (the commit
+        failed)."""
         self.version += 1
-        migration.done(self, request_id, moved, to)
+        migration.done(self, request_id, moved, to, reason)
         if moved:
             self._detok.pop(request_id, None)
 
@@ -819,6 +822,7 @@ class LLMEngine:
                 "kv_group_windows": list(self.runner.kv_group_windows)
                 if self.runner.kv_group_windows else None,
                 "tensor_parallel_size": getattr(self.runner, "tensor_parallel_size", 1),
+                "role": self.config.role,
                 # per rank: device, weight, KV and swap bytes (a real model)
                 "rank_memory": getattr(self.runner, "rank_memory", None),
                 "model_path": getattr(self.runner, "model_path", None),

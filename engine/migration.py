@@ -57,7 +57,8 @@ def state_of(engine: LLMEngine, request: Request) -> dict:
     """The request as another engine needs it (JSON-able but for nothing: hashes hex)."""
     return {
         "request_id": request.request_id, "model_id": engine.runner.model_id,
-        "block_size": engine.config.block_size, "engine_seed": engine.config.seed,
+        "block_size": engine.config.block_size, "kv_format": _kv_format(engine),
+        "engine_seed": engine.config.seed,
         "prompt_token_ids": list(request.prompt_token_ids),
         "output_token_ids": list(request.output_token_ids),
         "output_logprobs": list(request.output_logprobs),
@@ -75,13 +76,23 @@ def state_of(engine: LLMEngine, request: Request) -> dict:
     }
 
 
+def _kv_format(engine: LLMEngine) -> str:
+    """How the engine's K/V is stored (its dtype; the simulator's stand-in size too):
+    blocks move only between engines that store them alike."""
+    runner = engine.runner
+    return f"{runner.dtype}+{getattr(runner, 'kv_bytes_per_token', 0)}" \
+        if runner.dtype == "uint64" else str(runner.dtype)
+
+
 def _fits(engine: LLMEngine, state: dict) -> None:
     if state["model_id"] != engine.runner.model_id or \
-            state["block_size"] != engine.config.block_size:
+            state["block_size"] != engine.config.block_size or \
+            state.get("kv_format") != _kv_format(engine):
         raise InvalidRequestError(
             f"request {state['request_id']!r} runs {state['model_id']} in blocks of "
-            f"{state['block_size']}; this engine runs {engine.runner.model_id} in blocks of "
-            f"{engine.config.block_size}")
+            f"{state['block_size']} ({state.get('kv_format')}); this engine runs "
+            f"{engine.runner.model_id} in blocks of {engine.config.block_size} "
+            f"({_kv_format(engine)})")
     if state["engine_seed"] != engine.config.seed and state["params"]["seed"] is None:
         raise InvalidRequestError("the engines' seeds differ: an unseeded sampled request "
                                   "would not continue its stream of draws")
@@ -117,7 +128,8 @@ def take_out(engine: LLMEngine, request_id: str, skip: int) -> tuple[dict, Any]:
     return state_of(engine, request), data
 
 
-def done(engine: LLMEngine, request_id: str, moved: bool, to: str | None = None) -> None:
+def done(engine: LLMEngine, request_id: str, moved: bool, to: str | None = None,
+         reason: str = "migration") -> None:
     """Source: the request ended here (it runs on `to`; the next step reports its end,
     finish_reason "migrated"), or runs on here."""
     if not moved:
@@ -126,7 +138,7 @@ def done(engine: LLMEngine, request_id: str, moved: bool, to: str | None = None)
     request = engine.scheduler.suspended[request_id]
     engine.scheduler.finish(request, RequestStatus.FINISHED, MIGRATED)
     out = engine.core_output(request, [])
-    out.migration = {"to": to}
+    out.migration = {"to": to, "reason": reason}
     engine.report_moved(out)
 
 

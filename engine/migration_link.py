@@ -98,6 +98,7 @@ class _Move:
     staged: bool
     reply: Reply
     deadline: float  # Unix time: the caller's
+    reason: str = "migration"  # or "decode": a prefill engine's hand-over
     phase: str = "offer"  # reserve/check -> stage -> commit
     seq: int = 0  # of the message whose answer is awaited (0: none)
     sent_at: float = 0.0  # monotonic, of that message
@@ -183,7 +184,8 @@ class MigrationLink:
         offer = self.engine.migration_offer(rid)
         move = _Move(rid, str(arguments.get("to") or address), address,
                      bool(arguments.get("staged", True)), reply,
-                     deadline if deadline is not None else time.time() + 2 * LINK_TIMEOUT_S)
+                     deadline if deadline is not None else time.time() + 2 * LINK_TIMEOUT_S,
+                     "decode" if arguments.get("reason") == "decode" else "migration")
         self._moves[rid] = move
         move.phase = "reserve" if move.staged else "check"
         self._send(move, [move.phase, rid, 0, offer])
@@ -290,7 +292,7 @@ class MigrationLink:
             move.reply(False, ["InvalidStateError", f"request {move.request_id!r} was "
                                "cancelled while it moved"])
             return
-        engine.migration_done(move.request_id, True, move.to)
+        engine.migration_done(move.request_id, True, move.to, move.reason)
         now = time.monotonic()
         move.reply(True, {
             "request_id": move.request_id, "to": move.to, "moved": True,

@@ -53,11 +53,16 @@ class SimulatedRunner(Runner):
     def __init__(self, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int,
                  vocab_size: int, max_model_len: int, step_ms: float = 0.0,
                  token_us: float = 0.0, sliding_window: int | None = None,
-                 hybrid: bool = False, avoid: frozenset[int] = frozenset()) -> None:
+                 hybrid: bool = False, avoid: frozenset[int] = frozenset(),
+                 kv_bytes_per_token: int = 0) -> None:
         # Pacing: a step takes at least step_s + token_s per computed token, like a GPU
         # whose prefill cost grows with the tokens (so prefix-cache hits save time).
         self.step_s = step_ms / 1000.0
         self.token_s = token_us / 1e6
+        # What a real model's K/V weighs per token (2 x layers x KV heads x head size x
+        # dtype bytes): a request that moves to another engine carries this many bytes
+        # per token more (engine/migration_link.py), so that moves cost what a model's do
+        self.kv_bytes_per_token = kv_bytes_per_token
         self.model_id = f"simulated-v1:vocab={vocab_size}"
         self.num_gpu_blocks = num_gpu_blocks
         self.num_cpu_blocks = num_cpu_blocks
@@ -169,6 +174,19 @@ class SimulatedRunner(Runner):
         bs, cache = self.block_size, self.gpu_cache
         for b, block in zip(block_ids, data, strict=True):
             cache[b * bs:(b + 1) * bs] = block
+
+    def blocks_to_frames(self, data: list[list[int]]) -> tuple[dict, list]:
+        header, frames = Runner.blocks_to_frames(data)
+        if self.kv_bytes_per_token:  # (a model's weight of K/V, written as a copy would)
+            frames.append(bytearray(len(data) * self.block_size * self.kv_bytes_per_token))
+        return header, frames
+
+    def blocks_from_frames(self, header: dict, frames: list) -> list[list[int]]:
+        data = Runner.blocks_from_frames(header, frames)
+        weight = memoryview(frames[1]).nbytes if len(frames) > 1 else 0
+        if weight != len(data) * self.block_size * self.kv_bytes_per_token:
+            raise ValueError("blocks of another K/V size per token do not fit this engine")
+        return data
 
     def swap_out(self, mapping: list[tuple[int, int]]) -> None:
         self._copy(self.gpu_cache, self.cpu_cache, mapping)

@@ -243,7 +243,7 @@ class OutputProcessor:
                 failed.append((out.request_id, out.error))
                 continue
             by_request.setdefault(out.request_id, []).append(out)
-        moved: list[tuple[_Tracked, str]] = []  # moved away: (attempt, where to)
+        moved: list[tuple[_Tracked, dict]] = []  # moved away: (attempt, where to and why)
         for request_id, outs in by_request.items():
             t = self._jobs.get(request_id)
             if t is None and outs[0].migration and "from" in outs[0].migration:
@@ -251,15 +251,15 @@ class OutputProcessor:
             if t is not None and t.finish_reason is None:
                 self._absorb(t, outs, updates)
                 if t.finish_reason == MIGRATED:
-                    moved.append((t, (outs[-1].migration or {}).get("to") or ""))
+                    moved.append((t, outs[-1].migration or {}))
                     continue
                 if t.finish_reason is not None and (
                         t.siblings is None or all(s.finish_reason is not None
                                                   for s in t.siblings)):
                     ended.append(t.siblings[0] if t.siblings else t)
         self._send(updates)  # progress: to the stream at once, to the database in batches
-        for t, to in moved:
-            self._hand_over(t, to)
+        for t, where in moved:
+            self._hand_over(t, where.get("to") or "", where.get("reason") or "migration")
         if ended:  # their final rows carry all their text: no progress write for them
             self._send(self._end(ended))
         if write_db:
@@ -331,9 +331,10 @@ class OutputProcessor:
             self.on_adopt(job, handle)
         return t
 
-    def _hand_over(self, t: _Tracked, to: str) -> None:
-        """The attempt's request moved to engine `to`: the row is that engine's now, with
-        the text made here (the destination's writes wait for this)."""
+    def _hand_over(self, t: _Tracked, to: str, reason: str) -> None:
+        """The attempt's request moved to engine `to` (`reason`: "migration", or "decode"
+        from a prefill engine): the row is that engine's now, with the text made here
+        (the destination's writes wait for this)."""
         self._pop_attempt(t.request_id)
         delta = job_store.ProgressDelta(
             t.job_id, t.attempt_id, "".join(t.unwritten), t.num_output_tokens,
@@ -341,7 +342,7 @@ class OutputProcessor:
             t.first_token_at if not t.first_token_written else None,
             t.kv_story if t.kv_story_unwritten else None)
         try:
-            job = job_store.hand_over(delta, to)
+            job = job_store.hand_over(delta, to, reason)
         except Exception:  # the destination's final write still carries all its text
             log.exception("job %s: could not hand it over to engine %s", t.job_id, to)
             job = None

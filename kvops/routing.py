@@ -57,10 +57,17 @@ def choose_queues(jobs: list[Job]) -> list[tuple[str, dict]]:
             requested.append(i)
         else:
             routed.append(i)
+    engines = _candidates()
+    _choose(jobs, out, routed, requested, engines)
+    _pair_with_decode(jobs, out, engines)
+    return out
+
+
+def _choose(jobs: list[Job], out: list, routed: list[int], requested: list[int],
+            engines: list[Engine]) -> list:
     mode = policy()
     if not routed and not (requested and mode == "prefix"):
         return out
-    engines = _candidates()
     allowed = {i: _serving(engines, jobs[i].model) for i in routed}
     if mode == "shared" or not engines:
         reason = ("no live engine takes jobs (draining or none): the first free worker "
@@ -106,8 +113,37 @@ def _with(engines: list[Engine], engine: Engine) -> list[Engine]:
 
 
 def _serving(engines: list[Engine], model: str) -> list[Engine]:
-    """The engines that may take a job asking for `model` ("": any)."""
-    return [e for e in engines if not model or selectors.model_name(e) == model]
+    """The engines that may take a job asking for `model` ("": any): decode engines only
+    when no prefill or `both` engine of the model runs (they take the requests prefill
+    engines hand them)."""
+    serving = [e for e in engines if not model or selectors.model_name(e) == model]
+    return [e for e in serving if _role(e) != "decode"] or serving
+
+
+def _role(engine: Engine) -> str:
+    return (engine.config or {}).get("role") or "both"
+
+
+def _pair_with_decode(jobs: list[Job], out: list, engines: list[Engine]) -> None:
+    """Prefill/decode: a job going to a prefill engine gets the decode engine it moves to
+    once its first token is out (KVOPS_ENGINE_ROLE): the least loaded one of its model,
+    counting the prompts paired with it in this batch."""
+    decoders = [e for e in engines if _role(e) == "decode"]
+    if not decoders:
+        return
+    roles = {e.name: _role(e) for e in engines}
+    load = {e.name: _load(e, None) for e in decoders}
+    for job, routed in zip(jobs, out):
+        if routed is None or roles.get(routed[1].get("engine")) != "prefill":
+            continue
+        model = job.model
+        mine = [e for e in decoders if not model or selectors.model_name(e) == model]
+        if not mine:
+            continue
+        chosen = min(mine, key=lambda e: (load[e.name], e.name))
+        load[chosen.name] += len(job.prompt_token_ids or ()) or 1
+        routed[1]["decode_engine"] = chosen.name
+        routed[1]["reason"] += f"; it decodes on {chosen.name} (least loaded decode engine)"
 
 
 def _candidates() -> list[Engine]:

@@ -8,7 +8,7 @@ from celery import shared_task
 from django.conf import settings
 
 from engine import EngineError
-from kvops import job_store
+from kvops import job_store, migration
 from kvops.tenancy import cache_salt, tenant
 from kvops.worker import context
 
@@ -84,7 +84,7 @@ def _run_claimed(worker, jobs: list, outcomes: dict[int, str]) -> None:
             continue
         engine_params = {k: v for k, v in params.items() if k not in SERVICE_PARAMS}
         items.append([job.request_id, prompt, engine_params, job.priority, str(job.pk),
-                      cache_salt(job.owner), tenant(job.owner)])
+                      cache_salt(job.owner), tenant(job.owner), _decode_on(service, job)])
     submitted = [job for job in jobs if job.pk not in outcomes]
     refusals = service.submit_many(items) if items else []
     running = []
@@ -111,6 +111,21 @@ def _run_claimed(worker, jobs: list, outcomes: dict[int, str]) -> None:
         elif outcome == "error":  # its end could not be written: try once more, as a failure
             job_store.fail_job(job.pk, "the job's result could not be stored", job.request_id)
         outcomes[job.pk] = outcome
+
+
+def _decode_on(service, job) -> dict | None:
+    """Prefill/decode: the decode engine the router chose for the job, if this engine is
+    a prefill engine and that one takes requests now ({"address", "to"}); else None (it
+    decodes here)."""
+    name = (job.routing or {}).get("decode_engine")
+    if not name or service.describe_config().get("role") != "prefill":
+        return None
+    try:
+        _, address = migration.destination(service.name, name)
+    except EngineError as e:
+        log.info("job %s decodes on %s: %s", job.pk, service.name, e)
+        return None
+    return {"address": address, "to": name}
 
 
 def _abort_quietly(service, request_id: str) -> None:

@@ -8,8 +8,9 @@ function csrfToken() {
 }
 
 // Returns {status, ok, data}; never throws for an HTTP error (the caller shows it).
-export async function api(method, path, body) {
-  const init = { method, credentials: "same-origin", headers: { Accept: "application/json" } };
+// `headers`: more of them (an Idempotency-Key).
+export async function api(method, path, body, headers = {}) {
+  const init = { method, credentials: "same-origin", headers: { Accept: "application/json", ...headers } };
   if (method !== "GET") {
     init.headers["X-CSRFToken"] = csrfToken();
     init.headers["Content-Type"] = "application/json";
@@ -36,4 +37,12 @@ export function errorText(result) {
   if (d.error) return typeof d.error === "string" ? d.error : JSON.stringify(d.error);
   if (d.detail) return d.detail;
   return Object.entries(d).map(([k, v]) => `${k}: ${Array.isArray(v) ? v.join(" ") : v}`).join("; ");
+}
+
+// A fresh Idempotency-Key: a POST sent again with it (its answer never came) is answered
+// with the first call's answer, and what it asked for happens once. (crypto.randomUUID
+// needs HTTPS or localhost; getRandomValues works on any page.)
+export function newIdempotencyKey() {
+  const bytes = crypto.getRandomValues(new Uint8Array(16));
+  return Array.from(bytes, (b) => b.toString(16).padStart(2, "0")).join("");
 }

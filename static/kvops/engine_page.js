@@ -2,10 +2,11 @@
 // they were at a moment of the timeline strip (timeline.js; live updates keep the live
 // state current meanwhile, unpainted). Data: a snapshot, then deltas in sequence
 // (live_sync.js: a gap or a restart asks for a new snapshot); operator actions go
-// through the REST API. ?request=<id> selects a request once it shows; ?at=<time> opens
+// through the REST API (a running request's Migrate control among them: migration.js
+// says where it may go). ?request=<id> selects a request once it shows; ?at=<time> opens
 // the timeline at that moment (a job's KV story links here). window.kvopsPerf keeps
 // timings for tests.
-import { api, errorText } from "./api.js";
+import { api, errorText, newIdempotencyKey } from "./api.js";
 import { BlockMap } from "./blockmap.js";
 import { timeChart } from "./charts.js";
 import { Palette, ownerCss } from "./colors.js";
@@ -15,6 +16,7 @@ import { $, clock, esc, num, pct, toast } from "./format.js";
 import { TERMINAL, compactStoryHtml, missesHtml } from "./kv_story.js";
 import { MetricsHistory, cumulativeHitRate } from "./metrics.js";
 import { LiveSync } from "./live_sync.js";
+import { drainText, migrationTargets, migrationText } from "./migration.js";
 import { RequestTable } from "./request_table.js";
 import { LiveSocket } from "./socket.js";
 import { TimelineStrip, parseMoment } from "./timeline.js";
@@ -55,7 +57,7 @@ const table = new RequestTable($("#requests"), {
   operator: page.operator,
   othersOf,
   onSelect: (index) => select(index, false),
-  onAction: (action, requestId) => requestAction(action, requestId),
+  onAction: (action, requestId, { to }) => (action === "migrate" ? migrate(requestId, to) : requestAction(action, requestId)),
 });
 const events = new EventLog($("#events"), $("#ev-rate"), $("#show-churn"), {
   onRequest: (requestId) => { const r = state?.requestById(requestId); if (r) select(r.index, true); },
@@ -139,7 +141,10 @@ function showState(s) {
   const toggle = $("#pause-toggle");
   if (toggle) toggle.textContent = s === "paused" ? "Resume" : "Pause";
   const drain = $("#drain-toggle");
-  if (drain) drain.textContent = s === "draining" || s === "drained" ? "Undrain" : "Drain";
+  if (drain) {
+    drain.textContent = s === "draining" || s === "drained" ? "Undrain" : "Drain";
+    $("#drain-mode").hidden = drain.textContent === "Undrain";  // (an undrain has no mode)
+  }
 }
 
 function applyDelta(delta, meta) {
@@ -377,20 +382,23 @@ function chips(ids, poolName) {
   return ids.map((id, k) => `<span class="chip" style="--c:${ownerCss(p.owner[id])}" title="logical block ${k}, ref ${p.ref_cnt[id]}">${id}${p.ref_cnt[id] > 1 ? "²" : ""}</span>`).join("");
 }
 
+// The panel's head and details are drawn again with every change; the Migrate control
+// between them (operators) is kept, so that a choice made in it stays.
 function renderSelected() {
-  const box = $("#selected");
   const r = selected === null ? null : state.requests.get(selected);
+  renderMove(r);
   if (!r) {
-    box.innerHTML = `<h3>Selected request</h3><p class="muted">Click a request in the table, or a block on the map, to follow its block table.</p>`;
+    $("#selected-head").innerHTML = `<h3>Selected request</h3><p class="muted">Click a request in the table, or a block on the map, to follow its block table.</p>`;
+    $("#selected-detail").innerHTML = "";
     return;
   }
   const shared = r.block_table.filter((id) => state.gpu.ref_cnt[id] > 1).length;
-  box.innerHTML = `<h3>Selected request</h3>
+  $("#selected-head").innerHTML = `<h3>Selected request</h3>
     <p><span class="mono">${esc(r.request_id)}</span> <span class="pill ${esc(r.status)}">${esc(r.status)}</span>
     ${othersOf(r) ? '· <span class="muted">another user\'s request</span>'
     : r.job_id ? `· <a href="/jobs/${esc(r.job_id)}/">job ${esc(r.job_id)}</a>` : ""}
-    <button class="small secondary" id="unselect" style="float:right">clear</button></p>
-    <p class="muted">${num(r.num_computed_tokens)} tokens computed, ${num(r.num_cached_tokens)} from the prefix cache;
+    <button class="small secondary" id="unselect" style="float:right">clear</button></p>`;
+  $("#selected-detail").innerHTML = `<p class="muted">${num(r.num_computed_tokens)} tokens computed, ${num(r.num_cached_tokens)} from the prefix cache;
     ${r.block_table.length} GPU blocks (${shared} shared), ${r.cpu_block_table.length} CPU blocks.</p>
     <div class="muted" style="font-size:12px">GPU block table, in order (² = shared)</div>
     <div class="chips">${chips(r.block_table, "gpu") || '<span class="muted">none</span>'}</div>
@@ -487,6 +495,12 @@ $("#req-filter").addEventListener("change", () => { table.setFilter($("#req-filt
 $("#req-search").addEventListener("input", () => { table.setFilter($("#req-filter").value, $("#req-search").value); renderHead(); });
 
 // --- operator actions -------------------------------------------------------------------
+// What a drain does with the requests running there, by its mode (the header's chooser).
+const DRAIN_MODES = {
+  wait: "the running ones finish here",
+  migrate: "the running ones move, with their KV caches, to the other engines of its model",
+  abort: "the running ones are aborted now (their jobs end as cancelled)",
+};
 const LABELS = { preempt: "Preempt", "swap-out": "Swap out", "swap-in": "Swap in", abort: "Abort",
                  evict: "Evict", reset: "Reset", pin: "Pin", unpin: "Unpin" };
 
@@ -497,14 +511,18 @@ function confirmAction(text) {
   return new Promise((resolve) => dialog.addEventListener("close", () => resolve(dialog.returnValue === "ok"), { once: true }));
 }
 
-async function act(path, body, what) {
-  const result = await api("POST", path, body);
+// POST an operator action; its answer goes to the Engine answer panel (in a line, then
+// whole) and a toast. `key`: an Idempotency-Key; `describe`: the answer's result in words.
+async function act(path, body, what, { key = null, describe = null } = {}) {
+  const result = await api("POST", path, body, key ? { "Idempotency-Key": key } : {});
+  const said = !result.ok ? errorText(result)
+    : describe && result.data?.result ? describe(result.data.result) : "done";
   const answer = $("#answer");
   if (answer) {
     answer.className = `answer ${result.ok ? "ok" : "bad"}`;
-    answer.textContent = `${what}\nHTTP ${result.status}\n${JSON.stringify(result.data, null, 2)}`;
+    answer.textContent = `${what}: ${said}\nHTTP ${result.status}\n${JSON.stringify(result.data, null, 2)}`;
   }
-  toast(result.ok ? `${what}: done` : `${what}: ${errorText(result)}`, !result.ok);
+  toast(`${what}: ${said}`, !result.ok);
   loadActions();
   return result;
 }
@@ -513,6 +531,71 @@ async function requestAction(action, requestId) {
   if (!(await confirmAction(`${LABELS[action]} request ${requestId} on engine ${page.name}?`))) return;
   await act(`/api/engines/${encodeURIComponent(page.name)}/requests/${encodeURIComponent(requestId)}/${action}/`,
             {}, `${LABELS[action]} ${requestId}`);
+}
+
+// --- moving a request to another engine ---------------------------------------------------
+// The engines a running request may move to, from the engine list (read every
+// DESTINATIONS_MS): the table's rows and the selected request's panel offer them.
+const DESTINATIONS_MS = 5000;
+const moves = {
+  to: [],  // engine names, the least loaded first (migration.js migrationTargets)
+  why: "",  // why there are none, in words
+  busy: false,  // the panel's move is being answered
+  last: null,  // the last move asked for from this page: {request, ok, text}
+  keys: new Map(),  // "request→engine" -> the Idempotency-Key of a move not answered yet
+};
+
+async function loadDestinations() {
+  const result = await api("GET", "/api/engines/");
+  if (result.ok) {
+    moves.to = migrationTargets(result.data, page.name, page.config);
+    moves.why = moves.to.length ? "" : "no other engine can take it now: none is alive, ready, "
+      + "serving this engine's model and able to receive moving requests";
+  } else {
+    moves.to = [];
+    moves.why = `the engines could not be read: ${errorText(result)}`;
+  }
+  table.setDestinations(moves.to);
+  if (state) renderMove(selected === null ? null : state.requests.get(selected));
+}
+
+// The selected request's Migrate control: shown while it runs, with the answer to the
+// last move asked for it from here. Its chooser is rebuilt only when the engines change.
+function renderMove(r) {
+  const box = $("#selected-move");
+  if (!box) return;  // (not an operator)
+  box.hidden = !r || r.status !== "running";
+  const answer = $("#move-answer");
+  answer.hidden = !r || moves.last?.request !== r.request_id;
+  if (!answer.hidden) {
+    answer.className = `answer ${moves.last.ok ? "ok" : "bad"}`;
+    answer.textContent = moves.last.text;
+  }
+  const chooser = $("#move-to");
+  if ([...chooser.options].map((o) => o.value).join("\n") !== moves.to.join("\n")) {
+    const chosen = chooser.value;
+    chooser.replaceChildren(...moves.to.map((name) => new Option(name, name, false, name === chosen)));
+  }
+  chooser.disabled = moves.to.length === 0;
+  $("#move").disabled = moves.to.length === 0 || moves.busy;
+  $("#move-none").textContent = moves.why;
+}
+
+async function migrate(requestId, to) {
+  if (!to) { toast(`Migrate ${requestId}: ${moves.why || "choose the engine to move it to"}`, true); return; }
+  if (!(await confirmAction(`Move request ${requestId} from engine ${page.name} to ${to}, with its KV cache? It runs on there.`))) return;
+  // The key stays until an answer comes: asked again after a dropped connection, the
+  // move happens once and the second call gets the first one's answer.
+  const attempt = `${requestId}→${to}`;
+  if (!moves.keys.has(attempt)) moves.keys.set(attempt, newIdempotencyKey());
+  moves.busy = true;
+  renderMove(selected === null ? null : state.requests.get(selected));
+  const result = await act(`/api/engines/${encodeURIComponent(page.name)}/requests/${encodeURIComponent(requestId)}/migrate/`,
+                           { to, staged: true }, `Migrate ${requestId}`, { key: moves.keys.get(attempt), describe: migrationText });
+  if (result.status !== 0) moves.keys.delete(attempt);
+  moves.busy = false;
+  moves.last = { request: requestId, ok: result.ok, text: result.ok ? migrationText(result.data.result) : errorText(result) };
+  loadDestinations();  // (redraws the panel)
 }
 
 async function prefixAction(action, body, question) {
@@ -528,11 +611,23 @@ if (page.operator) {
     if (result.ok) stateFromAnswer(result.data?.result?.state || (action === "pause" ? "paused" : "ready"));
   };
   $("#drain-toggle").onclick = async () => {
-    const action = engineState === "draining" || engineState === "drained" ? "undrain" : "drain";
-    if (action === "drain" && !(await confirmAction(`Drain engine ${page.name}? No new jobs are routed to it; the running ones finish.`))) return;
-    const result = await act(`/api/engines/${encodeURIComponent(page.name)}/${action}/`, {}, `${action === "drain" ? "Drain" : "Undrain"} ${page.name}`);
-    if (result.ok) stateFromAnswer(result.data?.result?.state || "ready");
+    const path = (action) => `/api/engines/${encodeURIComponent(page.name)}/${action}/`;
+    if (engineState === "draining" || engineState === "drained") {
+      const result = await act(path("undrain"), {}, `Undrain ${page.name}`);
+      if (result.ok) stateFromAnswer(result.data?.result?.state || "ready");
+      return;
+    }
+    const mode = $("#drain-mode").value;
+    if (!(await confirmAction(`Drain engine ${page.name}? No new jobs are routed to it; ${DRAIN_MODES[mode]}.`))) return;
+    const result = await act(path("drain"), { mode }, `Drain ${page.name}`, { describe: drainText });
+    if (result.ok) stateFromAnswer(result.data?.result?.state || "draining");
   };
+  $("#move").onclick = () => {
+    const r = selected === null ? null : state.requests.get(selected);
+    if (r) migrate(r.request_id, $("#move-to").value);
+  };
+  loadDestinations();
+  setInterval(loadDestinations, DESTINATIONS_MS);
   $("#limit-apply").onclick = async () => {
     const body = {};
     const seqs = $("#limit-seqs").value.trim(), tokens = $("#limit-tokens").value.trim();

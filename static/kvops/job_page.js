@@ -1,10 +1,12 @@
 // A job: its tokens as they stream (websocket /ws/jobs/<id>/), facts and timings (REST),
 // while it runs its request's block table (asked of the engine once a second), and its
-// KV story (REST, kv_story.js: read on load and whenever its status changes).
+// KV story (REST, kv_story.js: read on load and whenever its status changes). A job moved
+// between engines while it ran says which, and when (migration.js ranOnText).
 import { api, errorText } from "./api.js";
 import { ownerCss } from "./colors.js";
 import { $, esc, num, seconds, toast, when } from "./format.js";
 import { TERMINAL, storyHtml } from "./kv_story.js";
+import { ranOnText } from "./migration.js";
 import { LiveSocket } from "./socket.js";
 
 const page = JSON.parse($("#job-data").textContent);
@@ -25,6 +27,7 @@ function renderFacts() {
     ? `<a href="/engines/${esc(job.engine)}/?request=${encodeURIComponent(job.request_id)}" title="show its blocks on the engine's map">${esc(job.request_id)}</a>` : "–";
   const rows = [
     ["owner", esc(job.owner)], ["source", esc(job.source)], ["engine", engineLink], ["request", requestLink],
+    ...(job.engines?.length > 1 ? [["engines", `<span id="ran-on">${esc(ranOnText(job.engines))}</span>`]] : []),
     ["routing", esc(job.routing?.policy ?? "–")], ["attempts", job.attempts], ["priority", job.priority],
     ["sampling", esc(`max_tokens ${p.max_tokens}, temperature ${p.temperature}, top_p ${p.top_p}` +
                      (p.top_k ? `, top_k ${p.top_k}` : "") + (p.seed != null ? `, seed ${p.seed}` : ""))],
@@ -78,7 +81,7 @@ function showState(message) {
   showSamples(message.samples || []);
   $("#error").textContent = message.error || "";
   if (job) {  // the live counts, until the row is read again
-    for (const k of ["num_output_tokens", "num_cached_tokens", "num_preemptions", "engine", "request_id"]) {
+    for (const k of ["num_output_tokens", "num_cached_tokens", "num_preemptions", "engine", "request_id", "engines"]) {
       if (message[k] !== undefined && message[k] !== "") job[k] = message[k];
     }
     renderFacts();

@@ -1,6 +1,7 @@
 // The engine's requests in a virtualised table: only the rows in view are in the DOM, so
 // a thousand requests updated ten times a second stay cheap. Click a row to select the
-// request (its blocks are highlighted on the map); operators get action buttons.
+// request (its blocks are highlighted on the map); operators get action buttons, and on
+// a running request a Migrate control (an engine to move it to, and a button).
 import { ownerCss } from "./colors.js";
 import { esc, num } from "./format.js";
 
@@ -57,7 +58,8 @@ export class RequestTable {
     this.operator = operator;
     this.othersOf = othersOf;  // r -> is it another user's request? (a plain user's view)
     this.onSelect = onSelect;
-    this.onAction = onAction;
+    this.onAction = onAction;  // (action, request id, {to} for migrate)
+    this.moveOptions = "";  // the Migrate chooser's <option>s: the engines a request may move to
     this.sortKey = "status";
     this.ascending = true;
     this.filter = "live";
@@ -184,19 +186,33 @@ export class RequestTable {
     set(8, `${r.block_table.length}${r.cpu_block_table.length ? ` <span class="muted">+${r.cpu_block_table.length}c</span>` : ""}`);
     set(9, String(r.num_preemptions));
     set(10, String(r.priority));
-    if (this.operator) {
-      set(11, (ACTIONS[r.status] || []).map(([action, label]) =>
-        `<button class="small ${action === "abort" ? "danger" : "secondary"}" data-action="${action}">${label}</button>`).join(""));
-    }
+    if (this.operator) set(11, this.actionsHtml(r));
+  }
+
+  actionsHtml(r) {
+    const buttons = (ACTIONS[r.status] || []).map(([action, label]) =>
+      `<button class="small ${action === "abort" ? "danger" : "secondary"}" data-action="${action}">${label}</button>`).join("");
+    if (r.status !== "running" || !this.moveOptions) return buttons;  // only a running request moves
+    return `${buttons}<select class="small" data-to aria-label="the engine to move it to">${this.moveOptions}</select>`
+      + '<button class="small secondary" data-action="migrate" title="move it, with its KV cache, to the engine chosen">Migrate</button>';
+  }
+
+  // The engines a running request may move to now (migration.js migrationTargets), the
+  // first chosen. A row's chooser is rebuilt only when they change: a choice made stays.
+  setDestinations(names) {
+    const options = names.map((name) => `<option value="${esc(name)}">${esc(name)}</option>`).join("");
+    if (options === this.moveOptions) return;
+    this.moveOptions = options;
+    if (this.state) this.renderRows();
   }
 
   click(event) {
     const row = event.target.closest(".vrow");
-    if (!row || event.target.closest("a")) return;
+    if (!row || event.target.closest("a, select")) return;
     const index = Number(row.dataset.index);
     const button = event.target.closest("button[data-action]");
     if (button) {
-      this.onAction(button.dataset.action, row.dataset.request);
+      this.onAction(button.dataset.action, row.dataset.request, { to: row.querySelector("select[data-to]")?.value });
       return;
     }
     this.select(this.selected === index ? null : index);

@@ -61,7 +61,7 @@ def test_a_request_moved_mid_generation_gives_the_output_it_would_have():
     assert moved["check"]["cached_blocks"] == 0 and moved["sent"] > 5
     ended = src.step_core()  # its end here is reported once, with where it went
     assert [(o.request_id, o.finish_reason, o.migration) for o in ended] == \
-        [("r", MIGRATED, {"to": None})]
+        [("r", MIGRATED, {"to": None, "reason": "migration"})]
     assert not src.has_unfinished_requests()
     [arrived] = dst.step_core()[:1]  # its first output there says what it had made
     assert arrived.migration["output_token_ids"] == \

@@ -153,7 +153,7 @@ def test_a_moved_request_goes_on_at_the_destination_with_the_tokens_it_would_hav
     assert result["moved"] and result["to"] == "b" and result["blocks_cached"] == 0
     pump(src, dst, until=lambda: dst.ended("r") is not None and src.ended("r") is not None)
     end = src.ended("r")
-    assert end[3] == MIGRATED and end[12] == {"to": "b"}
+    assert end[3] == MIGRATED and end[12] == {"to": "b", "reason": "migration"}
     arrived = next(row for row in dst.outputs if row[0] == "r")
     assert arrived[12]["from"] == "a" and arrived[12]["job_id"] == "7"
     # what the source made, then what the destination made: the request's whole output
@@ -278,3 +278,22 @@ def test_a_source_that_falls_silent_mid_copy_leaves_nothing_held(cores, monkeypa
     finally:
         fake.close(linger=0)
         ctx.term()
+
+
+def test_a_move_carries_the_models_weight_of_kv_and_only_between_alike_engines(cores):
+    """The simulator standing for a model of 1 KiB of K/V per token: a move sends that
+    much; an engine that stores its K/V otherwise refuses the request."""
+    src = cores("a", simulate_kv_bytes_per_token=1024)
+    dst = cores("b", simulate_kv_bytes_per_token=1024)
+    odd = cores("c", simulate_kv_bytes_per_token=2048)
+    src.add("r", PROMPT, 40)
+    started(src, "r", 4)
+    call = src.command("migrate", {"request_id": "r", "address": odd.address, "to": "c"})
+    ok, error = pump(src, odd, until=lambda: call in src.replies)[call]
+    assert not ok and error[0] == "InvalidRequestError" and "uint64+2048" in error[1]
+    call = src.command("migrate", {"request_id": "r", "address": dst.address, "to": "b"})
+    ok, result = pump(src, dst, until=lambda: call in src.replies)[call]
+    assert ok, result
+    assert result["bytes_sent"] >= result["blocks_sent"] * BS * 1024
+    pump(src, dst, until=lambda: dst.ended("r") is not None)
+    assert dst.tokens("r") == expected(PROMPT, 40)

@@ -172,3 +172,42 @@ def test_a_drain_with_a_bad_mode_or_nowhere_to_go_is_refused(stack):
     r = stack.api("POST", "/api/engines/a/drain/", json={"mode": "migrate", "to": "zz"})
     assert r.status_code == 400, r.text
     assert engine_row(stack, "a")["state"] == "ready"  # refused before it drained
+
+
+@pytest.fixture(scope="module")
+def split(tmp_path_factory):
+    """A prefill engine and a decode engine (KVOPS_ENGINE_ROLE)."""
+    s = Stack(Path(tmp_path_factory.mktemp("prefill-decode")))
+    try:
+        s.start_web()
+        s.start_engine("p", role="prefill", **SIM)
+        s.start_engine("d", role="decode", **SIM)
+        yield s
+    finally:
+        s.stop()
+
+
+def test_a_prefill_engine_hands_each_request_to_a_decode_engine(split):
+    """The router sends the job to the prefill engine and pairs it with the decode engine;
+    its first token comes from the one, the rest from the other, in one whole stream."""
+    client = openai.OpenAI(base_url=f"{split.url}/v1", api_key=split.tokens["alice"],
+                           max_retries=0, timeout=120)
+    prompts = [f"prefill here, decode there ({i}). " * 4 for i in range(3)]
+    for prompt in prompts:
+        text, finishes = "", []
+        for chunk in client.completions.create(model=MODEL, prompt=prompt, max_tokens=60,
+                                               temperature=0, stream=True,
+                                               extra_body={"ignore_eos": True}):
+            text += chunk.choices[0].text
+            finishes.append(chunk.choices[0].finish_reason)
+        assert text == expected_text(prompt, 60)
+        assert [f for f in finishes if f] == ["length"]
+    jobs = split.api("GET", "/api/jobs/", user="alice").json()["results"][:3]
+    for job in jobs:
+        assert job["routing"]["engine"] == "p" and job["routing"]["decode_engine"] == "d"
+        assert [(e["engine"], e["reason"]) for e in job["engines"]] == \
+            [("p", "start"), ("d", "decode")], job["engines"]
+        assert job["engine"] == "d" and job["attempts"] == 1
+    # the decode engine takes no routed job while the prefill engine runs
+    r = split.api("POST", "/api/jobs/", json={"prompt": "routed", "max_tokens": 3})
+    assert split.wait_job(r.json()["id"])["routing"]["engine"] == "p"
