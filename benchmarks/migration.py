@@ -3,6 +3,7 @@
 
     python -m benchmarks.migration [--model sim|default] [--lengths 256,1024,4096,8192]
                                    [--step-ms 20] [--kv-bytes-per-token 32768]
+    python -m benchmarks.migration --pd [--pd-requests 64] [--pd-rate 8]
 
 Two engine cores, each in a process of its own (`python -m engine.core_proc`, as a worker
 runs them), this process their worker for both. For each context length a request is
@@ -21,6 +22,13 @@ The simulator (--model sim, the default) paces its steps like a GPU (--step-ms p
 --token-us per computed token) and carries --kv-bytes-per-token of K/V per token when a
 request moves (32 KiB: a 1B-class model in bfloat16, e.g. 16 layers x 8 KV heads x 64 x
 2 x 2 bytes); --model default runs the converted default model on this machine's CPU.
+
+--pd measures prefill and decode on separate engines through the service (a throwaway
+stack, /v1 streams from this process): a mix of long prompts with short answers and short
+prompts with long answers arriving at a steady rate, on two simulated engines doing both
+and on one prefill and one decode engine (KVOPS_ENGINE_ROLE), with the simulator's step
+cost (--step-ms + --token-us per computed token: a long prompt's chunk holds up every
+decode in its step when they share an engine).
 """
 from __future__ import annotations
 
@@ -208,6 +216,122 @@ def run(model: str, lengths: list[int], step_ms: float, token_us: float, kv_byte
         shutil.rmtree(folder, ignore_errors=True)
 
 
+# --- prefill and decode on separate engines, through the service -------------------------
+
+PD_MODEL = "simulated-v1"
+
+
+@dataclasses.dataclass
+class PDWork:
+    prompts: list[str]
+    max_tokens: list[int]
+    arrivals: list[float]  # seconds after the start
+
+
+def pd_workload(n: int, rate: float, long_prompt: int, seed: int = 0) -> PDWork:
+    """Half the requests long prompts and short answers (`long_prompt` tokens in, 32 out),
+    half short prompts and long answers (64 in, 256 out), in random order, arriving at
+    `rate` a second (Poisson). The simulator's tokenizer counts bytes."""
+    rng = random.Random(seed)
+    kinds = [i % 2 for i in range(n)]
+    rng.shuffle(kinds)
+    prompts, max_tokens, arrivals, t = [], [], [], 0.0
+    for i, kind in enumerate(kinds):
+        size = long_prompt if kind == 0 else 64
+        words = f"request {i}: " + " ".join(f"w{rng.randrange(10**6)}" for _ in range(size))
+        prompts.append(words[:size])
+        max_tokens.append(32 if kind == 0 else 256)
+        arrivals.append(t)
+        t += rng.expovariate(rate)
+    return PDWork(prompts, max_tokens, arrivals)
+
+
+async def _pd_streams(url: str, token: str, work: PDWork, deadline_s: float):
+    import asyncio
+
+    from kvops.sse_client import stream_completion
+
+    async def one(i: int):
+        await asyncio.sleep(work.arrivals[i])
+        body = {"model": PD_MODEL, "prompt": work.prompts[i], "max_tokens": work.max_tokens[i],
+                "ignore_eos": True, "temperature": 0.0}
+        return await stream_completion(url, token, body)
+
+    tasks = [asyncio.create_task(one(i)) for i in range(len(work.prompts))]
+    done, pending = await asyncio.wait(tasks, timeout=deadline_s)
+    for task in pending:
+        task.cancel()
+    return [t.result() if t in done else None for t in tasks]
+
+
+def pd_run(roles: tuple[str, str], work: PDWork, engine: dict, folder) -> dict:
+    import asyncio
+    from pathlib import Path
+
+    from benchmarks.bench_serve import pct
+    from tests.support.stack import Stack
+    stack = Stack(Path(folder))
+    try:
+        stack.start_web()
+        for name, role in zip(("e1", "e2"), roles):
+            stack.start_engine(name, threads=len(work.prompts) + 16, role=role, **engine)
+        warm = PDWork(["warm up"], [4], [0.0])
+        asyncio.run(_pd_streams(stack.url, stack.tokens["admin"], warm, 60))
+        results = asyncio.run(_pd_streams(stack.url, stack.tokens["admin"], work, 600))
+        ok = [r for r in results if r is not None and r.error is None and r.done]
+        gaps = [g for r in ok for g in r.gaps]
+        long_ok = [r for r, n in zip(results, work.max_tokens) if r in ok and n == 32]
+        short_ok = [r for r, n in zip(results, work.max_tokens) if r in ok and n == 256]
+        jobs = stack.api("GET", "/api/jobs/?page_size=1000").json()["results"]
+        handed = sum(len(j.get("engines") or []) > 1 for j in jobs)
+        return {"roles": " + ".join(roles), "streams": len(ok), "lost": len(results) - len(ok),
+                "ttft_p50": pct([r.ttft for r in ok if r.ttft is not None], 0.5),
+                "ttft_long_p50": pct([r.ttft for r in long_ok if r.ttft is not None], 0.5),
+                "gap_p50": pct(gaps, 0.5), "gap_p99": pct(gaps, 0.99),
+                "gap_p99_long_answers": pct([g for r in short_ok for g in r.gaps], 0.99),
+                "handed_over": handed}
+    finally:
+        stack.stop()
+
+
+def pd_main(args) -> int:
+    import os
+    from pathlib import Path
+
+    from kvops.run import ensure_redis
+    engine = dict(simulate=1, vocab_size=32000, block_size=16, num_gpu_blocks=8192,
+                  num_cpu_blocks=0, max_num_seqs=64, max_num_batched_tokens=2048,
+                  simulate_step_ms=args.step_ms, simulate_token_us=args.token_us,
+                  simulate_kv_bytes_per_token=args.kv_bytes_per_token)
+    work = pd_workload(args.pd_requests, args.pd_rate, args.pd_long_prompt)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="kvops-bench-pd-") as tmp:
+        redis = ensure_redis(os.environ.setdefault("REDIS_URL", "redis://127.0.0.1:6379/0"),
+                             Path(tmp))
+        try:
+            for i, roles in enumerate((("both", "both"), ("prefill", "decode"))):
+                folder = Path(tmp) / f"run{i}"
+                folder.mkdir()
+                rows.append(pd_run(roles, work, engine, folder))
+        finally:
+            if redis is not None:
+                redis.terminate()
+    print(f"Prefill/decode through the service: {args.pd_requests} streams at "
+          f"{args.pd_rate:g}/s, half {args.pd_long_prompt}-token prompts with 32-token "
+          f"answers, half 64-token prompts with 256-token answers; simulator, a step "
+          f"{args.step_ms:g} ms + {args.token_us:g} us a computed token, chunks of 2048 "
+          f"tokens, {args.kv_bytes_per_token} bytes of K/V a token")
+    print("| engines | streams | lost | TTFT p50 s | TTFT p50, long prompts s | "
+          "inter-chunk p50 ms | inter-chunk p99 ms | p99, long answers ms | handed over |")
+    print("|" + "---|" * 9)
+    for r in rows:
+        print(f"| {r['roles']} | {r['streams']} | {r['lost']} | {r['ttft_p50']:.3f} | "
+              f"{r['ttft_long_p50']:.3f} | {1000 * r['gap_p50']:.1f} | "
+              f"{1000 * r['gap_p99']:.1f} | {1000 * r['gap_p99_long_answers']:.1f} | "
+              f"{r['handed_over']} |")
+    return 1 if any(r["lost"] for r in rows) else 0
+
+
 def format_rows(rows: list[Row]) -> str:
     head = ("| context | copy | normal gap ms | client's pause ms | stop ms (core) | "
             "longest gap while copying ms | blocks sent | at the stop | cached there | "
@@ -234,7 +358,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--before", type=int, default=16, help="tokens made before the move")
     p.add_argument("--after", type=int, default=64,
                    help="tokens made after it (the staged copy must end before them)")
+    p.add_argument("--pd", action="store_true",
+                   help="instead: prefill/decode through the service, 1 prefill + 1 decode "
+                        "engine against 2 engines doing both (simulator)")
+    p.add_argument("--pd-requests", type=int, default=64)
+    p.add_argument("--pd-rate", type=float, default=8.0, help="arrivals a second")
+    p.add_argument("--pd-long-prompt", type=int, default=2048)
     args = p.parse_args(argv)
+    if args.pd:
+        return pd_main(args)
     lengths = [int(x) for x in args.lengths.split(",")]
     rows = run(args.model, lengths, args.step_ms, args.token_us, args.kv_bytes_per_token,
                args.before, args.after)

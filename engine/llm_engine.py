@@ -196,7 +196,7 @@ class LLMEngine:
                 f"{self.kv.gpu.num_blocks}, of which {self.kv.gpu.num_pinned} are pinned "
                 f"(only {usable} can be its): lower max_tokens, or unpin prefixes")
         if params.structured is not None:
-            structured = self._structured_outputs()  # (the simulator refuses here)
+            structured = self.structured_outputs()  # (the simulator refuses here)
         request = Request(
             request_id=request_id, prompt_token_ids=token_ids, sampling_params=params,
             arrival_time=time.time() if arrival_time is None else arrival_time,
@@ -242,7 +242,7 @@ class LLMEngine:
             self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop,
                                                              params.min_tokens)
 
-    def _structured_outputs(self):
+    def structured_outputs(self):
         """This engine's grammar compiler (engine/structured.py); InvalidRequestError on
         the simulator, which has no logits to constrain."""
         if self.config.simulate:

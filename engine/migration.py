@@ -27,8 +27,9 @@ end)` reads the full blocks computed so far (they no longer change) and
 (`migrate_out` from the first block not staged, `migration_commit`) then copies only the
 last blocks and the state. `migration_cancel` gives the held blocks back.
 
-Not yet: layer groups and sliding windows, forks, structured output, a model split
-over ranks, and the transport between processes.
+A structured-output request's constraint is compiled at the destination and its matcher
+told the tokens made so far. The transport between processes is engine/migration_link.py.
+Not yet: layer groups and sliding windows, forks, and a model split over ranks.
 """
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine
 
 MIGRATED = "migrated"  # the finish reason of a request on the engine it left
+GRAMMAR_COMPILE_S = 30.0  # how long a destination compiles a moving request's constraint
 
 
 def check_movable(engine: LLMEngine) -> None:
@@ -235,8 +237,10 @@ def _commit_held(engine: LLMEngine, state: dict, data: Any, skip: int) -> dict:
     if skip < cached:
         raise InvalidRequestError(f"request {rid!r}: blocks from {skip} sent, but blocks "
                                   f"below {cached} are shared cached blocks here")
-    for token in state["output_token_ids"][len(request.output_token_ids):]:
+    made = state["output_token_ids"][len(request.output_token_ids):]
+    for token in made:
         request.append_output_token(token)  # (made at the source since the offer)
+    _replay(request, made)
     request.output_logprobs = list(state["output_logprobs"])
     request.num_preemptions = state["num_preemptions"]
     if not _same_blocks(request, state):
@@ -279,6 +283,18 @@ def _runs_here(engine: LLMEngine, state: dict, request: Request, data: Any, skip
             "blocks_written": max(0, last - first), "blocks_cached": cached}
 
 
+def _replay(request: Request, tokens: list[int]) -> None:
+    """Tell the request's grammar matcher (if any) the tokens made at the source."""
+    if request.grammar is None:
+        return
+    for token in tokens:
+        if request.grammar.is_terminated():
+            break
+        if not request.grammar.accept_token(token):
+            raise InvalidRequestError(f"request {request.request_id!r}: token {token} does "
+                                      "not follow its structured-output constraint here")
+
+
 def _same_blocks(request: Request, state: dict) -> bool:
     """Whether the request's block hashes here are the ones the source sent."""
     return [h.hex() for h in request.block_hashes] == state["block_hashes"]
@@ -296,6 +312,14 @@ def _request(engine: LLMEngine, state: dict) -> Request:
         eos_token_ids=engine.tokenizer.eos_token_ids)
     for token in state["output_token_ids"]:
         request.append_output_token(token)
+    if params.structured is not None:
+        # Its constraint, compiled here (xgrammar caches it), its matcher brought to where
+        # the source's was by the tokens made so far
+        compiled = engine.structured_outputs().compile(params.structured).result(
+            GRAMMAR_COMPILE_S)
+        request.compiled_grammar = compiled
+        request.grammar = engine.structured_outputs().matcher(compiled)
+        _replay(request, state["output_token_ids"])
     request.output_logprobs = list(state["output_logprobs"])
     request.prompt_logprobs = list(state["prompt_logprobs"])
     request.num_cached_tokens = state["num_cached_tokens"]

@@ -520,9 +520,6 @@ class Scheduler:
         if request.fork_pending or request.parent_id is not None:
             raise InvalidStateError(f"request {request_id!r} is part of a fork (n > 1): its "
                                     "samples move together, which is not supported yet")
-        if request.grammar is not None:
-            raise InvalidStateError(f"request {request_id!r} has a structured-output "
-                                    "constraint: moving one is not supported yet")
         self.running.remove(request)
         self.suspended[request_id] = request
         return request

@@ -51,14 +51,17 @@ export function drainText(result) {
   return `${state}: its requests finish here`;
 }
 
+// How a job came to an engine after its first, by the `reason` of its `engines` entry:
+// an operator's move or a drain ("migration"), or the hand-over of a prefill engine to
+// its decode engine ("decode").
+const ARRIVED = { migration: "moved", decode: "handed over to decode" };
+
 // The engines a job ran on (its `engines`, oldest first: [{engine, at, reason}]) in one
 // line, or "" when it ran on one: "ran on a, then b (moved at 12:01:03)". `timeOf`
 // formats an ISO time.
 export function ranOnText(engines, timeOf = when) {
   if (!engines || engines.length < 2) return "";
-  const hops = engines.slice(1).map((e) => {
-    const how = e.reason === "migration" ? "moved" : "started";
-    return `${e.engine}${e.at ? ` (${how} at ${timeOf(e.at)})` : ""}`;
-  });
+  const hops = engines.slice(1).map((e) =>
+    `${e.engine}${e.at ? ` (${ARRIVED[e.reason] ?? "started"} at ${timeOf(e.at)})` : ""}`);
   return `ran on ${engines[0].engine}, then ${hops.join(", then ")}`;
 }

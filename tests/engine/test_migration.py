@@ -252,3 +252,33 @@ def test_a_real_models_blocks_cross_a_process_boundary_as_they_were(dtype):
     assert ModelRunner.num_blocks_in(back) == 3
     with pytest.raises(ValueError):
         ModelRunner.blocks_from_frames({"kind": "ints", "n": 1}, frames)
+
+
+def test_a_structured_output_request_moves_and_stays_valid():
+    """The default model under a JSON schema, moved mid-answer: the destination compiles
+    the constraint and replays the tokens made so far through it; the answer is the one
+    it would have had, and validates."""
+    import json
+
+    import jsonschema
+
+    from engine.default_model import default_model_dir
+    if not (default_model_dir() / "config.json").is_file():
+        pytest.skip("default model not converted (make setup)")
+    schema = {"type": "object", "additionalProperties": False, "required": ["name", "ripe"],
+              "properties": {"name": {"type": "string", "maxLength": 12},
+                             "ripe": {"type": "boolean"}}}
+    cfg = dict(model=None, device="cpu", dtype="float32", attention_backend="torch",
+               num_gpu_blocks=64, num_cpu_blocks=0, block_size=BS)
+    src, dst = LLMEngine(EngineConfig(**cfg)), LLMEngine(EngineConfig(**cfg))
+    prompt = src.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "An apple as JSON with its name and ripeness."}])
+    params = SamplingParams(max_tokens=40, temperature=0.0, structured={"json": schema})
+    [alone] = src.generate([prompt], params)
+    src.add_request("r", prompt, params)
+    while len(src.scheduler.requests.get("r").output_token_ids) < 6:
+        step(src)
+    move(src, dst, "r")
+    final = run_all(src, dst)
+    assert final["r"].output_token_ids == alone.output_token_ids
+    jsonschema.validate(json.loads(dst.tokenizer.decode(final["r"].output_token_ids)), schema)

@@ -73,4 +73,6 @@ test("the engines a job ran on: nothing for one, each move with its time", () =>
   assert.equal(ranOnText([a, b, c], clock),
                "ran on a, then b (moved at 12:01:03), then c (moved at 12:02:10)");
   assert.equal(ranOnText([a, { engine: "b", at: null, reason: "migration" }], clock), "ran on a, then b");
+  const decode = { engine: "d", at: "2026-05-01T12:00:01+00:00", reason: "decode" };
+  assert.equal(ranOnText([a, decode], clock), "ran on a, then d (handed over to decode at 12:00:01)");
 });
