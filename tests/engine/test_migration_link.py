@@ -297,3 +297,66 @@ def test_a_move_carries_the_models_weight_of_kv_and_only_between_alike_engines(c
     assert result["bytes_sent"] >= result["blocks_sent"] * BS * 1024
     pump(src, dst, until=lambda: dst.ended("r") is not None)
     assert dst.tokens("r") == expected(PROMPT, 40)
+
+
+class FakeDestination:
+    """A destination the test answers for, message by message."""
+
+    def __init__(self) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.address = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
+        self.peer = b""
+
+    def next(self, core: Core) -> list:
+        """The next message from the source (its core's outputs read meanwhile)."""
+        pump(core, until=lambda: self.sock.poll(0))
+        frames = self.sock.recv_multipart()
+        self.peer = frames[0]
+        return msgpack.unpackb(frames[1], raw=False)
+
+    def answer(self, message: list, result) -> None:
+        self.sock.send_multipart([self.peer, pack(["ok", message[1], message[2], result])])
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        self.ctx.term()
+
+
+@pytest.mark.parametrize("when", ["copying", "committing"])
+def test_a_request_cancelled_while_it_moves_ends_at_both_ends(cores, when):
+    """The client cancels (an abort at the source) while the full blocks are being copied,
+    or while the commit is in flight: the move fails, the source's blocks go back, and the
+    destination is told to let go (copying) or to end the request it took (committing)."""
+    src = cores("a", simulate_step_ms=5.0)
+    fake = FakeDestination()
+    try:
+        src.add("r", PROMPT, 200)
+        started(src, "r", 3)
+        call = src.command("migrate", {"request_id": "r", "address": fake.address, "to": "b"})
+        reserve = fake.next(src)
+        assert reserve[0] == "reserve"
+        fake.answer(reserve, {"cached_blocks": 0, "reserved_blocks": 20})
+        write = fake.next(src)
+        assert write[0] == "write"
+        if when == "committing":
+            fake.answer(write, {})
+            commit = fake.next(src)
+            while commit[0] == "write":  # (blocks filled since the reservation)
+                fake.answer(commit, {})
+                commit = fake.next(src)
+            assert commit[0] == "commit"
+        abort = src.command("abort", {"request_id": "r"})
+        pump(src, until=lambda: abort in src.replies)
+        if when == "copying":
+            fake.answer(write, {})
+        else:
+            fake.answer(commit, {"num_blocks": 21})
+        ok, error = pump(src, until=lambda: call in src.replies)[call]
+        assert not ok
+        told = fake.next(src)
+        assert told[0] == ("cancel" if when == "copying" else "abort") and told[1] == "r"
+        assert src.ended("r")[3] == "abort"
+        pump(src, until=lambda: not src.engine.scheduler.requests)
+    finally:
+        fake.close()
