@@ -59,7 +59,7 @@ LINK_TIMEOUT_S = 10.0  # a destination silent this long on one message has faile
 COMMIT_TIMEOUT_S = 5.0  # a commit must reach the destination within this
 COMMIT_GRACE_S = 1.0  # its answer may take this much longer to come back
 HOLD_TIMEOUT_S = 30.0  # destination: a held copy its source forgot is given back
-STAGE_BLOCKS = 64  # blocks per staged message (one between two steps)
+STAGE_BLOCKS = 64  # blocks staged between two steps, over every move under way
 
 Reply = Callable[[bool, Any], None]  # (ok, result or [error type, message])
 
@@ -194,6 +194,7 @@ class MigrationLink:
         """Between two steps: send the next stage of every move that may, give up on those
         whose destination is silent."""
         now = time.monotonic()
+        budget = STAGE_BLOCKS  # blocks staged between two steps, over every move
         for move in list(self._moves.values()):
             if move.phase != "commit" and time.time() > move.deadline:
                 self._give_up(move, CommandExpired(
@@ -205,26 +206,30 @@ class MigrationLink:
                 if limit < 0:
                     self._give_up(move, InvalidStateError(
                         f"engine {move.to} did not answer ({move.phase}) in time"))
-            elif move.phase == "stage":
+            elif move.phase == "stage" and (budget > 0 or move.next_block >= move.held_end):
                 try:
-                    self._stage(move)
+                    budget -= self._stage(move, budget)
                 except EngineError as e:  # ended or preempted here meanwhile
                     self._give_up(move, e)
 
-    def _stage(self, move: _Move) -> None:
+    def _stage(self, move: _Move, budget: int) -> int:
+        """Send up to `budget` of the move's held blocks, or stop it once all are sent;
+        the blocks sent."""
         if move.next_block >= move.held_end:
             self._stop(move)
-            return
-        end = min(move.held_end, move.next_block + STAGE_BLOCKS)
+            return 0
+        end = min(move.held_end, move.next_block + budget)
         data, end = self.engine.migration_stage(move.request_id, move.next_block, end)
         if end <= move.next_block:  # (nothing newly full: cannot happen below held_end)
             self._stop(move)
-            return
+            return 0
         header, frames = self.transport.encode(data)
         self._send(move, ["write", move.request_id, 0, move.next_block, header], frames)
-        move.blocks_sent += end - move.next_block
+        sent = end - move.next_block
+        move.blocks_sent += sent
         move.next_block = end
         move.stages += 1
+        return sent
 
     def _stop(self, move: _Move) -> None:
         """The request leaves the batch; its state and its last blocks go. The commit's
@@ -271,11 +276,12 @@ class MigrationLink:
         if move.phase in ("reserve", "check"):
             move.cached = move.next_block = payload["cached_blocks"]
             move.held_end = move.cached + payload.get("reserved_blocks", 0)
-            move.phase = "stage"
-            try:
-                (self._stage if move.staged else self._stop)(move)
-            except EngineError as e:
-                self._give_up(move, e)
+            move.phase = "stage"  # (its stages go from advance(), within its budget)
+            if not move.staged:
+                try:
+                    self._stop(move)
+                except EngineError as e:
+                    self._give_up(move, e)
         elif move.phase == "stage":
             return  # the next stage goes from advance()
         elif move.phase == "commit":

@@ -360,3 +360,25 @@ def test_a_request_cancelled_while_it_moves_ends_at_both_ends(cores, when):
         pump(src, until=lambda: not src.engine.scheduler.requests)
     finally:
         fake.close()
+
+
+def test_several_requests_move_at_once_within_one_staging_budget(cores, monkeypatch):
+    """A drain's moves run side by side, staging at most STAGE_BLOCKS between two steps
+    over all of them: each arrives whole."""
+    monkeypatch.setattr(migration_link, "STAGE_BLOCKS", 4)
+    src, dst = cores("a", num_gpu_blocks=256), cores("b", num_gpu_blocks=256)
+    prompts = {f"r{i}": [i + 1] + PROMPT[:60 + 4 * i] for i in range(4)}
+    for rid, prompt in prompts.items():
+        src.add(rid, prompt, 80)
+    for rid in prompts:
+        started(src, rid, 3)
+    calls = {rid: src.command("migrate", {"request_id": rid, "address": dst.address,
+                                          "to": "b"}) for rid in prompts}
+    pump(src, dst, until=lambda: all(c in src.replies for c in calls.values()))
+    for rid, call in calls.items():
+        ok, result = src.replies[call]
+        assert ok, result
+        assert result["stages"] >= 3  # (16-19 full blocks, 4 a step over all four)
+    pump(src, dst, until=lambda: all(dst.ended(rid) for rid in prompts))
+    for rid, prompt in prompts.items():
+        assert dst.tokens(rid) == expected(prompt, 80)
