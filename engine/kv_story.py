@@ -466,6 +466,12 @@ class StoryBook:
         story = self._stories.get(request_id) or self._ended.get(request_id)
         return None if story is None else story.document(self.engine_name)
 
+    def discard(self, request_id: str) -> None:
+        """A request that arrived here and was given back (its fork's move failed)."""
+        self._stories.pop(request_id, None)
+        self.changed.discard(request_id)
+        self.awaiting_first_token.discard(request_id)
+
     def arrived(self, document: dict, source: str, blocks_sent: int) -> None:
         """A request moved here from engine `source` (engine/migration.py): its story goes
         on from the one told there, the hop a preemption with reason `migration`."""

@@ -528,11 +528,17 @@ class LLMEngine:
     # --- moving a request to another engine (engine/migration.py) ---------------------
     def migration_offer(self, request_id: str) -> dict:
         """Source: a running request's state and block hashes, for a destination's check."""
+        migration.check_movable(self)
+        samples = migration.live_fork(self, request_id)  # (a fork: all its samples)
+        if samples is not None:
+            return migration.fork_state(self, request_id, samples)
         request = self.scheduler.get_live(request_id)
         if request.status is not RequestStatus.RUNNING:
             raise InvalidStateError(f"request {request_id!r} is {request.status.value}: only "
                                     "a running request moves")
-        migration.check_movable(self)
+        if request.fork_pending or request.parent_id is not None:
+            raise InvalidStateError(f"request {request_id!r} is (part of) a fork: its samples "
+                                    "move together, by its id, once it has forked")
         return migration.state_of(self, request)
 
     def migration_check(self, offer: dict) -> dict:
@@ -551,12 +557,13 @@ class LLMEngine:
         nothing changed, if it cannot now)."""
         result = migration.commit(self, state, blocks, skip_blocks)
         if self.detokenize:  # the text so far was the source's to deliver
-            self._follow_text(state["request_id"], self.scheduler.requests[
-                state["request_id"]].sampling_params)
-            detok = self._detok.get(state["request_id"])
-            if detok is not None:
-                detok.add(state["output_token_ids"])
-                detok.take_delta(False)
+            for sample in state.get("samples") or [state]:
+                self._follow_text(sample["request_id"], self.scheduler.requests[
+                    sample["request_id"]].sampling_params)
+                detok = self._detok.get(sample["request_id"])
+                if detok is not None:
+                    detok.add(sample["output_token_ids"])
+                    detok.take_delta(False)
         return result
 
     def migration_reserve(self, offer: dict) -> dict:
@@ -593,6 +600,10 @@ class LLMEngine:
         """A moved request's last output here or first one (engine/migration.py): the
         next step reports it."""
         self._moved.append(output)
+
+    def unreport_moved(self, request_id: str) -> None:
+        """A request that came here and was given back: its first output is not said."""
+        self._moved = [o for o in self._moved if o.request_id != request_id]
 
     def next_request_index(self) -> int:
         """A new request's engine-wide number (snapshots' block owner id)."""

@@ -75,7 +75,51 @@ def state_of(engine: LLMEngine, request: Request) -> dict:
         "block_hashes": [h.hex() for h in request.block_hashes],
         "engine": engine.config.name,
         "kv_story": engine.kv_story(request.request_id),  # (None without a history)
+        "parent_id": request.parent_id, "sample_index": request.sample_index,
+        "fork_size": len(engine.scheduler.forks.get(request.parent_id, ()))
+        if request.parent_id is not None else 0,
     }
+
+
+# --- a fork (n > 1) moves as its samples, together --------------------------------------
+#
+# A forked request is moved by its id (the parent's): every sample goes in one stop-and-
+# copy, committed together at the destination or not at all, so that a fork never ends
+# up split between two engines. It moves only while all its samples run (one that has
+# ended here keeps the fork here). Its samples share their prompt's blocks: a sample's
+# blocks that are sample 0's (the same hashes) are not sent again, the destination
+# finds them under their hashes once sample 0 is in.
+
+def live_fork(engine: LLMEngine, request_id: str) -> list[Request] | None:
+    """The samples of the fork `request_id`, all running; None if it is no fork."""
+    ids = engine.scheduler.forks.get(request_id)
+    if ids is None:
+        return None
+    samples = [engine.scheduler.requests.get(i) for i in ids]
+    if any(s is None or s.status is not RequestStatus.RUNNING for s in samples):
+        raise InvalidStateError(f"request {request_id!r}: a sample of it has ended or is not "
+                                "running; a fork moves only while all its samples run")
+    return samples
+
+
+def fork_state(engine: LLMEngine, request_id: str, samples: list[Request]) -> dict:
+    """The offer of a fork: its samples' states, and what every state has at its top."""
+    states = [state_of(engine, s) for s in samples]
+    return {**{k: states[0][k] for k in ("model_id", "block_size", "kv_format",
+                                          "engine_seed", "engine", "job_id")},
+            "request_id": request_id, "fork": True, "samples": states,
+            "block_hashes": states[0]["block_hashes"], "params": states[0]["params"],
+            "num_computed_tokens": sum(st["num_computed_tokens"] for st in states)}
+
+
+def _shared(state: dict, first: dict) -> int:
+    """Leading full blocks of a sample that are sample 0's (the same hashes)."""
+    n = 0
+    for a, b in zip(state["block_hashes"], first["block_hashes"]):
+        if a != b:
+            break
+        n += 1
+    return n
 
 
 def _kv_format(engine: LLMEngine) -> str:
@@ -107,6 +151,8 @@ def _fits(engine: LLMEngine, state: dict) -> None:
 
 def check(engine: LLMEngine, offer: dict) -> dict:
     """Destination: whether the request fits here, and the leading blocks cached here."""
+    if offer.get("fork"):
+        return _check_fork(engine, offer)
     _fits(engine, offer)
     cached = engine.kv.cached_chain([bytes.fromhex(h) for h in offer["block_hashes"]])
     need = cdiv(offer["num_computed_tokens"] + 1, engine.config.block_size) - len(cached)
@@ -116,10 +162,33 @@ def check(engine: LLMEngine, offer: dict) -> dict:
     return {"cached_blocks": len(cached), "free_blocks": engine.kv.gpu.num_free}
 
 
+def _check_fork(engine: LLMEngine, offer: dict) -> dict:
+    if offer["request_id"] in engine.scheduler.requests or \
+            offer["request_id"] in engine.scheduler.forks:
+        raise InvalidRequestError(f"request {offer['request_id']!r} already exists here")
+    for state in offer["samples"]:
+        _fits(engine, state)
+    first = offer["samples"][0]
+    cached = engine.kv.cached_chain([bytes.fromhex(h) for h in first["block_hashes"]])
+    bs = engine.config.block_size
+    need = sum(cdiv(st["num_computed_tokens"] + 1, bs) - max(len(cached), _shared(st, first)
+                                                            if i else len(cached))
+               for i, st in enumerate(offer["samples"]))
+    if need > engine.kv.gpu.num_free:
+        raise NotEnoughBlocksError(f"request {offer['request_id']!r} (a fork of "
+                                   f"{len(offer['samples'])} samples) needs {need} free "
+                                   f"blocks here, {engine.kv.gpu.num_free} are")
+    return {"cached_blocks": len(cached), "free_blocks": engine.kv.gpu.num_free}
+
+
 def take_out(engine: LLMEngine, request_id: str, skip: int) -> tuple[dict, Any]:
     """Source: the request leaves the batch, its blocks kept; its state and the K/V of
-    its computed tokens' blocks from `skip` on."""
+    its computed tokens' blocks from `skip` on. A fork: every sample, its state listing
+    theirs and `data` a list of theirs (a sample from the first block not sample 0's)."""
     check_movable(engine)
+    samples = live_fork(engine, request_id)
+    if samples is not None:
+        return _take_out_fork(engine, request_id, samples, skip)
     request = engine.scheduler.suspend(request_id)
     try:
         n = cdiv(request.num_computed_tokens, engine.config.block_size)
@@ -130,10 +199,37 @@ def take_out(engine: LLMEngine, request_id: str, skip: int) -> tuple[dict, Any]:
     return state_of(engine, request), data
 
 
+def _take_out_fork(engine: LLMEngine, request_id: str, samples: list[Request],
+                   skip: int) -> tuple[dict, Any]:
+    taken = []
+    try:
+        for s in samples:
+            engine.scheduler.suspend(s.request_id)
+            taken.append(s.request_id)
+        state = fork_state(engine, request_id, samples)
+        first = state["samples"][0]
+        skips = [skip] + [max(skip, _shared(st, first)) for st in state["samples"][1:]]
+        data = []
+        for s, k in zip(samples, skips):
+            n = cdiv(s.num_computed_tokens, engine.config.block_size)
+            data.append(engine.runner.read_blocks(engine.kv.block_ids(s.request_id)[k:n]))
+    except Exception:
+        for rid in taken:
+            engine.scheduler.resume(rid)
+        raise
+    state["skips"] = skips
+    return state, data
+
+
 def done(engine: LLMEngine, request_id: str, moved: bool, to: str | None = None,
          reason: str = "migration") -> None:
     """Source: the request ended here (it runs on `to`; the next step reports its end,
-    finish_reason "migrated"), or runs on here."""
+    finish_reason "migrated"), or runs on here. A fork: every sample."""
+    ids = engine.scheduler.forks.get(request_id)
+    if ids is not None and all(i in engine.scheduler.suspended for i in ids):
+        for rid in list(ids):
+            done(engine, rid, moved, to, reason)
+        return
     if not moved:
         engine.scheduler.resume(request_id)
         return
@@ -149,6 +245,9 @@ def reserve(engine: LLMEngine, offer: dict) -> dict:
     (its leading ones cached here, fresh ones for the rest), which write() fills while
     the request keeps running at the source. Returns {"cached_blocks": k}: the source
     stages its blocks from k on."""
+    if offer.get("fork"):
+        raise InvalidRequestError(f"request {offer['request_id']!r} is a fork: its samples "
+                                  "move together in one stop-and-copy, not staged")
     _fits(engine, offer)
     rid = offer["request_id"]
     if rid in engine.incoming_migrations:
@@ -201,6 +300,8 @@ def commit(engine: LLMEngine, state: dict, data: Any, skip: int) -> dict:
     """Destination: the request with its blocks (cached here, or new ones given `data`,
     the K/V of its blocks from `skip` on); it runs from the next step. After reserve()
     and write(), the held blocks are its, and `data` is the rest from `skip` on."""
+    if state.get("fork"):
+        return _commit_fork(engine, state, data)
     if state["request_id"] in engine.incoming_migrations:
         return _commit_held(engine, state, data, skip)
     _fits(engine, state)
@@ -228,6 +329,38 @@ def commit(engine: LLMEngine, state: dict, data: Any, skip: int) -> dict:
     shared = len(match.blocks) - (1 if match.cow else 0)
     first = max(skip, shared)
     return _runs_here(engine, state, request, data, skip, first, first, shared)
+
+
+def _commit_fork(engine: LLMEngine, state: dict, data: list) -> dict:
+    """Every sample, in order, or none: a sample that cannot come gives back the ones
+    that came before it."""
+    rid = state["request_id"]
+    if rid in engine.scheduler.requests or rid in engine.scheduler.forks:
+        raise InvalidRequestError(f"request {rid!r} already exists here")
+    results = []
+    try:
+        for sample, blocks, skip in zip(state["samples"], data, state["skips"], strict=True):
+            results.append(commit(engine, sample, blocks, skip))
+    except Exception:
+        for result in results:
+            _give_back(engine, result["request_id"])
+        raise
+    engine.scheduler.forks[rid] = [r["request_id"] for r in results]
+    return {"request_id": rid, "samples": len(results),
+            "num_blocks": sum(r["num_blocks"] for r in results),
+            "blocks_written": sum(r["blocks_written"] for r in results),
+            "blocks_cached": results[0]["blocks_cached"] if results else 0}
+
+
+def _give_back(engine: LLMEngine, request_id: str) -> None:
+    """Undo a sample's commit (its fork could not come whole): its blocks go back, and
+    nothing of it is reported."""
+    request = engine.scheduler.requests.pop(request_id)
+    engine.scheduler.running.remove(request)
+    engine.kv.free(request, "migration")
+    engine.unreport_moved(request_id)
+    if engine.stories is not None:
+        engine.stories.discard(request_id)
 
 
 def _commit_held(engine: LLMEngine, state: dict, data: Any, skip: int) -> dict:
@@ -276,6 +409,9 @@ def _runs_here(engine: LLMEngine, state: dict, request: Request, data: Any, skip
     out.migration = {"from": state["engine"], "job_id": state["job_id"],
                      "output_token_ids": list(state["output_token_ids"]),
                      "output_logprobs": list(state["output_logprobs"])}
+    if state.get("parent_id") is not None:  # a sample of a fork: which, of how many
+        out.migration["fork"] = {"parent": state["parent_id"], "index": state["sample_index"],
+                                 "n": state["fork_size"]}
     engine.report_moved(out)
     if engine.stories is not None and state.get("kv_story"):
         engine.stories.arrived(state["kv_story"], state["engine"], max(0, last - sent_from))
@@ -309,7 +445,8 @@ def _request(engine: LLMEngine, state: dict) -> Request:
         pinned_root=bytes.fromhex(state["pinned_root"]) if state["pinned_root"] else None,
         block_size=engine.config.block_size, priority=state["priority"],
         job_id=state["job_id"], tenant=state["tenant"],
-        eos_token_ids=engine.tokenizer.eos_token_ids)
+        eos_token_ids=engine.tokenizer.eos_token_ids, parent_id=state.get("parent_id"),
+        sample_index=state.get("sample_index") or 0)
     for token in state["output_token_ids"]:
         request.append_output_token(token)
     if params.structured is not None:

@@ -22,7 +22,7 @@ blocks; the source sends them STAGE_BLOCKS at a time, one message in flight, whi
 request keeps decoding; once every held block is sent, the request leaves the source's
 batch and the commit carries its state and the blocks computed since (a few), so the
 pause does not grow with the context. Stop-and-copy (staged False) sends everything in
-the commit. Blocks the destination caches under the same hashes are never sent.
+the commit; a fork (n > 1) always moves so, its samples together. Blocks the destination caches under the same hashes are never sent.
 
 K/V travels as ZMQ frames sent without a copy from the runner's host buffer
 (`Runner.blocks_to_frames`: a CUDA engine reads its blocks into pinned memory) and read
@@ -183,7 +183,7 @@ class MigrationLink:
             raise InvalidStateError(f"request {rid!r} is already moving")
         offer = self.engine.migration_offer(rid)
         move = _Move(rid, str(arguments.get("to") or address), address,
-                     bool(arguments.get("staged", True)), reply,
+                     bool(arguments.get("staged", True)) and not offer.get("fork"), reply,
                      deadline if deadline is not None else time.time() + 2 * LINK_TIMEOUT_S,
                      "decode" if arguments.get("reason") == "decode" else "migration")
         self._moves[rid] = move
@@ -243,12 +243,34 @@ class MigrationLink:
         move.stopped = time.monotonic()
         move.phase = "commit"
         move.commit_deadline = commit_deadline
-        header, frames = self.transport.encode(data)
-        n = self.engine.runner.num_blocks_in(data) if data is not None else 0
+        header, frames = self._encode(state, data)
+        runner = self.engine.runner
+        n = sum(runner.num_blocks_in(d) for d in data) if state.get("fork") else \
+            runner.num_blocks_in(data) if data is not None else 0
         move.blocks_sent += n
         move.stop_blocks = n
         self._send(move, ["commit", move.request_id, 0, state, move.next_block, header,
                           move.commit_deadline], frames)
+
+    def _encode(self, state: dict, data) -> tuple[dict, list]:
+        """The commit's K/V: a fork's, each sample's in turn (their frames counted)."""
+        if not state.get("fork"):
+            return self.transport.encode(data)
+        parts, frames = [], []
+        for d in data:
+            header, more = self.transport.encode(d)
+            parts.append({**header, "frames": len(more)})
+            frames += more
+        return {"kind": "fork", "parts": parts}, frames
+
+    def _decode(self, header: dict, frames: list):
+        if header.get("kind") != "fork":
+            return self.transport.decode(header, frames)
+        out, at = [], 0
+        for part in header["parts"]:
+            out.append(self.transport.decode(part, frames[at:at + part["frames"]]))
+            at += part["frames"]
+        return out
 
     def _send(self, move: _Move, message: list, frames: list = ()) -> None:
         self._seq += 1
@@ -290,7 +312,7 @@ class MigrationLink:
     def _finish(self, move: _Move, committed: dict) -> None:
         del self._moves[move.request_id]
         engine = self.engine
-        if move.request_id not in engine.scheduler.suspended:
+        if not self._out_of_batch(move.request_id):
             # cancelled here while its commit was in flight: it ends there too
             self._seq += 1
             self._out[move.address].send_multipart([_pack(["abort", move.request_id,
@@ -310,10 +332,17 @@ class MigrationLink:
             "ms": round(1000 * (now - move.started), 2),
             "num_blocks": committed.get("num_blocks")})
 
+    def _out_of_batch(self, request_id: str) -> bool:
+        """Whether the request (a fork: all its samples) waits out of the batch for its
+        commit's answer, as the stop left it (not cancelled meanwhile)."""
+        scheduler = self.engine.scheduler
+        ids = scheduler.forks.get(request_id, [request_id])
+        return all(i in scheduler.suspended for i in ids)
+
     def _give_up(self, move: _Move, error: Exception, tell: bool = True) -> None:
         """The move failed: the request runs on here; the destination lets go."""
         self._moves.pop(move.request_id, None)
-        if move.request_id in self.engine.scheduler.suspended:
+        if self._out_of_batch(move.request_id):
             self.engine.migration_done(move.request_id, False)
         sock = self._out.get(move.address)
         if tell and sock is not None and move.phase != "offer":
@@ -342,7 +371,7 @@ class MigrationLink:
                 _, _, _, state, skip, header, deadline = message
                 if time.time() > deadline:
                     raise MigrationFailed(f"request {rid!r}: its commit came too late")
-                data = self.transport.decode(header, [f.buffer for f in frames[1:]])
+                data = self._decode(header, [f.buffer for f in frames[1:]])
                 result = engine.migration_commit(state, data, skip)
                 self._held.pop(rid, None)
             elif kind == "cancel":

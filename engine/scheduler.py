@@ -517,9 +517,9 @@ class Scheduler:
         another engine."""
         request = self.get_live(request_id)
         self._require(request, RequestStatus.RUNNING, "migrate")
-        if request.fork_pending or request.parent_id is not None:
-            raise InvalidStateError(f"request {request_id!r} is part of a fork (n > 1): its "
-                                    "samples move together, which is not supported yet")
+        if request.fork_pending:
+            raise InvalidStateError(f"request {request_id!r} has not forked into its samples "
+                                    "yet (n > 1): it moves once it has")
         self.running.remove(request)
         self.suspended[request_id] = request
         return request

@@ -244,14 +244,17 @@ class OutputProcessor:
                 continue
             by_request.setdefault(out.request_id, []).append(out)
         moved: list[tuple[_Tracked, dict]] = []  # moved away: (attempt, where to and why)
+        self._adopt_arrivals(by_request)
         for request_id, outs in by_request.items():
             t = self._jobs.get(request_id)
-            if t is None and outs[0].migration and "from" in outs[0].migration:
-                t = self._adopt(outs[0])
             if t is not None and t.finish_reason is None:
                 self._absorb(t, outs, updates)
                 if t.finish_reason == MIGRATED:
-                    moved.append((t, outs[-1].migration or {}))
+                    # (a fork hands over once all its samples have moved: together)
+                    if t.siblings is None or all(s.finish_reason == MIGRATED
+                                                 for s in t.siblings):
+                        moved.append((t.siblings[0] if t.siblings else t,
+                                      outs[-1].migration or {}))
                     continue
                 if t.finish_reason is not None and (
                         t.siblings is None or all(s.finish_reason is not None
@@ -287,27 +290,62 @@ class OutputProcessor:
             self._jobs.pop(m.request_id, None)
         return members
 
-    def _adopt(self, first: CoreOutput) -> _Tracked | None:
-        """A request that moved here from another engine (its first output here): its job
-        is followed from where the source left it. The text the source streamed is the
-        one its tokens make, so it is made again here from them (what the source held
-        back, it held back here too), and this engine's text continues at its end."""
+    def _adopt_arrivals(self, by_request: dict[str, list[CoreOutput]]) -> None:
+        """Follow the jobs of requests that moved here in this flush (their first output
+        here says so). A fork's samples arrive in one step's outputs, and are followed
+        together."""
+        forks: dict[str, list[CoreOutput]] = {}
+        for request_id, outs in by_request.items():
+            moved = outs[0].migration
+            if request_id in self._jobs or not moved or "from" not in moved:
+                continue
+            if moved.get("fork"):
+                forks.setdefault(moved["fork"]["parent"], []).append(outs[0])
+            else:
+                self._adopt(request_id, [outs[0]])
+        for parent, firsts in forks.items():
+            self._adopt(parent, sorted(firsts, key=lambda o: o.migration["fork"]["index"]))
+
+    def _adopt(self, rid: str, firsts: list[CoreOutput]) -> None:
+        """A request that moved here from another engine (its first output here; a fork:
+        each sample's): its job is followed from where the source left it. The text the
+        source streamed is the one its tokens make, so it is made again here from them
+        (what the source held back, it held back here too), and this engine's text
+        continues at its end."""
         from kvops.models import Job
-        moved = first.migration
-        rid = first.request_id
+        moved = firsts[0].migration
+        fork = moved.get("fork")
         try:
             job = Job.objects.filter(pk=int(moved["job_id"])).first()
         except (TypeError, ValueError):  # (a request of no job: nothing to follow)
             job = None
-        if job is None or job.request_id != rid or job.is_terminal:
+        if job is None or job.request_id != rid or job.is_terminal or (
+                fork and len(firsts) != fork["n"]):
             log.warning("request %s moved here, but no running job of it is waiting; "
                         "stopping it", rid)
-            self.on_stop(rid)
-            return None
-        params = job.params or {}
+            self.on_stop(rid)  # (a fork's id stops all its samples)
+            return
         handle = JobHandle()
-        t = _Tracked(job.pk, rid, job.attempts, handle, IncrementalDetokenizer(
+        tracked = [self._follow_moved(job, first, handle) for first in firsts]
+        if fork:
+            for t in tracked:
+                t.parent_id, t.siblings = rid, tracked
+            with self._lock:
+                self._forks[rid] = tracked
+        tracked[0].adopted = True  # (the row follows sample 0)
+        for t in tracked:
+            self._jobs[t.request_id] = t
+        log.info("job %s: its request %s moved here from engine %s", job.pk, rid,
+                 moved.get("from"))
+        if self.on_adopt is not None:
+            self.on_adopt(job, handle)
+
+    def _follow_moved(self, job, first: CoreOutput, handle: JobHandle) -> _Tracked:
+        params = job.params or {}
+        moved = first.migration
+        t = _Tracked(job.pk, first.request_id, job.attempts, handle, IncrementalDetokenizer(
             self.tokenizer, list(params.get("stop") or []), params.get("min_tokens") or 0))
+        t.index = (moved.get("fork") or {}).get("index", 0)  # (a fork's sample)
         prior = list(moved.get("output_token_ids") or [])
         if prior:
             t.detok.add(prior)
@@ -323,12 +361,6 @@ class OutputProcessor:
         if moved.get("output_logprobs"):
             t.logprobs = self._token_logprobs(prior, moved["output_logprobs"])
             t.logprobs_sent = len(t.logprobs)
-        t.adopted = True
-        self._jobs[rid] = t
-        log.info("job %s: its request %s moved here from engine %s", job.pk, rid,
-                 moved.get("from"))
-        if self.on_adopt is not None:
-            self.on_adopt(job, handle)
         return t
 
     def _hand_over(self, t: _Tracked, to: str, reason: str) -> None:
@@ -432,11 +464,13 @@ class OutputProcessor:
         t.dirty = True
 
     def _write_progress(self) -> None:
-        deltas, adopted = [], []
+        deltas, adopted, adopters = [], [], []
         for t in self._jobs.values():
             if not t.dirty or t.index:  # a fork's row follows its sample 0
                 continue
             first = t.first_token_at if not t.first_token_written else None
+            if t.adopted:
+                adopters.append(t)
             (adopted if t.adopted else deltas).append(job_store.ProgressDelta(
                 t.job_id, t.attempt_id, "".join(t.text if t.adopted else t.unwritten),
                 t.num_output_tokens, t.num_prompt_tokens, t.num_cached_tokens,
@@ -448,11 +482,11 @@ class OutputProcessor:
         if adopted:
             written, lost = job_store.record_adopted(adopted, self.instance)
             fenced |= lost
-            for d in adopted:
-                if d.request_id in written:
-                    self._jobs[d.request_id].adopted = False
-                elif d.request_id not in lost:
-                    waiting.add(d.request_id)
+            for t in adopters:
+                if t.attempt_id in written:
+                    t.adopted = False
+                elif t.attempt_id not in lost:
+                    waiting.add(t.request_id)
         self.stats.db_writes += 1
         for request_id in fenced:  # its job runs elsewhere now, or ended: stop this one
             members = self._pop_attempt(request_id if request_id in self._jobs

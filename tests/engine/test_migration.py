@@ -2,6 +2,8 @@
 its output is the output it would have had, blocks the destination caches are not
 sent, and a failed move leaves it running where it was; the invariants hold at both
 ends."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -43,7 +45,7 @@ def move(src: LLMEngine, dst: LLMEngine, rid: str) -> dict:
         src.migration_done(rid, moved=False)
         raise
     src.migration_done(rid, moved=True)
-    return {"check": checked, "commit": committed, "sent": len(blocks)}
+    return {"check": checked, "commit": committed, "sent": len(blocks), "state": state}
 
 
 def pair(**kw) -> tuple[LLMEngine, LLMEngine]:
@@ -282,3 +284,65 @@ def test_a_structured_output_request_moves_and_stays_valid():
     final = run_all(src, dst)
     assert final["r"].output_token_ids == alone.output_token_ids
     jsonschema.validate(json.loads(dst.tokenizer.decode(final["r"].output_token_ids)), schema)
+
+
+def test_a_fork_moves_with_all_its_samples(tiny_model):
+    """n=3, seeded sampling on a tiny Llama, moved by its id once forked: all three
+    samples go in one commit and each continues as it would have; their shared prompt
+    blocks are sent once. A fork one of whose samples has ended stays."""
+    folder = tiny_model("gqa16")
+    prompt = list(range(5, 35))  # 7 full blocks of 4 and 2 tokens
+    params = SamplingParams(max_tokens=20, temperature=1.0, seed=3, n=3, ignore_eos=True)
+    alone = make_model_engine(folder).generate([prompt], params)[0]
+    src, dst = make_model_engine(folder), make_model_engine(folder)
+    src.add_request("r", prompt, params)
+    step(src, 6)
+    assert sorted(src.scheduler.forks["r"]) == ["r/0", "r/1", "r/2"]
+    with pytest.raises(Exception, match="samples move together"):
+        src.migration_offer("r/1")
+    moved = move(src, dst, "r")
+    assert moved["commit"]["samples"] == 3 and sorted(dst.scheduler.forks["r"]) == \
+        ["r/0", "r/1", "r/2"]
+    # the 7 shared prompt blocks went once: the samples' own blocks are the rest
+    assert len(moved["state"]["skips"]) == 3 and moved["state"]["skips"][1] == 7
+    src_out = {o.request_id: o for o in src.step_core()}
+    assert {rid: o.finish_reason for rid, o in src_out.items()} == \
+        {f"r/{i}": MIGRATED for i in range(3)}
+    final = run_all(src, dst)
+    for i, sample in enumerate(alone.samples):
+        assert final[f"r/{i}"].output_token_ids == sample.output_token_ids
+    assert len({tuple(s.output_token_ids) for s in alone.samples}) == 3  # (they differ)
+    for e in (src, dst):
+        e.kv.check_invariants()
+        assert not e.scheduler.forks and not e.scheduler.requests
+    # one sample ended: the fork stays where it is
+    short = dataclasses.replace(params, max_tokens=30)
+    src.add_request("s", prompt, short)
+    step(src, 6)
+    src.abort("s/1")
+    with pytest.raises(Exception, match="a sample of it has ended"):
+        src.migration_offer("s")
+
+
+def test_a_fork_that_cannot_come_whole_comes_not_at_all(tiny_model):
+    """The destination has room for some samples, not all: none is left there, and the
+    fork runs on at the source."""
+    folder = tiny_model("gqa16")
+    prompt = list(range(5, 35))
+    params = SamplingParams(max_tokens=40, temperature=1.0, seed=3, n=3, ignore_eos=True)
+    src = make_model_engine(folder)
+    dst = LLMEngine(EngineConfig(model=str(folder), device="cpu", dtype="float32",
+                                 attention_backend="torch", block_size=4, num_gpu_blocks=10,
+                                 num_cpu_blocks=0, seed=0))
+    src.add_request("r", prompt, params)
+    step(src, 6)
+    offer = src.migration_offer("r")
+    state, blocks = src.migrate_out("r", 0)
+    with pytest.raises(Exception):
+        dst.migration_commit(state, blocks, 0)
+    src.migration_done("r", moved=False)
+    dst.kv.check_invariants()
+    assert dst.kv.gpu.num_free == 10 and not dst.scheduler.requests and not dst.step_core()
+    final = run_all(src)
+    assert all(final[f"r/{i}"].finish_reason == "length" for i in range(3))
+    assert offer["fork"] and len(offer["samples"]) == 3

@@ -20,6 +20,7 @@ from engine.core_proc import CoreServer
 from engine.migration import MIGRATED
 from engine.migration_link import MigrationLink
 from tests.engine.sim import expected, greedy, sim_engine
+from tests.models.fixtures import tiny_model, tiny_root  # noqa: F401 (fixtures)
 
 BS = 4
 PROMPT = list(range(10, 90))  # 80 tokens: 20 blocks
@@ -33,11 +34,11 @@ def pack(message: list) -> bytes:
 class Core:
     """An engine core serving on a thread: the test is its worker."""
 
-    def __init__(self, name: str, **cfg) -> None:
+    def __init__(self, name: str, engine=None, **cfg) -> None:
         options = dict(block_size=BS, num_gpu_blocks=96, num_cpu_blocks=0,
                        simulate_step_ms=2.0, name=name)
         options.update(cfg)
-        self.engine = sim_engine(**options)
+        self.engine = engine or sim_engine(**options)
         self.ctx = zmq.Context()
         where = f"inproc://core-{name}-{next(_ids)}"
         self.to_core = self.ctx.socket(zmq.PUSH)
@@ -382,3 +383,36 @@ def test_several_requests_move_at_once_within_one_staging_budget(cores, monkeypa
     pump(src, dst, until=lambda: all(dst.ended(rid) for rid in prompts))
     for rid, prompt in prompts.items():
         assert dst.tokens(rid) == expected(prompt, 80)
+
+
+def test_a_fork_moves_between_cores_with_all_its_samples(cores, tiny_model):
+    """n=3 on a tiny Llama, between two core loops: one stop-and-copy, the samples
+    together; each sample's first output at the destination says which it is."""
+    from engine import EngineConfig, LLMEngine, SamplingParams
+
+    folder = tiny_model("gqa16")
+    cfg = dict(model=str(folder), device="cpu", dtype="float32", attention_backend="torch",
+               block_size=4, num_gpu_blocks=128, num_cpu_blocks=0, seed=0)
+    params = SamplingParams(max_tokens=24, temperature=1.0, seed=3, n=3, ignore_eos=True)
+    prompt = list(range(5, 35))
+    alone = LLMEngine(EngineConfig(**cfg)).generate([prompt], params)[0]
+    src = Core("a", engine=LLMEngine(EngineConfig(name="a", **cfg)))
+    dst = Core("b", engine=LLMEngine(EngineConfig(name="b", **cfg)))
+    try:
+        call = next(_ids)
+        src.send(["adds", call, [["r", prompt, dataclasses.asdict(params), 0, "9", None,
+                                  None]]])
+        pump(src, until=lambda: call in src.replies)
+        pump(src, until=lambda: all(len(src.tokens(f"r/{i}")) >= 4 for i in range(3)))
+        call = src.command("migrate", {"request_id": "r", "address": dst.address, "to": "b"})
+        ok, result = pump(src, dst, until=lambda: call in src.replies)[call]
+        assert ok, result
+        assert not result["staged"] and result["blocks_at_stop"] == result["blocks_sent"]
+        pump(src, dst, until=lambda: all(dst.ended(f"r/{i}") for i in range(3)))
+        for i, sample in enumerate(alone.samples):
+            assert dst.tokens(f"r/{i}") == sample.output_token_ids
+            arrived = next(row for row in dst.outputs if row[0] == f"r/{i}")
+            assert arrived[12]["fork"] == {"parent": "r", "index": i, "n": 3}
+    finally:
+        src.stop()
+        dst.stop()

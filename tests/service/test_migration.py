@@ -94,6 +94,53 @@ def test_an_operators_move_keeps_the_clients_stream_whole(stack):
     assert any(a["action"] == "migrate" and a["target"] == rid and a["ok"] for a in log)
 
 
+def test_a_fork_moves_with_its_samples_and_each_stream_stays_whole(stack):
+    """n=3: the three samples move in one commit; each choice's stream goes on."""
+    prompt, n = "Three samples that move together. " * 3, 120
+    texts = {i: "" for i in range(3)}
+    finishes: list[tuple[int, str]] = []
+    done = threading.Event()
+    errors: list[BaseException] = []
+
+    def stream() -> None:
+        try:
+            client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key=stack.tokens["alice"],
+                                   max_retries=0, timeout=120)
+            for chunk in client.completions.create(model=MODEL, prompt=prompt, max_tokens=n,
+                                                   n=3, temperature=0, stream=True,
+                                                   extra_body={"ignore_eos": True}):
+                for choice in chunk.choices:
+                    texts[choice.index] += choice.text
+                    if choice.finish_reason:
+                        finishes.append((choice.index, choice.finish_reason))
+        except BaseException as e:  # noqa: BLE001  (the test reads it)
+            errors.append(e)
+        finally:
+            done.set()
+
+    threading.Thread(target=stream, daemon=True).start()
+    job: dict = {}
+
+    def streaming() -> bool:
+        jobs = stack.api("GET", "/api/jobs/", user="alice").json()["results"]
+        job.update(next((j for j in jobs if j["prompt"] == prompt), {}))
+        return job.get("status") == "running" and job.get("num_output_tokens", 0) >= 10
+
+    stack.wait(streaming, "the samples to stream", 30)
+    source = job["engine"]
+    r = stack.api("POST", f"/api/engines/{source}/requests/{job['request_id']}/migrate/",
+                  json={"to": other(source)})
+    assert r.status_code == 200, r.text
+    assert r.json()["result"]["staged"] is False  # (a fork moves in one stop-and-copy)
+    assert done.wait(60) and not errors, errors
+    for i in range(3):
+        assert texts[i] == expected_text(prompt, n), i
+    assert sorted(finishes) == [(0, "length"), (1, "length"), (2, "length")]
+    final = stack.wait_job(job["id"], user="alice")
+    assert [s["text"] for s in final["samples"]] == [expected_text(prompt, n)] * 3
+    assert [e["engine"] for e in final["engines"]] == [source, other(source)]
+
+
 def run_long(stack, prompt: str, engine: str, n: int = 200) -> dict:
     r = stack.api("POST", "/api/jobs/", json={"prompt": prompt, "max_tokens": n,
                                               "engine": engine, "ignore_eos": True})
