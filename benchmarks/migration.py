@@ -282,7 +282,7 @@ def pd_run(roles: tuple[str, str], work: PDWork, engine: dict, folder) -> dict:
         gaps = [g for r in ok for g in r.gaps]
         long_ok = [r for r, n in zip(results, work.max_tokens) if r in ok and n == 32]
         short_ok = [r for r, n in zip(results, work.max_tokens) if r in ok and n == 256]
-        jobs = stack.api("GET", "/api/jobs/?page_size=1000").json()["results"]
+        jobs = stack.api("GET", "/api/jobs/?limit=1000").json()["results"]
         handed = sum(len(j.get("engines") or []) > 1 for j in jobs)
         return {"roles": " + ".join(roles), "streams": len(ok), "lost": len(results) - len(ok),
                 "ttft_p50": pct([r.ttft for r in ok if r.ttft is not None], 0.5),
