@@ -320,6 +320,23 @@ class KVCacheCoordinator:
         fresh = self.main.hold(request_id, cached, num_blocks - len(cached))
         return None if fresh is None else len(cached)
 
+    def tables_of(self, request_id: str) -> list[tuple[int, list[int]]]:
+        """Per layer group: the leading blocks a window gave back, and the block ids the
+        request holds after them."""
+        return [(g.window_freed(request_id), g.block_ids(request_id)) for g in self.groups]
+
+    def adopt_tables(self, request_id: str,
+                     layout: list[tuple[int, int]]) -> list[list[int]] | None:
+        """Fresh tables, per layer group (freed, num_blocks) as tables_of gave them at
+        another engine, for a request copied here (engine/migration.py); their block
+        ids, or None, changing nothing, when the pool is short."""
+        if len(layout) != self.num_groups:
+            raise ValueError(f"{len(layout)} layer groups sent; this engine has {self.num_groups}")
+        if sum(n for _, n in layout) > self.gpu.num_free:
+            return None
+        return [[b.block_id for b in g.adopt_table(request_id, freed, n)]
+                for g, (freed, n) in zip(self.groups, layout)]
+
     def blocks_needed(self, request: Request, num_new_tokens: int) -> int:
         """The free GPU blocks allocate_slots(request, num_new_tokens) would take now."""
         return sum(g.blocks_needed(request, num_new_tokens) for g in self.groups)

@@ -184,6 +184,18 @@ class KVGroup:
         self._num_offered[request_id] = len(cached)
         return fresh
 
+    def adopt_table(self, request_id: str, freed: int, num_blocks: int) -> list[KVBlock]:
+        """A table of num_blocks fresh blocks for a request copied here from another
+        engine whose first `freed` blocks a window gave back there (the coordinator has
+        checked the room). Its full blocks are offered to the prefix cache once it runs
+        (its next allocate), their data in by then."""
+        fresh = self.gpu.take_new(num_blocks, request_id)
+        self.req_to_blocks[request_id] = fresh
+        if freed:
+            self._window_freed[request_id] = freed
+        self._num_offered[request_id] = freed
+        return fresh
+
     def _free_out_of_window(self, request: Request) -> None:
         """A sliding group gives back the blocks its window passed (SlidingWindowGroup)."""
 

@@ -28,8 +28,10 @@ end)` reads the full blocks computed so far (they no longer change) and
 last blocks and the state. `migration_cancel` gives the held blocks back.
 
 A structured-output request's constraint is compiled at the destination and its matcher
-told the tokens made so far. The transport between processes is engine/migration_link.py.
-Not yet: layer groups and sliding windows, forks, and a model split over ranks.
+told the tokens made so far. A fork moves with all its samples; a request of an engine
+with sliding windows or layer groups moves by one stop-and-copy of each group's live
+blocks (see below). The transport between processes is engine/migration_link.py. Not
+yet: a fork of a windowed model, and a model split over ranks.
 """
 from __future__ import annotations
 
@@ -50,9 +52,17 @@ GRAMMAR_COMPILE_S = 30.0  # how long a destination compiles a moving request's c
 
 
 def check_movable(engine: LLMEngine) -> None:
-    if engine.kv.num_groups > 1 or engine.runner.sliding_window is not None:
-        raise InvalidStateError("moving a request of a model with sliding windows or layer "
-                                "groups is not supported yet")
+    if getattr(engine.runner, "tensor_parallel_size", 1) > 1:
+        raise InvalidStateError("moving a request of a model split over ranks is not "
+                                "supported yet")
+
+
+def windowed(engine: LLMEngine) -> bool:
+    """Whether the engine's tables are not one plain table: a sliding window gives blocks
+    back, or layer groups keep a table each. Such a request moves by one stop-and-copy
+    of every group's live blocks into fresh ones (the destination's cache is not looked
+    up for them)."""
+    return engine.kv.num_groups > 1 or engine.runner.sliding_window is not None
 
 
 def state_of(engine: LLMEngine, request: Request) -> dict:
@@ -78,6 +88,9 @@ def state_of(engine: LLMEngine, request: Request) -> dict:
         "parent_id": request.parent_id, "sample_index": request.sample_index,
         "fork_size": len(engine.scheduler.forks.get(request.parent_id, ()))
         if request.parent_id is not None else 0,
+        # sliding windows or layer groups: per group, [blocks given back, blocks held]
+        "groups": [[freed, len(ids)] for freed, ids in engine.kv.tables_of(request.request_id)]
+        if windowed(engine) else None,
     }
 
 
@@ -95,6 +108,9 @@ def live_fork(engine: LLMEngine, request_id: str) -> list[Request] | None:
     ids = engine.scheduler.forks.get(request_id)
     if ids is None:
         return None
+    if windowed(engine):
+        raise InvalidStateError(f"request {request_id!r}: a fork of a model with sliding "
+                                "windows or layer groups does not move yet")
     samples = [engine.scheduler.requests.get(i) for i in ids]
     if any(s is None or s.status is not RequestStatus.RUNNING for s in samples):
         raise InvalidStateError(f"request {request_id!r}: a sample of it has ended or is not "
@@ -154,6 +170,12 @@ def check(engine: LLMEngine, offer: dict) -> dict:
     if offer.get("fork"):
         return _check_fork(engine, offer)
     _fits(engine, offer)
+    if offer.get("groups") is not None:  # (fresh blocks for every group's live ones)
+        need = sum(n for _, n in offer["groups"]) + engine.kv.num_groups
+        if need > engine.kv.gpu.num_free:
+            raise NotEnoughBlocksError(f"request {offer['request_id']!r} needs {need} free "
+                                       f"blocks here, {engine.kv.gpu.num_free} are")
+        return {"cached_blocks": 0, "free_blocks": engine.kv.gpu.num_free}
     cached = engine.kv.cached_chain([bytes.fromhex(h) for h in offer["block_hashes"]])
     need = cdiv(offer["num_computed_tokens"] + 1, engine.config.block_size) - len(cached)
     if need > engine.kv.gpu.num_free:
@@ -189,10 +211,25 @@ def take_out(engine: LLMEngine, request_id: str, skip: int) -> tuple[dict, Any]:
     samples = live_fork(engine, request_id)
     if samples is not None:
         return _take_out_fork(engine, request_id, samples, skip)
+    if windowed(engine):
+        return _take_out_tables(engine, request_id)
     request = engine.scheduler.suspend(request_id)
     try:
         n = cdiv(request.num_computed_tokens, engine.config.block_size)
         data = engine.runner.read_blocks(engine.kv.block_ids(request_id)[skip:n])
+    except Exception:
+        engine.scheduler.resume(request_id)
+        raise
+    return state_of(engine, request), data
+
+
+def _take_out_tables(engine: LLMEngine, request_id: str) -> tuple[dict, list]:
+    """A request of a windowed engine: its state (with each group's layout now) and
+    every group's live blocks, in group order."""
+    request = engine.scheduler.suspend(request_id)
+    try:
+        tables = engine.kv.tables_of(request_id)
+        data = [engine.runner.read_blocks(ids) if ids else None for _, ids in tables]
     except Exception:
         engine.scheduler.resume(request_id)
         raise
@@ -245,9 +282,10 @@ def reserve(engine: LLMEngine, offer: dict) -> dict:
     (its leading ones cached here, fresh ones for the rest), which write() fills while
     the request keeps running at the source. Returns {"cached_blocks": k}: the source
     stages its blocks from k on."""
-    if offer.get("fork"):
-        raise InvalidRequestError(f"request {offer['request_id']!r} is a fork: its samples "
-                                  "move together in one stop-and-copy, not staged")
+    if offer.get("fork") or offer.get("groups") is not None:
+        raise InvalidRequestError(f"request {offer['request_id']!r} moves in one stop-and-"
+                                  "copy, not staged (a fork, or an engine with sliding windows "
+                                  "or layer groups)")
     _fits(engine, offer)
     rid = offer["request_id"]
     if rid in engine.incoming_migrations:
@@ -302,6 +340,8 @@ def commit(engine: LLMEngine, state: dict, data: Any, skip: int) -> dict:
     and write(), the held blocks are its, and `data` is the rest from `skip` on."""
     if state.get("fork"):
         return _commit_fork(engine, state, data)
+    if state.get("groups") is not None:
+        return _commit_tables(engine, state, data)
     if state["request_id"] in engine.incoming_migrations:
         return _commit_held(engine, state, data, skip)
     _fits(engine, state)
@@ -329,6 +369,31 @@ def commit(engine: LLMEngine, state: dict, data: Any, skip: int) -> dict:
     shared = len(match.blocks) - (1 if match.cow else 0)
     first = max(skip, shared)
     return _runs_here(engine, state, request, data, skip, first, first, shared)
+
+
+def _commit_tables(engine: LLMEngine, state: dict, data: list) -> dict:
+    """A request of a windowed engine: fresh tables laid out as the source's, every
+    group's live blocks written into them."""
+    _fits(engine, state)
+    if not windowed(engine):
+        raise InvalidRequestError(f"request {state['request_id']!r} comes from an engine "
+                                  "with sliding windows or layer groups; this one has none")
+    request = _request(engine, state)
+    layout = [tuple(g) for g in state["groups"]]
+    tables = engine.kv.adopt_tables(request.request_id, layout)
+    if tables is None:
+        raise MigrationFailed(f"request {request.request_id!r} needs more free blocks than "
+                              f"this engine has now ({engine.kv.gpu.num_free})")
+    try:
+        for ids, blocks in zip(tables, data, strict=True):
+            if ids:
+                engine.runner.write_blocks(ids, blocks)
+    except Exception:
+        engine.kv.free(request, "migration")
+        raise
+    request.num_computed_tokens = state["num_computed_tokens"]
+    sent = sum(len(ids) for ids in tables)
+    return _arrive(engine, state, request, sent, 0, sum(len(ids) for ids in tables))
 
 
 def _commit_fork(engine: LLMEngine, state: dict, data: list) -> dict:
@@ -400,7 +465,15 @@ def _runs_here(engine: LLMEngine, state: dict, request: Request, data: Any, skip
     if first < last:
         engine.runner.write_blocks(table[first:last], engine.runner.blocks_between(
             data, first - skip, last - skip))
-    kv.mark_computed()  # (between steps: only its blocks wait to be computed)
+    return _arrive(engine, state, request, max(0, last - sent_from), cached,
+                   len(table), max(0, last - first))
+
+
+def _arrive(engine: LLMEngine, state: dict, request: Request, blocks_sent: int, cached: int,
+            num_blocks: int, written: int | None = None) -> dict:
+    """The request, its blocks in place, runs here from the next step; its first output
+    here says where it came from, and its story goes on here."""
+    engine.kv.mark_computed()  # (between steps: only its blocks wait to be computed)
     engine.scheduler.adopt(request)
     engine.version += 1
     # its first output here says where it came from and what it had made (whoever reads
@@ -414,9 +487,10 @@ def _runs_here(engine: LLMEngine, state: dict, request: Request, data: Any, skip
                                  "n": state["fork_size"]}
     engine.report_moved(out)
     if engine.stories is not None and state.get("kv_story"):
-        engine.stories.arrived(state["kv_story"], state["engine"], max(0, last - sent_from))
-    return {"request_id": request.request_id, "num_blocks": len(table),
-            "blocks_written": max(0, last - first), "blocks_cached": cached}
+        engine.stories.arrived(state["kv_story"], state["engine"], blocks_sent)
+    return {"request_id": request.request_id, "num_blocks": num_blocks,
+            "blocks_written": blocks_sent if written is None else written,
+            "blocks_cached": cached}
 
 
 def _replay(request: Request, tokens: list[int]) -> None:

@@ -22,7 +22,8 @@ blocks; the source sends them STAGE_BLOCKS at a time, one message in flight, whi
 request keeps decoding; once every held block is sent, the request leaves the source's
 batch and the commit carries its state and the blocks computed since (a few), so the
 pause does not grow with the context. Stop-and-copy (staged False) sends everything in
-the commit; a fork (n > 1) always moves so, its samples together. Blocks the destination caches under the same hashes are never sent.
+the commit; a fork (n > 1) always moves so, its samples together, and so does a request
+of an engine with sliding windows or layer groups. Blocks the destination caches under the same hashes are never sent.
 
 K/V travels as ZMQ frames sent without a copy from the runner's host buffer
 (`Runner.blocks_to_frames`: a CUDA engine reads its blocks into pinned memory) and read
@@ -70,6 +71,11 @@ def _pack(message: list) -> bytes:
 
 def _unpack(data) -> list:
     return msgpack.unpackb(data, raw=False)
+
+
+def _in_parts(state: dict) -> bool:
+    """Whether a commit's K/V comes in parts: a fork's samples, or layer groups."""
+    return bool(state.get("fork")) or state.get("groups") is not None
 
 
 class HostFrames:
@@ -183,7 +189,8 @@ class MigrationLink:
             raise InvalidStateError(f"request {rid!r} is already moving")
         offer = self.engine.migration_offer(rid)
         move = _Move(rid, str(arguments.get("to") or address), address,
-                     bool(arguments.get("staged", True)) and not offer.get("fork"), reply,
+                     bool(arguments.get("staged", True)) and not offer.get("fork")
+                     and offer.get("groups") is None, reply,
                      deadline if deadline is not None else time.time() + 2 * LINK_TIMEOUT_S,
                      "decode" if arguments.get("reason") == "decode" else "migration")
         self._moves[rid] = move
@@ -245,26 +252,27 @@ class MigrationLink:
         move.commit_deadline = commit_deadline
         header, frames = self._encode(state, data)
         runner = self.engine.runner
-        n = sum(runner.num_blocks_in(d) for d in data) if state.get("fork") else \
-            runner.num_blocks_in(data) if data is not None else 0
+        n = sum(runner.num_blocks_in(d) for d in data if d is not None) \
+            if _in_parts(state) else runner.num_blocks_in(data) if data is not None else 0
         move.blocks_sent += n
         move.stop_blocks = n
         self._send(move, ["commit", move.request_id, 0, state, move.next_block, header,
                           move.commit_deadline], frames)
 
     def _encode(self, state: dict, data) -> tuple[dict, list]:
-        """The commit's K/V: a fork's, each sample's in turn (their frames counted)."""
-        if not state.get("fork"):
+        """The commit's K/V: a fork's, each sample's in turn; a windowed engine's, each
+        layer group's (their frames counted)."""
+        if not _in_parts(state):
             return self.transport.encode(data)
         parts, frames = [], []
         for d in data:
             header, more = self.transport.encode(d)
             parts.append({**header, "frames": len(more)})
             frames += more
-        return {"kind": "fork", "parts": parts}, frames
+        return {"kind": "parts", "parts": parts}, frames
 
     def _decode(self, header: dict, frames: list):
-        if header.get("kind") != "fork":
+        if header.get("kind") != "parts":
             return self.transport.decode(header, frames)
         out, at = [], 0
         for part in header["parts"]:

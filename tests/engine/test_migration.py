@@ -128,11 +128,6 @@ def test_what_cannot_move_is_refused_with_a_reason():
     src.add_request("waiting", PROMPT, greedy(3))
     with pytest.raises(Exception, match="only a running request moves"):
         src.migration_offer("waiting")
-    windowed = sim_engine(block_size=BS, num_gpu_blocks=64, simulate_sliding_window=8)
-    windowed.add_request("w", PROMPT, greedy(8))
-    step(windowed, 2)
-    with pytest.raises(Exception, match="sliding windows"):
-        windowed.migration_offer("w")
     assert not dst.has_unfinished_requests()
 
 
@@ -346,3 +341,54 @@ def test_a_fork_that_cannot_come_whole_comes_not_at_all(tiny_model):
     final = run_all(src)
     assert all(final[f"r/{i}"].finish_reason == "length" for i in range(3))
     assert offer["fork"] and len(offer["samples"]) == 3
+
+
+@pytest.mark.parametrize("hybrid", [False, True], ids=["sliding", "hybrid"])
+def test_a_windowed_request_moves_with_each_groups_live_blocks(hybrid):
+    """The simulator with a sliding window of 8 tokens (and global layers too: two layer
+    groups): the request moves by one stop-and-copy of each group's live blocks, its
+    window's given-back blocks staying given back there; its tokens are the ones it
+    would have had."""
+    kw = dict(simulate_sliding_window=8, simulate_hybrid=hybrid)
+    src, dst = pair(**kw)
+    src.add_request("r", PROMPT, greedy(40))
+    step(src, 14)
+    layout = src.kv.tables_of("r")
+    assert any(freed for freed, _ in layout)  # (the window has given blocks back)
+    offer = src.migration_offer("r")
+    assert offer["groups"] == [[freed, len(ids)] for freed, ids in layout]
+    with pytest.raises(Exception, match="one stop-and-copy"):
+        dst.migration_reserve(offer)
+    moved = move(src, dst, "r")
+    assert moved["check"]["cached_blocks"] == 0
+    assert [g[0] for g in moved["state"]["groups"]] == [f for f, _ in dst.kv.tables_of("r")]
+    final = run_all(src, dst)
+    assert final["r"].output_token_ids == expected(PROMPT, 40)
+    for e in (src, dst):
+        e.kv.check_invariants()
+        assert e.kv.gpu.num_free + sum(b.ref_cnt > 0 for b in e.kv.gpu.blocks) == 64
+    plain = sim_engine(block_size=BS, num_gpu_blocks=64, num_cpu_blocks=0)
+    src.add_request("s", PROMPT, greedy(20))
+    step(src, 3)
+    with pytest.raises(Exception, match="sliding windows or layer groups"):
+        plain.migration_commit(*src.migrate_out("s", 0), 0)
+    src.migration_done("s", moved=False)
+
+
+@pytest.mark.parametrize("spec", ["mistral-window", "gemma2"])
+def test_a_windowed_models_request_continues_exactly_on_the_other_engine(tiny_model, spec):
+    """Tiny random models with a sliding window on every layer (Mistral) and with sliding
+    and global layers in two layer groups (Gemma 2): greedy, moved mid-answer, the
+    output is the unmoved one."""
+    folder = tiny_model(spec)
+    prompt = list(range(5, 35))
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    alone = make_model_engine(folder).generate([prompt], params)[0]
+    src, dst = make_model_engine(folder), make_model_engine(folder)
+    assert src.kv.num_groups == (2 if spec == "gemma2" else 1)
+    src.add_request("r", prompt, params)
+    step(src, 12)
+    assert any(freed for freed, _ in src.kv.tables_of("r"))  # (its window gave some back)
+    move(src, dst, "r")
+    final = run_all(src, dst)
+    assert final["r"].output_token_ids == alone.output_token_ids

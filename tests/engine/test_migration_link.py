@@ -416,3 +416,18 @@ def test_a_fork_moves_between_cores_with_all_its_samples(cores, tiny_model):
     finally:
         src.stop()
         dst.stop()
+
+
+def test_a_windowed_request_moves_between_cores_in_one_stop_and_copy(cores):
+    """Sliding and global layers (two layer groups): the move is a stop-and-copy of each
+    group's live blocks, whatever was asked."""
+    src = cores("a", simulate_sliding_window=8, simulate_hybrid=True)
+    dst = cores("b", simulate_sliding_window=8, simulate_hybrid=True)
+    src.add("r", PROMPT, 60)
+    started(src, "r", 12)
+    call = src.command("migrate", {"request_id": "r", "address": dst.address, "to": "b"})
+    ok, result = pump(src, dst, until=lambda: call in src.replies)[call]
+    assert ok, result
+    assert not result["staged"] and result["blocks_at_stop"] == result["blocks_sent"] > 0
+    pump(src, dst, until=lambda: dst.ended("r") is not None)
+    assert dst.tokens("r") == expected(PROMPT, 60)
