@@ -392,3 +392,25 @@ def test_a_windowed_models_request_continues_exactly_on_the_other_engine(tiny_mo
     move(src, dst, "r")
     final = run_all(src, dst)
     assert final["r"].output_token_ids == alone.output_token_ids
+
+
+def test_the_default_models_request_moved_mid_answer_gives_the_unmoved_answer():
+    """SmolLM2-135M, greedy: moved between two engines (staged) after 10 tokens, the
+    answer is the one it has unmoved, token for token and in text."""
+    from engine.default_model import default_model_dir
+    if not (default_model_dir() / "config.json").is_file():
+        pytest.skip("default model not converted (make setup)")
+    cfg = dict(model=None, device="cpu", dtype="float32", attention_backend="torch",
+               num_gpu_blocks=64, num_cpu_blocks=0, block_size=BS)
+    src, dst = LLMEngine(EngineConfig(**cfg)), LLMEngine(EngineConfig(**cfg))
+    prompt = src.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Name three things a paged KV cache keeps track of."}])
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    [alone] = src.generate([prompt], params)
+    src.add_request("r", prompt, params)
+    while len(src.scheduler.requests["r"].output_token_ids) < 10:
+        step(src)
+    staged_move(src, dst, "r", steps_between=3)
+    final = run_all(src, dst)
+    assert final["r"].output_token_ids == alone.output_token_ids
+    assert final["r"].text == alone.text

@@ -148,6 +148,44 @@ def run_long(stack, prompt: str, engine: str, n: int = 200) -> dict:
     return r.json()
 
 
+def test_a_raw_stream_through_a_move_has_one_done(stack):
+    """The bytes on the wire: every chunk in order, the text whole, one finish and one
+    `data: [DONE]`, however the two producers' updates crossed."""
+    import json
+
+    import requests
+    prompt, n = "Raw bytes through a move. " * 3, 100
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": n, "temperature": 0,
+            "stream": True, "ignore_eos": True}
+    lines: list[str] = []
+
+    def read() -> None:
+        with requests.post(f"{stack.url}/v1/completions", json=body, stream=True, timeout=120,
+                           headers={"Authorization": f"Bearer {stack.tokens['alice']}"}) as r:
+            lines.extend(line for line in r.iter_lines(decode_unicode=True) if line)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    job: dict = {}
+
+    def streaming() -> bool:
+        jobs = stack.api("GET", "/api/jobs/", user="alice").json()["results"]
+        job.update(next((j for j in jobs if j["prompt"] == prompt), {}))
+        return job.get("status") == "running" and job.get("num_output_tokens", 0) >= 10
+
+    stack.wait(streaming, "the stream to start", 30)
+    r = stack.api("POST", f"/api/engines/{job['engine']}/requests/{job['request_id']}/migrate/",
+                  json={"to": other(job["engine"])})
+    assert r.status_code == 200, r.text
+    reader.join(60)
+    assert not reader.is_alive()
+    assert lines[-1] == "data: [DONE]" and lines.count("data: [DONE]") == 1
+    chunks = [json.loads(line[6:]) for line in lines[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == expected_text(prompt, n)
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"][0]["finish_reason"]] \
+        == ["length"]
+
+
 def test_what_cannot_move_is_refused_with_the_reason(stack):
     job = run_long(stack, "a long one to refuse moves of", "a", n=300)
     rid = stack.wait_running(job["id"])

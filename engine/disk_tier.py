@@ -1,0 +1,338 @@
+"""The prefix cache's third level: blocks on a local disk, kept across restarts.
+
+Below the CPU tier (engine/kv_tier.py), as vLLM's file offloading, SGLang HiCache's
+storage layer and LMCache's local disk backend sit below host memory:
+
+* A cached CPU block that the CPU pool is about to reuse is written behind, by a thread
+  of its own (the step loop only copies the block's bytes out), if its hash has been hit
+  before: admission by reuse, as vLLM's offloading reuse manager does, so that one-off
+  prompts do not churn the disk (`min_hits`).
+* A prompt whose prefix goes on past what the GPU pool and the CPU tier hold finds the
+  rest here: read back into CPU tier blocks (`promote`), it is then a CPU tier hit,
+  copied into the request's GPU blocks instead of recomputed.
+* LRU within a byte budget; a block read back counts as used.
+
+A file holds one block: a header (the format, the engine's identity: model, K/V format,
+block size and bytes a block; the block's hash; the payload's length and CRC-32) and the
+block's bytes. A file whose header names another identity, or whose payload fails its
+checksum, is a miss: deleted and counted, never wrong K/V. Files live under
+`<directory>/<identity digest>/<hash[:2]>/<hash>.blk`, written under a temporary name
+and renamed, so that a crash leaves no half block under a hash's name. An engine started
+with the same model and directory indexes what is there (oldest first), so the first
+requests after a restart hit; `close()` finishes the writes under way.
+"""
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import logging
+import os
+import queue
+import struct
+import threading
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.block_hash import BlockHash, short
+from engine.block_pool import BlockPool, KVBlock
+from engine.events import EventLog
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"KVOPSBLK"
+VERSION = 1
+# magic, version, identity digest (16), block hash length, payload length, CRC-32
+_HEADER = struct.Struct("<8sH16sHQI")
+QUEUE_MAX = 1024  # blocks waiting to be written; past it, evicted blocks are not kept
+HITS_KEPT = 200_000  # hashes whose hit counts admission remembers
+
+
+def identity_digest(identity: dict) -> bytes:
+    """16 bytes naming what a block's bytes mean: model, K/V format, block size, bytes."""
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).digest()[:16]
+
+
+@dataclass(slots=True)
+class DiskStats:
+    stored_blocks: int = 0  # files written
+    stored_bytes: int = 0
+    hit_blocks: int = 0  # blocks read back (into the CPU tier)
+    read_bytes: int = 0
+    checksum_failures: int = 0  # files that failed their checksum or named another model
+    not_admitted: int = 0  # evicted blocks not written: never hit (min_hits)
+    dropped: int = 0  # evicted blocks not written: the write queue was full
+    evicted_blocks: int = 0  # files deleted for room (LRU)
+
+
+class DiskStore:
+    """Blocks as files under a byte budget, written by a thread of its own."""
+
+    def __init__(self, directory: str | os.PathLike, capacity_bytes: int, identity: dict,
+                 queue_max: int = QUEUE_MAX) -> None:
+        self.identity = dict(identity)
+        self.digest = identity_digest(identity)
+        self.root = Path(directory) / self.digest.hex()
+        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.capacity_bytes = capacity_bytes
+        self.stats = DiskStats()
+        self._lock = threading.Lock()
+        self._index: collections.OrderedDict[BlockHash, int] = collections.OrderedDict()
+        self._bytes = 0  # of the indexed files, under _lock
+        self._pending: dict[BlockHash, bytes] = {}  # queued, not written yet; under _lock
+        self._queue: queue.Queue = queue.Queue(maxsize=queue_max)
+        self._scan()
+        self._writer = threading.Thread(target=self._write_loop, name="kvops-disk-tier",
+                                        daemon=True)
+        self._writer.start()
+
+    # --- what the tier asks ------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return len(self._index) + len(self._pending)
+
+    @property
+    def num_bytes(self) -> int:
+        return self._bytes
+
+    def contains(self, block_hash: BlockHash) -> bool:
+        with self._lock:
+            return block_hash in self._index or block_hash in self._pending
+
+    def put(self, block_hash: BlockHash, payload: bytes) -> bool:
+        """Queue a block to be written (its payload copied out already); False when it
+        is there already or the queue is full."""
+        with self._lock:
+            if block_hash in self._index or block_hash in self._pending:
+                return False
+            if self._queue.full():
+                self.stats.dropped += 1
+                return False
+            self._pending[block_hash] = payload
+        self._queue.put((block_hash, payload))
+        return True
+
+    def get(self, block_hash: BlockHash) -> bytes | None:
+        """The block's payload, or None (not here, or its file failed its checks: then
+        it is deleted and counted). A block read counts as used (LRU)."""
+        with self._lock:
+            pending = self._pending.get(block_hash)
+            if pending is not None:
+                return pending
+            if block_hash not in self._index:
+                return None
+            self._index.move_to_end(block_hash)
+        path = self._path(block_hash)
+        try:
+            data = path.read_bytes()
+        except OSError:
+            self._forget(block_hash)
+            return None
+        payload = self._check(block_hash, data)
+        if payload is None:
+            self.stats.checksum_failures += 1
+            log.warning("disk tier: block %s failed its checks; deleted", short(block_hash))
+            self._forget(block_hash, delete=True)
+            return None
+        self.stats.hit_blocks += 1
+        self.stats.read_bytes += len(payload)
+        return payload
+
+    def flush(self) -> None:
+        """Wait until every queued block is written."""
+        self._queue.join()
+
+    def close(self) -> None:
+        """Finish the writes under way, then stop the writer."""
+        if self._writer.is_alive():
+            self._queue.put(None)
+            self._writer.join()
+
+    # --- files ---------------------------------------------------------------------------
+    def _path(self, block_hash: BlockHash) -> Path:
+        name = block_hash.hex()
+        return self.root / name[:2] / f"{name}.blk"
+
+    def _check(self, block_hash: BlockHash, data: bytes) -> bytes | None:
+        if len(data) < _HEADER.size:
+            return None
+        magic, version, digest, hash_len, length, crc = _HEADER.unpack_from(data)
+        start = _HEADER.size + hash_len
+        if magic != MAGIC or version != VERSION or digest != self.digest or \
+                data[_HEADER.size:start] != block_hash or len(data) != start + length:
+            return None
+        payload = data[start:]
+        return payload if zlib.crc32(payload) == crc else None
+
+    def _scan(self) -> None:
+        """Index the files a previous run left (oldest first); partial ones go."""
+        found = []
+        for path in self.root.glob("*/*"):
+            if path.suffix == ".tmp":  # (a write a crash cut short)
+                path.unlink(missing_ok=True)
+                continue
+            try:
+                block_hash = bytes.fromhex(path.stem)
+                stat = path.stat()
+            except (ValueError, OSError):
+                continue
+            found.append((stat.st_mtime, block_hash, stat.st_size))
+        for _, block_hash, size in sorted(found):
+            self._index[block_hash] = size
+            self._bytes += size
+        self._evict_for(0)
+        if found:
+            log.info("disk tier: %d blocks (%d MiB) found in %s", len(self._index),
+                     self._bytes >> 20, self.root)
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                self._write(*item)
+            except Exception:  # noqa: BLE001  (a full disk: that block is not kept)
+                log.exception("disk tier: a write failed")
+                with self._lock:
+                    self._pending.pop(item[0], None)
+            finally:
+                self._queue.task_done()
+
+    def _write(self, block_hash: BlockHash, payload: bytes) -> None:
+        header = _HEADER.pack(MAGIC, VERSION, self.digest, len(block_hash), len(payload),
+                              zlib.crc32(payload))
+        size = _HEADER.size + len(block_hash) + len(payload)
+        with self._lock:
+            self._evict_for(size)
+        path = self._path(block_hash)
+        path.parent.mkdir(exist_ok=True, mode=0o700)
+        tmp = path.with_suffix(".tmp")
+        with open(tmp, "wb") as f:
+            f.write(header)
+            f.write(block_hash)
+            f.write(payload)
+        os.replace(tmp, path)
+        with self._lock:
+            self._pending.pop(block_hash, None)
+            self._index[block_hash] = size
+            self._bytes += size
+            self.stats.stored_blocks += 1
+            self.stats.stored_bytes += len(payload)
+
+    def _evict_for(self, size: int) -> None:
+        """Delete the least recently used files until `size` more bytes fit (under
+        _lock, or before the writer starts)."""
+        while self._index and self._bytes + size > self.capacity_bytes:
+            block_hash, old = self._index.popitem(last=False)
+            self._bytes -= old
+            self.stats.evicted_blocks += 1
+            self._path(block_hash).unlink(missing_ok=True)
+
+    def _forget(self, block_hash: BlockHash, delete: bool = False) -> None:
+        with self._lock:
+            size = self._index.pop(block_hash, None)
+            if size is not None:
+                self._bytes -= size
+        if delete:
+            self._path(block_hash).unlink(missing_ok=True)
+
+
+class DiskTier:
+    """The disk below the CPU tier, as the coordinator uses it: told which CPU blocks
+    the CPU pool reuses (`note_evicted`, the CPU pool's on_evict) and which hashes hit
+    (`note_hits`), and asked to bring a prompt's next blocks into the CPU tier
+    (`promote`). `read_block` and `write_block` move a CPU block's bytes (the runner's)."""
+    medium = "DISK"
+
+    def __init__(self, store: DiskStore, cpu: BlockPool, events: EventLog,
+                 read_block: Callable[[int], bytes], write_block: Callable[[int, bytes], None],
+                 min_hits: int = 1) -> None:
+        self.store = store
+        self.cpu = cpu
+        self._events = events
+        self._read_block, self._write_block = read_block, write_block
+        self.min_hits = min_hits
+        self._hits: collections.OrderedDict[BlockHash, int] = collections.OrderedDict()
+        self.hit_tokens = 0  # prompt tokens found here, not recomputed
+        self.promoted: set[int] = set()  # CPU blocks read back, not taken by a request yet
+
+    @property
+    def stats(self) -> DiskStats:
+        return self.store.stats
+
+    def note_hits(self, hashes: list[BlockHash]) -> None:
+        """These hashes were hit (on the GPU or a tier): they may go to disk when the
+        CPU tier lets them go."""
+        hits = self._hits
+        for block_hash in hashes:
+            hits[block_hash] = hits.get(block_hash, 0) + 1
+            hits.move_to_end(block_hash)
+        while len(hits) > HITS_KEPT:
+            hits.popitem(last=False)
+
+    def note_evicted(self, evicted: list[tuple[int, BlockHash]]) -> None:
+        """The CPU pool is reusing these cached blocks (their bytes still in place): the
+        ones hit often enough are copied out and written behind."""
+        stored = []
+        for block_id, block_hash in evicted:
+            self.promoted.discard(block_id)
+            if self._hits.get(block_hash, 0) < self.min_hits:
+                self.store.stats.not_admitted += 1
+                continue
+            if self.store.put(block_hash, self._read_block(block_id)):
+                stored.append(block_hash)
+        if stored:
+            self._events.emit("BlockStored", pool="disk", block_ids=[],
+                              block_hashes=[short(h) for h in stored], ref_cnts=[],
+                              detail="disk tier: written behind from CPU blocks about to be "
+                                     "reused", hashes=stored if self._events.full else None)
+
+    def promote(self, hashes: list[BlockHash]) -> int:
+        """Read the leading run of these hashes that the disk holds into CPU tier blocks
+        (free and cached there, as if the CPU tier had kept them); how many."""
+        cpu, n = self.cpu, 0
+        promoted: list[KVBlock] = []
+        for block_hash in hashes:
+            if cpu.get_cached(block_hash) is not None:
+                n += 1
+                continue
+            if not cpu.num_free or not self.store.contains(block_hash):
+                break
+            payload = self.store.get(block_hash)
+            if payload is None:
+                break
+            block = cpu.take_new(1)[0]
+            try:
+                self._write_block(block.block_id, payload)
+            except Exception:
+                cpu.free([block])
+                raise
+            cpu.cache(block, block_hash)
+            cpu.free([block])
+            promoted.append(block)
+            n += 1
+        if promoted:
+            self.promoted.update(b.block_id for b in promoted)
+            self._events.emit("BlockStored", pool="cpu",
+                              block_ids=[b.block_id for b in promoted],
+                              block_hashes=[short(b.block_hash) for b in promoted],
+                              ref_cnts=[0] * len(promoted),
+                              detail="CPU tier: read back from the disk tier",
+                              hashes=[b.block_hash for b in promoted]
+                              if self._events.full else None)
+        return n
+
+    def taken(self, blocks: list[KVBlock], block_size: int) -> int:
+        """A request's prompt continued on these CPU tier blocks: those read back from
+        disk count as the disk's hits (tokens); how many blocks they were."""
+        n = sum(1 for b in blocks if b.block_id in self.promoted)
+        if n:
+            self.promoted.difference_update(b.block_id for b in blocks)
+            self.hit_tokens += n * block_size
+        return n
+
+    def close(self) -> None:
+        self.store.close()
