@@ -32,6 +32,14 @@ class EngineConfig:
     # to be reused is copied to a free CPU block first and stays findable by hash, and a
     # later hit on it is copied back instead of recomputed (swapped requests come first)
     cpu_prefix_cache: bool = False
+    # A third level below the CPU tier (engine/disk_tier.py): cached CPU blocks that were
+    # hit at least disk_cache_min_hits times are written behind to files in this folder
+    # as the CPU tier lets them go, and read back when a prompt's prefix reaches them; up
+    # to disk_cache_bytes, least recently used first out. It outlives the engine: one
+    # started again with the same model and folder finds its blocks. None: no disk tier
+    disk_cache_dir: str | None = None
+    disk_cache_bytes: int = 10 * 2**30
+    disk_cache_min_hits: int = 1
     # A model mixing sliding-window and global layers (Gemma 2, 3) keeps a block table
     # per layer group, so that its sliding layers give back what their window passed
     # (engine/kv_layout.py); off, or with cpu_prefix_cache: one table for every layer
@@ -161,6 +169,11 @@ class EngineConfig:
             raise ConfigError("cpu_prefix_cache needs num_cpu_blocks > 0")
         if self.cpu_prefix_cache and not self.enable_prefix_caching:
             raise ConfigError("cpu_prefix_cache needs enable_prefix_caching")
+        if self.disk_cache_dir and not self.cpu_prefix_cache:
+            raise ConfigError("the disk tier (disk_cache_dir) sits below the CPU tier: it "
+                              "needs cpu_prefix_cache")
+        _check(self.disk_cache_bytes >= 0, "disk_cache_bytes must be >= 0")
+        _check(self.disk_cache_min_hits >= 0, "disk_cache_min_hits must be >= 0")
 
 
 def _check(ok: bool, message: str) -> None:

@@ -81,6 +81,7 @@ class KVCacheCoordinator:
             if tier_on else None
         if self.tier is not None:
             self.gpu.on_evict = self.tier.note_reused
+        self.disk = None  # the tier below the CPU tier (attach_disk), if the engine has one
         # The step's hot path, once per running request per step: room for a request that
         # runs already (no hit to place), and its table's ids for the step. With one group
         # these are that group's own methods, without a call in between.
@@ -91,6 +92,14 @@ class KVCacheCoordinator:
         self._exported: dict[str, dict] = {}
         self.prefix_cache_queries = 0  # prompt tokens looked up (tokens)
         self.prefix_cache_hits = 0  # of which found cached on the GPU or a tier (tokens)
+
+    def attach_disk(self, disk) -> None:
+        """The disk tier below the CPU tier (engine/disk_tier.py): it takes the cached CPU
+        blocks the CPU pool reuses, and gives back those a prompt reaches."""
+        if self.tier is None:
+            raise ValueError("the disk tier sits below the CPU tier, which this engine has not")
+        self.disk = disk
+        self.cpu.on_evict = disk.note_evicted
 
     # --- what the engine and the viewers read ----------------------------------------
     @property
@@ -186,7 +195,12 @@ class KVCacheCoordinator:
                 blocks = shared  # its own later blocks are still cached under its salt
         tier_blocks: list = []
         if self.tier is not None:
-            tier_blocks = self.tier.lookup(request.block_hashes[len(blocks):])
+            rest = request.block_hashes[len(blocks):]
+            tier_blocks = self.tier.lookup(rest)
+            # past the CPU tier, the disk's blocks are read back into it
+            if self.disk is not None and len(tier_blocks) < len(rest) and \
+                    self.disk.promote(rest[len(tier_blocks):]):
+                tier_blocks = self.tier.lookup(rest)
         covered = (len(blocks) + len(tier_blocks)) * self.block_size
         if covered >= request.num_tokens and tier_blocks:
             tier_blocks.pop()  # the last token's block is computed, not copied in
@@ -278,6 +292,11 @@ class KVCacheCoordinator:
                               if match.tier_blocks else match.num_computed_tokens)
         if match.tier_blocks:
             self.tier.record_hit(request.request_id, match.tier_blocks, self.block_size)
+        if self.disk is not None:
+            if match.tier_blocks:
+                self.disk.taken(match.tier_blocks, self.block_size)
+            if blocks or match.tier_blocks:  # (hit: may be kept on disk later)
+                self.disk.note_hits([b.block_hash for b in (*blocks, *match.tier_blocks)])
 
     # --- allocation ------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int,

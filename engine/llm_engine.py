@@ -114,6 +114,8 @@ class LLMEngine:
                                  sample=config.kv_metrics_sample) \
             if config.kv_history_blocks else None
         self.kv.stories = self.stories
+        if config.disk_cache_dir:
+            self.kv.attach_disk(self._disk_tier())
         # requests being copied here from another engine: (request, blocks cached here)
         self.incoming_migrations: dict[str, tuple[Request, int]] = {}
         self.step_count = 0
@@ -802,6 +804,40 @@ class LLMEngine:
     def take_events(self) -> list[KVEvent]:
         return self.events.take()
 
+    def _disk_metrics(self) -> dict:
+        """The disk tier's counters (engine/disk_tier.py), if the engine has one: prompt
+        tokens served from it (also counted in cpu_prefix_cache_hits, as they reach the
+        GPU through the CPU tier), blocks and bytes each way, failed checksums."""
+        disk = self.kv.disk
+        if disk is None:
+            return {}
+        st = disk.stats
+        return {"disk_prefix_cache_hits": disk.hit_tokens,
+                "num_disk_cached_blocks": disk.store.num_blocks,
+                "disk_cache_bytes_used": disk.store.num_bytes,
+                "disk_cache_stored_blocks": st.stored_blocks,
+                "disk_cache_write_bytes": st.stored_bytes,
+                "disk_cache_read_blocks": st.hit_blocks,
+                "disk_cache_read_bytes": st.read_bytes,
+                "disk_cache_checksum_failures": st.checksum_failures,
+                "disk_cache_not_admitted": st.not_admitted,
+                "disk_cache_dropped": st.dropped,
+                "disk_cache_evicted_blocks": st.evicted_blocks}
+
+    def _disk_tier(self):
+        """The disk tier of config.disk_cache_dir, its blocks marked with what they mean
+        here (a block of another model, K/V format or block size is never read)."""
+        from engine.disk_tier import DiskStore, DiskTier
+        if getattr(self.runner, "tensor_parallel_size", 1) > 1:
+            raise InvalidRequestError("a disk tier with a model split over ranks is not "
+                                      "supported yet")
+        identity = {"model": self.runner.model_id, "kv_format": migration.kv_format(self),
+                    "block_size": self.config.block_size,
+                    "block_bytes": self.runner.block_bytes}
+        store = DiskStore(self.config.disk_cache_dir, self.config.disk_cache_bytes, identity)
+        return DiskTier(store, self.kv.cpu, self.events, self.runner.read_cpu_block,
+                        self.runner.write_cpu_block, self.config.disk_cache_min_hits)
+
     def close(self) -> None:
         """Release what the runner started (a split model's rank processes) and the KV
         event publisher's sockets."""
@@ -812,6 +848,8 @@ class LLMEngine:
             self._kv_publisher = None
         if self._structured is not None:
             self._structured.close()
+        if self.kv.disk is not None:  # its writes under way finish first
+            self.kv.disk.close()
         close = getattr(self.runner, "close", None)
         if close is not None:
             close()
@@ -827,6 +865,9 @@ class LLMEngine:
                 "scheduling_policy": self.config.scheduling_policy,
                 "enable_prefix_caching": self.config.enable_prefix_caching,
                 "cpu_prefix_cache": self.kv.cpu_tier,
+                # the disk tier below it (disk_cache_dir): where, and how many bytes
+                "disk_cache_dir": self.config.disk_cache_dir if self.kv.disk else None,
+                "disk_cache_bytes": self.config.disk_cache_bytes if self.kv.disk else 0,
                 "simulate": self.config.simulate,
                 "sliding_window": self.runner.sliding_window,
                 # a hybrid model's layer groups: each one's window (None: global)
@@ -857,6 +898,7 @@ class LLMEngine:
             "num_cpu_cached_blocks": len(self.kv.cpu.cached),
             "cpu_cache_copy_out_bytes": self.kv.num_blocks_offloaded * self.runner.block_bytes,
             "cpu_cache_copy_in_bytes": self.kv.num_blocks_onloaded * self.runner.block_bytes,
+            **self._disk_metrics(),
             "num_preemptions": c.num_preemptions,
             "num_swaps_out": c.num_swaps_out,
             "num_swaps_in": c.num_swaps_in,

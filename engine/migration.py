@@ -69,7 +69,7 @@ def state_of(engine: LLMEngine, request: Request) -> dict:
     """The request as another engine needs it (JSON-able but for nothing: hashes hex)."""
     return {
         "request_id": request.request_id, "model_id": engine.runner.model_id,
-        "block_size": engine.config.block_size, "kv_format": _kv_format(engine),
+        "block_size": engine.config.block_size, "kv_format": kv_format(engine),
         "engine_seed": engine.config.seed,
         "prompt_token_ids": list(request.prompt_token_ids),
         "output_token_ids": list(request.output_token_ids),
@@ -138,7 +138,7 @@ def _shared(state: dict, first: dict) -> int:
     return n
 
 
-def _kv_format(engine: LLMEngine) -> str:
+def kv_format(engine: LLMEngine) -> str:
     """How the engine's K/V is stored (its dtype; the simulator's stand-in size too):
     blocks move only between engines that store them alike."""
     runner = engine.runner
@@ -149,12 +149,12 @@ def _kv_format(engine: LLMEngine) -> str:
 def _fits(engine: LLMEngine, state: dict) -> None:
     if state["model_id"] != engine.runner.model_id or \
             state["block_size"] != engine.config.block_size or \
-            state.get("kv_format") != _kv_format(engine):
+            state.get("kv_format") != kv_format(engine):
         raise InvalidRequestError(
             f"request {state['request_id']!r} runs {state['model_id']} in blocks of "
             f"{state['block_size']} ({state.get('kv_format')}); this engine runs "
             f"{engine.runner.model_id} in blocks of {engine.config.block_size} "
-            f"({_kv_format(engine)})")
+            f"({kv_format(engine)})")
     if state["engine_seed"] != engine.config.seed and state["params"]["seed"] is None:
         raise InvalidRequestError("the engines' seeds differ: an unseeded sampled request "
                                   "would not continue its stream of draws")

@@ -305,6 +305,26 @@ class ModelRunner(Runner):
         index = torch.tensor(block_ids, dtype=torch.long, device=self.kv_cache.device)
         self.kv_cache.index_copy_(2, index, data.to(self.kv_cache.device, self.kv_cache.dtype))
 
+    def read_cpu_block(self, block_id: int) -> bytes:
+        """[layers, 2, block_size, kv heads, head dim] of the CPU pool's block, as bytes
+        (after every copy into the pool under way has landed)."""
+        self._single_rank("keep a disk tier")
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+        block = self.cpu_cache[:, :, block_id].contiguous()
+        return block.view(torch.uint8).numpy().tobytes()
+
+    def write_cpu_block(self, block_id: int, data: bytes) -> None:
+        self._single_rank("keep a disk tier")
+        target = self.cpu_cache[:, :, block_id]
+        if len(data) != target.numel() * target.element_size():
+            raise ValueError(f"a block of {len(data)} bytes; this engine's hold "
+                             f"{target.numel() * target.element_size()}")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            source = torch.frombuffer(data, dtype=torch.uint8)
+        target.copy_(source.view(target.dtype).view(target.shape))
+
     @staticmethod
     def num_blocks_in(data: torch.Tensor) -> int:
         return data.shape[2]

@@ -90,6 +90,14 @@ class Runner(abc.ABC):
         """The blocks start..end-1 of read_blocks' data."""
         return data[start:end]
 
+    def read_cpu_block(self, block_id: int) -> bytes:
+        """A CPU pool block's bytes (every layer), for the disk tier (engine/disk_tier.py)."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no disk tier")
+
+    def write_cpu_block(self, block_id: int, data: bytes) -> None:
+        """read_cpu_block's bytes back into a CPU pool block."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no disk tier")
+
     @staticmethod
     def blocks_to_frames(data) -> tuple[dict, list]:
         """read_blocks' data as a header and buffers, for another process (ZMQ frames,

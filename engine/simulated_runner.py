@@ -8,6 +8,8 @@ KV core need. It never emits EOS and ignores sampling settings.
 """
 from __future__ import annotations
 
+import array
+
 import time
 
 from engine.runner import Runner, StepResult
@@ -187,6 +189,18 @@ class SimulatedRunner(Runner):
         if weight != len(data) * self.block_size * self.kv_bytes_per_token:
             raise ValueError("blocks of another K/V size per token do not fit this engine")
         return data
+
+    def read_cpu_block(self, block_id: int) -> bytes:
+        bs = self.block_size
+        return array.array("Q", self.cpu_cache[block_id * bs:(block_id + 1) * bs]).tobytes()
+
+    def write_cpu_block(self, block_id: int, data: bytes) -> None:
+        bs = self.block_size
+        states = array.array("Q")
+        states.frombytes(data)
+        if len(states) != bs:
+            raise ValueError(f"a block of {len(states)} states; this engine's hold {bs}")
+        self.cpu_cache[block_id * bs:(block_id + 1) * bs] = states.tolist()
 
     def swap_out(self, mapping: list[tuple[int, int]]) -> None:
         self._copy(self.gpu_cache, self.cpu_cache, mapping)

@@ -99,3 +99,110 @@ def test_a_write_cut_short_leaves_no_block(store, tmp_path):
     again = store()
     assert not again.contains(h(2)) and not torn.exists() and again.contains(h(1))
     assert oct(os.stat(again.root).st_mode & 0o777) == "0o700"
+
+
+# --- the disk tier in an engine (the simulated model: tokens depend on every K/V slot
+# read, so a block read back wrong changes the output) ---------------------------------
+
+from engine.block_hash import hash_blocks, root_hash  # noqa: E402
+from engine.config import ConfigError  # noqa: E402
+
+from tests.engine.sim import expected, greedy, run_all, sim_engine  # noqa: E402
+
+BLOCK = 4
+
+
+def prompt_of(seed: int, n: int = 32) -> list[int]:
+    return [(seed * 131 + i * 7) % 997 + 1 for i in range(n)]
+
+
+def disk_engine(folder, **kw):
+    cfg = dict(block_size=BLOCK, num_gpu_blocks=16, num_cpu_blocks=12, cpu_prefix_cache=True,
+               max_num_batched_tokens=64, disk_cache_dir=str(folder))
+    cfg.update(kw)
+    return sim_engine(**cfg)
+
+
+def ask(engine, rid, prompt, max_tokens=6):
+    engine.add_request(rid, prompt, greedy(max_tokens))
+    return run_all(engine)[rid]
+
+
+def flood(engine, seeds=range(1, 9)) -> None:
+    """Other prompts, until the first one's blocks are off the GPU and the CPU tier."""
+    for seed in seeds:
+        ask(engine, f"other{seed}", prompt_of(seed))
+
+
+def on_gpu_or_cpu(engine, prompt) -> bool:
+    hashes = hash_blocks(root_hash(engine.runner.model_id, None), prompt, BLOCK)
+    return bool(engine.kv.cached_chain(hashes)) or bool(engine.kv.tier.lookup(hashes))
+
+
+def test_a_prefix_let_go_by_the_cpu_tier_comes_back_from_disk_and_after_a_restart(tmp_path):
+    engine = disk_engine(tmp_path)
+    first = prompt_of(0)
+    ask(engine, "cold", first)
+    again = ask(engine, "hit", first)  # hit once: its blocks may go to disk
+    assert again.num_cached_tokens == 31  # (all of it on the GPU: the last token recomputed)
+    flood(engine)
+    assert not on_gpu_or_cpu(engine, first)
+    engine.kv.disk.store.flush()
+    m = engine.metrics()
+    assert m["disk_cache_stored_blocks"] >= 7 and m["disk_cache_not_admitted"] > 0
+    back = ask(engine, "back", first)
+    assert back.num_cached_tokens == 28 and back.output_token_ids == expected(first, 6)
+    m = engine.metrics()
+    assert m["disk_prefix_cache_hits"] == 28 and m["disk_cache_read_blocks"] >= 7
+    engine.kv.check_invariants()
+    engine.close()  # writes under way finish
+    # a new engine on the same folder: the first request hits
+    restarted = disk_engine(tmp_path)
+    assert restarted.metrics()["num_disk_cached_blocks"] >= 7
+    warm = ask(restarted, "warm", first)
+    assert warm.num_cached_tokens == 28 and warm.output_token_ids == expected(first, 6)
+    assert restarted.metrics()["disk_prefix_cache_hits"] == 28
+    restarted.kv.check_invariants()
+    restarted.close()
+
+
+def test_one_off_prompts_are_not_written(tmp_path):
+    engine = disk_engine(tmp_path)
+    flood(engine, range(1, 12))  # each seen once, never hit
+    engine.kv.disk.store.flush()
+    m = engine.metrics()
+    assert m["disk_cache_stored_blocks"] == 0 and m["disk_cache_not_admitted"] > 0
+    engine.close()
+
+
+def test_a_corrupt_block_and_another_models_blocks_are_misses(tmp_path):
+    engine = disk_engine(tmp_path)
+    first = prompt_of(0)
+    ask(engine, "cold", first)
+    ask(engine, "hit", first)
+    flood(engine)
+    engine.close()
+    store_root = next(p for p in tmp_path.iterdir() if p.is_dir())
+    files = sorted(store_root.glob("*/*.blk"))
+    hashes = hash_blocks(root_hash(engine.runner.model_id, None), first, BLOCK)
+    corrupt = store_root / hashes[3].hex()[:2] / f"{hashes[3].hex()}.blk"
+    assert corrupt in files
+    data = bytearray(corrupt.read_bytes())
+    data[-5] ^= 0x10
+    corrupt.write_bytes(bytes(data))
+    restarted = disk_engine(tmp_path)
+    back = ask(restarted, "back", first)
+    # the first three blocks came back; the fourth failed its checksum: recomputed
+    assert back.num_cached_tokens == 12 and back.output_token_ids == expected(first, 6)
+    assert restarted.metrics()["disk_cache_checksum_failures"] == 1 and not corrupt.exists()
+    restarted.close()
+    # another model (another vocabulary: another model id) on the same folder finds none
+    other = disk_engine(tmp_path, vocab_size=999)
+    assert other.metrics()["num_disk_cached_blocks"] == 0
+    assert ask(other, "x", first).num_cached_tokens == 0
+    other.close()
+
+
+def test_the_disk_tier_needs_the_cpu_tier(tmp_path):
+    with pytest.raises(ConfigError, match="cpu_prefix_cache"):
+        disk_engine(tmp_path, cpu_prefix_cache=False)
