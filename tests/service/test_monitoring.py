@@ -49,7 +49,9 @@ def test_every_metric_the_rules_and_the_dashboard_name_is_exported(rf):
     rules = alert_rules()
     assert {r["alert"] for r in rules} >= {"KVOpsEngineDown", "KVOpsKVCacheFull",
                                             "KVOpsPreemptionStorm", "KVOpsPrefixHitRateCollapsed",
-                                            "KVOpsQueueWaitHigh"}
+                                            "KVOpsQueueWaitHigh", "KVOpsCPUTierNeverHits",
+                                            "KVOpsDiskTierNeverHits",
+                                            "KVOpsDiskTierChecksumFailures"}
     for rule in rules:
         used = set(METRIC.findall(rule["expr"]))
         assert used and used <= names, (rule["alert"], used - names)
