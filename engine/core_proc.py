@@ -37,6 +37,7 @@ import dataclasses
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -339,8 +340,33 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s engine-core: %(message)s")
     config = EngineConfig(**json.loads(args.config))
     raise_priority(args.nice)
-    serve(config, args.input, args.output, kv_view=not args.no_kv_view)
+    if not config.disk_cache_dir:
+        serve(config, args.input, args.output, kv_view=not args.no_kv_view)
+        return 0
+    # With a disk tier, a stop signal (a process group's SIGTERM or Ctrl-C) first closes
+    # the engine, which finishes the disk's writes under way, then ends the process by
+    # the same signal, as its worker expects of a core that stops with it.
+    caught: list[int] = []
+
+    def stop(signum, frame) -> None:
+        if not caught:
+            caught.append(signum)
+            raise _Stopped
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, stop)
+    try:
+        serve(config, args.input, args.output, kv_view=not args.no_kv_view)
+    except _Stopped:
+        pass
+    if caught:
+        signal.signal(caught[0], signal.SIG_DFL)
+        os.kill(os.getpid(), caught[0])
     return 0
+
+
+class _Stopped(BaseException):
+    """A stop signal, raised out of the step loop so that the engine closes."""
 
 
 if __name__ == "__main__":

@@ -206,3 +206,42 @@ def test_a_corrupt_block_and_another_models_blocks_are_misses(tmp_path):
 def test_the_disk_tier_needs_the_cpu_tier(tmp_path):
     with pytest.raises(ConfigError, match="cpu_prefix_cache"):
         disk_engine(tmp_path, cpu_prefix_cache=False)
+
+
+def test_a_core_stopped_by_sigterm_finishes_its_disk_writes_and_dies_by_it(tmp_path):
+    """The engine core as a process (as a worker runs it), stopped by a process group's
+    SIGTERM: it closes its engine first (the disk's writes finish), then dies of the
+    signal; an engine started on the folder finds the blocks."""
+    import signal
+    import time
+
+    import zmq
+
+    from benchmarks.migration import CoreProcess
+    from engine import EngineConfig
+    config = EngineConfig(simulate=True, simulate_tokenizer="bytes", vocab_size=1000,
+                          block_size=BLOCK, num_gpu_blocks=16, num_cpu_blocks=12,
+                          cpu_prefix_cache=True, max_num_batched_tokens=64,
+                          disk_cache_dir=str(tmp_path / "disk"), name="core")
+    ctx = zmq.Context()
+    core = CoreProcess(config, ctx, str(tmp_path))
+    try:
+        first = prompt_of(0)
+        params = {"max_tokens": 6, "temperature": 0.0}
+        for i, prompt in enumerate([first, first] + [prompt_of(s) for s in range(1, 9)]):
+            core.send(["adds", i + 1, [[f"r{i}", prompt, params, 0, None, None, None]]])
+            deadline = time.monotonic() + 30
+            while f"r{i}" not in core.ended:
+                assert time.monotonic() < deadline
+                core.read()
+                time.sleep(0.001)
+        core.proc.send_signal(signal.SIGTERM)
+        assert core.proc.wait(30) == -signal.SIGTERM
+    finally:
+        core.to_core.close(linger=0)
+        core.from_core.close(linger=0)
+        ctx.term()
+    restarted = disk_engine(tmp_path / "disk")
+    warm = ask(restarted, "warm", first)
+    assert warm.num_cached_tokens == 28 and warm.output_token_ids == expected(first, 6)
+    restarted.close()
