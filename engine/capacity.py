@@ -109,6 +109,8 @@ def replay_paged(trace: list[TraceRequest], config: EngineConfig,
         conc_sum += holding
         peak = max(peak, holding)
     m = engine.metrics()
+    engine.close()  # (a disk tier's writes finish)
+    queries = max(m["prefix_cache_queries"], 1)
     return ReplayResult(
         name=name, num_requests=len(trace), sim_seconds=now, steps=steps,
         utilisation=used_sum / alloc_sum if alloc_sum else 0.0, peak_concurrency=peak,
@@ -116,7 +118,10 @@ def replay_paged(trace: list[TraceRequest], config: EngineConfig,
         swaps_out=m["num_swaps_out"],
         prefix_hit_rate=m["prefix_cache_hits"] / max(m["prefix_cache_queries"], 1),
         wall_seconds=time.perf_counter() - wall,
-        extra={"cpu_hit_rate": m["cpu_prefix_cache_hits"] / max(m["prefix_cache_queries"], 1)})
+        extra={"cpu_hit_rate": (m["cpu_prefix_cache_hits"] - m.get("disk_prefix_cache_hits", 0))
+               / queries,
+               "disk_hit_rate": m.get("disk_prefix_cache_hits", 0) / queries,
+               "prompt_tokens_computed": m["num_prompt_tokens"]})
 
 
 def replay_contiguous(trace: list[TraceRequest], total_slots: int, max_model_len: int,

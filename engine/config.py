@@ -32,9 +32,9 @@ class EngineConfig:
     # to be reused is copied to a free CPU block first and stays findable by hash, and a
     # later hit on it is copied back instead of recomputed (swapped requests come first)
     cpu_prefix_cache: bool = False
-    # A third level below the CPU tier (engine/disk_tier.py): cached CPU blocks that were
-    # hit at least disk_cache_min_hits times are written behind to files in this folder
-    # as the CPU tier lets them go, and read back when a prompt's prefix reaches them; up
+    # A third level below the CPU tier (engine/disk_tier.py): cached CPU blocks that
+    # disk_cache_min_hits prompts asked for beyond the first are written behind to files
+    # in this folder as the CPU tier lets them go, and read back when a prompt's prefix reaches them; up
     # to disk_cache_bytes, least recently used first out. It outlives the engine: one
     # started again with the same model and folder finds its blocks. None: no disk tier
     disk_cache_dir: str | None = None

@@ -4,9 +4,10 @@ Below the CPU tier (engine/kv_tier.py), as vLLM's file offloading, SGLang HiCach
 storage layer and LMCache's local disk backend sit below host memory:
 
 * A cached CPU block that the CPU pool is about to reuse is written behind, by a thread
-  of its own (the step loop only copies the block's bytes out), if its hash has been hit
-  before: admission by reuse, as vLLM's offloading reuse manager does, so that one-off
-  prompts do not churn the disk (`min_hits`).
+  of its own (the step loop only copies the block's bytes out), if more than one prompt
+  has asked for its hash (`min_hits` more than the first, hit or not): admission by
+  reuse, as vLLM's offloading reuse manager counts lookups, so that one-off prompts do
+  not churn the disk, while a conversation whose history came back once is kept.
 * A prompt whose prefix goes on past what the GPU pool and the CPU tier hold finds the
   rest here: read back into CPU tier blocks (`promote`), it is then a CPU tier hit,
   copied into the request's GPU blocks instead of recomputed.
@@ -46,8 +47,10 @@ MAGIC = b"KVOPSBLK"
 VERSION = 1
 # magic, version, identity digest (16), block hash length, payload length, CRC-32
 _HEADER = struct.Struct("<8sH16sHQI")
-QUEUE_MAX = 1024  # blocks waiting to be written; past it, evicted blocks are not kept
-HITS_KEPT = 200_000  # hashes whose hit counts admission remembers
+# Bytes of blocks waiting to be written; past it, the blocks the CPU tier lets go are not
+# kept (the step loop never waits for the disk)
+PENDING_MAX_BYTES = 256 * 2**20
+ASKED_KEPT = 200_000  # hashes whose counts admission remembers (about 100 bytes each)
 
 
 def identity_digest(identity: dict) -> bytes:
@@ -62,8 +65,8 @@ class DiskStats:
     hit_blocks: int = 0  # blocks read back (into the CPU tier)
     read_bytes: int = 0
     checksum_failures: int = 0  # files that failed their checksum or named another model
-    not_admitted: int = 0  # evicted blocks not written: never hit (min_hits)
-    dropped: int = 0  # evicted blocks not written: the write queue was full
+    not_admitted: int = 0  # evicted blocks not written: asked for by one prompt (min_hits)
+    dropped: int = 0  # evicted blocks not written: PENDING_MAX_BYTES were waiting already
     evicted_blocks: int = 0  # files deleted for room (LRU)
 
 
@@ -71,7 +74,7 @@ class DiskStore:
     """Blocks as files under a byte budget, written by a thread of its own."""
 
     def __init__(self, directory: str | os.PathLike, capacity_bytes: int, identity: dict,
-                 queue_max: int = QUEUE_MAX) -> None:
+                 pending_max_bytes: int = PENDING_MAX_BYTES) -> None:
         self.identity = dict(identity)
         self.digest = identity_digest(identity)
         self.root = Path(directory) / self.digest.hex()
@@ -82,7 +85,9 @@ class DiskStore:
         self._index: collections.OrderedDict[BlockHash, int] = collections.OrderedDict()
         self._bytes = 0  # of the indexed files, under _lock
         self._pending: dict[BlockHash, bytes] = {}  # queued, not written yet; under _lock
-        self._queue: queue.Queue = queue.Queue(maxsize=queue_max)
+        self._pending_bytes = 0  # under _lock
+        self.pending_max_bytes = pending_max_bytes
+        self._queue: queue.Queue = queue.Queue()
         self._scan()
         self._writer = threading.Thread(target=self._write_loop, name="kvops-disk-tier",
                                         daemon=True)
@@ -107,10 +112,11 @@ class DiskStore:
         with self._lock:
             if block_hash in self._index or block_hash in self._pending:
                 return False
-            if self._queue.full():
+            if self._pending_bytes + len(payload) > self.pending_max_bytes:
                 self.stats.dropped += 1
                 return False
             self._pending[block_hash] = payload
+            self._pending_bytes += len(payload)
         self._queue.put((block_hash, payload))
         return True
 
@@ -197,7 +203,8 @@ class DiskStore:
             except Exception:  # noqa: BLE001  (a full disk: that block is not kept)
                 log.exception("disk tier: a write failed")
                 with self._lock:
-                    self._pending.pop(item[0], None)
+                    if self._pending.pop(item[0], None) is not None:
+                        self._pending_bytes -= len(item[1])
             finally:
                 self._queue.task_done()
 
@@ -216,7 +223,8 @@ class DiskStore:
             f.write(payload)
         os.replace(tmp, path)
         with self._lock:
-            self._pending.pop(block_hash, None)
+            if self._pending.pop(block_hash, None) is not None:
+                self._pending_bytes -= len(payload)
             self._index[block_hash] = size
             self._bytes += size
             self.stats.stored_blocks += 1
@@ -242,8 +250,8 @@ class DiskStore:
 
 class DiskTier:
     """The disk below the CPU tier, as the coordinator uses it: told which CPU blocks
-    the CPU pool reuses (`note_evicted`, the CPU pool's on_evict) and which hashes hit
-    (`note_hits`), and asked to bring a prompt's next blocks into the CPU tier
+    the CPU pool reuses (`note_evicted`, the CPU pool's on_evict) and which hashes each
+    admitted prompt asks for (`note_asked`), and asked to bring a prompt's next blocks into the CPU tier
     (`promote`). `read_block` and `write_block` move a CPU block's bytes (the runner's)."""
     medium = "DISK"
 
@@ -255,7 +263,8 @@ class DiskTier:
         self._events = events
         self._read_block, self._write_block = read_block, write_block
         self.min_hits = min_hits
-        self._hits: collections.OrderedDict[BlockHash, int] = collections.OrderedDict()
+        # per hash, how many prompts asked for it (the newest ASKED_KEPT hashes)
+        self._asked: collections.OrderedDict[BlockHash, int] = collections.OrderedDict()
         self.hit_tokens = 0  # prompt tokens found here, not recomputed
         self.promoted: set[int] = set()  # CPU blocks read back, not taken by a request yet
 
@@ -263,15 +272,21 @@ class DiskTier:
     def stats(self) -> DiskStats:
         return self.store.stats
 
-    def note_hits(self, hashes: list[BlockHash]) -> None:
-        """These hashes were hit (on the GPU or a tier): they may go to disk when the
-        CPU tier lets them go."""
-        hits = self._hits
+    def note_asked(self, hashes: list[BlockHash]) -> None:
+        """A prompt asked for these blocks (whether they hit or not): a block asked for
+        by more than one prompt is one that comes back, and may go to disk when the CPU
+        tier lets it go."""
+        asked = self._asked
         for block_hash in hashes:
-            hits[block_hash] = hits.get(block_hash, 0) + 1
-            hits.move_to_end(block_hash)
-        while len(hits) > HITS_KEPT:
-            hits.popitem(last=False)
+            asked[block_hash] = asked.get(block_hash, 0) + 1
+            asked.move_to_end(block_hash)
+        while len(asked) > ASKED_KEPT:
+            asked.popitem(last=False)
+
+    def admits(self, block_hash: BlockHash) -> bool:
+        """Whether a block goes to disk: prompts asked for it min_hits times beyond the
+        first one."""
+        return self._asked.get(block_hash, 0) > self.min_hits
 
     def note_evicted(self, evicted: list[tuple[int, BlockHash]]) -> None:
         """The CPU pool is reusing these cached blocks (their bytes still in place): the
@@ -279,7 +294,7 @@ class DiskTier:
         stored = []
         for block_id, block_hash in evicted:
             self.promoted.discard(block_id)
-            if self._hits.get(block_hash, 0) < self.min_hits:
+            if not self.admits(block_hash):
                 self.store.stats.not_admitted += 1
                 continue
             if self.store.put(block_hash, self._read_block(block_id)):
@@ -334,5 +349,19 @@ class DiskTier:
             self.hit_tokens += n * block_size
         return n
 
+    def spill(self) -> int:
+        """Write the CPU tier's cached blocks that admission would take (the engine is
+        closing: what the CPU holds is otherwise lost with it); how many were queued."""
+        n = 0
+        for block_hash, block in list(self.cpu.cached.items()):
+            if self.admits(block_hash) and \
+                    self.store.put(block_hash, self._read_block(block.block_id)):
+                n += 1
+        return n
+
     def close(self) -> None:
-        self.store.close()
+        """Spill what the CPU tier holds, finish every write, stop the writer."""
+        try:
+            self.spill()
+        finally:
+            self.store.close()

@@ -295,8 +295,7 @@ class KVCacheCoordinator:
         if self.disk is not None:
             if match.tier_blocks:
                 self.disk.taken(match.tier_blocks, self.block_size)
-            if blocks or match.tier_blocks:  # (hit: may be kept on disk later)
-                self.disk.note_hits([b.block_hash for b in (*blocks, *match.tier_blocks)])
+            self.disk.note_asked(request.block_hashes)  # (blocks asked again go to disk)
 
     # --- allocation ------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int,

@@ -143,7 +143,7 @@ def test_a_prefix_let_go_by_the_cpu_tier_comes_back_from_disk_and_after_a_restar
     engine = disk_engine(tmp_path)
     first = prompt_of(0)
     ask(engine, "cold", first)
-    again = ask(engine, "hit", first)  # hit once: its blocks may go to disk
+    again = ask(engine, "hit", first)  # asked for again: its blocks may go to disk
     assert again.num_cached_tokens == 31  # (all of it on the GPU: the last token recomputed)
     flood(engine)
     assert not on_gpu_or_cpu(engine, first)
@@ -168,7 +168,7 @@ def test_a_prefix_let_go_by_the_cpu_tier_comes_back_from_disk_and_after_a_restar
 
 def test_one_off_prompts_are_not_written(tmp_path):
     engine = disk_engine(tmp_path)
-    flood(engine, range(1, 12))  # each seen once, never hit
+    flood(engine, range(1, 12))  # each asked for once
     engine.kv.disk.store.flush()
     m = engine.metrics()
     assert m["disk_cache_stored_blocks"] == 0 and m["disk_cache_not_admitted"] > 0

@@ -1,0 +1,176 @@
+"""The prefix cache's tiers on multi-turn chat: `python -m benchmarks.tiers`.
+
+    python -m benchmarks.tiers [--conversations 300] [--turns 4] [--num-gpu-blocks 1024]
+
+A few hundred conversations, each turn's prompt its whole history so far (the earlier
+turns' prompts, a reply in their place, and a new message), the turns of one
+conversation minutes apart with the others' in between: by the time a history comes
+back, a GPU-only prefix cache has evicted it. The trace goes through the real scheduler
+and KV core (`engine.capacity.replay_paged`, the simulated model, simulated time: a
+step costs --step-base-ms plus --step-token-ms per computed token; copies from a tier
+cost nothing in this model, which flatters the tiers a little), with:
+
+* the GPU pool only;
+* a CPU tier (`cpu_prefix_cache`, --num-cpu-blocks);
+* a CPU tier and a disk tier (`disk_cache_dir`, --disk-gib);
+* after a restart: an engine runs every turn but the conversations' last ones and stops
+  (its disk tier spills what its CPU tier holds as it closes); a new engine takes the
+  last turns with that disk tier (warm), or with none (cold). The disk takes a block
+  only once it has been hit (`disk_cache_min_hits` 1, the default); with 0 it takes
+  every block the CPU tier lets go, which a restart's first requests then find too.
+
+Printed per run: the prefix hit rate, prompt tokens computed, the time to first token
+(p50, p99, simulated), and where the hits came from.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+from engine.capacity import StepCost, replay_paged
+from engine.config import EngineConfig
+from engine.trace import TraceRequest
+
+VOCAB = 32000
+
+
+@dataclasses.dataclass
+class Workload:
+    trace: list[TraceRequest]
+    prompts: list[list[int]]
+    last_turns: list[int]  # indices of every conversation's last turn
+
+
+def multi_turn(conversations: int, turns: int, message: int, reply: int, gap_s: float,
+               rate: float, seed: int = 0) -> Workload:
+    """Conversations starting at `rate` a second; turn k+1 of one comes gap_s (+-50%)
+    after turn k; each message `message` tokens, each reply `reply` tokens."""
+    rng = random.Random(seed)
+    events = []
+    for c in range(conversations):
+        history: list[int] = []
+        at = c / rate
+        for k in range(turns):
+            history = history + [rng.randrange(3, VOCAB) for _ in range(message)]
+            events.append((at, c, k, list(history)))
+            history = history + [rng.randrange(3, VOCAB) for _ in range(reply)]
+            at += gap_s * rng.uniform(0.5, 1.5)
+    events.sort(key=lambda e: e[0])
+    trace = [TraceRequest(arrival_s=at, prompt_len=len(p), output_len=reply)
+             for at, _, _, p in events]
+    last = [i for i, (_, _, k, _) in enumerate(events) if k == turns - 1]
+    return Workload(trace, [p for *_, p in events], last)
+
+
+class FirstTokens:
+    """An observer of the replay: when each request's first token came (simulated)."""
+
+    def __init__(self, trace: list[TraceRequest]) -> None:
+        self.arrival = {f"t{i}": r.arrival_s for i, r in enumerate(trace)}
+        self.ttft: dict[str, float] = {}
+
+    def before_step(self, engine, now: float) -> None:
+        pass
+
+    def after_step(self, engine, now: float) -> None:
+        for request in engine.scheduler.running:
+            if request.output_token_ids and request.request_id not in self.ttft:
+                self.ttft[request.request_id] = now - self.arrival[request.request_id]
+        for request in engine.scheduler.recently_finished:
+            if request.request_id not in self.ttft and request.output_token_ids:
+                self.ttft[request.request_id] = now - self.arrival[request.request_id]
+
+
+def run(name: str, work: Workload, config: EngineConfig, cost: StepCost,
+        indices: list[int] | None = None) -> dict:
+    """One replay (of the requests at `indices`, or all), with its figures."""
+    if indices is not None:
+        trace = [work.trace[i] for i in indices]
+        start = trace[0].arrival_s
+        trace = [dataclasses.replace(r, arrival_s=r.arrival_s - start) for r in trace]
+        prompts = [work.prompts[i] for i in indices]
+    else:
+        trace, prompts = work.trace, work.prompts
+    seen = FirstTokens(trace)
+    # (the replay's engine is closed at its end: a disk tier's writes are finished then)
+    result = replay_paged(trace, config, cost, name, prompts, seen)
+    ttft = sorted(seen.ttft.values())
+    extra = result.extra
+    return {"name": name, "requests": len(trace), "hit_rate": result.prefix_hit_rate,
+            "computed": extra["prompt_tokens_computed"],
+            "ttft_p50": statistics.median(ttft), "ttft_p99": ttft[int(0.99 * (len(ttft) - 1))],
+            "cpu_share": extra["cpu_hit_rate"], "disk_share": extra["disk_hit_rate"],
+            "preemptions": result.preemptions}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="the prefix cache's tiers on multi-turn chat")
+    p.add_argument("--conversations", type=int, default=300)
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--message", type=int, default=200, help="tokens of each user message")
+    p.add_argument("--reply", type=int, default=100, help="tokens of each reply")
+    p.add_argument("--gap-s", type=float, default=180.0,
+                   help="seconds between two turns of a conversation (+-50%)")
+    p.add_argument("--rate", type=float, default=2.0, help="conversations started a second")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-gpu-blocks", type=int, default=1024)
+    p.add_argument("--num-cpu-blocks", type=int, default=2048)
+    p.add_argument("--disk-gib", type=float, default=1.0)
+    p.add_argument("--step-base-ms", type=float, default=10.0)
+    p.add_argument("--step-token-ms", type=float, default=0.05)
+    args = p.parse_args(argv)
+    work = multi_turn(args.conversations, args.turns, args.message, args.reply, args.gap_s,
+                      args.rate)
+    cost = StepCost(args.step_base_ms, args.step_token_ms)
+    longest = max(len(pr) for pr in work.prompts) + args.reply + args.block_size
+    base = EngineConfig(simulate=True, simulate_tokenizer="bytes", vocab_size=VOCAB,
+                        block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
+                        num_cpu_blocks=0, max_model_len=longest, max_num_seqs=64,
+                        max_num_batched_tokens=2048, kv_history_blocks=0,
+                        max_pending_events=0)
+    cpu = dataclasses.replace(base, num_cpu_blocks=args.num_cpu_blocks, cpu_prefix_cache=True)
+    folder = Path(tempfile.mkdtemp(prefix="kvops-bench-tiers-"))
+    try:
+        def with_disk(name: str, min_hits: int = 1):
+            return dataclasses.replace(cpu, disk_cache_dir=str(folder / name),
+                                       disk_cache_bytes=int(args.disk_gib * 2**30),
+                                       disk_cache_min_hits=min_hits)
+        last = set(work.last_turns)
+        earlier = [i for i in range(len(work.trace)) if i not in last]
+        rows = [run("GPU only", work, base, cost), run("GPU + CPU", work, cpu, cost),
+                run("GPU + CPU + disk", work, with_disk("all"), cost)]
+        # A restart before the last turns: an engine ran the earlier turns and stopped
+        # (its disk tier spilled what its CPU tier held); a new one takes the last turns
+        run("earlier turns", work, with_disk("restart"), cost, earlier)
+        run("earlier turns", work, with_disk("restart-all", 0), cost, earlier)
+        rows += [run("after a restart, warm disk", work, with_disk("restart"), cost,
+                     work.last_turns),
+                 run("after a restart, warm disk of every block (min hits 0)", work,
+                     with_disk("restart-all", 0), cost, work.last_turns),
+                 run("after a restart, cold (no disk)", work, cpu, cost, work.last_turns)]
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    print(f"Multi-turn chat: {args.conversations} conversations x {args.turns} turns "
+          f"({args.message}-token messages, {args.reply}-token replies, turns "
+          f"{args.gap_s:g} s +-50% apart); {args.num_gpu_blocks} GPU blocks of "
+          f"{args.block_size}, {args.num_cpu_blocks} CPU blocks, {args.disk_gib:g} GiB of "
+          f"disk; a step {args.step_base_ms:g} ms + {args.step_token_ms:g} ms a computed "
+          "token (simulated time)")
+    print("| cache | requests | prefix hit rate | of it from CPU | of it from disk | prompt "
+          "tokens computed | TTFT p50 s | TTFT p99 s | preemptions |")
+    print("|" + "---|" * 9)
+    for r in rows:
+        print(f"| {r['name']} | {r['requests']} | {100 * r['hit_rate']:.1f}% | "
+              f"{100 * r['cpu_share']:.1f}% | {100 * r['disk_share']:.1f}% | {r['computed']:,} | "
+              f"{r['ttft_p50']:.3f} | {r['ttft_p99']:.3f} | {r['preemptions']} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
