@@ -53,6 +53,12 @@ PENDING_MAX_BYTES = 256 * 2**20
 ASKED_KEPT = 200_000  # hashes whose counts admission remembers (about 100 bytes each)
 
 
+def file_bytes(payload_bytes: int, hash_bytes: int = 32) -> int:
+    """What a block of payload_bytes takes on disk, header included (the budget counts
+    this)."""
+    return _HEADER.size + hash_bytes + payload_bytes
+
+
 def identity_digest(identity: dict) -> bytes:
     """16 bytes naming what a block's bytes mean: model, K/V format, block size, bytes."""
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).digest()[:16]
@@ -211,7 +217,7 @@ class DiskStore:
     def _write(self, block_hash: BlockHash, payload: bytes) -> None:
         header = _HEADER.pack(MAGIC, VERSION, self.digest, len(block_hash), len(payload),
                               zlib.crc32(payload))
-        size = _HEADER.size + len(block_hash) + len(payload)
+        size = file_bytes(len(payload), len(block_hash))
         with self._lock:
             self._evict_for(size)
         path = self._path(block_hash)

@@ -868,6 +868,8 @@ class LLMEngine:
                 # the disk tier below it (disk_cache_dir): where, and how many bytes
                 "disk_cache_dir": self.config.disk_cache_dir if self.kv.disk else None,
                 "disk_cache_bytes": self.config.disk_cache_bytes if self.kv.disk else 0,
+                # one block's K/V, every layer (what a tier or a move copies per block)
+                "kv_bytes_per_block": self.runner.block_bytes,
                 "simulate": self.config.simulate,
                 "sliding_window": self.runner.sliding_window,
                 # a hybrid model's layer groups: each one's window (None: global)

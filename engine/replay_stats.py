@@ -135,6 +135,9 @@ def replay_stats(trace: list[TraceRequest], config: EngineConfig,
         "prefix_lookup_hit_rate": result.prefix_hit_rate,
         # of the tokens looked up, those found on the CPU tier (cpu_prefix_cache)
         "cpu_tier_hit_rate": result.extra.get("cpu_hit_rate", 0.0),
+        # and on the disk tier below it (disk_cache_dir)
+        "disk_tier_hit_rate": result.extra.get("disk_hit_rate", 0.0),
+        "prompt_tokens_computed": result.extra.get("prompt_tokens_computed"),
         "queue_wait_p50": percentile(waits, 50),
         "queue_wait_p99": percentile(waits, 99),
         "queue_wait_mean": sum(waits) / len(waits) if waits else None,

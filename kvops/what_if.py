@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import tempfile
 import time
 from datetime import timedelta
 
@@ -40,7 +41,9 @@ PROGRESS_EVERY_S = 0.5
 # prefix-cache tier, num_cpu_blocks its size).
 SETTINGS = ("num_gpu_blocks", "block_size", "num_cpu_blocks", "preemption_mode",
             "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
-            "cpu_prefix_cache")
+            "cpu_prefix_cache", "disk_cache_bytes")
+# (disk_cache_bytes: a disk tier below the CPU tier of that many bytes of the engine's
+# blocks, 0 for none; the replay keeps it in a folder of its own, empty at its start)
 
 
 class Refused(Exception):
@@ -68,6 +71,7 @@ def baseline_config(engine_config: dict) -> EngineConfig:
     fields.update(scheduling_policy=engine_config.get("scheduling_policy") or "fcfs",
                   enable_prefix_caching=bool(engine_config.get("enable_prefix_caching", True)),
                   cpu_prefix_cache=bool(engine_config.get("cpu_prefix_cache", False)),
+                  disk_cache_bytes=int(engine_config.get("disk_cache_bytes") or 0),
                   simulate_sliding_window=engine_config.get("sliding_window"))
     groups = engine_config.get("kv_group_windows")
     if groups:  # a table per layer group: the stand-in's global and sliding groups
@@ -98,12 +102,28 @@ def _checked(make, *args, **fields) -> EngineConfig:
         config = make(*args, **fields)
     except ConfigError as e:
         raise Refused(str(e)) from None
+    if config.disk_cache_bytes and not config.cpu_prefix_cache:
+        raise Refused("a disk tier (disk_cache_bytes) sits below the CPU tier: set "
+                      "cpu_prefix_cache too")
     for pool, blocks in (("num_gpu_blocks", config.num_gpu_blocks),
                          ("num_cpu_blocks", config.num_cpu_blocks)):
         if blocks * config.block_size > MAX_POOL_TOKENS:
             raise Refused(f"{pool} x block_size is {blocks * config.block_size} token slots; "
                           f"the simulator takes at most {MAX_POOL_TOKENS}")
     return config
+
+
+def with_disk(config: EngineConfig, folder: str, block_bytes: int) -> EngineConfig:
+    """The configuration the replay runs: with a disk tier (disk_cache_bytes), in
+    `folder`, holding as many of the simulator's blocks as the budget holds of the
+    engine's (`block_bytes` each; the simulator's weigh less)."""
+    if not config.disk_cache_bytes:
+        return dataclasses.replace(config, disk_cache_dir=None)
+    from engine.disk_tier import file_bytes
+    blocks = config.disk_cache_bytes // max(block_bytes, 1) if block_bytes else \
+        config.disk_cache_bytes // file_bytes(config.block_size * 8)
+    return dataclasses.replace(config, disk_cache_dir=folder,
+                               disk_cache_bytes=blocks * file_bytes(config.block_size * 8))
 
 
 def describe(config: EngineConfig) -> dict:
@@ -234,9 +254,12 @@ def run(run_id: int) -> str:
         trace = build_trace(engine, params["minutes"], params["max_jobs"], until=row.created_at)
         cost = StepCost(params["step_base_ms"], params["step_token_ms"])
         results = []
+        block_bytes = int((engine.config or {}).get("kv_bytes_per_block") or 0)
         for i, config in enumerate((base, alternative)):
-            stats = replay_stats(trace.requests, config, cost, trace.prompts,
-                                 on_progress=_progress_writer(run_id, i))
+            with tempfile.TemporaryDirectory(prefix="kvops-what-if-disk-") as folder:
+                stats = replay_stats(trace.requests, with_disk(config, folder, block_bytes),
+                                     cost, trace.prompts,
+                                     on_progress=_progress_writer(run_id, i))
             results.append({"config": describe(config), **stats})
     except SoftTimeLimitExceeded:
         _fail(run_id, f"the replay ran past {settings.KVOPS_WHAT_IF_TIME_LIMIT_S:g} s: "

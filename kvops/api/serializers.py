@@ -206,6 +206,10 @@ class WhatIfSerializer(StrictMixin, serializers.Serializer):
     cpu_prefix_cache = serializers.BooleanField(
         required=False, allow_null=True, default=None,
         help_text="the CPU pool (num_cpu_blocks) as a second prefix-cache tier")
+    disk_cache_bytes = serializers.IntegerField(
+        required=False, allow_null=True, default=None, min_value=0, max_value=1 << 50,
+        help_text="a disk tier of this many bytes below the CPU tier (0: none; needs "
+                  "cpu_prefix_cache)")
 
     def changes(self) -> dict:
         """The settings the operator changed."""

@@ -143,3 +143,26 @@ def test_an_engine_with_layer_groups_is_replayed_with_them():
     assert base.simulate_hybrid and base.simulate_sliding_window == 64
     plain = what_if.baseline_config(CONFIG)
     assert not plain.simulate_hybrid and plain.simulate_sliding_window is None
+
+
+def test_a_disk_tier_is_replayed_when_asked(busy_engine):
+    """The alternative adds a disk tier below a small CPU tier: the replay keeps it in a
+    folder of its own, sized in the engine's blocks, and the jobs preempted by
+    recompute find some of their blocks there; without the CPU tier it is refused."""
+    operator, engine = busy_engine
+    Engine.objects.filter(pk=engine.pk).update(
+        config={**CONFIG, "kv_bytes_per_block": 720 * 1024})
+    engine.refresh_from_db()
+    changes = {"cpu_prefix_cache": True, "num_cpu_blocks": 8,
+               "disk_cache_bytes": 4096 * 720 * 1024}
+    run = what_if.start(operator, engine, 10, 100, changes, StepCost())
+    assert tasks.what_if.apply(args=[run.pk]).get() == "finished"
+    run.refresh_from_db()
+    assert run.alternative["config"]["disk_cache_bytes"] == changes["disk_cache_bytes"]
+    assert run.baseline["config"]["disk_cache_bytes"] == 0
+    assert run.alternative["disk_tier_hit_rate"] > 0 == run.baseline["disk_tier_hit_rate"]
+    config = what_if.with_disk(what_if.alternative_config(
+        what_if.baseline_config(engine.config), changes), "/nowhere", 720 * 1024)
+    assert config.disk_cache_dir == "/nowhere" and config.disk_cache_bytes == 4096 * (40 + 32 + 128)
+    with pytest.raises(what_if.Refused, match="cpu_prefix_cache"):
+        what_if.start(operator, engine, 10, 100, {"disk_cache_bytes": 1 << 30}, StepCost())
