@@ -172,9 +172,12 @@ class KVCacheCoordinator:
             off = None if self.enable_caching else "prefix caching is off on this engine"
             if off is None and request.sampling_params.prompt_logprobs is not None:
                 off = "its prompt's logprobs need every position computed: no cache is read"
+            disk = sum(b.block_id in self.disk.promoted for b in match.tier_blocks) \
+                if self.disk is not None else 0
             match.story = self.stories.draft(
                 request, len(match.groups[0].blocks), len(match.tier_blocks),
-                match.num_computed_tokens, self.cached_where, off, windowed=self.num_groups > 1)
+                match.num_computed_tokens, self.cached_where, off, windowed=self.num_groups > 1,
+                disk_blocks=disk)
         return match
 
     def _find_prefix(self, request: Request) -> PrefixMatch:
@@ -360,12 +363,14 @@ class KVCacheCoordinator:
         return sum(g.blocks_needed(request, num_new_tokens) for g in self.groups)
 
     def cached_where(self, block_hash: BlockHash) -> str | None:
-        """Where group 0's prefix cache holds this hash now: "gpu", "cpu" (the tier), or
-        None."""
+        """Where group 0's prefix cache holds this hash now: "gpu", "cpu" (the tier),
+        "disk", or None."""
         if self.gpu.get_cached(block_hash) is not None:
             return "gpu"
         if self.tier is not None and self.tier.lookup([block_hash]):
             return "cpu"
+        if self.disk is not None and self.disk.store.contains(block_hash):
+            return "disk"
         return None
 
     def _allocate_more(self, request: Request, num_new_tokens: int) -> Allocation | None:

@@ -243,6 +243,7 @@ class Story:
     first_token_at: float | None = None
     ended_at: float | None = None
     finish_reason: str | None = None
+    disk_blocks: int = 0  # then read back from the disk tier (through the CPU tier)
 
     def document(self, engine: str) -> dict:
         gpu, cpu = self.gpu_blocks, self.cpu_blocks
@@ -250,7 +251,7 @@ class Story:
             "engine": engine, "request_id": self.request_id, "job_id": self.job_id,
             "block_size": self.block_size, "prompt_tokens": self.prompt_tokens,
             "cached_tokens": dict(self.cached), "hashes": list(self.hashes),
-            "sources": {"gpu": gpu, "cpu": cpu, "disk": 0},
+            "sources": {"gpu": gpu, "cpu": cpu, "disk": self.disk_blocks},
             "first_miss": dict(self.first_miss) if self.first_miss else None,
             "preemptions": [dict(p) for p in self.preemptions],
             "copy_on_write": self.copy_on_write, "window_freed": self.window_freed,
@@ -354,7 +355,7 @@ class StoryBook:
 
     # --- admission -------------------------------------------------------------------
     def draft(self, request, gpu_blocks: int, cpu_blocks: int, num_cached: int,
-              where, off: str | None, windowed: bool) -> Story:
+              where, off: str | None, windowed: bool, disk_blocks: int = 0) -> Story:
         """The story of a request about to be admitted for the first time, told before
         it takes any block: `gpu_blocks` and `cpu_blocks` of its prompt's leading full
         blocks were found cached (num_cached tokens not computed); `where` (a hash ->
@@ -367,10 +368,12 @@ class StoryBook:
         prompt_hashes = request.block_hashes[:request.num_prompt_tokens // bs]
         keys = [short(h) for h in prompt_hashes]
         gpu_tokens = min(gpu_blocks * bs, num_cached)
+        # (of the tier's blocks, those read back from disk: after the CPU tier's run)
+        disk_tokens = min(disk_blocks * bs, num_cached - gpu_tokens)
         story = Story(request.request_id, request.job_id, bs, request.num_prompt_tokens, keys,
-                      gpu_blocks, cpu_blocks,
-                      {"gpu": gpu_tokens, "cpu": num_cached - gpu_tokens, "disk": 0},
-                      None, at)
+                      gpu_blocks, cpu_blocks - disk_blocks,
+                      {"gpu": gpu_tokens, "cpu": num_cached - gpu_tokens - disk_tokens,
+                       "disk": disk_tokens}, None, at, disk_blocks=disk_blocks)
         story.first_miss = self._first_miss(request, prompt_hashes, gpu_blocks + cpu_blocks,
                                             where, at, off, windowed)
         return story
@@ -482,7 +485,8 @@ class StoryBook:
             document["sources"]["cpu"], dict(document["cached_tokens"]),
             document["first_miss"], document["moments"]["admitted"],
             [dict(p) for p in document["preemptions"]], document["copy_on_write"],
-            document["window_freed"], document["moments"]["first_token"])
+            document["window_freed"], document["moments"]["first_token"],
+            disk_blocks=document["sources"].get("disk", 0))
         story.preemptions.append({
             "at": time.time(), "reason": "migration", "by": source, "needed_blocks": None,
             "free_blocks": None, "recomputed_tokens": 0, "swapped_blocks": blocks_sent})

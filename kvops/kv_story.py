@@ -78,9 +78,10 @@ def _blocks(story: dict) -> list[dict]:
     if not story:
         return []
     hashes, sources, bs = story["hashes"], story["sources"], story["block_size"]
-    gpu, cpu = sources.get("gpu", 0), sources.get("cpu", 0)
+    gpu, cpu, disk = sources.get("gpu", 0), sources.get("cpu", 0), sources.get("disk", 0)
     out = [{"index": i, "hash": h,
-            "source": "gpu" if i < gpu else "cpu" if i < gpu + cpu else "computed"}
+            "source": "gpu" if i < gpu else "cpu" if i < gpu + cpu
+            else "disk" if i < gpu + cpu + disk else "computed"}
            for i, h in enumerate(hashes)]
     if story["prompt_tokens"] % bs:
         out.append({"index": len(hashes), "hash": None, "source": "computed"})

@@ -19,6 +19,17 @@ export function pct(fraction, digits = 1) {
   return `${(100 * fraction).toFixed(digits)}%`;
 }
 
+// A size in bytes in binary units: "512 B", "47 KiB", "1.5 MiB", "10 GiB".
+const UNITS = ["B", "KiB", "MiB", "GiB", "TiB"];
+
+export function byteSize(n) {
+  if (n === null || n === undefined || Number.isNaN(n)) return "–";
+  let value = n, unit = 0;
+  while (value >= 1024 && unit < UNITS.length - 1) { value /= 1024; unit++; }
+  const digits = unit > 0 && value < 10 && !Number.isInteger(value) ? 1 : 0;
+  return `${num(value, digits)} ${UNITS[unit]}`;
+}
+
 export function clock(ts) {  // seconds since the epoch -> HH:MM:SS.mmm (local time)
   const d = new Date(ts * 1000);
   return d.toTimeString().slice(0, 8) + "." + String(d.getMilliseconds()).padStart(3, "0");

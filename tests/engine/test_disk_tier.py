@@ -154,6 +154,9 @@ def test_a_prefix_let_go_by_the_cpu_tier_comes_back_from_disk_and_after_a_restar
     assert back.num_cached_tokens == 28 and back.output_token_ids == expected(first, 6)
     m = engine.metrics()
     assert m["disk_prefix_cache_hits"] == 28 and m["disk_cache_read_blocks"] >= 7
+    story = engine.kv_story("back")  # its KV story says where the blocks came from
+    assert story["cached_tokens"] == {"gpu": 0, "cpu": 0, "disk": 28}
+    assert story["sources"] == {"gpu": 0, "cpu": 0, "disk": 7}
     engine.kv.check_invariants()
     engine.close()  # writes under way finish
     # a new engine on the same folder: the first request hits
