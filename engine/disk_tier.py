@@ -50,6 +50,7 @@ _HEADER = struct.Struct("<8sH16sHQI")
 # Bytes of blocks waiting to be written; past it, the blocks the CPU tier lets go are not
 # kept (the step loop never waits for the disk)
 PENDING_MAX_BYTES = 256 * 2**20
+READY_MAX_BYTES = 64 * 2**20  # bytes read ahead and not taken yet
 ASKED_KEPT = 200_000  # hashes whose counts admission remembers (about 100 bytes each)
 
 
@@ -74,6 +75,7 @@ class DiskStats:
     not_admitted: int = 0  # evicted blocks not written: asked for by one prompt (min_hits)
     dropped: int = 0  # evicted blocks not written: PENDING_MAX_BYTES were waiting already
     evicted_blocks: int = 0  # files deleted for room (LRU)
+    read_ahead_blocks: int = 0  # of the blocks read back, those read ahead of their need
 
 
 class DiskStore:
@@ -94,10 +96,19 @@ class DiskStore:
         self._pending_bytes = 0  # under _lock
         self.pending_max_bytes = pending_max_bytes
         self._queue: queue.Queue = queue.Queue()
+        # blocks that left the disk (LRU, or a failed check), not said yet: (hash, reason)
+        self._gone: list[tuple[BlockHash, str]] = []
+        # read ahead of a request's admission (read_ahead): payloads waiting to be taken
+        self._ready: collections.OrderedDict[BlockHash, bytes] = collections.OrderedDict()
+        self._ready_bytes = 0  # under _lock
+        self._reads: queue.Queue = queue.Queue()
         self._scan()
         self._writer = threading.Thread(target=self._write_loop, name="kvops-disk-tier",
                                         daemon=True)
         self._writer.start()
+        self._reader = threading.Thread(target=self._read_loop, name="kvops-disk-reads",
+                                        daemon=True)
+        self._reader.start()
 
     # --- what the tier asks ------------------------------------------------------------
     @property
@@ -126,6 +137,21 @@ class DiskStore:
         self._queue.put((block_hash, payload))
         return True
 
+    def read_ahead(self, hashes: list[BlockHash]) -> int:
+        """Read these blocks (those held here, in order) on the reader thread, so that
+        get() finds them in memory; how many were asked for."""
+        with self._lock:
+            wanted = [h for h in hashes if h in self._index and h not in self._ready]
+        if wanted:
+            self._reads.put(wanted)
+        return len(wanted)
+
+    def take_gone(self) -> list[tuple[BlockHash, str]]:
+        """The blocks that left the disk since the last call: (hash, reason)."""
+        with self._lock:
+            gone, self._gone = self._gone, []
+        return gone
+
     def get(self, block_hash: BlockHash) -> bytes | None:
         """The block's payload, or None (not here, or its file failed its checks: then
         it is deleted and counted). A block read counts as used (LRU)."""
@@ -136,6 +162,21 @@ class DiskStore:
             if block_hash not in self._index:
                 return None
             self._index.move_to_end(block_hash)
+            ready = self._ready.pop(block_hash, None)
+            if ready is not None:
+                self._ready_bytes -= len(ready)
+                self.stats.hit_blocks += 1
+                self.stats.read_bytes += len(ready)
+                self.stats.read_ahead_blocks += 1
+                return ready
+        payload = self._read(block_hash)
+        if payload is not None:
+            self.stats.hit_blocks += 1
+            self.stats.read_bytes += len(payload)
+        return payload
+
+    def _read(self, block_hash: BlockHash) -> bytes | None:
+        """A block's file read and checked (a bad one deleted and counted)."""
         path = self._path(block_hash)
         try:
             data = path.read_bytes()
@@ -144,23 +185,48 @@ class DiskStore:
             return None
         payload = self._check(block_hash, data)
         if payload is None:
-            self.stats.checksum_failures += 1
-            log.warning("disk tier: block %s failed its checks; deleted", short(block_hash))
-            self._forget(block_hash, delete=True)
+            if self._forget(block_hash, delete=True):  # (once, if two threads read it)
+                self.stats.checksum_failures += 1
+                log.warning("disk tier: block %s failed its checks; deleted", short(block_hash))
+                with self._lock:
+                    self._gone.append((block_hash, "corrupt"))
             return None
-        self.stats.hit_blocks += 1
-        self.stats.read_bytes += len(payload)
         return payload
+
+    def _read_loop(self) -> None:
+        while True:
+            hashes = self._reads.get()
+            if hashes is None:
+                return
+            for block_hash in hashes:
+                with self._lock:
+                    if block_hash in self._ready or block_hash not in self._index or \
+                            self._ready_bytes >= READY_MAX_BYTES:
+                        continue
+                try:
+                    payload = self._read(block_hash)
+                except Exception:  # noqa: BLE001  (read again when asked)
+                    log.exception("disk tier: a read ahead failed")
+                    payload = None
+                if payload is None:
+                    break  # (the run stops at the first block missing)
+                with self._lock:
+                    if block_hash in self._index and block_hash not in self._ready:
+                        self._ready[block_hash] = payload
+                        self._ready_bytes += len(payload)
 
     def flush(self) -> None:
         """Wait until every queued block is written."""
         self._queue.join()
 
     def close(self) -> None:
-        """Finish the writes under way, then stop the writer."""
+        """Finish the writes under way, then stop the writer and the reader."""
         if self._writer.is_alive():
             self._queue.put(None)
             self._writer.join()
+        if self._reader.is_alive():
+            self._reads.put(None)
+            self._reader.join()
 
     # --- files ---------------------------------------------------------------------------
     def _path(self, block_hash: BlockHash) -> Path:
@@ -243,15 +309,24 @@ class DiskStore:
             block_hash, old = self._index.popitem(last=False)
             self._bytes -= old
             self.stats.evicted_blocks += 1
+            self._gone.append((block_hash, "evicted"))
+            ready = self._ready.pop(block_hash, None)
+            if ready is not None:
+                self._ready_bytes -= len(ready)
             self._path(block_hash).unlink(missing_ok=True)
 
-    def _forget(self, block_hash: BlockHash, delete: bool = False) -> None:
+    def _forget(self, block_hash: BlockHash, delete: bool = False) -> bool:
+        """Drop a block from the index (and its file); whether it was there."""
         with self._lock:
             size = self._index.pop(block_hash, None)
             if size is not None:
                 self._bytes -= size
-        if delete:
+            ready = self._ready.pop(block_hash, None)
+            if ready is not None:
+                self._ready_bytes -= len(ready)
+        if delete and size is not None:
             self._path(block_hash).unlink(missing_ok=True)
+        return size is not None
 
 
 class DiskTier:
@@ -282,6 +357,7 @@ class DiskTier:
         """A prompt asked for these blocks (whether they hit or not): a block asked for
         by more than one prompt is one that comes back, and may go to disk when the CPU
         tier lets it go."""
+        self.say_gone()
         asked = self._asked
         for block_hash in hashes:
             asked[block_hash] = asked.get(block_hash, 0) + 1
@@ -293,6 +369,26 @@ class DiskTier:
         """Whether a block goes to disk: prompts asked for it min_hits times beyond the
         first one."""
         return self._asked.get(block_hash, 0) > self.min_hits
+
+    def read_ahead(self, hashes: list[BlockHash]) -> None:
+        """A request was added: its blocks held on disk (and not in the CPU tier) are
+        read on the reader thread, so that its admission finds them in memory."""
+        cpu = self.cpu
+        rest = [h for h in hashes if cpu.get_cached(h) is None]
+        if rest:
+            self.store.read_ahead(rest)
+
+    def say_gone(self) -> None:
+        """Say the blocks that left the disk since (BlockEvicted on the disk pool)."""
+        gone = self.store.take_gone()
+        for reason in sorted({r for _, r in gone}):
+            hashes = [h for h, r in gone if r == reason]
+            self._events.emit("BlockEvicted", pool="disk", reason=reason,
+                              detail="disk tier: " + ("least recently used, for room"
+                                                      if reason == "evicted" else
+                                                      "failed its checksum; deleted"),
+                              block_ids=[], block_hashes=[short(h) for h in hashes],
+                              ref_cnts=[], hashes=hashes if self._events.full else None)
 
     def note_evicted(self, evicted: list[tuple[int, BlockHash]]) -> None:
         """The CPU pool is reusing these cached blocks (their bytes still in place): the

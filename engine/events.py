@@ -48,6 +48,7 @@ REASONS = {
     "priority": "a request of higher priority needed the blocks",
     "operator": "an operator's command",
     "migration": "the request moved to another engine",
+    "corrupt": "a disk tier block failed its checksum or named another model",
 }
 
 
@@ -57,7 +58,7 @@ class KVEvent:
     step: int  # engine step during or after which it happened
     ts: float  # wall-clock seconds
     request_id: str | None = None
-    pool: str = "gpu"  # "gpu" or "cpu": which pool block_ids refer to
+    pool: str = "gpu"  # "gpu" or "cpu": which pool block_ids refer to ("disk": no ids)
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[str] = field(default_factory=list)  # short hex, same order as block_ids
     ref_cnts: list[int] = field(default_factory=list)  # after the event, same order

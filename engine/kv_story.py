@@ -198,7 +198,7 @@ class KVHistory:
                     continue
                 if event.pool == "cpu":
                     record.cpu_removed_at = event.ts
-                else:
+                elif event.pool == "gpu":  # (the disk tier's departures are its own)
                     record.removed_at, record.removed_reason = event.ts, event.reason
                     record.removed_by = event.by
                     if self._sampled(key):

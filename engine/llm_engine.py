@@ -208,6 +208,10 @@ class LLMEngine:
             tenant=tenant, eos_token_ids=self.tokenizer.eos_token_ids,
             fork_pending=params.n > 1)
         self._follow_text(request_id, params)
+        if self.kv.disk is not None:  # its blocks on disk are read before it is admitted
+            gpu = self.kv.gpu
+            self.kv.disk.read_ahead([h for h in request.block_hashes
+                                     if gpu.get_cached(h) is None])
         if params.structured is None:
             self.scheduler.add(request)
         else:  # queued once its grammar is compiled, beside the step loop
@@ -819,6 +823,7 @@ class LLMEngine:
                 "disk_cache_write_bytes": st.stored_bytes,
                 "disk_cache_read_blocks": st.hit_blocks,
                 "disk_cache_read_bytes": st.read_bytes,
+                "disk_cache_read_ahead_blocks": st.read_ahead_blocks,
                 "disk_cache_checksum_failures": st.checksum_failures,
                 "disk_cache_not_admitted": st.not_admitted,
                 "disk_cache_dropped": st.dropped,

@@ -10,6 +10,7 @@ import { api, errorText, newIdempotencyKey } from "./api.js";
 import { BlockMap } from "./blockmap.js";
 import { timeChart } from "./charts.js";
 import { Palette, ownerCss } from "./colors.js";
+import { diskTierCaption, diskTierFigures, diskTierNote, hasDiskTier } from "./disk_tier.js";
 import { HeaderState } from "./engine_state.js";
 import { EventLog } from "./event_log.js";
 import { $, clock, esc, num, pct, toast } from "./format.js";
@@ -19,6 +20,7 @@ import { LiveSync } from "./live_sync.js";
 import { drainText, migrationTargets, migrationText } from "./migration.js";
 import { RequestTable } from "./request_table.js";
 import { LiveSocket } from "./socket.js";
+import { tierWarnings } from "./tier_health.js";
 import { TimelineStrip, parseMoment } from "./timeline.js";
 
 const page = JSON.parse($("#engine-data").textContent);
@@ -111,6 +113,7 @@ function showWhole() {
   $("#gpu-caption").textContent = `${num(state.gpu.n)} blocks of ${state.config.block_size} tokens${groupsCaption(state.config)}${splitCaption(state.config)}`;
   $("#cpu-caption").textContent = `${num(state.cpu.n)} blocks${state.config.cpu_prefix_cache
     ? " · also the prefix cache's second tier: its cached blocks were copied from the GPU" : ""}`;
+  $("#disk-tier").hidden = !hasDiskTier(state.config);
   table.setState(state);
   if (selected !== null && !state.requests.has(selected)) selected = null;
   if (selected !== null) select(selected, false);
@@ -160,7 +163,10 @@ function applyDelta(delta, meta) {
   if (timeline.scrubbing) {  // kept, not painted
     heldEvents.push([delta.events, delta.event_counts]);
     if (heldEvents.length > 600) heldEvents.shift();  // the log keeps fewer lines anyway
-    if (history.add({ ts: delta.ts, ...delta.metrics })) drawMisses();  // (the last minutes, not the moment shown)
+    if (history.add({ ts: delta.ts, ...delta.metrics })) {  // (the last minutes, not the moment shown)
+      drawMisses();
+      showTierHealth();
+    }
     return;
   }
   const applied = performance.now();
@@ -290,6 +296,38 @@ function renderHead() {
     if (headValues[k].textContent !== text) headValues[k].textContent = text;
   });
   $("#req-count").textContent = `${num(table.count)} shown of ${num(state.requests.size)}`;
+  if (hasDiskTier(state.config)) renderDiskTier(m);
+}
+
+// The disk tier: counts and a hit share (there may be millions of blocks: no map), as
+// of the state on screen. Its figures' boxes are made once; their texts change.
+function renderDiskTier(m) {
+  const figures = diskTierFigures(m);
+  const box = $("#disk-stats");
+  if (box.children.length !== figures.length) {
+    box.innerHTML = figures.map((f) => `<span class="kv" data-figure="${f.key}"><b></b><span>${f.label}</span></span>`).join("");
+  }
+  figures.forEach((f, k) => {
+    const figure = box.children[k];
+    if (figure.firstChild.textContent !== f.text) figure.firstChild.textContent = f.text;
+    if (figure.title !== f.title) figure.title = f.title;
+  });
+  const caption = diskTierCaption(m, state.config), note = diskTierNote(m);
+  if ($("#disk-caption").textContent !== caption) $("#disk-caption").textContent = caption;
+  if ($("#disk-note").textContent !== note) $("#disk-note").textContent = note;
+}
+
+// Warnings about the prefix cache's tiers over the last minutes of metrics this page
+// has (tier_health.js): shown above the maps, hidden while there are none.
+let tierHealthHtml = "";  // the warnings shown
+
+function showTierHealth() {
+  const warnings = tierWarnings(history.points);
+  const html = warnings.map((w) => `<li class="${w.kind}" data-tier="${w.tier}">${esc(w.text)}</li>`).join("");
+  if (html === tierHealthHtml) return;
+  tierHealthHtml = html;
+  $("#tier-warnings").innerHTML = html;
+  $("#tier-health").hidden = warnings.length === 0;
 }
 
 function drawCharts() {
@@ -304,6 +342,7 @@ function drawCharts() {
     { color: "#8a5cd6", values: history.rate("num_swaps_out") },
   ], { integer: true });
   drawMisses();
+  showTierHealth();
   const last = state?.metrics || history.points[history.points.length - 1] || {};
   $("#now-kv").textContent = pct(last.kv_usage);
   $("#now-hit").textContent = `overall ${pct(cumulativeHitRate(last))}`;

@@ -4,6 +4,7 @@ and counted), LRU within a byte budget, writes behind that close() finishes."""
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -162,9 +163,16 @@ def test_a_prefix_let_go_by_the_cpu_tier_comes_back_from_disk_and_after_a_restar
     # a new engine on the same folder: the first request hits
     restarted = disk_engine(tmp_path)
     assert restarted.metrics()["num_disk_cached_blocks"] >= 7
-    warm = ask(restarted, "warm", first)
+    restarted.add_request("warm", first, greedy(6))
+    # its blocks are read ahead of its admission, on the reader thread
+    deadline = time.monotonic() + 30
+    while len(restarted.kv.disk.store._ready) < 7:
+        assert time.monotonic() < deadline, "not read ahead"
+        time.sleep(0.001)
+    warm = run_all(restarted)["warm"]
     assert warm.num_cached_tokens == 28 and warm.output_token_ids == expected(first, 6)
-    assert restarted.metrics()["disk_prefix_cache_hits"] == 28
+    m = restarted.metrics()
+    assert m["disk_prefix_cache_hits"] == 28 and m["disk_cache_read_ahead_blocks"] >= 7
     restarted.kv.check_invariants()
     restarted.close()
 
@@ -197,7 +205,15 @@ def test_a_corrupt_block_and_another_models_blocks_are_misses(tmp_path):
     back = ask(restarted, "back", first)
     # the first three blocks came back; the fourth failed its checksum: recomputed
     assert back.num_cached_tokens == 12 and back.output_token_ids == expected(first, 6)
+    # (the reader thread, reading ahead, may be the one that finds it bad: a moment later)
+    deadline = time.monotonic() + 30
+    while restarted.metrics()["disk_cache_checksum_failures"] < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
     assert restarted.metrics()["disk_cache_checksum_failures"] == 1 and not corrupt.exists()
+    restarted.kv.disk.say_gone()  # (said at the next admission; here, now)
+    said = [e for e in restarted.take_events() if e.type == "BlockEvicted" and e.pool == "disk"]
+    assert [(e.reason, len(e.block_hashes)) for e in said] == [("corrupt", 1)]
     restarted.close()
     # another model (another vocabulary: another model id) on the same folder finds none
     other = disk_engine(tmp_path, vocab_size=999)
