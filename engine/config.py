@@ -37,6 +37,9 @@ class EngineConfig:
     # in this folder as the CPU tier lets them go, and read back when a prompt's prefix reaches them; up
     # to disk_cache_bytes, least recently used first out. It outlives the engine: one
     # started again with the same model and folder finds its blocks. None: no disk tier
+    # The most of the GPU pool that pinned prefixes may hold (a share, 0-1): a pin past it
+    # is refused, naming it; an operator changes it live (LLMEngine.set_retention)
+    pin_budget: float = 0.5
     disk_cache_dir: str | None = None
     disk_cache_bytes: int = 10 * 2**30
     disk_cache_min_hits: int = 1
@@ -173,6 +176,7 @@ class EngineConfig:
             raise ConfigError("the disk tier (disk_cache_dir) sits below the CPU tier: it "
                               "needs cpu_prefix_cache")
         _check(self.disk_cache_bytes >= 0, "disk_cache_bytes must be >= 0")
+        _check(0.0 <= self.pin_budget <= 1.0, "pin_budget must be in [0, 1]")
         _check(self.disk_cache_min_hits >= 0, "disk_cache_min_hits must be >= 0")
 
 

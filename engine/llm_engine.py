@@ -118,6 +118,7 @@ class LLMEngine:
             self.kv.attach_disk(self._disk_tier())
         # requests being copied here from another engine: (request, blocks cached here)
         self.incoming_migrations: dict[str, tuple[Request, int]] = {}
+        self.pin_budget = config.pin_budget  # (set_retention changes it)
         self.step_count = 0
         self.step_seconds = 0.0  # wall time inside the steps that ran (schedule to outputs)
         self.version = 0  # grows with every change to requests or blocks (for publishers)
@@ -724,6 +725,7 @@ class LLMEngine:
         """Pin the cached blocks of this prefix so they are never evicted."""
         self.version += 1
         blocks = self._prefix_blocks(prompt, cache_salt)
+        self._check_pin_budget(blocks)
         self._check_pin_leaves_room(blocks)
         newly = self.kv.pin(blocks)
         return {"block_ids": [b.block_id for b in blocks], "num_newly_pinned": len(newly),
@@ -735,6 +737,35 @@ class LLMEngine:
         windows = self.runner.kv_group_windows or (self.runner.sliding_window,)
         return blocks_for(num_tokens, self.config.block_size, windows,
                           self.config.max_num_batched_tokens)
+
+    def _check_pin_budget(self, blocks: list) -> None:
+        """NotEnoughBlocksError if, with these blocks pinned too, pins would hold more
+        of the pool than the pin budget allows."""
+        gpu = self.kv.gpu
+        newly = sum(1 for b in blocks if not b.pinned)
+        allowed = int(self.pin_budget * gpu.num_blocks)
+        if gpu.num_pinned + newly > allowed:
+            raise NotEnoughBlocksError(
+                f"pinning {newly} more blocks would make {gpu.num_pinned + newly} pinned, over "
+                f"the pin budget of {allowed} blocks ({self.pin_budget:.0%} of "
+                f"{gpu.num_blocks}): unpin a prefix, or raise the budget")
+
+    def set_retention(self, pin_budget: float | None = None) -> dict:
+        """Change what the prefix cache keeps, live: the pin budget (a share of the GPU
+        pool, 0-1; pins above a lowered budget stay, new ones are refused)."""
+        if pin_budget is not None:
+            if isinstance(pin_budget, bool) or not isinstance(pin_budget, (int, float)) \
+                    or not 0.0 <= pin_budget <= 1.0:
+                raise InvalidRequestError("pin_budget must be a number in [0, 1]")
+            self.pin_budget = float(pin_budget)
+        self.version += 1
+        return self.retention()
+
+    def retention(self) -> dict:
+        gpu = self.kv.gpu
+        return {"pin_budget": self.pin_budget,
+                "pin_budget_blocks": int(self.pin_budget * gpu.num_blocks),
+                "num_pinned_blocks": gpu.num_pinned}
 
     def _check_pin_leaves_room(self, blocks: list) -> None:
         """NotEnoughBlocksError if, with these blocks pinned too, a request already here
@@ -906,6 +937,8 @@ class LLMEngine:
             "cpu_cache_copy_out_bytes": self.kv.num_blocks_offloaded * self.runner.block_bytes,
             "cpu_cache_copy_in_bytes": self.kv.num_blocks_onloaded * self.runner.block_bytes,
             **self._disk_metrics(),
+            "num_pinned_blocks": self.kv.gpu.num_pinned,
+            "pin_budget": self.pin_budget,
             "num_preemptions": c.num_preemptions,
             "num_swaps_out": c.num_swaps_out,
             "num_swaps_in": c.num_swaps_in,

@@ -145,6 +145,13 @@ class DrainSerializer(StrictMixin, serializers.Serializer):
         return data
 
 
+class RetentionSerializer(StrictMixin, serializers.Serializer):
+    pin_budget = FiniteFloatField(
+        min_value=0.0, max_value=1.0,
+        help_text="the most of the GPU pool pinned prefixes may hold (a share, 0-1); pins "
+                  "above a lowered budget stay, new ones are refused")
+
+
 class LimitsSerializer(StrictMixin, serializers.Serializer):
     """The engine checks each against its value at start."""
     max_num_seqs = serializers.IntegerField(required=False, allow_null=True, default=None,

@@ -17,6 +17,8 @@ urlpatterns = [
     path("engines/<str:name>/prefix-cache/<str:action>/",
          views.PrefixCacheActionView.as_view(), name="prefix-cache-action"),
     path("engines/<str:name>/limits/", views.EngineLimitsView.as_view(), name="engine-limits"),
+    path("engines/<str:name>/retention/", views.EngineRetentionView.as_view(),
+         name="engine-retention"),
     path("engines/<str:name>/timeline/", timeline.EngineTimelineView.as_view(),
          name="engine-timeline"),
     path("engines/<str:name>/timeline/state/", timeline.EngineTimelineStateView.as_view(),

@@ -19,7 +19,7 @@ from engine.commands import STATE_COMMANDS
 from kvops import (admission, grammar_check, idempotency, intake, job_store, kv_story, limits,
                    operator_actions, selectors, visibility, what_if)
 from kvops.api.serializers import (DrainSerializer, EmptySerializer, EngineSerializer,
-                                   EvictSerializer, MigrateSerializer,
+                                   EvictSerializer, MigrateSerializer, RetentionSerializer,
                                    JobSerializer, LimitsSerializer,
                                    OperatorActionSerializer, PrefixSerializer,
                                    WhatIfRunSerializer, WhatIfSerializer)
@@ -324,6 +324,21 @@ class EngineLimitsView(APIView):
         engine = get_object_or_404(Engine, name=name)
         arguments = {k: v for k, v in serializer.validated_data.items() if v is not None}
         return _action_answer(request, engine, "set-limits", name, arguments)
+
+
+class EngineRetentionView(APIView):
+    """POST /api/engines/<name>/retention/ {pin_budget}: change what the prefix cache
+    keeps, live (audited as every operator action)."""
+    permission_classes = [permissions.IsAuthenticated, IsOperator]
+
+    @extend_schema(request=RetentionSerializer, responses=OPERATOR_RESPONSES,
+                   parameters=[IDEMPOTENCY_KEY])
+    def post(self, request, name: str):
+        serializer = RetentionSerializer(data=request.data or {})
+        serializer.is_valid(raise_exception=True)
+        engine = get_object_or_404(Engine, name=name)
+        return _action_answer(request, engine, "retention", name,
+                              dict(serializer.validated_data))
 
 
 class PrefixCacheActionView(APIView):

@@ -16,10 +16,9 @@ from tests.support.stack import Stack
 playwright = pytest.importorskip("playwright.sync_api")
 ENGINE = "dsk"
 # the byte tokenizer: a character is a token; 32 tokens are 8 blocks of 4
-FIRST = "the prompt that goes to disk, ok"
-assert len(FIRST) == 32
-OTHERS = [f"another prompt, number {i:02d}, more." for i in range(8)]
-assert all(len(p) == 32 for p in OTHERS)
+PROMPT = "the prompt that goes to disk, ok"
+BROKEN = "a prompt whose files go bad, ok!"
+assert len(PROMPT) == len(BROKEN) == 32
 
 
 @pytest.fixture(scope="module")
@@ -49,21 +48,24 @@ def metrics(stack) -> dict:
     return stack.api("GET", f"/api/engines/{ENGINE}/").json()["engine"]["metrics"]
 
 
-def send_to_disk(stack) -> None:
-    """FIRST asked for twice (so that its blocks may go to disk), then off the GPU and
-    the CPU tier: its blocks are on disk only."""
-    run(stack, FIRST)
-    run(stack, FIRST)
-    for prompt in OTHERS:
-        run(stack, prompt)
-    stack.wait(lambda: metrics(stack)["num_disk_cached_blocks"] >= 7, "FIRST's blocks on disk", 30)
+def send_to_disk(stack, prompt: str) -> None:
+    """The prompt asked for twice (so that its blocks may go to disk), then pushed off
+    the GPU and the CPU tier by 8 prompts asked for once (never written): its blocks
+    are on disk only, written."""
+    written = metrics(stack)["disk_cache_stored_blocks"]
+    run(stack, prompt)
+    run(stack, prompt)
+    for i in range(8):
+        run(stack, f"{prompt[:8]}: one-off {i}".ljust(32, "~"))
+    stack.wait(lambda: metrics(stack)["disk_cache_stored_blocks"] >= written + 7,
+               "its blocks written to disk", 30)
 
 
 def test_the_disk_tier_panel_shows_blocks_and_hits(login, stack):
     engine = stack.api("GET", f"/api/engines/{ENGINE}/").json()["engine"]
     assert engine["config"]["disk_cache_dir"], engine["config"]
-    send_to_disk(stack)
-    run(stack, FIRST)  # back from disk
+    send_to_disk(stack, PROMPT)
+    run(stack, PROMPT)  # back from disk
     stack.wait(lambda: metrics(stack)["disk_prefix_cache_hits"] > 0,
                "the engine's heartbeat counting disk hits", 30)
 
@@ -91,16 +93,14 @@ def test_the_disk_tier_panel_shows_blocks_and_hits(login, stack):
 
 
 def test_failed_checksums_are_a_warning(login, stack):
-    send_to_disk(stack)
-    stack.wait(lambda: metrics(stack)["disk_cache_write_bytes"] >= 8 * 32,
-               "the disk's writes done", 30)
+    send_to_disk(stack, BROKEN)
     files = sorted((stack.workdir / "disk").glob("**/*.blk"))
     assert files
     for path in files:  # one flipped bit in each block's payload
         data = bytearray(path.read_bytes())
         data[-1] ^= 0x01
         path.write_bytes(bytes(data))
-    run(stack, FIRST)  # its first block on disk fails its checksum: computed instead
+    run(stack, BROKEN)  # its first block on disk fails its checksum: computed instead
     stack.wait(lambda: metrics(stack)["disk_cache_checksum_failures"] > 0,
                "the engine's heartbeat counting a failed checksum", 30)
     failures = metrics(stack)["disk_cache_checksum_failures"]

@@ -232,6 +232,32 @@ def test_a_request_that_only_fits_without_the_pinned_blocks_is_refused():
     engine.kv.check_invariants()
 
 
+def test_pins_stay_within_the_pin_budget_which_an_operator_changes_live():
+    """16 blocks, a budget of a quarter: 4 pinned blocks fit, a fifth does not (refused,
+    nothing pinned, the budget named); raised live, it does; lowered, what is pinned
+    stays and a new pin is refused."""
+    engine = sim_engine(num_gpu_blocks=16, pin_budget=0.25)
+    first, second = list(range(500, 516)), list(range(800, 808))  # 4 blocks, 2 blocks
+    engine.generate([first + [1], second + [1]], greedy(1))
+    assert engine.pin_prefix(first)["num_newly_pinned"] == 4
+    with pytest.raises(NotEnoughBlocksError, match="over the pin budget of 4 blocks"):
+        engine.pin_prefix(second)
+    assert engine.kv.gpu.num_pinned == 4
+    assert engine.pin_prefix(first)["num_newly_pinned"] == 0  # (again: nothing new)
+    assert engine.set_retention(pin_budget=0.5) == {
+        "pin_budget": 0.5, "pin_budget_blocks": 8, "num_pinned_blocks": 4}
+    assert engine.pin_prefix(second)["num_newly_pinned"] == 2
+    engine.set_retention(pin_budget=0.0)
+    assert engine.kv.gpu.num_pinned == 6 and engine.metrics()["pin_budget"] == 0.0
+    engine.unpin_prefix(second)
+    with pytest.raises(NotEnoughBlocksError, match="pin budget of 0 blocks"):
+        engine.pin_prefix(second)
+    for bad in (1.5, -0.1, "half", True):
+        with pytest.raises(InvalidRequestError):
+            engine.set_retention(pin_budget=bad)
+    engine.kv.check_invariants()
+
+
 def test_a_pin_that_would_starve_a_request_already_there_is_refused():
     engine = sim_engine(num_gpu_blocks=16)
     prefix = list(range(500, 516))

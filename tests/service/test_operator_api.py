@@ -155,3 +155,31 @@ def test_a_retried_action_with_an_idempotency_key_happens_once(stack):
     assert evicts() == before + 1  # sent and recorded once
     other = stack.api("POST", "/api/engines/sim/prefix-cache/reset/", headers=dict(key))
     assert other.status_code == 409 and "another action" in other.text, other.text
+
+
+def test_the_pin_budget_is_set_live_and_refuses_a_pin_over_it(stack):
+    """POST /api/engines/<name>/retention/ sets the pin budget (audited); a pin past it is
+    a 409 naming the budget; the engine's metrics carry the budget."""
+    prompt = "A prefix to pin under a budget. " * 3
+    job = stack.api("POST", "/api/jobs/", json={"prompt": prompt, "max_tokens": 1}).json()
+    stack.wait_job(job["id"])
+    try:
+        r = stack.api("POST", "/api/engines/sim/retention/", json={"pin_budget": 0.0})
+        assert r.status_code == 200, r.text
+        assert r.json()["result"]["pin_budget"] == 0.0
+        r = stack.api("POST", "/api/engines/sim/prefix-cache/pin/", json={"prompt": prompt})
+        assert r.status_code == 409 and "pin budget of 0 blocks" in r.json()["message"], r.text
+        stack.wait(lambda: next(e for e in stack.api("GET", "/api/engines/").json()
+                                if e["name"] == "sim")["metrics"].get("pin_budget") == 0.0,
+                   "the budget in the metrics", 10)
+        assert stack.api("POST", "/api/engines/sim/retention/", json={"pin_budget": 2}
+                         ).status_code == 400
+        assert stack.api("POST", "/api/engines/sim/retention/", json={}).status_code == 400
+        assert stack.api("POST", "/api/engines/sim/retention/", json={"pin_budget": 0.5},
+                         user="alice").status_code == 403
+        log = stack.api("GET", "/api/actions/").json()["results"]
+        assert any(a["action"] == "retention" and a["params"] == {"pin_budget": 0.0}
+                   for a in log)
+    finally:
+        r = stack.api("POST", "/api/engines/sim/retention/", json={"pin_budget": 0.5})
+        assert r.status_code == 200
