@@ -29,6 +29,12 @@ class KVBlock:
     # Free-queue links, owned by FreeBlockQueue; None when not in the queue.
     prev_free: KVBlock | None = None
     next_free: KVBlock | None = None
+    # For the eviction policies other than LRU (RankedFreeQueue): times its cached data
+    # was taken again, the most important priority (lowest value) among the requests
+    # that held it, and the list of the free queue it is in
+    hits: int = 0
+    keep: int | None = None
+    rank: int = 0
 
 
 class FreeBlockQueue:
@@ -85,14 +91,92 @@ class FreeBlockQueue:
         self._len += 1
 
 
+class RankedFreeQueue:
+    """The free queue of an eviction policy other than LRU: free blocks without a hash
+    first (as FreeBlockQueue's head), then cached ones in ranks, the lowest rank taken
+    first and least recently freed first within a rank. A block's rank is its policy's
+    (`rank_of`) when it is freed. The same interface as FreeBlockQueue, O(ranks) a take."""
+
+    def __init__(self, blocks: Iterable[KVBlock], num_ranks: int,
+                 rank_of: Callable[[KVBlock], int]) -> None:
+        self._lists = [FreeBlockQueue(()) for _ in range(num_ranks + 1)]  # [0]: no hash
+        self._rank_of = rank_of
+        self._len = 0
+        for b in blocks:  # (in the order given: the uncached ones first among them)
+            if b.block_hash is None:
+                b.rank = 0
+                self._lists[0].append(b)
+                self._len += 1
+            else:
+                self.append(b)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self) -> Iterator[KVBlock]:
+        for queue in self._lists:
+            yield from queue
+
+    def contains(self, block: KVBlock) -> bool:
+        return block.prev_free is not None
+
+    def popleft(self) -> KVBlock:
+        for queue in self._lists:
+            if len(queue):
+                self._len -= 1
+                return queue.popleft()
+        raise IndexError("free queue is empty")
+
+    def append(self, block: KVBlock) -> None:
+        block.rank = 1 + self._rank_of(block)
+        self._lists[block.rank].append(block)
+        self._len += 1
+
+    def appendleft(self, block: KVBlock) -> None:
+        block.rank = 0
+        self._lists[0].appendleft(block)
+        self._len += 1
+
+    def remove(self, block: KVBlock) -> None:
+        self._lists[block.rank].remove(block)
+        self._len -= 1
+
+
+# What stays in the prefix cache when blocks run out (EngineConfig.eviction_policy): the
+# rank of a free cached block (lower: evicted sooner) and how many ranks there are.
+# lru: least recently freed first (FreeBlockQueue). slru: blocks never taken again since
+# they were cached first, then the ones hit (a scan of one-off prompts does not push out
+# what came back). lfu: by times hit (8 classes), least recently freed first in a class.
+# priority: by the most important priority among the requests that held it (scheduling
+# priority: a lower value is more important), 0 in the middle: a high-priority request's
+# prefix outlives the others'.
+PRIORITY_MID = 8
+EVICTION_POLICIES: dict[str, tuple[int, Callable[[KVBlock], int]] | None] = {
+    "lru": None,
+    "slru": (2, lambda b: 1 if b.hits else 0),
+    "lfu": (8, lambda b: min(b.hits, 7)),
+    "priority": (2 * PRIORITY_MID + 1, lambda b: max(0, min(
+        2 * PRIORITY_MID, PRIORITY_MID - (b.keep or 0)))),
+}
+
+
+def free_queue_for(policy: str, blocks: Iterable[KVBlock]):
+    """The free queue of an eviction policy, holding these free blocks in order."""
+    if policy not in EVICTION_POLICIES:
+        raise ValueError(f"eviction policy must be one of {', '.join(EVICTION_POLICIES)}")
+    ranked = EVICTION_POLICIES[policy]
+    return FreeBlockQueue(blocks) if ranked is None else RankedFreeQueue(blocks, *ranked)
+
+
 class BlockPool:
     def __init__(self, num_blocks: int, enable_caching: bool, events: EventLog,
-                 pool: str = "gpu") -> None:
+                 pool: str = "gpu", eviction_policy: str = "lru") -> None:
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.pool = pool  # "gpu" or "cpu", for events
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        self.free_queue = FreeBlockQueue(self.blocks)
+        self.eviction_policy = eviction_policy
+        self.free_queue = free_queue_for(eviction_policy, self.blocks)
         self.cached: dict[BlockHash, KVBlock] = {}  # hash -> the one block holding it
         self.num_pinned = 0  # blocks held by a pin: no request can ever have them
         # Told (block id, hash) of the cached blocks take_new is about to reuse, before
@@ -113,6 +197,15 @@ class BlockPool:
     def get_cached(self, block_hash: BlockHash) -> KVBlock | None:
         return self.cached.get(block_hash)
 
+    def set_eviction_policy(self, policy: str) -> None:
+        """Another eviction policy from now on: the free blocks, in their order, ranked
+        by it."""
+        free = list(self.free_queue)
+        for block in free:
+            self.free_queue.remove(block)
+        self.free_queue = free_queue_for(policy, free)
+        self.eviction_policy = policy
+
     def eviction_order(self, k: int) -> list[int]:
         """Ids of the next k blocks to be taken (cached ones among them lose their data)."""
         out = []
@@ -123,9 +216,11 @@ class BlockPool:
         return out
 
     # --- allocation ------------------------------------------------------------------
-    def take_new(self, n: int, for_request: str | None = None) -> list[KVBlock]:
+    def take_new(self, n: int, for_request: str | None = None,
+                 keep: int | None = None) -> list[KVBlock]:
         """Take n blocks from the head of the free queue, evicting cached data lazily
-        (for_request: whose new blocks they become, named in the eviction's event).
+        (for_request: whose new blocks they become, named in the eviction's event; keep:
+        its priority, for the priority eviction policy).
 
         The caller checks num_free first; asking for too many is a broken invariant.
         """
@@ -138,6 +233,7 @@ class BlockPool:
                 evicted.append((block, block.block_hash))
                 self._drop_hash(block)
             block.ref_cnt = 1
+            block.keep = keep
             taken.append(block)
         if evicted:
             if self.on_evict is not None:
@@ -145,12 +241,17 @@ class BlockPool:
             self._evicted(evicted, "reuse", "evicted", for_request)
         return taken
 
-    def touch(self, blocks: Iterable[KVBlock]) -> None:
-        """Add a reference to each block (a prefix hit), reviving ref-0 cached blocks."""
+    def touch(self, blocks: Iterable[KVBlock], keep: int | None = None) -> None:
+        """Add a reference to each block (a prefix hit), reviving ref-0 cached blocks
+        (keep: the priority of the request taking them, for the priority policy)."""
         for block in blocks:
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
             block.ref_cnt += 1
+            if block.block_hash is not None:  # (cached data taken again)
+                block.hits += 1
+            if keep is not None and (block.keep is None or keep < block.keep):
+                block.keep = keep
 
     def free(self, blocks: Iterable[KVBlock]) -> None:
         """Drop one reference from each block, in the order given."""
@@ -245,6 +346,7 @@ class BlockPool:
             raise RuntimeError(f"invariant: block {block.block_id} hash not in the map")
         del self.cached[block.block_hash]
         block.block_hash = None
+        block.hits = 0
 
     # --- pins ------------------------------------------------------------------------
     def pin(self, block: KVBlock) -> bool:

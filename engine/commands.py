@@ -75,7 +75,7 @@ OPERATOR_COMMANDS: dict[str, Callable[[LLMEngine, dict], Any]] = {
     "undrain": lambda e, a: e.undrain(),
     "set-limits": lambda e, a: e.set_limits(a.get("max_num_seqs"), a.get("max_num_batched_tokens")),
     # what the prefix cache keeps (the pin budget), changed live
-    "retention": lambda e, a: e.set_retention(a.get("pin_budget")),
+    "retention": lambda e, a: e.set_retention(a.get("pin_budget"), a.get("eviction_policy")),
     # the live requests' ids by where they are (a drain by migration moves the running)
     "live-requests": lambda e, a: {
         "running": [r.request_id for r in e.scheduler.running],

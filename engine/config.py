@@ -12,6 +12,7 @@ DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 ROLES = ("both", "prefill", "decode")
+EVICTION_POLICIES = ("lru", "slru", "lfu", "priority")  # (engine/block_pool.py ranks them)
 
 
 class ConfigError(EngineError, ValueError):
@@ -40,6 +41,11 @@ class EngineConfig:
     # The most of the GPU pool that pinned prefixes may hold (a share, 0-1): a pin past it
     # is refused, naming it; an operator changes it live (LLMEngine.set_retention)
     pin_budget: float = 0.5
+    # What the GPU pool's prefix cache evicts first when blocks run out (block_pool.py):
+    # "lru" (least recently freed), "slru" (blocks never taken again before those hit),
+    # "lfu" (the least hit), "priority" (the prefixes of the least important requests,
+    # by scheduling priority); changed live with the pin budget
+    eviction_policy: str = "lru"
     disk_cache_dir: str | None = None
     disk_cache_bytes: int = 10 * 2**30
     disk_cache_min_hits: int = 1
@@ -177,6 +183,9 @@ class EngineConfig:
                               "needs cpu_prefix_cache")
         _check(self.disk_cache_bytes >= 0, "disk_cache_bytes must be >= 0")
         _check(0.0 <= self.pin_budget <= 1.0, "pin_budget must be in [0, 1]")
+        _check(self.eviction_policy in EVICTION_POLICIES,
+               f"eviction_policy must be one of {', '.join(EVICTION_POLICIES)}, "
+               f"got {self.eviction_policy!r}")
         _check(self.disk_cache_min_hits >= 0, "disk_cache_min_hits must be >= 0")
 
 

@@ -56,7 +56,7 @@ class KVCacheCoordinator:
     def __init__(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int,
                  enable_caching: bool, events: EventLog,
                  windows: tuple[int | None, ...] = (None,),
-                 cpu_prefix_cache: bool = False) -> None:
+                 cpu_prefix_cache: bool = False, eviction_policy: str = "lru") -> None:
         """windows: per layer group, its sliding window (None: full attention); one
         entry for a model with one table. A hybrid model's group 0 is a global group."""
         if len(windows) > 1 and windows[0] is not None:
@@ -66,7 +66,7 @@ class KVCacheCoordinator:
         self._events = events
         self.stories = None  # the engine's StoryBook (engine/kv_story.py), if it keeps one
         tier_on = cpu_prefix_cache and enable_caching and num_cpu_blocks > 0 and len(windows) == 1
-        self.gpu = BlockPool(num_gpu_blocks, enable_caching, events, "gpu")
+        self.gpu = BlockPool(num_gpu_blocks, enable_caching, events, "gpu", eviction_policy)
         self.cpu = BlockPool(num_cpu_blocks, tier_on, events, "cpu")
         # Blocks registered in the cache during this schedule, whose K/V the coming
         # forward pass writes. A same-step hit may read them (each layer writes all K/V

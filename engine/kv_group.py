@@ -157,8 +157,8 @@ class KVGroup:
         if num_new_blocks + num_revived > self.gpu.num_free:
             return None
 
-        self.gpu.touch(reuse)
-        new_blocks = self.gpu.take_new(max(num_new_blocks, 0), rid)
+        self.gpu.touch(reuse, request.priority)
+        new_blocks = self.gpu.take_new(max(num_new_blocks, 0), rid, request.priority)
         table = self.req_to_blocks.setdefault(rid, table)
         table.extend(reuse)
         table.extend(new_blocks)
@@ -235,7 +235,7 @@ class KVGroup:
                              - self._window_freed.get(rid, 0), 0)
         if 1 + num_new_blocks > self.gpu.num_free:
             return None
-        copy, *grown = self.gpu.take_new(1 + num_new_blocks, rid)
+        copy, *grown = self.gpu.take_new(1 + num_new_blocks, rid, request.priority)
         self.gpu.free([shared])  # this request's reference (a sibling still holds it)
         # a new list: a table replaced, not one that only grew (step_block_ids' cache)
         self.req_to_blocks[rid] = table = table[:-1] + [copy] + grown
@@ -346,8 +346,8 @@ class KVGroup:
         num_new = len(cpu_table) - len(hits)
         if num_new + sum(1 for b in hits if b.ref_cnt == 0) > self.gpu.num_free:
             return None
-        self.gpu.touch(hits)
-        new_blocks = self.gpu.take_new(num_new, rid)
+        self.gpu.touch(hits, request.priority)
+        new_blocks = self.gpu.take_new(num_new, rid, request.priority)
         self.req_to_blocks[rid] = hits + new_blocks
         mapping = [(c.block_id, g.block_id) for c, g in zip(cpu_table[len(hits):], new_blocks)]
         del self.req_to_cpu_blocks[rid]

@@ -13,7 +13,7 @@ import logging
 import time
 
 from engine.block_hash import hash_blocks, root_hash
-from engine.config import EngineConfig
+from engine.config import EVICTION_POLICIES, EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, SimTokenizer
 from engine.errors import (InvalidRequestError, InvalidStateError, NotEnoughBlocksError,
                            PrefixNotCachedError)
@@ -106,7 +106,8 @@ class LLMEngine:
         self.kv = KVCacheCoordinator(config.block_size, self.runner.num_gpu_blocks,
                                      self.runner.num_cpu_blocks, config.enable_prefix_caching,
                                      self.events, windows,
-                                     cpu_prefix_cache=config.cpu_prefix_cache)
+                                     cpu_prefix_cache=config.cpu_prefix_cache,
+                                     eviction_policy=config.eviction_policy)
         self.scheduler = Scheduler(config, self.kv, self.max_model_len, self.events)
         # requests' KV stories (engine/kv_story.py), read from the event stream
         self.stories = StoryBook(config.name, config.kv_history_blocks,
@@ -750,14 +751,22 @@ class LLMEngine:
                 f"the pin budget of {allowed} blocks ({self.pin_budget:.0%} of "
                 f"{gpu.num_blocks}): unpin a prefix, or raise the budget")
 
-    def set_retention(self, pin_budget: float | None = None) -> dict:
+    def set_retention(self, pin_budget: float | None = None,
+                      eviction_policy: str | None = None) -> dict:
         """Change what the prefix cache keeps, live: the pin budget (a share of the GPU
-        pool, 0-1; pins above a lowered budget stay, new ones are refused)."""
+        pool, 0-1; pins above a lowered budget stay, new ones are refused) and the GPU
+        pool's eviction policy (its free blocks ranked anew, in their order)."""
+        if pin_budget is not None and (
+                isinstance(pin_budget, bool) or not isinstance(pin_budget, (int, float))
+                or not 0.0 <= pin_budget <= 1.0):
+            raise InvalidRequestError("pin_budget must be a number in [0, 1]")
+        if eviction_policy is not None and eviction_policy not in EVICTION_POLICIES:
+            raise InvalidRequestError(f"eviction_policy must be one of "
+                                      f"{', '.join(EVICTION_POLICIES)}")
         if pin_budget is not None:
-            if isinstance(pin_budget, bool) or not isinstance(pin_budget, (int, float)) \
-                    or not 0.0 <= pin_budget <= 1.0:
-                raise InvalidRequestError("pin_budget must be a number in [0, 1]")
             self.pin_budget = float(pin_budget)
+        if eviction_policy is not None:
+            self.kv.gpu.set_eviction_policy(eviction_policy)
         self.version += 1
         return self.retention()
 
@@ -765,7 +774,7 @@ class LLMEngine:
         gpu = self.kv.gpu
         return {"pin_budget": self.pin_budget,
                 "pin_budget_blocks": int(self.pin_budget * gpu.num_blocks),
-                "num_pinned_blocks": gpu.num_pinned}
+                "num_pinned_blocks": gpu.num_pinned, "eviction_policy": gpu.eviction_policy}
 
     def _check_pin_leaves_room(self, blocks: list) -> None:
         """NotEnoughBlocksError if, with these blocks pinned too, a request already here
@@ -901,6 +910,8 @@ class LLMEngine:
                 "scheduling_policy": self.config.scheduling_policy,
                 "enable_prefix_caching": self.config.enable_prefix_caching,
                 "cpu_prefix_cache": self.kv.cpu_tier,
+                "eviction_policy": self.kv.gpu.eviction_policy,
+                "pin_budget": self.pin_budget,
                 # the disk tier below it (disk_cache_dir): where, and how many bytes
                 "disk_cache_dir": self.config.disk_cache_dir if self.kv.disk else None,
                 "disk_cache_bytes": self.config.disk_cache_bytes if self.kv.disk else 0,
@@ -939,6 +950,7 @@ class LLMEngine:
             **self._disk_metrics(),
             "num_pinned_blocks": self.kv.gpu.num_pinned,
             "pin_budget": self.pin_budget,
+            "eviction_policy": self.kv.gpu.eviction_policy,
             "num_preemptions": c.num_preemptions,
             "num_swaps_out": c.num_swaps_out,
             "num_swaps_in": c.num_swaps_in,

@@ -41,7 +41,7 @@ PROGRESS_EVERY_S = 0.5
 # prefix-cache tier, num_cpu_blocks its size).
 SETTINGS = ("num_gpu_blocks", "block_size", "num_cpu_blocks", "preemption_mode",
             "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
-            "cpu_prefix_cache", "disk_cache_bytes")
+            "cpu_prefix_cache", "disk_cache_bytes", "eviction_policy")
 # (disk_cache_bytes: a disk tier below the CPU tier of that many bytes of the engine's
 # blocks, 0 for none; the replay keeps it in a folder of its own, empty at its start)
 
@@ -72,6 +72,7 @@ def baseline_config(engine_config: dict) -> EngineConfig:
                   enable_prefix_caching=bool(engine_config.get("enable_prefix_caching", True)),
                   cpu_prefix_cache=bool(engine_config.get("cpu_prefix_cache", False)),
                   disk_cache_bytes=int(engine_config.get("disk_cache_bytes") or 0),
+                  eviction_policy=engine_config.get("eviction_policy") or "lru",
                   simulate_sliding_window=engine_config.get("sliding_window"))
     groups = engine_config.get("kv_group_windows")
     if groups:  # a table per layer group: the stand-in's global and sliding groups

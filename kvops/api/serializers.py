@@ -10,7 +10,7 @@ from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from engine.capacity import StepCost
-from engine.config import PREEMPTION_MODES
+from engine.config import EVICTION_POLICIES, PREEMPTION_MODES
 from kvops import job_store
 from kvops.models import Engine, Job, OperatorAction, WhatIfRun
 from kvops.what_if import MAX_POOL_TOKENS, SETTINGS
@@ -147,9 +147,19 @@ class DrainSerializer(StrictMixin, serializers.Serializer):
 
 class RetentionSerializer(StrictMixin, serializers.Serializer):
     pin_budget = FiniteFloatField(
-        min_value=0.0, max_value=1.0,
+        min_value=0.0, max_value=1.0, required=False,
         help_text="the most of the GPU pool pinned prefixes may hold (a share, 0-1); pins "
                   "above a lowered budget stay, new ones are refused")
+    eviction_policy = serializers.ChoiceField(
+        choices=list(EVICTION_POLICIES), required=False,
+        help_text="what the GPU pool's prefix cache evicts first: lru, slru (blocks never "
+                  "hit before those hit), lfu (the least hit), priority (the prefixes of "
+                  "the least important requests)")
+
+    def validate(self, data):
+        if not data:
+            raise serializers.ValidationError("give pin_budget or eviction_policy")
+        return data
 
 
 class LimitsSerializer(StrictMixin, serializers.Serializer):
@@ -217,6 +227,9 @@ class WhatIfSerializer(StrictMixin, serializers.Serializer):
         required=False, allow_null=True, default=None, min_value=0, max_value=1 << 50,
         help_text="a disk tier of this many bytes below the CPU tier (0: none; needs "
                   "cpu_prefix_cache)")
+    eviction_policy = serializers.ChoiceField(
+        choices=list(EVICTION_POLICIES), required=False, allow_null=True, default=None,
+        help_text="what the prefix cache evicts first")
 
     def changes(self) -> dict:
         """The settings the operator changed."""

@@ -48,7 +48,7 @@ def metrics(stack) -> dict:
     return stack.api("GET", f"/api/engines/{ENGINE}/").json()["engine"]["metrics"]
 
 
-def send_to_disk(stack, prompt: str) -> None:
+def send_to_disk(stack, prompt: str, tag: str) -> None:
     """The prompt asked for twice (so that its blocks may go to disk), then pushed off
     the GPU and the CPU tier by 8 prompts asked for once (never written): its blocks
     are on disk only, written."""
@@ -56,7 +56,7 @@ def send_to_disk(stack, prompt: str) -> None:
     run(stack, prompt)
     run(stack, prompt)
     for i in range(8):
-        run(stack, f"{prompt[:8]}: one-off {i}".ljust(32, "~"))
+        run(stack, f"one-off prompt {tag}{i}, unrelated".ljust(32, "~"))
     stack.wait(lambda: metrics(stack)["disk_cache_stored_blocks"] >= written + 7,
                "its blocks written to disk", 30)
 
@@ -64,7 +64,7 @@ def send_to_disk(stack, prompt: str) -> None:
 def test_the_disk_tier_panel_shows_blocks_and_hits(login, stack):
     engine = stack.api("GET", f"/api/engines/{ENGINE}/").json()["engine"]
     assert engine["config"]["disk_cache_dir"], engine["config"]
-    send_to_disk(stack, PROMPT)
+    send_to_disk(stack, PROMPT, "a")
     run(stack, PROMPT)  # back from disk
     stack.wait(lambda: metrics(stack)["disk_prefix_cache_hits"] > 0,
                "the engine's heartbeat counting disk hits", 30)
@@ -93,7 +93,7 @@ def test_the_disk_tier_panel_shows_blocks_and_hits(login, stack):
 
 
 def test_failed_checksums_are_a_warning(login, stack):
-    send_to_disk(stack, BROKEN)
+    send_to_disk(stack, BROKEN, "b")
     files = sorted((stack.workdir / "disk").glob("**/*.blk"))
     assert files
     for path in files:  # one flipped bit in each block's payload

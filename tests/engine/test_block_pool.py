@@ -128,3 +128,77 @@ def test_block_hash_is_chained_stable_and_salted():
     # The wire format is fixed (other processes compare hashes): sha256(parent || int64 LE ids).
     expected = hashlib.sha256(b"\0" * 32 + struct.pack("<3q", 1, 2, 3)).digest()
     assert hash_block(b"\0" * 32, [1, 2, 3]) == expected
+
+
+# --- eviction policies (EngineConfig.eviction_policy) -------------------------------------
+
+def cached_pool(policy: str, n: int = 6) -> tuple[BlockPool, list[KVBlock]]:
+    """n blocks, each cached under a hash of its own and freed in order 0..n-1 (0 the
+    least recently freed)."""
+    pool = BlockPool(n, enable_caching=True, events=EventLog(1000), eviction_policy=policy)
+    blocks = pool.take_new(n)
+    for b in blocks:
+        pool.cache(b, bytes([b.block_id]) * 32)
+    pool.free(blocks)
+    return pool, blocks
+
+
+def test_lru_takes_the_least_recently_freed_first():
+    pool, blocks = cached_pool("lru")
+    pool.touch([blocks[0]])  # a hit: taken again, then freed again (the most recent)
+    pool.free([blocks[0]])
+    assert pool.eviction_order(6) == [1, 2, 3, 4, 5, 0]
+
+
+def test_slru_keeps_what_was_hit_over_what_was_not():
+    """Block 0 hit once, then 4 more freed after it: LRU would take it before them, SLRU
+    takes the blocks never hit first."""
+    pool, blocks = cached_pool("slru")
+    pool.touch([blocks[0]])
+    pool.free([blocks[0]])
+    pool.touch([blocks[1]])
+    pool.free([blocks[1]])
+    assert pool.eviction_order(6) == [2, 3, 4, 5, 0, 1]
+    taken = pool.take_new(4)
+    assert [b.block_id for b in taken] == [2, 3, 4, 5]
+    assert pool.get_cached(bytes([0]) * 32) is blocks[0]  # still cached
+
+
+def test_lfu_keeps_the_most_hit():
+    pool, blocks = cached_pool("lfu")
+    for b, hits in zip(blocks, [3, 0, 1, 0, 2, 1]):
+        for _ in range(hits):
+            pool.touch([b])
+            pool.free([b])
+    # by hits (0, 0, 1, 1, 2, 3), least recently freed first within a count
+    assert pool.eviction_order(6) == [1, 3, 2, 5, 4, 0]
+
+
+def test_priority_keeps_the_prefixes_of_important_requests():
+    """Scheduling priority: a lower value is more important. Blocks taken by a request of
+    priority -2 outlive blocks of priority 0, which outlive those of priority 5; a hit by
+    an important request raises a block's importance."""
+    pool = BlockPool(6, enable_caching=True, events=EventLog(1000), eviction_policy="priority")
+    low = pool.take_new(2, keep=5)
+    high = pool.take_new(2, keep=-2)
+    normal = pool.take_new(2, keep=0)
+    for b in pool.blocks:
+        pool.cache(b, bytes([b.block_id]) * 32)
+    pool.free([*high, *normal, *low])
+    assert pool.eviction_order(6) == [b.block_id for b in (*low, *normal, *high)]
+    pool.touch([low[0]], keep=-5)  # the most important request used it
+    pool.free([low[0]])
+    assert pool.eviction_order(6)[-1] == low[0].block_id
+
+
+def test_the_policy_changes_live_keeping_every_free_block():
+    pool, blocks = cached_pool("lru")
+    pool.touch([blocks[3]])
+    pool.free([blocks[3]])
+    pool.set_eviction_policy("slru")
+    assert sorted(pool.eviction_order(6)) == list(range(6)) and pool.num_free == 6
+    assert pool.eviction_order(6)[-1] == 3  # the one hit is kept longest
+    pool.set_eviction_policy("lru")
+    assert len(pool.free_queue) == 6 and sorted(pool.eviction_order(6)) == list(range(6))
+    with pytest.raises(ValueError, match="eviction policy"):
+        pool.set_eviction_policy("random")

@@ -245,7 +245,8 @@ def test_pins_stay_within_the_pin_budget_which_an_operator_changes_live():
     assert engine.kv.gpu.num_pinned == 4
     assert engine.pin_prefix(first)["num_newly_pinned"] == 0  # (again: nothing new)
     assert engine.set_retention(pin_budget=0.5) == {
-        "pin_budget": 0.5, "pin_budget_blocks": 8, "num_pinned_blocks": 4}
+        "pin_budget": 0.5, "pin_budget_blocks": 8, "num_pinned_blocks": 4,
+        "eviction_policy": "lru"}
     assert engine.pin_prefix(second)["num_newly_pinned"] == 2
     engine.set_retention(pin_budget=0.0)
     assert engine.kv.gpu.num_pinned == 6 and engine.metrics()["pin_budget"] == 0.0
@@ -255,6 +256,47 @@ def test_pins_stay_within_the_pin_budget_which_an_operator_changes_live():
     for bad in (1.5, -0.1, "half", True):
         with pytest.raises(InvalidRequestError):
             engine.set_retention(pin_budget=bad)
+    engine.kv.check_invariants()
+
+
+@pytest.mark.parametrize("policy, kept", [("lru", False), ("slru", True), ("lfu", True)])
+def test_a_prefix_that_came_back_outlives_a_scan_of_one_off_prompts(policy, kept):
+    """A prompt asked twice, then one-off prompts that need more blocks than are free:
+    LRU lets the prompt's blocks go first (the least recently freed); SLRU and LFU keep
+    them (they were hit) and let the one-off prompts' go."""
+    engine = sim_engine(num_gpu_blocks=24, eviction_policy=policy)
+    first = list(range(500, 516))  # 4 blocks
+    engine.generate([first + [1]], greedy(2))
+    assert engine.generate([first + [2]], greedy(2))[0].num_cached_tokens == 16
+    for p in prompts(8, lo=20, hi=20, seed=12):  # one at a time: 6 blocks each
+        engine.generate([p], greedy(4))
+    (again,) = engine.generate([first + [3]], greedy(2))
+    assert (again.num_cached_tokens == 16) is kept
+    assert again.output_token_ids == expected(first + [3], 2)
+    engine.kv.check_invariants()
+
+
+def test_the_priority_policy_keeps_an_important_requests_prefix():
+    engine = sim_engine(num_gpu_blocks=24, eviction_policy="priority",
+                        scheduling_policy="priority")
+    first = list(range(500, 516))
+    engine.add_request("vip", first + [1], greedy(2), priority=-1)
+    run_all(engine)
+    for p in prompts(10, lo=20, hi=20, seed=13):
+        engine.generate([p], greedy(4))
+    engine.add_request("again", first + [2], greedy(2))
+    assert run_all(engine)["again"].num_cached_tokens == 16
+    # the same under LRU: gone
+    lru = sim_engine(num_gpu_blocks=24, scheduling_policy="priority")
+    lru.add_request("vip", first + [1], greedy(2), priority=-1)
+    run_all(lru)
+    for p in prompts(10, lo=20, hi=20, seed=13):
+        lru.generate([p], greedy(4))
+    lru.add_request("again", first + [2], greedy(2))
+    assert run_all(lru)["again"].num_cached_tokens == 0
+    assert engine.set_retention(eviction_policy="lfu")["eviction_policy"] == "lfu"
+    with pytest.raises(InvalidRequestError, match="eviction_policy"):
+        engine.set_retention(eviction_policy="mru")
     engine.kv.check_invariants()
 
 

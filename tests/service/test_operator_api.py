@@ -175,11 +175,16 @@ def test_the_pin_budget_is_set_live_and_refuses_a_pin_over_it(stack):
         assert stack.api("POST", "/api/engines/sim/retention/", json={"pin_budget": 2}
                          ).status_code == 400
         assert stack.api("POST", "/api/engines/sim/retention/", json={}).status_code == 400
+        r = stack.api("POST", "/api/engines/sim/retention/", json={"eviction_policy": "slru"})
+        assert r.status_code == 200 and r.json()["result"]["eviction_policy"] == "slru", r.text
+        assert stack.api("POST", "/api/engines/sim/retention/",
+                         json={"eviction_policy": "random"}).status_code == 400
         assert stack.api("POST", "/api/engines/sim/retention/", json={"pin_budget": 0.5},
                          user="alice").status_code == 403
         log = stack.api("GET", "/api/actions/").json()["results"]
         assert any(a["action"] == "retention" and a["params"] == {"pin_budget": 0.0}
                    for a in log)
     finally:
-        r = stack.api("POST", "/api/engines/sim/retention/", json={"pin_budget": 0.5})
+        r = stack.api("POST", "/api/engines/sim/retention/",
+                      json={"pin_budget": 0.5, "eviction_policy": "lru"})
         assert r.status_code == 200

@@ -166,3 +166,18 @@ def test_a_disk_tier_is_replayed_when_asked(busy_engine):
     assert config.disk_cache_dir == "/nowhere" and config.disk_cache_bytes == 4096 * (40 + 32 + 128)
     with pytest.raises(what_if.Refused, match="cpu_prefix_cache"):
         what_if.start(operator, engine, 10, 100, {"disk_cache_bytes": 1 << 30}, StepCost())
+
+
+def test_an_eviction_policy_is_replayed_when_asked(busy_engine):
+    operator, engine = busy_engine
+    run = what_if.start(operator, engine, 10, 100, {"eviction_policy": "slru"}, StepCost())
+    assert tasks.what_if.apply(args=[run.pk]).get() == "finished"
+    run.refresh_from_db()
+    assert (run.baseline["config"]["eviction_policy"],
+            run.alternative["config"]["eviction_policy"]) == ("lru", "slru")
+    trace = build_trace(engine, 10, 100, until=run.created_at)
+    config = what_if.alternative_config(what_if.baseline_config(engine.config),
+                                        {"eviction_policy": "slru"})
+    direct = replay_paged(trace.requests, config, StepCost(), prompts=trace.prompts)
+    assert run.alternative["preemptions"] == direct.preemptions
+    assert run.alternative["prefix_lookup_hit_rate"] == direct.prefix_hit_rate
