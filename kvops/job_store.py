@@ -293,6 +293,26 @@ class FinalState:
     kv_story: dict | None = None  # its KV story, if the engine told one
 
 
+def _progress_sql(text: str, also: str = "") -> str:
+    """The UPDATE of a running attempt's progress: its text set to `text` (SQL with one
+    parameter: appended, or whole), the counts, the first token's time and the KV story;
+    matched on id, attempt and status (and `also`)."""
+    table = connection.ops.quote_name(Job._meta.db_table)
+    return (f"UPDATE {table} SET output_text = {text}, num_output_tokens = %s, "
+            "num_prompt_tokens = %s, num_cached_tokens = %s, num_preemptions = %s, "
+            "first_token_at = COALESCE(first_token_at, %s), kv_story = COALESCE(%s, kv_story) "
+            f"WHERE id = %s AND request_id = %s AND status = %s{also}")
+
+
+def _progress_row():
+    """A delta's parameters for _progress_sql, up to the status."""
+    when = connection.ops.adapt_datetimefield_value
+    story = _story_prep()
+    return lambda d: (d.text, d.num_output_tokens, d.num_prompt_tokens, d.num_cached_tokens,
+                      d.num_preemptions, when(d.first_token_at), story(d.kv_story), d.job_id,
+                      d.request_id)
+
+
 def record_progress(deltas: list[ProgressDelta]) -> set[str]:
     """Append what running jobs produced: one statement run for every job
     (executemany) in one transaction. Each row is matched on its attempt (request id),
@@ -300,16 +320,9 @@ def record_progress(deltas: list[ProgressDelta]) -> set[str]:
     job runs again elsewhere, or ended: the caller stops them). Plain SQL: the ORM's
     form of this (a CASE per field) costs milliseconds of Python per job, which the
     worker cannot spare."""
-    table = connection.ops.quote_name(Job._meta.db_table)
-    sql = (f"UPDATE {table} SET output_text = output_text || %s, num_output_tokens = %s, "
-           "num_prompt_tokens = %s, num_cached_tokens = %s, num_preemptions = %s, "
-           "first_token_at = COALESCE(first_token_at, %s), kv_story = COALESCE(%s, kv_story) "
-           "WHERE id = %s AND request_id = %s AND status = %s")
-    when = connection.ops.adapt_datetimefield_value
-    story = _story_prep()
-    rows = [(d.text, d.num_output_tokens, d.num_prompt_tokens, d.num_cached_tokens,
-             d.num_preemptions, when(d.first_token_at), story(d.kv_story), d.job_id,
-             d.request_id, Job.Status.RUNNING) for d in deltas]
+    sql = _progress_sql("output_text || %s")
+    row = _progress_row()
+    rows = [(*row(d), Job.Status.RUNNING) for d in deltas]
     with transaction.atomic(), connection.cursor() as cursor:
         cursor.executemany(sql, rows)
         if cursor.rowcount == -1 or cursor.rowcount >= len(rows):
@@ -356,20 +369,12 @@ def record_adopted(deltas: list[ProgressDelta], instance: str) -> tuple[set[str]
     far, and replaces the row's once the row is this instance's. Returns (written,
     fenced): the attempts whose row took it, and those that no longer own a running job;
     the rest wait for the hand-over (their caller writes them again)."""
-    table = connection.ops.quote_name(Job._meta.db_table)
-    sql = (f"UPDATE {table} SET output_text = %s, num_output_tokens = %s, "
-           "num_prompt_tokens = %s, num_cached_tokens = %s, num_preemptions = %s, "
-           "first_token_at = COALESCE(first_token_at, %s), kv_story = COALESCE(%s, kv_story) "
-           "WHERE id = %s AND request_id = %s AND status = %s AND engine_instance = %s")
-    when = connection.ops.adapt_datetimefield_value
-    story = _story_prep()
+    sql = _progress_sql("%s", " AND engine_instance = %s")
+    row = _progress_row()
     written: set[str] = set()
     with transaction.atomic(), connection.cursor() as cursor:
         for d in deltas:
-            cursor.execute(sql, (d.text, d.num_output_tokens, d.num_prompt_tokens,
-                                 d.num_cached_tokens, d.num_preemptions,
-                                 when(d.first_token_at), story(d.kv_story), d.job_id,
-                                 d.request_id, Job.Status.RUNNING, instance))
+            cursor.execute(sql, (*row(d), Job.Status.RUNNING, instance))
             if cursor.rowcount:
                 written.add(d.request_id)
     rest = [d for d in deltas if d.request_id not in written]

@@ -3,9 +3,9 @@
 // state current meanwhile, unpainted). Data: a snapshot, then deltas in sequence
 // (live_sync.js: a gap or a restart asks for a new snapshot); operator actions go
 // through the REST API (a running request's Migrate control among them: migration.js
-// says where it may go). ?request=<id> selects a request once it shows; ?at=<time> opens
-// the timeline at that moment (a job's KV story links here). window.kvopsPerf keeps
-// timings for tests.
+// says where it may go; the Retention control's form: retention.js). ?request=<id>
+// selects a request once it shows; ?at=<time> opens the timeline at that moment (a job's
+// KV story links here). window.kvopsPerf keeps timings for tests.
 import { api, errorText, newIdempotencyKey } from "./api.js";
 import { BlockMap } from "./blockmap.js";
 import { timeChart } from "./charts.js";
@@ -19,6 +19,8 @@ import { MetricsHistory, cumulativeHitRate } from "./metrics.js";
 import { LiveSync } from "./live_sync.js";
 import { drainText, migrationTargets, migrationText } from "./migration.js";
 import { RequestTable } from "./request_table.js";
+import { EVICTION_POLICIES, currentRetention, followedForm, pinnedText, retentionForm,
+         retentionRequest, retentionText } from "./retention.js";
 import { LiveSocket } from "./socket.js";
 import { tierWarnings } from "./tier_health.js";
 import { TimelineStrip, parseMoment } from "./timeline.js";
@@ -97,6 +99,7 @@ function loadSnapshot(snapshot) {
     const input = $(id);  // (operators only) the engine's limits now, unless being edited
     if (input && document.activeElement !== input && snapshot.config?.[key] != null) input.value = snapshot.config[key];
   }
+  showRetention(currentRetention(snapshot.metrics, snapshot.config));
   perf.snapshots++;
   note({ snapshot: snapshot.seq, epoch: snapshot.epoch, stale: !!snapshot.stale });
   if (!snapshot.stale) socket.healthy();
@@ -159,6 +162,7 @@ function applyDelta(delta, meta) {
   const result = sync.applyDelta(delta);
   if (result.needsResync) askResync(result.needsResync);
   if (!result.ok) return;
+  showRetention(currentRetention(delta.metrics, sync.state.config));  // (live, also while scrubbing)
   if (result.nowLive) setConnection("live");  // a stored snapshot the engine's deltas follow
   if (timeline.scrubbing) {  // kept, not painted
     heldEvents.push([delta.events, delta.event_counts]);
@@ -556,14 +560,20 @@ async function act(path, body, what, { key = null, describe = null } = {}) {
   const result = await api("POST", path, body, key ? { "Idempotency-Key": key } : {});
   const said = !result.ok ? errorText(result)
     : describe && result.data?.result ? describe(result.data.result) : "done";
-  const answer = $("#answer");
-  if (answer) {
-    answer.className = `answer ${result.ok ? "ok" : "bad"}`;
-    answer.textContent = `${what}: ${said}\nHTTP ${result.status}\n${JSON.stringify(result.data, null, 2)}`;
-  }
-  toast(`${what}: ${said}`, !result.ok);
+  showAnswer(`${what}: ${said}`, result.ok, `HTTP ${result.status}\n${JSON.stringify(result.data, null, 2)}`);
   loadActions();
   return result;
+}
+
+// A line in the Engine answer panel (with `details` under it) and a toast: an action's
+// answer, or why a form was not sent.
+function showAnswer(line, ok, details = "") {
+  const answer = $("#answer");
+  if (answer) {
+    answer.className = `answer ${ok ? "ok" : "bad"}`;
+    answer.textContent = details ? `${line}\n${details}` : line;
+  }
+  toast(line, !ok);
 }
 
 async function requestAction(action, requestId) {
@@ -637,6 +647,44 @@ async function migrate(requestId, to) {
   loadDestinations();  // (redraws the panel)
 }
 
+// --- retention: what the prefix cache keeps (operators) -----------------------------------
+// The engine's eviction policy and pin budget follow its live metrics; a field the
+// operator has changed keeps the change until Apply (retention.js followedForm).
+const retention = {
+  now: null,  // the engine's retention as last heard (retention.js currentRetention)
+  filled: null,  // the form as this page last filled it: {eviction_policy, percent}
+};
+
+function retentionFields() {
+  return { eviction_policy: $("#retention-policy").value, percent: $("#retention-budget").value };
+}
+
+function showRetention(now) {
+  if (!page.operator) return;
+  retention.now = now;
+  const form = followedForm(retentionFields(), retention.filled, now);
+  if ($("#retention-policy").value !== form.eviction_policy) $("#retention-policy").value = form.eviction_policy;
+  if ($("#retention-budget").value !== form.percent) $("#retention-budget").value = form.percent;
+  retention.filled = retentionForm(now);
+  const text = pinnedText(now);
+  if ($("#retention-pinned").textContent !== text) $("#retention-pinned").textContent = text;
+}
+
+async function applyRetention() {
+  if (!retention.now) {
+    showAnswer("Retention: the engine's settings have not come yet; try again once the page is live", false);
+    return;
+  }
+  const asked = retentionRequest(retentionFields(), retention.now);
+  if (asked.error) { showAnswer(`Retention: ${asked.error}`, false); return; }
+  const result = await act(`/api/engines/${encodeURIComponent(page.name)}/retention/`, asked.body, "Retention",
+                           { describe: retentionText });
+  if (result.ok) {
+    retention.filled = retentionFields();  // the engine took the form: it follows the engine again
+    showRetention(result.data.result);
+  }
+}
+
 async function prefixAction(action, body, question) {
   if (question && !(await confirmAction(question))) return;
   await act(`/api/engines/${encodeURIComponent(page.name)}/prefix-cache/${action}/`, body, `${LABELS[action]} (prefix cache)`);
@@ -674,6 +722,10 @@ if (page.operator) {
     if (tokens !== "") body.max_num_batched_tokens = Number(tokens);
     await act(`/api/engines/${encodeURIComponent(page.name)}/limits/`, body, "Batch limits");
   };
+  $("#retention-policy").replaceChildren(...Object.entries(EVICTION_POLICIES).map(
+    ([policy, what]) => new Option(`${policy}: ${what}`, policy)));
+  retention.filled = retentionFields();
+  $("#retention-apply").onclick = applyRetention;
   $("#evict").onclick = () => {
     const n = $("#evict-n").value.trim();
     prefixAction("evict", n === "" ? {} : { num_blocks: Number(n) },

@@ -36,6 +36,19 @@ def engine_row(stack, name: str) -> dict:
                 if e["name"] == name)
 
 
+def streaming_job(stack, prompt: str, tokens: int) -> dict:
+    """Alice's job of this prompt, once it runs and has made `tokens` tokens."""
+    job: dict = {}
+
+    def streaming() -> bool:
+        jobs = stack.api("GET", "/api/jobs/", user="alice").json()["results"]
+        job.update(next((j for j in jobs if j["prompt"] == prompt), {}))
+        return job.get("status") == "running" and job.get("num_output_tokens", 0) >= tokens
+
+    stack.wait(streaming, f"its job to make {tokens} tokens", 30)
+    return job
+
+
 def other(name: str) -> str:
     return "b" if name == "a" else "a"
 
@@ -62,14 +75,7 @@ def test_an_operators_move_keeps_the_clients_stream_whole(stack):
             done.set()
 
     threading.Thread(target=stream, daemon=True).start()
-    job: dict = {}
-
-    def streaming() -> bool:
-        jobs = stack.api("GET", "/api/jobs/", user="alice").json()["results"]
-        job.update(next((j for j in jobs if j["prompt"] == prompt), {}))
-        return job.get("status") == "running" and job.get("num_output_tokens", 0) >= 20
-
-    stack.wait(streaming, "the stream to start", 30)
+    job = streaming_job(stack, prompt, 20)
     source, rid = job["engine"], job["request_id"]
     r = stack.api("POST", f"/api/engines/{source}/requests/{rid}/migrate/",
                   json={"to": other(source)}, headers={"Idempotency-Key": uuid.uuid4().hex})
@@ -119,14 +125,7 @@ def test_a_fork_moves_with_its_samples_and_each_stream_stays_whole(stack):
             done.set()
 
     threading.Thread(target=stream, daemon=True).start()
-    job: dict = {}
-
-    def streaming() -> bool:
-        jobs = stack.api("GET", "/api/jobs/", user="alice").json()["results"]
-        job.update(next((j for j in jobs if j["prompt"] == prompt), {}))
-        return job.get("status") == "running" and job.get("num_output_tokens", 0) >= 10
-
-    stack.wait(streaming, "the samples to stream", 30)
+    job = streaming_job(stack, prompt, 10)
     source = job["engine"]
     r = stack.api("POST", f"/api/engines/{source}/requests/{job['request_id']}/migrate/",
                   json={"to": other(source)})
@@ -166,14 +165,7 @@ def test_a_raw_stream_through_a_move_has_one_done(stack):
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
-    job: dict = {}
-
-    def streaming() -> bool:
-        jobs = stack.api("GET", "/api/jobs/", user="alice").json()["results"]
-        job.update(next((j for j in jobs if j["prompt"] == prompt), {}))
-        return job.get("status") == "running" and job.get("num_output_tokens", 0) >= 10
-
-    stack.wait(streaming, "the stream to start", 30)
+    job = streaming_job(stack, prompt, 10)
     r = stack.api("POST", f"/api/engines/{job['engine']}/requests/{job['request_id']}/migrate/",
                   json={"to": other(job["engine"])})
     assert r.status_code == 200, r.text
