@@ -107,6 +107,7 @@ def test_a_write_cut_short_leaves_no_block(store, tmp_path):
 
 from engine.block_hash import hash_blocks, root_hash  # noqa: E402
 from engine.config import ConfigError  # noqa: E402
+from tests.models.fixtures import tiny_model, tiny_root  # noqa: E402, F401 (fixtures)
 
 from tests.engine.sim import expected, greedy, run_all, sim_engine  # noqa: E402
 
@@ -264,3 +265,38 @@ def test_a_core_stopped_by_sigterm_finishes_its_disk_writes_and_dies_by_it(tmp_p
     warm = ask(restarted, "warm", first)
     assert warm.num_cached_tokens == 28 and warm.output_token_ids == expected(first, 6)
     restarted.close()
+
+
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+        "not __import__('torch').cuda.is_available()", reason="needs a CUDA device")])])
+def test_a_real_models_blocks_come_back_from_disk_as_they_were(tiny_model, tmp_path, device):
+    """A tiny Llama with the CPU tier and the disk tier: a prefix pushed off the GPU and
+    the CPU tier comes back from disk (the CPU pool's block bytes out and in), and after
+    a restart; each answer is transformers' greedy one."""
+    from engine import SamplingParams
+    from tests.engine.test_model_parity import make_engine
+    from tests.models.tiny import SPECS, hf_greedy, random_prompts
+
+    folder = tiny_model("gqa16")
+    vocab = SPECS["gqa16"].vocab_size
+    first = random_prompts(vocab, [21], seed=8)[0]  # 5 full blocks of 4
+    others = random_prompts(vocab, [22] * 8, seed=9)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+    def engine():
+        return make_engine(folder, device=device, num_gpu_blocks=16, num_cpu_blocks=10,
+                           cpu_prefix_cache=True, disk_cache_dir=str(tmp_path / "disk"))
+
+    e = engine()
+    answers = [e.generate([p], params)[0] for p in [first, first, *others]]
+    back = e.generate([first], params)[0]
+    assert back.num_cached_tokens == 20 and e.metrics()["disk_prefix_cache_hits"] == 20
+    e.close()
+    again = engine()
+    warm = again.generate([first], params)[0]
+    assert warm.num_cached_tokens == 20
+    again.close()
+    expected_first = hf_greedy(folder, [first], 6)[0]
+    assert back.output_token_ids == warm.output_token_ids == answers[0].output_token_ids \
+        == expected_first
