@@ -75,12 +75,12 @@ ONLY="$*"
   # a request moved between two engines with its KV cache: blocks read from one device
   # pool to the host (pinned) and written into the other's (engine/migration.py), and
   # between two cores over ZMQ (engine/migration_link.py)
-  section migration 60 "$PY" -m pytest -q tests/engine/test_migration.py tests/engine/test_migration_link.py
+  section migration 50 "$PY" -m pytest -q tests/engine/test_migration.py tests/engine/test_migration_link.py
   # the disk tier of the prefix cache with a real model's CPU pool on a GPU machine:
   # block bytes out of and back into the pinned CPU pool (engine/disk_tier.py)
-  section disk 40 "$PY" -m pytest -q tests/engine/test_disk_tier.py
+  section disk 30 "$PY" -m pytest -q tests/engine/test_disk_tier.py
   # the service path with many free cores: the simulator, short streams at 5 ms a step
-  section sim 90 "$PY" -m benchmarks.bench_serve --streams 256 --sim-tokens 64-64 --step-ms 5
+  section sim 55 "$PY" -m benchmarks.bench_serve --streams 256 --sim-tokens 64-64 --step-ms 5
   # 256 streams of the default model through the service (named only: over the budget
   # of one command together with the rest)
   [ -n "$ONLY" ] && section serve256 150 "$PY" -m benchmarks.bench_serve --streams "" \
