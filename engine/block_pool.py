@@ -12,6 +12,7 @@ its reason: reused for another request's blocks, an operator's evict, a failed s
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
@@ -35,6 +36,12 @@ class KVBlock:
     hits: int = 0
     keep: int | None = None
     rank: int = 0
+    # A soft pin (BlockPool.soft_pin): kept over every block not soft-pinned until
+    # soft_until (the pool's clock), each hit renewing it by soft_ttl; by its priority
+    # among soft pins (a lower value is kept longer). 0.0: none
+    soft_until: float = 0.0
+    soft_ttl: float = 0.0
+    soft_priority: int = 0
 
 
 class FreeBlockQueue:
@@ -160,23 +167,42 @@ EVICTION_POLICIES: dict[str, tuple[int, Callable[[KVBlock], int]] | None] = {
 }
 
 
-def free_queue_for(policy: str, blocks: Iterable[KVBlock]):
-    """The free queue of an eviction policy, holding these free blocks in order."""
+SOFT_RANKS = 2 * PRIORITY_MID + 1  # soft pins' ranks, above every policy's
+
+
+def free_queue_for(policy: str, blocks: Iterable[KVBlock],
+                   clock: Callable[[], float] | None = None):
+    """The free queue of an eviction policy, holding these free blocks in order; with a
+    clock, soft pins (while they last) rank above the policy's ranks."""
     if policy not in EVICTION_POLICIES:
         raise ValueError(f"eviction policy must be one of {', '.join(EVICTION_POLICIES)}")
     ranked = EVICTION_POLICIES[policy]
-    return FreeBlockQueue(blocks) if ranked is None else RankedFreeQueue(blocks, *ranked)
+    if clock is None:
+        return FreeBlockQueue(blocks) if ranked is None else RankedFreeQueue(blocks, *ranked)
+    num_ranks, rank_of = ranked or (1, lambda b: 0)
+
+    def with_soft(block: KVBlock) -> int:
+        if block.soft_until and block.soft_until > clock():
+            return num_ranks + max(0, min(2 * PRIORITY_MID, PRIORITY_MID - block.soft_priority))
+        return rank_of(block)
+
+    return RankedFreeQueue(blocks, num_ranks + SOFT_RANKS, with_soft)
 
 
 class BlockPool:
     def __init__(self, num_blocks: int, enable_caching: bool, events: EventLog,
-                 pool: str = "gpu", eviction_policy: str = "lru") -> None:
+                 pool: str = "gpu", eviction_policy: str = "lru",
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.pool = pool  # "gpu" or "cpu", for events
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.eviction_policy = eviction_policy
         self.free_queue = free_queue_for(eviction_policy, self.blocks)
+        self.clock = clock  # soft pins' time to live
+        self.soft_pinned: set[KVBlock] = set()  # blocks with a soft pin, live or lapsed
+        self._soft_next = float("inf")  # the earliest a soft pin lapses
+        self._ranks_soft = False  # the free queue ranks soft pins (since the first one)
         self.cached: dict[BlockHash, KVBlock] = {}  # hash -> the one block holding it
         self.num_pinned = 0  # blocks held by a pin: no request can ever have them
         # Told (block id, hash) of the cached blocks take_new is about to reuse, before
@@ -199,12 +225,67 @@ class BlockPool:
 
     def set_eviction_policy(self, policy: str) -> None:
         """Another eviction policy from now on: the free blocks, in their order, ranked
-        by it."""
+        by it (and by their soft pins, while any block has one)."""
         free = list(self.free_queue)
         for block in free:
             self.free_queue.remove(block)
-        self.free_queue = free_queue_for(policy, free)
+        self.free_queue = free_queue_for(policy, free, self.clock if self._ranks_soft else None)
         self.eviction_policy = policy
+
+    # --- soft pins ---------------------------------------------------------------------
+    def soft_pin(self, blocks: list[KVBlock], priority: int, ttl_s: float) -> list[KVBlock]:
+        """Keep these cached blocks over every block not soft-pinned for ttl_s, renewed
+        by each hit (a lower priority value is kept longer among soft pins). They are
+        still evicted when nothing else is left: a soft pin takes no block from a
+        request. Returns the blocks newly soft-pinned."""
+        if not self._ranks_soft:  # (from now on the queue ranks soft pins)
+            self._ranks_soft = True
+            self.set_eviction_policy(self.eviction_policy)
+        until = self.clock() + ttl_s
+        newly = []
+        for block in blocks:
+            if block.block_hash is None:
+                continue
+            if not block.soft_until:
+                newly.append(block)
+            block.soft_until, block.soft_ttl, block.soft_priority = until, ttl_s, priority
+            self.soft_pinned.add(block)
+            self._rerank(block)
+        self._soft_next = min(self._soft_next, until)
+        return newly
+
+    def soft_unpin(self, blocks: list[KVBlock]) -> list[KVBlock]:
+        released = [b for b in blocks if b.soft_until]
+        for block in released:
+            self._clear_soft(block)
+        return released
+
+    def expire_soft_pins(self) -> int:
+        """Soft pins whose time is up go back to their policy's rank; how many."""
+        now = self.clock()
+        if now < self._soft_next:
+            return 0
+        lapsed = [b for b in self.soft_pinned if b.soft_until <= now]
+        for block in lapsed:
+            self._clear_soft(block)
+        self._soft_next = min((b.soft_until for b in self.soft_pinned), default=float("inf"))
+        return len(lapsed)
+
+    @property
+    def num_soft_pinned(self) -> int:
+        now = self.clock()
+        return sum(1 for b in self.soft_pinned if b.soft_until > now)
+
+    def _clear_soft(self, block: KVBlock) -> None:
+        block.soft_until = block.soft_ttl = 0.0
+        block.soft_priority = 0
+        self.soft_pinned.discard(block)
+        self._rerank(block)
+
+    def _rerank(self, block: KVBlock) -> None:
+        if block.ref_cnt == 0 and block.block_hash is not None:
+            self.free_queue.remove(block)
+            self.free_queue.append(block)
 
     def eviction_order(self, k: int) -> list[int]:
         """Ids of the next k blocks to be taken (cached ones among them lose their data)."""
@@ -226,6 +307,8 @@ class BlockPool:
         """
         if n > self.num_free:
             raise RuntimeError(f"invariant: asked {self.pool} pool for {n} blocks, {self.num_free} free")
+        if self.soft_pinned:
+            self.expire_soft_pins()
         taken, evicted = [], []
         for _ in range(n):
             block = self.free_queue.popleft()
@@ -250,6 +333,8 @@ class BlockPool:
             block.ref_cnt += 1
             if block.block_hash is not None:  # (cached data taken again)
                 block.hits += 1
+                if block.soft_until:  # a hit renews its soft pin
+                    block.soft_until = max(block.soft_until, self.clock() + block.soft_ttl)
             if keep is not None and (block.keep is None or keep < block.keep):
                 block.keep = keep
 
@@ -347,6 +432,10 @@ class BlockPool:
         del self.cached[block.block_hash]
         block.block_hash = None
         block.hits = 0
+        if block.soft_until:  # (its data is gone: so is its soft pin)
+            block.soft_until = block.soft_ttl = 0.0
+            block.soft_priority = 0
+            self.soft_pinned.discard(block)
 
     # --- pins ------------------------------------------------------------------------
     def pin(self, block: KVBlock) -> bool:

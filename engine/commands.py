@@ -48,6 +48,17 @@ def _request_id(arguments: dict) -> str:
 # the new state on at once (the core's next metrics, the worker's heartbeat, routing).
 STATE_COMMANDS = ("pause", "resume", "drain", "undrain")
 
+def _soft(arguments: dict) -> dict:
+    """A pin's soft-pin arguments (none: a hard pin)."""
+    if not arguments.get("soft"):
+        return {}
+    return {"soft": True, "priority": int(arguments.get("priority") or 0),
+            "ttl_s": float(arguments.get("ttl_s") or SOFT_PIN_TTL_S)}
+
+
+SOFT_PIN_TTL_S = 3600.0  # a soft pin's time to live when none is given
+
+
 def _by(arguments: dict) -> str:
     """Who sent the command (the service passes the operator's name), for KV stories."""
     by = arguments.get("by")
@@ -62,8 +73,9 @@ OPERATOR_COMMANDS: dict[str, Callable[[LLMEngine, dict], Any]] = {
     "evict": lambda e, a: {"num_evicted": e.evict_cached_blocks(
         _int_or_none(a.get("num_blocks"), "num_blocks"), _by(a))},
     "reset": lambda e, a: e.reset_prefix_cache(_by(a)),
-    "pin": lambda e, a: e.pin_prefix(_prompt_arg(a), a.get("cache_salt")),
-    "unpin": lambda e, a: e.unpin_prefix(_prompt_arg(a), a.get("cache_salt")),
+    "pin": lambda e, a: e.pin_prefix(_prompt_arg(a), a.get("cache_salt"), **_soft(a)),
+    "unpin": lambda e, a: e.unpin_prefix(_prompt_arg(a), a.get("cache_salt"),
+                                         soft=bool(a.get("soft"))),
     "snapshot": lambda e, a: e.snapshot(compact=bool(a.get("compact", True))),
     "metrics": lambda e, a: e.metrics(),
     # the GPU pool's cached hashes, or the CPU tier's with {"pool": "cpu"}

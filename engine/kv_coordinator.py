@@ -488,6 +488,18 @@ class KVCacheCoordinator:
             self._pin(g, self._same_tokens(g, blocks), False)
         return self._pin(self.main, blocks, False)
 
+    def soft_pin(self, blocks: list[KVBlock], priority: int, ttl_s: float) -> list[KVBlock]:
+        """Soft-pin a cached prefix (BlockPool.soft_pin), in every group as pin() does;
+        group 0's newly soft-pinned."""
+        for g in self.groups[1:]:
+            self.gpu.soft_pin(self._same_tokens(g, blocks), priority, ttl_s)
+        return self.gpu.soft_pin(blocks, priority, ttl_s)
+
+    def soft_unpin(self, blocks: list[KVBlock]) -> list[KVBlock]:
+        for g in self.groups[1:]:
+            self.gpu.soft_unpin(self._same_tokens(g, blocks))
+        return self.gpu.soft_unpin(blocks)
+
     def _pin(self, group: KVGroup, blocks: list[KVBlock], pin: bool) -> list[KVBlock]:
         """Pin (or unpin) a group's blocks; the ones whose pin changed, said in an event."""
         change = self.gpu.pin if pin else self.gpu.unpin

@@ -722,10 +722,21 @@ class LLMEngine:
             self._publish_kv_events()
         return result
 
-    def pin_prefix(self, prompt: str | list[int], cache_salt: str | None = None) -> dict:
-        """Pin the cached blocks of this prefix so they are never evicted."""
+    def pin_prefix(self, prompt: str | list[int], cache_salt: str | None = None,
+                   soft: bool = False, priority: int = 0, ttl_s: float = 3600.0) -> dict:
+        """Pin the cached blocks of this prefix so they are never evicted. soft: keep
+        them over every block not soft-pinned instead, for ttl_s (each hit renews it),
+        by priority among soft pins (a lower value is kept longer): they are evicted
+        when nothing else is left, so a soft pin takes nothing from a request."""
         self.version += 1
         blocks = self._prefix_blocks(prompt, cache_salt)
+        if soft:
+            if not ttl_s > 0:
+                raise InvalidRequestError("a soft pin's ttl_s must be positive")
+            newly = self.kv.soft_pin(blocks, priority, ttl_s)
+            return {"block_ids": [b.block_id for b in blocks], "num_newly_pinned": len(newly),
+                    "num_tokens": len(blocks) * self.config.block_size, "soft": True,
+                    "priority": priority, "ttl_s": ttl_s}
         self._check_pin_budget(blocks)
         self._check_pin_leaves_room(blocks)
         newly = self.kv.pin(blocks)
@@ -792,10 +803,11 @@ class LLMEngine:
                     f"of {self.kv.gpu.num_blocks}; request {request.request_id} needs {need}: "
                     "it could never run. Pin later, or a shorter prefix")
 
-    def unpin_prefix(self, prompt: str | list[int], cache_salt: str | None = None) -> dict:
+    def unpin_prefix(self, prompt: str | list[int], cache_salt: str | None = None,
+                     soft: bool = False) -> dict:
         self.version += 1
         blocks = self._prefix_blocks(prompt, cache_salt)
-        released = self.kv.unpin(blocks)
+        released = self.kv.soft_unpin(blocks) if soft else self.kv.unpin(blocks)
         return {"block_ids": [b.block_id for b in blocks], "num_unpinned": len(released),
                 "num_tokens": len(blocks) * self.config.block_size}
 
@@ -949,6 +961,7 @@ class LLMEngine:
             "cpu_cache_copy_in_bytes": self.kv.num_blocks_onloaded * self.runner.block_bytes,
             **self._disk_metrics(),
             "num_pinned_blocks": self.kv.gpu.num_pinned,
+            "num_soft_pinned_blocks": self.kv.gpu.num_soft_pinned,
             "pin_budget": self.pin_budget,
             "eviction_policy": self.kv.gpu.eviction_policy,
             "num_preemptions": c.num_preemptions,

@@ -184,8 +184,19 @@ class PrefixSerializer(StrictMixin, serializers.Serializer):
                                       required=False, max_length=1_000_000)
     cache_salt = TextField(required=False, allow_null=True, default=None,
                                        max_length=256)
+    # a soft pin: kept over the other cached blocks for ttl_s (renewed by each hit), by
+    # priority among soft pins, still evicted when nothing else is left
+    soft = serializers.BooleanField(required=False, default=None, allow_null=True)
+    priority = serializers.IntegerField(required=False, allow_null=True, default=None,
+                                        min_value=-1000, max_value=1000)
+    ttl_s = FiniteFloatField(required=False, allow_null=True, default=None, min_value=1.0,
+                             max_value=30 * 86400.0)
 
     def validate(self, attrs):
+        if not attrs.get("soft") and (attrs.get("priority") is not None
+                                      or attrs.get("ttl_s") is not None):
+            raise serializers.ValidationError(
+                {"soft": ["priority and ttl_s are a soft pin's: give soft: true"]})
         if bool(attrs.get("prompt")) == bool(attrs.get("token_ids")):
             raise serializers.ValidationError(
                 {"prompt": ["give exactly one of `prompt` (non-empty text) or `token_ids`"]})

@@ -202,3 +202,54 @@ def test_the_policy_changes_live_keeping_every_free_block():
     assert len(pool.free_queue) == 6 and sorted(pool.eviction_order(6)) == list(range(6))
     with pytest.raises(ValueError, match="eviction policy"):
         pool.set_eviction_policy("random")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_soft_pins_keep_blocks_over_the_others_until_their_time_is_up():
+    """Under LRU: soft-pinned blocks are taken after every other free block (the more
+    important first kept longer), a hit renews the pin, a lapsed pin ranks as before, and
+    a soft pin never keeps a block from a request."""
+    clock = Clock()
+    pool = BlockPool(6, enable_caching=True, events=EventLog(1000), clock=clock)
+    blocks = pool.take_new(6)
+    for b in blocks:
+        pool.cache(b, bytes([b.block_id]) * 32)
+    pool.free(blocks)
+    assert pool.soft_pin([blocks[0]], priority=0, ttl_s=60) == [blocks[0]]
+    assert pool.soft_pin([blocks[1]], priority=-1, ttl_s=10) == [blocks[1]]
+    assert pool.eviction_order(6) == [2, 3, 4, 5, 0, 1]
+    assert pool.num_soft_pinned == 2
+    clock.now += 9
+    pool.touch([blocks[1]])  # a hit: renewed for 10 s from now
+    pool.free([blocks[1]])
+    clock.now += 5
+    pool.expire_soft_pins()
+    assert pool.eviction_order(6)[-2:] == [0, 1]  # both still soft-pinned
+    clock.now += 6  # block 1's lapsed (renewed at +9, for 10 s); block 0's holds
+    assert pool.expire_soft_pins() == 1
+    assert pool.eviction_order(6) == [2, 3, 4, 5, 1, 0]
+    taken = pool.take_new(6)  # a soft pin takes no block from a request
+    assert len(taken) == 6 and not pool.soft_pinned and pool.num_soft_pinned == 0
+    pool.free(taken)
+
+
+def test_a_soft_unpin_puts_a_block_back_in_its_place():
+    clock = Clock()
+    pool = BlockPool(4, enable_caching=True, events=EventLog(1000), eviction_policy="slru",
+                     clock=clock)
+    blocks = pool.take_new(4)
+    for b in blocks:
+        pool.cache(b, bytes([b.block_id]) * 32)
+    pool.free(blocks)
+    pool.soft_pin([blocks[0]], priority=0, ttl_s=60)
+    assert pool.eviction_order(4) == [1, 2, 3, 0]
+    assert pool.soft_unpin([blocks[0], blocks[1]]) == [blocks[0]]
+    assert pool.eviction_order(4)[-1] == 0  # (re-ranked: the most recently placed)
+    assert pool.num_soft_pinned == 0

@@ -300,6 +300,38 @@ def test_the_priority_policy_keeps_an_important_requests_prefix():
     engine.kv.check_invariants()
 
 
+def test_a_soft_pinned_prefix_outlives_a_scan_and_lapses_with_its_time():
+    """A soft pin keeps a prefix through one-off prompts that LRU would let it go for;
+    past its time to live it is evicted like any other; it counts against no budget and
+    never stops a request from running."""
+    engine = sim_engine(num_gpu_blocks=24, pin_budget=0.0)
+    clock = [1000.0]
+    engine.kv.gpu.clock = lambda: clock[0]
+    first = list(range(500, 516))  # 4 blocks
+    engine.generate([first + [1]], greedy(2))
+    res = engine.pin_prefix(first, soft=True, priority=0, ttl_s=60)
+    assert res["soft"] and res["num_newly_pinned"] == 4
+    assert engine.metrics()["num_soft_pinned_blocks"] == 4
+    for p in prompts(8, lo=20, hi=20, seed=12):
+        engine.generate([p], greedy(4))
+    (kept,) = engine.generate([first + [2]], greedy(2))
+    assert kept.num_cached_tokens == 16  # (the hit renewed it too)
+    clock[0] += 61
+    for p in prompts(8, lo=20, hi=20, seed=14):
+        engine.generate([p], greedy(4))
+    (gone,) = engine.generate([first + [3]], greedy(2))
+    assert gone.num_cached_tokens == 0 and gone.output_token_ids == expected(first + [3], 2)
+    assert engine.metrics()["num_soft_pinned_blocks"] == 0
+    # a request that needs every block runs with soft pins in place
+    engine.generate([first + [1]], greedy(2))
+    engine.pin_prefix(first, soft=True, ttl_s=600)
+    (big,) = engine.generate([list(range(600, 680))], greedy(10))  # 90 tokens: 23 blocks
+    assert big.output_token_ids == expected(list(range(600, 680)), 10)
+    with pytest.raises(PrefixNotCachedError):  # (evicted for it)
+        engine.unpin_prefix(first, soft=True)
+    engine.kv.check_invariants()
+
+
 def test_a_pin_that_would_starve_a_request_already_there_is_refused():
     engine = sim_engine(num_gpu_blocks=16)
     prefix = list(range(500, 516))

@@ -169,6 +169,16 @@ def test_the_pin_budget_is_set_live_and_refuses_a_pin_over_it(stack):
         assert r.json()["result"]["pin_budget"] == 0.0
         r = stack.api("POST", "/api/engines/sim/prefix-cache/pin/", json={"prompt": prompt})
         assert r.status_code == 409 and "pin budget of 0 blocks" in r.json()["message"], r.text
+        # a soft pin counts against no budget (it takes no block from a request)
+        r = stack.api("POST", "/api/engines/sim/prefix-cache/pin/",
+                      json={"prompt": prompt, "soft": True, "priority": -1, "ttl_s": 600})
+        assert r.status_code == 200 and r.json()["result"]["soft"], r.text
+        assert r.json()["result"]["num_newly_pinned"] == len(prompt.encode()) // 16
+        r = stack.api("POST", "/api/engines/sim/prefix-cache/unpin/",
+                      json={"prompt": prompt, "soft": True})
+        assert r.status_code == 200 and r.json()["result"]["num_unpinned"] > 0, r.text
+        assert stack.api("POST", "/api/engines/sim/prefix-cache/pin/",
+                         json={"prompt": prompt, "ttl_s": 60}).status_code == 400
         stack.wait(lambda: next(e for e in stack.api("GET", "/api/engines/").json()
                                 if e["name"] == "sim")["metrics"].get("pin_budget") == 0.0,
                    "the budget in the metrics", 10)
