@@ -171,17 +171,20 @@ def check(engine: LLMEngine, offer: dict) -> dict:
         return _check_fork(engine, offer)
     _fits(engine, offer)
     if offer.get("groups") is not None:  # (fresh blocks for every group's live ones)
-        need = sum(n for _, n in offer["groups"]) + engine.kv.num_groups
-        if need > engine.kv.gpu.num_free:
-            raise NotEnoughBlocksError(f"request {offer['request_id']!r} needs {need} free "
-                                       f"blocks here, {engine.kv.gpu.num_free} are")
-        return {"cached_blocks": 0, "free_blocks": engine.kv.gpu.num_free}
+        return _room(engine, f"request {offer['request_id']!r}",
+                     sum(n for _, n in offer["groups"]) + engine.kv.num_groups, 0)
     cached = engine.kv.cached_chain([bytes.fromhex(h) for h in offer["block_hashes"]])
     need = cdiv(offer["num_computed_tokens"] + 1, engine.config.block_size) - len(cached)
+    return _room(engine, f"request {offer['request_id']!r}", need, len(cached))
+
+
+def _room(engine: LLMEngine, who: str, need: int, cached: int) -> dict:
+    """check()'s answer, or NotEnoughBlocksError when `need` blocks are not free here
+    (`who`: the request, as the error names it)."""
     if need > engine.kv.gpu.num_free:
-        raise NotEnoughBlocksError(f"request {offer['request_id']!r} needs {need} free "
-                                   f"blocks here, {engine.kv.gpu.num_free} are")
-    return {"cached_blocks": len(cached), "free_blocks": engine.kv.gpu.num_free}
+        raise NotEnoughBlocksError(f"{who} needs {need} free blocks here, "
+                                   f"{engine.kv.gpu.num_free} are")
+    return {"cached_blocks": cached, "free_blocks": engine.kv.gpu.num_free}
 
 
 def _check_fork(engine: LLMEngine, offer: dict) -> dict:
@@ -196,11 +199,8 @@ def _check_fork(engine: LLMEngine, offer: dict) -> dict:
     need = sum(cdiv(st["num_computed_tokens"] + 1, bs) - max(len(cached), _shared(st, first)
                                                             if i else len(cached))
                for i, st in enumerate(offer["samples"]))
-    if need > engine.kv.gpu.num_free:
-        raise NotEnoughBlocksError(f"request {offer['request_id']!r} (a fork of "
-                                   f"{len(offer['samples'])} samples) needs {need} free "
-                                   f"blocks here, {engine.kv.gpu.num_free} are")
-    return {"cached_blocks": len(cached), "free_blocks": engine.kv.gpu.num_free}
+    return _room(engine, f"request {offer['request_id']!r} (a fork of "
+                 f"{len(offer['samples'])} samples)", need, len(cached))
 
 
 def take_out(engine: LLMEngine, request_id: str, skip: int) -> tuple[dict, Any]:
@@ -211,29 +211,18 @@ def take_out(engine: LLMEngine, request_id: str, skip: int) -> tuple[dict, Any]:
     samples = live_fork(engine, request_id)
     if samples is not None:
         return _take_out_fork(engine, request_id, samples, skip)
-    if windowed(engine):
-        return _take_out_tables(engine, request_id)
     request = engine.scheduler.suspend(request_id)
     try:
-        n = cdiv(request.num_computed_tokens, engine.config.block_size)
-        data = engine.runner.read_blocks(engine.kv.block_ids(request_id)[skip:n])
+        if windowed(engine):  # every group's live blocks, in group order
+            data = [engine.runner.read_blocks(ids) if ids else None
+                    for _, ids in engine.kv.tables_of(request_id)]
+        else:
+            n = cdiv(request.num_computed_tokens, engine.config.block_size)
+            data = engine.runner.read_blocks(engine.kv.block_ids(request_id)[skip:n])
     except Exception:
         engine.scheduler.resume(request_id)
         raise
-    return state_of(engine, request), data
-
-
-def _take_out_tables(engine: LLMEngine, request_id: str) -> tuple[dict, list]:
-    """A request of a windowed engine: its state (with each group's layout now) and
-    every group's live blocks, in group order."""
-    request = engine.scheduler.suspend(request_id)
-    try:
-        tables = engine.kv.tables_of(request_id)
-        data = [engine.runner.read_blocks(ids) if ids else None for _, ids in tables]
-    except Exception:
-        engine.scheduler.resume(request_id)
-        raise
-    return state_of(engine, request), data
+    return state_of(engine, request), data  # (a windowed engine's: each group's layout)
 
 
 def _take_out_fork(engine: LLMEngine, request_id: str, samples: list[Request],
@@ -392,8 +381,8 @@ def _commit_tables(engine: LLMEngine, state: dict, data: list) -> dict:
         engine.kv.free(request, "migration")
         raise
     request.num_computed_tokens = state["num_computed_tokens"]
-    sent = sum(len(ids) for ids in tables)
-    return _arrive(engine, state, request, sent, 0, sum(len(ids) for ids in tables))
+    sent = sum(len(ids) for ids in tables)  # (every block was sent: all are written)
+    return _arrive(engine, state, request, sent, 0, sent)
 
 
 def _commit_fork(engine: LLMEngine, state: dict, data: list) -> dict:

@@ -292,6 +292,13 @@ class MigrationLink:
         move.bytes_sent += sum(memoryview(f).nbytes for f in frames)
         sock.send_multipart([_pack(message), *frames], copy=False)
 
+    def _tell(self, move: _Move, kind: str) -> None:
+        """A message the destination does not answer ("cancel", "abort")."""
+        sock = self._out.get(move.address)
+        if sock is not None:
+            self._seq += 1
+            sock.send_multipart([_pack([kind, move.request_id, self._seq])])
+
     def _answered(self, message: list) -> None:
         kind, rid, seq, payload = message
         move = self._moves.get(rid)
@@ -322,9 +329,7 @@ class MigrationLink:
         engine = self.engine
         if not self._out_of_batch(move.request_id):
             # cancelled here while its commit was in flight: it ends there too
-            self._seq += 1
-            self._out[move.address].send_multipart([_pack(["abort", move.request_id,
-                                                           self._seq])])
+            self._tell(move, "abort")
             move.reply(False, ["InvalidStateError", f"request {move.request_id!r} was "
                                "cancelled while it moved"])
             return
@@ -352,10 +357,8 @@ class MigrationLink:
         self._moves.pop(move.request_id, None)
         if self._out_of_batch(move.request_id):
             self.engine.migration_done(move.request_id, False)
-        sock = self._out.get(move.address)
-        if tell and sock is not None and move.phase != "offer":
-            self._seq += 1
-            sock.send_multipart([_pack(["cancel", move.request_id, self._seq])])
+        if tell and move.phase != "offer":
+            self._tell(move, "cancel")
         log.warning("request %s did not move to %s: %s", move.request_id, move.to, error)
         move.reply(False, [type(error).__name__, str(error)])
 

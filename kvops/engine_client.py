@@ -262,6 +262,14 @@ class EngineClient(ABC):
             self._in_flight.difference_update(i for i, e in zip(ids, refusals) if e is not None)
         return refusals
 
+    def abort_quietly(self, request_id: str) -> None:
+        """Abort a request that may have ended meanwhile, or never been added: that it is
+        gone is all the caller needs."""
+        try:
+            self.command("abort", {"request_id": request_id})
+        except Exception:  # noqa: BLE001  (it ended on its own, or the core did)
+            pass
+
     def finish_request(self, request_id: str) -> None:
         """End a request whose text reached a stop string (does not wait)."""
         try:

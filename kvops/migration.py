@@ -19,6 +19,7 @@ from django.conf import settings
 
 from engine.errors import InvalidRequestError, InvalidStateError
 from kvops import selectors
+from kvops.routing import load_tokens
 from kvops.models import Engine, OperatorAction
 
 log = logging.getLogger(__name__)
@@ -61,12 +62,7 @@ def destinations(source: Engine) -> list[Engine]:
     out = [e for e in Engine.objects.exclude(name=source.name)
            if selectors.engine_alive(e) and selectors.engine_state(e) == "ready"
            and selectors.model_name(e) == model and (e.config or {}).get("migration_address")]
-    return sorted(out, key=lambda e: (_load(e), e.name))
-
-
-def _load(engine: Engine) -> int:
-    m = engine.metrics or {}
-    return int(m.get("running_tokens", 0)) + int(m.get("waiting_tokens", 0))
+    return sorted(out, key=lambda e: (load_tokens(e), e.name))
 
 
 def migrate(client, request_id: str, to: str, staged: bool = True,
@@ -162,12 +158,12 @@ def watch_moved_in(client, processor, job, handle) -> None:
         from django.db import connection
         try:
             if job_store.cancels_requested([job.pk]):
-                _abort_quietly(client, job.request_id)
+                client.abort_quietly(job.request_id)
             started = job.started_at.timestamp() if job.started_at else time.time()
             left = started + settings.KVOPS_JOB_TIMEOUT_S - time.time()
             if handle.wait(max(0.0, left)) is None:
                 processor.untrack(job.request_id)
-                _abort_quietly(client, job.request_id)
+                client.abort_quietly(job.request_id)
                 job_store.fail_job(job.pk, f"request {job.request_id} ran past "
                                            f"{settings.KVOPS_JOB_TIMEOUT_S:.0f} s",
                                    job.request_id)
@@ -177,10 +173,3 @@ def watch_moved_in(client, processor, job, handle) -> None:
             connection.close()
 
     threading.Thread(target=watch, name=f"kvops-moved-in-{job.pk}", daemon=True).start()
-
-
-def _abort_quietly(client, request_id: str) -> None:
-    try:
-        client.command("abort", {"request_id": request_id})
-    except Exception:  # noqa: BLE001  (it ended meanwhile)
-        pass

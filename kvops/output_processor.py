@@ -368,13 +368,8 @@ class OutputProcessor:
         from a prefill engine): the row is that engine's now, with the text made here
         (the destination's writes wait for this)."""
         self._pop_attempt(t.request_id)
-        delta = job_store.ProgressDelta(
-            t.job_id, t.attempt_id, "".join(t.unwritten), t.num_output_tokens,
-            t.num_prompt_tokens, t.num_cached_tokens, t.num_preemptions,
-            t.first_token_at if not t.first_token_written else None,
-            t.kv_story if t.kv_story_unwritten else None)
         try:
-            job = job_store.hand_over(delta, to, reason)
+            job = job_store.hand_over(_delta(t, "".join(t.unwritten)), to, reason)
         except Exception:  # the destination's final write still carries all its text
             log.exception("job %s: could not hand it over to engine %s", t.job_id, to)
             job = None
@@ -464,23 +459,17 @@ class OutputProcessor:
         t.dirty = True
 
     def _write_progress(self) -> None:
-        deltas, adopted, adopters = [], [], []
-        for t in self._jobs.values():
-            if not t.dirty or t.index:  # a fork's row follows its sample 0
-                continue
-            first = t.first_token_at if not t.first_token_written else None
-            if t.adopted:
-                adopters.append(t)
-            (adopted if t.adopted else deltas).append(job_store.ProgressDelta(
-                t.job_id, t.attempt_id, "".join(t.text if t.adopted else t.unwritten),
-                t.num_output_tokens, t.num_prompt_tokens, t.num_cached_tokens,
-                t.num_preemptions, first, t.kv_story if t.kv_story_unwritten else None))
-        if not deltas and not adopted:
+        # (a fork's row follows its sample 0)
+        dirty = [t for t in self._jobs.values() if t.dirty and not t.index]
+        if not dirty:
             return
+        adopters = [t for t in dirty if t.adopted]
+        deltas = [_delta(t, "".join(t.unwritten)) for t in dirty if not t.adopted]
         fenced = job_store.record_progress(deltas) if deltas else set()
         waiting: set[str] = set()  # moved here, the row not handed over yet: again later
-        if adopted:
-            written, lost = job_store.record_adopted(adopted, self.instance)
+        if adopters:
+            written, lost = job_store.record_adopted(
+                [_delta(t, "".join(t.text)) for t in adopters], self.instance)
             fenced |= lost
             for t in adopters:
                 if t.attempt_id in written:
@@ -508,6 +497,16 @@ class OutputProcessor:
         except Exception as e:  # its number is used: readers see the gap and say so
             self.stats.stream_errors += 1
             log.warning("job stream write failed (%d updates): %s", len(updates), e)
+
+
+def _delta(t: _Tracked, text: str) -> job_store.ProgressDelta:
+    """The attempt's progress not in the database yet, its text `text` (what it made
+    since the last write, or all of it)."""
+    return job_store.ProgressDelta(
+        t.job_id, t.attempt_id, text, t.num_output_tokens, t.num_prompt_tokens,
+        t.num_cached_tokens, t.num_preemptions,
+        t.first_token_at if not t.first_token_written else None,
+        t.kv_story if t.kv_story_unwritten else None)
 
 
 def _final_state(t: _Tracked) -> job_store.FinalState:

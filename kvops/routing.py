@@ -132,7 +132,7 @@ def _pair_with_decode(jobs: list[Job], out: list, engines: list[Engine]) -> None
     if not decoders:
         return
     roles = {e.name: _role(e) for e in engines}
-    load = {e.name: _load(e, None) for e in decoders}
+    load = {e.name: load_tokens(e) for e in decoders}
     for job, routed in zip(jobs, out):
         if routed is None or roles.get(routed[1].get("engine")) != "prefill":
             continue
@@ -157,7 +157,7 @@ def _candidates() -> list[Engine]:
         e for e in engines if states[e.name] == "paused"]
 
 
-def _load(engine: Engine, pending: bytes | None) -> int:
+def load_tokens(engine: Engine, pending: bytes | None = None) -> int:
     """Tokens the engine holds or waits on (its last heartbeat) plus tokens routed to it
     since (`pending`: a burst of jobs must not all go to the engine that looked idle)."""
     m = engine.metrics or {}
@@ -193,7 +193,7 @@ def _by_prefix(jobs: list[Job], allowed: list[list[Engine]], engines: list[Engin
         hashes.append(per_engine)
         memo.clear()
     replies = iter(pipe.execute())
-    load = {e.name: _load(e, next(replies)) for e in engines}
+    load = {e.name: load_tokens(e, next(replies)) for e in engines}
     routed_tokens = dict.fromkeys(names, 0)
     expected: dict[str, set[str]] = {name: set() for name in names}
     decisions = []

@@ -57,7 +57,7 @@ def run_jobs(self, job_ids: list[int]) -> list[str]:
         for job in claimed:
             if job.pk not in outcomes:
                 worker.processor.untrack(job.request_id)
-                _abort_quietly(service, job.request_id)
+                service.abort_quietly(job.request_id)
                 _fail_quietly(job.pk, f"{type(e).__name__}: {e}", job.request_id)
                 outcomes[job.pk] = "failed"
     return [outcomes.get(job_id, "skipped") for job_id in job_ids]
@@ -98,13 +98,13 @@ def _run_claimed(worker, jobs: list, outcomes: dict[int, str]) -> None:
     # A cancel that came between the claim and the submit found no engine request to
     # abort: look again now that there is one.
     for job_id in job_store.cancels_requested([job.pk for job in running]):
-        _abort_quietly(service, next(j.request_id for j in running if j.pk == job_id))
+        service.abort_quietly(next(j.request_id for j in running if j.pk == job_id))
     deadline = time.monotonic() + settings.KVOPS_JOB_TIMEOUT_S
     for job in running:
         outcome = handles[job.pk].wait(max(0.0, deadline - time.monotonic()))
         if outcome is None:
             processor.untrack(job.request_id)
-            _abort_quietly(service, job.request_id)
+            service.abort_quietly(job.request_id)
             job_store.fail_job(job.pk, f"request {job.request_id} ran past "
                                       f"{settings.KVOPS_JOB_TIMEOUT_S:.0f} s", job.request_id)
             outcome = "timeout"
@@ -126,13 +126,6 @@ def _decode_on(service, job) -> dict | None:
         log.info("job %s decodes on %s: %s", job.pk, service.name, e)
         return None
     return {"address": address, "to": name}
-
-
-def _abort_quietly(service, request_id: str) -> None:
-    try:
-        service.command("abort", {"request_id": request_id})
-    except Exception:  # noqa: BLE001  (it ended on its own meanwhile, or was never added)
-        pass
 
 
 def _fail_quietly(job_id: int, error: str, request_id: str | None) -> None:
