@@ -78,6 +78,22 @@ def _in_parts(state: dict) -> bool:
     return bool(state.get("fork")) or state.get("groups") is not None
 
 
+def _header(data: bytes, fields: int) -> list | None:
+    """A message's header, [kind, request id, sequence number, ...] with at least
+    `fields` fields; None, said in the log, for anything else (a stray or hostile peer on
+    the port: dropped, the loop goes on)."""
+    try:
+        message = _unpack(data)
+    except Exception:  # noqa: BLE001  (msgpack's errors for any bytes at all)
+        message = None
+    if isinstance(message, list) and len(message) >= fields and \
+            isinstance(message[0], str) and isinstance(message[1], str) and \
+            isinstance(message[2], int):
+        return message
+    log.warning("migration link: a malformed message was dropped (%d bytes)", len(data))
+    return None
+
+
 class HostFrames:
     """K/V through host memory, as ZMQ frames (the runner's own encoding)."""
 
@@ -156,10 +172,14 @@ class MigrationLink:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            if sock is self.router:
-                self._serve(frames[0].bytes, frames[1:])
+            if sock is self.router:  # [peer, header, K/V frames...]
+                header = _header(frames[1].bytes if len(frames) > 1 else b"", 3)
+                if header is not None:
+                    self._serve(frames[0].bytes, header, [f.buffer for f in frames[2:]])
             else:
-                self._answered(_unpack(frames[0].bytes))
+                header = _header(frames[0].bytes, 4)
+                if header is not None:
+                    self._answered(header)
 
     @property
     def busy(self) -> bool:
@@ -300,7 +320,7 @@ class MigrationLink:
             sock.send_multipart([_pack([kind, move.request_id, self._seq])])
 
     def _answered(self, message: list) -> None:
-        kind, rid, seq, payload = message
+        kind, rid, seq, payload = message[:4]
         move = self._moves.get(rid)
         if move is None or move.seq != seq:  # (an answer to a move given up on)
             return
@@ -363,8 +383,7 @@ class MigrationLink:
         move.reply(False, [type(error).__name__, str(error)])
 
     # --- destination side ----------------------------------------------------------------
-    def _serve(self, peer: bytes, frames: list) -> None:
-        message = _unpack(frames[0].bytes)
+    def _serve(self, peer: bytes, message: list, data: list) -> None:
         kind, rid, seq = message[0], message[1], message[2]
         engine = self.engine
         try:
@@ -376,14 +395,13 @@ class MigrationLink:
             elif kind == "write":
                 self._held[rid] = time.monotonic()
                 engine.migration_write(rid, message[3], self.transport.decode(
-                    message[4], [f.buffer for f in frames[1:]]))
+                    message[4], data))
                 result = {}
             elif kind == "commit":
                 _, _, _, state, skip, header, deadline = message
                 if time.time() > deadline:
                     raise MigrationFailed(f"request {rid!r}: its commit came too late")
-                data = self._decode(header, [f.buffer for f in frames[1:]])
-                result = engine.migration_commit(state, data, skip)
+                result = engine.migration_commit(state, self._decode(header, data), skip)
                 self._held.pop(rid, None)
             elif kind == "cancel":
                 self._let_go(rid)

@@ -431,3 +431,30 @@ def test_a_windowed_request_moves_between_cores_in_one_stop_and_copy(cores):
     assert not result["staged"] and result["blocks_at_stop"] == result["blocks_sent"] > 0
     pump(src, dst, until=lambda: dst.ended("r") is not None)
     assert dst.tokens("r") == expected(PROMPT, 60)
+
+
+def test_malformed_messages_on_the_migration_port_are_dropped(cores):
+    """Bytes that are no message, a message of the wrong shape, an unknown kind: each is
+    dropped or refused, and the core goes on serving (a move right after works)."""
+    src, dst = cores("a"), cores("b")
+    ctx = zmq.Context()
+    peer = ctx.socket(zmq.DEALER)
+    peer.connect(dst.address)
+    try:
+        peer.send(b"\xc1 not msgpack")
+        peer.send(pack({"kind": "reserve"}))
+        peer.send(pack(["reserve", 7, "x"]))
+        peer.send(pack(["nonsense", "r", 1]))
+        assert peer.poll(5000)  # (the one well-formed message is answered: a refusal)
+        kind, rid, seq, error = msgpack.unpackb(peer.recv(), raw=False)
+        assert (kind, rid, seq) == ("err", "r", 1) and error[0] == "InvalidRequestError"
+        src.add("r", PROMPT, 30)
+        started(src, "r", 3)
+        call = src.command("migrate", {"request_id": "r", "address": dst.address, "to": "b"})
+        ok, result = pump(src, dst, until=lambda: call in src.replies)[call]
+        assert ok, result
+        pump(src, dst, until=lambda: dst.ended("r") is not None)
+        assert dst.tokens("r") == expected(PROMPT, 30)
+    finally:
+        peer.close(linger=0)
+        ctx.term()
