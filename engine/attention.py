@@ -43,12 +43,14 @@ class AttentionBackend(Protocol):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                 kv_layer: torch.Tensor, plan: object, scale: float, window: int | None = None,
-                softcap: float | None = None) -> torch.Tensor:
+                softcap: float | None = None,
+                kv_scale: torch.Tensor | None = None) -> torch.Tensor:
         """Store k/v through the plan's slot mapping (unless None: the caller stored
         them), then attend: q [T, H, D], k/v [T, Hkv, D], kv_layer [2, num_blocks,
         block_size, Hkv, D] -> [T, H, D]. window: the layer's sliding window (a query
         sees itself and window - 1 tokens back; None: all); softcap: scores become
-        softcap * tanh(score / softcap) (Gemma 2)."""
+        softcap * tanh(score / softcap) (Gemma 2); kv_scale: an fp8 cache's [2, Hkv]
+        float32 scales of this layer's K and V (kernels/fp8.py)."""
 
 
 class TorchAttention:
@@ -71,11 +73,14 @@ class TorchAttention:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                 kv_layer: torch.Tensor, plan: "TorchPlan", scale: float, window: int | None = None,
-                softcap: float | None = None) -> torch.Tensor:
+                softcap: float | None = None,
+                kv_scale: torch.Tensor | None = None) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hkv, D] or None; kv_layer: [2, num_blocks, block_size,
         Hkv, D]."""
         from kernels.cpu_attention import paged_attention
 
+        if kv_scale is not None:
+            return self._fp8(q, k, v, kv_layer, plan, scale, window, softcap, kv_scale)
         if k is not None:
             num_blocks, block_size = kv_layer.shape[1], kv_layer.shape[2]
             # One scatter for K and V: [2, num_slots, Hkv * D] <- [2, T, Hkv * D]
@@ -87,6 +92,28 @@ class TorchAttention:
             return paged_attention(q, kv_layer[0], kv_layer[1], plan.cpu, scale)
         return paged_attention(q, kv_layer[0], kv_layer[1], plan.cpu, scale,
                                new_key=k, new_value=v)
+
+    @staticmethod
+    def _fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
+             plan: "TorchPlan", scale: float, window: int | None, softcap: float | None,
+             kv_scale: torch.Tensor) -> torch.Tensor:
+        """An fp8 cache: k and v quantised into it (torch's cast), and every read of it,
+        the new tokens' included, dequantised (as the Triton kernels do)."""
+        from kernels.cpu_attention import paged_attention, windowed_attention
+        from kernels.fp8 import quantize
+
+        num_blocks, block_size = kv_layer.shape[1], kv_layer.shape[2]
+        new = torch.stack((quantize(k, kv_scale[0], kv_layer.dtype),
+                           quantize(v, kv_scale[1], kv_layer.dtype)))
+        # (index_copy_ has no fp8 kernel on CPU: the bytes go in as bytes)
+        slots = kv_layer.view(torch.uint8).view(2, num_blocks * block_size, -1)
+        slots.index_copy_(1, plan.slot_mapping, new.view(torch.uint8).view(2, k.shape[0], -1))
+        scales = (kv_scale[0], kv_scale[1])
+        if window or softcap:
+            b = plan.batch
+            return windowed_attention(q, kv_layer[0], kv_layer[1], b.block_tables, b.seq_lens,
+                                      b.query_start_loc, scale, window, softcap, kv_scales=scales)
+        return paged_attention(q, kv_layer[0], kv_layer[1], plan.cpu, scale, kv_scales=scales)
 
 
 @dataclass(slots=True)
@@ -132,14 +159,17 @@ class TritonAttention:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                 kv_layer: torch.Tensor, plan: "TritonPlan", scale: float, window: int | None = None,
-                softcap: float | None = None) -> torch.Tensor:
+                softcap: float | None = None,
+                kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+        k_scale, v_scale = (None, None) if kv_scale is None else (kv_scale[0], kv_scale[1])
         if k is not None:
-            self._reshape_and_cache(k, v, kv_layer[0], kv_layer[1], plan.slot_mapping)
+            self._reshape_and_cache(k, v, kv_layer[0], kv_layer[1], plan.slot_mapping,
+                                    k_scale, v_scale)
         return self._paged_attention(q, kv_layer[0], kv_layer[1], plan.block_tables,
                                      plan.seq_lens, plan.query_start_loc, scale,
                                      max_seq_len=plan.max_seq_len,
                                      max_query_len=plan.max_query_len, window=window,
-                                     softcap=softcap)
+                                     softcap=softcap, k_scale=k_scale, v_scale=v_scale)
 
 
 @dataclass(slots=True)

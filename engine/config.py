@@ -13,6 +13,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 ROLES = ("both", "prefill", "decode")
 EVICTION_POLICIES = ("lru", "slru", "lfu", "priority")  # (engine/block_pool.py ranks them)
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")  # (kernels/fp8.py)
+KV_CACHE_SCALES = ("tensor", "head", "unit")
 
 
 class ConfigError(EngineError, ValueError):
@@ -61,6 +63,11 @@ class EngineConfig:
     max_batch_share: float = 1.0
     device: str = "auto"
     dtype: str = "auto"
+    # How K/V is stored: "auto" (the model's dtype) or fp8 ("fp8_e4m3", "fp8_e5m2": one
+    # byte a value, twice the blocks in the same memory; kernels/fp8.py), with scales
+    # calibrated at start-up per layer ("tensor") or per KV head ("head"), or 1 ("unit")
+    kv_cache_dtype: str = "auto"
+    kv_cache_scales: str = "tensor"
     attention_backend: str = "auto"
     seed: int = 0
     simulate: bool = False  # run the real scheduler/KV manager with a stand-in model
@@ -187,6 +194,15 @@ class EngineConfig:
                f"eviction_policy must be one of {', '.join(EVICTION_POLICIES)}, "
                f"got {self.eviction_policy!r}")
         _check(self.disk_cache_min_hits >= 0, "disk_cache_min_hits must be >= 0")
+        _check(self.kv_cache_dtype in KV_CACHE_DTYPES,
+               f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+               f"got {self.kv_cache_dtype!r}")
+        _check(not (self.simulate and self.kv_cache_dtype != "auto"),
+               "kv_cache_dtype is a real model's: the simulator's stand-in K/V has no "
+               "dtype (size a simulated pool with num_gpu_blocks)")
+        _check(self.kv_cache_scales in KV_CACHE_SCALES,
+               f"kv_cache_scales must be one of {', '.join(KV_CACHE_SCALES)}, "
+               f"got {self.kv_cache_scales!r}")
 
 
 def _check(ok: bool, message: str) -> None:

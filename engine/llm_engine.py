@@ -929,6 +929,12 @@ class LLMEngine:
                 "disk_cache_bytes": self.config.disk_cache_bytes if self.kv.disk else 0,
                 # one block's K/V, every layer (what a tier or a move copies per block)
                 "kv_bytes_per_block": self.runner.block_bytes,
+                # how K/V is stored: the model's dtype ("auto") or fp8, and how its
+                # bytes read (an fp8 cache's scales; blocks move only between alike)
+                "kv_cache_dtype": self.config.kv_cache_dtype,
+                "kv_cache_scales": self.config.kv_cache_scales
+                if self.config.kv_cache_dtype != "auto" else None,
+                "kv_format": self.runner.kv_format,
                 "simulate": self.config.simulate,
                 "sliding_window": self.runner.sliding_window,
                 # a hybrid model's layer groups: each one's window (None: global)

@@ -139,11 +139,10 @@ def _shared(state: dict, first: dict) -> int:
 
 
 def kv_format(engine: LLMEngine) -> str:
-    """How the engine's K/V is stored (its dtype; the simulator's stand-in size too):
-    blocks move only between engines that store them alike."""
-    runner = engine.runner
-    return f"{runner.dtype}+{getattr(runner, 'kv_bytes_per_token', 0)}" \
-        if runner.dtype == "uint64" else str(runner.dtype)
+    """How the engine's K/V is stored (Runner.kv_format: its dtype, an fp8 cache's
+    scales, the simulator's stand-in size): blocks move only between engines that
+    store them alike."""
+    return engine.runner.kv_format
 
 
 def _fits(engine: LLMEngine, state: dict) -> None:

@@ -110,6 +110,12 @@ class StepContext:
     plans: list
     ops: TorchOps  # how each layer's arithmetic runs (engine/ops.py)
     tp: object | None = None  # engine.parallel.TensorParallel when split across ranks
+    # an fp8 cache's scales (kernels/fp8.py): [n_layers, 2 (K, V), n_kv_heads] float32
+    kv_scales: torch.Tensor | None = None
+
+    def kv_scale(self, layer_idx: int) -> torch.Tensor | None:
+        """Layer layer_idx's [2, n_kv_heads] K and V scales; None: not an fp8 cache."""
+        return None if self.kv_scales is None else self.kv_scales[layer_idx]
 
 
 class Transformer(nn.Module):
@@ -148,17 +154,19 @@ class Transformer(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 attention: AttentionBackend, plan: object, logits_indices: torch.Tensor,
-                ops: TorchOps = TORCH_OPS) -> torch.Tensor:
+                ops: TorchOps = TORCH_OPS, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids, positions: [num_tokens]; logits_indices: [num_sampled] rows whose
         next-token logits are wanted; plan: the attention backend's plan, or a list of
-        them, one per layer group. Returns float32 logits [num_sampled, vocab_size].
+        them, one per layer group; kv_scales: an fp8 cache's (StepContext). Returns
+        float32 logits [num_sampled, vocab_size].
 
         Each residual add is fused with the norm after it (ops.add_rms_norm: the MLP's
         input norm, or the next layer's); the last layer's MLP output is added alone,
         and the final norm and the LM head see only the rows that sample."""
         ctx = StepContext(rope=[ops.rope_rows(t, positions) for t in self.ropes],
                           kv_cache=kv_cache, attention=attention,
-                          plans=plan if isinstance(plan, list) else [plan], ops=ops, tp=self.tp)
+                          plans=plan if isinstance(plan, list) else [plan], ops=ops, tp=self.tp,
+                          kv_scales=kv_scales)
         h = self._embed(input_ids)  # [num_tokens, dim]: the residual stream
         if self.args.scale_embeddings:  # Gemma: by sqrt(dim), rounded to the dtype first
             h.mul_(torch.tensor(self.args.dim ** 0.5, dtype=h.dtype))

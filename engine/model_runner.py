@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import sys
 import warnings
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,6 +33,8 @@ from engine.ops import TorchOps
 from engine.ops_cpu import cpu_kernel_ops, tune_process
 from engine.ops_triton import TritonOps
 from kernels import cpu_ext
+from kernels._checks import as_bits
+from kernels.fp8 import cache_dtype, is_fp8
 
 DEFAULT_CPU_KV_BYTES = 512 * 1024 ** 2
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -45,6 +48,8 @@ class ModelRunner(Runner):
         self.block_size = config.block_size
         self._device = resolve_device(config.device)
         self._dtype = resolve_dtype(config.dtype, self._device)
+        # the K/V cache's: the model's, or fp8 (kernels/fp8.py)
+        self._kv_dtype = resolve_kv_dtype(config, self._device, self._dtype)
         if self._device.type == "cpu":
             tune_process()
         self.device, self.dtype = self._device.type, str(self._dtype).removeprefix("torch.")
@@ -76,7 +81,7 @@ class ModelRunner(Runner):
         self.model.set_kv_layout(self.kv_layout)
         self.model.setup_rope(self.max_model_len)
         self.attention = make_attention_backend(config.attention_backend, self._device,
-                                                self._dtype,
+                                                self._kv_dtype,
                                                 cpu_kernels=cpu_ext.wanted(config.cpu_kernels))
         # how the model's arithmetic runs: the C++ CPU kernels or plain torch
         self.ops = choose_ops(config, self._device, self._dtype, self.attention)
@@ -89,7 +94,7 @@ class ModelRunner(Runner):
         self._copy_ahead_done = None  # an event the next step's work waits for
         slots = self.kv_layout.slots
         self.block_bytes = (slots * 2 * self.block_size * args.n_kv_heads
-                            * args.head_dim * self._dtype.itemsize)
+                            * args.head_dim * self._kv_dtype.itemsize)
         self.num_gpu_blocks = config.num_gpu_blocks or self._blocks_from_memory()
         self.num_cpu_blocks = (self._default_cpu_blocks() if config.num_cpu_blocks is None
                                else config.num_cpu_blocks)
@@ -97,14 +102,20 @@ class ModelRunner(Runner):
             self.num_gpu_blocks, self.num_cpu_blocks = self.tp.broadcast(
                 (self.num_gpu_blocks, self.num_cpu_blocks))
         shape = (slots, 2, self.block_size, args.n_kv_heads, args.head_dim)
-        self.kv_cache = torch.zeros(_with_blocks(shape, self.num_gpu_blocks), dtype=self._dtype,
+        self.kv_cache = torch.zeros(_with_blocks(shape, self.num_gpu_blocks), dtype=self._kv_dtype,
                                     device=self._device)
-        self.cpu_cache = torch.zeros(_with_blocks(shape, self.num_cpu_blocks), dtype=self._dtype,
+        self.cpu_cache = torch.zeros(_with_blocks(shape, self.num_cpu_blocks), dtype=self._kv_dtype,
                                      pin_memory=self._device.type == "cuda")
+        # an fp8 cache's scales, [n_layers, 2, n_kv_heads] (None: the model's dtype)
+        self.kv_scales = self._kv_scales() if is_fp8(self._kv_dtype) else None
+        # how a block's bytes read: blocks move (disk tier, migration) only between
+        # engines whose K/V reads alike (dtype, and an fp8 cache's scales)
+        self.kv_format = kv_format_of(self._kv_dtype, config.kv_cache_scales, self.kv_scales)
         self._log(f"kvops: {folder.path.name} on {self.device} ({self.dtype}), attention "
                   f"{self.attention.name}; KV block = {slots} layers x 2 x "
                   f"{self.block_size} tokens x {args.n_kv_heads} kv heads x {args.head_dim} x "
-                  f"{self._dtype.itemsize} B = {self.block_bytes / 1024:.0f} KiB; "
+                  f"{self._kv_dtype.itemsize} B ({self.kv_format}) = "
+                  f"{self.block_bytes / 1024:.0f} KiB; "
                   f"{self.num_gpu_blocks} device blocks "
                   f"({self.num_gpu_blocks * self.block_bytes / 1024 ** 2:.0f} MiB, "
                   f"{self.num_gpu_blocks * self.block_size} tokens), "
@@ -173,7 +184,7 @@ class ModelRunner(Runner):
         plans = ([plan(a) for a in batch.groups] if batch.groups
                  else plan(batch.attention))
         return self.model(batch.input_ids, batch.positions, self.kv_cache, self.attention,
-                          plans, batch.logits_indices, self.ops)
+                          plans, batch.logits_indices, self.ops, kv_scales=self.kv_scales)
 
     @torch.inference_mode()
     def _forward_batch(self, batch: "StepBatch") -> StepResult:
@@ -302,8 +313,11 @@ class ModelRunner(Runner):
                 data.shape[3:] != self.kv_cache.shape[3:]:
             raise ValueError(f"blocks of shape {tuple(data.shape)} do not fit this engine's "
                              f"cache {tuple(self.kv_cache.shape)}")
+        if data.dtype != self.kv_cache.dtype:
+            raise ValueError(f"blocks of {data.dtype} do not fit this engine's "
+                             f"{self.kv_cache.dtype} cache")
         index = torch.tensor(block_ids, dtype=torch.long, device=self.kv_cache.device)
-        self.kv_cache.index_copy_(2, index, data.to(self.kv_cache.device, self.kv_cache.dtype))
+        as_bits(self.kv_cache).index_copy_(2, index, as_bits(data).to(self.kv_cache.device))
 
     def read_cpu_block(self, block_id: int) -> bytes:
         """[layers, 2, block_size, kv heads, head dim] of the CPU pool's block, as bytes
@@ -323,7 +337,7 @@ class ModelRunner(Runner):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             source = torch.frombuffer(data, dtype=torch.uint8)
-        target.copy_(source.view(target.dtype).view(target.shape))
+        as_bits(target).copy_(source.view(as_bits(target).dtype).view(target.shape))
 
     @staticmethod
     def num_blocks_in(data: torch.Tensor) -> int:
@@ -456,12 +470,47 @@ class ModelRunner(Runner):
     def _profile_forward(self) -> None:
         """One forward pass of max_num_batched_tokens tokens in sequences of at most
         max_model_len, against a scratch cache just big enough."""
-        args, bs = self.folder.args, self.block_size
         num_tokens = min(self.config.max_num_batched_tokens, self.max_model_len * self.config.max_num_seqs)
         seq_len = min(num_tokens, self.max_model_len)
         lens = [seq_len] * (num_tokens // seq_len) + ([num_tokens % seq_len] if num_tokens % seq_len else [])
+        self._scratch_forward([[0] * n for n in lens], self.attention)
+        torch.cuda.synchronize(self._device)
+
+    @torch.inference_mode()
+    def _kv_scales(self) -> torch.Tensor:
+        """An fp8 cache's scales ([n_layers, 2, n_kv_heads] float32): 1 ("unit", as vLLM
+        without scales in the checkpoint), or calibrated once at start-up on a fixed text
+        (kernels/fp8.CALIBRATION_TEXT, and seeded tokens spread over the vocabulary):
+        the largest |K| and |V| each layer writes, per
+        layer ("tensor") or per KV head ("head"), fitted into the format with 2x
+        headroom, as powers of two. The same model and dtype get the same scales at
+        every start (a disk tier written before a restart reads back alike)."""
+        from kernels.fp8 import CALIBRATION_TEXT, scales_for
+
+        args = self.model.args
+        ones = torch.ones(args.n_layers, 2, args.n_kv_heads, device=self._device)
+        if self.config.kv_cache_scales == "unit":
+            return ones
+        # the text, and tokens spread over the vocabulary (a model whose tokenizer reads
+        # the text as unknown words still sees its real embeddings)
+        text = self.tokenizer.encode(CALIBRATION_TEXT)[:self.max_model_len]
+        spread = torch.randint(self.vocab_size, (min(256, self.max_model_len),),
+                               generator=torch.Generator().manual_seed(0)).tolist()
+        recorder = _AmaxRecorder(self.attention)
+        self._scratch_forward([text, spread], recorder, kv_scales=ones)
+        amax = torch.stack(recorder.amax)  # [n_layers, 2, n_kv_heads]
+        if self.config.kv_cache_scales == "tensor":
+            amax = amax.amax(dim=-1, keepdim=True).expand_as(amax)
+        return scales_for(amax, self._kv_dtype).contiguous()
+
+    def _scratch_forward(self, sequences: list[list[int]], backend: object,
+                         kv_scales: torch.Tensor | None = None) -> None:
+        """A forward pass of fresh sequences (token ids) against a scratch cache just big
+        enough, through `backend`."""
+        args, bs, dev = self.folder.args, self.block_size, self._device
         tables, slots, positions, qsl, next_block = [], [], [], [0], 0
-        for n in lens:
+        for seq in sequences:
+            n = len(seq)
             nb = -(-n // bs)
             tables.append(list(range(next_block, next_block + nb)))
             slots.extend(range(next_block * bs, next_block * bs + n))
@@ -470,15 +519,17 @@ class ModelRunner(Runner):
             next_block += nb
         cache = torch.zeros(_with_blocks((self.kv_layout.slots, 2, bs, args.n_kv_heads,
                                           args.head_dim), next_block),
-                            dtype=self._dtype, device=self._device)
-        dev = self._device
+                            dtype=self._kv_dtype, device=dev)
+        if kv_scales is None and is_fp8(self._kv_dtype):
+            kv_scales = torch.ones(args.n_layers, 2, args.n_kv_heads, device=dev)
+        lens = [len(seq) for seq in sequences]
         batch = AttentionBatch(bs, tables, lens, qsl, torch.tensor(slots, device=dev))
-        plan = self.attention.plan(batch)  # (every layer group in the same blocks)
-        self.model(torch.zeros(num_tokens, dtype=torch.int64, device=dev),
-                   torch.tensor(positions, device=dev), cache, self.attention,
+        plan = backend.plan(batch)  # (every layer group in the same blocks)
+        self.model(torch.tensor([t for seq in sequences for t in seq], dtype=torch.int64, device=dev),
+                   torch.tensor(positions, device=dev), cache, backend,
                    [plan] * self.kv_layout.num_groups,
-                   torch.tensor([q - 1 for q in qsl[1:]], device=dev), self.ops)
-        torch.cuda.synchronize(dev)
+                   torch.tensor([q - 1 for q in qsl[1:]], device=dev), self.ops,
+                   kv_scales=kv_scales)
         del cache
 
     @staticmethod
@@ -536,6 +587,7 @@ def _copy_blocks(src: torch.Tensor, dst: torch.Tensor, mapping: list[tuple[int, 
     ops (gather, then scatter: every source is read before any destination is written)."""
     src_ids = torch.tensor([a for a, _ in mapping], dtype=torch.int64, device=src.device)
     dst_ids = torch.tensor([b for _, b in mapping], dtype=torch.int64, device=dst.device)
+    src, dst = as_bits(src), as_bits(dst)  # (bytes: index_copy_ has no fp8 kernel on CPU)
     dst.index_copy_(2, dst_ids, src.index_select(2, src_ids))  # blocks: [L, 2, n, bs, Hkv, D]
 
 
@@ -579,6 +631,48 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "bfloat16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise ModelLoadError("this GPU has no bfloat16 support; use dtype='float16'")
     return _DTYPES[name]
+
+
+def resolve_kv_dtype(config: EngineConfig, device: torch.device,
+                     model_dtype: torch.dtype) -> torch.dtype:
+    """EngineConfig.kv_cache_dtype on this device: "auto" is the model's dtype. fp8 with
+    the Triton kernels needs a GPU of compute capability 8.9 or later (Ada, Hopper),
+    where Triton has fp8 types."""
+    kv_dtype = cache_dtype(config.kv_cache_dtype, model_dtype)
+    if is_fp8(kv_dtype) and device.type == "cuda" and config.attention_backend != "torch" \
+            and torch.cuda.get_device_capability(device) < (8, 9):
+        raise ModelLoadError(
+            f"kv_cache_dtype={config.kv_cache_dtype!r} on the Triton kernels needs a GPU of "
+            "compute capability 8.9 or later; use attention_backend='torch' (slower) or "
+            "kv_cache_dtype='auto'")
+    return kv_dtype
+
+
+def kv_format_of(kv_dtype: torch.dtype, granularity: str, scales: torch.Tensor | None) -> str:
+    """The dtype's name; for fp8, with its scales' granularity and a digest of their
+    values: fp8 blocks read alike only under the same scales."""
+    name = str(kv_dtype).removeprefix("torch.")
+    if scales is None:
+        return name
+    digest = zlib.crc32(scales.detach().cpu().numpy().tobytes())
+    return f"{name}/{granularity}:{digest:08x}"
+
+
+class _AmaxRecorder:
+    """An attention backend that notes the largest |K| and |V| (per KV head) of each
+    layer it stores, in call order (layer 0 first), and leaves the rest to `inner`."""
+
+    def __init__(self, inner: object) -> None:
+        self.inner, self.name = inner, inner.name
+        self.amax: list[torch.Tensor] = []
+
+    def plan(self, batch: AttentionBatch) -> object:
+        return self.inner.plan(batch)
+
+    def forward(self, q, k, v, kv_layer, plan, scale, window=None, softcap=None, kv_scale=None):
+        self.amax.append(torch.stack((k.abs().amax(dim=(0, 2)), v.abs().amax(dim=(0, 2)))).float())
+        return self.inner.forward(q, k, v, kv_layer, plan, scale, window=window,
+                                  softcap=softcap, kv_scale=kv_scale)
 
 
 def resolve_model_path(model: str | None) -> str | Path:

@@ -98,7 +98,8 @@ class TorchOps:
         q, k = qk[:, :H], qk[:, H:]  # [T, H, D], [T, Hkv, D]
         v = qkv[:, (H + Hkv) * D:].view(T, Hkv, D)
         o = ctx.attention.forward(q, k, v, ctx.kv_cache[attn.kv_slot], ctx.plans[attn.kv_group],
-                                  attn.scale, window=attn.window, softcap=attn.softcap)
+                                  attn.scale, window=attn.window, softcap=attn.softcap,
+                                  kv_scale=ctx.kv_scale(layer_idx))
         return o.reshape(T, H * D)
 
     def lm_head(self, x: torch.Tensor, model: "Transformer") -> torch.Tensor:

@@ -30,6 +30,10 @@ class Runner(abc.ABC):
     vocab_size: int
     device: str  # "cpu" | "cuda" | "simulated"
     dtype: str
+    # How a block's bytes read (the K/V dtype; an fp8 cache's scales; the simulator's
+    # stand-in size): blocks move between engines, or come back from disk, only where
+    # this is the same
+    kv_format: str = ""
     # Every layer attends only to this many last tokens (None: some or all see the whole
     # context): blocks out of reach are given back (engine/kv_group.py)
     sliding_window: int | None = None

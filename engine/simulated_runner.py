@@ -75,6 +75,7 @@ class SimulatedRunner(Runner):
         self.max_model_len = max_model_len
         self.device = "simulated"
         self.dtype = "uint64"
+        self.kv_format = f"uint64+{kv_bytes_per_token}"
         # The stand-in reads only the slot before a request's first new token, so any
         # window of 2 or more gives the same tokens; it makes the KV manager free blocks
         # as a sliding-window model's would (capacity planning, tests)

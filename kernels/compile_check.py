@@ -21,7 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
-TRITON_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+TRITON_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
+                 torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"}
+FP8_MIN_ARCH = 89  # Triton's fp8 types need sm_89 (Ada) or later
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +38,7 @@ class AttentionCase:
     dtype: torch.dtype
     max_query_len: int
     num_splits: int | None  # None: the launcher's choice on a 132-SM GPU
+    kv_dtype: torch.dtype | None = None  # an fp8 cache (None: dtype's)
 
 
 ATTENTION_CASES = [
@@ -49,6 +52,12 @@ ATTENTION_CASES = [
     AttentionCase("fp32 decode dim 128", 2, 2, 32, 8, 128, 16, torch.float32, 1, 2),
     AttentionCase("fp16 dim 80, block 1, gqa 8", 8, 8, 8, 1, 80, 1, torch.float16, 1, 4),
     AttentionCase("bf16 dim 256, block 128", 100, 1, 4, 4, 256, 128, torch.bfloat16, 100, 1),
+    AttentionCase("llama8b decode, fp8 e4m3 KV", 64, 64, 32, 8, 128, 16, torch.bfloat16, 1, None,
+                  torch.float8_e4m3fn),
+    AttentionCase("llama8b prefill, fp8 e4m3 KV", 4096, 2, 32, 8, 128, 16, torch.bfloat16, 4000,
+                  None, torch.float8_e4m3fn),
+    AttentionCase("smollm decode, fp8 e5m2 KV", 32, 32, 9, 3, 64, 16, torch.bfloat16, 1, None,
+                  torch.float8_e5m2),
 ]
 
 
@@ -83,18 +92,23 @@ def attention_jobs(arch: int):
     from kernels.paged_attention_plan import choose_launch_plan
 
     for case in ATTENTION_CASES:
+        if case.kv_dtype is not None and arch < FP8_MIN_ARCH:
+            continue
         plan = choose_launch_plan(case.num_tokens, case.num_seqs, case.num_q_heads, case.num_kv_heads,
                                   case.head_dim, case.dtype, 8192, case.max_query_len, 132,
                                   case.num_splits, interpret=False)
         t = TRITON_DTYPES[case.dtype]
+        kv = TRITON_DTYPES[case.kv_dtype or case.dtype]
+        scales = "*fp32" if case.kv_dtype else "*i32"
         types = {"out_ptr": f"*{t}", "part_acc_ptr": "*fp32", "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32",
-                 "q_ptr": f"*{t}", "key_cache_ptr": f"*{t}", "value_cache_ptr": f"*{t}",
+                 "q_ptr": f"*{t}", "key_cache_ptr": f"*{kv}", "value_cache_ptr": f"*{kv}",
                  "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32",
-                 "qk_scale": "fp32", "window": "i32", "softcap": "fp32",
+                 "k_scale_ptr": scales, "v_scale_ptr": scales, "qk_scale": "fp32", "window": "i32", "softcap": "fp32",
                  "num_seqs": "1" if case.num_seqs == 1 else "i32",
                  "stride_q_tok": "i32", "stride_q_head": "i32", "stride_block_table": "i32"}
         constants = attention_constants(case.dtype, case.num_q_heads, case.num_kv_heads, case.head_dim,
-                                        case.block_size, plan, interpret=False)
+                                        case.block_size, plan, interpret=False,
+                                        fp8=case.kv_dtype is not None)
         label = f"{case.name} (block_m {plan.block_m}, tile_n {plan.tile_n}, splits {plan.num_splits})"
         yield label, (paged_attention_kernel, arch, types, constants, plan.num_warps)
         if plan.num_splits > 1:
@@ -108,13 +122,20 @@ def copy_jobs(arch: int):
     from kernels.copy_blocks_kernel import copy_blocks_kernel
     from kernels.reshape_and_cache_kernel import reshape_and_cache_kernel
 
-    for slot_type, heads, dim in (("*i64", 8, 128), ("*i32", 3, 80)):
-        types = {"key_ptr": "*i16", "value_ptr": "*i16", "key_cache_ptr": "*i16", "value_cache_ptr": "*i16",
-                 "slot_mapping_ptr": slot_type, "num_slots": "i32", "stride_key_tok": "i32",
+    cases = [("*i64", 8, 128, 0), ("*i32", 3, 80, 0)]
+    if arch >= FP8_MIN_ARCH:
+        cases += [("*i64", 8, 128, 1), ("*i32", 3, 64, 2)]
+    for slot_type, heads, dim, fp8 in cases:
+        data, cache = ("*bf16", ("*fp8e4nv", "*fp8e5")[fp8 - 1]) if fp8 else ("*i16", "*i16")
+        scales = "*fp32" if fp8 else slot_type
+        types = {"key_ptr": data, "value_ptr": data, "key_cache_ptr": cache, "value_cache_ptr": cache,
+                 "slot_mapping_ptr": slot_type, "k_scale_ptr": scales, "v_scale_ptr": scales,
+                 "num_slots": "i32", "stride_key_tok": "i32",
                  "stride_key_head": "i32", "stride_value_tok": "i32", "stride_value_head": "i32"}
         constants = {"NUM_KV_HEADS": heads, "HEAD_DIM": dim, "HEADS_PAD": 1 << (heads - 1).bit_length(),
-                     "DIM_PAD": 1 << (dim - 1).bit_length()}
-        yield f"reshape_and_cache {heads}x{dim} {slot_type[1:]} slots", \
+                     "DIM_PAD": 1 << (dim - 1).bit_length(), "FP8": fp8}
+        what = f" to {cache[1:]}" if fp8 else ""
+        yield f"reshape_and_cache {heads}x{dim} {slot_type[1:]} slots{what}", \
             (reshape_and_cache_kernel, arch, types, constants, 4)
     types = {"cache_ptr": "*i16", "block_mapping_ptr": "*i64", "plane_numel": "i64", "block_numel": "i32"}
     yield "copy_blocks", (copy_blocks_kernel, arch, types, {"CHUNK": 1024}, 4)

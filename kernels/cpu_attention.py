@@ -177,11 +177,20 @@ def plan_attention(block_tables: list[list[int]], seq_lens: list[int],
 def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     plan: CpuAttentionPlan, scale: float,
                     new_key: torch.Tensor | None = None,
-                    new_value: torch.Tensor | None = None) -> torch.Tensor:
+                    new_value: torch.Tensor | None = None,
+                    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Attention of one layer. q: [num_tokens, q_heads, head_dim]; caches:
     [num_blocks, block_size, kv_heads, head_dim]; new_key/new_value: the batch's new
     K/V [num_tokens, kv_heads, head_dim] (already in the cache; passing them lets a
-    prefill without prefix skip reading them back). Returns [num_tokens, q_heads, head_dim]."""
+    prefill without prefix skip reading them back). kv_scales: (k_scale, v_scale),
+    [kv_heads] float32 each, for fp8 caches (kernels/fp8.py): what is gathered is
+    dequantised to q's dtype (not with the C++ kernels, which read float32 caches).
+    Returns [num_tokens, q_heads, head_dim]."""
+    if kv_scales is not None:
+        if plan.native_rows is not None or plan.native_chunks is not None:
+            raise ValueError("the C++ attention kernels read float32 caches, not fp8")
+        key_cache = _Dequantized(key_cache, kv_scales[0], q.dtype)
+        value_cache = _Dequantized(value_cache, kv_scales[1], q.dtype)
     num_tokens, num_heads, head_dim = q.shape
     out = q.new_empty(num_tokens, num_heads, head_dim)
     if plan.native_rows is not None:
@@ -219,6 +228,20 @@ def paged_attention_varlen(q: torch.Tensor, key_cache: torch.Tensor, value_cache
 
 
 # --- one layer ---------------------------------------------------------------------------
+
+class _Dequantized:
+    """An fp8 cache as the functions below read it: index_select returns the picked
+    blocks dequantised (stored value * the head's scale) in the compute dtype."""
+
+    def __init__(self, cache: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> None:
+        self.cache, self.scale, self.dtype = cache, scale, dtype
+        self.shape = cache.shape
+
+    def index_select(self, dim: int, index: torch.Tensor) -> torch.Tensor:
+        from kernels.fp8 import dequantize
+
+        return dequantize(self.cache.index_select(dim, index), self.scale, self.dtype)
+
 
 def _attend_decodes(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     group: DecodeGroup, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -404,12 +427,16 @@ def _decode_group(decodes: list[tuple[int, int, list[int]]], block_size: int,
 def windowed_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                        block_tables: list[list[int]], seq_lens: list[int],
                        query_start_loc: list[int], scale: float, window: int | None = None,
-                       softcap: float | None = None) -> torch.Tensor:
+                       softcap: float | None = None,
+                       kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Attention of layers with a sliding window (a query at position p sees positions
     p - window + 1 .. p) and/or soft-capped scores (cap * tanh(score / cap), Gemma 2),
     on any device: one sequence at a time, reading only the blocks its window reaches,
     scores in float32. The new tokens' K/V are already in the caches. Arguments as
     plan_attention's and paged_attention's; returns [num_tokens, q_heads, head_dim]."""
+    if kv_scales is not None:
+        key_cache = _Dequantized(key_cache, kv_scales[0], torch.float32)
+        value_cache = _Dequantized(value_cache, kv_scales[1], torch.float32)
     num_tokens, num_heads, head_dim = q.shape
     block_size, kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = num_heads // kv_heads

@@ -26,6 +26,7 @@ import torch
 
 from kernels import _checks as checks
 from kernels._triton import interpreting, load_kernels, next_power_of_2
+from kernels.fp8 import is_fp8
 from kernels.paged_attention_plan import LaunchPlan, plan_launch
 
 _OP = "paged_attention"
@@ -50,13 +51,16 @@ def paged_attention(
     max_query_len: int | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal varlen attention of new tokens over their paged context; returns out.
 
     q: [num_tokens, num_q_heads, head_dim], fp32/fp16/bf16, last dim contiguous; the
         new tokens of all sequences concatenated.
     key_cache, value_cache: contiguous [num_blocks, block_size, num_kv_heads, head_dim],
-        q's dtype; block_size a power of two. num_q_heads % num_kv_heads == 0.
+        q's dtype or fp8 (float8_e4m3fn, float8_e5m2: read as k_scale * the stored
+        value); block_size a power of two. num_q_heads % num_kv_heads == 0.
     block_tables: [num_seqs, max_blocks_per_seq] int32; entries past
         cdiv(seq_lens[s], block_size) are never read.
     seq_lens: [num_seqs] int32, context length including the new tokens (>= q_len).
@@ -71,12 +75,21 @@ def paged_attention(
     window: a sliding-window layer: the query at position p sees keys p - window + 1
         .. p only (the blocks before are never read: they may have been given back).
     softcap: scores (scale * q.k) become softcap * tanh(score / softcap) (Gemma 2).
+    k_scale, v_scale: [num_kv_heads] float32, for an fp8 cache only.
     """
     if window is not None and window < 1:
         raise ValueError(f"{_OP}: window must be >= 1 or None, got {window}")
     if softcap is not None and not softcap > 0:
         raise ValueError(f"{_OP}: softcap must be > 0 or None, got {softcap}")
     _check_args(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out)
+    fp8 = is_fp8(key_cache.dtype)
+    if fp8:
+        from kernels.reshape_and_cache import check_kv_scales
+
+        check_kv_scales(_OP, key_cache.shape[2], q.device, k_scale, v_scale)
+    elif k_scale is not None or v_scale is not None:
+        raise ValueError(f"{_OP}: k_scale/v_scale are for an fp8 cache; this one is "
+                         f"{key_cache.dtype}")
     if num_splits is not None and not 1 <= num_splits <= 1024:
         raise ValueError(f"{_OP}: num_splits must be in 1..1024 or None, got {num_splits}")
     num_tokens, num_q_heads, head_dim = q.shape
@@ -97,12 +110,13 @@ def paged_attention(
     _, block_size, num_kv_heads, _ = key_cache.shape
     constants = attention_constants(q.dtype, num_q_heads, num_kv_heads, head_dim, block_size, plan,
                                     interpreting(), window=window is not None,
-                                    softcap=softcap is not None)
+                                    softcap=softcap is not None, fp8=fp8)
     grid = (num_tokens // plan.block_q + num_seqs, num_kv_heads, plan.num_splits)
     triton_kernels = load_kernels("kernels.paged_attention_kernel")
     triton_kernels.paged_attention_kernel[grid](
         out, part_acc, part_max, part_sum,
         q, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+        k_scale if fp8 else seq_lens, v_scale if fp8 else seq_lens,  # (unread unless fp8)
         scale * _LOG2E, window or 0, softcap or 0.0, num_seqs,
         q.stride(0), q.stride(1), block_tables.stride(0),
         **constants,
@@ -118,7 +132,7 @@ def paged_attention(
 
 def attention_constants(dtype: torch.dtype, num_q_heads: int, num_kv_heads: int, head_dim: int,
                         block_size: int, plan: LaunchPlan, interpret: bool, window: bool = False,
-                        softcap: bool = False) -> dict[str, object]:
+                        softcap: bool = False, fp8: bool = False) -> dict[str, object]:
     """The constexpr arguments of _paged_attention_kernel for one launch."""
     upcast = interpret and dtype == torch.bfloat16
     return {
@@ -136,6 +150,7 @@ def attention_constants(dtype: torch.dtype, num_q_heads: int, num_kv_heads: int,
         "DOT_PRECISION": "ieee" if (dtype == torch.float32 or upcast) else "tf32",
         "WINDOW": window,
         "SOFTCAP": softcap,
+        "FP8": fp8,
     }
 
 
@@ -184,7 +199,11 @@ def _check_args(
     checks.check_dim_size(_OP, "query_start_loc", query_start_loc, 0, num_seqs + 1,
                           "num_seqs + 1")
     checks.check_dtype(_OP, "q", q, checks.ATTENTION_DTYPES)
-    checks.check_same_dtype(_OP, ("q", "key_cache", "value_cache"), (q, key_cache, value_cache))
+    if is_fp8(key_cache.dtype):
+        checks.check_same_dtype(_OP, ("key_cache", "value_cache"), (key_cache, value_cache))
+    else:
+        checks.check_same_dtype(_OP, ("q", "key_cache", "value_cache"),
+                                (q, key_cache, value_cache))
     for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens),
                     ("query_start_loc", query_start_loc)):
         checks.check_dtype(_OP, name, t, (torch.int32,))

@@ -36,6 +36,8 @@ def paged_attention_kernel(
     block_tables_ptr,  # [num_seqs, max_blocks_per_seq] int32
     seq_lens_ptr,  # [num_seqs] int32, context length including the new tokens
     query_start_loc_ptr,  # [num_seqs + 1] int32
+    k_scale_ptr,  # FP8: [num_kv_heads] float32, the cache holds k / scale
+    v_scale_ptr,  # FP8: [num_kv_heads] float32
     qk_scale,  # softmax scale * log2(e)
     window,  # WINDOW: a row at position p sees keys p - window + 1 .. p
     softcap,  # SOFTCAP: scores (scale * q.k) become softcap * tanh(score / softcap)
@@ -57,6 +59,7 @@ def paged_attention_kernel(
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs so they are not rounded to tf32
     WINDOW: tl.constexpr,  # a sliding-window layer (Mistral, Gemma's local layers)
     SOFTCAP: tl.constexpr,  # soft-capped scores (Gemma 2)
+    FP8: tl.constexpr,  # an fp8 cache: K/V are read in q's dtype (exact) and scaled
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     tile_id = tl.program_id(0)
@@ -85,6 +88,10 @@ def paged_attention_kernel(
     q = tl.load(q_ptr + q_offs, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
+    v_scale = 1.0
+    if FP8:  # one scale per KV head (this program's): on the scores, and on the output
+        qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
+        v_scale = tl.load(v_scale_ptr + kv_head)
 
     # Keys this tile needs: 0 (with a window: the first row's reach) .. the last row's
     # position; this split takes an even share of tiles.
@@ -112,6 +119,9 @@ def paged_attention_kernel(
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
+        elif FP8:  # every fp8 value is exact in fp16 and bf16
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
 
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N]
         if SOFTCAP:  # on the score itself (log2 units back and forth); tanh by exp2
@@ -130,6 +140,8 @@ def paged_attention_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
+    if FP8:
+        acc = acc * v_scale
     row_tok64 = (q_start + row_tok).to(tl.int64)
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]

@@ -18,8 +18,18 @@ def reshape_and_cache_ref(
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens]; slot < 0 is padding
+    k_scale: torch.Tensor | None = None,  # fp8 caches: [num_kv_heads] float32
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Write token i to cache[slot // block_size, slot % block_size], in place."""
+    """Write token i to cache[slot // block_size, slot % block_size], in place. An fp8
+    cache gets key / k_scale (value / v_scale), clamped to the format's largest finite
+    value and cast by torch (round to nearest even)."""
+    if k_scale is not None:
+        top = torch.finfo(key_cache.dtype).max
+        key = (key.float() / k_scale[:, None]).clamp(-top, top).to(key_cache.dtype)
+        value = (value.float() / v_scale[:, None]).clamp(-top, top).to(key_cache.dtype)
+        key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
+        key, value = key.view(torch.uint8), value.view(torch.uint8)
     num_blocks, block_size = key_cache.shape[:2]
     for i, slot in enumerate(slot_mapping.tolist()):
         if slot < 0:
@@ -29,6 +39,14 @@ def reshape_and_cache_ref(
         block, offset = divmod(slot, block_size)
         key_cache[block, offset] = key[i]
         value_cache[block, offset] = value[i]
+
+
+def dequantize_cache_ref(
+    cache: torch.Tensor,  # fp8 [num_blocks, block_size, num_kv_heads, head_dim]
+    scale: torch.Tensor,  # [num_kv_heads] float32
+) -> torch.Tensor:
+    """The values an fp8 cache holds, in float32: stored value * its head's scale."""
+    return cache.float() * scale[:, None]
 
 
 def gather_sequence_kv(

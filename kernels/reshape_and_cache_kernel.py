@@ -8,12 +8,31 @@ import triton.language as tl
 
 
 @triton.jit
+def _round_to_fp8_grid(x, TOP: tl.constexpr, MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr):
+    """fp32 x -> the nearest value of an fp8 format (ties to even), clamped to +-TOP
+    first: the value the cast to fp8 then writes exactly. Rounding here instead of in
+    the cast keeps the interpreter (whose fp8 cast mis-rounds a carry into the exponent)
+    and the GPU bit for bit equal to torch's cast."""
+    x = tl.minimum(tl.maximum(x, -TOP), TOP)
+    bits = x.to(tl.int32, bitcast=True)
+    exp = tl.maximum(((bits >> 23) & 0xFF) - 127, MIN_EXP)  # subnormals: the smallest step
+    step = ((exp - MANTISSA + 127) << 23).to(tl.float32, bitcast=True)  # 2^(exp - mantissa)
+    # |x| + 1.5 * 2^23 * step is rounded (to even) to a multiple of step by the fp32 add
+    magic = step * 12582912.0
+    a = tl.abs(x)
+    r = (a + magic) - magic
+    return tl.where(bits < 0, -r, r)  # the sign back, -0.0 included
+
+
+@triton.jit
 def reshape_and_cache_kernel(
     key_ptr,  # [num_tokens, num_kv_heads, head_dim], last dim contiguous
     value_ptr,  # [num_tokens, num_kv_heads, head_dim], last dim contiguous
     key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], contiguous
     value_cache_ptr,  # same shape as key_cache
     slot_mapping_ptr,  # [num_tokens], int32 or int64
+    k_scale_ptr,  # FP8: [num_kv_heads] float32 (K is stored as k / scale)
+    v_scale_ptr,  # FP8: [num_kv_heads] float32
     num_slots,  # num_blocks * block_size
     stride_key_tok,
     stride_key_head,
@@ -23,6 +42,7 @@ def reshape_and_cache_kernel(
     HEAD_DIM: tl.constexpr,
     HEADS_PAD: tl.constexpr,  # next power of two >= NUM_KV_HEADS
     DIM_PAD: tl.constexpr,  # next power of two >= HEAD_DIM
+    FP8: tl.constexpr,  # 0: copy the bits; 1: quantise to e4m3; 2: to e5m2
 ):
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
@@ -41,6 +61,18 @@ def reshape_and_cache_kernel(
     cache_offs = slot * (NUM_KV_HEADS * HEAD_DIM) + heads[:, None] * HEAD_DIM + dims[None, :]
 
     k = tl.load(key_ptr + key_offs, mask=mask)
-    tl.store(key_cache_ptr + cache_offs, k, mask=mask)
     v = tl.load(value_ptr + value_offs, mask=mask)
+    if FP8:
+        head_ok = heads < NUM_KV_HEADS
+        k_scale = tl.load(k_scale_ptr + heads, mask=head_ok, other=1.0)
+        v_scale = tl.load(v_scale_ptr + heads, mask=head_ok, other=1.0)
+        k = k.to(tl.float32) / k_scale[:, None]
+        v = v.to(tl.float32) / v_scale[:, None]
+        if FP8 == 1:
+            k = _round_to_fp8_grid(k, 448.0, 3, -6).to(tl.float8e4nv)
+            v = _round_to_fp8_grid(v, 448.0, 3, -6).to(tl.float8e4nv)
+        else:
+            k = _round_to_fp8_grid(k, 57344.0, 2, -14).to(tl.float8e5)
+            v = _round_to_fp8_grid(v, 57344.0, 2, -14).to(tl.float8e5)
+    tl.store(key_cache_ptr + cache_offs, k, mask=mask)
     tl.store(value_cache_ptr + cache_offs, v, mask=mask)

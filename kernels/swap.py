@@ -41,6 +41,8 @@ def swap_blocks(src_cache: torch.Tensor, dst_cache: torch.Tensor, block_mapping:
     if mapping.shape[0] == 0:
         return
 
+    # bits, not numbers: every dtype moves alike (index_copy_ has no fp8 kernel on CPU)
+    src_cache, dst_cache = checks.as_bits(src_cache), checks.as_bits(dst_cache)
     src_ids = mapping[:, 0].to(device=src_cache.device, dtype=torch.int64)
     dst_ids = mapping[:, 1].to(device=dst_cache.device, dtype=torch.int64)
     # staged: [num_layers, 2, n, block_size, num_kv_heads, head_dim], contiguous
