@@ -33,11 +33,14 @@ class ReplayRecorder:
     waiting: list[int] = field(default_factory=list)  # requests waiting after the step
     # arrival to the start of the first step that scheduled it, per request admitted
     queue_waits: list[float] = field(default_factory=list)
+    # arrival to the end of the step that gave it its first token, per request
+    ttfts: list[float] = field(default_factory=list)
     prompt_tokens: int = 0  # of the requests admitted
     cached_tokens: int = 0  # of which the prefix cache served at first admission
     _seen: int = 0  # requests added to the engine so far
     _live: int = 0  # live requests after the last step
     _unadmitted: dict[str, Request] = field(default_factory=dict)
+    _tokenless: dict[str, Request] = field(default_factory=dict)  # no token out yet
     _now: float = 0.0
 
     def before_step(self, engine: LLMEngine, now: float) -> None:
@@ -46,6 +49,8 @@ class ReplayRecorder:
             for request in engine.scheduler.waiting:
                 if request.num_cached_tokens is None:
                     self._unadmitted.setdefault(request.request_id, request)
+                if not request.output_token_ids:
+                    self._tokenless.setdefault(request.request_id, request)
             self._seen += live - self._live
         self._now = now
 
@@ -64,6 +69,8 @@ class ReplayRecorder:
             self.queue_waits.append(max(0.0, self._now - request.arrival_time))
             self.prompt_tokens += request.num_prompt_tokens
             self.cached_tokens += request.num_cached_tokens
+        for rid in [rid for rid, r in self._tokenless.items() if r.output_token_ids]:
+            self.ttfts.append(max(0.0, now - self._tokenless.pop(rid).arrival_time))
         self.step_start.append(self._now)
         self.step_end.append(now)
         self.gpu_usage.append(engine.kv.gpu.usage)
@@ -141,6 +148,8 @@ def replay_stats(trace: list[TraceRequest], config: EngineConfig,
         "queue_wait_p50": percentile(waits, 50),
         "queue_wait_p99": percentile(waits, 99),
         "queue_wait_mean": sum(waits) / len(waits) if waits else None,
+        "ttft_p50": percentile(recorder.ttfts, 50),
+        "ttft_p99": percentile(recorder.ttfts, 99),
         "peak_concurrency": result.peak_concurrency,
         "mean_concurrency": result.mean_concurrency,
         "wall_seconds": result.wall_seconds,

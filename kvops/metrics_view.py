@@ -71,6 +71,7 @@ class _Collector:
         for engine in engines:
             up.add_metric([engine.name], 1.0 if selectors.engine_alive(engine) else 0.0)
         yield up
+        yield _cache_config_info(engines)
         jobs = GaugeMetricFamily("kvops:jobs", "Jobs by status.", labels=["status"])
         for status in Job.Status.values:
             jobs.add_metric([status], Job.objects.filter(status=status).count())
@@ -86,6 +87,26 @@ class _Collector:
                 buckets.append(("+Inf", counts.get("+Inf", 0.0)))
                 family.add_metric([engine], buckets, sum_value=counts.get("sum", 0.0))
             yield family
+
+
+def _cache_config_info(engines) -> GaugeMetricFamily:
+    """How each engine stores K/V (as vLLM's cache_config_info): 1, labelled with the
+    K/V dtype, its format (an fp8 cache's scales), block size, pool sizes and one
+    block's bytes, so that capacity queries can divide by them."""
+    labels = ["engine", "cache_dtype", "kv_format", "block_size", "num_gpu_blocks",
+              "num_cpu_blocks", "kv_bytes_per_block"]
+    info = GaugeMetricFamily("kvops:cache_config_info", "How the engine stores K/V.",
+                             labels=labels)
+    for engine in engines:
+        config = engine.config or {}
+        if "block_size" not in config:
+            continue
+        dtype = config.get("kv_cache_dtype") or "auto"
+        info.add_metric([engine.name, config.get("dtype", "") if dtype == "auto" else dtype,
+                         str(config.get("kv_format") or ""), str(config["block_size"]),
+                         str(config.get("num_gpu_blocks", "")), str(config.get("num_cpu_blocks", "")),
+                         str(config.get("kv_bytes_per_block") or 0)], 1.0)
+    return info
 
 
 # The KV history's block residency histograms (vLLM's names), sampled in the engine

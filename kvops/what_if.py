@@ -41,9 +41,13 @@ PROGRESS_EVERY_S = 0.5
 # prefix-cache tier, num_cpu_blocks its size).
 SETTINGS = ("num_gpu_blocks", "block_size", "num_cpu_blocks", "preemption_mode",
             "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
-            "cpu_prefix_cache", "disk_cache_bytes", "eviction_policy")
+            "cpu_prefix_cache", "disk_cache_bytes", "eviction_policy", "kv_cache_dtype")
 # (disk_cache_bytes: a disk tier below the CPU tier of that many bytes of the engine's
-# blocks, 0 for none; the replay keeps it in a folder of its own, empty at its start)
+# blocks, 0 for none; the replay keeps it in a folder of its own, empty at its start.
+# kv_cache_dtype: how a real model's engine stores K/V; the same memory holds as many
+# more blocks as a value takes fewer bytes, on every tier)
+# bytes of one K/V value, by the engine's dtype or kv_cache_dtype
+KV_VALUE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1}
 
 
 class Refused(Exception):
@@ -85,17 +89,42 @@ def baseline_config(engine_config: dict) -> EngineConfig:
                     max_pending_events=0, **fields)
 
 
-def alternative_config(base: EngineConfig, changes: dict) -> EngineConfig:
+def alternative_config(base: EngineConfig, changes: dict,
+                       engine_config: dict | None = None) -> EngineConfig:
     """The base configuration with the operator's changes. A pool size left out keeps
-    the base pool's memory: the same tokens, in blocks of the new size."""
+    the base pool's memory: the same tokens, in blocks of the new size, and with
+    kv_cache_dtype, as many more tokens as its values are smaller (engine_config: the
+    engine's as registered, whose dtype says how big they are now)."""
     unknown = set(changes) - set(SETTINGS)
     if unknown:
         raise Refused(f"cannot change {', '.join(sorted(unknown))}; one of {', '.join(SETTINGS)}")
     fields = {k: v for k, v in changes.items() if v is not None}
+    base_kv, alt_kv = kv_dtypes(engine_config or {}, fields.pop("kv_cache_dtype", None))
+    grow = KV_VALUE_BYTES[base_kv] / KV_VALUE_BYTES[alt_kv] if base_kv else 1.0
     block_size = fields.get("block_size", base.block_size)
-    fields.setdefault("num_gpu_blocks", max(1, base.num_gpu_blocks * base.block_size // block_size))
-    fields.setdefault("num_cpu_blocks", base.num_cpu_blocks * base.block_size // block_size)
+    fields.setdefault("num_gpu_blocks",
+                      max(1, int(base.num_gpu_blocks * base.block_size * grow) // block_size))
+    fields.setdefault("num_cpu_blocks",
+                      int(base.num_cpu_blocks * base.block_size * grow) // block_size)
     return _checked(dataclasses.replace, base, **fields)
+
+
+def kv_dtypes(engine_config: dict, wanted: str | None) -> tuple[str | None, str | None]:
+    """(how the engine stores K/V now, how the alternative would): names of
+    KV_VALUE_BYTES; (None, None) when neither is asked and the engine does not say (the
+    simulator). Refused: another dtype for a simulated engine."""
+    current = engine_config.get("kv_cache_dtype") or "auto"
+    if current == "auto":
+        current = engine_config.get("dtype")
+    if current not in KV_VALUE_BYTES:
+        if wanted is None:
+            return None, None
+        raise Refused(f"kv_cache_dtype is a real model's: engine K/V of dtype {current!r} "
+                      f"cannot be compared with {wanted!r} (the simulator's stand-in has "
+                      f"none; change num_gpu_blocks instead)")
+    if wanted == "auto":
+        wanted = engine_config.get("dtype")
+    return current, wanted or current
 
 
 def _checked(make, *args, **fields) -> EngineConfig:
@@ -127,9 +156,11 @@ def with_disk(config: EngineConfig, folder: str, block_bytes: int) -> EngineConf
                                disk_cache_bytes=blocks * file_bytes(config.block_size * 8))
 
 
-def describe(config: EngineConfig) -> dict:
-    """The settings a what-if compares, as shown next to its results."""
+def describe(config: EngineConfig, kv_cache_dtype: str | None = None) -> dict:
+    """The settings a what-if compares, as shown next to its results (kv_cache_dtype:
+    how the engine would store K/V, None when the engine does not say)."""
     out = {k: getattr(config, k) for k in SETTINGS}
+    out["kv_cache_dtype"] = kv_cache_dtype
     out["pool_tokens"] = config.num_gpu_blocks * config.block_size
     return out
 
@@ -156,7 +187,7 @@ def start(user, engine: Engine, minutes: int, max_jobs: int, changes: dict,
     `replayed`, and nothing is queued twice; KeyReused if the key belongs to another
     request."""
     base = baseline_config(engine.config or {})
-    alternative = alternative_config(base, changes)
+    alternative = alternative_config(base, changes, engine.config or {})
     lengths = list(window(engine.name, minutes).values_list(
         "num_prompt_tokens", "num_output_tokens")[:max_jobs])
     if not lengths:
@@ -251,17 +282,22 @@ def run(run_id: int) -> str:
         engine = Engine.objects.get(name=row.engine)
         params = row.params
         base = baseline_config(engine.config or {})
-        alternative = alternative_config(base, params.get("alternative") or {})
+        changes = params.get("alternative") or {}
+        alternative = alternative_config(base, changes, engine.config or {})
         trace = build_trace(engine, params["minutes"], params["max_jobs"], until=row.created_at)
         cost = StepCost(params["step_base_ms"], params["step_token_ms"])
         results = []
         block_bytes = int((engine.config or {}).get("kv_bytes_per_block") or 0)
+        kv = kv_dtypes(engine.config or {}, changes.get("kv_cache_dtype"))
         for i, config in enumerate((base, alternative)):
+            # a block of the alternative's dtype weighs as much less on disk
+            weight = (block_bytes * KV_VALUE_BYTES[kv[i]] // KV_VALUE_BYTES[kv[0]]
+                      if kv[0] else block_bytes)
             with tempfile.TemporaryDirectory(prefix="kvops-what-if-disk-") as folder:
-                stats = replay_stats(trace.requests, with_disk(config, folder, block_bytes),
+                stats = replay_stats(trace.requests, with_disk(config, folder, weight),
                                      cost, trace.prompts,
                                      on_progress=_progress_writer(run_id, i))
-            results.append({"config": describe(config), **stats})
+            results.append({"config": describe(config, kv[i]), **stats})
     except SoftTimeLimitExceeded:
         _fail(run_id, f"the replay ran past {settings.KVOPS_WHAT_IF_TIME_LIMIT_S:g} s: "
                       f"choose fewer minutes or jobs")

@@ -10,7 +10,7 @@ from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from engine.capacity import StepCost
-from engine.config import EVICTION_POLICIES, PREEMPTION_MODES
+from engine.config import EVICTION_POLICIES, KV_CACHE_DTYPES, PREEMPTION_MODES
 from kvops import job_store
 from kvops.models import Engine, Job, OperatorAction, WhatIfRun
 from kvops.what_if import MAX_POOL_TOKENS, SETTINGS
@@ -241,6 +241,10 @@ class WhatIfSerializer(StrictMixin, serializers.Serializer):
     eviction_policy = serializers.ChoiceField(
         choices=list(EVICTION_POLICIES), required=False, allow_null=True, default=None,
         help_text="what the prefix cache evicts first")
+    kv_cache_dtype = serializers.ChoiceField(
+        choices=list(KV_CACHE_DTYPES), required=False, allow_null=True, default=None,
+        help_text="how K/V would be stored (a real model's engine): fp8 holds twice "
+                  "bf16's blocks in the same memory")
 
     def changes(self) -> dict:
         """The settings the operator changed."""

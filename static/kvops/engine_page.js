@@ -113,7 +113,7 @@ function loadSnapshot(snapshot) {
 function showWhole() {
   gpuMap.attach(state.gpu, state.evictRank, $("#gpu-wrap").clientWidth);
   cpuMap.attach(state.cpu, null, $("#cpu-wrap").clientWidth);
-  $("#gpu-caption").textContent = `${num(state.gpu.n)} blocks of ${state.config.block_size} tokens${groupsCaption(state.config)}${splitCaption(state.config)}`;
+  $("#gpu-caption").textContent = `${num(state.gpu.n)} blocks of ${state.config.block_size} tokens${kvCaption(state.config)}${groupsCaption(state.config)}${splitCaption(state.config)}`;
   $("#cpu-caption").textContent = `${num(state.cpu.n)} blocks${state.config.cpu_prefix_cache
     ? " · also the prefix cache's second tier: its cached blocks were copied from the GPU" : ""}`;
   $("#disk-tier").hidden = !hasDiskTier(state.config);
@@ -412,6 +412,18 @@ function groupsCaption(config) {
 }
 
 // A model split across tensor-parallel ranks: how many, and what each rank holds.
+// How K/V is stored: the dtype and one block's bytes (every layer), e.g.
+// " · fp8_e4m3 K/V, 288 KiB a block (scales per layer)".
+function kvCaption(config) {
+  const bytes = config.kv_bytes_per_block;
+  if (!bytes || config.simulate) return "";
+  const size = bytes >= 1048576 ? `${(bytes / 1048576).toFixed(1)} MiB` : `${num(Math.round(bytes / 1024))} KiB`;
+  const fp8 = config.kv_cache_dtype && config.kv_cache_dtype !== "auto";
+  const dtype = fp8 ? config.kv_cache_dtype : (config.dtype || "");
+  const scales = fp8 && config.kv_cache_scales ? ` (scales ${config.kv_cache_scales === "unit" ? "of 1" : `per ${config.kv_cache_scales === "head" ? "KV head" : "layer"}`})` : "";
+  return ` · ${dtype} K/V, ${size} a block${scales}`;
+}
+
 function splitCaption(config) {
   const ranks = config.rank_memory || [];
   if ((config.tensor_parallel_size || 1) < 2) return "";

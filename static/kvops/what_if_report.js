@@ -13,7 +13,8 @@ export function requestBody(values) {
   for (const [name, raw] of Object.entries(values)) {
     const text = String(raw ?? "").trim();
     if (text === "") continue;
-    if (NUMBERS.includes(name)) body[name] = Number(text);
+    if (name === "disk_cache_gib") body.disk_cache_bytes = Math.round(Number(text) * 2 ** 30);
+    else if (NUMBERS.includes(name)) body[name] = Number(text);
     else if (FLAGS.includes(name)) body[name] = text === "true";
     else body[name] = text;
   }
@@ -25,6 +26,8 @@ const integer = (v) => (v == null ? "–" : String(Math.round(v)));
 const percent = (v) => (v == null ? "–" : `${(100 * v).toFixed(1)}%`);
 const secs = (v) => (v == null ? "–" : v < 1 ? `${(1000 * v).toFixed(0)} ms` : `${v.toFixed(2)} s`);
 const onOff = (v) => (v == null ? "–" : v ? "on" : "off");
+const bytesOrOff = (v) => (v == null ? "–" : !v ? "off"
+  : v >= 2 ** 30 ? `${(v / 2 ** 30).toFixed(1)} GiB` : `${(v / 2 ** 20).toFixed(0)} MiB`);
 
 // [label, read(result), format, kind]: kind "ratio" compares in points, "number" in
 // percent of the engine's value, null not at all.
@@ -36,6 +39,9 @@ const CONFIG_ROWS = [
   ["max_num_batched_tokens", (r) => r.config.max_num_batched_tokens, integer, null],
   ["prefix caching", (r) => r.config.enable_prefix_caching, onOff, null],
   ["CPU prefix tier", (r) => r.config.cpu_prefix_cache, onOff, null],
+  ["disk tier", (r) => r.config.disk_cache_bytes, bytesOrOff, null],
+  ["eviction policy", (r) => r.config.eviction_policy, String, null],
+  ["K/V dtype", (r) => r.config.kv_cache_dtype ?? undefined, String, null],
 ];
 const RESULT_ROWS = [
   ["finish time (simulated)", (r) => r.sim_seconds, secs, "number"],
@@ -48,6 +54,10 @@ const RESULT_ROWS = [
   ["prefix hit rate", (r) => r.prefix_hit_rate, percent, "ratio"],
   ["prefix lookups hit (readmissions too)", (r) => r.prefix_lookup_hit_rate, percent, "ratio"],
   ["  of which on the CPU tier", (r) => r.cpu_tier_hit_rate, percent, "ratio"],
+  ["  of which from disk", (r) => r.disk_tier_hit_rate, percent, "ratio"],
+  ["prompt tokens computed", (r) => r.prompt_tokens_computed, integer, "number"],
+  ["TTFT p50", (r) => r.ttft_p50, secs, "number"],
+  ["TTFT p99", (r) => r.ttft_p99, secs, "number"],
   ["queue wait p50", (r) => r.queue_wait_p50, secs, "number"],
   ["queue wait p99", (r) => r.queue_wait_p99, secs, "number"],
   ["peak concurrency", (r) => r.peak_concurrency, integer, "number"],

@@ -24,7 +24,7 @@ def test_the_recorder_changes_nothing_and_sees_every_request():
     for field in ("sim_seconds", "steps", "utilisation", "preemptions", "prefix_hit_rate",
                   "peak_concurrency", "mean_concurrency"):
         assert getattr(observed, field) == getattr(plain, field), field
-    assert len(recorder.queue_waits) == len(trace)
+    assert len(recorder.queue_waits) == len(trace) == len(recorder.ttfts)
     assert recorder.prompt_tokens == sum(r.prompt_len for r in trace)
     assert len(recorder.gpu_usage) == observed.steps
     assert max(recorder.gpu_usage) > 0.9  # the small pool fills up
@@ -43,6 +43,9 @@ def test_queue_waits_are_zero_when_every_request_fits_at_once_and_grow_when_not(
     assert stats["queue_wait_p50"] > 0 and stats["queue_wait_p99"] > stats["queue_wait_p50"]
     # 9 requests before the last, each 1 prefill step + 19 decode steps of 10 ms
     assert abs(stats["queue_wait_p99"] - 9 * 20 * 0.010) < 1e-9
+    # its first token comes at the end of its prefill step: one step after its wait
+    assert abs(stats["ttft_p99"] - (9 * 20 + 1) * 0.010) < 1e-9
+    assert stats["ttft_p50"] < stats["ttft_p99"]
 
 
 def test_the_timeline_keeps_the_peak_and_spans_the_run():

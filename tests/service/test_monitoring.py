@@ -82,3 +82,25 @@ def test_prometheus_loads_the_rules_and_compose_mounts_them():
     uid = datasource["datasources"][0]["uid"]
     dashboard = json.loads((DEPLOY / "grafana" / "dashboards" / "kvops.json").read_text())
     assert {p["datasource"]["uid"] for p in dashboard["panels"]} == {uid}
+
+
+def test_cache_config_info_names_each_engines_kv_dtype_and_block_bytes(rf):
+    from kvops.metrics_view import metrics
+    from kvops.registry import register_engine
+
+    register_engine("fp8", "w1", "h", "i1", {"block_size": 16, "dtype": "bfloat16",
+                                           "kv_cache_dtype": "fp8_e4m3",
+                                           "kv_format": "float8_e4m3fn/tensor:0a1b2c3d",
+                                           "num_gpu_blocks": 9000, "num_cpu_blocks": 0,
+                                           "kv_bytes_per_block": 147456})
+    register_engine("plain", "w2", "h", "i2", {"block_size": 16, "dtype": "bfloat16",
+                                             "kv_cache_dtype": "auto", "kv_format": "bfloat16",
+                                             "num_gpu_blocks": 4500, "num_cpu_blocks": 0,
+                                             "kv_bytes_per_block": 294912})
+    text = metrics(rf.get("/metrics")).content.decode()
+    lines = {line.split("engine=\"")[1].split("\"")[0]: line for line in text.splitlines()
+             if line.startswith("kvops:cache_config_info{")}
+    assert 'cache_dtype="fp8_e4m3"' in lines["fp8"] and 'kv_bytes_per_block="147456"' in lines["fp8"]
+    assert 'kv_format="float8_e4m3fn/tensor:0a1b2c3d"' in lines["fp8"]
+    assert 'cache_dtype="bfloat16"' in lines["plain"] and 'num_gpu_blocks="4500"' in lines["plain"]
+    assert lines["plain"].endswith(" 1.0")

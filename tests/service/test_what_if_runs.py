@@ -181,3 +181,30 @@ def test_an_eviction_policy_is_replayed_when_asked(busy_engine):
     direct = replay_paged(trace.requests, config, StepCost(), prompts=trace.prompts)
     assert run.alternative["preemptions"] == direct.preemptions
     assert run.alternative["prefix_lookup_hit_rate"] == direct.prefix_hit_rate
+
+
+def test_an_fp8_kv_cache_is_replayed_as_more_blocks_in_the_same_memory(busy_engine):
+    """A bfloat16 engine's 48 blocks are 96 in fp8: the replay of the same jobs preempts
+    less; a simulated engine (no dtype) is refused the lever."""
+    operator, engine = busy_engine
+    Engine.objects.filter(pk=engine.pk).update(
+        config={**CONFIG, "simulate": False, "dtype": "bfloat16", "kv_cache_dtype": "auto",
+                "kv_bytes_per_block": 720 * 1024})
+    engine.refresh_from_db()
+    run = what_if.start(operator, engine, 10, 100, {"kv_cache_dtype": "fp8_e4m3"}, StepCost())
+    assert tasks.what_if.apply(args=[run.pk]).get() == "finished"
+    run.refresh_from_db()
+    assert (run.baseline["config"]["kv_cache_dtype"],
+            run.alternative["config"]["kv_cache_dtype"]) == ("bfloat16", "fp8_e4m3")
+    assert (run.baseline["config"]["num_gpu_blocks"],
+            run.alternative["config"]["num_gpu_blocks"]) == (48, 96)
+    assert run.alternative["config"]["num_cpu_blocks"] == 64
+    assert run.baseline["preemptions"] > run.alternative["preemptions"]
+    # an fp8 engine asked about its model's own dtype: half the blocks
+    fp8 = {**engine.config, "kv_cache_dtype": "fp8_e4m3"}
+    halved = what_if.alternative_config(what_if.baseline_config(fp8), {"kv_cache_dtype": "auto"}, fp8)
+    assert halved.num_gpu_blocks == 24
+    Engine.objects.filter(pk=engine.pk).update(config=CONFIG)
+    engine.refresh_from_db()
+    with pytest.raises(what_if.Refused, match="real model"):
+        what_if.start(operator, engine, 10, 100, {"kv_cache_dtype": "fp8_e5m2"}, StepCost())

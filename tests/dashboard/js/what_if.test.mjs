@@ -55,3 +55,25 @@ test("the trace line says what was replayed and what the engine recorded", () =>
   assert.match(text, /prefix hit rate 12\.5%, 3 preemptions/);
   assert.equal(traceSummary({}), "");
 });
+
+test("the tier, policy and K/V dtype levers: a disk size in GiB travels as bytes", () => {
+  const body = requestBody({ disk_cache_gib: "1.5", eviction_policy: "slru", kv_cache_dtype: "fp8_e4m3",
+                             cpu_prefix_cache: "true" });
+  assert.deepEqual(body, { disk_cache_bytes: 1610612736, eviction_policy: "slru",
+                           kv_cache_dtype: "fp8_e4m3", cpu_prefix_cache: true });
+  const rows = comparisonRows({
+    baseline: { ...result(48, 20, 0.1, 1), disk_tier_hit_rate: 0, ttft_p99: 2.5, prompt_tokens_computed: 9000,
+                config: config(48, { kv_cache_dtype: "bfloat16", disk_cache_bytes: 0, eviction_policy: "lru" }) },
+    alternative: { ...result(96, 5, 0.3, 1), disk_tier_hit_rate: 0.2, ttft_p99: 0.5, prompt_tokens_computed: 6000,
+                   config: config(96, { kv_cache_dtype: "fp8_e4m3", disk_cache_bytes: 2 ** 31, eviction_policy: "slru" }) },
+  });
+  const row = (label) => rows.find((r) => r.label === label);
+  assert.deepEqual([row("K/V dtype").baseline, row("K/V dtype").alternative], ["bfloat16", "fp8_e4m3"]);
+  assert.deepEqual([row("disk tier").baseline, row("disk tier").alternative], ["off", "2.0 GiB"]);
+  assert.equal(row("  of which from disk").change, "+20.0 pt");
+  assert.equal(row("TTFT p99").change, "-80%");
+  assert.equal(row("prompt tokens computed").change, "-33%");
+  // an engine that does not say its K/V dtype (the simulator): no row
+  assert.equal(comparisonRows({ baseline: result(1, 1, 0, 0), alternative: result(1, 1, 0, 0) })
+    .find((r) => r.label === "K/V dtype"), undefined);
+});
