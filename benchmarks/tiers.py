@@ -28,13 +28,13 @@ import argparse
 import dataclasses
 import random
 import shutil
-import statistics
 import sys
 import tempfile
 from pathlib import Path
 
-from engine.capacity import StepCost, replay_paged
+from engine.capacity import StepCost
 from engine.config import EngineConfig
+from engine.replay_stats import replay_stats
 from engine.trace import TraceRequest
 
 VOCAB = 32000
@@ -68,25 +68,6 @@ def multi_turn(conversations: int, turns: int, message: int, reply: int, gap_s: 
     return Workload(trace, [p for *_, p in events], last)
 
 
-class FirstTokens:
-    """An observer of the replay: when each request's first token came (simulated)."""
-
-    def __init__(self, trace: list[TraceRequest]) -> None:
-        self.arrival = {f"t{i}": r.arrival_s for i, r in enumerate(trace)}
-        self.ttft: dict[str, float] = {}
-
-    def before_step(self, engine, now: float) -> None:
-        pass
-
-    def after_step(self, engine, now: float) -> None:
-        for request in engine.scheduler.running:
-            if request.output_token_ids and request.request_id not in self.ttft:
-                self.ttft[request.request_id] = now - self.arrival[request.request_id]
-        for request in engine.scheduler.recently_finished:
-            if request.request_id not in self.ttft and request.output_token_ids:
-                self.ttft[request.request_id] = now - self.arrival[request.request_id]
-
-
 def run(name: str, work: Workload, config: EngineConfig, cost: StepCost,
         indices: list[int] | None = None) -> dict:
     """One replay (of the requests at `indices`, or all), with its figures."""
@@ -97,16 +78,29 @@ def run(name: str, work: Workload, config: EngineConfig, cost: StepCost,
         prompts = [work.prompts[i] for i in indices]
     else:
         trace, prompts = work.trace, work.prompts
-    seen = FirstTokens(trace)
     # (the replay's engine is closed at its end: a disk tier's writes are finished then)
-    result = replay_paged(trace, config, cost, name, prompts, seen)
-    ttft = sorted(seen.ttft.values())
-    extra = result.extra
-    return {"name": name, "requests": len(trace), "hit_rate": result.prefix_hit_rate,
-            "computed": extra["prompt_tokens_computed"],
-            "ttft_p50": statistics.median(ttft), "ttft_p99": ttft[int(0.99 * (len(ttft) - 1))],
-            "cpu_share": extra["cpu_hit_rate"], "disk_share": extra["disk_hit_rate"],
-            "preemptions": result.preemptions}
+    stats = replay_stats(trace, config, cost, prompts)
+    return {"name": name, "requests": len(trace), "hit_rate": stats["prefix_lookup_hit_rate"],
+            "computed": stats["prompt_tokens_computed"],
+            "ttft_p50": stats["ttft_p50"], "ttft_p99": stats["ttft_p99"],
+            "cpu_share": stats["cpu_tier_hit_rate"], "disk_share": stats["disk_tier_hit_rate"],
+            "preemptions": stats["preemptions"]}
+
+
+def blocks_per_gib(block_size: int) -> str:
+    """The default model's blocks per GiB by K/V dtype (when it has been converted)."""
+    from engine.default_model import default_model_dir
+    from engine.loader import read_model_folder
+
+    try:
+        a = read_model_folder(default_model_dir()).args
+    except Exception:  # noqa: BLE001  (not converted here: say nothing)
+        return ""
+    per_value = 2 * a.n_layers * block_size * a.n_kv_heads * a.head_dim
+    sizes = [(name, 2**30 // (per_value * b)) for name, b in
+             (("float32", 4), ("bfloat16", 2), ("fp8", 1))]
+    return ("Blocks of " + str(block_size) + " tokens per GiB on the default model: "
+            + ", ".join(f"{name} {n:,}" for name, n in sizes))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,6 +139,13 @@ def main(argv: list[str] | None = None) -> int:
         earlier = [i for i in range(len(work.trace)) if i not in last]
         rows = [run("GPU only", work, base, cost), run("GPU + CPU", work, cpu, cost),
                 run("GPU + CPU + disk", work, with_disk("all"), cost)]
+        # fp8 K/V of a bf16 model: the same memory holds twice the blocks, on every tier
+        fp8 = dataclasses.replace(base, num_gpu_blocks=2 * base.num_gpu_blocks)
+        fp8_tiers = dataclasses.replace(with_disk("fp8", 1), num_gpu_blocks=2 * base.num_gpu_blocks,
+                                        num_cpu_blocks=2 * cpu.num_cpu_blocks,
+                                        disk_cache_bytes=2 * int(args.disk_gib * 2**30))
+        rows += [run("GPU only, fp8 K/V (the same memory: 2x blocks)", work, fp8, cost),
+                 run("GPU + CPU + disk, fp8 K/V", work, fp8_tiers, cost)]
         # A restart before the last turns: an engine ran the earlier turns and stopped
         # (its disk tier spilled what its CPU tier held); a new one takes the last turns
         run("earlier turns", work, with_disk("restart"), cost, earlier)
@@ -162,6 +163,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.block_size}, {args.num_cpu_blocks} CPU blocks, {args.disk_gib:g} GiB of "
           f"disk; a step {args.step_base_ms:g} ms + {args.step_token_ms:g} ms a computed "
           "token (simulated time)")
+    per_gib = blocks_per_gib(args.block_size)
+    if per_gib:
+        print(per_gib)
     print("| cache | requests | prefix hit rate | of it from CPU | of it from disk | prompt "
           "tokens computed | TTFT p50 s | TTFT p99 s | preemptions |")
     print("|" + "---|" * 9)

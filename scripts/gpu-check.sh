@@ -61,10 +61,10 @@ ONLY="$*"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true
   "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
   # through the service: 32 streams, the default model in bfloat16 on cuda
-  section serve 150 "$PY" -m benchmarks.bench_serve --streams "" --real 32 --real-tokens 128 \
+  section serve 120 "$PY" -m benchmarks.bench_serve --streams "" --real 32 --real-tokens 128 \
     --real-device cuda --real-dtype bfloat16
   # the engine alone against transformers' generate, both on cuda
-  section engine 80 "$PY" -m benchmarks.bench_engine --device cuda --dtype bfloat16 \
+  section engine 65 "$PY" -m benchmarks.bench_engine --device cuda --dtype bfloat16 \
     --hf-batch-sizes 32 --repeats 1
   section kernels 60 "$PY" -m benchmarks.bench_kernels
   section cuda-tests 110 "$PY" -m pytest -q -m cuda tests/kernels
@@ -79,10 +79,15 @@ ONLY="$*"
   # the disk tier of the prefix cache with a real model's CPU pool on a GPU machine:
   # block bytes out of and back into the pinned CPU pool (engine/disk_tier.py)
   section disk 30 "$PY" -m pytest -q tests/engine/test_disk_tier.py
+  # fp8 K/V: reshape_and_cache and paged_attention compiled for this GPU against torch's
+  # casts and the dequantised reference, a tiny model's fp8 run against transformers'
+  section fp8 45 "$PY" -m pytest -q tests/kernels/test_fp8_kv.py tests/engine/test_fp8_kv.py
   # the service path with many free cores: the simulator, short streams at 5 ms a step
   section sim 55 "$PY" -m benchmarks.bench_serve --streams 256 --sim-tokens 64-64 --step-ms 5
   # 256 streams of the default model through the service (named only: over the budget
   # of one command together with the rest)
   [ -n "$ONLY" ] && section serve256 150 "$PY" -m benchmarks.bench_serve --streams "" \
     --real 256 --real-tokens 128 --real-device cuda --real-dtype bfloat16
+  # fp8 K/V's quality on the default model in bfloat16 (named only)
+  [ -n "$ONLY" ] && section fp8-quality 200 "$PY" -m benchmarks.kv_quality --device cuda
 } 2>&1 | tee "$LOG"
