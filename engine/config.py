@@ -35,11 +35,12 @@ class EngineConfig:
     # to be reused is copied to a free CPU block first and stays findable by hash, and a
     # later hit on it is copied back instead of recomputed (swapped requests come first)
     cpu_prefix_cache: bool = False
-    # A third level below the CPU tier (engine/disk_tier.py): cached CPU blocks that
-    # disk_cache_min_hits prompts asked for beyond the first are written behind to files
-    # in this folder as the CPU tier lets them go, and read back when a prompt's prefix reaches them; up
-    # to disk_cache_bytes, least recently used first out. It outlives the engine: one
-    # started again with the same model and folder finds its blocks. None: no disk tier
+    # A level below the CPU tier, or below the GPU pool without one (engine/disk_tier.py):
+    # cached blocks that disk_cache_min_hits prompts asked for beyond the first are
+    # written behind to files in this folder as the pool above lets them go, and read
+    # back when a prompt's prefix reaches them; up to disk_cache_bytes, least recently
+    # used first out. It outlives the engine: one started again with the same model and
+    # folder finds its blocks. None: no disk tier
     # The most of the GPU pool that pinned prefixes may hold (a share, 0-1): a pin past it
     # is refused, naming it; an operator changes it live (LLMEngine.set_retention)
     pin_budget: float = 0.5
@@ -185,9 +186,6 @@ class EngineConfig:
             raise ConfigError("cpu_prefix_cache needs num_cpu_blocks > 0")
         if self.cpu_prefix_cache and not self.enable_prefix_caching:
             raise ConfigError("cpu_prefix_cache needs enable_prefix_caching")
-        if self.disk_cache_dir and not self.cpu_prefix_cache:
-            raise ConfigError("the disk tier (disk_cache_dir) sits below the CPU tier: it "
-                              "needs cpu_prefix_cache")
         _check(self.disk_cache_bytes >= 0, "disk_cache_bytes must be >= 0")
         _check(0.0 <= self.pin_budget <= 1.0, "pin_budget must be in [0, 1]")
         _check(self.eviction_policy in EVICTION_POLICIES,

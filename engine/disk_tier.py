@@ -330,24 +330,25 @@ class DiskStore:
 
 
 class DiskTier:
-    """The disk below the CPU tier, as the coordinator uses it: told which CPU blocks
-    the CPU pool reuses (`note_evicted`, the CPU pool's on_evict) and which hashes each
-    admitted prompt asks for (`note_asked`), and asked to bring a prompt's next blocks into the CPU tier
-    (`promote`). `read_block` and `write_block` move a CPU block's bytes (the runner's)."""
+    """The disk below the pool above it (the CPU tier; the GPU pool of an engine without
+    one), as the coordinator uses it: told which cached blocks that pool reuses
+    (`note_evicted`, the pool's on_evict) and which hashes each admitted prompt asks for
+    (`note_asked`), and asked to bring a prompt's next blocks into that pool, cached
+    (`promote`). `read_block` and `write_block` move a block's bytes (the runner's)."""
     medium = "DISK"
 
-    def __init__(self, store: DiskStore, cpu: BlockPool, events: EventLog,
+    def __init__(self, store: DiskStore, above: BlockPool, events: EventLog,
                  read_block: Callable[[int], bytes], write_block: Callable[[int, bytes], None],
                  min_hits: int = 1) -> None:
         self.store = store
-        self.cpu = cpu
+        self.above = above
         self._events = events
         self._read_block, self._write_block = read_block, write_block
         self.min_hits = min_hits
         # per hash, how many prompts asked for it (the newest ASKED_KEPT hashes)
         self._asked: collections.OrderedDict[BlockHash, int] = collections.OrderedDict()
         self.hit_tokens = 0  # prompt tokens found here, not recomputed
-        self.promoted: set[int] = set()  # CPU blocks read back, not taken by a request yet
+        self.promoted: set[int] = set()  # blocks above read back, not taken by a request yet
 
     @property
     def stats(self) -> DiskStats:
@@ -371,10 +372,10 @@ class DiskTier:
         return self._asked.get(block_hash, 0) > self.min_hits
 
     def read_ahead(self, hashes: list[BlockHash]) -> None:
-        """A request was added: its blocks held on disk (and not in the CPU tier) are
+        """A request was added: its blocks held on disk (and not in the pool above) are
         read on the reader thread, so that its admission finds them in memory."""
-        cpu = self.cpu
-        rest = [h for h in hashes if cpu.get_cached(h) is None]
+        above = self.above
+        rest = [h for h in hashes if above.get_cached(h) is None]
         if rest:
             self.store.read_ahead(rest)
 
@@ -391,8 +392,8 @@ class DiskTier:
                               ref_cnts=[], hashes=hashes if self._events.full else None)
 
     def note_evicted(self, evicted: list[tuple[int, BlockHash]]) -> None:
-        """The CPU pool is reusing these cached blocks (their bytes still in place): the
-        ones hit often enough are copied out and written behind."""
+        """The pool above is reusing these cached blocks (their bytes still in place): the
+        ones asked for often enough are copied out and written behind."""
         stored = []
         for block_id, block_hash in evicted:
             self.promoted.discard(block_id)
@@ -404,65 +405,70 @@ class DiskTier:
         if stored:
             self._events.emit("BlockStored", pool="disk", block_ids=[],
                               block_hashes=[short(h) for h in stored], ref_cnts=[],
-                              detail="disk tier: written behind from CPU blocks about to be "
-                                     "reused", hashes=stored if self._events.full else None)
+                              detail=f"disk tier: written behind from {self.above.pool.upper()} blocks "
+                                     "about to be reused", hashes=stored if self._events.full else None)
 
     def promote(self, hashes: list[BlockHash]) -> int:
-        """Read the leading run of these hashes that the disk holds into CPU tier blocks
-        (free and cached there, as if the CPU tier had kept them); how many."""
-        cpu, n = self.cpu, 0
+        """Read the leading run of these hashes that the disk holds into blocks of the pool
+        above (free and cached there, as if it had kept them); how many."""
+        above, n = self.above, 0
         promoted: list[KVBlock] = []
         for block_hash in hashes:
-            if cpu.get_cached(block_hash) is not None:
+            if above.get_cached(block_hash) is not None:
                 n += 1
                 continue
-            if not cpu.num_free or not self.store.contains(block_hash):
+            if not above.num_free or not self.store.contains(block_hash):
                 break
             payload = self.store.get(block_hash)
             if payload is None:
                 break
-            block = cpu.take_new(1)[0]
+            block = above.take_new(1)[0]
             try:
                 self._write_block(block.block_id, payload)
             except Exception:
-                cpu.free([block])
+                above.free([block])
                 raise
-            cpu.cache(block, block_hash)
-            cpu.free([block])
+            above.cache(block, block_hash)
+            above.free([block])
             promoted.append(block)
             n += 1
         if promoted:
             self.promoted.update(b.block_id for b in promoted)
-            self._events.emit("BlockStored", pool="cpu",
+            self._events.emit("BlockStored", pool=above.pool,
                               block_ids=[b.block_id for b in promoted],
                               block_hashes=[short(b.block_hash) for b in promoted],
                               ref_cnts=[0] * len(promoted),
-                              detail="CPU tier: read back from the disk tier",
+                              detail=f"{above.pool.upper()}: read back from the disk tier",
                               hashes=[b.block_hash for b in promoted]
                               if self._events.full else None)
         return n
 
-    def taken(self, blocks: list[KVBlock], block_size: int) -> int:
-        """A request's prompt continued on these CPU tier blocks: those read back from
-        disk count as the disk's hits (tokens); how many blocks they were."""
+    def taken(self, blocks: list[KVBlock], block_size: int, num_tokens: int | None = None) -> int:
+        """A request's prompt continued on these blocks of the pool above: those read
+        back from disk (the run's last ones) count as the disk's hits, in tokens (of the
+        num_tokens the blocks served, when the last block's last token is recomputed);
+        how many blocks they were."""
         n = sum(1 for b in blocks if b.block_id in self.promoted)
         if n:
             self.promoted.difference_update(b.block_id for b in blocks)
-            self.hit_tokens += n * block_size
+            tokens = n * block_size
+            if num_tokens is not None:
+                tokens = min(tokens, num_tokens - (len(blocks) - n) * block_size)
+            self.hit_tokens += tokens
         return n
 
     def spill(self) -> int:
-        """Write the CPU tier's cached blocks that admission would take (the engine is
-        closing: what the CPU holds is otherwise lost with it); how many were queued."""
+        """Write the pool above's cached blocks that admission would take (the engine is
+        closing: what it holds is otherwise lost with it); how many were queued."""
         n = 0
-        for block_hash, block in list(self.cpu.cached.items()):
+        for block_hash, block in list(self.above.cached.items()):
             if self.admits(block_hash) and \
                     self.store.put(block_hash, self._read_block(block.block_id)):
                 n += 1
         return n
 
     def close(self) -> None:
-        """Spill what the CPU tier holds, finish every write, stop the writer."""
+        """Spill what the pool above holds, finish every write, stop the writer."""
         try:
             self.spill()
         finally:

@@ -25,6 +25,7 @@ import numpy as np
 
 from engine.block_hash import BlockHash, hash_blocks, short
 from engine.block_pool import BlockPool, KVBlock
+from engine.config import ConfigError
 from engine.events import EventLog
 from engine.kv_export import PoolExport
 from engine.kv_group import NOTHING_ALLOCATED, Allocation, GroupHit, KVGroup, SwapResult, make_group
@@ -94,12 +95,18 @@ class KVCacheCoordinator:
         self.prefix_cache_hits = 0  # of which found cached on the GPU or a tier (tokens)
 
     def attach_disk(self, disk) -> None:
-        """The disk tier below the CPU tier (engine/disk_tier.py): it takes the cached CPU
-        blocks the CPU pool reuses, and gives back those a prompt reaches."""
-        if self.tier is None:
-            raise ValueError("the disk tier sits below the CPU tier, which this engine has not")
+        """The disk tier (engine/disk_tier.py) below the CPU tier, or below the GPU pool
+        of an engine without one: it takes the cached blocks that pool reuses, and gives
+        back into it those a prompt reaches."""
+        above = self.cpu if self.tier is not None else self.gpu
+        if disk.above is not above:
+            raise ValueError(f"the disk tier sits below the {above.pool.upper()} pool here")
+        if self.tier is None and self.num_groups > 1:
+            raise ConfigError("a disk tier straight below the GPU pool of a model with layer "
+                              "groups is not supported: turn on the CPU tier "
+                              "(cpu_prefix_cache), or hybrid_kv_cache off")
         self.disk = disk
-        self.cpu.on_evict = disk.note_evicted
+        above.on_evict = disk.note_evicted
 
     # --- what the engine and the viewers read ----------------------------------------
     @property
@@ -172,13 +179,22 @@ class KVCacheCoordinator:
             off = None if self.enable_caching else "prefix caching is off on this engine"
             if off is None and request.sampling_params.prompt_logprobs is not None:
                 off = "its prompt's logprobs need every position computed: no cache is read"
-            disk = sum(b.block_id in self.disk.promoted for b in match.tier_blocks) \
-                if self.disk is not None else 0
+            gpu, tier = len(match.groups[0].blocks), len(match.tier_blocks)
+            disk = self._from_disk(match)
+            if self.tier is None:  # (straight below the GPU: its blocks are the tier's)
+                gpu, tier = gpu - disk, disk
             match.story = self.stories.draft(
-                request, len(match.groups[0].blocks), len(match.tier_blocks),
-                match.num_computed_tokens, self.cached_where, off, windowed=self.num_groups > 1,
-                disk_blocks=disk)
+                request, gpu, tier, match.num_computed_tokens, self.cached_where, off,
+                windowed=self.num_groups > 1, disk_blocks=disk)
         return match
+
+    def _from_disk(self, match: PrefixMatch) -> int:
+        """How many of a match's blocks were read back from the disk tier (those of the
+        pool the disk sits below)."""
+        if self.disk is None:
+            return 0
+        blocks = match.tier_blocks if self.tier is not None else match.groups[0].blocks
+        return sum(b.block_id in self.disk.promoted for b in blocks)
 
     def _find_prefix(self, request: Request) -> PrefixMatch:
         """The longest prefix every group can serve, from the GPU pool and then the tier:
@@ -192,6 +208,12 @@ class KVCacheCoordinator:
                                        and len(request.prompt_logprobs) < request.num_prompt_tokens):
             return nothing  # (its prompt's logprobs need every position)
         blocks = self._cached_run(request.block_hashes)
+        if self.tier is None and self.disk is not None and \
+                len(blocks) < len(request.block_hashes) and \
+                self.disk.promote(request.block_hashes[len(blocks):]):
+            # a disk tier straight below the GPU: its blocks past the run, read back
+            # into GPU blocks (cached and free), continue it
+            blocks = self._cached_run(request.block_hashes)
         if request.pinned_root is not None and self.gpu.num_pinned:
             shared = self._pinned_prefix(request)
             if len(shared) > len(blocks):
@@ -296,8 +318,11 @@ class KVCacheCoordinator:
         if match.tier_blocks:
             self.tier.record_hit(request.request_id, match.tier_blocks, self.block_size)
         if self.disk is not None:
-            if match.tier_blocks:
+            if self.tier is not None and match.tier_blocks:
                 self.disk.taken(match.tier_blocks, self.block_size)
+            elif self.tier is None and match.groups[0].blocks:  # (below the GPU)
+                self.disk.taken(match.groups[0].blocks, self.block_size,
+                                match.num_computed_tokens)
             self.disk.note_asked(request.block_hashes)  # (blocks asked again go to disk)
 
     # --- allocation ------------------------------------------------------------------

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import itertools
 import logging
 import time
@@ -862,13 +863,15 @@ class LLMEngine:
 
     def _disk_metrics(self) -> dict:
         """The disk tier's counters (engine/disk_tier.py), if the engine has one: prompt
-        tokens served from it (also counted in cpu_prefix_cache_hits, as they reach the
-        GPU through the CPU tier), blocks and bytes each way, failed checksums."""
+        tokens served from it (below the CPU tier also counted in cpu_prefix_cache_hits,
+        as they reach the GPU through it; below the GPU, in prefix_cache_hits only), the
+        pool it sits below, blocks and bytes each way, failed checksums."""
         disk = self.kv.disk
         if disk is None:
             return {}
         st = disk.stats
         return {"disk_prefix_cache_hits": disk.hit_tokens,
+                "disk_tier_below": disk.above.pool,
                 "num_disk_cached_blocks": disk.store.num_blocks,
                 "disk_cache_bytes_used": disk.store.num_bytes,
                 "disk_cache_stored_blocks": st.stored_blocks,
@@ -892,8 +895,12 @@ class LLMEngine:
                     "block_size": self.config.block_size,
                     "block_bytes": self.runner.block_bytes}
         store = DiskStore(self.config.disk_cache_dir, self.config.disk_cache_bytes, identity)
-        return DiskTier(store, self.kv.cpu, self.events, self.runner.read_cpu_block,
-                        self.runner.write_cpu_block, self.config.disk_cache_min_hits)
+        # below the CPU tier, or straight below the GPU pool without one
+        above = self.kv.cpu if self.kv.cpu_tier else self.kv.gpu
+        return DiskTier(store, above, self.events,
+                        functools.partial(self.runner.read_pool_block, above.pool),
+                        functools.partial(self.runner.write_pool_block, above.pool),
+                        self.config.disk_cache_min_hits)
 
     def close(self) -> None:
         """Release what the runner started (a split model's rank processes) and the KV

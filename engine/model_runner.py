@@ -72,7 +72,8 @@ class ModelRunner(Runner):
         self.max_model_len = _max_model_len(config, folder)
         # Which layers' K/V a block holds: all, or a layer group's (engine/kv_layout.py)
         self.kv_layout = kv_layout(folder.args.layer_windows, folder.args.n_layers,
-                                   hybrid=config.hybrid_kv_cache and not config.cpu_prefix_cache)
+                                   hybrid=config.hybrid_kv_cache and not config.cpu_prefix_cache
+                                   and not config.disk_cache_dir)
         hybrid = self.kv_layout.num_groups > 1
         self.kv_group_windows = self.kv_layout.windows if hybrid else None
         # every layer slides: blocks older than the widest window can go back to the pool
@@ -319,25 +320,29 @@ class ModelRunner(Runner):
         index = torch.tensor(block_ids, dtype=torch.long, device=self.kv_cache.device)
         as_bits(self.kv_cache).index_copy_(2, index, as_bits(data).to(self.kv_cache.device))
 
-    def read_cpu_block(self, block_id: int) -> bytes:
-        """[layers, 2, block_size, kv heads, head dim] of the CPU pool's block, as bytes
-        (after every copy into the pool under way has landed)."""
+    def read_pool_block(self, pool: str, block_id: int) -> bytes:
+        """[layers, 2, block_size, kv heads, head dim] of a block of the CPU or the GPU
+        pool, as bytes (after every copy into the pool under way has landed)."""
         self._single_rank("keep a disk tier")
         if self._device.type == "cuda":
             torch.cuda.synchronize(self._device)
-        block = self.cpu_cache[:, :, block_id].contiguous()
-        return block.view(torch.uint8).numpy().tobytes()
+        block = self._pool(pool)[:, :, block_id].contiguous()
+        return block.view(torch.uint8).cpu().numpy().tobytes()
 
-    def write_cpu_block(self, block_id: int, data: bytes) -> None:
+    def write_pool_block(self, pool: str, block_id: int, data: bytes) -> None:
         self._single_rank("keep a disk tier")
-        target = self.cpu_cache[:, :, block_id]
+        target = self._pool(pool)[:, :, block_id]
         if len(data) != target.numel() * target.element_size():
             raise ValueError(f"a block of {len(data)} bytes; this engine's hold "
                              f"{target.numel() * target.element_size()}")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             source = torch.frombuffer(data, dtype=torch.uint8)
-        as_bits(target).copy_(source.view(as_bits(target).dtype).view(target.shape))
+        as_bits(target).copy_(source.view(as_bits(target).dtype).view(target.shape)
+                              .to(target.device))
+
+    def _pool(self, pool: str) -> torch.Tensor:
+        return {"gpu": self.kv_cache, "cpu": self.cpu_cache}[pool]
 
     @staticmethod
     def num_blocks_in(data: torch.Tensor) -> int:

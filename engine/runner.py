@@ -94,12 +94,13 @@ class Runner(abc.ABC):
         """The blocks start..end-1 of read_blocks' data."""
         return data[start:end]
 
-    def read_cpu_block(self, block_id: int) -> bytes:
-        """A CPU pool block's bytes (every layer), for the disk tier (engine/disk_tier.py)."""
+    def read_pool_block(self, pool: str, block_id: int) -> bytes:
+        """A block's bytes (every layer) in pool "cpu" or "gpu", for the disk tier
+        (engine/disk_tier.py), after every copy into the pool under way has landed."""
         raise NotImplementedError(f"{type(self).__name__} keeps no disk tier")
 
-    def write_cpu_block(self, block_id: int, data: bytes) -> None:
-        """read_cpu_block's bytes back into a CPU pool block."""
+    def write_pool_block(self, pool: str, block_id: int, data: bytes) -> None:
+        """read_pool_block's bytes back into a block of pool "cpu" or "gpu"."""
         raise NotImplementedError(f"{type(self).__name__} keeps no disk tier")
 
     @staticmethod

@@ -191,17 +191,20 @@ class SimulatedRunner(Runner):
             raise ValueError("blocks of another K/V size per token do not fit this engine")
         return data
 
-    def read_cpu_block(self, block_id: int) -> bytes:
-        bs = self.block_size
-        return array.array("Q", self.cpu_cache[block_id * bs:(block_id + 1) * bs]).tobytes()
+    def read_pool_block(self, pool: str, block_id: int) -> bytes:
+        bs, cache = self.block_size, self._pool(pool)
+        return array.array("Q", cache[block_id * bs:(block_id + 1) * bs]).tobytes()
 
-    def write_cpu_block(self, block_id: int, data: bytes) -> None:
+    def write_pool_block(self, pool: str, block_id: int, data: bytes) -> None:
         bs = self.block_size
         states = array.array("Q")
         states.frombytes(data)
         if len(states) != bs:
             raise ValueError(f"a block of {len(states)} states; this engine's hold {bs}")
-        self.cpu_cache[block_id * bs:(block_id + 1) * bs] = states.tolist()
+        self._pool(pool)[block_id * bs:(block_id + 1) * bs] = states.tolist()
+
+    def _pool(self, pool: str) -> list[int]:
+        return {"gpu": self.gpu_cache, "cpu": self.cpu_cache}[pool]
 
     def swap_out(self, mapping: list[tuple[int, int]]) -> None:
         self._copy(self.gpu_cache, self.cpu_cache, mapping)

@@ -118,11 +118,19 @@ RESIDENCY = [
     ("kv_block_reuse_gap_seconds", "Seconds between a block's store or hit and its next hit "
      "(sampled)."),
 ]
-# prompt tokens by where their K/V came from, as vLLM labels them (the CPU tier is the
+def _from_outside(m: dict) -> float:
+    """Prompt tokens whose K/V came from outside the GPU pool: the CPU tier's hits (the
+    disk's among them), or the disk's when it sits straight below the GPU."""
+    if m.get("disk_tier_below") == "gpu":
+        return m.get("disk_prefix_cache_hits", 0)
+    return m.get("cpu_prefix_cache_hits", 0)
+
+
+# prompt tokens by where their K/V came from, as vLLM labels them (a lower tier is the
 # transfer from outside the GPU pool)
 SOURCES = [("local_compute", lambda m: m["prefix_cache_queries"] - m["prefix_cache_hits"]),
-           ("local_cache_hit", lambda m: m["prefix_cache_hits"] - m.get("cpu_prefix_cache_hits", 0)),
-           ("external_kv_transfer", lambda m: m.get("cpu_prefix_cache_hits", 0))]
+           ("local_cache_hit", lambda m: m["prefix_cache_hits"] - _from_outside(m)),
+           ("external_kv_transfer", _from_outside)]
 
 
 def _kv_story_families(engines):

@@ -132,9 +132,6 @@ def _checked(make, *args, **fields) -> EngineConfig:
         config = make(*args, **fields)
     except ConfigError as e:
         raise Refused(str(e)) from None
-    if config.disk_cache_bytes and not config.cpu_prefix_cache:
-        raise Refused("a disk tier (disk_cache_bytes) sits below the CPU tier: set "
-                      "cpu_prefix_cache too")
     for pool, blocks in (("num_gpu_blocks", config.num_gpu_blocks),
                          ("num_cpu_blocks", config.num_cpu_blocks)):
         if blocks * config.block_size > MAX_POOL_TOKENS:

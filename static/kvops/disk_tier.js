@@ -9,8 +9,8 @@ export function hasDiskTier(config) {
 }
 
 // The share of all queried prompt tokens that came from disk (null before any query).
-// Disk hits also count in cpu_prefix_cache_hits (they reach the GPU through the CPU
-// tier), so this is a slice of the CPU tier's share, not an addition to it.
+// Below the CPU tier, disk hits also count in cpu_prefix_cache_hits (they reach the GPU
+// through it), so this is a slice of the CPU tier's share, not an addition to it.
 export function diskHitShare(metrics) {
   const m = metrics || {};
   return m.prefix_cache_queries ? (m.disk_prefix_cache_hits ?? 0) / m.prefix_cache_queries : null;
@@ -28,11 +28,13 @@ export function diskTierCaption(metrics, config) {
 // the page's markup (data-figure) and its tests.
 export function diskTierFigures(metrics) {
   const m = metrics || {};
+  const belowGpu = m.disk_tier_below === "gpu";  // (no CPU tier: straight below the GPU pool)
   return [
     { key: "hit-share", label: "hit share", text: pct(diskHitShare(m)),
-      title: "prompt tokens served from disk, of all prompt tokens queried (also counted as CPU tier hits)" },
+      title: "prompt tokens served from disk, of all prompt tokens queried"
+        + (belowGpu ? "" : " (also counted as CPU tier hits)") },
     { key: "read", label: "read", text: byteSize(m.disk_cache_read_bytes),
-      title: `${num(m.disk_cache_read_blocks)} blocks read back into the CPU tier` },
+      title: `${num(m.disk_cache_read_blocks)} blocks read back into ${belowGpu ? "GPU blocks" : "the CPU tier"}` },
     { key: "written", label: "written", text: byteSize(m.disk_cache_write_bytes),
       title: `${num(m.disk_cache_stored_blocks)} blocks written` },
     { key: "checksum", label: "bad checksums", text: num(m.disk_cache_checksum_failures),
@@ -40,7 +42,8 @@ export function diskTierFigures(metrics) {
   ];
 }
 
-// What became of the blocks the CPU tier let go: written, or why not.
+// What became of the blocks the pool above (the CPU tier, or the GPU pool) let go:
+// written, or why not.
 export function diskTierNote(metrics) {
   const m = metrics || {};
   return `${num(m.disk_cache_stored_blocks)} blocks written, ${num(m.disk_cache_read_blocks)} read back; `

@@ -223,9 +223,47 @@ def test_a_corrupt_block_and_another_models_blocks_are_misses(tmp_path):
     other.close()
 
 
-def test_the_disk_tier_needs_the_cpu_tier(tmp_path):
-    with pytest.raises(ConfigError, match="cpu_prefix_cache"):
-        disk_engine(tmp_path, cpu_prefix_cache=False)
+def test_without_a_cpu_tier_the_disk_sits_below_the_gpu_and_outlives_a_restart(tmp_path):
+    """No CPU tier: the GPU pool's cached blocks it reuses go to disk (written behind
+    from GPU blocks) and come back straight into GPU blocks, as GPU hits counted as the
+    disk's; a restarted engine finds them."""
+    engine = disk_engine(tmp_path, cpu_prefix_cache=False, num_cpu_blocks=0)
+    assert engine.kv.disk.above is engine.kv.gpu
+    first = prompt_of(0)
+    ask(engine, "cold", first)
+    ask(engine, "hit", first)  # asked for again: its blocks may go to disk
+    flood(engine, range(1, 5))
+    assert not engine.kv.cached_chain(hash_blocks(root_hash(engine.runner.model_id, None),
+                                                  first, BLOCK))
+    engine.kv.disk.store.flush()
+    assert engine.metrics()["disk_cache_stored_blocks"] >= 7
+    stored = [e for e in engine.take_events() if e.type == "BlockStored" and e.pool == "disk"]
+    assert stored and "from GPU blocks" in stored[0].detail
+    back = ask(engine, "back", first)
+    # every block back as a GPU hit: the last token is recomputed in a copy of the last
+    assert back.num_cached_tokens == 31 and back.output_token_ids == expected(first, 6)
+    m = engine.metrics()
+    assert m["disk_prefix_cache_hits"] == 31 and m["cpu_prefix_cache_hits"] == 0
+    assert m["disk_tier_below"] == "gpu"
+    story = engine.kv_story("back")
+    assert story["cached_tokens"] == {"gpu": 0, "cpu": 0, "disk": 31}
+    assert story["sources"] == {"gpu": 0, "cpu": 0, "disk": 8}
+    read_back = [e for e in engine.take_events() if e.type == "BlockStored" and e.pool == "gpu"
+                 and "disk" in (e.detail or "")]
+    assert read_back and len(read_back[0].block_ids) == 8
+    engine.kv.check_invariants()
+    engine.close()
+    restarted = disk_engine(tmp_path, cpu_prefix_cache=False, num_cpu_blocks=0)
+    warm = ask(restarted, "warm", first)
+    assert warm.num_cached_tokens == 31 and warm.output_token_ids == expected(first, 6)
+    restarted.kv.check_invariants()
+    restarted.close()
+
+
+def test_below_the_gpu_a_model_with_layer_groups_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="layer groups"):
+        disk_engine(tmp_path, cpu_prefix_cache=False, num_cpu_blocks=0,
+                    simulate_sliding_window=8, simulate_hybrid=True)
 
 
 def test_a_core_stopped_by_sigterm_finishes_its_disk_writes_and_dies_by_it(tmp_path):
@@ -267,13 +305,16 @@ def test_a_core_stopped_by_sigterm_finishes_its_disk_writes_and_dies_by_it(tmp_p
     restarted.close()
 
 
+@pytest.mark.parametrize("cpu_tier", [True, False], ids=["below-cpu", "below-gpu"])
 @pytest.mark.parametrize("device", [
     "cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
         "not __import__('torch').cuda.is_available()", reason="needs a CUDA device")])])
-def test_a_real_models_blocks_come_back_from_disk_as_they_were(tiny_model, tmp_path, device):
-    """A tiny Llama with the CPU tier and the disk tier: a prefix pushed off the GPU and
-    the CPU tier comes back from disk (the CPU pool's block bytes out and in), and after
-    a restart; each answer is transformers' greedy one."""
+def test_a_real_models_blocks_come_back_from_disk_as_they_were(tiny_model, tmp_path, device,
+                                                                cpu_tier):
+    """A tiny Llama with the disk tier below the CPU tier, or straight below the GPU
+    pool: a prefix pushed off the GPU (and the CPU tier) comes back from disk (the
+    pool's block bytes out and in), and after a restart; each answer is transformers'
+    greedy one."""
     from engine import SamplingParams
     from tests.engine.test_model_parity import make_engine
     from tests.models.tiny import SPECS, hf_greedy, random_prompts
@@ -285,13 +326,15 @@ def test_a_real_models_blocks_come_back_from_disk_as_they_were(tiny_model, tmp_p
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
     def engine():
-        return make_engine(folder, device=device, num_gpu_blocks=16, num_cpu_blocks=10,
-                           cpu_prefix_cache=True, disk_cache_dir=str(tmp_path / "disk"))
+        return make_engine(folder, device=device, num_gpu_blocks=16,
+                           num_cpu_blocks=10 if cpu_tier else 0, cpu_prefix_cache=cpu_tier,
+                           disk_cache_dir=str(tmp_path / "disk"))
 
     e = engine()
     answers = [e.generate([p], params)[0] for p in [first, first, *others]]
     back = e.generate([first], params)[0]
     assert back.num_cached_tokens == 20 and e.metrics()["disk_prefix_cache_hits"] == 20
+    assert e.metrics()["disk_tier_below"] == ("cpu" if cpu_tier else "gpu")
     e.close()
     again = engine()
     warm = again.generate([first], params)[0]

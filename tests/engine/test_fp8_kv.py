@@ -186,9 +186,11 @@ def test_fp8_blocks_move_as_bytes(tiny_model):
     assert torch.equal(bits(runner.kv_cache[:, :, 1:3]), noise[:, :, [0, 6]])
     header, frames = runner.blocks_to_frames(read)
     assert torch.equal(bits(runner.blocks_from_frames(header, frames)), bits(read))
-    data = runner.read_cpu_block(2)
-    runner.write_cpu_block(5, data)
+    data = runner.read_pool_block("cpu", 2)
+    runner.write_pool_block("cpu", 5, data)
     assert torch.equal(bits(runner.cpu_cache[:, :, 5]), noise[:, :, 1])
+    runner.write_pool_block("gpu", 6, runner.read_pool_block("gpu", 3))
+    assert torch.equal(bits(runner.kv_cache[:, :, 6]), noise[:, :, 3])
     with pytest.raises(ValueError, match="do not fit"):
         runner.write_blocks([3], read[:, :, :1].float())
 

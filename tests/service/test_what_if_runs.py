@@ -164,8 +164,13 @@ def test_a_disk_tier_is_replayed_when_asked(busy_engine):
     config = what_if.with_disk(what_if.alternative_config(
         what_if.baseline_config(engine.config), changes), "/nowhere", 720 * 1024)
     assert config.disk_cache_dir == "/nowhere" and config.disk_cache_bytes == 4096 * (40 + 32 + 128)
-    with pytest.raises(what_if.Refused, match="cpu_prefix_cache"):
-        what_if.start(operator, engine, 10, 100, {"disk_cache_bytes": 1 << 30}, StepCost())
+    # without the CPU tier, the disk sits straight below the GPU pool
+    direct = what_if.start(operator, engine, 10, 100, {"disk_cache_bytes": 4096 * 720 * 1024},
+                           StepCost())
+    assert tasks.what_if.apply(args=[direct.pk]).get() == "finished"
+    direct.refresh_from_db()
+    assert direct.alternative["disk_tier_hit_rate"] > 0
+    assert not direct.alternative["config"]["cpu_prefix_cache"]
 
 
 def test_an_eviction_policy_is_replayed_when_asked(busy_engine):

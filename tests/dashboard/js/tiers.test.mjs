@@ -116,3 +116,18 @@ test("failed checksums are told with their count, however short the window", () 
   assert.equal(tierWarnings(bad(3))[0].text,
                "disk tier: 3 blocks failed their checksum (misses, deleted): the disk or its files may be going bad");
 });
+
+test("a disk straight below the GPU: its hits are not the CPU tier's, and the panel says GPU blocks", () => {
+  // no CPU tier (nothing copied out, no CPU hits), the disk serving
+  const direct = (t) => ({ cpu_cache_copy_out_bytes: 0, cpu_prefix_cache_hits: 0, disk_tier_below: "gpu",
+                           disk_cache_write_bytes: 1024 * t, disk_prefix_cache_hits: 4 * t,
+                           disk_cache_checksum_failures: 0 });
+  assert.deepEqual(tierWarnings(samples(300, direct)), []);
+  const figures = diskTierFigures({ disk_tier_below: "gpu", disk_cache_read_blocks: 3, prefix_cache_queries: 10,
+                                    disk_prefix_cache_hits: 4 });
+  const read = figures.find((f) => f.key === "read");
+  assert.match(read.title, /3 blocks read back into GPU blocks/);
+  assert.doesNotMatch(figures.find((f) => f.key === "hit-share").title, /CPU tier/);
+  const below = diskTierFigures({ disk_tier_below: "cpu", disk_cache_read_blocks: 3 });
+  assert.match(below.find((f) => f.key === "read").title, /into the CPU tier/);
+});
