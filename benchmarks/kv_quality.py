@@ -14,6 +14,9 @@ prompts, greedy. Against the model's own dtype it reports:
   (what the OpenAI API's `echo` + `logprobs` return);
 * one block's bytes and blocks per GiB.
 
+With --dtype float32, a last row runs the whole model in bfloat16 (what a GPU runs by
+default), for scale.
+
 The table is in docs/benchmarks.md.
 """
 from __future__ import annotations
@@ -41,8 +44,8 @@ CONFIGS = [("model dtype", dict(kv_cache_dtype="auto")),
 def run(model: str | None, device: str, dtype: str, tokens: int, kv: dict) -> dict:
     from engine import EngineConfig, LLMEngine, SamplingParams
 
-    engine = LLMEngine(EngineConfig(model=model, device=device, dtype=dtype,
-                                    num_gpu_blocks=4096, max_num_seqs=64, **kv))
+    engine = LLMEngine(EngineConfig(model=model, device=device, num_gpu_blocks=4096,
+                                    max_num_seqs=64, **{"dtype": dtype, **kv}))
     tok = engine.runner.tokenizer
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]),
                           add_special_tokens=False) for p in PROMPTS]
@@ -82,8 +85,11 @@ def main(argv: list[str] | None = None) -> None:
                         "GPU, float32 on a CPU)")
     parser.add_argument("--tokens", type=int, default=64)
     args = parser.parse_args(argv)
+    configs = list(CONFIGS)
+    if args.dtype == "float32":  # for scale: what bfloat16 itself moves (a GPU's default)
+        configs.append(("bfloat16 model and K/V", dict(dtype="bfloat16")))
     results = [(name, run(args.model, args.device, args.dtype, args.tokens, kv))
-               for name, kv in CONFIGS]
+               for name, kv in configs]
     base = results[0][1]
     print(f"{len(PROMPTS)} prompts, greedy, {args.tokens} tokens each; against the model's "
           f"dtype ({base['dtype']})\n")

@@ -1,6 +1,7 @@
 """The prefix cache's tiers on multi-turn chat: `python -m benchmarks.tiers`.
 
     python -m benchmarks.tiers [--conversations 300] [--turns 4] [--num-gpu-blocks 1024]
+                               [--model default [--device cpu] [--dtype float32]]
 
 A few hundred conversations, each turn's prompt its whole history so far (the earlier
 turns' prompts, a reply in their place, and a new message), the turns of one
@@ -8,11 +9,14 @@ conversation minutes apart with the others' in between: by the time a history co
 back, a GPU-only prefix cache has evicted it. The trace goes through the real scheduler
 and KV core (`engine.capacity.replay_paged`, the simulated model, simulated time: a
 step costs --step-base-ms plus --step-token-ms per computed token; copies from a tier
-cost nothing in this model, which flatters the tiers a little), with:
+cost nothing in this model, which flatters the tiers a little; with --model, a real
+model's forward passes run and its K/V is what the tiers carry, time still simulated), with:
 
 * the GPU pool only;
 * a CPU tier (`cpu_prefix_cache`, --num-cpu-blocks);
 * a CPU tier and a disk tier (`disk_cache_dir`, --disk-gib);
+* fp8 K/V in the same memory (the simulator: twice the blocks, as for a bf16 model; a
+  real model: `kv_cache_dtype=fp8_e4m3`, as many times the blocks as its values' bytes);
 * after a restart: an engine runs every turn but the conversations' last ones and stops
   (its disk tier spills what its CPU tier holds as it closes); a new engine takes the
   last turns with that disk tier (warm), or with none (cold). The disk takes a block
@@ -87,6 +91,26 @@ def run(name: str, work: Workload, config: EngineConfig, cost: StepCost,
             "preemptions": stats["preemptions"]}
 
 
+def model_value_bytes(config: EngineConfig) -> int:
+    """Bytes of one K/V value of a real model's configuration (its dtype on its device)."""
+    from engine.model_runner import resolve_device, resolve_dtype
+
+    return resolve_dtype(config.dtype, resolve_device(config.device)).itemsize
+
+
+def fp8_of(config: EngineConfig, grow: int) -> EngineConfig:
+    """The configuration with fp8 K/V in the same memory: `grow` times the blocks on the
+    GPU and the CPU tier (a real model's disk budget is bytes already; the simulator's
+    blocks weigh the same whatever they stand for, so its budget grows too)."""
+    fields = dict(num_gpu_blocks=grow * config.num_gpu_blocks,
+                  num_cpu_blocks=grow * config.num_cpu_blocks)
+    if config.simulate:
+        fields["disk_cache_bytes"] = grow * config.disk_cache_bytes
+    else:
+        fields["kv_cache_dtype"] = "fp8_e4m3"
+    return dataclasses.replace(config, **fields)
+
+
 def blocks_per_gib(block_size: int) -> str:
     """The default model's blocks per GiB by K/V dtype (when it has been converted)."""
     from engine.default_model import default_model_dir
@@ -118,16 +142,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--disk-gib", type=float, default=1.0)
     p.add_argument("--step-base-ms", type=float, default=10.0)
     p.add_argument("--step-token-ms", type=float, default=0.05)
+    p.add_argument("--model", default=None,
+                   help="a real model instead of the simulator: `default` or an HF folder "
+                        "(its forward passes run; time is still simulated)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
     args = p.parse_args(argv)
     work = multi_turn(args.conversations, args.turns, args.message, args.reply, args.gap_s,
                       args.rate)
     cost = StepCost(args.step_base_ms, args.step_token_ms)
     longest = max(len(pr) for pr in work.prompts) + args.reply + args.block_size
-    base = EngineConfig(simulate=True, simulate_tokenizer="bytes", vocab_size=VOCAB,
-                        block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
-                        num_cpu_blocks=0, max_model_len=longest, max_num_seqs=64,
-                        max_num_batched_tokens=2048, kv_history_blocks=0,
-                        max_pending_events=0)
+    common = dict(block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
+                  num_cpu_blocks=0, max_model_len=longest, max_num_seqs=64,
+                  max_num_batched_tokens=2048, kv_history_blocks=0, max_pending_events=0)
+    if args.model is None:
+        base = EngineConfig(simulate=True, simulate_tokenizer="bytes", vocab_size=VOCAB,
+                            **common)
+    else:
+        base = EngineConfig(model=None if args.model == "default" else args.model,
+                            device=args.device, dtype=args.dtype, **common)
     cpu = dataclasses.replace(base, num_cpu_blocks=args.num_cpu_blocks, cpu_prefix_cache=True)
     folder = Path(tempfile.mkdtemp(prefix="kvops-bench-tiers-"))
     try:
@@ -139,13 +172,12 @@ def main(argv: list[str] | None = None) -> int:
         earlier = [i for i in range(len(work.trace)) if i not in last]
         rows = [run("GPU only", work, base, cost), run("GPU + CPU", work, cpu, cost),
                 run("GPU + CPU + disk", work, with_disk("all"), cost)]
-        # fp8 K/V of a bf16 model: the same memory holds twice the blocks, on every tier
-        fp8 = dataclasses.replace(base, num_gpu_blocks=2 * base.num_gpu_blocks)
-        fp8_tiers = dataclasses.replace(with_disk("fp8", 1), num_gpu_blocks=2 * base.num_gpu_blocks,
-                                        num_cpu_blocks=2 * cpu.num_cpu_blocks,
-                                        disk_cache_bytes=2 * int(args.disk_gib * 2**30))
-        rows += [run("GPU only, fp8 K/V (the same memory: 2x blocks)", work, fp8, cost),
-                 run("GPU + CPU + disk, fp8 K/V", work, fp8_tiers, cost)]
+        # fp8 K/V: the same memory holds as many times the blocks as the model's values
+        # are bytes, on every tier (the simulator stands for a bf16 model: 2x)
+        grow = 2 if base.simulate else model_value_bytes(base)
+        label = f"fp8 K/V (the same memory: {grow}x blocks)"
+        rows += [run(f"GPU only, {label}", work, fp8_of(base, grow), cost),
+                 run(f"GPU + CPU + disk, {label}", work, fp8_of(with_disk("fp8"), grow), cost)]
         # A restart before the last turns: an engine ran the earlier turns and stopped
         # (its disk tier spilled what its CPU tier held); a new one takes the last turns
         run("earlier turns", work, with_disk("restart"), cost, earlier)
@@ -157,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
                  run("after a restart, cold (no disk)", work, cpu, cost, work.last_turns)]
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-    print(f"Multi-turn chat: {args.conversations} conversations x {args.turns} turns "
+    what = "the simulator" if base.simulate else f"the model {args.model} ({model_value_bytes(base)}-byte values)"
+    print(f"On {what}. Multi-turn chat: {args.conversations} conversations x {args.turns} turns "
           f"({args.message}-token messages, {args.reply}-token replies, turns "
           f"{args.gap_s:g} s +-50% apart); {args.num_gpu_blocks} GPU blocks of "
           f"{args.block_size}, {args.num_cpu_blocks} CPU blocks, {args.disk_gib:g} GiB of "
