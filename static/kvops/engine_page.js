@@ -12,6 +12,7 @@ import { timeChart } from "./charts.js";
 import { Palette, ownerCss } from "./colors.js";
 import { diskTierCaption, diskTierFigures, diskTierNote, hasDiskTier } from "./disk_tier.js";
 import { HeaderState } from "./engine_state.js";
+import { kvCaption } from "./kv_format.js";
 import { EventLog } from "./event_log.js";
 import { $, clock, esc, num, pct, toast } from "./format.js";
 import { TERMINAL, compactStoryHtml, missesHtml } from "./kv_story.js";
@@ -412,18 +413,6 @@ function groupsCaption(config) {
 }
 
 // A model split across tensor-parallel ranks: how many, and what each rank holds.
-// How K/V is stored: the dtype and one block's bytes (every layer), e.g.
-// " · fp8_e4m3 K/V, 288 KiB a block (scales per layer)".
-function kvCaption(config) {
-  const bytes = config.kv_bytes_per_block;
-  if (!bytes || config.simulate) return "";
-  const size = bytes >= 1048576 ? `${(bytes / 1048576).toFixed(1)} MiB` : `${num(Math.round(bytes / 1024))} KiB`;
-  const fp8 = config.kv_cache_dtype && config.kv_cache_dtype !== "auto";
-  const dtype = fp8 ? config.kv_cache_dtype : (config.dtype || "");
-  const scales = fp8 && config.kv_cache_scales ? ` (scales ${config.kv_cache_scales === "unit" ? "of 1" : `per ${config.kv_cache_scales === "head" ? "KV head" : "layer"}`})` : "";
-  return ` · ${dtype} K/V, ${size} a block${scales}`;
-}
-
 function splitCaption(config) {
   const ranks = config.rank_memory || [];
   if ((config.tensor_parallel_size || 1) < 2) return "";

@@ -84,6 +84,30 @@ def test_an_operator_runs_a_what_if_and_sees_both_runs(login, stack):
     assert not errors, errors
 
 
+def test_the_tier_and_policy_levers_and_ttft(login, stack):
+    """A disk tier straight below the GPU and another eviction policy, from the form;
+    the rows show them and the replays' TTFT. A simulated engine has no K/V dtype to
+    change: no such field."""
+    page, errors = login(stack, "admin", "admin-pass-123")
+    page.goto(f"{stack.url}/engines/sim/")
+    page.wait_for_selector("#what-if")
+    assert page.locator("#wi-kv-cache-dtype").count() == 0
+    page.fill("#wi-minutes", "10")
+    page.fill("#wi-num-gpu-blocks", "16")
+    page.fill("#wi-disk-cache-gib", "0.5")
+    page.select_option("#wi-eviction-policy", "slru")
+    page.click("#wi-run")
+    page.wait_for_function("document.querySelector('#what-if').dataset.status === 'finished' && "
+                           "document.querySelector('#wi-table').textContent.includes('slru')",
+                           timeout=120_000)
+    base, alt = cells(page, "baseline"), cells(page, "alternative")
+    assert (base["disk tier"], alt["disk tier"]) == ("off", "512 MiB")
+    assert (base["eviction policy"], alt["eviction policy"]) == ("lru", "slru")
+    for row in ("TTFT p50", "TTFT p99", "prompt tokens computed", "  of which from disk"):
+        assert base[row] not in ("", "–") and alt[row] not in ("", "–"), row
+    assert not errors, errors
+
+
 def test_no_panel_for_someone_who_is_not_an_operator(login, stack):
     page, errors = login(stack, "alice", "alice-pass-123")
     page.goto(f"{stack.url}/engines/sim/")
