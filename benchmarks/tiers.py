@@ -14,7 +14,8 @@ model's forward passes run and its K/V is what the tiers carry, time still simul
 
 * the GPU pool only;
 * a CPU tier (`cpu_prefix_cache`, --num-cpu-blocks);
-* a CPU tier and a disk tier (`disk_cache_dir`, --disk-gib);
+* a CPU tier and a disk tier (`disk_cache_dir`, --disk-gib); the disk tier alone,
+  straight below the GPU pool;
 * fp8 K/V in the same memory (the simulator: twice the blocks, as for a bf16 model; a
   real model: `kv_cache_dtype=fp8_e4m3`, as many times the blocks as its values' bytes);
 * after a restart: an engine runs every turn but the conversations' last ones and stops
@@ -171,7 +172,10 @@ def main(argv: list[str] | None = None) -> int:
         last = set(work.last_turns)
         earlier = [i for i in range(len(work.trace)) if i not in last]
         rows = [run("GPU only", work, base, cost), run("GPU + CPU", work, cpu, cost),
-                run("GPU + CPU + disk", work, with_disk("all"), cost)]
+                run("GPU + CPU + disk", work, with_disk("all"), cost),
+                run("GPU + disk (no CPU tier: the disk below the GPU)", work,
+                    dataclasses.replace(with_disk("direct"), cpu_prefix_cache=False,
+                                        num_cpu_blocks=0), cost)]
         # fp8 K/V: the same memory holds as many times the blocks as the model's values
         # are bytes, on every tier (the simulator stands for a bf16 model: 2x)
         grow = 2 if base.simulate else model_value_bytes(base)

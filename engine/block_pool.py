@@ -324,14 +324,16 @@ class BlockPool:
             self._evicted(evicted, "reuse", "evicted", for_request)
         return taken
 
-    def touch(self, blocks: Iterable[KVBlock], keep: int | None = None) -> None:
+    def touch(self, blocks: Iterable[KVBlock], keep: int | None = None,
+              hit: bool = True) -> None:
         """Add a reference to each block (a prefix hit), reviving ref-0 cached blocks
-        (keep: the priority of the request taking them, for the priority policy)."""
+        (keep: the priority of the request taking them, for the priority policy; hit:
+        False to hold them a moment without counting a hit)."""
         for block in blocks:
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
             block.ref_cnt += 1
-            if block.block_hash is not None:  # (cached data taken again)
+            if hit and block.block_hash is not None:  # (cached data taken again)
                 block.hits += 1
                 if block.soft_until:  # a hit renews its soft pin
                     block.soft_until = max(block.soft_until, self.clock() + block.soft_ttl)

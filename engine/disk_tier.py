@@ -413,25 +413,34 @@ class DiskTier:
         above (free and cached there, as if it had kept them); how many."""
         above, n = self.above, 0
         promoted: list[KVBlock] = []
-        for block_hash in hashes:
-            if above.get_cached(block_hash) is not None:
+        # the run's blocks already cached above are held while blocks are taken for the
+        # others, so that taking them does not evict the run itself
+        held: list[KVBlock] = []
+        try:
+            for block_hash in hashes:
+                cached = above.get_cached(block_hash)
+                if cached is not None:
+                    above.touch([cached], hit=False)
+                    held.append(cached)
+                    n += 1
+                    continue
+                if not above.num_free or not self.store.contains(block_hash):
+                    break
+                payload = self.store.get(block_hash)
+                if payload is None:
+                    break
+                block = above.take_new(1)[0]
+                try:
+                    self._write_block(block.block_id, payload)
+                except Exception:
+                    above.free([block])
+                    raise
+                above.cache(block, block_hash)
+                held.append(block)
+                promoted.append(block)
                 n += 1
-                continue
-            if not above.num_free or not self.store.contains(block_hash):
-                break
-            payload = self.store.get(block_hash)
-            if payload is None:
-                break
-            block = above.take_new(1)[0]
-            try:
-                self._write_block(block.block_id, payload)
-            except Exception:
-                above.free([block])
-                raise
-            above.cache(block, block_hash)
-            above.free([block])
-            promoted.append(block)
-            n += 1
+        finally:
+            above.free(held)  # (in the run's order: its first blocks are evicted first)
         if promoted:
             self.promoted.update(b.block_id for b in promoted)
             self._events.emit("BlockStored", pool=above.pool,

@@ -210,7 +210,7 @@ class KVCacheCoordinator:
         blocks = self._cached_run(request.block_hashes)
         if self.tier is None and self.disk is not None and \
                 len(blocks) < len(request.block_hashes) and \
-                self.disk.promote(request.block_hashes[len(blocks):]):
+                self._promote(self.gpu, blocks, request.block_hashes[len(blocks):]):
             # a disk tier straight below the GPU: its blocks past the run, read back
             # into GPU blocks (cached and free), continue it
             blocks = self._cached_run(request.block_hashes)
@@ -224,7 +224,7 @@ class KVCacheCoordinator:
             tier_blocks = self.tier.lookup(rest)
             # past the CPU tier, the disk's blocks are read back into it
             if self.disk is not None and len(tier_blocks) < len(rest) and \
-                    self.disk.promote(rest[len(tier_blocks):]):
+                    self._promote(self.cpu, tier_blocks, rest[len(tier_blocks):]):
                 tier_blocks = self.tier.lookup(rest)
         covered = (len(blocks) + len(tier_blocks)) * self.block_size
         if covered >= request.num_tokens and tier_blocks:
@@ -239,6 +239,16 @@ class KVCacheCoordinator:
         if self.num_groups == 1:
             return first
         return self._across_groups(request, first) if blocks else nothing
+
+    def _promote(self, pool: BlockPool, run: list[KVBlock], rest: list[BlockHash]) -> int:
+        """The disk's blocks of `rest` read back into `pool` (the one it sits below),
+        the run found there before them held meanwhile: taking blocks for the disk's
+        must not evict the run they continue. How many of `rest` are now there."""
+        pool.touch(run, hit=False)
+        try:
+            return self.disk.promote(rest)
+        finally:
+            pool.free(run)
 
     def _cached_run(self, hashes: list[BlockHash]) -> list[KVBlock]:
         out = []

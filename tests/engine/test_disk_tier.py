@@ -260,6 +260,26 @@ def test_without_a_cpu_tier_the_disk_sits_below_the_gpu_and_outlives_a_restart(t
     restarted.close()
 
 
+def test_reading_back_from_disk_does_not_evict_the_run_it_continues(tmp_path):
+    """The GPU still holds a prompt's first blocks, the disk its last two: the blocks
+    taken for the disk's must not be the run's own (the oldest free ones), or the hit
+    would shrink to what is left of it."""
+    engine = disk_engine(tmp_path, cpu_prefix_cache=False, num_cpu_blocks=0)
+    first = prompt_of(0)
+    ask(engine, "cold", first)
+    ask(engine, "hit", first)
+    ask(engine, "other", prompt_of(1))  # 10 blocks: the 8 empty ones and first's last 2
+    hashes = hash_blocks(root_hash(engine.runner.model_id, None), first, BLOCK)
+    assert len(engine.kv.cached_chain(hashes)) == 6
+    engine.kv.disk.store.flush()
+    assert [engine.kv.disk.store.contains(h) for h in hashes[6:]] == [True, True]
+    back = ask(engine, "back", first)
+    assert back.num_cached_tokens == 31 and back.output_token_ids == expected(first, 6)
+    assert engine.metrics()["disk_prefix_cache_hits"] == 7  # (the last token recomputed)
+    engine.kv.check_invariants()
+    engine.close()
+
+
 def test_below_the_gpu_a_model_with_layer_groups_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="layer groups"):
         disk_engine(tmp_path, cpu_prefix_cache=False, num_cpu_blocks=0,
