@@ -12,7 +12,10 @@ prompts, greedy. Against the model's own dtype it reports:
   whole output is the same;
 * the mean (and largest) absolute difference of the prompt tokens' log-probabilities
   (what the OpenAI API's `echo` + `logprobs` return);
-* one block's bytes and blocks per GiB.
+* one block's bytes and blocks per GiB;
+* (--dtype float32) on the first --transformers prompts, the fp8_e4m3 run against
+  transformers with its K and V sent through fp8 at the engine's scales, and that
+  against transformers itself: whether the loss is fp8's or the kernels'.
 
 With --dtype float32, a last row runs the whole model in bfloat16 (what a GPU runs by
 default), for scale.
@@ -54,12 +57,61 @@ def run(model: str | None, device: str, dtype: str, tokens: int, kv: dict) -> di
     start = time.perf_counter()
     outs = engine.generate(prompts, params)
     seconds = time.perf_counter() - start
-    result = {"tokens": [o.output_token_ids for o in outs],
+    result = {"tokens": [o.output_token_ids for o in outs], "prompts": prompts,
+              "model_path": engine.runner.model_path, "kv_scales": engine.runner.kv_scales,
               "prompt_logprobs": [[e[1] for e in o.prompt_logprobs[1:]] for o in outs],
               "block_bytes": engine.runner.block_bytes, "kv_format": engine.runner.kv_format,
               "dtype": engine.runner.dtype, "seconds": seconds}
     engine.close()
     return result
+
+
+def transformers_prompt_logprobs(folder, prompts: list[list[int]], fp8=None,
+                                 kv_scales=None) -> list[list[float]]:
+    """transformers' (float32) log-probabilities of each prompt's tokens after its first;
+    with fp8 (a torch float8 dtype), its K (after RoPE) and V sent through fp8 at the
+    engine's per-layer scales (kv_scales [n_layers, 2, n_kv_heads], every head alike):
+    the reference an fp8 engine is held to (tests/engine/test_fp8_kv.py)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.models.llama import modeling_llama
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    layer, hooks = [0], []
+    rope = modeling_llama.apply_rotary_pos_emb
+    if fp8 is not None:
+        top = torch.finfo(fp8).max
+
+        def through_fp8(x, which):
+            scale = float(kv_scales[layer[0], which, 0])
+            return (x / scale).clamp(-top, top).to(fp8).float() * scale
+
+        def rope_then_fp8(q, k, cos, sin, *args, **kwargs):
+            q, k = rope(q, k, cos, sin, *args, **kwargs)
+            return q, through_fp8(k, 0)
+
+        for i, block in enumerate(model.model.layers):
+            hooks.append(block.self_attn.register_forward_pre_hook(
+                lambda module, args, kwargs, i=i: layer.__setitem__(0, i), with_kwargs=True))
+            hooks.append(block.self_attn.v_proj.register_forward_hook(
+                lambda module, args, out: through_fp8(out, 1)))
+        modeling_llama.apply_rotary_pos_emb = rope_then_fp8
+    try:
+        result = []
+        with torch.inference_mode():
+            for prompt in prompts:
+                logits = model(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
+                result.append([logits[i, t].item() for i, t in enumerate(prompt[1:])])
+        return result
+    finally:
+        modeling_llama.apply_rotary_pos_emb = rope
+        for hook in hooks:
+            hook.remove()
+
+
+def mean_abs(a: list[list[float]], b: list[list[float]]) -> float:
+    diffs = [abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb)]
+    return sum(diffs) / len(diffs)
 
 
 def compare(base: dict, other: dict) -> dict:
@@ -84,6 +136,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="auto", help="the model's (auto: bfloat16 on a "
                         "GPU, float32 on a CPU)")
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--transformers", type=int, default=10, metavar="N",
+                        help="with --dtype float32: hold the fp8_e4m3 per-layer run to "
+                             "transformers with fp8 K/V on the first N prompts (0: not)")
     args = parser.parse_args(argv)
     configs = list(CONFIGS)
     if args.dtype == "float32":  # for scale: what bfloat16 itself moves (a GPU's default)
@@ -102,6 +157,22 @@ def main(argv: list[str] | None = None) -> None:
         print(f"| {label} | {r['block_bytes'] // 1024} KiB | {2 ** 30 // r['block_bytes']:,} | "
               f"{100 * c['agree']:.1f}% | {c['prefix']:.1f} | {100 * c['whole']:.0f}% | "
               f"{c['lp_mean']:.4f} | {c['lp_max']:.3f} | {r['seconds']:.1f} |")
+    if args.dtype == "float32" and args.transformers:
+        import torch
+
+        fp8 = results[1][1]  # fp8_e4m3, per layer
+        n = args.transformers
+        prompts = fp8["prompts"][:n]
+        exact = transformers_prompt_logprobs(fp8["model_path"], prompts)
+        through = transformers_prompt_logprobs(fp8["model_path"], prompts, torch.float8_e4m3fn,
+                                               fp8["kv_scales"])
+        print(f"\nThe first {n} prompts' log-probabilities, mean |difference| (transformers in "
+              "float32, its K and V sent through fp8_e4m3 at the engine's scales or not):")
+        print(f"* the engine's fp8_e4m3 run against transformers with fp8 K/V: "
+              f"{mean_abs(through, fp8['prompt_logprobs'][:n]):.4f}")
+        print(f"* transformers with fp8 K/V against transformers: {mean_abs(through, exact):.4f}")
+        print(f"* the engine in float32 against transformers: "
+              f"{mean_abs(exact, base['prompt_logprobs'][:n]):.6f}")
 
 
 if __name__ == "__main__":

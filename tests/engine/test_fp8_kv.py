@@ -21,6 +21,7 @@ if not torch.cuda.is_available():
 
 from engine import EngineConfig, SamplingParams  # noqa: E402
 from engine.config import ConfigError  # noqa: E402
+from benchmarks.kv_quality import transformers_prompt_logprobs  # noqa: E402
 from tests.engine.test_model_parity import make_engine  # noqa: E402
 from tests.models.fixtures import tiny_model, tiny_root  # noqa: E402,F401 (fixtures)
 from tests.models.tiny import SPECS, random_prompts  # noqa: E402
@@ -42,47 +43,6 @@ def mean_abs_diff(a: list[list[float]], b: list[list[float]]) -> float:
     return sum(abs(x - y) for x, y in pairs) / len(pairs)
 
 
-def hf_fp8_prompt_logprobs(folder, prompts, fp8: torch.dtype, kv_scales: torch.Tensor):
-    """transformers' log-probabilities of each prompt's tokens with its K (after RoPE)
-    and V sent through fp8 at the engine's per-layer scales: the reference an fp8
-    engine is compared with."""
-    from transformers import AutoModelForCausalLM
-    from transformers.models.llama import modeling_llama
-
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    top = torch.finfo(fp8).max
-    layer = [0]
-
-    def through_fp8(x, which):
-        scale = float(kv_scales[layer[0], which, 0])  # (per tensor: every head alike)
-        return (x / scale).clamp(-top, top).to(fp8).float() * scale
-
-    rope = modeling_llama.apply_rotary_pos_emb
-
-    def rope_then_fp8(q, k, cos, sin, *args, **kwargs):
-        q, k = rope(q, k, cos, sin, *args, **kwargs)
-        return q, through_fp8(k, 0)
-
-    hooks = []
-    for i, block in enumerate(model.model.layers):
-        hooks.append(block.self_attn.register_forward_pre_hook(
-            lambda module, args, kwargs, i=i: layer.__setitem__(0, i), with_kwargs=True))
-        hooks.append(block.self_attn.v_proj.register_forward_hook(
-            lambda module, args, out: through_fp8(out, 1)))
-    modeling_llama.apply_rotary_pos_emb = rope_then_fp8
-    try:
-        result = []
-        with torch.inference_mode():
-            for prompt in prompts:
-                logits = model(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
-                result.append([logits[i, t].item() for i, t in enumerate(prompt[1:])])
-        return result
-    finally:
-        modeling_llama.apply_rotary_pos_emb = rope
-        for hook in hooks:
-            hook.remove()
-
-
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
 def test_an_fp8_cache_matches_transformers_with_fp8_kv(tiny_model, kv_cache_dtype):
     """The engine's fp8 run equals transformers whose K and V go through fp8 at the
@@ -92,7 +52,7 @@ def test_an_fp8_cache_matches_transformers_with_fp8_kv(tiny_model, kv_cache_dtyp
     prompts = random_prompts(SPECS["gqa64"].vocab_size, [23, 9, 40], seed=3)
     fp8 = make_engine(folder, kv_cache_dtype=kv_cache_dtype)
     _, got = scored(fp8, prompts)
-    want = hf_fp8_prompt_logprobs(folder, prompts, FP8[kv_cache_dtype], fp8.runner.kv_scales)
+    want = transformers_prompt_logprobs(folder, prompts, FP8[kv_cache_dtype], fp8.runner.kv_scales)
     # equal but where a K or V value sat at an fp8 rounding boundary, which float32
     # noise between the two implementations tips one way or the other (and every later
     # position that attends to it moves a little)
