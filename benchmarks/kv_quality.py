@@ -148,8 +148,8 @@ def main(argv: list[str] | None = None) -> None:
     base = results[0][1]
     print(f"{len(PROMPTS)} prompts, greedy, {args.tokens} tokens each; against the model's "
           f"dtype ({base['dtype']})\n")
-    print(f"| K/V | block | blocks per GiB | greedy tokens equal | common prefix | "
-          f"outputs equal | prompt logprob diff, mean | max | s |")
+    print("| K/V | block | blocks per GiB | greedy tokens equal | common prefix | "
+          "outputs equal | prompt logprob diff, mean | max | s |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, r in results:
         c = compare(base, r)
