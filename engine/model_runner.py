@@ -511,8 +511,8 @@ class ModelRunner(Runner):
     def _scratch_forward(self, sequences: list[list[int]], backend: object,
                          kv_scales: torch.Tensor | None = None) -> None:
         """A forward pass of fresh sequences (token ids) against a scratch cache just big
-        enough, through `backend`."""
-        args, bs, dev = self.folder.args, self.block_size, self._device
+        enough, through `backend` (this rank's share of the heads, a split model's)."""
+        args, bs, dev = self.model.args, self.block_size, self._device
         tables, slots, positions, qsl, next_block = [], [], [], [0], 0
         for seq in sequences:
             n = len(seq)

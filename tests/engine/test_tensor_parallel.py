@@ -65,3 +65,24 @@ def test_a_split_that_does_not_divide_the_heads_is_refused(tiny_model):
     with pytest.raises(EngineError, match="tensor_parallel_size=2 must divide the model's "
                                           "num_attention_heads \\(3\\)"):
         tp_engine(tiny_model("qwen2"))
+
+
+def test_an_fp8_cache_split_over_two_ranks(tiny_model):
+    """Each rank quantises its heads with its own scales (per KV head: the same as the
+    whole model's), so two ranks give the one-rank fp8 engine's tokens and logprobs."""
+    from tests.engine.test_fp8_kv import mean_abs_diff, scored
+    from tests.engine.test_model_parity import make_engine
+
+    folder = tiny_model("gqa16")
+    prompts = random_prompts(SPECS["gqa16"].vocab_size, [30, 9], seed=3)
+    whole = make_engine(folder, kv_cache_dtype="fp8_e4m3", kv_cache_scales="head")
+    tokens, logprobs = scored(whole, prompts)
+    engine = tp_engine(folder, kv_cache_dtype="fp8_e4m3", kv_cache_scales="head")
+    try:
+        assert engine.runner.kv_cache.dtype == whole.runner.kv_cache.dtype
+        assert engine.runner.kv_cache.shape[4] == SPECS["gqa16"].num_kv_heads // 2
+        split_tokens, split_logprobs = scored(engine, prompts)
+        assert split_tokens == tokens
+        assert mean_abs_diff(split_logprobs, logprobs) < 1e-3
+    finally:
+        engine.close()
