@@ -1,16 +1,17 @@
 """The prefix cache's third level: blocks on a local disk, kept across restarts.
 
 Below the CPU tier (engine/kv_tier.py), as vLLM's file offloading, SGLang HiCache's
-storage layer and LMCache's local disk backend sit below host memory:
+storage layer and LMCache's local disk backend sit below host memory; or, on an engine
+without a CPU tier, straight below the GPU pool ("the pool above" in what follows):
 
-* A cached CPU block that the CPU pool is about to reuse is written behind, by a thread
+* A cached block that the pool above is about to reuse is written behind, by a thread
   of its own (the step loop only copies the block's bytes out), if more than one prompt
   has asked for its hash (`min_hits` more than the first, hit or not): admission by
   reuse, as vLLM's offloading reuse manager counts lookups, so that one-off prompts do
   not churn the disk, while a conversation whose history came back once is kept.
-* A prompt whose prefix goes on past what the GPU pool and the CPU tier hold finds the
-  rest here: read back into CPU tier blocks (`promote`), it is then a CPU tier hit,
-  copied into the request's GPU blocks instead of recomputed.
+* A prompt whose prefix goes on past what the pools hold finds the rest here: read back
+  into blocks of the pool above (`promote`), cached there, it is then a hit of that
+  pool: a CPU tier hit copied into the request's GPU blocks, or a GPU hit.
 * LRU within a byte budget; a block read back counts as used.
 
 A file holds one block: a header (the format, the engine's identity: model, K/V format,
@@ -122,6 +123,17 @@ class DiskStore:
     def contains(self, block_hash: BlockHash) -> bool:
         with self._lock:
             return block_hash in self._index or block_hash in self._pending
+
+    def can_take(self, block_hash: BlockHash) -> bool:
+        """Whether put() would queue this block (not held or queued already, room in the
+        queue; a full queue counts as a drop): asked before its bytes are copied out."""
+        with self._lock:
+            if block_hash in self._index or block_hash in self._pending:
+                return False
+            if self._pending_bytes >= self.pending_max_bytes:
+                self.stats.dropped += 1
+                return False
+            return True
 
     def put(self, block_hash: BlockHash, payload: bytes) -> bool:
         """Queue a block to be written (its payload copied out already); False when it
@@ -348,7 +360,12 @@ class DiskTier:
         # per hash, how many prompts asked for it (the newest ASKED_KEPT hashes)
         self._asked: collections.OrderedDict[BlockHash, int] = collections.OrderedDict()
         self.hit_tokens = 0  # prompt tokens found here, not recomputed
-        self.promoted: set[int] = set()  # blocks above read back, not taken by a request yet
+        # blocks above read back, not taken by a request yet: block id -> the hash read
+        # into it (a block whose hash was dropped and replaced since is not the disk's)
+        self.promoted: dict[int, BlockHash] = {}
+        # the pool above's blocks whose data the coming step writes (the GPU pool's,
+        # below it): their bytes are not the block's yet, never written to disk
+        self.unwritten: set[int] | frozenset = frozenset()
 
     @property
     def stats(self) -> DiskStats:
@@ -396,11 +413,14 @@ class DiskTier:
         ones asked for often enough are copied out and written behind."""
         stored = []
         for block_id, block_hash in evicted:
-            self.promoted.discard(block_id)
+            self.promoted.pop(block_id, None)
+            if block_id in self.unwritten:
+                continue
             if not self.admits(block_hash):
                 self.store.stats.not_admitted += 1
                 continue
-            if self.store.put(block_hash, self._read_block(block_id)):
+            if self.store.can_take(block_hash) and \
+                    self.store.put(block_hash, self._read_block(block_id)):
                 stored.append(block_hash)
         if stored:
             self._events.emit("BlockStored", pool="disk", block_ids=[],
@@ -440,9 +460,10 @@ class DiskTier:
                 promoted.append(block)
                 n += 1
         finally:
-            above.free(held)  # (in the run's order: its first blocks are evicted first)
+            # tail first, as a request's blocks are freed: its tail is evicted first
+            above.free(reversed(held))
         if promoted:
-            self.promoted.update(b.block_id for b in promoted)
+            self.promoted.update((b.block_id, b.block_hash) for b in promoted)
             self._events.emit("BlockStored", pool=above.pool,
                               block_ids=[b.block_id for b in promoted],
                               block_hashes=[short(b.block_hash) for b in promoted],
@@ -452,14 +473,21 @@ class DiskTier:
                               if self._events.full else None)
         return n
 
+    def from_disk(self, blocks: list[KVBlock]) -> int:
+        """How many of these blocks of the pool above were read back from disk (and
+        still hold what was read)."""
+        promoted = self.promoted
+        return sum(1 for b in blocks if promoted.get(b.block_id, b"") == b.block_hash)
+
     def taken(self, blocks: list[KVBlock], block_size: int, num_tokens: int | None = None) -> int:
         """A request's prompt continued on these blocks of the pool above: those read
         back from disk (the run's last ones) count as the disk's hits, in tokens (of the
         num_tokens the blocks served, when the last block's last token is recomputed);
         how many blocks they were."""
-        n = sum(1 for b in blocks if b.block_id in self.promoted)
+        n = self.from_disk(blocks)
         if n:
-            self.promoted.difference_update(b.block_id for b in blocks)
+            for b in blocks:
+                self.promoted.pop(b.block_id, None)
             tokens = n * block_size
             if num_tokens is not None:
                 tokens = min(tokens, num_tokens - (len(blocks) - n) * block_size)
@@ -471,7 +499,8 @@ class DiskTier:
         closing: what it holds is otherwise lost with it); how many were queued."""
         n = 0
         for block_hash, block in list(self.above.cached.items()):
-            if self.admits(block_hash) and \
+            if block.block_id not in self.unwritten and self.admits(block_hash) and \
+                    self.store.can_take(block_hash) and \
                     self.store.put(block_hash, self._read_block(block.block_id)):
                 n += 1
         return n

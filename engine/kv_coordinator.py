@@ -82,7 +82,7 @@ class KVCacheCoordinator:
             if tier_on else None
         if self.tier is not None:
             self.gpu.on_evict = self.tier.note_reused
-        self.disk = None  # the tier below the CPU tier (attach_disk), if the engine has one
+        self.disk = None  # the disk tier (attach_disk), below the CPU tier or the GPU pool
         # The step's hot path, once per running request per step: room for a request that
         # runs already (no hit to place), and its table's ids for the step. With one group
         # these are that group's own methods, without a call in between.
@@ -106,6 +106,8 @@ class KVCacheCoordinator:
                               "groups is not supported: turn on the CPU tier "
                               "(cpu_prefix_cache), or hybrid_kv_cache off")
         self.disk = disk
+        if above is self.gpu:  # (the coming step's blocks hold nothing yet)
+            disk.unwritten = self.uncomputed
         above.on_evict = disk.note_evicted
 
     # --- what the engine and the viewers read ----------------------------------------
@@ -193,8 +195,8 @@ class KVCacheCoordinator:
         pool the disk sits below)."""
         if self.disk is None:
             return 0
-        blocks = match.tier_blocks if self.tier is not None else match.groups[0].blocks
-        return sum(b.block_id in self.disk.promoted for b in blocks)
+        return self.disk.from_disk(match.tier_blocks if self.tier is not None
+                                   else match.groups[0].blocks)
 
     def _find_prefix(self, request: Request) -> PrefixMatch:
         """The longest prefix every group can serve, from the GPU pool and then the tier:
@@ -244,11 +246,13 @@ class KVCacheCoordinator:
         """The disk's blocks of `rest` read back into `pool` (the one it sits below),
         the run found there before them held meanwhile: taking blocks for the disk's
         must not evict the run they continue. How many of `rest` are now there."""
+        if not self.disk.store.contains(rest[0]):
+            return 0  # (the usual case: nothing to read, nothing to hold)
         pool.touch(run, hit=False)
         try:
             return self.disk.promote(rest)
         finally:
-            pool.free(run)
+            pool.free(reversed(run))  # (tail first, as a request's blocks are freed)
 
     def _cached_run(self, hashes: list[BlockHash]) -> list[KVBlock]:
         out = []

@@ -243,7 +243,7 @@ class Story:
     first_token_at: float | None = None
     ended_at: float | None = None
     finish_reason: str | None = None
-    disk_blocks: int = 0  # then read back from the disk tier (through the CPU tier)
+    disk_blocks: int = 0  # then read back from the disk tier (through the pool above it)
 
     def document(self, engine: str) -> dict:
         gpu, cpu = self.gpu_blocks, self.cpu_blocks

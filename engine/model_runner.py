@@ -502,16 +502,19 @@ class ModelRunner(Runner):
         spread = torch.randint(self.vocab_size, (min(256, self.max_model_len),),
                                generator=torch.Generator().manual_seed(0)).tolist()
         recorder = _AmaxRecorder(self.attention)
-        self._scratch_forward([text, spread], recorder, kv_scales=ones)
+        # through a cache of the model's dtype: each layer sees the K/V the model makes,
+        # not what an fp8 cache at scale 1 would have clamped or flushed
+        self._scratch_forward([text, spread], recorder, cache_dtype=self._dtype)
         amax = torch.stack(recorder.amax)  # [n_layers, 2, n_kv_heads]
         if self.config.kv_cache_scales == "tensor":
             amax = amax.amax(dim=-1, keepdim=True).expand_as(amax)
         return scales_for(amax, self._kv_dtype).contiguous()
 
     def _scratch_forward(self, sequences: list[list[int]], backend: object,
-                         kv_scales: torch.Tensor | None = None) -> None:
+                         cache_dtype: torch.dtype | None = None) -> None:
         """A forward pass of fresh sequences (token ids) against a scratch cache just big
-        enough, through `backend` (this rank's share of the heads, a split model's)."""
+        enough (of cache_dtype: the K/V cache's by default), through `backend` (this
+        rank's share of the heads, a split model's)."""
         args, bs, dev = self.model.args, self.block_size, self._device
         tables, slots, positions, qsl, next_block = [], [], [], [0], 0
         for seq in sequences:
@@ -522,11 +525,12 @@ class ModelRunner(Runner):
             positions.extend(range(n))
             qsl.append(qsl[-1] + n)
             next_block += nb
+        cache_dtype = cache_dtype or self._kv_dtype
         cache = torch.zeros(_with_blocks((self.kv_layout.slots, 2, bs, args.n_kv_heads,
                                           args.head_dim), next_block),
-                            dtype=self._kv_dtype, device=dev)
-        if kv_scales is None and is_fp8(self._kv_dtype):
-            kv_scales = torch.ones(args.n_layers, 2, args.n_kv_heads, device=dev)
+                            dtype=cache_dtype, device=dev)
+        kv_scales = torch.ones(args.n_layers, 2, args.n_kv_heads, device=dev) \
+            if is_fp8(cache_dtype) else None
         lens = [len(seq) for seq in sequences]
         batch = AttentionBatch(bs, tables, lens, qsl, torch.tensor(slots, device=dev))
         plan = backend.plan(batch)  # (every layer group in the same blocks)

@@ -13,7 +13,9 @@ def _round_to_fp8_grid(x, TOP: tl.constexpr, MANTISSA: tl.constexpr, MIN_EXP: tl
     first: the value the cast to fp8 then writes exactly. Rounding here instead of in
     the cast keeps the interpreter (whose fp8 cast mis-rounds a carry into the exponent)
     and the GPU bit for bit equal to torch's cast."""
-    x = tl.minimum(tl.maximum(x, -TOP), TOP)
+    # (NaN stays NaN, as torch's clamp keeps it)
+    x = tl.minimum(tl.maximum(x, -TOP, propagate_nan=tl.PropagateNan.ALL), TOP,
+                   propagate_nan=tl.PropagateNan.ALL)
     bits = x.to(tl.int32, bitcast=True)
     exp = tl.maximum(((bits >> 23) & 0xFF) - 127, MIN_EXP)  # subnormals: the smallest step
     step = ((exp - MANTISSA + 127) << 23).to(tl.float32, bitcast=True)  # 2^(exp - mantissa)
@@ -22,6 +24,14 @@ def _round_to_fp8_grid(x, TOP: tl.constexpr, MANTISSA: tl.constexpr, MIN_EXP: tl
     a = tl.abs(x)
     r = (a + magic) - magic
     return tl.where(bits < 0, -r, r)  # the sign back, -0.0 included
+
+
+@triton.jit
+def _nan_kept(q, x):
+    """q, the fp8 cast of x, with NaN where x is NaN (0x7f: NaN in both formats), as
+    torch's cast gives (the interpreter's e4m3 cast does not)."""
+    bits = tl.where(x != x, 0x7F, q.to(tl.int8, bitcast=True))
+    return bits.to(q.dtype, bitcast=True)
 
 
 @triton.jit
@@ -66,13 +76,14 @@ def reshape_and_cache_kernel(
         head_ok = heads < NUM_KV_HEADS
         k_scale = tl.load(k_scale_ptr + heads, mask=head_ok, other=1.0)
         v_scale = tl.load(v_scale_ptr + heads, mask=head_ok, other=1.0)
-        k = k.to(tl.float32) / k_scale[:, None]
-        v = v.to(tl.float32) / v_scale[:, None]
+        # correctly rounded division (a GPU's `/` on fp32 is not), as torch's
+        k = tl.math.div_rn(k.to(tl.float32), tl.broadcast_to(k_scale[:, None], k.shape))
+        v = tl.math.div_rn(v.to(tl.float32), tl.broadcast_to(v_scale[:, None], v.shape))
         if FP8 == 1:
-            k = _round_to_fp8_grid(k, 448.0, 3, -6).to(tl.float8e4nv)
-            v = _round_to_fp8_grid(v, 448.0, 3, -6).to(tl.float8e4nv)
+            k = _nan_kept(_round_to_fp8_grid(k, 448.0, 3, -6).to(tl.float8e4nv), k)
+            v = _nan_kept(_round_to_fp8_grid(v, 448.0, 3, -6).to(tl.float8e4nv), v)
         else:
-            k = _round_to_fp8_grid(k, 57344.0, 2, -14).to(tl.float8e5)
-            v = _round_to_fp8_grid(v, 57344.0, 2, -14).to(tl.float8e5)
+            k = _nan_kept(_round_to_fp8_grid(k, 57344.0, 2, -14).to(tl.float8e5), k)
+            v = _nan_kept(_round_to_fp8_grid(v, 57344.0, 2, -14).to(tl.float8e5), v)
     tl.store(key_cache_ptr + cache_offs, k, mask=mask)
     tl.store(value_cache_ptr + cache_offs, v, mask=mask)

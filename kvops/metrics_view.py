@@ -32,7 +32,8 @@ ENGINE_METRICS = [
      "Bytes the CPU tier copied back into GPU blocks on prefix hits.", "counter"),
     ("kvops:disk_prefix_cache_hits", "disk_prefix_cache_hits",
      "Prompt tokens found on the disk tier of the prefix cache (read back, not recomputed; "
-     "also in kvops:cpu_prefix_cache_hits, as they come through the CPU tier).", "counter"),
+     "below a CPU tier also in kvops:cpu_prefix_cache_hits, as they come through it).",
+     "counter"),
     ("kvops:disk_cache_blocks", "num_disk_cached_blocks", "Blocks the disk tier holds.",
      "gauge"),
     ("kvops:disk_cache_bytes_used", "disk_cache_bytes_used", "Bytes the disk tier's files take.",

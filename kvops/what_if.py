@@ -42,8 +42,8 @@ PROGRESS_EVERY_S = 0.5
 SETTINGS = ("num_gpu_blocks", "block_size", "num_cpu_blocks", "preemption_mode",
             "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
             "cpu_prefix_cache", "disk_cache_bytes", "eviction_policy", "kv_cache_dtype")
-# (disk_cache_bytes: a disk tier below the CPU tier of that many bytes of the engine's
-# blocks, 0 for none; the replay keeps it in a folder of its own, empty at its start.
+# (disk_cache_bytes: a disk tier of that many bytes of the engine's blocks, below the CPU
+# tier or the GPU pool without one, 0 for none; the replay keeps it in a folder of its own, empty at its start.
 # kv_cache_dtype: how a real model's engine stores K/V; the same memory holds as many
 # more blocks as a value takes fewer bytes, on every tier)
 # bytes of one K/V value, by the engine's dtype or kv_cache_dtype
@@ -132,6 +132,9 @@ def _checked(make, *args, **fields) -> EngineConfig:
         config = make(*args, **fields)
     except ConfigError as e:
         raise Refused(str(e)) from None
+    if config.disk_cache_bytes and not config.cpu_prefix_cache and config.simulate_hybrid:
+        raise Refused("a disk tier straight below the GPU pool of a model with layer groups "
+                      "is not supported: set cpu_prefix_cache too")
     for pool, blocks in (("num_gpu_blocks", config.num_gpu_blocks),
                          ("num_cpu_blocks", config.num_cpu_blocks)):
         if blocks * config.block_size > MAX_POOL_TOKENS:

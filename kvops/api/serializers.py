@@ -236,8 +236,8 @@ class WhatIfSerializer(StrictMixin, serializers.Serializer):
         help_text="the CPU pool (num_cpu_blocks) as a second prefix-cache tier")
     disk_cache_bytes = serializers.IntegerField(
         required=False, allow_null=True, default=None, min_value=0, max_value=1 << 50,
-        help_text="a disk tier of this many bytes below the CPU tier (0: none; needs "
-                  "cpu_prefix_cache)")
+        help_text="a disk tier of this many bytes below the CPU tier, or the GPU pool "
+                  "without one (0: none)")
     eviction_policy = serializers.ChoiceField(
         choices=list(EVICTION_POLICIES), required=False, allow_null=True, default=None,
         help_text="what the prefix cache evicts first")

@@ -280,6 +280,50 @@ def test_reading_back_from_disk_does_not_evict_the_run_it_continues(tmp_path):
     engine.close()
 
 
+def test_a_block_read_back_and_then_reset_is_not_the_disks_any_more(tmp_path):
+    """GPU blocks read back from disk for a lookup that no request took, their hashes
+    dropped by a reset and the blocks reused for another prompt: that prompt's later
+    hits are GPU hits, not the disk's."""
+    engine = disk_engine(tmp_path, cpu_prefix_cache=False, num_cpu_blocks=0)
+    first = prompt_of(0)
+    ask(engine, "cold", first)
+    ask(engine, "hit", first)
+    flood(engine, range(1, 5))
+    engine.kv.disk.store.flush()
+    hashes = hash_blocks(root_hash(engine.runner.model_id, None), first, BLOCK)
+    assert engine.kv._promote(engine.kv.gpu, [], hashes) == 8  # read back, not taken
+    engine.reset_prefix_cache()
+    for i in range(3):  # prompts that take every free block, the read-back ones too
+        other = prompt_of(20 + i)
+        ask(engine, f"x{i}", other)
+        again = ask(engine, f"x{i}-again", other)
+        assert again.num_cached_tokens == 31
+        assert engine.kv_story(f"x{i}-again")["cached_tokens"]["disk"] == 0
+    assert engine.metrics()["disk_prefix_cache_hits"] == 0
+    engine.close()
+
+
+def test_reading_back_keeps_the_runs_eviction_order(tmp_path):
+    """The run a read-back continues is held meanwhile and let go tail first, as a
+    request's blocks are: its tail is still evicted before its head. Without a block to
+    read, nothing is held and the free queue does not move."""
+    engine = disk_engine(tmp_path, cpu_prefix_cache=False, num_cpu_blocks=0)
+    first = prompt_of(0)
+    ask(engine, "cold", first)
+    hashes = hash_blocks(root_hash(engine.runner.model_id, None), first, BLOCK)
+    run = engine.kv.cached_chain(hashes)[:5]
+    ids = [b.block_id for b in run]
+    order = lambda: [i for i in engine.kv.gpu.eviction_order(16) if i in ids]  # noqa: E731
+    assert order() == ids[::-1]
+    before = engine.kv.gpu.eviction_order(16)
+    assert engine.kv._promote(engine.kv.gpu, run, [b"not on disk"]) == 0
+    assert engine.kv.gpu.eviction_order(16) == before
+    engine.kv.disk.store.put(hashes[5], engine.runner.read_pool_block("gpu", run[0].block_id))
+    engine.kv._promote(engine.kv.gpu, run, hashes[5:])
+    assert order() == ids[::-1]
+    engine.close()
+
+
 def test_below_the_gpu_a_model_with_layer_groups_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="layer groups"):
         disk_engine(tmp_path, cpu_prefix_cache=False, num_cpu_blocks=0,

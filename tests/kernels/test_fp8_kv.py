@@ -214,3 +214,13 @@ def test_dequantize_and_scales() -> None:
     scales = scales_for(torch.tensor([448.0, 100.0, 0.0, 1e-3]), torch.float8_e4m3fn)
     assert scales.tolist()[:3] == [2.0, 0.5, 1.0]  # powers of two with 2x headroom; 0 -> 1
     assert scales[3] > 0 and torch.log2(scales[3]) == torch.log2(scales[3]).round()
+
+
+@pytest.mark.parametrize("cache_dtype", FP8)
+def test_nan_in_stays_nan_as_torchs_cast_keeps_it(cache_dtype, device) -> None:
+    x = torch.randn(4, 2, 16)
+    x[1, 0, 3] = x[3, 1, 0] = float("nan")
+    k, _, k_ref, _ = run_quantize(x.to(device), torch.tensor([0.5, 2.0]), cache_dtype, device)
+    got, want = k.cpu().view(4, 2, 16).float(), k_ref.view(4, 2, 16).float()
+    assert torch.equal(got.isnan(), want.isnan()) and int(want.isnan().sum()) == 2
+    assert torch.equal(got.nan_to_num(0), want.nan_to_num(0))
