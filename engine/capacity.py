@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from engine.config import EngineConfig
+from engine.errors import EngineError
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.trace import TraceRequest, prompt_tokens
@@ -72,11 +73,16 @@ class ReplayObserver(Protocol):
 def replay_paged(trace: list[TraceRequest], config: EngineConfig,
                  cost: StepCost = StepCost(), name: str = "paged",
                  prompts: list[list[int]] | None = None,
-                 observer: ReplayObserver | None = None) -> ReplayResult:
+                 observer: ReplayObserver | None = None,
+                 pins: list[list[int]] | None = None) -> ReplayResult:
     """prompts: each trace request's token ids (None: made up by trace.prompt_tokens
     from its prefix group); observer: read before and after every step, at simulated
-    time `now` (the step's start, then its end)."""
+    time `now` (the step's start, then its end); pins: prefixes computed and pinned
+    before the trace (as an operator pinned them), within the configuration's pin
+    budget (those past it are refused, counted); their steps are not the replay's."""
     engine = LLMEngine(config)
+    pinned, refused = _pin(engine, pins or [])
+    before = engine.metrics()  # (the pins' prefills are not the trace's)
     vocab = config.vocab_size
     pending = list(enumerate(trace))
     now, used_sum, alloc_sum, conc_sum, peak, steps = 0.0, 0, 0, 0, 0, 0
@@ -109,6 +115,8 @@ def replay_paged(trace: list[TraceRequest], config: EngineConfig,
         conc_sum += holding
         peak = max(peak, holding)
     m = engine.metrics()
+    for key in _COUNTED:
+        m[key] = m.get(key, 0) - before.get(key, 0)
     engine.close()  # (a disk tier's writes finish)
     queries = max(m["prefix_cache_queries"], 1)
     return ReplayResult(
@@ -122,7 +130,28 @@ def replay_paged(trace: list[TraceRequest], config: EngineConfig,
                    m.get("disk_prefix_cache_hits", 0) if m.get("disk_tier_below") == "cpu" else 0))
                / queries,
                "disk_hit_rate": m.get("disk_prefix_cache_hits", 0) / queries,
-               "prompt_tokens_computed": m["num_prompt_tokens"]})
+               "prompt_tokens_computed": m["num_prompt_tokens"],
+               "pinned_blocks": pinned, "pins_refused": refused})
+
+
+# the counters a replay reports, less what the pins' prefills added
+_COUNTED = ("prefix_cache_queries", "prefix_cache_hits", "cpu_prefix_cache_hits",
+            "disk_prefix_cache_hits", "num_prompt_tokens", "num_preemptions", "num_swaps_out")
+
+
+def _pin(engine: LLMEngine, pins: list[list[int]]) -> tuple[int, int]:
+    """Compute each prefix and pin it (hard, as an operator does); (blocks pinned,
+    prefixes refused: past the pin budget, or too short to hold a block)."""
+    pinned = refused = 0
+    for k, tokens in enumerate(pins):
+        engine.add_request(f"pin{k}", tokens, SamplingParams(max_tokens=1, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            engine.step()
+        try:
+            pinned += engine.pin_prefix(tokens)["num_newly_pinned"]
+        except EngineError:
+            refused += 1
+    return pinned, refused
 
 
 def replay_contiguous(trace: list[TraceRequest], total_slots: int, max_model_len: int,

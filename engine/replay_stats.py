@@ -117,13 +117,14 @@ def percentile(values: list[float], q: float) -> float | None:
 
 def replay_stats(trace: list[TraceRequest], config: EngineConfig,
                  cost: StepCost = StepCost(), prompts: list[list[int]] | None = None,
-                 on_progress: Callable[[float], None] | None = None) -> dict:
+                 on_progress: Callable[[float], None] | None = None,
+                 pins: list[list[int]] | None = None) -> dict:
     """Replay the trace (capacity.replay_paged) and describe the run as plain JSON:
     the replay's own figures and, from a ReplayRecorder, occupancy over time, queue
     waits (arrival to first scheduled, simulated seconds) and the prefix hit rate at
     first admission (prompt tokens served from the cache / prompt tokens)."""
     recorder = ReplayRecorder(len(trace), on_progress)
-    result = replay_paged(trace, config, cost, prompts=prompts, observer=recorder)
+    result = replay_paged(trace, config, cost, prompts=prompts, observer=recorder, pins=pins)
     output_tokens = sum(r.output_len for r in trace)
     waits = recorder.queue_waits
     return {
@@ -145,6 +146,9 @@ def replay_stats(trace: list[TraceRequest], config: EngineConfig,
         # and on the disk tier below it (disk_cache_dir)
         "disk_tier_hit_rate": result.extra.get("disk_hit_rate", 0.0),
         "prompt_tokens_computed": result.extra.get("prompt_tokens_computed"),
+        # pinned before the trace (as the engine's operators pinned), within the budget
+        "pinned_blocks": result.extra.get("pinned_blocks", 0),
+        "pins_refused": result.extra.get("pins_refused", 0),
         "queue_wait_p50": percentile(waits, 50),
         "queue_wait_p99": percentile(waits, 99),
         "queue_wait_mean": sum(waits) / len(waits) if waits else None,

@@ -41,11 +41,15 @@ PROGRESS_EVERY_S = 0.5
 # prefix-cache tier, num_cpu_blocks its size).
 SETTINGS = ("num_gpu_blocks", "block_size", "num_cpu_blocks", "preemption_mode",
             "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
-            "cpu_prefix_cache", "disk_cache_bytes", "eviction_policy", "kv_cache_dtype")
+            "cpu_prefix_cache", "disk_cache_bytes", "eviction_policy", "kv_cache_dtype",
+            "pin_budget")
 # (disk_cache_bytes: a disk tier of that many bytes of the engine's blocks, below the CPU
 # tier or the GPU pool without one, 0 for none; the replay keeps it in a folder of its own, empty at its start.
 # kv_cache_dtype: how a real model's engine stores K/V; the same memory holds as many
 # more blocks as a value takes fewer bytes, on every tier)
+# pin_budget: the most of the GPU pool the engine's pinned prefixes (the operator log's,
+# kvops/what_if_trace.active_pins) may hold; they are pinned before the replay, those past
+# the budget refused)
 # bytes of one K/V value, by the engine's dtype or kv_cache_dtype
 KV_VALUE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1}
 
@@ -77,6 +81,7 @@ def baseline_config(engine_config: dict) -> EngineConfig:
                   cpu_prefix_cache=bool(engine_config.get("cpu_prefix_cache", False)),
                   disk_cache_bytes=int(engine_config.get("disk_cache_bytes") or 0),
                   eviction_policy=engine_config.get("eviction_policy") or "lru",
+                  pin_budget=float(engine_config.get("pin_budget", 0.5)),
                   simulate_sliding_window=engine_config.get("sliding_window"))
     groups = engine_config.get("kv_group_windows")
     if groups:  # a table per layer group: the stand-in's global and sliding groups
@@ -296,7 +301,7 @@ def run(run_id: int) -> str:
             with tempfile.TemporaryDirectory(prefix="kvops-what-if-disk-") as folder:
                 stats = replay_stats(trace.requests, with_disk(config, folder, weight),
                                      cost, trace.prompts,
-                                     on_progress=_progress_writer(run_id, i))
+                                     on_progress=_progress_writer(run_id, i), pins=trace.pins)
             results.append({"config": describe(config, kv[i]), **stats})
     except SoftTimeLimitExceeded:
         _fail(run_id, f"the replay ran past {settings.KVOPS_WHAT_IF_TIME_LIMIT_S:g} s: "

@@ -22,18 +22,22 @@ the window; the newest `max_jobs` of them):
   built prompts, which also keep the branches a flat group cannot (conversations that
   share a system prompt and then each their own turns).
 The replay starts with an empty cache: prefixes cached before the window are misses.
+Except the engine's pinned prefixes (`active_pins`: the operator log's hard pins since
+the last reset, unpinned ones left out): built into the same token space as the jobs'
+prompts (each shares with them what its text or tokens did), they are computed and
+pinned before the replay, within its pin budget.
 """
 from __future__ import annotations
 
 import logging
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from django.utils import timezone
 
 from engine.trace import TraceRequest
-from kvops.models import Engine, Job
+from kvops.models import Engine, Job, OperatorAction
 from kvops.prompts import inspector, render_chat
 from kvops.tenancy import cache_salt
 
@@ -49,6 +53,7 @@ class JobTrace:
     prompts: list[list[int]]  # the token ids each request replays (see the module doc)
     job_ids: list[int]  # the job each request comes from
     summary: dict  # what was replayed, and what the engine recorded for the same jobs
+    pins: list[list[int]] = field(default_factory=list)  # pinned before the replay
 
 
 def window(engine_name: str, minutes: int, until: datetime | None = None):
@@ -71,11 +76,18 @@ def build_trace(engine: Engine, minutes: int, max_jobs: int,
                          f"minutes: there is nothing to replay")
     units, source = _prompt_units(engine.config, jobs)
     lengths = [job.num_prompt_tokens for job in jobs]
-    order = sorted(range(len(jobs)), key=lambda i: units[i])
+    # the pinned prefixes after the jobs: their prompts are built beside the jobs'
+    pin_units = _pin_units(engine.config, active_pins(engine.name, until), source)
+    units += [u for u, _ in pin_units]
+    lengths += [n for _, n in pin_units]
+    order = sorted(range(len(units)), key=lambda i: units[i])
     shared = _shared_with_predecessor(order, units, lengths, source == "characters")
     vocab = int(engine.config.get("vocab_size") or 32000)
     prompts = _build_prompts(order, shared, lengths, vocab)
     groups, prefix_lens = _groups(order, shared, int(engine.config.get("block_size") or 16))
+    n = len(jobs)
+    prompts, pins = prompts[:n], prompts[n:]
+    groups, prefix_lens, lengths = groups[:n], prefix_lens[:n], lengths[:n]
     start = jobs[0].queued_at
     requests = [TraceRequest(arrival_s=(job.queued_at - start).total_seconds(),
                              prompt_len=job.num_prompt_tokens,
@@ -93,12 +105,52 @@ def build_trace(engine: Engine, minutes: int, max_jobs: int,
         "output_tokens": sum(r.output_len for r in requests),
         "prefix_groups": len({g for g in groups if g is not None}),
         "prefixes_from": source,
+        "pins": len(pins),
         # the engine's own counts for these jobs, to hold the replay of its own
         # configuration against
         "recorded": {"prefix_hit_rate": sum(j.num_cached_tokens for j in jobs) / prompt_tokens,
                      "preemptions": sum(j.num_preemptions for j in jobs)},
     }
-    return JobTrace(requests, prompts, [job.pk for job in jobs], summary)
+    return JobTrace(requests, prompts, [job.pk for job in jobs], summary, pins)
+
+
+def active_pins(engine_name: str, until: datetime) -> list[dict]:
+    """The hard pins the engine holds at `until`, as the operator log says: each
+    successful pin's parameters (prompt or token_ids, cache_salt), less those unpinned
+    since, none from before the last reset (which unpins every block)."""
+    pins: dict[tuple, dict] = {}
+    actions = OperatorAction.objects.filter(engine=engine_name, ok=True, created_at__lte=until,
+                                            action__in=("pin", "unpin", "reset")).order_by("id")
+    for action in actions:
+        params = action.params or {}
+        if action.action == "reset":
+            pins.clear()
+            continue
+        if params.get("soft"):  # (a soft pin takes nothing from the budget)
+            continue
+        key = (params.get("prompt"), tuple(params.get("token_ids") or ()),
+               params.get("cache_salt") or "")
+        if action.action == "pin":
+            pins[key] = params
+        else:
+            pins.pop(key, None)
+    return list(pins.values())
+
+
+def _pin_units(config: dict, pins: list[dict], source: str) -> list[tuple[tuple, int]]:
+    """Each pin's sort key, of the jobs' kind (tokens or characters), and its length in
+    tokens; a pin that cannot be put in the jobs' terms (token ids where the jobs were
+    compared as characters) is left out."""
+    out = []
+    for pin in pins:
+        salt = pin.get("cache_salt") or ""
+        if source == "tokens":
+            ids = pin.get("token_ids") or inspector.token_ids(config, pin.get("prompt") or "", None)
+            if ids:
+                out.append(((salt, list(ids)), len(ids)))
+        elif pin.get("prompt"):
+            out.append(((salt, pin["prompt"]), len(pin["prompt"])))
+    return out
 
 
 def _prompt_units(config: dict, jobs: list[Job]) -> tuple[list[tuple], str]:

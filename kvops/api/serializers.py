@@ -241,6 +241,10 @@ class WhatIfSerializer(StrictMixin, serializers.Serializer):
     eviction_policy = serializers.ChoiceField(
         choices=list(EVICTION_POLICIES), required=False, allow_null=True, default=None,
         help_text="what the prefix cache evicts first")
+    pin_budget = FiniteFloatField(
+        required=False, allow_null=True, default=None, min_value=0.0, max_value=1.0,
+        help_text="the most of the GPU pool the engine's pinned prefixes may hold (0-1); "
+                  "they are pinned before the replay, those past it refused")
     kv_cache_dtype = serializers.ChoiceField(
         choices=list(KV_CACHE_DTYPES), required=False, allow_null=True, default=None,
         help_text="how K/V would be stored (a real model's engine): fp8 holds twice "

@@ -14,6 +14,7 @@ export function requestBody(values) {
     const text = String(raw ?? "").trim();
     if (text === "") continue;
     if (name === "disk_cache_gib") body.disk_cache_bytes = Math.round(Number(text) * 2 ** 30);
+    else if (name === "pin_budget_percent") body.pin_budget = Number(text) / 100;
     else if (NUMBERS.includes(name)) body[name] = Number(text);
     else if (FLAGS.includes(name)) body[name] = text === "true";
     else body[name] = text;
@@ -41,6 +42,7 @@ const CONFIG_ROWS = [
   ["CPU prefix tier", (r) => r.config.cpu_prefix_cache, onOff, null],
   ["disk tier", (r) => r.config.disk_cache_bytes, bytesOrOff, null],
   ["eviction policy", (r) => r.config.eviction_policy, String, null],
+  ["pin budget", (r) => r.config.pin_budget, percent, null],
   ["K/V dtype", (r) => r.config.kv_cache_dtype ?? undefined, String, null],
 ];
 const RESULT_ROWS = [
@@ -56,6 +58,8 @@ const RESULT_ROWS = [
   ["  of which on the CPU tier", (r) => r.cpu_tier_hit_rate, percent, "ratio"],
   ["  of which from disk", (r) => r.disk_tier_hit_rate, percent, "ratio"],
   ["prompt tokens computed", (r) => r.prompt_tokens_computed, integer, "number"],
+  ["blocks pinned (the engine's pins)", (r) => r.pinned_blocks, integer, "number"],
+  ["pins refused (past the budget)", (r) => r.pins_refused, integer, "number"],
   ["TTFT p50", (r) => r.ttft_p50, secs, "number"],
   ["TTFT p99", (r) => r.ttft_p99, secs, "number"],
   ["queue wait p50", (r) => r.queue_wait_p50, secs, "number"],

@@ -85,8 +85,8 @@ def test_an_operator_runs_a_what_if_and_sees_both_runs(login, stack):
 
 
 def test_the_tier_and_policy_levers_and_ttft(login, stack):
-    """A disk tier straight below the GPU and another eviction policy, from the form;
-    the rows show them and the replays' TTFT. A simulated engine has no K/V dtype to
+    """A disk tier straight below the GPU, another eviction policy and pin budget, from
+    the form; the rows show them and the replays' TTFT. A simulated engine has no K/V dtype to
     change: no such field."""
     page, errors = login(stack, "admin", "admin-pass-123")
     page.goto(f"{stack.url}/engines/sim/")
@@ -96,6 +96,8 @@ def test_the_tier_and_policy_levers_and_ttft(login, stack):
     page.fill("#wi-num-gpu-blocks", "16")
     page.fill("#wi-disk-cache-gib", "0.5")
     page.select_option("#wi-eviction-policy", "slru")
+    assert page.get_attribute("#wi-pin-budget", "placeholder") == "50"
+    page.fill("#wi-pin-budget", "10")
     page.click("#wi-run")
     page.wait_for_function("document.querySelector('#what-if').dataset.status === 'finished' && "
                            "document.querySelector('#wi-table').textContent.includes('slru')",
@@ -103,6 +105,7 @@ def test_the_tier_and_policy_levers_and_ttft(login, stack):
     base, alt = cells(page, "baseline"), cells(page, "alternative")
     assert (base["disk tier"], alt["disk tier"]) == ("off", "512 MiB")
     assert (base["eviction policy"], alt["eviction policy"]) == ("lru", "slru")
+    assert (base["pin budget"], alt["pin budget"]) == ("50.0%", "10.0%")
     for row in ("TTFT p50", "TTFT p99", "prompt tokens computed", "  of which from disk"):
         assert base[row] not in ("", "–") and alt[row] not in ("", "–"), row
     assert not errors, errors

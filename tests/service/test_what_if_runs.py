@@ -213,3 +213,31 @@ def test_an_fp8_kv_cache_is_replayed_as_more_blocks_in_the_same_memory(busy_engi
     engine.refresh_from_db()
     with pytest.raises(what_if.Refused, match="real model"):
         what_if.start(operator, engine, 10, 100, {"kv_cache_dtype": "fp8_e5m2"}, StepCost())
+
+
+def test_the_engines_pins_are_pinned_before_the_replay_within_the_pin_budget(busy_engine):
+    """The operator log's hard pin of the jobs' shared system prompt (an earlier pin
+    unpinned, another before a reset, and a soft one are not the engine's any more) is
+    pinned before each replay: under the engine's budget it holds the prompt's blocks,
+    under a budget of 0 it is refused."""
+    operator, engine = busy_engine
+    for action, params in [("pin", {"prompt": "an old prefix that was reset " * 3}),
+                           ("reset", {}),
+                           ("pin", {"prompt": "pinned then unpinned, long enough " * 2}),
+                           ("unpin", {"prompt": "pinned then unpinned, long enough " * 2}),
+                           ("pin", {"prompt": "a soft pin of a different prefix here", "soft": True}),
+                           ("pin", {"prompt": SYSTEM})]:
+        OperatorAction.objects.create(user=operator, engine="busy", action=action,
+                                      params=params, ok=True, status_code=200)
+    from kvops.what_if_trace import active_pins
+    assert active_pins("busy", timezone.now()) == [{"prompt": SYSTEM}]
+    run = what_if.start(operator, engine, 10, 100, {"pin_budget": 0.0}, StepCost())
+    assert tasks.what_if.apply(args=[run.pk]).get() == "finished"
+    run.refresh_from_db()
+    assert run.trace["pins"] == 1
+    assert (run.baseline["config"]["pin_budget"], run.alternative["config"]["pin_budget"]) == (0.5, 0.0)
+    # the system prompt's full blocks of 16 (its characters are its tokens here)
+    assert run.baseline["pinned_blocks"] == len(SYSTEM) // 16 and run.baseline["pins_refused"] == 0
+    assert run.alternative["pinned_blocks"] == 0 and run.alternative["pins_refused"] == 1
+    # the pins' own prefill is not the trace's
+    assert run.baseline["requests"] == run.alternative["requests"] == 40

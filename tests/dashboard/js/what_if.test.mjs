@@ -77,3 +77,14 @@ test("the tier, policy and K/V dtype levers: a disk size in GiB travels as bytes
   assert.equal(comparisonRows({ baseline: result(1, 1, 0, 0), alternative: result(1, 1, 0, 0) })
     .find((r) => r.label === "K/V dtype"), undefined);
 });
+
+test("the pin budget travels as a share; the rows say what the engine's pins held", () => {
+  assert.deepEqual(requestBody({ pin_budget_percent: "25" }), { pin_budget: 0.25 });
+  const rows = comparisonRows({
+    baseline: { ...result(48, 3, 0.2, 1), pinned_blocks: 4, pins_refused: 0, config: config(48, { pin_budget: 0.5 }) },
+    alternative: { ...result(48, 3, 0.1, 1), pinned_blocks: 0, pins_refused: 1, config: config(48, { pin_budget: 0 }) },
+  });
+  const row = (label) => rows.find((r) => r.label === label);
+  assert.deepEqual([row("pin budget").baseline, row("pin budget").alternative], ["50.0%", "0.0%"]);
+  assert.deepEqual([row("blocks pinned (the engine's pins)").baseline, row("pins refused (past the budget)").alternative], ["4", "1"]);
+});
