@@ -249,6 +249,17 @@ OPERATOR_RESPONSES = {200: ACTION_RESULT, 400: ERROR, 403: ERROR, 404: ACTION_RE
                       409: ACTION_RESULT, 504: ACTION_RESULT}
 
 
+def _checked_action(request, serializer_class, name: str, action: str,
+                    target: str) -> Response:
+    """The body checked by serializer_class (400 naming the field), then the engine's
+    action (404 for an unknown engine) with the fields given, nulls left out."""
+    serializer = serializer_class(data=request.data or {})
+    serializer.is_valid(raise_exception=True)
+    engine = get_object_or_404(Engine, name=name)
+    arguments = {k: v for k, v in serializer.validated_data.items() if v is not None}
+    return _action_answer(request, engine, action, target, arguments)
+
+
 def _action_answer(request, engine: Engine, action: str, target: str,
                    arguments: dict) -> Response:
     try:
@@ -303,12 +314,8 @@ class EngineActionView(APIView):
     @extend_schema(request=DrainSerializer, responses=OPERATOR_RESPONSES,
                    parameters=[IDEMPOTENCY_KEY], description="The body is {} but for drain.")
     def post(self, request, name: str, action: str):
-        serializer = (DrainSerializer if action == "drain" else EmptySerializer)(
-            data=request.data or {})
-        serializer.is_valid(raise_exception=True)
-        engine = get_object_or_404(Engine, name=name)
-        arguments = {k: v for k, v in serializer.validated_data.items() if v is not None}
-        return _action_answer(request, engine, action, name, arguments)
+        return _checked_action(request, DrainSerializer if action == "drain" else EmptySerializer,
+                               name, action, name)
 
 
 class EngineLimitsView(APIView):
@@ -319,11 +326,7 @@ class EngineLimitsView(APIView):
     @extend_schema(request=LimitsSerializer, responses=OPERATOR_RESPONSES,
                    parameters=[IDEMPOTENCY_KEY])
     def post(self, request, name: str):
-        serializer = LimitsSerializer(data=request.data or {})
-        serializer.is_valid(raise_exception=True)
-        engine = get_object_or_404(Engine, name=name)
-        arguments = {k: v for k, v in serializer.validated_data.items() if v is not None}
-        return _action_answer(request, engine, "set-limits", name, arguments)
+        return _checked_action(request, LimitsSerializer, name, "set-limits", name)
 
 
 class EngineRetentionView(APIView):
@@ -334,11 +337,7 @@ class EngineRetentionView(APIView):
     @extend_schema(request=RetentionSerializer, responses=OPERATOR_RESPONSES,
                    parameters=[IDEMPOTENCY_KEY])
     def post(self, request, name: str):
-        serializer = RetentionSerializer(data=request.data or {})
-        serializer.is_valid(raise_exception=True)
-        engine = get_object_or_404(Engine, name=name)
-        return _action_answer(request, engine, "retention", name,
-                              dict(serializer.validated_data))
+        return _checked_action(request, RetentionSerializer, name, "retention", name)
 
 
 class PrefixCacheActionView(APIView):
@@ -354,11 +353,7 @@ class PrefixCacheActionView(APIView):
         serializer_class = self.SERIALIZERS.get(action)
         if serializer_class is None:
             raise NotFound(f"unknown action {action!r}; one of {', '.join(self.SERIALIZERS)}")
-        serializer = serializer_class(data=request.data or {})
-        serializer.is_valid(raise_exception=True)
-        engine = get_object_or_404(Engine, name=name)
-        arguments = {k: v for k, v in serializer.validated_data.items() if v is not None}
-        return _action_answer(request, engine, action, "", arguments)
+        return _checked_action(request, serializer_class, name, action, "")
 
 
 WHAT_IF_RESPONSES = {202: WhatIfRunSerializer, 400: ERROR, 403: ERROR, 404: ERROR, 409: ERROR,

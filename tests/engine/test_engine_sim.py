@@ -277,23 +277,22 @@ def test_a_prefix_that_came_back_outlives_a_scan_of_one_off_prompts(policy, kept
 
 
 def test_the_priority_policy_keeps_an_important_requests_prefix():
-    engine = sim_engine(num_gpu_blocks=24, eviction_policy="priority",
-                        scheduling_policy="priority")
     first = list(range(500, 516))
-    engine.add_request("vip", first + [1], greedy(2), priority=-1)
-    run_all(engine)
-    for p in prompts(10, lo=20, hi=20, seed=13):
-        engine.generate([p], greedy(4))
-    engine.add_request("again", first + [2], greedy(2))
-    assert run_all(engine)["again"].num_cached_tokens == 16
-    # the same under LRU: gone
-    lru = sim_engine(num_gpu_blocks=24, scheduling_policy="priority")
-    lru.add_request("vip", first + [1], greedy(2), priority=-1)
-    run_all(lru)
-    for p in prompts(10, lo=20, hi=20, seed=13):
-        lru.generate([p], greedy(4))
-    lru.add_request("again", first + [2], greedy(2))
-    assert run_all(lru)["again"].num_cached_tokens == 0
+
+    def after_a_flood(**policy):
+        """An important request's prefix, ten ordinary prompts, then the prefix again:
+        the engine, and how many of its tokens were still cached."""
+        engine = sim_engine(num_gpu_blocks=24, scheduling_policy="priority", **policy)
+        engine.add_request("vip", first + [1], greedy(2), priority=-1)
+        run_all(engine)
+        for p in prompts(10, lo=20, hi=20, seed=13):
+            engine.generate([p], greedy(4))
+        engine.add_request("again", first + [2], greedy(2))
+        return engine, run_all(engine)["again"].num_cached_tokens
+
+    engine, cached = after_a_flood(eviction_policy="priority")
+    assert cached == 16
+    assert after_a_flood()[1] == 0  # the same under LRU: gone
     assert engine.set_retention(eviction_policy="lfu")["eviction_policy"] == "lfu"
     with pytest.raises(InvalidRequestError, match="eviction_policy"):
         engine.set_retention(eviction_policy="mru")
