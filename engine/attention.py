@@ -76,44 +76,30 @@ class TorchAttention:
                 softcap: float | None = None,
                 kv_scale: torch.Tensor | None = None) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hkv, D] or None; kv_layer: [2, num_blocks, block_size,
-        Hkv, D]."""
+        Hkv, D]. An fp8 cache (kv_scale): k and v quantised into it (torch's cast), and
+        every read of it, the new tokens' included, dequantised (as the Triton kernels
+        do)."""
+        from kernels._checks import as_bits
         from kernels.cpu_attention import paged_attention
-
-        if kv_scale is not None:
-            return self._fp8(q, k, v, kv_layer, plan, scale, window, softcap, kv_scale)
-        if k is not None:
-            num_blocks, block_size = kv_layer.shape[1], kv_layer.shape[2]
-            # One scatter for K and V: [2, num_slots, Hkv * D] <- [2, T, Hkv * D]
-            slots = kv_layer.view(2, num_blocks * block_size, -1)
-            slots.index_copy_(1, plan.slot_mapping, torch.stack((k, v)).view(2, k.shape[0], -1))
-        if window or softcap:
-            return _windowed(q, kv_layer, plan.batch, scale, window, softcap)
-        if k is None:  # already in the cache (kvops::rope_store_kv put them there)
-            return paged_attention(q, kv_layer[0], kv_layer[1], plan.cpu, scale)
-        return paged_attention(q, kv_layer[0], kv_layer[1], plan.cpu, scale,
-                               new_key=k, new_value=v)
-
-    @staticmethod
-    def _fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
-             plan: "TorchPlan", scale: float, window: int | None, softcap: float | None,
-             kv_scale: torch.Tensor) -> torch.Tensor:
-        """An fp8 cache: k and v quantised into it (torch's cast), and every read of it,
-        the new tokens' included, dequantised (as the Triton kernels do)."""
-        from kernels.cpu_attention import paged_attention, windowed_attention
         from kernels.fp8 import quantize
 
-        num_blocks, block_size = kv_layer.shape[1], kv_layer.shape[2]
-        new = torch.stack((quantize(k, kv_scale[0], kv_layer.dtype),
-                           quantize(v, kv_scale[1], kv_layer.dtype)))
-        # (index_copy_ has no fp8 kernel on CPU: the bytes go in as bytes)
-        slots = kv_layer.view(torch.uint8).view(2, num_blocks * block_size, -1)
-        slots.index_copy_(1, plan.slot_mapping, new.view(torch.uint8).view(2, k.shape[0], -1))
-        scales = (kv_scale[0], kv_scale[1])
+        scales = None if kv_scale is None else (kv_scale[0], kv_scale[1])
+        if k is not None:
+            num_blocks, block_size = kv_layer.shape[1], kv_layer.shape[2]
+            new = torch.stack((k, v)) if scales is None else torch.stack(
+                (quantize(k, scales[0], kv_layer.dtype), quantize(v, scales[1], kv_layer.dtype)))
+            # One scatter for K and V: [2, num_slots, Hkv * D] <- [2, T, Hkv * D], as bits
+            # (index_copy_ has no fp8 kernel on CPU)
+            slots = as_bits(kv_layer).view(2, num_blocks * block_size, -1)
+            slots.index_copy_(1, plan.slot_mapping, as_bits(new).view(2, k.shape[0], -1))
         if window or softcap:
-            b = plan.batch
-            return windowed_attention(q, kv_layer[0], kv_layer[1], b.block_tables, b.seq_lens,
-                                      b.query_start_loc, scale, window, softcap, kv_scales=scales)
-        return paged_attention(q, kv_layer[0], kv_layer[1], plan.cpu, scale, kv_scales=scales)
+            return _windowed(q, kv_layer, plan.batch, scale, window, softcap, scales)
+        if k is None or scales is not None:
+            # already in the cache (kvops::rope_store_kv put them there); or fp8: read back
+            return paged_attention(q, kv_layer[0], kv_layer[1], plan.cpu, scale,
+                                   kv_scales=scales)
+        return paged_attention(q, kv_layer[0], kv_layer[1], plan.cpu, scale,
+                               new_key=k, new_value=v)
 
 
 @dataclass(slots=True)
@@ -124,13 +110,14 @@ class TorchPlan:
 
 
 def _windowed(q: torch.Tensor, kv_layer: torch.Tensor, batch: AttentionBatch, scale: float,
-              window: int | None, softcap: float | None) -> torch.Tensor:
+              window: int | None, softcap: float | None,
+              kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Layers with a sliding window or soft-capped scores on the torch backend (the C++
     kernels do not implement them; the Triton kernel does)."""
     from kernels.cpu_attention import windowed_attention
 
     return windowed_attention(q, kv_layer[0], kv_layer[1], batch.block_tables, batch.seq_lens,
-                              batch.query_start_loc, scale, window, softcap)
+                              batch.query_start_loc, scale, window, softcap, kv_scales=kv_scales)
 
 
 class TritonAttention:

@@ -124,7 +124,7 @@ def replay_paged(trace: list[TraceRequest], config: EngineConfig,
         utilisation=used_sum / alloc_sum if alloc_sum else 0.0, peak_concurrency=peak,
         mean_concurrency=conc_sum / max(steps, 1), preemptions=m["num_preemptions"],
         swaps_out=m["num_swaps_out"],
-        prefix_hit_rate=m["prefix_cache_hits"] / max(m["prefix_cache_queries"], 1),
+        prefix_hit_rate=m["prefix_cache_hits"] / queries,
         wall_seconds=time.perf_counter() - wall,
         extra={"cpu_hit_rate": (m["cpu_prefix_cache_hits"] - (
                    m.get("disk_prefix_cache_hits", 0) if m.get("disk_tier_below") == "cpu" else 0))

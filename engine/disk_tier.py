@@ -70,7 +70,7 @@ def identity_digest(identity: dict) -> bytes:
 class DiskStats:
     stored_blocks: int = 0  # files written
     stored_bytes: int = 0
-    hit_blocks: int = 0  # blocks read back (into the CPU tier)
+    hit_blocks: int = 0  # blocks read back (into the pool above)
     read_bytes: int = 0
     checksum_failures: int = 0  # files that failed their checksum or named another model
     not_admitted: int = 0  # evicted blocks not written: asked for by one prompt (min_hits)
@@ -125,29 +125,30 @@ class DiskStore:
             return block_hash in self._index or block_hash in self._pending
 
     def can_take(self, block_hash: BlockHash) -> bool:
-        """Whether put() would queue this block (not held or queued already, room in the
-        queue; a full queue counts as a drop): asked before its bytes are copied out."""
+        """Whether put() would queue this block: asked before its bytes are copied out."""
         with self._lock:
-            if block_hash in self._index or block_hash in self._pending:
-                return False
-            if self._pending_bytes >= self.pending_max_bytes:
-                self.stats.dropped += 1
-                return False
-            return True
+            return not self._refuses(block_hash, 0)
 
     def put(self, block_hash: BlockHash, payload: bytes) -> bool:
         """Queue a block to be written (its payload copied out already); False when it
         is there already or the queue is full."""
         with self._lock:
-            if block_hash in self._index or block_hash in self._pending:
-                return False
-            if self._pending_bytes + len(payload) > self.pending_max_bytes:
-                self.stats.dropped += 1
+            if self._refuses(block_hash, len(payload)):
                 return False
             self._pending[block_hash] = payload
             self._pending_bytes += len(payload)
         self._queue.put((block_hash, payload))
         return True
+
+    def _refuses(self, block_hash: BlockHash, size: int) -> bool:
+        """(Under _lock.) The block is held or queued already, or `size` more bytes do
+        not fit the queue (a drop, counted)."""
+        if block_hash in self._index or block_hash in self._pending:
+            return True
+        if self._pending_bytes + size > self.pending_max_bytes:
+            self.stats.dropped += 1
+            return True
+        return False
 
     def read_ahead(self, hashes: list[BlockHash]) -> int:
         """Read these blocks (those held here, in order) on the reader thread, so that
@@ -387,14 +388,6 @@ class DiskTier:
         """Whether a block goes to disk: prompts asked for it min_hits times beyond the
         first one."""
         return self._asked.get(block_hash, 0) > self.min_hits
-
-    def read_ahead(self, hashes: list[BlockHash]) -> None:
-        """A request was added: its blocks held on disk (and not in the pool above) are
-        read on the reader thread, so that its admission finds them in memory."""
-        above = self.above
-        rest = [h for h in hashes if above.get_cached(h) is None]
-        if rest:
-            self.store.read_ahead(rest)
 
     def say_gone(self) -> None:
         """Say the blocks that left the disk since (BlockEvicted on the disk pool)."""

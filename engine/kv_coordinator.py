@@ -242,6 +242,16 @@ class KVCacheCoordinator:
             return first
         return self._across_groups(request, first) if blocks else nothing
 
+    def read_ahead(self, hashes: list[BlockHash]) -> None:
+        """A request arrived: its blocks that only the disk tier holds (none of the pools
+        above it) are read on the disk's reader thread, so that its admission finds them
+        in memory."""
+        if self.disk is None:
+            return
+        pools = (self.gpu, self.cpu) if self.tier is not None else (self.gpu,)
+        self.disk.store.read_ahead([h for h in hashes
+                                    if all(p.get_cached(h) is None for p in pools)])
+
     def _promote(self, pool: BlockPool, run: list[KVBlock], rest: list[BlockHash]) -> int:
         """The disk's blocks of `rest` read back into `pool` (the one it sits below),
         the run found there before them held meanwhile: taking blocks for the disk's

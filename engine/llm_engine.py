@@ -211,10 +211,7 @@ class LLMEngine:
             tenant=tenant, eos_token_ids=self.tokenizer.eos_token_ids,
             fork_pending=params.n > 1)
         self._follow_text(request_id, params)
-        if self.kv.disk is not None:  # its blocks on disk are read before it is admitted
-            gpu = self.kv.gpu
-            self.kv.disk.read_ahead([h for h in request.block_hashes
-                                     if gpu.get_cached(h) is None])
+        self.kv.read_ahead(request.block_hashes)  # (its blocks on disk, before admission)
         if params.structured is None:
             self.scheduler.add(request)
         else:  # queued once its grammar is compiled, beside the step loop

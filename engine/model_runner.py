@@ -492,10 +492,8 @@ class ModelRunner(Runner):
         every start (a disk tier written before a restart reads back alike)."""
         from kernels.fp8 import CALIBRATION_TEXT, scales_for
 
-        args = self.model.args
-        ones = torch.ones(args.n_layers, 2, args.n_kv_heads, device=self._device)
         if self.config.kv_cache_scales == "unit":
-            return ones
+            return self._unit_scales()
         # the text, and tokens spread over the vocabulary (a model whose tokenizer reads
         # the text as unknown words still sees its real embeddings)
         text = self.tokenizer.encode(CALIBRATION_TEXT)[:self.max_model_len]
@@ -509,6 +507,11 @@ class ModelRunner(Runner):
         if self.config.kv_cache_scales == "tensor":
             amax = amax.amax(dim=-1, keepdim=True).expand_as(amax)
         return scales_for(amax, self._kv_dtype).contiguous()
+
+    def _unit_scales(self) -> torch.Tensor:
+        """Scales of 1 for every layer's K and V, per KV head (this rank's)."""
+        args = self.model.args
+        return torch.ones(args.n_layers, 2, args.n_kv_heads, device=self._device)
 
     def _scratch_forward(self, sequences: list[list[int]], backend: object,
                          cache_dtype: torch.dtype | None = None) -> None:
@@ -529,8 +532,7 @@ class ModelRunner(Runner):
         cache = torch.zeros(_with_blocks((self.kv_layout.slots, 2, bs, args.n_kv_heads,
                                           args.head_dim), next_block),
                             dtype=cache_dtype, device=dev)
-        kv_scales = torch.ones(args.n_layers, 2, args.n_kv_heads, device=dev) \
-            if is_fp8(cache_dtype) else None
+        kv_scales = self._unit_scales() if is_fp8(cache_dtype) else None
         lens = [len(seq) for seq in sequences]
         batch = AttentionBatch(bs, tables, lens, qsl, torch.tensor(slots, device=dev))
         plan = backend.plan(batch)  # (every layer group in the same blocks)
