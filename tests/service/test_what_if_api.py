@@ -131,6 +131,12 @@ def test_a_retry_with_the_same_idempotency_key_gets_the_first_run(stack):
     ({"step_base_ms": 0}, 400, "step_base_ms"),
     ({"max_num_seqs": "many"}, 400, "max_num_seqs"),
     ({"pool": 5}, 400, "unknown field"),
+    ({"pin_budget": 2}, 400, "pin_budget"),
+    ({"pin_budget": "half"}, 400, "pin_budget"),
+    ({"kv_cache_dtype": "fp4"}, 400, "kv_cache_dtype"),
+    ({"kv_cache_dtype": "fp8_e4m3"}, 400, "real model"),  # (the engine is simulated)
+    ({"eviction_policy": "mru"}, 400, "eviction_policy"),
+    ({"disk_cache_bytes": -1}, 400, "disk_cache_bytes"),
     ([1, 2], 400, "JSON object"),
 ])
 def test_bad_requests_are_400_with_a_message(stack, body, status, words):
