@@ -1,7 +1,7 @@
 """Engine configuration (the public contract in docs/design.md)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.errors import EngineError
 
@@ -120,11 +120,18 @@ class EngineConfig:
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None
     # Where the core takes requests moving in from other engines (engine/migration_link.py):
-    # it binds this host on `migration_port` (0: a free one) and tells its address to the
-    # service; the host must be one the other engines reach ("0.0.0.0" binds every
-    # interface and gives the machine's name)
-    migration_host: str = "127.0.0.1"
+    # "" (the default: every engine on one machine) a socket file in a folder of its own
+    # that only this user may enter (ipc://); else it binds this host's tcp `migration_port`
+    # (0: a free one), a host the other engines reach on a private network ("0.0.0.0"
+    # binds every interface and gives the machine's name). It tells its address to the
+    # service. Either way the port speaks CurveZMQ with keys from `secret`.
+    migration_host: str = ""
     migration_port: int = 0
+    # The deployment's secret (engine/keys.py): the migration port's keys, the tickets
+    # that allow each move and the disk tier's key come from it. The service gives every
+    # engine the same one (derived from its SECRET_KEY), never on a command line; None:
+    # a random one at start (this engine's port then admits no one)
+    secret: str | None = field(default=None, repr=False)
     # Prefill/decode on separate engines: "prefill" runs prompts and hands each request
     # to the decode engine the router chose for it once its first token is out (it
     # decodes it itself if there is none, or the move fails); "decode" takes no routed
@@ -171,6 +178,8 @@ class EngineConfig:
         _check(self.max_pending_events >= 0, "max_pending_events must be >= 0")
         _check(self.kv_history_blocks >= 0, "kv_history_blocks must be >= 0")
         _check(0 <= self.migration_port < 65536, "migration_port must be in [0, 65535]")
+        _check(self.secret is None or (isinstance(self.secret, str) and len(self.secret) >= 32),
+               "secret must be None or a string of at least 32 characters")
         _check(self.role in ROLES, f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
         _check(0.0 <= self.kv_metrics_sample <= 1.0, "kv_metrics_sample must be in [0, 1]")
         _check(1 <= self.tensor_parallel_size <= 64,

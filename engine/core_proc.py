@@ -50,6 +50,7 @@ from engine.config import EngineConfig
 from engine.errors import CommandExpired, EngineError, InvalidRequestError
 from engine.kv_feed import KVFeed
 from engine.llm_engine import LLMEngine
+from engine.keys import random_secret
 from engine.migration_link import MigrationLink
 
 log = logging.getLogger("engine.core")
@@ -230,7 +231,8 @@ class CoreServer:
             rid = out.request_id
             try:
                 self.link.start({"request_id": rid, "address": target["address"],
-                                 "to": target["to"], "staged": True, "reason": "decode"},
+                                 "to": target["to"], "ticket": target.get("ticket"),
+                                 "staged": True, "reason": "decode"},
                                 None, lambda ok, result, rid=rid: None if ok else log.info(
                                     "request %s decodes here: %s", rid, result))
             except EngineError as e:  # (a fork, a structured output: it decodes here)
@@ -250,7 +252,8 @@ def serve(config: EngineConfig, input_address: str, output_address: str,
     outbox.connect(output_address)
     try:
         engine = LLMEngine(config, detokenize=False)
-        link = MigrationLink(engine, context, config.migration_host, config.migration_port)
+        link = MigrationLink(engine, config.secret or random_secret(), config.migration_host,
+                             config.migration_port)
         server = CoreServer(engine, inbox, outbox, kv_view, link)
         try:
             server.run()
@@ -335,10 +338,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nice", type=int, default=CORE_NICE,
                         help=f"the niceness the core takes (default {CORE_NICE})")
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--secret-stdin", action="store_true",
+                        help="read the deployment's secret (EngineConfig.secret) from the first "
+                             "line of standard input (never from the command line, which "
+                             "every local user may read)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level,
                         format="%(asctime)s %(levelname)s engine-core: %(message)s")
     config = EngineConfig(**json.loads(args.config))
+    if args.secret_stdin:
+        config.secret = sys.stdin.readline().strip() or None
     raise_priority(args.nice)
     if not config.disk_cache_dir:
         serve(config, args.input, args.output, kv_view=not args.no_kv_view)

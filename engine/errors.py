@@ -38,6 +38,11 @@ class MigrationFailed(InvalidStateError):
     on where it was)."""
 
 
+class MigrationRefused(MigrationFailed):
+    """A destination refused a move that the service did not sign for it (no ticket, a
+    forged, expired or used one) or whose messages are not the move's own."""
+
+
 def error_from_wire(name: str, message: str) -> EngineError:
     """The error a core process reported as [type name, message], raised again on the
     caller's side (an unknown name becomes a plain EngineError naming it)."""
@@ -48,4 +53,4 @@ def error_from_wire(name: str, message: str) -> EngineError:
 _BY_NAME: dict[str, type[EngineError]] = {
     cls.__name__: cls for cls in (UnknownRequestError, InvalidStateError, NotEnoughBlocksError,
                                   InvalidRequestError, PrefixNotCachedError, CommandExpired,
-                                  MigrationFailed)}
+                                  MigrationFailed, MigrationRefused)}

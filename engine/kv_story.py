@@ -262,6 +262,41 @@ class Story:
         }
 
 
+def check_document(document: object) -> None:
+    """ValueError unless `document` is a story as Story.document writes it, as far as
+    StoryBook.arrived reads it (a request moving in brings its story from its source):
+    every field of its type, maps and lists of plain values only."""
+    def scalar(x: object) -> bool:
+        return x is None or isinstance(x, (str, int, float, bool))
+
+    def plain_map(x: object) -> bool:
+        return isinstance(x, dict) and all(isinstance(k, str) and scalar(v)
+                                           for k, v in x.items())
+
+    def count(x: object) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+    def moment(x: object) -> bool:
+        return x is None or (isinstance(x, (int, float)) and not isinstance(x, bool))
+
+    d = document
+    ok = isinstance(d, dict) and isinstance(d.get("request_id"), str) and \
+        (d.get("job_id") is None or isinstance(d["job_id"], str)) and \
+        count(d.get("block_size")) and count(d.get("prompt_tokens")) and \
+        isinstance(d.get("hashes"), list) and all(isinstance(h, str) for h in d["hashes"]) and \
+        isinstance(d.get("sources"), dict) and count(d["sources"].get("gpu")) and \
+        count(d["sources"].get("cpu")) and count(d["sources"].get("disk", 0)) and \
+        plain_map(d.get("cached_tokens")) and \
+        (d.get("first_miss") is None or plain_map(d["first_miss"])) and \
+        isinstance(d.get("moments"), dict) and moment(d["moments"].get("admitted")) and \
+        moment(d["moments"].get("first_token")) and \
+        isinstance(d.get("preemptions"), list) and all(plain_map(p) and moment(p.get("at"))
+                                                        for p in d["preemptions"]) and \
+        count(d.get("copy_on_write")) and count(d.get("window_freed"))
+    if not ok:
+        raise ValueError("not a KV story document")
+
+
 class StoryBook:
     """The stories of live requests (and of the last ended ones, until handed out)."""
 

@@ -35,7 +35,9 @@ yet: a fork of a windowed model, and a model split over ranks.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from engine.errors import (InvalidRequestError, InvalidStateError, MigrationFailed,
@@ -332,9 +334,35 @@ def commit(engine: LLMEngine, state: dict, data: Any, skip: int) -> dict:
         return _commit_tables(engine, state, data)
     if state["request_id"] in engine.incoming_migrations:
         return _commit_held(engine, state, data, skip)
+    return _commit_fresh(engine, state, data, skip)
+
+
+@contextlib.contextmanager
+def _given_back_on_error(engine: LLMEngine, request: Request) -> Iterator[None]:
+    """A commit that fails part-way (its blocks taken, its K/V not all written, before
+    it runs here) gives back every block the request took or held here and leaves
+    nothing of it: a failed move costs the destination nothing. Every commit runs
+    inside this, from its first block taken to its arrival."""
+    try:
+        yield
+    except BaseException:
+        engine.incoming_migrations.pop(request.request_id, None)
+        if request.request_id not in engine.scheduler.requests:
+            engine.kv.free(request, "migration")
+        raise
+
+
+def _commit_fresh(engine: LLMEngine, state: dict, data: Any, skip: int) -> dict:
+    """A stop-and-copy into fresh blocks (and the ones cached here)."""
     _fits(engine, state)
-    kv = engine.kv
     request = _request(engine, state)
+    with _given_back_on_error(engine, request):
+        return _fill_fresh(engine, state, request, data, skip)
+
+
+def _fill_fresh(engine: LLMEngine, state: dict, request: Request, data: Any,
+                skip: int) -> dict:
+    kv = engine.kv
     match = kv.find_prefix(request)  # (its story was told on the engine it came from)
     hit_blocks = len(match.blocks) + len(match.tier_blocks)
     if hit_blocks < skip:
@@ -372,16 +400,13 @@ def _commit_tables(engine: LLMEngine, state: dict, data: list) -> dict:
     if tables is None:
         raise MigrationFailed(f"request {request.request_id!r} needs more free blocks than "
                               f"this engine has now ({engine.kv.gpu.num_free})")
-    try:
+    with _given_back_on_error(engine, request):
         for ids, blocks in zip(tables, data, strict=True):
             if ids:
                 engine.runner.write_blocks(ids, blocks)
-    except Exception:
-        engine.kv.free(request, "migration")
-        raise
-    request.num_computed_tokens = state["num_computed_tokens"]
-    sent = sum(len(ids) for ids in tables)  # (every block was sent: all are written)
-    return _arrive(engine, state, request, sent, 0, sent)
+        request.num_computed_tokens = state["num_computed_tokens"]
+        sent = sum(len(ids) for ids in tables)  # (every block was sent: all are written)
+        return _arrive(engine, state, request, sent, 0, sent)
 
 
 def _commit_fork(engine: LLMEngine, state: dict, data: list) -> dict:
@@ -417,6 +442,12 @@ def _give_back(engine: LLMEngine, request_id: str) -> None:
 
 
 def _commit_held(engine: LLMEngine, state: dict, data: Any, skip: int) -> dict:
+    request, _ = engine.incoming_migrations[state["request_id"]]
+    with _given_back_on_error(engine, request):
+        return _fill_held(engine, state, data, skip)
+
+
+def _fill_held(engine: LLMEngine, state: dict, data: Any, skip: int) -> dict:
     rid = state["request_id"]
     request, cached = engine.incoming_migrations[rid]
     kv = engine.kv
@@ -430,11 +461,9 @@ def _commit_held(engine: LLMEngine, state: dict, data: Any, skip: int) -> dict:
     request.output_logprobs = list(state["output_logprobs"])
     request.num_preemptions = state["num_preemptions"]
     if not _same_blocks(request, state):
-        cancel(engine, rid)
         raise MigrationFailed(f"request {rid!r}: its tokens changed since the offer")
     request.num_computed_tokens = state["num_computed_tokens"]
     if kv.allocate_more(request, 0) is None:  # (room for the tail; full blocks offered)
-        cancel(engine, rid)
         raise MigrationFailed(f"request {rid!r} needs more free blocks than this engine "
                               f"has now ({kv.gpu.num_free})")
     del engine.incoming_migrations[rid]

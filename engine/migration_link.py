@@ -1,21 +1,37 @@
 """Requests moving between engine cores over ZMQ: engine/migration.py's steps with each
 engine in a process (or on a machine) of its own.
 
-Every core binds a ROUTER socket at its migration address (tcp://host:port, in its
-`describe_config()` as "migration_address"). A move is started by a command to the
-source core ("migrate": request_id, address, to, staged) and driven by the source's step
-loop between its steps, through a DEALER socket to the destination, as Llumnix's
-migration does between vLLM instances; the destination answers between its steps:
+Every core binds a ROUTER socket at its migration address (in its `describe_config()` as
+"migration_address"): on one machine ipc:// in a folder of its own (0700), on many
+tcp://host:port. A move is started by a command to the source core ("migrate":
+request_id, address, to, staged, ticket) and driven by the source's step loop between
+its steps, through a DEALER socket to the destination, as Llumnix's migration does
+between vLLM instances; the destination answers between its steps:
 
   source -> destination                               destination -> source
-  ["reserve", rid, seq, offer]                        ["ok", rid, seq, {"cached_blocks"}]
+  ["reserve", rid, seq, offer, ticket]                ["ok", rid, seq, {"cached_blocks"}]
   ["write", rid, seq, start, header] + K/V frames     ["ok", rid, seq, {}]
   ["commit", rid, seq, state, skip, header, deadline] + K/V frames
                                                       ["ok", rid, seq, commit's result]
-  ["check", rid, seq, offer]         (stop-and-copy)  ["ok", rid, seq, {"cached_blocks"}]
+  ["check", rid, seq, offer, ticket] (stop-and-copy)  ["ok", rid, seq, {"cached_blocks"}]
   ["cancel", rid, seq]     (the source gave up: the held blocks go back)
   ["abort", rid, seq]      (the request was cancelled while its commit was in flight)
   a refusal: ["err", rid, seq, [error type, message]]
+
+Who may talk on the port: the socket speaks CurveZMQ with key pairs derived from the
+deployment's secret (engine/keys.py), and its ZAP handler admits only the deployment's
+client key, so a peer without the secret cannot complete the handshake and never
+reaches this code (it learns nothing: no model, no counts, no error text). A move's
+first message carries the ticket the service signed for it (engine/move_ticket.py):
+this request, from that engine, to this one, once, before a deadline. Every later
+message of the move must come from the connection that opened it; `cancel` and `abort`
+touch only the moves that connection opened. What a message carries is checked before
+it touches the engine: the header frame's size, the state field by field
+(engine/move_check.py), the K/V frames' sizes against the blocks they declare and the
+blocks the move may fill (Runner.blocks_from_frames), and no frame may exceed the
+largest legitimate one (ZMQ_MAXMSGSIZE, from the longest request this engine takes). A
+structured-output constraint is compiled on the compile thread while its message waits
+beside the loop, never on it.
 
 Staged (the default): the destination holds blocks for the request's full computed
 blocks; the source sends them STAGE_BLOCKS at a time, one message in flight, while the
@@ -44,15 +60,23 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import shutil
+import socket
+import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 import msgpack
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
 
+from engine import keys, move_check, move_ticket
 from engine.errors import (CommandExpired, EngineError, InvalidRequestError, InvalidStateError,
-                           MigrationFailed, error_from_wire)
+                           MigrationFailed, MigrationRefused, error_from_wire)
+from engine.kv_layout import cdiv
+from engine.sampling_params import MAX_N
 
 log = logging.getLogger("engine.migration")
 
@@ -61,6 +85,10 @@ COMMIT_TIMEOUT_S = 5.0  # a commit must reach the destination within this
 COMMIT_GRACE_S = 1.0  # its answer may take this much longer to come back
 HOLD_TIMEOUT_S = 30.0  # destination: a held copy its source forgot is given back
 STAGE_BLOCKS = 64  # blocks staged between two steps, over every move under way
+GRAMMAR_COMPILE_S = 30.0  # a move's constraint compiles within this, or the move is refused
+HEADER_BYTES_PER_TOKEN = 512  # a state's bytes per token (ids, logprobs), at most
+ANSWER_BYTES = 1 << 20  # an answer's largest frame
+ZAP_DOMAIN = b"kvops-migration"
 
 Reply = Callable[[bool, Any], None]  # (ok, result or [error type, message])
 
@@ -71,6 +99,12 @@ def _pack(message: list) -> bytes:
 
 def _unpack(data) -> list:
     return msgpack.unpackb(data, raw=False)
+
+
+def _pair_of_text(payload: object) -> bool:
+    """Whether a refusal's payload is [error type, message]."""
+    return isinstance(payload, list) and len(payload) == 2 and \
+        all(isinstance(x, str) for x in payload)
 
 
 def _in_parts(state: dict) -> bool:
@@ -105,10 +139,11 @@ class HostFrames:
             return {"kind": "none"}, []
         return self.runner.blocks_to_frames(data)
 
-    def decode(self, header: dict, frames: list):
-        if header.get("kind") == "none":
+    def decode(self, header: object, frames: list, most: int):
+        """At most `most` blocks (checked before anything is decoded: ValueError)."""
+        if isinstance(header, dict) and header.get("kind") == "none":
             return None
-        return self.runner.blocks_from_frames(header, frames)
+        return self.runner.blocks_from_frames(header, frames, most)
 
 
 @dataclasses.dataclass
@@ -136,30 +171,75 @@ class _Move:
     stopped: float = 0.0  # when the request left the batch
 
 
+@dataclasses.dataclass
+class _Incoming:
+    """A move into this core that its ticket opened (destination side)."""
+    peer: bytes  # the connection that opened it: the only one its messages may come from
+    ticket: move_ticket.Ticket
+    last: float  # monotonic: its last message
+    held: bool  # blocks are held here for it (a staged copy)
+
+
+class _Parked(Exception):
+    """The message waits beside the loop for its constraint to compile."""
+
+
+class _Ignored(Exception):
+    """The message is dropped unanswered: it is not the sending connection's to send."""
+
+
 class MigrationLink:
     """A core's end of the moves: its ROUTER (requests coming in) and its DEALERs (one
     per destination, requests going out). Called on the step loop's thread only."""
 
-    def __init__(self, engine, context: zmq.Context, host: str = "127.0.0.1",
-                 port: int = 0, transport=None) -> None:
+    def __init__(self, engine, secret: str, host: str = "", port: int = 0,
+                 transport=None) -> None:
+        """secret: the deployment's (EngineConfig.secret): the port's keys and the tickets'
+        come from it; host: "" for ipc:// in a private folder (one machine), else the
+        host to bind on tcp:// ("0.0.0.0": every interface, the machine's name given)."""
         self.engine = engine
+        self.name = engine.config.name
         self.transport = transport or HostFrames(engine.runner)
-        self.context = context
-        self.router = context.socket(zmq.ROUTER)
+        self._ticket_key = keys.derive(secret, "migration ticket")
+        self._server_public, server_secret = keys.curve_pair(secret, "server")
+        self._client_public, self._client_secret = keys.curve_pair(secret, "client")
+        self.header_bytes, self.frame_bytes = _limits(engine)
+        # Sockets of a context of its own, with its own ZAP handler: the handshake admits
+        # only the deployment's client key
+        self.context = zmq.Context()
+        self._auth = ThreadAuthenticator(self.context, log=logging.getLogger("engine.zap"))
+        self._auth.start()
+        self._auth.configure_curve_callback(ZAP_DOMAIN.decode(), credentials_provider=self)
+        self.router = self.context.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
-        bind_host = "0.0.0.0" if host in ("0.0.0.0", "*") else host
-        if port:
-            self.router.bind(f"tcp://{bind_host}:{port}")
+        self.router.curve_server = True
+        self.router.curve_secretkey = server_secret
+        self.router.zap_domain = ZAP_DOMAIN
+        self.router.setsockopt(zmq.MAXMSGSIZE, max(self.header_bytes, self.frame_bytes))
+        self._dir = None
+        if not host:  # one machine: a socket file in a folder only this user can enter
+            self._dir = tempfile.mkdtemp(prefix="kvops-migration-")  # (mode 0700)
+            self.address = f"ipc://{self._dir}/link"
+            self.router.bind(self.address)
         else:
-            port = self.router.bind_to_random_port(f"tcp://{bind_host}")
-        if bind_host == "0.0.0.0":
-            import socket
-            host = socket.gethostname()
-        self.address = f"tcp://{host}:{port}"
+            bind_host = "0.0.0.0" if host in ("0.0.0.0", "*") else host
+            if port:
+                self.router.bind(f"tcp://{bind_host}:{port}")
+            else:
+                port = self.router.bind_to_random_port(f"tcp://{bind_host}")
+            self.address = f"tcp://{socket.gethostname() if bind_host == '0.0.0.0' else host}:{port}"
         self._out: dict[str, zmq.Socket] = {}  # destination address -> DEALER
         self._moves: dict[str, _Move] = {}  # request id -> its move out
-        self._held: dict[str, float] = {}  # request id -> last word from its source
+        self._incoming: dict[str, _Incoming] = {}  # request id -> its move in
+        self._arrived: dict[str, tuple[bytes, float]] = {}  # moved in: (peer, until when
+        #                                                     its source may still abort it)
+        self._used: dict[str, float] = {}  # tickets' nonces -> their expiry
+        self._parked: list[tuple[bytes, list, list, Future, float]] = []  # wait for a grammar
         self._seq = 0
+
+    def callback(self, domain: str, client_key: bytes) -> bool:
+        """The ZAP handler's question (on its thread): may this client key connect?"""
+        return client_key == self._client_public
 
     # --- sockets -------------------------------------------------------------------------
     def sockets(self) -> list[zmq.Socket]:
@@ -173,8 +253,9 @@ class MigrationLink:
             except zmq.Again:
                 return
             if sock is self.router:  # [peer, header, K/V frames...]
-                header = _header(frames[1].bytes if len(frames) > 1 else b"", 3)
-                if header is not None:
+                header = _header(frames[1].bytes if len(frames) > 1 and
+                                 len(frames[1]) <= self.header_bytes else b"", 3)
+                if header is not None and len(frames) <= 2 + 2 * max(MAX_N, 8):
                     self._serve(frames[0].bytes, header, [f.buffer for f in frames[2:]])
             else:
                 header = _header(frames[0].bytes, 4)
@@ -191,6 +272,10 @@ class MigrationLink:
             self._give_up(move, InvalidStateError("the engine core is stopping"))
         for sock in self.sockets():
             sock.close(linger=0)
+        self._auth.stop()
+        self.context.term()
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
 
     # --- source side ---------------------------------------------------------------------
     def start(self, arguments: dict, deadline: float | None, reply: Reply) -> None:
@@ -201,10 +286,15 @@ class MigrationLink:
         address = arguments.get("address")
         if not isinstance(rid, str) or not rid:
             raise InvalidRequestError("`request_id` must be a non-empty string")
-        if not isinstance(address, str) or not address.startswith("tcp://"):
-            raise InvalidRequestError("`address` must be the destination's tcp:// address")
+        if not isinstance(address, str) or not address.startswith(("tcp://", "ipc://")):
+            raise InvalidRequestError("`address` must be the destination's migration address "
+                                      "(tcp:// or ipc://)")
         if address == self.address:
             raise InvalidRequestError("a request cannot move to the engine it runs on")
+        ticket = arguments.get("ticket")
+        if not isinstance(ticket, dict):
+            raise InvalidRequestError("`ticket` must be the move's ticket, signed by the "
+                                      "service (engine/move_ticket.py)")
         if rid in self._moves:
             raise InvalidStateError(f"request {rid!r} is already moving")
         offer = self.engine.migration_offer(rid)
@@ -215,7 +305,7 @@ class MigrationLink:
                      "decode" if arguments.get("reason") == "decode" else "migration")
         self._moves[rid] = move
         move.phase = "reserve" if move.staged else "check"
-        self._send(move, [move.phase, rid, 0, offer])
+        self._send(move, [move.phase, rid, 0, offer, ticket])
 
     def advance(self) -> None:
         """Between two steps: send the next stage of every move that may, give up on those
@@ -291,15 +381,6 @@ class MigrationLink:
             frames += more
         return {"kind": "parts", "parts": parts}, frames
 
-    def _decode(self, header: dict, frames: list):
-        if header.get("kind") != "parts":
-            return self.transport.decode(header, frames)
-        out, at = [], 0
-        for part in header["parts"]:
-            out.append(self.transport.decode(part, frames[at:at + part["frames"]]))
-            at += part["frames"]
-        return out
-
     def _send(self, move: _Move, message: list, frames: list = ()) -> None:
         self._seq += 1
         move.seq, move.sent_at = self._seq, time.monotonic()
@@ -308,6 +389,11 @@ class MigrationLink:
         if sock is None:
             sock = self._out[move.address] = self.context.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, ANSWER_BYTES)
+            # every engine of the deployment serves with the same derived key pair
+            sock.curve_serverkey = self._server_public
+            sock.curve_publickey = self._client_public
+            sock.curve_secretkey = self._client_secret
             sock.connect(move.address)
         move.bytes_sent += sum(memoryview(f).nbytes for f in frames)
         sock.send_multipart([_pack(message), *frames], copy=False)
@@ -326,13 +412,22 @@ class MigrationLink:
             return
         move.seq = 0
         if kind != "ok":
-            error_type, text = payload
+            error_type, text = payload if _pair_of_text(payload) else ("MigrationFailed", "?")
             self._give_up(move, error_from_wire(error_type, f"engine {move.to} refused: {text}"),
                           tell=move.phase != "commit")
             return
+        if not isinstance(payload, dict):
+            self._give_up(move, MigrationFailed(f"engine {move.to} answered {kind} malformed"))
+            return
         if move.phase in ("reserve", "check"):
-            move.cached = move.next_block = payload["cached_blocks"]
-            move.held_end = move.cached + payload.get("reserved_blocks", 0)
+            cached, reserved = payload.get("cached_blocks"), payload.get("reserved_blocks", 0)
+            if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
+                       for x in (cached, reserved)):
+                self._give_up(move, MigrationFailed(f"engine {move.to} answered a malformed "
+                                                    f"{move.phase}"))
+                return
+            move.cached = move.next_block = cached
+            move.held_end = move.cached + reserved
             move.phase = "stage"  # (its stages go from advance(), within its budget)
             if not move.staged:
                 try:
@@ -385,63 +480,228 @@ class MigrationLink:
     # --- destination side ----------------------------------------------------------------
     def _serve(self, peer: bytes, message: list, data: list) -> None:
         kind, rid, seq = message[0], message[1], message[2]
-        engine = self.engine
         try:
-            if kind == "reserve":
-                result = engine.migration_reserve(message[3])
-                self._held[rid] = time.monotonic()
-            elif kind == "check":
-                result = engine.migration_check(message[3])
-            elif kind == "write":
-                self._held[rid] = time.monotonic()
-                engine.migration_write(rid, message[3], self.transport.decode(
-                    message[4], data))
-                result = {}
-            elif kind == "commit":
-                _, _, _, state, skip, header, deadline = message
-                if time.time() > deadline:
-                    raise MigrationFailed(f"request {rid!r}: its commit came too late")
-                result = engine.migration_commit(state, self._decode(header, data), skip)
-                self._held.pop(rid, None)
-            elif kind == "cancel":
-                self._let_go(rid)
-                return
-            elif kind == "abort":
-                try:
-                    engine.abort(rid)
-                except EngineError:
-                    pass
-                return
-            else:
-                raise InvalidRequestError(f"unknown message {kind!r}")
+            result = self._apply(peer, kind, rid, message, data)
+        except _Parked:
+            return
+        except _Ignored as e:
+            log.warning("migration link: %s %s from a peer ignored: %s", kind, rid, e)
+            return
         except EngineError as e:
-            if kind == "commit":
-                self._let_go(rid)
+            self._failed(rid, kind, peer)
             self._answer(peer, ["err", rid, seq, [type(e).__name__, str(e)]])
+            return
+        except (KeyError, TypeError, ValueError) as e:  # (a message not of its kind's shape)
+            self._failed(rid, kind, peer)
+            self._answer(peer, ["err", rid, seq, ["InvalidRequestError",
+                                                  f"a malformed {kind}: {e}"]])
             return
         except Exception as e:  # noqa: BLE001  (said to the source; this core goes on)
             log.exception("moving request %s in: %s failed", rid, kind)
-            if kind == "commit":
-                self._let_go(rid)
+            self._failed(rid, kind, peer)
             self._answer(peer, ["err", rid, seq, [type(e).__name__, str(e)]])
             return
-        self._answer(peer, ["ok", rid, seq, result])
+        if result is not None:
+            self._answer(peer, ["ok", rid, seq, result])
+
+    def _apply(self, peer: bytes, kind: str, rid: str, message: list, data: list) -> dict | None:
+        """A message's effect here, and its answer (None: none is sent)."""
+        engine = self.engine
+        if kind in ("reserve", "check"):
+            _, _, _, offer, ticket = message
+            checked = self._opens(rid, offer, ticket)
+            self._compiled(peer, message, data, offer)
+            result = engine.migration_reserve(offer) if kind == "reserve" \
+                else engine.migration_check(offer)
+            self._incoming[rid] = _Incoming(peer, checked, time.monotonic(), kind == "reserve")
+            self._used[checked.nonce] = checked.expires
+            return result
+        move = self._own(peer, rid, kind)
+        move.last = time.monotonic()
+        if kind == "write":
+            _, _, _, start, header = message
+            if not move.held:
+                raise InvalidRequestError(f"no blocks are held for request {rid!r}")
+            most = migration_room(engine, rid, start)
+            engine.migration_write(rid, start, self.transport.decode(header, data, most))
+            return {}
+        if kind == "commit":
+            _, _, _, state, skip, header, deadline = message
+            if not isinstance(deadline, float) or time.time() > deadline:
+                raise MigrationFailed(f"request {rid!r}: its commit came too late")
+            self._checked(rid, state, move.ticket)
+            self._compiled(peer, message, data, state)
+            blocks = self._decode(header, data, commit_blocks(engine, state, skip))
+            result = engine.migration_commit(state, blocks, skip)
+            del self._incoming[rid]
+            self._arrived[rid] = (peer, time.monotonic() + COMMIT_TIMEOUT_S + COMMIT_GRACE_S)
+            return result
+        if kind == "cancel":
+            self._let_go(rid)
+            return None
+        if kind == "abort":
+            raise _Ignored("no move of this connection's is in flight")
+        raise InvalidRequestError(f"unknown message {kind!r}")
+
+    def _opens(self, rid: str, offer: object, ticket: object) -> move_ticket.Ticket:
+        """A move's first message: its ticket (for this request, to this engine, unused)
+        and its offer, checked whole."""
+        if rid in self._incoming:
+            raise InvalidRequestError(f"request {rid!r} is already being copied here")
+        checked = move_ticket.verify(self._ticket_key, ticket, self.name)
+        if checked.request_id != rid:
+            raise MigrationRefused(f"the move's ticket is for request {checked.request_id!r}")
+        if checked.nonce in self._used:
+            raise MigrationRefused("the move's ticket was used already")
+        self._checked(rid, offer, checked)
+        return checked
+
+    def _checked(self, rid: str, state: object, ticket: move_ticket.Ticket | None) -> None:
+        """The state whole (engine/move_check.py), and that it is the ticket's request,
+        from the ticket's engine, of the ticket's job."""
+        engine = self.engine
+        move_check.check_state(move_check.Destination(
+            engine.runner.vocab_size, engine.config.block_size, engine.max_model_len,
+            engine.kv.num_groups), state)
+        if state["request_id"] != rid:
+            raise InvalidRequestError(f"the state is of request {state['request_id']!r}, "
+                                      f"not {rid!r}")
+        if ticket is not None and (state["engine"] != ticket.source or
+                                   (ticket.job_id is not None and
+                                    state["job_id"] != ticket.job_id)):
+            raise MigrationRefused(f"request {rid!r} is not the ticket's: another engine's "
+                                   "or another job's")
+
+    def _compiled(self, peer: bytes, message: list, data: list, state: dict) -> None:
+        """Raise _Parked, the message kept beside the loop, while the state's constraint
+        compiles on the compile thread (it is served again once compiled)."""
+        spec = state["params"].get("structured")
+        if spec is None:
+            return
+        future = self.engine.structured_outputs().compile(spec)
+        if not future.done():
+            self._parked.append((peer, message, data, future, time.monotonic()))
+            raise _Parked
+
+    def _own(self, peer: bytes, rid: str, kind: str) -> _Incoming:
+        """The move in of `rid`, if this connection opened it (_Ignored otherwise: a
+        peer's message about another's move, or about none, is dropped unanswered)."""
+        move = self._incoming.get(rid)
+        if kind == "abort":
+            arrived = self._arrived.get(rid)
+            if arrived is not None and arrived[0] == peer:
+                del self._arrived[rid]
+                try:
+                    self.engine.abort(rid)
+                except EngineError:
+                    pass
+                raise _Ignored("aborted")  # (answered by nothing, as before)
+        if move is None or move.peer != peer:
+            raise _Ignored("no move of this connection's goes by this request id")
+        return move
+
+    def _failed(self, rid: str, kind: str, peer: bytes) -> None:
+        """A failed commit lets its held blocks go (the request runs on at the source)."""
+        move = self._incoming.get(rid)
+        if kind == "commit" and move is not None and move.peer == peer:
+            self._let_go(rid)
+
+    def _decode(self, header: object, frames: list, counts: list[int] | int):
+        """The commit's K/V: `counts` blocks (a fork's or a windowed engine's: a count per
+        part), each part's header and frames checked before it is decoded."""
+        if not isinstance(counts, list):
+            data = self.transport.decode(header, frames, counts)
+            if data is not None and self.engine.runner.num_blocks_in(data) != counts:
+                raise InvalidRequestError(f"{counts} blocks were to come with the commit")
+            return data
+        if not isinstance(header, dict) or header.get("kind") != "parts" or \
+                not isinstance(header.get("parts"), list) or len(header["parts"]) != len(counts):
+            raise InvalidRequestError("the commit's K/V must come in one part per sample or "
+                                      "layer group")
+        out, at = [], 0
+        for part, n in zip(header["parts"], counts):
+            taken = part.get("frames") if isinstance(part, dict) else None
+            if not isinstance(taken, int) or not 0 <= taken <= len(frames) - at:
+                raise InvalidRequestError("the commit's parts name frames it does not have")
+            out.append(self._decode(part, frames[at:at + taken], n))
+            at += taken
+        return out
 
     def _answer(self, peer: bytes, message: list) -> None:
         self.router.send_multipart([peer, _pack(message)])
 
     def _let_go(self, rid: str) -> None:
-        self._held.pop(rid, None)
+        self._incoming.pop(rid, None)
         if rid in self.engine.incoming_migrations:
             self.engine.migration_cancel(rid)
 
     def expire(self) -> None:
-        """Give back the blocks held for copies whose source stopped talking."""
-        if not self._held:
-            return
-        now = time.monotonic()
-        for rid, last in list(self._held.items()):
-            if now - last > HOLD_TIMEOUT_S:
+        """Serve the messages whose constraint has compiled; give back the blocks held for
+        copies whose source stopped talking or whose ticket ran out; forget used tickets
+        once they have expired."""
+        if self._parked:
+            parked, self._parked = self._parked, []
+            for peer, message, data, future, since in parked:
+                if future.done():
+                    self._serve(peer, message, data)
+                elif time.monotonic() - since > GRAMMAR_COMPILE_S:
+                    self._answer(peer, ["err", message[1], message[2], [
+                        "MigrationFailed", "its structured-output constraint did not compile "
+                        f"within {GRAMMAR_COMPILE_S:.0f} s"]])
+                else:
+                    self._parked.append((peer, message, data, future, since))
+        now, wall = time.monotonic(), time.time()
+        for rid, move in list(self._incoming.items()):
+            if now - move.last > HOLD_TIMEOUT_S or wall > move.ticket.expires + HOLD_TIMEOUT_S:
                 log.warning("request %s: its source stopped sending it; the blocks held "
                             "for it go back", rid)
                 self._let_go(rid)
+        for rid, (_, until) in list(self._arrived.items()):
+            if now > until:
+                del self._arrived[rid]
+        for nonce, expires in list(self._used.items()):
+            if wall > expires:
+                del self._used[nonce]
+
+
+def _limits(engine) -> tuple[int, int]:
+    """(header, K/V frame): the largest frames a legitimate move into this engine sends.
+    A state weighs at most HEADER_BYTES_PER_TOKEN a token (ids, logprobs), for every
+    sample of the largest fork; a K/V frame holds at most the longest request's blocks
+    (the simulator's weight frame: its bytes per token in every slot)."""
+    runner = engine.runner
+    blocks = cdiv(engine.max_model_len, engine.config.block_size) + 1
+    per_block = max(runner.block_bytes, engine.config.block_size *
+                    getattr(runner, "kv_bytes_per_token", 0))
+    return (1 << 20) + MAX_N * engine.max_model_len * HEADER_BYTES_PER_TOKEN, blocks * per_block
+
+
+def migration_room(engine, request_id: str, start: object) -> int:
+    """How many blocks a staged write from `start` may fill: the held ones from there
+    (InvalidRequestError for a start outside them)."""
+    request = engine.incoming_migrations.get(request_id)
+    if request is None:
+        raise InvalidRequestError(f"no copy of request {request_id!r} is under way here")
+    held, cached = len(engine.kv.block_ids(request_id)), request[1]
+    if not isinstance(start, int) or isinstance(start, bool) or not cached <= start <= held:
+        raise InvalidRequestError(f"request {request_id!r}: blocks {cached}..{held - 1} are "
+                                  f"held here, not from {start!r}")
+    return held - start
+
+
+def commit_blocks(engine, state: dict, skip: object) -> int | list[int]:
+    """The blocks a (checked) state's commit must carry from `skip` on: its computed
+    tokens' blocks past skip; a fork's, per sample past its skip; a windowed engine's,
+    per layer group, every block it holds."""
+    bs = engine.config.block_size
+    if state.get("fork"):
+        if "skips" not in state:
+            raise InvalidRequestError("a fork's commit must give each sample's skip")
+        return [cdiv(st["num_computed_tokens"], bs) - k
+                for st, k in zip(state["samples"], state["skips"])]
+    if state.get("groups") is not None:
+        return [held for _, held in state["groups"]]
+    last = cdiv(state["num_computed_tokens"], bs)
+    if not isinstance(skip, int) or isinstance(skip, bool) or not 0 <= skip <= last:
+        raise InvalidRequestError(f"a commit's skip must be in [0, {last}], got {skip!r}")
+    return last - skip

@@ -25,7 +25,7 @@ from engine.hf_tokenizer import HFTokenizer
 from engine.kv_layout import kv_layout
 from engine.loader import (ModelFolder, ModelLoadError, load_model, model_identity,
                            read_model_folder)
-from engine.runner import Runner, StepResult
+from engine.runner import Runner, StepResult, block_count, frame_header
 from engine.sampler import SamplingRow, logprobs_of, request_seed, sample, token_logprobs
 from engine.scheduler import SchedulerOutput
 from engine import parallel
@@ -361,21 +361,34 @@ class ModelRunner(Runner):
                  "dtype": str(data.dtype).removeprefix("torch.")},
                 [data.view(torch.uint8).numpy().data if data.numel() else b""])
 
-    @staticmethod
-    def blocks_from_frames(header: dict, frames: list) -> torch.Tensor:
-        if header.get("kind") != "tensor":
-            raise ValueError(f"blocks of kind {header.get('kind')!r} do not fit this engine")
-        dtype = getattr(torch, header["dtype"])
-        raw = frames[0]
-        if not len(raw):
-            return torch.empty(header["shape"], dtype=dtype)
+    def blocks_from_frames(self, header: object, frames: list, most: int) -> torch.Tensor:
+        """At most `most` blocks of this cache's layout and dtype; the header and the
+        frame's size are checked against them before anything is decoded (ValueError)."""
+        expected = list(self.kv_cache.shape)
+        shape = frame_header(header, "tensor").get("shape")
+        if not isinstance(shape, list) or len(shape) != len(expected):
+            raise ValueError(f"blocks of shape {shape!r} do not fit this engine's cache "
+                             f"{tuple(expected)}")
+        n = block_count(shape[2], most)
+        if shape[:2] != expected[:2] or shape[3:] != expected[3:]:
+            raise ValueError(f"blocks of shape {shape} do not fit this engine's cache "
+                             f"{tuple(expected)}")
+        dtype = self.kv_cache.dtype
+        if header.get("dtype") != str(dtype).removeprefix("torch."):
+            raise ValueError(f"blocks of {header.get('dtype')!r} do not fit this engine's "
+                             f"{dtype} cache")
+        size = n * self.kv_cache[:, :, :1].numel() * self.kv_cache.element_size()
+        if len(frames) != 1 or memoryview(frames[0]).nbytes != size:
+            raise ValueError(f"{n} blocks declared, not the bytes of {n} blocks")
+        if not size:
+            return torch.empty(shape, dtype=dtype)
         # A view of the received frame (no copy), which lives as long as the tensor; it is
         # only read (write_blocks copies it into the cache), so that it is read-only
         # does not matter.
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
-            flat = torch.frombuffer(raw, dtype=torch.uint8)
-        return flat.view(dtype).view(header["shape"])
+            flat = torch.frombuffer(frames[0], dtype=torch.uint8)
+        return flat.view(dtype).view(shape)
 
     def _single_rank(self, what: str) -> None:
         if getattr(self, "tensor_parallel_size", 1) > 1:

@@ -113,14 +113,30 @@ class Runner(abc.ABC):
         flat = array.array("Q", [token for block in data for token in block])
         return {"kind": "ints", "n": n}, [flat]
 
-    @staticmethod
-    def blocks_from_frames(header: dict, frames: list):
-        """blocks_to_frames' data back, as read_blocks gives it."""
+    def blocks_from_frames(self, header: object, frames: list, most: int):
+        """blocks_to_frames' data back, as read_blocks gives it: at most `most` blocks of
+        this engine's layout. Frames from another process are an input: the header and
+        every frame's size are checked against the blocks it declares before anything is
+        decoded (ValueError)."""
         import array
-        if header.get("kind") != "ints":
-            raise ValueError(f"blocks of kind {header.get('kind')!r} do not fit this engine")
+        n = block_count(frame_header(header, "ints").get("n"), most)
+        slots = getattr(self, "block_size", 0)
+        if len(frames) < 1 or memoryview(frames[0]).nbytes != n * slots * 8:
+            raise ValueError(f"{n} blocks declared, not the bytes of {n} blocks")
         flat = array.array("Q")
-        flat.frombytes(bytes(frames[0]))
-        n = header["n"]
-        size = len(flat) // n if n else 0
-        return [list(flat[i * size:(i + 1) * size]) for i in range(n)]
+        flat.frombytes(frames[0])
+        return [list(flat[i * slots:(i + 1) * slots]) for i in range(n)]
+
+
+def frame_header(header: object, kind: str) -> dict:
+    """A frame header of `kind` (ValueError for anything else)."""
+    if not isinstance(header, dict) or header.get("kind") != kind:
+        raise ValueError("blocks of another kind do not fit this engine")
+    return header
+
+
+def block_count(n: object, most: int) -> int:
+    """A header's declared block count, if it is an integer in [0, most] (ValueError)."""
+    if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= most:
+        raise ValueError(f"a move of {n!r} blocks where at most {most} may come")
+    return n

@@ -184,8 +184,8 @@ class SimulatedRunner(Runner):
             frames.append(bytearray(len(data) * self.block_size * self.kv_bytes_per_token))
         return header, frames
 
-    def blocks_from_frames(self, header: dict, frames: list) -> list[list[int]]:
-        data = Runner.blocks_from_frames(header, frames)
+    def blocks_from_frames(self, header: object, frames: list, most: int) -> list[list[int]]:
+        data = Runner.blocks_from_frames(self, header, frames, most)
         weight = memoryview(frames[1]).nbytes if len(frames) > 1 else 0
         if weight != len(data) * self.block_size * self.kv_bytes_per_token:
             raise ValueError("blocks of another K/V size per token do not fit this engine")

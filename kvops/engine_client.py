@@ -448,13 +448,16 @@ class MPClient(EngineClient):
     def _launch(self) -> None:
         log.info("engine core %s: starting its process", self.name)
         self._ready.clear()
-        fields = {f.name: getattr(self.config, f.name) for f in dataclasses.fields(self.config)}
+        fields = {f.name: getattr(self.config, f.name) for f in dataclasses.fields(self.config)
+                  if f.name != "secret"}  # (a command line is every local user's to read)
         self._proc = subprocess.Popen([
             sys.executable, "-m", "engine.core_proc", "--config", json.dumps(fields),
             "--input", self._in_address, "--output", self._out_address,
-            "--nice", str(self.core_nice), "--log-level", self.log_level,
+            "--nice", str(self.core_nice), "--log-level", self.log_level, "--secret-stdin",
             *([] if self.on_kv_item is not None else ["--no-kv-view"])],
-            env=core_environment(os.environ, self.core_nice))
+            env=core_environment(os.environ, self.core_nice), stdin=subprocess.PIPE)
+        self._proc.stdin.write(f"{self.config.secret or ''}\n".encode())
+        self._proc.stdin.close()
 
     def _exit_code(self) -> int | None:
         return self._proc.poll() if self._proc is not None else None

@@ -1,8 +1,11 @@
 """The worker's engine configuration: EngineConfig from KVOPS_ENGINE_<FIELD> variables
-(e.g. KVOPS_ENGINE_BLOCK_SIZE=32), one variable per field."""
+(e.g. KVOPS_ENGINE_BLOCK_SIZE=32), one variable per field; its `secret` is the
+deployment's, derived from SECRET_KEY (engine_secret), never a variable."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import hmac
 from typing import Any
 
 from engine import EngineConfig, InvalidRequestError
@@ -14,6 +17,8 @@ def config_from_env(environ: dict[str, str],
     a field no variable sets takes its value from `defaults`, else EngineConfig's."""
     kwargs: dict[str, Any] = dict(defaults or {})
     for f in dataclasses.fields(EngineConfig):
+        if f.name == "secret":
+            continue
         raw = environ.get(f"KVOPS_ENGINE_{f.name.upper()}")
         if raw is None or raw == "":
             continue
@@ -35,3 +40,11 @@ def _parse_field(name: str, type_name: str, raw: str) -> Any:
     except ValueError:
         raise InvalidRequestError(
             f"KVOPS_ENGINE_{name.upper()}={raw!r} is not a valid {type_name}") from None
+
+
+def engine_secret() -> str:
+    """The deployment's engine secret (EngineConfig.secret): every process of the
+    deployment derives the same one from Django's SECRET_KEY, and nothing else can."""
+    from django.conf import settings
+    return hmac.new(settings.SECRET_KEY.encode(), b"kvops engine secret",
+                    hashlib.sha256).hexdigest()

@@ -17,10 +17,12 @@ import time
 
 from django.conf import settings
 
+from engine import move_ticket
 from engine.errors import InvalidRequestError, InvalidStateError
 from kvops import selectors
+from kvops.engine_config import engine_secret
 from kvops.routing import load_tokens
-from kvops.models import Engine, OperatorAction
+from kvops.models import Engine, Job, OperatorAction
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +57,20 @@ def destination(source: str, to: str) -> tuple[Engine, str]:
     return engine, _address(engine)
 
 
+def route(source: str, to: str, request_id: str, expires: float,
+          job_id: str | None = None) -> dict:
+    """Where the request `request_id` of engine `source` moves to reach engine `to`, and
+    the ticket that lets it ({"address", "to", "ticket"}), good until `expires` (Unix
+    time): the destination takes only moves the service signed (engine/move_ticket.py).
+    The ticket names the request's job (`job_id`, else the job whose attempt it is)."""
+    _, address = destination(source, to)
+    if job_id is None:
+        pk = Job.objects.filter(request_id=request_id).values_list("pk", flat=True).first()
+        job_id = None if pk is None else str(pk)
+    return {"address": address, "to": to,
+            "ticket": move_ticket.sign(engine_secret(), request_id, job_id, source, to, expires)}
+
+
 def destinations(source: Engine) -> list[Engine]:
     """The engines a request of `source` may move to: live, ready, serving its model,
     the least loaded first."""
@@ -69,10 +85,11 @@ def migrate(client, request_id: str, to: str, staged: bool = True,
             timeout_s: float | None = None) -> dict:
     """Move the request `request_id` of this worker's engine (`client`) to engine `to`;
     the core's answer once it runs there. Raises what refuses it."""
-    _, address = destination(client.name, to)
-    return client.command("migrate", {"request_id": request_id, "address": address,
-                                      "to": to, "staged": staged},
-                          timeout_s=timeout_s or settings.KVOPS_CONTROL_TIMEOUT_S)
+    timeout_s = timeout_s or settings.KVOPS_CONTROL_TIMEOUT_S
+    return client.command("migrate", {"request_id": request_id, "staged": staged,
+                                      **route(client.name, to, request_id,
+                                              time.time() + timeout_s)},
+                          timeout_s=timeout_s)
 
 
 def drain_targets(source: str, to: str | None = None) -> list[str]:
@@ -114,14 +131,14 @@ def _drain(client, targets: list[str]) -> None:
             for i, rid in enumerate(running):
                 to = targets[i % len(targets)]
                 try:
-                    _, address = destination(client.name, to)
+                    where = route(client.name, to, rid, time.time() + DRAIN_MOVE_TIMEOUT_S)
                 except (InvalidRequestError, InvalidStateError) as e:
                     failed.add(rid)
                     _audit(client.name, rid, to, {"ok": False, "message": str(e)})
                     continue
                 moves[rid] = (to, client.command_async("migrate", {
-                    "request_id": rid, "address": address, "to": to, "staged": True,
-                    "by": "drain"}, DRAIN_MOVE_TIMEOUT_S))
+                    "request_id": rid, "staged": True, "by": "drain", **where},
+                    DRAIN_MOVE_TIMEOUT_S))
             for rid, (to, future) in moves.items():
                 try:
                     result = {"ok": True, "result": future.result(DRAIN_MOVE_TIMEOUT_S + 5)}

@@ -115,17 +115,18 @@ def _run_claimed(worker, jobs: list, outcomes: dict[int, str]) -> None:
 
 def _decode_on(service, job) -> dict | None:
     """Prefill/decode: the decode engine the router chose for the job, if this engine is
-    a prefill engine and that one takes requests now ({"address", "to"}); else None (it
-    decodes here)."""
+    a prefill engine and that one takes requests now ({"address", "to", "ticket"}); else
+    None (it decodes here)."""
     name = (job.routing or {}).get("decode_engine")
     if not name or service.describe_config().get("role") != "prefill":
         return None
     try:
-        _, address = migration.destination(service.name, name)
+        # (the hand-over comes once its prompt is computed: the ticket lasts the job's time)
+        return migration.route(service.name, name, job.request_id,
+                               time.time() + settings.KVOPS_JOB_TIMEOUT_S, str(job.pk))
     except EngineError as e:
         log.info("job %s decodes on %s: %s", job.pk, service.name, e)
         return None
-    return {"address": address, "to": name}
 
 
 def _fail_quietly(job_id: int, error: str, request_id: str | None) -> None:

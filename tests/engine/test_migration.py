@@ -239,16 +239,35 @@ def test_the_kv_story_goes_on_at_the_destination_with_the_hop():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_a_real_models_blocks_cross_a_process_boundary_as_they_were(dtype):
     """ModelRunner's frames (engine/migration_link.py sends them): one buffer, no copy
-    on either side, the same values and dtype back."""
+    on either side, the same values and dtype back; a header or frame that does not fit
+    the receiving cache's layout, dtype or the blocks allowed is refused before anything
+    is decoded."""
+    import types
+
     from engine.model_runner import ModelRunner
     data = torch.randn(3, 2, 5, 4, 2, 8).to(dtype)[:, :, 1:4]  # (not contiguous)
     header, frames = ModelRunner.blocks_to_frames(data)
     assert len(frames) == 1 and memoryview(frames[0]).nbytes == data.numel() * data.element_size()
-    back = ModelRunner.blocks_from_frames(header, [bytes(frames[0])])
+    here = types.SimpleNamespace(kv_cache=torch.zeros(3, 2, 50, 4, 2, 8, dtype=dtype))
+    back = ModelRunner.blocks_from_frames(here, header, [bytes(frames[0])], 3)
     assert back.dtype == dtype and torch.equal(back, data)
     assert ModelRunner.num_blocks_in(back) == 3
-    with pytest.raises(ValueError):
-        ModelRunner.blocks_from_frames({"kind": "ints", "n": 1}, frames)
+    other = torch.float64
+    refused = [
+        ({"kind": "ints", "n": 1}, frames, 3),  # another kind
+        (header, frames, 2),  # more blocks than may come
+        ({**header, "shape": [3, 2, 3_000_000, 4, 2, 8]}, frames, 1 << 40),  # not its bytes
+        ({**header, "shape": [3, 2, 3, 4, 2, 9]}, frames, 3),  # another layout
+        ({**header, "dtype": str(other).removeprefix("torch.")}, frames, 3),
+        ({**header, "shape": [3, 2, -1, 4, 2, 8]}, frames, 3),
+        ({**header, "shape": "3,2,3"}, frames, 3),
+        (header, [bytes(frames[0])[:-1]], 3),  # a byte short
+        (header, [], 3),
+        ([1, 2], frames, 3),
+    ]
+    for bad_header, bad_frames, most in refused:
+        with pytest.raises(ValueError):
+            ModelRunner.blocks_from_frames(here, bad_header, bad_frames, most)
 
 
 def test_a_structured_output_request_moves_and_stays_valid():

@@ -15,7 +15,7 @@ import msgpack
 import pytest
 import zmq
 
-from engine import migration_link
+from engine import keys, migration_link, move_ticket
 from engine.core_proc import CoreServer
 from engine.migration import MIGRATED
 from engine.migration_link import MigrationLink
@@ -27,8 +27,27 @@ PROMPT = list(range(10, 90))  # 80 tokens: 20 blocks
 _ids = itertools.count(1)
 
 
+SECRET = keys.random_secret()  # the deployment's, shared by every core of a test
+
+
 def pack(message: list) -> bytes:
     return msgpack.packb(message, use_bin_type=True)
+
+
+def deployment_socket(ctx: zmq.Context, kind: int, secret: str = SECRET) -> zmq.Socket:
+    """A socket with the migration port's keys under `secret` (a ROUTER serving as an
+    engine's port does, without its ZAP check; a DEALER as a source connects): a peer
+    of that deployment, as a test plays one."""
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    server_public, server_secret = keys.curve_pair(secret, "server")
+    if kind == zmq.ROUTER:
+        sock.curve_server = True
+        sock.curve_secretkey = server_secret
+    else:
+        sock.curve_serverkey = server_public
+        sock.curve_publickey, sock.curve_secretkey = keys.curve_pair(secret, "client")
+    return sock
 
 
 class Core:
@@ -36,7 +55,7 @@ class Core:
 
     def __init__(self, name: str, engine=None, **cfg) -> None:
         options = dict(block_size=BS, num_gpu_blocks=96, num_cpu_blocks=0,
-                       simulate_step_ms=2.0, name=name)
+                       simulate_step_ms=2.0, name=name, secret=SECRET)
         options.update(cfg)
         self.engine = engine or sim_engine(**options)
         self.ctx = zmq.Context()
@@ -48,7 +67,9 @@ class Core:
         inbox, outbox = self.ctx.socket(zmq.PULL), self.ctx.socket(zmq.PUSH)
         inbox.connect(f"{where}-in")
         outbox.connect(f"{where}-out")
-        self.link = MigrationLink(self.engine, self.ctx)
+        self.name = name
+        self.link = MigrationLink(self.engine, self.engine.config.secret or SECRET,
+                                  self.engine.config.migration_host)
         self.server = CoreServer(self.engine, inbox, outbox, kv_view=False, link=self.link)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
@@ -69,6 +90,12 @@ class Core:
         assert pump(self, until=lambda: call in self.replies)[call] == [True, [None]]
 
     def command(self, name: str, arguments: dict, deadline_s: float = 30.0) -> int:
+        """Send an operator command; a "migrate" gets the ticket the service would sign
+        (for the request, from this core to arguments["to"]) unless it brings one."""
+        if name == "migrate" and "ticket" not in arguments:
+            arguments = {**arguments, "ticket": move_ticket.sign(
+                SECRET, str(arguments.get("request_id")), None, self.name,
+                str(arguments.get("to")), time.time() + deadline_s)}
         call = next(_ids)
         self.send(["cmd", call, name, arguments, time.time() + deadline_s])
         return call
@@ -226,7 +253,7 @@ def test_a_destination_that_falls_silent_mid_copy_leaves_the_request_at_the_sour
     monkeypatch.setattr(migration_link, "LINK_TIMEOUT_S", 0.3)
     src = cores("a", simulate_step_ms=5.0)
     ctx = zmq.Context()
-    fake = ctx.socket(zmq.ROUTER)
+    fake = deployment_socket(ctx, zmq.ROUTER)
     port = fake.bind_to_random_port("tcp://127.0.0.1")
     try:
         src.add("r", PROMPT, 80)
@@ -235,7 +262,7 @@ def test_a_destination_that_falls_silent_mid_copy_leaves_the_request_at_the_sour
                                        "address": f"tcp://127.0.0.1:{port}"})
         assert fake.poll(5000)
         peer, header = fake.recv_multipart()
-        kind, rid, seq, offer = msgpack.unpackb(header, raw=False)
+        kind, rid, seq, offer, _ = msgpack.unpackb(header, raw=False)
         assert (kind, rid) == ("reserve", "r") and offer["request_id"] == "r"
         fake.send_multipart([peer, pack(["ok", "r", seq, {"cached_blocks": 0,
                                                          "reserved_blocks": 20}])])
@@ -265,10 +292,11 @@ def test_a_source_that_falls_silent_mid_copy_leaves_nothing_held(cores, monkeypa
     dst = cores("b")
     free = dst.engine.kv.gpu.num_free
     ctx = zmq.Context()
-    fake = ctx.socket(zmq.DEALER)
+    fake = deployment_socket(ctx, zmq.DEALER)
     fake.connect(dst.address)
     try:
-        fake.send(pack(["reserve", "r", 1, offer]))
+        fake.send(pack(["reserve", "r", 1, offer, move_ticket.sign(
+            SECRET, "r", None, "a", "b", time.time() + 30)]))
         assert fake.poll(5000)
         kind, rid, seq, answer = msgpack.unpackb(fake.recv(), raw=False)
         assert kind == "ok" and answer["reserved_blocks"] >= 20
@@ -305,7 +333,7 @@ class FakeDestination:
 
     def __init__(self) -> None:
         self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock = deployment_socket(self.ctx, zmq.ROUTER)
         self.address = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
         self.peer = b""
 
@@ -434,20 +462,27 @@ def test_a_windowed_request_moves_between_cores_in_one_stop_and_copy(cores):
 
 
 def test_malformed_messages_on_the_migration_port_are_dropped(cores):
-    """Bytes that are no message, a message of the wrong shape, an unknown kind: each is
-    dropped or refused, and the core goes on serving (a move right after works)."""
+    """From a peer of the deployment (it has the port's keys): bytes that are no message, a
+    message of the wrong shape, an unknown kind: each is dropped or refused, and the core
+    goes on serving (a move right after works)."""
     src, dst = cores("a"), cores("b")
     ctx = zmq.Context()
-    peer = ctx.socket(zmq.DEALER)
+    peer = deployment_socket(ctx, zmq.DEALER)
     peer.connect(dst.address)
     try:
         peer.send(b"\xc1 not msgpack")
         peer.send(pack({"kind": "reserve"}))
         peer.send(pack(["reserve", 7, "x"]))
-        peer.send(pack(["nonsense", "r", 1]))
-        assert peer.poll(5000)  # (the one well-formed message is answered: a refusal)
-        kind, rid, seq, error = msgpack.unpackb(peer.recv(), raw=False)
-        assert (kind, rid, seq) == ("err", "r", 1) and error[0] == "InvalidRequestError"
+        peer.send(pack(["nonsense", "r", 1]))  # (about no move of its: unanswered)
+        peer.send(pack(["check", "r", 2, {"request_id": "r"}]))  # (one field short)
+        peer.send(pack(["check", "r", 3, {"request_id": "r"}, None]))
+        answers = []
+        while len(answers) < 2:
+            assert peer.poll(5000)
+            answers.append(msgpack.unpackb(peer.recv(), raw=False))
+        assert [a[:3] for a in answers] == [["err", "r", 2], ["err", "r", 3]]
+        assert answers[0][3][0] == "InvalidRequestError"
+        assert answers[1][3] == ["MigrationRefused", "the move carries no ticket"]
         src.add("r", PROMPT, 30)
         started(src, "r", 3)
         call = src.command("migrate", {"request_id": "r", "address": dst.address, "to": "b"})
