@@ -45,8 +45,11 @@ import time
 
 import zmq
 
+from engine import keys, move_ticket
 from engine.config import EngineConfig
 from engine.core_proc import pack, unpack
+
+SECRET = keys.random_secret()  # the two cores' deployment secret (the service's, in one)
 
 
 class CoreProcess:
@@ -57,12 +60,16 @@ class CoreProcess:
         self.to_core.bind(f"ipc://{folder}/{config.name}-in")
         self.from_core = ctx.socket(zmq.PULL)
         self.from_core.bind(f"ipc://{folder}/{config.name}-out")
-        fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+        fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
+                  if f.name != "secret"}
         self.proc = subprocess.Popen([
             sys.executable, "-m", "engine.core_proc", "--config", json.dumps(fields),
             "--input", f"ipc://{folder}/{config.name}-in",
             "--output", f"ipc://{folder}/{config.name}-out", "--no-kv-view", "--nice", "0",
-            "--log-level", "WARNING"])
+            "--log-level", "WARNING", "--secret-stdin"], stdin=subprocess.PIPE)
+        self.proc.stdin.write(f"{config.secret}\n".encode())
+        self.proc.stdin.close()
+        self.name = config.name
         ready = self.wait_for(lambda m: m[0] == "ready", 900)
         self.described = ready[1]
         self.address = self.described["migration_address"]
@@ -150,8 +157,9 @@ def move_once(src: CoreProcess, dst: CoreProcess, rid: str, prompt: list[int], b
     pump([src, dst], lambda: made(src) >= before)
     call = next(_calls)
     asked = time.perf_counter()
-    src.send(["cmd", call, "migrate", {"request_id": rid, "address": dst.address, "to": "dst",
-                                       "staged": staged}, time.time() + 120])
+    ticket = move_ticket.sign(SECRET, rid, None, src.name, dst.name, time.time() + 120)
+    src.send(["cmd", call, "migrate", {"request_id": rid, "address": dst.address, "to": dst.name,
+                                       "staged": staged, "ticket": ticket}, time.time() + 120])
     pump([src, dst], lambda: call in src.replies)
     ok, result = src.replies[call]
     if not ok:
@@ -171,8 +179,9 @@ def move_once(src: CoreProcess, dst: CoreProcess, rid: str, prompt: list[int], b
 def run(model: str, lengths: list[int], step_ms: float, token_us: float, kv_bytes: int,
         before: int, after: int) -> list[Row]:
     longest = max(lengths) + before + after + 64
+    # (over loopback TCP, as between machines: CurveZMQ encrypts every frame)
     common = dict(block_size=16, max_num_seqs=8, max_num_batched_tokens=2048,
-                  enable_prefix_caching=True)
+                  enable_prefix_caching=True, migration_host="127.0.0.1")
     if model == "sim":
         common.update(simulate=True, simulate_tokenizer="bytes", vocab_size=32000,
                       simulate_step_ms=step_ms, simulate_token_us=token_us,
@@ -186,9 +195,9 @@ def run(model: str, lengths: list[int], step_ms: float, token_us: float, kv_byte
     ctx = zmq.Context()
     cores = []
     try:
-        src = CoreProcess(EngineConfig(name="src", **common), ctx, folder)
+        src = CoreProcess(EngineConfig(name="src", secret=SECRET, **common), ctx, folder)
         cores.append(src)
-        dst = CoreProcess(EngineConfig(name="dst", **common), ctx, folder)
+        dst = CoreProcess(EngineConfig(name="dst", secret=SECRET, **common), ctx, folder)
         cores.append(dst)
         vocab = vocab or src.described["vocab_size"]
         rng = random.Random(0)

@@ -98,7 +98,8 @@ def _pack(message: list) -> bytes:
 
 
 def _unpack(data) -> list:
-    return msgpack.unpackb(data, raw=False)
+    # (a state's logit_bias is a map of token ids: integer keys)
+    return msgpack.unpackb(data, raw=False, strict_map_key=False)
 
 
 def _pair_of_text(payload: object) -> bool:
@@ -270,6 +271,8 @@ class MigrationLink:
     def close(self) -> None:
         for move in list(self._moves.values()):
             self._give_up(move, InvalidStateError("the engine core is stopping"))
+        for rid in list(self._incoming):
+            self._let_go(rid)
         for sock in self.sockets():
             sock.close(linger=0)
         self._auth.stop()

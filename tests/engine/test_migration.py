@@ -433,3 +433,36 @@ def test_the_default_models_request_moved_mid_answer_gives_the_unmoved_answer():
     final = run_all(src, dst)
     assert final["r"].output_token_ids == alone.output_token_ids
     assert final["r"].text == alone.text
+
+
+@pytest.mark.parametrize("how", ["fresh", "held", "windowed"])
+def test_a_commit_that_fails_part_way_gives_back_every_block_it_took(how):
+    """A commit whose K/V does not fit (one block short) fails after its blocks were taken:
+    every block it took or held goes back, nothing of the request stays, and the next
+    move of the same request works (stop-and-copy, after a staged reservation, and an
+    engine with sliding windows)."""
+    kw = {"simulate_sliding_window": 8} if how == "windowed" else {}
+    src, dst = pair(**kw)
+    src.add_request("r", PROMPT, greedy(40))
+    step(src, 12)
+    free = dst.kv.gpu.num_free
+    offer = src.migration_offer("r")
+    skip = 0
+    if how == "held":
+        skip = dst.migration_reserve(offer)["cached_blocks"]
+        assert dst.kv.gpu.num_free < free
+    state, blocks = src.migrate_out("r", skip)
+    short = [b[:-1] for b in blocks] if how == "windowed" else blocks[:-1]
+    with pytest.raises(Exception):
+        dst.migration_commit(state, short, skip)
+    assert dst.kv.gpu.num_free == free and not dst.incoming_migrations
+    assert "r" not in dst.scheduler.requests
+    dst.kv.check_invariants()
+    dst.migration_commit(state, blocks, skip) if how != "held" else None
+    src.migration_done("r", moved=how != "held")
+    if how == "held":
+        final = run_all(src)
+        assert final["r"].finish_reason == "length"
+    else:
+        final = run_all(src, dst)
+        assert dst.scheduler.recently_finished[-1].output_token_ids == expected(PROMPT, 40)
