@@ -12,6 +12,8 @@ class Engine(models.Model):
 
     name = models.CharField(max_length=64, unique=True)
     worker = models.CharField(max_length=255, help_text="Celery hostname, e.g. engine-a@host")
+    stack = models.CharField(max_length=64, blank=True,
+                             help_text="the deployment its worker belongs to (kvops/stack_id.py)")
     instance = models.CharField(max_length=64, blank=True,
                                 help_text="id of the running worker process; new at each start")
     host = models.CharField(max_length=255, blank=True)
@@ -26,6 +28,16 @@ class Engine(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+
+class Deployment(models.Model):
+    """This deployment's one row: its stack id, made on first use (kvops/stack_id.py).
+    Every process of a deployment shares its database, so they all read the same id;
+    two deployments (two databases) differ."""
+    stack_id = models.CharField(max_length=64)
+
+    def __str__(self) -> str:
+        return f"deployment {self.stack_id}"
 
 
 class Job(models.Model):

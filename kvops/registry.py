@@ -18,12 +18,14 @@ def live_instances() -> set[str]:
                .values_list("instance", flat=True))
 
 
-def register_engine(name: str, worker: str, host: str, instance: str, config: dict) -> Engine:
+def register_engine(name: str, worker: str, host: str, instance: str, config: dict,
+                    stack: str) -> Engine:
     """The engine's row, `starting` until its worker can take commands (its first
-    heartbeat)."""
+    heartbeat). `stack`: its deployment's id (the worker has claimed the name under it on
+    the Redis database: kvops/engine_claim.py)."""
     now = timezone.now()
     engine, _ = Engine.objects.update_or_create(name=name, defaults={
-        "worker": worker, "host": host, "instance": instance, "config": config,
+        "worker": worker, "host": host, "instance": instance, "config": config, "stack": stack,
         "status": Engine.Status.STARTING, "started_at": now, "last_heartbeat": now})
     return engine
 

@@ -5,6 +5,7 @@ REDIS_URL     Celery broker, channel layer, live state (default redis://127.0.0.
 KVOPS_DATA_DIR  where the database, models and artefacts live (default <repo>/data)
 """
 import os
+import re
 from pathlib import Path
 
 import dj_database_url
@@ -241,6 +242,14 @@ KVOPS_ENGINE_CORE = os.environ.get("KVOPS_ENGINE_CORE", "process")  # or `thread
 # The core process's niceness (unset: engine.core_proc.CORE_NICE, -19 where allowed).
 KVOPS_ENGINE_CORE_NICE = int(os.environ["KVOPS_ENGINE_CORE_NICE"]) \
     if os.environ.get("KVOPS_ENGINE_CORE_NICE") else None
+# This deployment's id (kvops/stack_id.py): unset, the one stored in its database on first
+# use. Engine names are claimed per stack on the shared Redis database, and operator
+# commands carry it: a worker ignores another stack's.
+KVOPS_STACK_ID = os.environ.get("KVOPS_STACK_ID", "").strip()
+if KVOPS_STACK_ID and not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", KVOPS_STACK_ID):
+    from django.core.exceptions import ImproperlyConfigured
+    raise ImproperlyConfigured(f"KVOPS_STACK_ID={KVOPS_STACK_ID!r}: use 1 to 64 letters, "
+                               "digits, '.', '_' or '-'")
 KVOPS_PORT = int(os.environ.get("KVOPS_PORT", 8000))
 # Proxies (addresses or networks, comma-separated) whose X-Forwarded-For the web server
 # believes; none by default (kvops/run.py, web_server_argv).

@@ -25,6 +25,7 @@ from celery import signals
 from celery.worker.control import control_command
 
 from engine import EngineError
+from kvops.engine_claim import EngineClaim, EngineNameTaken
 from kvops.group_commit import GroupCommit
 
 log = logging.getLogger(__name__)
@@ -33,17 +34,22 @@ log = logging.getLogger(__name__)
 @dataclasses.dataclass
 class WorkerContext:
     """What an engine worker process holds: its engine client, the output processor that
-    streams and stores its jobs' progress, and the batcher that claims jobs delivered
-    together in one transaction. Made once, at the worker's start (or by a test, for an
-    engine in its own process), and reached through `context()`."""
+    streams and stores its jobs' progress, its deployment's stack id, its hold on the
+    engine's name, and the batcher that claims jobs delivered together in one
+    transaction. Made once, at the worker's start (or by a test, for an engine in its own
+    process), and reached through `context()`."""
     client: Any  # an EngineClient (kvops/engine_client.py)
     processor: Any  # its OutputProcessor
+    stack_id: str  # its deployment's (kvops/stack_id.py): commands stamped otherwise are ignored
+    name_claim: EngineClaim | None = None  # None: a test's engine, its name not claimed
     claim: GroupCommit = dataclasses.field(
         default_factory=lambda: GroupCommit(_claim_jobs))
 
     def close(self) -> None:
         self.client.stop()
         self.processor.close()
+        if self.name_claim is not None:  # (after the engine: no two run under one name)
+            self.name_claim.release()
 
 
 def _claim_jobs(claims):
@@ -102,10 +108,50 @@ def _start_engine(sender=None, **kwargs) -> None:
     import django
     django.setup()
 
+    from kvops.engine_config import config_from_env, engine_secret
+    from kvops.stack_id import stack_id
+
+    # the share of a batch one user may hold: the service-wide one unless set per engine;
+    # the deployment's secret (engine/keys.py), derived from SECRET_KEY
+    config = config_from_env(os.environ, {"max_batch_share": settings.KVOPS_MAX_BATCH_SHARE,
+                                          "secret": engine_secret()})
+    mode = settings.KVOPS_ENGINE_CORE
+    log.info("starting engine %s (core: %s)", config.name, mode)
+    hostname = getattr(sender, "hostname", None) or f"engine-{config.name}@{socket.gethostname()}"
+    stack = stack_id()
+    name_claim = _claim_name(config.name, stack, hostname)
+    try:
+        _start_engine_as(config, mode, stack, hostname, name_claim)
+    except BaseException:  # (refused or failed: the name is free for whoever comes next)
+        name_claim.release()
+        raise
+
+
+def _claim_name(name: str, stack: str, hostname: str) -> EngineClaim:
+    """This worker's hold on its engine's name, before its engine starts; SystemExit,
+    naming both, if a live worker of another deployment holds it (kvops/engine_claim.py)."""
+    from django.conf import settings
+
+    from kvops import live
+    name_claim = EngineClaim(live.redis_client(), name, stack, socket.gethostname(), hostname,
+                             ttl_s=settings.KVOPS_ENGINE_DEAD_AFTER_S,
+                             renew_s=settings.KVOPS_HEARTBEAT_S)
+    try:
+        name_claim.take()
+    except EngineNameTaken as e:
+        log.error("refused: %s", e)
+        raise SystemExit(f"engine worker refused: {e}") from None
+    log.info("engine name %s claimed for stack %s", name, stack)
+    return name_claim
+
+
+def _start_engine_as(config, mode: str, stack: str, hostname: str,
+                     name_claim: EngineClaim) -> None:
+    from django.conf import settings
+
     from kvops import live, registry
     from kvops.reaper import reap
     from kvops.engine_client import make_engine_client
-    from kvops.engine_config import config_from_env, engine_secret
     from kvops.job_stream import StreamProducer
     from kvops.migration import watch_moved_in
     from kvops.output_processor import OutputProcessor
@@ -113,11 +159,6 @@ def _start_engine(sender=None, **kwargs) -> None:
     from kvops.prompts import tokenizer_for
     from kvops.publisher import EnginePublisher
 
-    # the share of a batch one user may hold: the service-wide one unless set per engine
-    config = config_from_env(os.environ, {"max_batch_share": settings.KVOPS_MAX_BATCH_SHARE,
-                                          "secret": engine_secret()})
-    mode = settings.KVOPS_ENGINE_CORE
-    log.info("starting engine %s (core: %s)", config.name, mode)
     tokenizer = tokenizer_for(config)
     if tokenizer is None:
         raise SystemExit(f"engine {config.name}: its tokenizer is not readable from the worker "
@@ -139,10 +180,9 @@ def _start_engine(sender=None, **kwargs) -> None:
     publisher = EnginePublisher(config.name, source=client,
                                 prefix_index=PrefixIndex(config.name, client))
     client.start()
-    install(WorkerContext(client, processor))
-    hostname = getattr(sender, "hostname", None) or f"engine-{config.name}@{socket.gethostname()}"
+    install(WorkerContext(client, processor, stack, name_claim))
     registry.register_engine(config.name, hostname, socket.gethostname(), client.instance,
-                             client.describe_config())
+                             client.describe_config(), stack)
     # Jobs a previous run of this engine left `running` will never finish: move them on.
     reap()
 
@@ -415,18 +455,29 @@ def _drain(client, arguments: dict, timeout_s: float) -> dict:
     return result
 
 
-@control_command(args=[("command", str), ("arguments", dict), ("deadline", float)],
-                 signature="<command> [arguments] [deadline]")
+@control_command(args=[("command", str), ("arguments", dict), ("deadline", float),
+                       ("stack", str)],
+                 signature="<command> [arguments] [deadline] [stack]")
 def kvops_engine(state, command: str, arguments: dict | None = None,
-                 deadline: float | None = None) -> dict:
+                 deadline: float | None = None, stack: str | None = None) -> dict | None:
     """Apply an operator command to this worker's engine between two steps. `deadline`
     (Unix time) is when the web stops waiting for the answer: a command the engine has
-    not reached by then is dropped, never applied late."""
+    not reached by then is dropped, never applied late. `stack` is the sender's stack id
+    (kvops/stack_id.py): a command of another deployment on the same Redis database, or
+    of none, is ignored and answered None, which its sender reports as no answer (a 504,
+    as for an engine that is not there): a refusal would tell the other deployment that
+    an engine of this name runs here under another stack, and its answer could shadow the
+    one its own engine (same Celery name) gives."""
     from django.conf import settings
 
     from engine import EngineError
     from engine.commands import STATE_COMMANDS
 
+    own_stack = _context.stack_id if _context is not None else None
+    if stack is None or stack != own_stack:
+        log.warning("ignored control command %r from stack %r: this engine worker is of "
+                    "stack %r", command, stack, own_stack)
+        return None
     started = time.monotonic()
     timeout_s = settings.KVOPS_CONTROL_TIMEOUT_S
     if deadline is not None:

@@ -7,7 +7,8 @@ import pytest
 STACK_FIXTURES = {"stack", "fuzz_stack", "tiny_stack", "default_stack", "hermes_stack",
                   "process_stack", "capped", "two_engines", "gpu_paced", "login"}
 STACK_MODULES = {"test_faults", "test_load", "test_make_run", "test_bench_serve",
-                 "test_redis_restart", "test_browser", "test_what_if_browser"}
+                 "test_redis_restart", "test_browser", "test_what_if_browser",
+                 "test_two_stacks"}
 
 
 def pytest_collection_modifyitems(items) -> None:

@@ -92,11 +92,11 @@ def test_cache_config_info_names_each_engines_kv_dtype_and_block_bytes(rf):
                                            "kv_cache_dtype": "fp8_e4m3",
                                            "kv_format": "float8_e4m3fn/tensor:0a1b2c3d",
                                            "num_gpu_blocks": 9000, "num_cpu_blocks": 0,
-                                           "kv_bytes_per_block": 147456})
+                                           "kv_bytes_per_block": 147456}, "s1")
     register_engine("plain", "w2", "h", "i2", {"block_size": 16, "dtype": "bfloat16",
                                              "kv_cache_dtype": "auto", "kv_format": "bfloat16",
                                              "num_gpu_blocks": 4500, "num_cpu_blocks": 0,
-                                             "kv_bytes_per_block": 294912})
+                                             "kv_bytes_per_block": 294912}, "s1")
     text = metrics(rf.get("/metrics")).content.decode()
     lines = {line.split("engine=\"")[1].split("\"")[0]: line for line in text.splitlines()
              if line.startswith("kvops:cache_config_info{")}

@@ -33,7 +33,7 @@ def engine_worker():
                                 db_interval_s=0.05)
     client = InprocClient(config, processor, tokenizer=tokenizer)
     client.start()
-    before = worker.install(worker.WorkerContext(client, processor))
+    before = worker.install(worker.WorkerContext(client, processor, "run-job-stack"))
     try:
         yield client
     finally:
