@@ -22,6 +22,7 @@ import hmac
 import secrets
 
 import zmq
+from zmq.utils import z85
 
 SECRET_BYTES = 32
 
@@ -42,5 +43,5 @@ def curve_pair(secret: str, role: str) -> tuple[bytes, bytes]:
     """The CurveZMQ key pair (public, secret; Z85) of the migration port's `role`
     ("server" or "client") under the deployment's `secret`. Curve25519 takes any 32 bytes
     as a secret key (it clamps them), so the pair follows from the derived bytes."""
-    private = zmq.utils.z85.encode(derive(secret, f"migration curve {role}"))
+    private = z85.encode(derive(secret, f"migration curve {role}"))
     return zmq.curve_public(private), private

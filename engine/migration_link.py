@@ -18,7 +18,8 @@ between vLLM instances; the destination answers between its steps:
   ["abort", rid, seq]      (the request was cancelled while its commit was in flight)
   a refusal: ["err", rid, seq, [error type, message]]
 
-Who may talk on the port: the socket speaks CurveZMQ with key pairs derived from the
+Who may talk on the port: on one machine (ipc://) only this user's processes, by the
+folder's mode; over tcp:// the socket speaks CurveZMQ with key pairs derived from the
 deployment's secret (engine/keys.py), and its ZAP handler admits only the deployment's
 client key, so a peer without the secret cannot complete the handshake and never
 reaches this code (it learns nothing: no model, no counts, no error text). A move's
@@ -205,24 +206,29 @@ class MigrationLink:
         self._server_public, server_secret = keys.curve_pair(secret, "server")
         self._client_public, self._client_secret = keys.curve_pair(secret, "client")
         self.header_bytes, self.frame_bytes = _limits(engine)
-        # Sockets of a context of its own, with its own ZAP handler: the handshake admits
-        # only the deployment's client key
+        # Sockets of a context of its own (with its own ZAP handler, over tcp)
         self.context = zmq.Context()
-        self._auth = ThreadAuthenticator(self.context, log=logging.getLogger("engine.zap"))
-        self._auth.start()
-        self._auth.configure_curve_callback(ZAP_DOMAIN.decode(), credentials_provider=self)
+        self._auth = None
         self.router = self.context.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
-        self.router.curve_server = True
-        self.router.curve_secretkey = server_secret
-        self.router.zap_domain = ZAP_DOMAIN
         self.router.setsockopt(zmq.MAXMSGSIZE, max(self.header_bytes, self.frame_bytes))
         self._dir = None
-        if not host:  # one machine: a socket file in a folder only this user can enter
-            self._dir = tempfile.mkdtemp(prefix="kvops-migration-")  # (mode 0700)
+        if not host:
+            # One machine: a socket file in a folder only this user may enter (mkdtemp
+            # makes it 0700), so only this user's processes connect, and K/V moves in the
+            # clear at memory speed (CurveZMQ costs about four times that on a core)
+            self._dir = tempfile.mkdtemp(prefix="kvops-migration-")
             self.address = f"ipc://{self._dir}/link"
             self.router.bind(self.address)
         else:
+            # Between machines: CurveZMQ, its handshake admitting only the deployment's
+            # client key (the ZAP handler's callback below)
+            self._auth = ThreadAuthenticator(self.context, log=logging.getLogger("engine.zap"))
+            self._auth.start()
+            self._auth.configure_curve_callback(ZAP_DOMAIN.decode(), credentials_provider=self)
+            self.router.curve_server = True
+            self.router.curve_secretkey = server_secret
+            self.router.zap_domain = ZAP_DOMAIN
             bind_host = "0.0.0.0" if host in ("0.0.0.0", "*") else host
             if port:
                 self.router.bind(f"tcp://{bind_host}:{port}")
@@ -275,7 +281,8 @@ class MigrationLink:
             self._let_go(rid)
         for sock in self.sockets():
             sock.close(linger=0)
-        self._auth.stop()
+        if self._auth is not None:
+            self._auth.stop()
         self.context.term()
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
@@ -393,10 +400,11 @@ class MigrationLink:
             sock = self._out[move.address] = self.context.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.MAXMSGSIZE, ANSWER_BYTES)
-            # every engine of the deployment serves with the same derived key pair
-            sock.curve_serverkey = self._server_public
-            sock.curve_publickey = self._client_public
-            sock.curve_secretkey = self._client_secret
+            if move.address.startswith("tcp://"):
+                # every engine of the deployment serves with the same derived key pair
+                sock.curve_serverkey = self._server_public
+                sock.curve_publickey = self._client_public
+                sock.curve_secretkey = self._client_secret
             sock.connect(move.address)
         move.bytes_sent += sum(memoryview(f).nbytes for f in frames)
         sock.send_multipart([_pack(message), *frames], copy=False)

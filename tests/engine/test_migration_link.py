@@ -34,17 +34,19 @@ def pack(message: list) -> bytes:
     return msgpack.packb(message, use_bin_type=True)
 
 
-def deployment_socket(ctx: zmq.Context, kind: int, secret: str = SECRET) -> zmq.Socket:
-    """A socket with the migration port's keys under `secret` (a ROUTER serving as an
-    engine's port does, without its ZAP check; a DEALER as a source connects): a peer
-    of that deployment, as a test plays one."""
+def deployment_socket(ctx: zmq.Context, kind: int, secret: str = SECRET,
+                      address: str = "tcp://") -> zmq.Socket:
+    """A socket of a peer of the deployment whose secret is `secret`, as a test plays one:
+    a ROUTER serving over tcp as an engine's port does (CurveZMQ, without its ZAP check),
+    or a DEALER about to connect to `address` as a source core does (CurveZMQ over tcp;
+    ipc:// has no keys, its folder's mode is its lock)."""
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     server_public, server_secret = keys.curve_pair(secret, "server")
     if kind == zmq.ROUTER:
         sock.curve_server = True
         sock.curve_secretkey = server_secret
-    else:
+    elif address.startswith("tcp://"):
         sock.curve_serverkey = server_public
         sock.curve_publickey, sock.curve_secretkey = keys.curve_pair(secret, "client")
     return sock
@@ -292,7 +294,7 @@ def test_a_source_that_falls_silent_mid_copy_leaves_nothing_held(cores, monkeypa
     dst = cores("b")
     free = dst.engine.kv.gpu.num_free
     ctx = zmq.Context()
-    fake = deployment_socket(ctx, zmq.DEALER)
+    fake = deployment_socket(ctx, zmq.DEALER, address=dst.address)
     fake.connect(dst.address)
     try:
         fake.send(pack(["reserve", "r", 1, offer, move_ticket.sign(
@@ -467,7 +469,7 @@ def test_malformed_messages_on_the_migration_port_are_dropped(cores):
     goes on serving (a move right after works)."""
     src, dst = cores("a"), cores("b")
     ctx = zmq.Context()
-    peer = deployment_socket(ctx, zmq.DEALER)
+    peer = deployment_socket(ctx, zmq.DEALER, address=dst.address)
     peer.connect(dst.address)
     try:
         peer.send(b"\xc1 not msgpack")

@@ -49,7 +49,7 @@ class Peer:
 
     def __init__(self, address: str, secret: str | None = SECRET) -> None:
         self.ctx = zmq.Context()
-        self.sock = deployment_socket(self.ctx, zmq.DEALER, secret) if secret else \
+        self.sock = deployment_socket(self.ctx, zmq.DEALER, secret, address) if secret else \
             self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(address)
@@ -81,11 +81,11 @@ def peers():
 
 
 def test_a_stranger_cannot_connect_and_learns_nothing(cores, peers):
-    """No keys, or another deployment's: the handshake fails, so a check (the prefix
-    cache oracle), a forged commit (the hijack, the poisoned cache) and an abort of a
-    running request are never read; the request runs to its end, nothing is cached or
+    """Over tcp, no keys or another deployment's: the handshake fails, so a check (the
+    prefix cache oracle), a forged commit (the hijack, the poisoned cache) and an abort of
+    a running request are never read; the request runs to its end, nothing is cached or
     held, and a peer of the deployment is answered right after."""
-    dst = cores("b")
+    dst = cores("b", migration_host="127.0.0.1")
     dst.add("victim", PROMPT, 40)
     started(dst, "victim", 2)
     offer = offer_of()
@@ -108,8 +108,9 @@ def test_a_stranger_cannot_connect_and_learns_nothing(cores, peers):
 
 
 def test_strangers_get_no_answer(cores, peers):
-    """Whatever a stranger sends, nothing comes back (no model id, no counts, no error)."""
-    dst = cores("b")
+    """Whatever a stranger sends over tcp, nothing comes back (no model id, no counts, no
+    error)."""
+    dst = cores("b", migration_host="127.0.0.1")
     stranger = peers(dst.address, None)
     stranger.send(["check", "r", 1, offer_of(), ticket("r")])
     member = peers(dst.address)
@@ -312,6 +313,8 @@ def test_a_constraint_compiles_beside_the_loop_while_its_move_waits(cores, peers
 
 
 def test_the_port_on_one_machine_is_a_socket_in_a_private_folder(cores):
+    """ipc:// (the default): a socket file in a folder of mode 0700, so no other local
+    user can connect."""
     core = cores("b")
     assert core.address.startswith("ipc://")
     folder = os.path.dirname(core.address.removeprefix("ipc://"))
