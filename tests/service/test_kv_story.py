@@ -165,7 +165,7 @@ def test_metrics_export_the_reasons(stack):
         return 0.0
 
     def scraped() -> str:
-        return stack.api("GET", "/metrics", user=None).text
+        return stack.api("GET", "/metrics").text  # (staff's token: /metrics is staff's)
 
     stack.wait(lambda: sample(scraped(), "kvops:missed_prompt_tokens_by_reason_total",
                               engine="a", reason="operator_evict") > 0, "a heartbeat", 30)
