@@ -83,6 +83,13 @@ class EngineSerializer(serializers.ModelSerializer):
                   "config", "metrics", "started_at", "last_heartbeat"]
         read_only_fields = fields
 
+    def to_representation(self, instance):
+        from kvops.visibility import config_for
+        data = super().to_representation(instance)
+        request = self.context.get("request")
+        data["config"] = config_for(instance.config, getattr(request, "user", None))
+        return data
+
     def get_state(self, engine: Engine) -> str:
         """The status, or `paused` while an operator holds a ready engine's steps."""
         from kvops.selectors import engine_state
