@@ -349,7 +349,8 @@ class EngineConsumer(_Consumer):
         await self.accept_live()
         await self.send_json({
             "type": "hello", "engine": self.name, "status": engine.status, "alive": alive,
-            "config": engine.config, "metrics": engine.metrics,
+            "config": visibility.config_for(engine.config, self.scope["user"]),
+            "metrics": engine.metrics,
             "operator": self.scope["user"].is_staff})
 
     async def on_subscribe(self, message: dict) -> None:

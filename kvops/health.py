@@ -39,7 +39,7 @@ def healthz(request: HttpRequest) -> JsonResponse:
     ok = all(v == "ok" for v in checks.values())
     status = 200 if ok else 503
     alive = sum(e["alive"] for e in engines)
-    if not _signed_in(request):
+    if signed_in_user(request) is None:
         return JsonResponse({"ok": ok, "checks": {k: "ok" if v == "ok" else "error"
                                                   for k, v in checks.items()},
                              "engines_alive": alive}, status=status)
@@ -47,13 +47,17 @@ def healthz(request: HttpRequest) -> JsonResponse:
                          "engines_alive": alive}, status=status)
 
 
-def _signed_in(request: HttpRequest) -> bool:
+def signed_in_user(request: HttpRequest):
+    """The user of the request's session or API token (`Authorization: Token <key>`),
+    None for an anonymous caller: the probes outside the REST API (/healthz, /metrics)
+    read who asks this one way."""
     if getattr(request, "user", None) is not None and request.user.is_authenticated:
-        return True
+        return request.user
     try:
-        return TokenAuthentication().authenticate(request) is not None
+        found = TokenAuthentication().authenticate(request)
     except (AuthenticationFailed, DatabaseError):
-        return False
+        return None
+    return None if found is None else found[0]
 
 
 @require_http_methods(["GET", "HEAD"])

@@ -27,18 +27,12 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 
 class BadJSON(ValueError):
-    """The body is not JSON this service takes (HTTP 400); the message says why."""
+    """The body is not JSON this service takes (HTTP 400); the message says why, and
+    param names the top-level field at fault (None: the body as a whole)."""
 
-
-def _refuse_constant(name: str):
-    raise BadJSON(f"`{name}` is not JSON: send a number")
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise BadJSON(f"the number {text[:40]} is too large for a 64-bit float")
-    return value
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 def parse(raw: bytes) -> Any:
@@ -47,35 +41,60 @@ def parse(raw: bytes) -> Any:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise BadJSON("the body is not valid JSON: it is not UTF-8 text") from None
+    # NaN, the infinities and numbers past a float's range are read as what Python makes
+    # of them, then refused by the field that holds the first one
+    not_finite: list[str] = []  # their texts, in order
+
+    def constant(name: str) -> float:
+        not_finite.append(f"`{name}` is not JSON: send a number")
+        return math.nan
+
+    def floating(number: str) -> float:
+        value = float(number)
+        if not math.isfinite(value):
+            not_finite.append(f"the number {number[:40]} is too large for a 64-bit float")
+        return value
+
     try:
-        value = json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
+        value = json.loads(text, parse_constant=constant, parse_float=floating)
     except RecursionError:
         raise BadJSON("the body's JSON is nested too deeply") from None
     except BadJSON:
         raise
     except ValueError as e:
         raise BadJSON(f"the body is not valid JSON ({e})") from None
+    if not_finite:
+        where = _field_of(value, _not_finite)
+        raise BadJSON(f"`{where}`: {not_finite[0]}", where)
     if _SURROGATE_ESCAPE.search(raw):
-        where = _lone_surrogate(value)
+        where = _field_of(value, _lone_surrogate)
         if where is not None:
             raise BadJSON(f"`{where}` holds a lone UTF-16 surrogate (such as \\ud800), "
-                          "which is not text: send valid Unicode")
+                          "which is not text: send valid Unicode", where)
     return value
 
 
-def _lone_surrogate(value: Any) -> str | None:
-    """The top-level field (or "body") in which a string cannot be encoded as UTF-8, or
-    None. Iterative: the value may be nested as deep as the decoder allowed."""
+def _not_finite(item: Any) -> bool:
+    return isinstance(item, float) and not math.isfinite(item)
+
+
+def _lone_surrogate(item: Any) -> bool:
+    """A string that cannot be encoded as UTF-8."""
+    return isinstance(item, str) and not _encodes(item)
+
+
+def _field_of(value: Any, bad) -> str | None:
+    """The top-level field (or "body") holding a value, or a key, for which bad() is
+    true, or None. Iterative: the value may be nested as deep as the decoder allowed."""
     stack: list[tuple[Any, str]] = [(value, "body")]
     while stack:
         item, field = stack.pop()
-        if isinstance(item, str):
-            if not _encodes(item):
-                return field
-        elif isinstance(item, dict):
+        if bad(item):
+            return field
+        if isinstance(item, dict):
             for key, child in item.items():
                 name = key if field == "body" else field
-                if not _encodes(key):
+                if bad(key):
                     return name
                 stack.append((child, name))
         elif isinstance(item, list):

@@ -2,12 +2,14 @@
 engine told (engine/kv_story.py, kept on the job's row) with what only the service
 knows added: the router's view when it chose (`routing`: the hit on the engine chosen
 and the best one), the routing miss it implies (`other_engine`), and for a viewer who
-is not staff, other users' request ids hidden."""
+is not staff, other users' request ids hidden and a miss under another tenant's cache
+salt told as `never_cached`."""
 from __future__ import annotations
 
 import re
 from datetime import datetime, timezone
 
+from kvops import visibility
 from kvops.models import Job
 
 # request ids the service gives: "job-<job id>-<attempt>", a sample's "/<i>" after it
@@ -38,6 +40,9 @@ def document(job: Job, viewer) -> dict:
                          else "its engine told no KV story (it keeps no KV history, or the "
                               "job ran before stories were kept)")
     miss = doc["first_miss"]
+    if miss and miss["reason"] == "salt" and not visibility.sees_everything(viewer):
+        # (before the routing's reading, which a never_cached miss would get)
+        miss = doc["first_miss"] = _never_cached(miss["block"])
     if miss and miss["reason"] in _ROUTING_MAY_EXPLAIN and routing["best_engine"] and \
             routing["best_engine"] != job.engine and \
             routing["best_hit_tokens"] > miss["block"] * bs:
@@ -47,7 +52,7 @@ def document(job: Job, viewer) -> dict:
                       f"tokens of this prompt's prefix when the job was routed, engine "
                       f"{job.engine} held {routing['hit_tokens'] or 'none'}; it ran on "
                       f"{job.engine} ({_why_there(job)})"}
-    if not viewer.is_staff:
+    if not visibility.sees_everything(viewer):
         _seal(doc, viewer)
     return doc
 
@@ -112,9 +117,19 @@ def _why_there(job: Job) -> str:
     return routing.get("reason") or f"routing policy {routing.get('policy')!r}"
 
 
+def _never_cached(block: int) -> dict:
+    """A first miss at `block` as the engine tells one it never held (its words, so that
+    a sealed `salt` miss reads as any other)."""
+    return {"block": block, "reason": "never_cached", "at": None, "by": None,
+            "detail": f"no block on this engine has held block {block}'s hash since it "
+                      "started"}
+
+
 def _seal(doc: dict, viewer) -> None:
     """Other users' request ids become "another user's request" for a viewer who is not
-    staff (operators' names and the viewer's own requests stay)."""
+    staff (operators' names and the viewer's own requests stay). A `salt` miss reads
+    `never_cached`, without the other tenant's hash: told "cached under another salt", a
+    user could test guesses of another tenant's prompt (docs/security.md)."""
     ids = {_REQUEST_ID.fullmatch(x["by"]) for x in [doc["first_miss"] or {}, *doc["preemptions"]]
            if x.get("by")}
     job_ids = {int(m[1]) for m in ids if m}

@@ -56,6 +56,11 @@ class NotAllowed(InvalidParam):
 
 
 # --- types -----------------------------------------------------------------------------------
+def is_number(value: Any) -> bool:
+    """A JSON number: an int or a float, not a boolean (which Python counts as an int)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def integer(name: str, value: Any, default: Any, lo: int, hi: int) -> Any:
     """An integer in [lo, hi] (a boolean is not one); default if not sent."""
     if value is None:
@@ -70,8 +75,7 @@ def number(name: str, value: Any, default: float | None, lo: float, hi: float,
     """A number in [lo, hi] (in (lo, hi] if above_lo) as a float; default if not sent."""
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) \
-            or not lo <= value <= hi:
+    if not is_number(value) or not lo <= value <= hi:
         raise InvalidParam(name, f"`{name}` must be a number in "
                                  f"{'(' if above_lo else '['}{lo:g}, {hi:g}]")
     if above_lo and value <= lo:
@@ -294,8 +298,7 @@ def logit_bias(value) -> dict | None:
             shown = repr(key) if len(str(key)) <= 20 else repr(str(key)[:20]) + "…"
             raise InvalidParam("logit_bias", f"`logit_bias` keys must be token ids (at most "
                                              f"{_TOKEN_ID_DIGITS} digits 0-9), not {shown}")
-        if isinstance(bias, bool) or not isinstance(bias, (int, float)) \
-                or not LOGIT_BIAS[0] <= bias <= LOGIT_BIAS[1]:
+        if not is_number(bias) or not LOGIT_BIAS[0] <= bias <= LOGIT_BIAS[1]:
             raise InvalidParam("logit_bias", f"`logit_bias` values must be numbers in "
                                              f"[{LOGIT_BIAS[0]:g}, {LOGIT_BIAS[1]:g}]")
         out[str(int(key))] = float(bias)

@@ -4,12 +4,13 @@ from __future__ import annotations
 import hmac
 
 from django.conf import settings
-from django.http import HttpRequest, HttpResponse
+from django.http import HttpRequest, HttpResponse, JsonResponse
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
                                     HistogramMetricFamily)
 
 from kvops import metrics_store, selectors
+from kvops.health import signed_in_user
 from kvops.models import Job
 
 # (metric, engine metrics key, help, kind)
@@ -134,6 +135,30 @@ SOURCES = [("local_compute", lambda m: m["prefix_cache_queries"] - m["prefix_cac
            ("external_kv_transfer", _from_outside)]
 
 
+def _refusal(request: HttpRequest) -> JsonResponse | None:
+    """None if the caller may read the metrics, else the JSON 401 or 403 saying why."""
+    if settings.KVOPS_METRICS_PUBLIC:
+        return None
+    token = settings.KVOPS_METRICS_TOKEN
+    scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+    if token and scheme.lower() == "bearer" and \
+            hmac.compare_digest(given.strip().encode(), token.encode()):
+        return None
+    user = signed_in_user(request)
+    if user is not None and user.is_staff:
+        return None
+    how = ("send `Authorization: Bearer <KVOPS_METRICS_TOKEN>`" if token
+           else "set KVOPS_METRICS_TOKEN on the server and send it as "
+                "`Authorization: Bearer <token>`")
+    if user is not None:
+        return JsonResponse({"error": f"/metrics is for staff and scrapers: {how}"},
+                            status=403)
+    response = JsonResponse({"error": f"/metrics needs a token: {how}, or sign in as staff"},
+                            status=401)
+    response["WWW-Authenticate"] = 'Bearer realm="metrics"'
+    return response
+
+
 def _kv_story_families(engines):
     """Preemptions and missed prompt tokens by reason, prompt tokens by source, block
     residency, and the router's regret."""
@@ -182,17 +207,14 @@ def _kv_story_families(engines):
 
 
 def metrics(request: HttpRequest) -> HttpResponse:
-    """With KVOPS_METRICS_TOKEN set, only scrapers sending `Authorization: Bearer <it>`
-    are answered (Prometheus: `authorization: {credentials: ...}` in the scrape config)."""
-    token = settings.KVOPS_METRICS_TOKEN
-    if token:
-        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(),
-                                                                 token.encode()):
-            response = HttpResponse("metrics need `Authorization: Bearer <KVOPS_METRICS_TOKEN>`\n",
-                                    status=401, content_type="text/plain")
-            response["WWW-Authenticate"] = 'Bearer realm="metrics"'
-            return response
+    """Answered to a scraper sending `Authorization: Bearer <KVOPS_METRICS_TOKEN>`
+    (Prometheus: `authorization: {credentials_file: ...}` in the scrape config) and to
+    staff (a session or an API token); to anyone under KVOPS_METRICS_PUBLIC. Its counters
+    move with every user's requests (a `salt` miss with each guess of another tenant's
+    prompt: docs/security.md), so it is an operator channel."""
+    refusal = _refusal(request)
+    if refusal is not None:
+        return refusal
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Collector())
     return HttpResponse(generate_latest(registry),

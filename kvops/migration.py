@@ -19,7 +19,7 @@ from django.conf import settings
 
 from engine import move_ticket
 from engine.errors import InvalidRequestError, InvalidStateError
-from kvops import selectors
+from kvops import audit_chain, selectors
 from kvops.engine_config import engine_secret
 from kvops.routing import load_tokens
 from kvops.models import Engine, Job, OperatorAction
@@ -157,10 +157,10 @@ def _drain(client, targets: list[str]) -> None:
 def _audit(engine: str, request_id: str, to: str, result: dict) -> None:
     """Each move of a drain, in the operator log."""
     try:
-        OperatorAction.objects.create(
+        audit_chain.seal(OperatorAction(
             user=None, engine=engine, action="migrate", target=request_id,
             params={"to": to, "by": "drain"}, ok=bool(result.get("ok")),
-            status_code=200 if result.get("ok") else 409, result=result)
+            status_code=200 if result.get("ok") else 409, result=result))
     except Exception as e:  # noqa: BLE001
         log.warning("drain of %s: the move of %s was not logged: %s", engine, request_id, e)
 

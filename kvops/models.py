@@ -133,7 +133,10 @@ class Job(models.Model):
 
 
 class OperatorAction(models.Model):
-    user = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL)
+    """One row of the operator log, chained once final (kvops/audit_chain.py): nobody
+    changes it after. Its user cannot be deleted (the MAC covers who acted): deactivate
+    them instead."""
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.PROTECT)
     created_at = models.DateTimeField(auto_now_add=True, db_index=True)
     engine = models.CharField(max_length=64)
     action = models.CharField(max_length=32)
@@ -146,6 +149,10 @@ class OperatorAction(models.Model):
     idempotency_key = models.CharField(
         max_length=128, blank=True, default="",
         help_text="the client's Idempotency-Key: a retried action returns this answer")
+    # owned by audit_chain.seal(): the row's position in the chain (None: not final yet)
+    # and the MAC over the previous row's MAC and this row's content
+    seq = models.PositiveBigIntegerField(null=True, blank=True, unique=True, editable=False)
+    mac = models.CharField(max_length=64, blank=True, default="", editable=False)
 
     class Meta:
         ordering = ["-id"]

@@ -130,7 +130,7 @@ def _parse(request: HttpRequest) -> dict:
     try:
         body = json_body.parse(request.body or b"null")
     except json_body.BadJSON as e:
-        raise BadRequest(str(e)) from None
+        raise BadRequest(str(e), e.param) from None
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object")
     return body

@@ -6,7 +6,7 @@ from django.conf import settings
 from django.db import IntegrityError, transaction
 
 from engine.commands import STATE_COMMANDS
-from kvops import control, idempotency, selectors
+from kvops import audit_chain, control, idempotency, selectors
 from kvops.idempotency import KeyReused
 from kvops.models import Engine, OperatorAction
 from kvops.routing import SHARED_QUEUE
@@ -53,7 +53,7 @@ def operator_action(user, engine: Engine, action: str, target: str, arguments: d
     else:
         status, body = ERROR_STATUS.get(reply.get("error"), 500), reply
     row.ok, row.status_code, row.result = status == 200, status, body
-    row.save()
+    audit_chain.seal(row)
     if status == 200 and action in STATE_COMMANDS:
         # the worker wrote the engine's new state (its heartbeat) before it answered: the
         # next read of the engines must see it

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from functools import partial
 from typing import Any, AsyncIterator
@@ -41,6 +42,7 @@ RESPONSE_FIELDS = {"model", "input", "instructions", "max_output_tokens", "tempe
 _RENAMED = {"max_tokens": "max_output_tokens", "messages": "input",
             "response_format": "text.format"}
 PREFIX = "resp_"
+_RESPONSE_ID = re.compile(PREFIX + r"[0-9]{1,18}")
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
 
@@ -217,13 +219,21 @@ def parse(body: dict, owner, idempotency_key: str, history: list[dict]) -> intak
 
 
 # --- stored responses ----------------------------------------------------------------------
+def job_id_of(response_id: Any, field: str) -> int:
+    """The job id in a response id ("resp_<digits>"); InvalidParam naming `field` for
+    anything else (ASCII digits only: "²".isdigit() is True, and int() refuses it; at
+    most 18, so that the id fits the database's integer)."""
+    if not isinstance(response_id, str) or not _RESPONSE_ID.fullmatch(response_id):
+        raise InvalidParam(field, f"`{field}` must be a response id, {PREFIX} followed by "
+                                  f"digits (not {str(response_id)[:40]!r})")
+    return int(response_id[len(PREFIX):])
+
+
 def history_of(response_id: Any, owner) -> list[dict]:
     """The conversation a stored response of `owner` ends with, its output included, for
     a call that continues it (its instructions left out, as OpenAI leaves them)."""
-    if not isinstance(response_id, str) or not response_id.startswith(PREFIX) \
-            or not response_id[len(PREFIX):].isdigit():
-        raise NotStored(f"previous_response_id {response_id!r} names no response")
-    job = Job.objects.filter(pk=int(response_id[len(PREFIX):]), owner=owner).first()
+    job_id = job_id_of(response_id, "previous_response_id")
+    job = Job.objects.filter(pk=job_id, owner=owner).first()
     meta = (job.params or {}).get("response") if job is not None else None
     if meta is None or not meta.get("store"):
         raise NotStored(f"no stored response {response_id!r}")
@@ -379,10 +389,13 @@ async def responses(request: HttpRequest, user) -> HttpResponse:
 async def response(request: HttpRequest, user, response_id: str) -> HttpResponse:
     """GET /v1/responses/<id>: a stored response of the caller's."""
 
+    try:
+        job_id = job_id_of(response_id, "response_id")
+    except InvalidParam as e:
+        return openai_api._error(400, str(e), e.param)
+
     def read() -> Job | None:
-        if not response_id.startswith(PREFIX) or not response_id[len(PREFIX):].isdigit():
-            return None
-        job = Job.objects.filter(pk=int(response_id[len(PREFIX):]), owner=user).first()
+        job = Job.objects.filter(pk=job_id, owner=user).first()
         meta = (job.params or {}).get("response") if job is not None else None
         return job if meta is not None and meta.get("store") else None
 

@@ -138,5 +138,10 @@ def engines_serving(model: str) -> list[Engine]:
 
 def model_name(engine: Engine) -> str:
     """The name clients use for an engine's model: its folder name."""
-    model = str(engine.config.get("model") or "unknown")
+    return config_model_name(engine.config)
+
+
+def config_model_name(config: dict) -> str:
+    """The model's name in an engine's config (describe_config): its folder's name."""
+    model = str((config or {}).get("model") or "unknown")
     return model.rstrip("/").split("/")[-1].split(":")[0]

@@ -269,8 +269,10 @@ KVOPS_STREAM_STALL_S = float(os.environ.get("KVOPS_STREAM_STALL_S", 30))
 KVOPS_STREAM_UPDATES_PER_S = float(os.environ.get("KVOPS_STREAM_UPDATES_PER_S", 10_000))
 KVOPS_HEARTBEAT_S = float(os.environ.get("KVOPS_HEARTBEAT_S", 2))
 KVOPS_ENGINE_DEAD_AFTER_S = float(os.environ.get("KVOPS_ENGINE_DEAD_AFTER_S", 15))
-# /metrics answers only `Authorization: Bearer <this>` when set (empty: anyone may scrape).
+# /metrics answers `Authorization: Bearer <this>` (when set) and staff, nobody else...
 KVOPS_METRICS_TOKEN = os.environ.get("KVOPS_METRICS_TOKEN", "")
+# ...unless it is made public on purpose (1: anyone may scrape, as before)
+KVOPS_METRICS_PUBLIC = env_bool("KVOPS_METRICS_PUBLIC", False)
 # A queued job whose task has not reached the broker this long after its commit is sent
 # by the reaper (the send failed, or the web process died before it).
 KVOPS_OUTBOX_AFTER_S = float(os.environ.get("KVOPS_OUTBOX_AFTER_S", 10))

@@ -6,7 +6,7 @@ from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, render
 
 from engine.kv_story import FIRST_MISS_REASONS
-from kvops import selectors, tenancy
+from kvops import selectors, tenancy, visibility
 from kvops.models import Engine, Job
 
 ACTIONS_SHOWN = 200
@@ -16,7 +16,8 @@ ACTIONS_SHOWN = 200
 def overview(request: HttpRequest) -> HttpResponse:
     engines = list(selectors.engines())
     cards = [{"name": e.name, "status": e.status, "alive": selectors.engine_alive(e),
-              "state": selectors.engine_state(e), "config": e.config, "metrics": e.metrics}
+              "state": selectors.engine_state(e),
+              "config": visibility.config_for(e.config, request.user), "metrics": e.metrics}
              for e in engines]
     return render(request, "kvops/overview.html", {"engines": engines, "cards": cards})
 
@@ -26,7 +27,8 @@ def engine_page(request: HttpRequest, name: str) -> HttpResponse:
     engine = get_object_or_404(Engine, name=name)
     # tenant: the label of this user's requests in the engine's state (kvops/tenancy.py)
     # miss_reasons: each first-miss reason in words (the KV stories, static/kvops/kv_story.js)
-    page = {"name": engine.name, "operator": request.user.is_staff, "config": engine.config,
+    page = {"name": engine.name, "operator": request.user.is_staff,
+            "config": visibility.config_for(engine.config, request.user),
             "tenant": tenancy.tenant(request.user), "miss_reasons": FIRST_MISS_REASONS}
     return render(request, "kvops/engine.html",
                   {"engine": engine, "page": page, "operator": request.user.is_staff})

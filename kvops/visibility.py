@@ -10,6 +10,9 @@ never reach the engine's views. The sealing applies to every way the state leave
 service: the snapshot (REST and websocket), the live deltas, the event history (REST and
 websocket) and the timeline.
 
+An engine's configuration (its registered config, and the snapshot's) reaches a plain
+user without addresses and filesystem paths (plain_config).
+
 Deltas and snapshots travel as zlib JSON encoded once for everyone; a plain viewer's
 copy is sealed once per process and frame (an LRU shared by all of them).
 """
@@ -24,12 +27,39 @@ from engine.kv_feed import decode, encode
 HASH_ARRAYS = ("hash32",)
 HASH_EVENT_FIELDS = ("block_hashes",)
 POOLS = ("gpu", "cpu")
+# What a plain user may read of an engine's config (describe_config): sizes, policies and
+# formats the pages show. An allow-list, not a list of what to hide: a field the engine
+# adds later (an address, a path, a key) stays staff's until it is named here. Left out
+# now: migration_address, disk_cache_dir, model_path, tokenizer_path, kv_cache_scales (a
+# file); `model` is given as its name, not its path.
+PLAIN_CONFIG_FIELDS = (
+    "block_size", "num_gpu_blocks", "num_cpu_blocks", "dtype", "device", "max_model_len",
+    "vocab_size", "max_num_seqs", "max_num_batched_tokens", "preemption_mode",
+    "scheduling_policy", "enable_prefix_caching", "cpu_prefix_cache", "eviction_policy",
+    "pin_budget", "disk_cache_bytes", "kv_bytes_per_block", "kv_cache_dtype", "kv_format",
+    "simulate", "sliding_window", "kv_group_windows", "tensor_parallel_size", "role",
+    "rank_memory")
 _FRAMES_KEPT = 64
 
 
 def sees_everything(user) -> bool:
     """Staff see every hash; a plain user none but their own requests'."""
     return bool(getattr(user, "is_staff", False))
+
+
+def plain_config(config: dict | None) -> dict:
+    """An engine's config as a plain user may read it: PLAIN_CONFIG_FIELDS, and the
+    model's name."""
+    from kvops.selectors import config_model_name  # (a reader of the engines' rows)
+    config = config or {}
+    out = {k: config[k] for k in PLAIN_CONFIG_FIELDS if k in config}
+    out["model"] = config_model_name(config)
+    return out
+
+
+def config_for(config: dict | None, viewer) -> dict:
+    """An engine's config as `viewer` may read it."""
+    return (config or {}) if sees_everything(viewer) else plain_config(config)
 
 
 def seal_event(record: dict) -> dict:
@@ -45,8 +75,11 @@ def seal_events(records: list[dict]) -> list[dict]:
 
 def seal_document(doc: dict) -> dict:
     """A snapshot or a delta (decoded) as a plain viewer may have it: no hash arrays,
-    events without hashes, and `sealed: true` so that the page says why."""
+    events without hashes, the config without addresses and paths, and `sealed: true`
+    so that the page says why."""
     out = dict(doc)
+    if isinstance(out.get("config"), dict):
+        out["config"] = plain_config(out["config"])
     for pool in POOLS:
         if isinstance(out.get(pool), dict) and any(k in out[pool] for k in HASH_ARRAYS):
             out[pool] = {k: v for k, v in out[pool].items() if k not in HASH_ARRAYS}

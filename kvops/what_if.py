@@ -25,6 +25,7 @@ from engine.capacity import StepCost
 from engine.config import ConfigError, EngineConfig
 from engine.errors import EngineError
 from engine.replay_stats import replay_stats
+from kvops import audit_chain
 from kvops.idempotency import HEADER, KeyReused
 from kvops.models import Engine, OperatorAction, WhatIfRun
 from kvops.what_if_trace import build_trace, window
@@ -213,6 +214,7 @@ def start(user, engine: Engine, minutes: int, max_jobs: int, changes: dict,
                 raise Busy(f"{busy} what-if runs of engine {engine.name} are queued or "
                            f"running; wait for one to end")
             run = WhatIfRun.objects.create(engine=engine.name, user=user, params=params)
+            # stored now (its idempotency key taken), sealed once its answer is known
             audit = OperatorAction.objects.create(
                 user=user, engine=engine.name, action="what-if", target=str(run.pk),
                 params=params, ok=True, status_code=202, result={"run": run.pk},
@@ -229,9 +231,10 @@ def start(user, engine: Engine, minutes: int, max_jobs: int, changes: dict,
     except Exception as e:  # noqa: BLE001  (the broker is away: say so, keep nothing queued)
         error = f"could not be queued: {type(e).__name__}: {e}"
         _fail(run.pk, error)
-        OperatorAction.objects.filter(pk=audit.pk).update(
-            ok=False, status_code=503, result={"run": run.pk, "error": error})
+        audit.ok, audit.status_code, audit.result = False, 503, {"run": run.pk, "error": error}
+        audit_chain.seal(audit)
         raise Unavailable(f"the what-if task could not be queued: {e}") from None
+    audit_chain.seal(audit)
     _prune(engine.name)
     return run
 

@@ -11,7 +11,7 @@ from rest_framework import serializers
 
 from engine.capacity import StepCost
 from engine.config import EVICTION_POLICIES, KV_CACHE_DTYPES, PREEMPTION_MODES
-from kvops import job_store
+from kvops import job_store, limits
 from kvops.models import Engine, Job, OperatorAction, WhatIfRun
 from kvops.what_if import MAX_POOL_TOKENS, SETTINGS
 from kvops.what_if_trace import MAX_JOBS, MAX_MINUTES
@@ -42,9 +42,13 @@ class TextField(serializers.CharField):
 
 
 class FiniteFloatField(serializers.FloatField):
-    """A FloatField that refuses NaN and infinities (JSON parsers let them through)."""
+    """A FloatField that takes JSON numbers only (DRF's takes `true` as 1 and "0.5" as
+    0.5) and refuses NaN and infinities (JSON parsers let them through): the operator
+    API's one reader of numbers that may have a fraction."""
 
     def to_internal_value(self, data):
+        if not limits.is_number(data):
+            raise serializers.ValidationError("must be a number")
         value = super().to_internal_value(data)
         if not math.isfinite(value):
             raise serializers.ValidationError("must be a finite number")
@@ -82,6 +86,13 @@ class EngineSerializer(serializers.ModelSerializer):
         fields = ["name", "worker", "host", "status", "state", "alive", "heartbeat_age_s",
                   "config", "metrics", "started_at", "last_heartbeat"]
         read_only_fields = fields
+
+    def to_representation(self, instance):
+        from kvops.visibility import config_for
+        data = super().to_representation(instance)
+        request = self.context.get("request")
+        data["config"] = config_for(instance.config, getattr(request, "user", None))
+        return data
 
     def get_state(self, engine: Engine) -> str:
         """The status, or `paused` while an operator holds a ready engine's steps."""
@@ -124,7 +135,7 @@ class EmptySerializer(StrictMixin, serializers.Serializer):
 
 
 class MigrateSerializer(StrictMixin, serializers.Serializer):
-    to = serializers.CharField(max_length=64, help_text="the engine to move the request to")
+    to = TextField(max_length=64, help_text="the engine to move the request to")
     staged = serializers.BooleanField(
         required=False, default=True,
         help_text="copy its full blocks while it keeps running, then stop it for the last "
@@ -136,8 +147,8 @@ class DrainSerializer(StrictMixin, serializers.Serializer):
         ["wait", "migrate", "abort"], required=False, default="wait",
         help_text="wait: its requests finish here; migrate: they move to the other engines "
                   "of its model; abort: they end now")
-    to = serializers.CharField(max_length=64, required=False, allow_null=True, default=None,
-                               help_text="migrate: the one engine to move them to")
+    to = TextField(max_length=64, required=False, allow_null=True, default=None,
+                   help_text="migrate: the one engine to move them to")
 
     def validate(self, data):
         if data.get("to") and data.get("mode") != "migrate":

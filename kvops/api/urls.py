@@ -1,8 +1,8 @@
-from django.urls import path
+from django.urls import path, re_path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 from rest_framework.routers import DefaultRouter
 
-from kvops.api import timeline, views
+from kvops.api import errors, timeline, views
 
 router = DefaultRouter()
 router.register("jobs", views.JobViewSet, basename="job")
@@ -30,4 +30,5 @@ urlpatterns = [
            {"action": action}, name=f"engine-{action}")
       for action in views.EngineActionView.ACTIONS),
     *router.urls,
+    re_path(r"^(?P<path>.*)$", errors.not_found),  # after every /api route
 ]

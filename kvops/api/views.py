@@ -171,7 +171,7 @@ class EngineViewSet(viewsets.ReadOnlyModelViewSet):
         snapshot = selectors.engine_snapshot(engine.name)
         if snapshot is not None and not visibility.sees_everything(request.user):
             snapshot = visibility.seal_document(snapshot)
-        return Response({"engine": EngineSerializer(engine).data, "snapshot": snapshot})
+        return Response({"engine": self.get_serializer(engine).data, "snapshot": snapshot})
 
     @extend_schema(
         parameters=[

@@ -1,11 +1,12 @@
 // The disk tier of the prefix cache (engine/disk_tier.py) as the engine page shows it:
 // counts and a hit share, not a block map, as it may hold millions of blocks. Read from
-// the engine's config (disk_cache_dir, disk_cache_bytes: the budget) and its metrics
-// (the disk_* counters, present only when the engine has a disk tier).
+// the engine's config (disk_cache_bytes: the budget, 0 without a tier; its folder is
+// staff's) and its metrics (the disk_* counters, present only when the engine has a
+// disk tier).
 import { byteSize, num, pct } from "./format.js";
 
 export function hasDiskTier(config) {
-  return Boolean(config?.disk_cache_dir);
+  return Boolean(config?.disk_cache_bytes);
 }
 
 // The share of all queried prompt tokens that came from disk (null before any query).

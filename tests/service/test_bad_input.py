@@ -207,3 +207,59 @@ def test_the_web_answers_while_hostile_schemas_are_refused(stack):
         assert answer.status_code == 400, answer.text[:300]
         assert "nested more than 64 levels deep" in answer.text
     assert waits and max(waits) < 1.0, waits
+
+
+def test_a_response_id_of_non_ascii_digits_is_a_400_naming_it(stack):
+    """"²".isdigit() is True in Python and int("²") raises: both answered 500."""
+    body = {"model": "simulated-v1", "input": "x", "max_output_tokens": 2}
+    for bad in ("resp_\u00b2", "resp_\u0661\u0662", "resp_" + "9" * 40, "nonsense", 5):
+        answer = _v1(stack, "/v1/responses", {**body, "previous_response_id": bad})
+        assert answer.status_code == 400, (bad, answer.text[:300])
+        assert answer.json()["error"]["param"] == "previous_response_id", answer.text[:300]
+    for bad in ("resp_\u00b2", "resp_" + "9" * 40):
+        answer = requests.get(f"{stack.url}/v1/responses/{bad}", timeout=60,
+                              headers={"Authorization": f"Bearer {stack.tokens['alice']}"})
+        assert answer.status_code == 400 and answer.json()["error"]["param"] == "response_id", \
+            (bad, answer.text[:300])
+    missing = requests.get(f"{stack.url}/v1/responses/resp_999999999", timeout=60,
+                           headers={"Authorization": f"Bearer {stack.tokens['alice']}"})
+    assert missing.status_code == 404, missing.text[:300]  # well formed, not stored
+
+
+# Operator bodies on an engine that does not exist: a body the API takes gets a 404 for
+# the engine, one it refuses a 400 naming the field (checked first)
+@pytest.mark.parametrize("path, body, field", [
+    ("retention/", {"pin_budget": True}, "pin_budget"),  # a boolean is not a number
+    ("retention/", {"pin_budget": "0.5"}, "pin_budget"),
+    ("prefix-cache/pin/", {"prompt": "x", "soft": True, "ttl_s": True}, "ttl_s"),
+    ("what-if/", {"pin_budget": False}, "pin_budget"),
+    ("requests/job-1-0/migrate/", {"to": 5}, "to"),  # an engine's name is a string
+    ("drain/", {"mode": "migrate", "to": 5}, "to"),
+])
+def test_operator_bodies_take_numbers_and_names_of_their_own_type(stack, path, body, field):
+    answer = stack.api("POST", f"/api/engines/nowhere/{path}", json=body)
+    assert answer.status_code == 400, answer.text[:300]
+    assert field in answer.json()["fields"], answer.text[:300]
+
+
+def test_nan_and_numbers_past_a_float_name_their_field(stack):
+    v1 = _v1(stack, "/v1/completions",
+             b'{"model": "simulated-v1", "prompt": "x", "temperature": NaN}')
+    assert v1.status_code == 400 and v1.json()["error"]["param"] == "temperature", v1.text
+    rest = _rest(stack, b'{"prompt": "x", "max_tokens": 2, "top_p": 1e999}')
+    assert rest.status_code == 400 and "`top_p`" in rest.json()["error"], rest.text
+    pin = stack.api("POST", "/api/engines/nowhere/retention/", data=b'{"pin_budget": -Infinity}',
+                    headers={"Content-Type": "application/json"})
+    assert pin.status_code == 400 and "`pin_budget`" in pin.text, pin.text
+
+
+@pytest.mark.parametrize("path", ["/api/nothing-here/", "/api/jobs/1/nothing/", "/api/x/y/z/"])
+def test_a_path_the_api_does_not_serve_is_a_json_404(stack, path):
+    for user in ("alice", None):
+        answer = stack.api("GET", path, user=user)
+        assert answer.status_code in (401, 403, 404), answer.text[:300]
+        assert answer.headers["Content-Type"].startswith("application/json"), answer.text[:300]
+    assert stack.api("GET", path, user="alice").status_code == 404
+    v1 = requests.get(f"{stack.url}/v1/nothing-here", timeout=60)
+    assert v1.status_code in (401, 404) and v1.headers["Content-Type"].startswith(
+        "application/json"), v1.text[:300]

@@ -46,7 +46,7 @@ def test_an_fp8_engine_through_the_service(fp8_stack):
     spec = SPECS["gqa16"]
     head_dim = spec.hidden_size // spec.num_heads
     assert config["kv_bytes_per_block"] == spec.num_layers * 2 * 8 * spec.num_kv_heads * head_dim
-    metrics = s.api("GET", "/metrics", user=None).text
+    metrics = s.api("GET", "/metrics").text
     line = next(x for x in metrics.splitlines() if x.startswith("kvops:cache_config_info{")
                 and 'engine="fp8"' in x)
     assert 'cache_dtype="fp8_e4m3"' in line

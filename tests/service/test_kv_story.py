@@ -85,8 +85,11 @@ def test_two_plain_users_same_prompt_different_salts(stack):
     prompt = "Tenants never share a cached prefix unless staff pin one. " * 3
     alices = run(stack, prompt, "a", user="alice")
     bobs = run(stack, prompt, "a", user="bob")
+    # bob is told what his own salt's cache says: never cached (a "salt" miss would tell
+    # him that another tenant sent these tokens); staff see the engine's reason
     miss = story(stack, bobs, user="bob")["first_miss"]
-    assert miss["reason"] == "salt" and miss["block"] == 0
+    assert miss["reason"] == "never_cached" and miss["block"] == 0, miss
+    assert story(stack, bobs)["first_miss"]["reason"] == "salt"
     # a story is its job owner's (and staff's): another user gets a 404
     assert stack.api("GET", f"/api/jobs/{alices['id']}/kv/", user="bob").status_code == 404
     assert stack.api("GET", f"/api/jobs/{alices['id']}/kv/", user="admin").status_code == 200
@@ -162,7 +165,7 @@ def test_metrics_export_the_reasons(stack):
         return 0.0
 
     def scraped() -> str:
-        return stack.api("GET", "/metrics", user=None).text
+        return stack.api("GET", "/metrics").text  # (staff's token: /metrics is staff's)
 
     stack.wait(lambda: sample(scraped(), "kvops:missed_prompt_tokens_by_reason_total",
                               engine="a", reason="operator_evict") > 0, "a heartbeat", 30)
@@ -205,3 +208,36 @@ def test_openai_usage_splits_cached_tokens_by_tier(stack):
         assert r.status_code == 200, r.text
     details = r.json()["usage"]["input_tokens_details"]
     assert details["cached_tokens_by_tier"]["gpu"] == details["cached_tokens"] > 0
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_plain_user_is_never_told_salt_nor_another_tenants_hash(client):
+    """The audit's oracle: a plain user guessing another tenant's prompt read `salt` and
+    that tenant's short hash on her own job's story. She reads `never_cached`, with the
+    engine's words for it; staff read the engine's story."""
+    from django.contrib.auth.models import User
+
+    from kvops.models import Job
+    foreign = "c0ffee12"
+    told = {"block_size": 4, "prompt_tokens": 9, "cached_tokens": {"gpu": 0, "cpu": 0, "disk": 0},
+            "hashes": ["aa11bb22", "cc33dd44"], "sources": {"gpu": 0, "cpu": 0, "disk": 0},
+            "first_miss": {"block": 0, "reason": "salt", "at": None, "by": None,
+                           "detail": "the tokens of block 0 are cached under another "
+                                     f"tenant's cache salt (hash {foreign}); cache salts "
+                                     "keep tenants' prefixes apart"},
+            "preemptions": [], "copy_on_write": 0, "window_freed": 0,
+            "moments": {"admitted": 1.0, "first_token": None, "preemptions": [], "ended": None}}
+    eve = User.objects.create_user("eve", password="mauve-tractor-41-lake")
+    staff = User.objects.create_user("op", password="mauve-tractor-41-lake", is_staff=True)
+    job = Job.objects.create(owner=eve, prompt="guess 0000", status=Job.Status.FINISHED,
+                             engine="a", request_id="job-1-0", kv_story=told)
+    client.force_login(eve)
+    doc = client.get(f"/api/jobs/{job.pk}/kv/").json()
+    assert doc["first_miss"]["reason"] == "never_cached", doc["first_miss"]
+    assert doc["first_miss"]["detail"] == ("no block on this engine has held block 0's "
+                                           "hash since it started")
+    assert "salt" not in str(doc) and foreign not in str(doc)
+    assert [b["hash"] for b in doc["blocks"]] == ["aa11bb22", "cc33dd44", None]  # her own
+    client.force_login(staff)
+    doc = client.get(f"/api/jobs/{job.pk}/kv/").json()
+    assert doc["first_miss"]["reason"] == "salt" and foreign in doc["first_miss"]["detail"]

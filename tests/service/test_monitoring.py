@@ -15,11 +15,19 @@ METRIC = re.compile(r"\bkvops:[a-z0-9_]+")
 SUFFIXES = ("_total", "_bucket", "_sum", "_count", "_created")
 
 
-def exported(rf) -> set[str]:
-    """Families /metrics declares (its # TYPE lines), and their samples' names."""
+def scrape(rf, settings) -> str:
+    """/metrics as Prometheus scrapes it: with the token."""
     from kvops.metrics_view import metrics
 
-    text = metrics(rf.get("/metrics")).content.decode()
+    settings.KVOPS_METRICS_TOKEN = "scrape-secret-2"
+    answer = metrics(rf.get("/metrics", HTTP_AUTHORIZATION="Bearer scrape-secret-2"))
+    assert answer.status_code == 200, answer.content
+    return answer.content.decode()
+
+
+def exported(rf, settings) -> set[str]:
+    """Families /metrics declares (its # TYPE lines), and their samples' names."""
+    text = scrape(rf, settings)
     families = set(re.findall(r"^# TYPE (kvops:\S+) (\w+)", text, re.M))
     names = set()
     for family, kind in families:
@@ -43,8 +51,8 @@ def dashboard_exprs() -> list[str]:
     return exprs
 
 
-def test_every_metric_the_rules_and_the_dashboard_name_is_exported(rf):
-    names = exported(rf)
+def test_every_metric_the_rules_and_the_dashboard_name_is_exported(rf, settings):
+    names = exported(rf, settings)
     assert "kvops:request_queue_time_seconds_bucket" in names  # the queue-wait alert's
     rules = alert_rules()
     assert {r["alert"] for r in rules} >= {"KVOpsEngineDown", "KVOpsKVCacheFull",
@@ -75,6 +83,17 @@ def test_prometheus_loads_the_rules_and_compose_mounts_them():
             source = volume.split(":")[0]
             assert (DEPLOY.parent / source).exists(), source
     assert any(v.endswith(":/etc/prometheus/alerts.yml:ro") for v in prometheus["volumes"])
+    # /metrics answers no one without its token: Prometheus reads it from the compose
+    # secret that holds the web's KVOPS_METRICS_TOKEN
+    [job] = config["scrape_configs"]
+    token_file = job["authorization"]["credentials_file"]
+    [secret] = prometheus["secrets"]
+    assert token_file == f"/run/secrets/{secret}"
+    compose_doc = yaml.safe_load((DEPLOY.parent / "docker-compose.yml").read_text())
+    assert compose_doc["secrets"][secret] == {"environment": "KVOPS_METRICS_TOKEN"}
+    assert compose["web"]["environment"]["KVOPS_METRICS_TOKEN"].startswith(
+        "${KVOPS_METRICS_TOKEN")
+    assert "KVOPS_METRICS_PUBLIC" not in compose["web"]["environment"]
     assert grafana["environment"]["GF_SECURITY_ADMIN_PASSWORD"].startswith(
         "${GRAFANA_ADMIN_PASSWORD:?")  # no default password
     datasource = yaml.safe_load(
@@ -84,8 +103,7 @@ def test_prometheus_loads_the_rules_and_compose_mounts_them():
     assert {p["datasource"]["uid"] for p in dashboard["panels"]} == {uid}
 
 
-def test_cache_config_info_names_each_engines_kv_dtype_and_block_bytes(rf):
-    from kvops.metrics_view import metrics
+def test_cache_config_info_names_each_engines_kv_dtype_and_block_bytes(rf, settings):
     from kvops.registry import register_engine
 
     register_engine("fp8", "w1", "h", "i1", {"block_size": 16, "dtype": "bfloat16",
@@ -97,7 +115,7 @@ def test_cache_config_info_names_each_engines_kv_dtype_and_block_bytes(rf):
                                              "kv_cache_dtype": "auto", "kv_format": "bfloat16",
                                              "num_gpu_blocks": 4500, "num_cpu_blocks": 0,
                                              "kv_bytes_per_block": 294912}, "s1")
-    text = metrics(rf.get("/metrics")).content.decode()
+    text = scrape(rf, settings)
     lines = {line.split("engine=\"")[1].split("\"")[0]: line for line in text.splitlines()
              if line.startswith("kvops:cache_config_info{")}
     assert 'cache_dtype="fp8_e4m3"' in lines["fp8"] and 'kv_bytes_per_block="147456"' in lines["fp8"]

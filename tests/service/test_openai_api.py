@@ -62,8 +62,7 @@ def test_errors_are_openai_shaped(client, stack):
 
 def test_metrics_and_healthz(stack, client):
     client.completions.create(model="simulated-v1", prompt="for the metrics", max_tokens=3)
-    import requests
-    text = requests.get(f"{stack.url}/metrics", timeout=10).text
+    text = stack.api("GET", "/metrics").text  # (staff's token: /metrics is staff's)
     for name in ("kvops:kv_cache_usage_perc", "kvops:prefix_cache_queries_total",
                  "kvops:prefix_cache_hits_total", "kvops:num_preemptions_total",
                  "kvops:num_swaps_out_total", "kvops:num_requests_running",

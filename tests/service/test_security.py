@@ -1,5 +1,5 @@
 """Production defaults in this process: the first admin's password written for its
-owner only (0600, O_EXCL), /metrics behind its token, /healthz telling anonymous callers
+owner only (0600, O_EXCL), /metrics for its token and staff only, /healthz telling anonymous callers
 the status only."""
 import stat
 
@@ -24,15 +24,35 @@ def test_the_admin_credentials_file_is_private(tmp_path, settings, monkeypatch):
     assert User.objects.get(username="admin").check_password(password)
 
 
-def test_metrics_need_the_token_when_one_is_set(settings, rf):
-    from kvops.metrics_view import metrics
-    assert metrics(rf.get("/metrics")).status_code == 200  # no token set: open
-    settings.KVOPS_METRICS_TOKEN = "scrape-secret-1"
-    refused = metrics(rf.get("/metrics"))
+def test_metrics_answer_their_token_and_staff_only(settings, client):
+    """Its counters move with every user's requests (a `salt` miss with each guess of
+    another tenant's prompt): anonymous callers and plain users are refused, in JSON."""
+    settings.KVOPS_METRICS_TOKEN = ""
+    refused = client.get("/metrics")
     assert refused.status_code == 401 and refused["WWW-Authenticate"].startswith("Bearer")
-    assert metrics(rf.get("/metrics", HTTP_AUTHORIZATION="Bearer wrong")).status_code == 401
-    ok = metrics(rf.get("/metrics", HTTP_AUTHORIZATION="Bearer scrape-secret-1"))
+    assert "KVOPS_METRICS_TOKEN" in refused.json()["error"]
+    settings.KVOPS_METRICS_TOKEN = "scrape-secret-1"
+    assert client.get("/metrics").status_code == 401
+    assert client.get("/metrics", HTTP_AUTHORIZATION="Bearer wrong").status_code == 401
+    ok = client.get("/metrics", HTTP_AUTHORIZATION="Bearer scrape-secret-1")
     assert ok.status_code == 200 and b"kvops:" in ok.content
+
+    plain = User.objects.create_user("plain", password="mauve-tractor-41-lake")
+    staff = User.objects.create_user("staffer", password="mauve-tractor-41-lake",
+                                     is_staff=True)
+    plain_token = Token.objects.create(user=plain).key
+    staff_token = Token.objects.create(user=staff).key
+    assert client.get("/metrics", HTTP_AUTHORIZATION=f"Token {plain_token}").status_code == 403
+    assert client.get("/metrics", HTTP_AUTHORIZATION=f"Token {staff_token}").status_code == 200
+    client.force_login(plain)
+    refused = client.get("/metrics")
+    assert refused.status_code == 403 and "staff" in refused.json()["error"]
+    client.force_login(staff)
+    assert client.get("/metrics").status_code == 200
+    client.logout()
+
+    settings.KVOPS_METRICS_PUBLIC = True  # the explicit opt-out
+    assert client.get("/metrics").status_code == 200
 
 
 def test_healthz_tells_anonymous_callers_the_status_only(rf, monkeypatch):

@@ -182,3 +182,46 @@ def test_the_victim_sees_its_own_hashes_on_its_job(stack, victim):
     assert len(entry["block_hashes"]) == len(entry["block_table"]) >= 4
     assert all(h is None or len(h) == 8 for h in entry["block_hashes"])
     assert sum(h is not None for h in entry["block_hashes"]) >= 4  # its full blocks
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_plain_user_reads_no_address_or_path_of_an_engine(client):
+    """GET /api/engines/ gave every user the engine's migration address, its disk tier's
+    folder and its model's and tokenizer's paths. A plain user reads the sizes and
+    policies and the model's name; staff read the whole config."""
+    from django.contrib.auth.models import User
+
+    from kvops import visibility
+    from kvops.registry import register_engine
+    secret = {"migration_address": "tcp://10.1.2.3:5599", "disk_cache_dir": "/srv/kv/disk",
+              "model_path": "/srv/models/SmolLM2-135M", "kv_cache_scales": "/srv/scales.json",
+              "tokenizer_path": "/srv/models/SmolLM2-135M", "kv_events_endpoint": "tcp://*:5557"}
+    config = {"block_size": 16, "num_gpu_blocks": 64, "num_cpu_blocks": 0,
+              "model": "/srv/models/SmolLM2-135M", "disk_cache_bytes": 1 << 30,
+              "eviction_policy": "lru", **secret}
+    register_engine("cfg", "w@h", "h", "i1", config)
+    plain = User.objects.create_user("carol", password="mauve-tractor-41-lake")
+    staff = User.objects.create_user("opal", password="mauve-tractor-41-lake", is_staff=True)
+
+    def seen(user) -> list[str]:
+        client.force_login(user)
+        [listed] = client.get("/api/engines/").json()
+        one = client.get("/api/engines/cfg/").json()["engine"]
+        page = client.get("/engines/cfg/").content.decode()
+        overview = client.get("/").content.decode()
+        assert listed["config"] == one["config"]
+        return [json.dumps(listed["config"]), page, overview]
+
+    for text in seen(plain):
+        for value in ("10.1.2.3", "/srv/", "5557"):
+            assert value not in text, (value, text[:2000])
+    client.force_login(plain)
+    told = client.get("/api/engines/cfg/").json()["engine"]["config"]
+    assert told["model"] == "SmolLM2-135M" and told["block_size"] == 16
+    assert told["disk_cache_bytes"] == 1 << 30 and "disk_cache_dir" not in told
+    assert set(told) <= set(visibility.PLAIN_CONFIG_FIELDS) | {"model"}
+    listed, _, _ = seen(staff)
+    assert json.loads(listed) == config
+    # the snapshot (REST, websocket, timeline) carries the config too
+    sealed = visibility.seal_document({"type": "snapshot", "config": config, "gpu": {}})
+    assert sealed["config"] == told

@@ -25,6 +25,7 @@ test("sizes in binary units", () => {
 test("the disk tier shows only where the engine has one", () => {
   assert.equal(hasDiskTier(DISK), true);
   assert.equal(hasDiskTier({ disk_cache_dir: null, disk_cache_bytes: 0 }), false);
+  assert.equal(hasDiskTier({ disk_cache_bytes: 10 * GiB }), true);  // a plain user's config: no folder
   assert.equal(hasDiskTier(undefined), false);
 });
 
