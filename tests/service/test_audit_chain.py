@@ -30,7 +30,7 @@ def actions(monkeypatch) -> list[OperatorAction]:
     runs here), one with an Idempotency-Key, and a drain's move."""
     monkeypatch.setattr(control, "send_engine_command",
                         lambda worker, action, arguments: {"ok": True, "evicted": 3})
-    register_engine("audited", "w@h", "h", "i1", {"block_size": 16})
+    register_engine("audited", "w@h", "h", "i1", {"block_size": 16}, "s1")
     staff = User.objects.create_user("auditor", password="mauve-tractor-41-lake",
                                      is_staff=True)
     client = APIClient()

@@ -199,7 +199,7 @@ def test_a_plain_user_reads_no_address_or_path_of_an_engine(client):
     config = {"block_size": 16, "num_gpu_blocks": 64, "num_cpu_blocks": 0,
               "model": "/srv/models/SmolLM2-135M", "disk_cache_bytes": 1 << 30,
               "eviction_policy": "lru", **secret}
-    register_engine("cfg", "w@h", "h", "i1", config)
+    register_engine("cfg", "w@h", "h", "i1", config, "s1")
     plain = User.objects.create_user("carol", password="mauve-tractor-41-lake")
     staff = User.objects.create_user("opal", password="mauve-tractor-41-lake", is_staff=True)
 
