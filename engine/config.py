@@ -1,7 +1,7 @@
 """Engine configuration (the public contract in docs/design.md)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.errors import EngineError
 
@@ -52,6 +52,12 @@ class EngineConfig:
     disk_cache_dir: str | None = None
     disk_cache_bytes: int = 10 * 2**30
     disk_cache_min_hits: int = 1
+    # The deployment's secret for what the engine keeps outside itself: the disk tier
+    # seals its files with a key derived from it (engine/disk_seal.py), so that engines
+    # sharing it share the disk's blocks. The service fills it from its secret key
+    # (kvops/engine_config.py); None: the disk tier keeps a random key in its folder
+    # (disk.key). Never shown: not in repr, describe_config or a core's command line.
+    secret: str | None = field(default=None, repr=False)
     # A model mixing sliding-window and global layers (Gemma 2, 3) keeps a block table
     # per layer group, so that its sliding layers give back what their window passed
     # (engine/kv_layout.py); off, or with cpu_prefix_cache: one table for every layer
@@ -192,6 +198,9 @@ class EngineConfig:
                f"eviction_policy must be one of {', '.join(EVICTION_POLICIES)}, "
                f"got {self.eviction_policy!r}")
         _check(self.disk_cache_min_hits >= 0, "disk_cache_min_hits must be >= 0")
+        _check(self.secret is None or (isinstance(self.secret, str) and len(self.secret) >= 32),
+               "secret must be a string of at least 32 characters (e.g. 64 hex digits), "
+               "or None")
         _check(self.kv_cache_dtype in KV_CACHE_DTYPES,
                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                f"got {self.kv_cache_dtype!r}")

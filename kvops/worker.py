@@ -105,7 +105,7 @@ def _start_engine(sender=None, **kwargs) -> None:
     from kvops import live, registry
     from kvops.reaper import reap
     from kvops.engine_client import make_engine_client
-    from kvops.engine_config import config_from_env
+    from kvops.engine_config import config_from_env, engine_secret
     from kvops.job_stream import StreamProducer
     from kvops.migration import watch_moved_in
     from kvops.output_processor import OutputProcessor
@@ -113,8 +113,10 @@ def _start_engine(sender=None, **kwargs) -> None:
     from kvops.prompts import tokenizer_for
     from kvops.publisher import EnginePublisher
 
-    # the share of a batch one user may hold: the service-wide one unless set per engine
-    config = config_from_env(os.environ, {"max_batch_share": settings.KVOPS_MAX_BATCH_SHARE})
+    # the share of a batch one user may hold: the service-wide one unless set per engine;
+    # the engine's secret (its disk tier's key) from the service's secret key
+    config = config_from_env(os.environ, {"max_batch_share": settings.KVOPS_MAX_BATCH_SHARE,
+                                          "secret": engine_secret(settings.SECRET_KEY)})
     mode = settings.KVOPS_ENGINE_CORE
     log.info("starting engine %s (core: %s)", config.name, mode)
     tokenizer = tokenizer_for(config)

@@ -1,6 +1,7 @@
 """The disk tier's store (engine/disk_tier.py): blocks as files that survive a restart,
-a checksum and the engine's identity on each (a bad or foreign file is a miss, deleted
-and counted), LRU within a byte budget, writes behind that close() finishes."""
+sealed for the engine's identity (a bad or foreign file is a miss, deleted and counted),
+LRU within a byte budget, writes behind that close() finishes. What it promises against
+other users and forged files: tests/engine/test_disk_security.py."""
 from __future__ import annotations
 
 import os
@@ -8,6 +9,7 @@ import time
 
 import pytest
 
+from engine.disk_seal import file_bytes
 from engine.disk_tier import DiskStore
 
 IDENTITY = {"model": "m", "kv_format": "float32", "block_size": 4, "block_bytes": 64}
@@ -77,7 +79,7 @@ def test_a_block_of_another_model_is_never_read(store, tmp_path):
 
 
 def test_the_least_recently_used_blocks_go_for_room(store):
-    size = 8 + 2 + 16 + 2 + 8 + 4 + 32 + 64  # header, hash, payload
+    size = file_bytes(64)
     s = store(capacity=3 * size)
     for i in range(3):
         s.put(h(i), payload(i))
@@ -194,17 +196,15 @@ def test_a_corrupt_block_and_another_models_blocks_are_misses(tmp_path):
     ask(engine, "hit", first)
     flood(engine)
     engine.close()
-    store_root = next(p for p in tmp_path.iterdir() if p.is_dir())
-    files = sorted(store_root.glob("*/*.blk"))
     hashes = hash_blocks(root_hash(engine.runner.model_id, None), first, BLOCK)
-    corrupt = store_root / hashes[3].hex()[:2] / f"{hashes[3].hex()}.blk"
-    assert corrupt in files
+    corrupt = engine.kv.disk.store._path(hashes[3])
+    assert corrupt.exists()
     data = bytearray(corrupt.read_bytes())
     data[-5] ^= 0x10
     corrupt.write_bytes(bytes(data))
     restarted = disk_engine(tmp_path)
     back = ask(restarted, "back", first)
-    # the first three blocks came back; the fourth failed its checksum: recomputed
+    # the first three blocks came back; the fourth failed its checks: recomputed
     assert back.num_cached_tokens == 12 and back.output_token_ids == expected(first, 6)
     # (the reader thread, reading ahead, may be the one that finds it bad: a moment later)
     deadline = time.monotonic() + 30
