@@ -331,9 +331,10 @@ def test_below_the_gpu_a_model_with_layer_groups_is_refused(tmp_path):
 
 
 def test_a_core_stopped_by_sigterm_finishes_its_disk_writes_and_dies_by_it(tmp_path):
-    """The engine core as a process (as a worker runs it), stopped by a process group's
-    SIGTERM: it closes its engine first (the disk's writes finish), then dies of the
-    signal; an engine started on the folder finds the blocks."""
+    """The engine core as a process (as a worker runs it, its secret on stdin), stopped
+    by a process group's SIGTERM: it closes its engine first (the disk's writes finish),
+    then dies of the signal; an engine started on the folder with the same secret finds
+    the blocks."""
     import signal
     import time
 
@@ -344,7 +345,8 @@ def test_a_core_stopped_by_sigterm_finishes_its_disk_writes_and_dies_by_it(tmp_p
     config = EngineConfig(simulate=True, simulate_tokenizer="bytes", vocab_size=1000,
                           block_size=BLOCK, num_gpu_blocks=16, num_cpu_blocks=12,
                           cpu_prefix_cache=True, max_num_batched_tokens=64,
-                          disk_cache_dir=str(tmp_path / "disk"), name="core")
+                          disk_cache_dir=str(tmp_path / "disk"), name="core",
+                          secret="a deployment's secret, 32 characters or more")
     ctx = zmq.Context()
     core = CoreProcess(config, ctx, str(tmp_path))
     try:
@@ -363,7 +365,7 @@ def test_a_core_stopped_by_sigterm_finishes_its_disk_writes_and_dies_by_it(tmp_p
         core.to_core.close(linger=0)
         core.from_core.close(linger=0)
         ctx.term()
-    restarted = disk_engine(tmp_path / "disk")
+    restarted = disk_engine(tmp_path / "disk", secret=config.secret)
     warm = ask(restarted, "warm", first)
     assert warm.num_cached_tokens == 28 and warm.output_token_ids == expected(first, 6)
     restarted.close()
