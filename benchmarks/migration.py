@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import random
 import shutil
 import statistics
@@ -47,7 +46,7 @@ import zmq
 
 from engine import keys, move_ticket
 from engine.config import EngineConfig
-from engine.core_proc import pack, unpack
+from engine.core_proc import core_command, pack, unpack
 
 SECRET = keys.random_secret()  # the two cores' deployment secret (the service's, in one)
 
@@ -60,14 +59,11 @@ class CoreProcess:
         self.to_core.bind(f"ipc://{folder}/{config.name}-in")
         self.from_core = ctx.socket(zmq.PULL)
         self.from_core.bind(f"ipc://{folder}/{config.name}-out")
-        fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
-                  if f.name != "secret"}
-        self.proc = subprocess.Popen([
-            sys.executable, "-m", "engine.core_proc", "--config", json.dumps(fields),
-            "--input", f"ipc://{folder}/{config.name}-in",
-            "--output", f"ipc://{folder}/{config.name}-out", "--no-kv-view", "--nice", "0",
-            "--log-level", "WARNING", "--secret-stdin"], stdin=subprocess.PIPE)
-        self.proc.stdin.write(f"{config.secret}\n".encode())
+        argv, stdin = core_command(config, f"ipc://{folder}/{config.name}-in",
+                                   f"ipc://{folder}/{config.name}-out", "--no-kv-view",
+                                   "--nice", "0", "--log-level", "WARNING")
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE)
+        self.proc.stdin.write(stdin)
         self.proc.stdin.close()
         self.name = config.name
         ready = self.wait_for(lambda m: m[0] == "ready", 900)

@@ -25,16 +25,23 @@ model's forward passes run and its K/V is what the tiers carry, time still simul
   every block the CPU tier lets go, which a restart's first requests then find too.
 
 Printed per run: the prefix hit rate, prompt tokens computed, the time to first token
-(p50, p99, simulated), and where the hits came from.
+(p50, p99, simulated), and where the hits came from. Then what sealing the disk tier's
+files costs (engine/disk_seal.py, AES-256-GCM; the CRC-32 it replaced beside it): MB/s
+of one CPU core sealing and opening blocks of the default model's size, per K/V dtype
+(`--seal-only`: that table alone). The replays' time is simulated: a tier's copies and
+its sealing cost nothing in it.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import random
 import shutil
 import sys
 import tempfile
+import time
+import zlib
 from pathlib import Path
 
 from engine.capacity import StepCost
@@ -114,18 +121,60 @@ def fp8_of(config: EngineConfig, grow: int) -> EngineConfig:
 
 def blocks_per_gib(block_size: int) -> str:
     """The default model's blocks per GiB by K/V dtype (when it has been converted)."""
+    sizes = default_block_bytes(block_size)
+    if not sizes:
+        return ""
+    return ("Blocks of " + str(block_size) + " tokens per GiB on the default model: "
+            + ", ".join(f"{name} {2**30 // size:,}" for name, size in sizes.items()))
+
+
+def default_block_bytes(block_size: int) -> dict[str, int]:
+    """The default model's bytes a block by K/V dtype (when it has been converted)."""
     from engine.default_model import default_model_dir
     from engine.loader import read_model_folder
 
     try:
         a = read_model_folder(default_model_dir()).args
     except Exception:  # noqa: BLE001  (not converted here: say nothing)
-        return ""
+        return {}
     per_value = 2 * a.n_layers * block_size * a.n_kv_heads * a.head_dim
-    sizes = [(name, 2**30 // (per_value * b)) for name, b in
-             (("float32", 4), ("bfloat16", 2), ("fp8", 1))]
-    return ("Blocks of " + str(block_size) + " tokens per GiB on the default model: "
-            + ", ".join(f"{name} {n:,}" for name, n in sizes))
+    return {name: per_value * b for name, b in (("float32", 4), ("bfloat16", 2), ("fp8", 1))}
+
+
+def seal_rates(block_bytes: int, seconds: float = 1.0) -> dict[str, float]:
+    """MB/s (10^6 bytes of K/V) of sealing and opening blocks of block_bytes on this
+    thread, and of the CRC-32 the files had before."""
+    from engine.disk_seal import BlockSeal
+
+    seal = BlockSeal(os.urandom(32), b"d" * 16)
+    payload, block_hash = os.urandom(block_bytes), os.urandom(32)
+    sealed = b"".join(seal.seal(0, block_hash, payload))
+
+    def rate(work) -> float:
+        n, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            work()
+            n += 1
+        return n * block_bytes / (time.perf_counter() - start) / 1e6
+
+    assert seal.open(0, block_hash, sealed) == payload
+    return {"seal": rate(lambda: seal.seal(0, block_hash, payload)),
+            "open": rate(lambda: seal.open(0, block_hash, sealed)),
+            "crc32": rate(lambda: zlib.crc32(payload))}
+
+
+def print_seal_costs(block_size: int) -> None:
+    sizes = default_block_bytes(block_size) or {"the simulator's": block_size * 8}
+    print(f"Sealing the disk tier's files (AES-256-GCM), one core, blocks of {block_size} "
+          "tokens of the default model")
+    print("| K/V dtype | block | seal MB/s | open MB/s | CRC-32 MB/s (before) | "
+          "seal + open per block, ms |")
+    print("|" + "---|" * 6)
+    for name, size in sizes.items():
+        r = seal_rates(size)
+        per_block = size / 1e6 * (1 / r["seal"] + 1 / r["open"]) * 1e3
+        print(f"| {name} | {size // 1024} KiB | {r['seal']:,.0f} | {r['open']:,.0f} | "
+              f"{r['crc32']:,.0f} | {per_block:.3f} |")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -148,7 +197,12 @@ def main(argv: list[str] | None = None) -> int:
                         "(its forward passes run; time is still simulated)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--seal-only", action="store_true",
+                   help="only what sealing the disk tier's files costs")
     args = p.parse_args(argv)
+    if args.seal_only:
+        print_seal_costs(args.block_size)
+        return 0
     work = multi_turn(args.conversations, args.turns, args.message, args.reply, args.gap_s,
                       args.rate)
     cost = StepCost(args.step_base_ms, args.step_token_ms)
@@ -210,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {r['name']} | {r['requests']} | {100 * r['hit_rate']:.1f}% | "
               f"{100 * r['cpu_share']:.1f}% | {100 * r['disk_share']:.1f}% | {r['computed']:,} | "
               f"{r['ttft_p50']:.3f} | {r['ttft_p99']:.3f} | {r['preemptions']} |")
+    print()
+    print_seal_costs(args.block_size)
     return 0
 
 

@@ -52,6 +52,14 @@ class EngineConfig:
     disk_cache_dir: str | None = None
     disk_cache_bytes: int = 10 * 2**30
     disk_cache_min_hits: int = 1
+    # The deployment's secret (engine/keys.py): the disk tier seals its files with a key
+    # derived from it (engine/disk_seal.py), so that engines sharing it share the disk's
+    # blocks; the migration port's keys and the tickets that allow each move come from
+    # it too. The service gives every engine the same one, derived from its secret key
+    # (kvops/engine_config.py); None: the disk tier keeps a random key in its folder
+    # (disk.key) and the migration port takes a random one (it then admits no one).
+    # Never shown: not in repr, describe_config or a core's command line.
+    secret: str | None = field(default=None, repr=False)
     # A model mixing sliding-window and global layers (Gemma 2, 3) keeps a block table
     # per layer group, so that its sliding layers give back what their window passed
     # (engine/kv_layout.py); off, or with cpu_prefix_cache: one table for every layer
@@ -124,14 +132,9 @@ class EngineConfig:
     # that only this user may enter (ipc://); else it binds this host's tcp `migration_port`
     # (0: a free one), a host the other engines reach on a private network ("0.0.0.0"
     # binds every interface and gives the machine's name). It tells its address to the
-    # service. Either way the port speaks CurveZMQ with keys from `secret`.
+    # service. Over tcp the port speaks CurveZMQ with keys from `secret`.
     migration_host: str = ""
     migration_port: int = 0
-    # The deployment's secret (engine/keys.py): the migration port's keys, the tickets
-    # that allow each move and the disk tier's key come from it. The service gives every
-    # engine the same one (derived from its SECRET_KEY), never on a command line; None:
-    # a random one at start (this engine's port then admits no one)
-    secret: str | None = field(default=None, repr=False)
     # Prefill/decode on separate engines: "prefill" runs prompts and hands each request
     # to the decode engine the router chose for it once its first token is out (it
     # decodes it itself if there is none, or the move fails); "decode" takes no routed
@@ -178,8 +181,6 @@ class EngineConfig:
         _check(self.max_pending_events >= 0, "max_pending_events must be >= 0")
         _check(self.kv_history_blocks >= 0, "kv_history_blocks must be >= 0")
         _check(0 <= self.migration_port < 65536, "migration_port must be in [0, 65535]")
-        _check(self.secret is None or (isinstance(self.secret, str) and len(self.secret) >= 32),
-               "secret must be None or a string of at least 32 characters")
         _check(self.role in ROLES, f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
         _check(0.0 <= self.kv_metrics_sample <= 1.0, "kv_metrics_sample must be in [0, 1]")
         _check(1 <= self.tensor_parallel_size <= 64,
@@ -201,6 +202,9 @@ class EngineConfig:
                f"eviction_policy must be one of {', '.join(EVICTION_POLICIES)}, "
                f"got {self.eviction_policy!r}")
         _check(self.disk_cache_min_hits >= 0, "disk_cache_min_hits must be >= 0")
+        _check(self.secret is None or (isinstance(self.secret, str) and len(self.secret) >= 32),
+               "secret must be a string of at least 32 characters (e.g. 64 hex digits), "
+               "or None")
         _check(self.kv_cache_dtype in KV_CACHE_DTYPES,
                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                f"got {self.kv_cache_dtype!r}")

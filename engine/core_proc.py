@@ -328,6 +328,20 @@ def raise_priority(nice: int) -> None:
         log.info("engine core: priority left as it is (%s)", e)
 
 
+def core_command(config: EngineConfig, input_address: str, output_address: str,
+                 *options: str) -> tuple[list[str], bytes]:
+    """The command line that starts a core of `config`, and what its stdin must carry:
+    the secret (EngineConfig.secret) never goes on a command line, which every user of
+    the machine may read (/proc/<pid>/cmdline), but through the core's stdin."""
+    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
+              if f.name != "secret"}
+    argv = [sys.executable, "-m", "engine.core_proc", "--config", json.dumps(fields),
+            "--input", input_address, "--output", output_address, *options]
+    if config.secret is None:
+        return argv, b""
+    return argv + ["--secret-on-stdin"], config.secret.encode() + b"\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Run an engine core for its worker.")
     parser.add_argument("--config", required=True, help="EngineConfig fields as JSON")
@@ -338,16 +352,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nice", type=int, default=CORE_NICE,
                         help=f"the niceness the core takes (default {CORE_NICE})")
     parser.add_argument("--log-level", default="INFO")
-    parser.add_argument("--secret-stdin", action="store_true",
-                        help="read the deployment's secret (EngineConfig.secret) from the first "
-                             "line of standard input (never from the command line, which "
-                             "every local user may read)")
+    parser.add_argument("--secret-on-stdin", action="store_true",
+                        help="read EngineConfig.secret from stdin's first line")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level,
                         format="%(asctime)s %(levelname)s engine-core: %(message)s")
-    config = EngineConfig(**json.loads(args.config))
-    if args.secret_stdin:
-        config.secret = sys.stdin.readline().strip() or None
+    fields = json.loads(args.config)
+    if "secret" in fields:
+        parser.error("the secret is read from stdin (--secret-on-stdin), never from the "
+                     "command line, which other users of the machine can read")
+    if args.secret_on_stdin:
+        fields["secret"] = sys.stdin.readline().rstrip("\n")
+    config = EngineConfig(**fields)
     raise_priority(args.nice)
     if not config.disk_cache_dir:
         serve(config, args.input, args.output, kv_view=not args.no_kv_view)

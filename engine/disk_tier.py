@@ -14,14 +14,17 @@ without a CPU tier, straight below the GPU pool ("the pool above" in what follow
   pool: a CPU tier hit copied into the request's GPU blocks, or a GPU hit.
 * LRU within a byte budget; a block read back counts as used.
 
-A file holds one block: a header (the format, the engine's identity: model, K/V format,
-block size and bytes a block; the block's hash; the payload's length and CRC-32) and the
-block's bytes. A file whose header names another identity, or whose payload fails its
-checksum, is a miss: deleted and counted, never wrong K/V. Files live under
-`<directory>/<identity digest>/<hash[:2]>/<hash>.blk`, written under a temporary name
-and renamed, so that a crash leaves no half block under a hash's name. An engine started
-with the same model and directory indexes what is there (oldest first), so the first
-requests after a restart hit; `close()` finishes the writes under way.
+A file holds one block, sealed with AES-GCM under a key from the deployment's secret
+(engine/disk_seal.py: the K/V encrypted, the file authenticated along with the engine's
+identity, the block's hash and the epoch), in a folder only the engine's user may write
+(engine/disk_files.py). A file that fails to open, or is not a regular file of its
+expected size, is a miss: deleted and counted, never wrong K/V. Files live under
+`<directory>/<identity digest>-<key id>/epoch-<n>/<hash[:2]>/<hash>.blk`, written under a
+temporary name and renamed, so that a crash leaves no half block under a hash's name. A
+prefix-cache reset starts the next epoch: the blocks written before it are never read
+again, and their folder is deleted behind. An engine started with the same model, key
+and directory indexes what the newest epoch holds (oldest first), so the first requests
+after a restart hit; `close()` finishes the writes under way.
 """
 from __future__ import annotations
 
@@ -31,34 +34,30 @@ import json
 import logging
 import os
 import queue
-import struct
+import re
+import shutil
+import stat
 import threading
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from engine.block_hash import BlockHash, short
 from engine.block_pool import BlockPool, KVBlock
+from engine.disk_files import NotARegularFile, key_file_secret, make_private, \
+    make_private_subfolder, own_regular_file, read_regular, write_new
+from engine.disk_seal import BlockSeal, disk_key, file_bytes, key_id
 from engine.events import EventLog
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"KVOPSBLK"
-VERSION = 1
-# magic, version, identity digest (16), block hash length, payload length, CRC-32
-_HEADER = struct.Struct("<8sH16sHQI")
 # Bytes of blocks waiting to be written; past it, the blocks the CPU tier lets go are not
 # kept (the step loop never waits for the disk)
 PENDING_MAX_BYTES = 256 * 2**20
 READY_MAX_BYTES = 64 * 2**20  # bytes read ahead and not taken yet
 ASKED_KEPT = 200_000  # hashes whose counts admission remembers (about 100 bytes each)
-
-
-def file_bytes(payload_bytes: int, hash_bytes: int = 32) -> int:
-    """What a block of payload_bytes takes on disk, header included (the budget counts
-    this)."""
-    return _HEADER.size + hash_bytes + payload_bytes
+_EPOCH = re.compile(r"epoch-(\d{1,18})")
+_BLOCK = re.compile(r"([0-9a-f]{2})[0-9a-f]*\.blk")
 
 
 def identity_digest(identity: dict) -> bytes:
@@ -72,7 +71,9 @@ class DiskStats:
     stored_bytes: int = 0
     hit_blocks: int = 0  # blocks read back (into the pool above)
     read_bytes: int = 0
-    checksum_failures: int = 0  # files that failed their checksum or named another model
+    # files that failed their checks: not a regular file of their size, another model's,
+    # or not opened by the key (forged, altered, renamed); deleted
+    checksum_failures: int = 0
     not_admitted: int = 0  # evicted blocks not written: asked for by one prompt (min_hits)
     dropped: int = 0  # evicted blocks not written: PENDING_MAX_BYTES were waiting already
     evicted_blocks: int = 0  # files deleted for room (LRU)
@@ -80,22 +81,31 @@ class DiskStats:
 
 
 class DiskStore:
-    """Blocks as files under a byte budget, written by a thread of its own."""
+    """Blocks as files under a byte budget, written by a thread of its own. `secret`: the
+    deployment's (EngineConfig.secret); None: the folder's key file (disk_files.py)."""
 
     def __init__(self, directory: str | os.PathLike, capacity_bytes: int, identity: dict,
+                 secret: bytes | None = None,
                  pending_max_bytes: int = PENDING_MAX_BYTES) -> None:
         self.identity = dict(identity)
         self.digest = identity_digest(identity)
-        self.root = Path(directory) / self.digest.hex()
-        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        folder = make_private(Path(directory))
+        key = disk_key(secret if secret is not None else key_file_secret(folder))
+        self._seal = BlockSeal(key, self.digest)
+        # blocks of another key (another deployment's secret) are in another folder
+        self.root = folder / f"{self.digest.hex()}-{key_id(key).hex()}"
+        make_private_subfolder(self.root)
         self.capacity_bytes = capacity_bytes
         self.stats = DiskStats()
         self._lock = threading.Lock()
+        # the newest epoch's folder holds the blocks (reset starts another); under _lock
+        self.epoch = self._newest_epoch()
         self._index: collections.OrderedDict[BlockHash, int] = collections.OrderedDict()
         self._bytes = 0  # of the indexed files, under _lock
         self._pending: dict[BlockHash, bytes] = {}  # queued, not written yet; under _lock
         self._pending_bytes = 0  # under _lock
         self.pending_max_bytes = pending_max_bytes
+        # (epoch, hash, payload) to write, a Path (an old epoch's folder) to delete, or None
         self._queue: queue.Queue = queue.Queue()
         # blocks that left the disk (LRU, or a failed check), not said yet: (hash, reason)
         self._gone: list[tuple[BlockHash, str]] = []
@@ -137,7 +147,7 @@ class DiskStore:
                 return False
             self._pending[block_hash] = payload
             self._pending_bytes += len(payload)
-        self._queue.put((block_hash, payload))
+            self._queue.put((self.epoch, block_hash, payload))
         return True
 
     def _refuses(self, block_hash: BlockHash, size: int) -> bool:
@@ -149,6 +159,24 @@ class DiskStore:
             self.stats.dropped += 1
             return True
         return False
+
+    def reset(self) -> int:
+        """A prefix-cache reset: the next epoch, its folder made first (so that a restart
+        finds it the newest); every block held or queued is dropped, never read again,
+        and the previous epoch's folder is deleted by the writer. How many blocks."""
+        with self._lock:
+            n = len(self._index) + len(self._pending)
+            old = self._epoch_dir(self.epoch)
+            make_private_subfolder(self._epoch_dir(self.epoch + 1))
+            self.epoch += 1
+            self._index.clear()
+            self._bytes = 0
+            self._pending.clear()
+            self._pending_bytes = 0
+            self._ready.clear()
+            self._ready_bytes = 0
+            self._queue.put(old)
+        return n
 
     def read_ahead(self, hashes: list[BlockHash]) -> int:
         """Read these blocks (those held here, in order) on the reader thread, so that
@@ -189,16 +217,21 @@ class DiskStore:
         return payload
 
     def _read(self, block_hash: BlockHash) -> bytes | None:
-        """A block's file read and checked (a bad one deleted and counted)."""
-        path = self._path(block_hash)
-        try:
-            data = path.read_bytes()
-        except OSError:
-            self._forget(block_hash)
+        """A block's file read and opened (a bad one deleted and counted)."""
+        with self._lock:
+            size, epoch = self._index.get(block_hash), self.epoch
+        if size is None:
             return None
-        payload = self._check(block_hash, data)
+        try:
+            data = read_regular(self._path(block_hash, epoch), size)
+        except NotARegularFile:
+            data = None
+        except OSError:  # (gone: deleted for room meanwhile, or by hand)
+            self._forget(block_hash, epoch)
+            return None
+        payload = None if data is None else self._seal.open(epoch, block_hash, data)
         if payload is None:
-            if self._forget(block_hash, delete=True):  # (once, if two threads read it)
+            if self._forget(block_hash, epoch, delete=True):  # (once, if two threads read it)
                 self.stats.checksum_failures += 1
                 log.warning("disk tier: block %s failed its checks; deleted", short(block_hash))
                 with self._lock:
@@ -242,34 +275,34 @@ class DiskStore:
             self._reader.join()
 
     # --- files ---------------------------------------------------------------------------
-    def _path(self, block_hash: BlockHash) -> Path:
-        name = block_hash.hex()
-        return self.root / name[:2] / f"{name}.blk"
+    def _epoch_dir(self, epoch: int) -> Path:
+        return self.root / f"epoch-{epoch}"
 
-    def _check(self, block_hash: BlockHash, data: bytes) -> bytes | None:
-        if len(data) < _HEADER.size:
-            return None
-        magic, version, digest, hash_len, length, crc = _HEADER.unpack_from(data)
-        start = _HEADER.size + hash_len
-        if magic != MAGIC or version != VERSION or digest != self.digest or \
-                data[_HEADER.size:start] != block_hash or len(data) != start + length:
-            return None
-        payload = data[start:]
-        return payload if zlib.crc32(payload) == crc else None
+    def _path(self, block_hash: BlockHash, epoch: int | None = None) -> Path:
+        name = block_hash.hex()
+        return self._epoch_dir(self.epoch if epoch is None else epoch) / name[:2] / f"{name}.blk"
+
+    def _newest_epoch(self) -> int:
+        """The newest epoch's number, its folder made if there is none; older epochs'
+        folders (a reset's, whose deletion a stop cut short) are deleted."""
+        epochs = sorted(int(m.group(1)) for entry in os.scandir(self.root)
+                        if (m := _EPOCH.fullmatch(entry.name))
+                        and entry.is_dir(follow_symlinks=False))
+        newest = epochs[-1] if epochs else 0
+        make_private_subfolder(self._epoch_dir(newest))
+        for old in epochs[:-1]:
+            _delete_folder(self._epoch_dir(old))
+        return newest
 
     def _scan(self) -> None:
-        """Index the files a previous run left (oldest first); partial ones go."""
+        """Index the block files a previous run left in the epoch's folder (oldest
+        first): regular files named for a hash, nothing else (a symlink, a FIFO, another
+        name is not the engine's); a temporary file of its own left by a crash goes."""
         found = []
-        for path in self.root.glob("*/*"):
-            if path.suffix == ".tmp":  # (a write a crash cut short)
-                path.unlink(missing_ok=True)
-                continue
-            try:
-                block_hash = bytes.fromhex(path.stem)
-                stat = path.stat()
-            except (ValueError, OSError):
-                continue
-            found.append((stat.st_mtime, block_hash, stat.st_size))
+        with os.scandir(self._epoch_dir(self.epoch)) as shards:
+            for shard in shards:
+                if len(shard.name) == 2 and shard.is_dir(follow_symlinks=False):
+                    found += self._scan_shard(Path(shard.path))
         for _, block_hash, size in sorted(found):
             self._index[block_hash] = size
             self._bytes += size
@@ -278,36 +311,55 @@ class DiskStore:
             log.info("disk tier: %d blocks (%d MiB) found in %s", len(self._index),
                      self._bytes >> 20, self.root)
 
+    @staticmethod
+    def _scan_shard(shard: Path) -> list[tuple[float, BlockHash, int]]:
+        found = []
+        with os.scandir(shard) as entries:
+            for entry in entries:
+                st = entry.stat(follow_symlinks=False)
+                if entry.name.endswith(".tmp"):  # (a write a crash cut short)
+                    if own_regular_file(st):
+                        os.unlink(entry.path)
+                    continue
+                m = _BLOCK.fullmatch(entry.name)
+                if m is None or m.group(1) != shard.name or not stat.S_ISREG(st.st_mode) \
+                        or len(entry.name) % 2:
+                    continue
+                found.append((st.st_mtime, bytes.fromhex(entry.name[:-4]), st.st_size))
+        return found
+
     def _write_loop(self) -> None:
         while True:
             item = self._queue.get()
             try:
                 if item is None:
                     return
-                self._write(*item)
+                if isinstance(item, Path):  # (an epoch before a reset)
+                    _delete_folder(item)
+                else:
+                    self._write(*item)
             except Exception:  # noqa: BLE001  (a full disk: that block is not kept)
                 log.exception("disk tier: a write failed")
-                with self._lock:
-                    if self._pending.pop(item[0], None) is not None:
-                        self._pending_bytes -= len(item[1])
+                if not isinstance(item, Path):
+                    with self._lock:
+                        if item[0] == self.epoch and \
+                                self._pending.pop(item[1], None) is not None:
+                            self._pending_bytes -= len(item[2])
             finally:
                 self._queue.task_done()
 
-    def _write(self, block_hash: BlockHash, payload: bytes) -> None:
-        header = _HEADER.pack(MAGIC, VERSION, self.digest, len(block_hash), len(payload),
-                              zlib.crc32(payload))
+    def _write(self, epoch: int, block_hash: BlockHash, payload: bytes) -> None:
         size = file_bytes(len(payload), len(block_hash))
         with self._lock:
+            if epoch != self.epoch:  # (queued before a reset: not the cache's any more)
+                return
             self._evict_for(size)
-        path = self._path(block_hash)
-        path.parent.mkdir(exist_ok=True, mode=0o700)
-        tmp = path.with_suffix(".tmp")
-        with open(tmp, "wb") as f:
-            f.write(header)
-            f.write(block_hash)
-            f.write(payload)
-        os.replace(tmp, path)
+        path = self._path(block_hash, epoch)
+        make_private_subfolder(path.parent)
+        write_new(path.parent, path.name, self._seal.seal(epoch, block_hash, payload))
         with self._lock:
+            if epoch != self.epoch:  # (a reset meanwhile: its folder goes after this)
+                return
             if self._pending.pop(block_hash, None) is not None:
                 self._pending_bytes -= len(payload)
             self._index[block_hash] = size
@@ -328,9 +380,12 @@ class DiskStore:
                 self._ready_bytes -= len(ready)
             self._path(block_hash).unlink(missing_ok=True)
 
-    def _forget(self, block_hash: BlockHash, delete: bool = False) -> bool:
-        """Drop a block from the index (and its file); whether it was there."""
+    def _forget(self, block_hash: BlockHash, epoch: int, delete: bool = False) -> bool:
+        """Drop a block of this epoch from the index (and its file); whether it was
+        there."""
         with self._lock:
+            if epoch != self.epoch:  # (a reset dropped it already)
+                return False
             size = self._index.pop(block_hash, None)
             if size is not None:
                 self._bytes -= size
@@ -338,8 +393,13 @@ class DiskStore:
             if ready is not None:
                 self._ready_bytes -= len(ready)
         if delete and size is not None:
-            self._path(block_hash).unlink(missing_ok=True)
+            self._path(block_hash, epoch).unlink(missing_ok=True)
         return size is not None
+
+
+def _delete_folder(folder: Path) -> None:
+    """Delete a folder of the tier's (symlinks inside are removed, never followed)."""
+    shutil.rmtree(folder, onerror=lambda *a: log.warning("disk tier: could not delete %s", a[1]))
 
 
 class DiskTier:
@@ -397,9 +457,17 @@ class DiskTier:
             self._events.emit("BlockEvicted", pool="disk", reason=reason,
                               detail="disk tier: " + ("least recently used, for room"
                                                       if reason == "evicted" else
-                                                      "failed its checksum; deleted"),
+                                                      "failed its checks (a file this "
+                                                      "engine's key does not open, or not "
+                                                      "a regular file); deleted"),
                               block_ids=[], block_hashes=[short(h) for h in hashes],
                               ref_cnts=[], hashes=hashes if self._events.full else None)
+
+    def reset(self) -> int:
+        """A prefix-cache reset: the disk's blocks are never served again (the store's
+        next epoch), and what prompts asked for is forgotten; how many blocks."""
+        self._asked.clear()
+        return self.store.reset()
 
     def note_evicted(self, evicted: list[tuple[int, BlockHash]]) -> None:
         """The pool above is reusing these cached blocks (their bytes still in place): the

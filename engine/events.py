@@ -48,7 +48,8 @@ REASONS = {
     "priority": "a request of higher priority needed the blocks",
     "operator": "an operator's command",
     "migration": "the request moved to another engine",
-    "corrupt": "a disk tier block failed its checksum or named another model",
+    "corrupt": "a disk tier block failed its checks (its file not opened by the disk key, "
+               "or not a regular file)",
 }
 
 

@@ -10,7 +10,7 @@ derived with HMAC-SHA256 (a key for one purpose tells nothing of another's):
   two pairs; a peer that lacks the secret cannot complete the handshake.
 * "migration ticket": the HMAC key of the tickets the service signs for each move
   (engine/move_ticket.py).
-* "disk tier": the disk tier's key (engine/disk_tier.py).
+* "disk tier": the disk tier's AES-GCM key (engine/disk_seal.py).
 
 An engine with no secret (the plain `LLMEngine` API, a test) makes a random one at start:
 its migration port then takes nobody, which is the safe default.
@@ -32,11 +32,13 @@ def random_secret() -> str:
     return secrets.token_hex(SECRET_BYTES)
 
 
-def derive(secret: str, purpose: str) -> bytes:
-    """The 32-byte key for `purpose` under the deployment's `secret`."""
+def derive(secret: str | bytes, purpose: str) -> bytes:
+    """The 32-byte key for `purpose` under the deployment's `secret` (or a key file's
+    bytes, the disk tier's without one)."""
     if not secret:
         raise ValueError("no secret to derive a key from")
-    return hmac.new(secret.encode(), b"kvops key: " + purpose.encode(), hashlib.sha256).digest()
+    raw = secret.encode() if isinstance(secret, str) else secret
+    return hmac.new(raw, b"kvops key: " + purpose.encode(), hashlib.sha256).digest()
 
 
 def curve_pair(secret: str, role: str) -> tuple[bytes, bytes]:

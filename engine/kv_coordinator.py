@@ -514,12 +514,15 @@ class KVCacheCoordinator:
             self.gpu.unpin(block)
         n = self.gpu.forget_all_hashes()
         n_cpu = self.cpu.forget_all_hashes()
+        # the disk tier's blocks too: served after a reset, a poisoned block would outlive it
+        n_disk = self.disk.reset() if self.disk is not None else 0
         self._events.emit("AllBlocksCleared", num_tokens=n * self.block_size, reason="reset",
                           by=by or "operator",
                           detail=f"{n} cached blocks forgotten, {len(unpinned)} unpinned"
-                          + (f", {n_cpu} on the CPU tier" if n_cpu else ""))
+                          + (f", {n_cpu} on the CPU tier" if n_cpu else "")
+                          + (f", {n_disk} on disk" if n_disk else ""))
         return {"num_blocks_forgotten": n, "num_blocks_unpinned": len(unpinned),
-                "num_cpu_blocks_forgotten": n_cpu}
+                "num_cpu_blocks_forgotten": n_cpu, "num_disk_blocks_forgotten": n_disk}
 
     def cached_chain(self, hashes: list[BlockHash]) -> list[KVBlock]:
         """Leading blocks of this hash chain that are cached now (group 0's)."""

@@ -891,7 +891,9 @@ class LLMEngine:
         identity = {"model": self.runner.model_id, "kv_format": migration.kv_format(self),
                     "block_size": self.config.block_size,
                     "block_bytes": self.runner.block_bytes}
-        store = DiskStore(self.config.disk_cache_dir, self.config.disk_cache_bytes, identity)
+        secret = self.config.secret.encode() if self.config.secret is not None else None
+        store = DiskStore(self.config.disk_cache_dir, self.config.disk_cache_bytes, identity,
+                          secret)
         # below the CPU tier, or straight below the GPU pool without one
         above = self.kv.cpu if self.kv.cpu_tier else self.kv.gpu
         return DiskTier(store, above, self.events,

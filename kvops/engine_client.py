@@ -22,15 +22,12 @@ to a core blocks once it has exited.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import itertools
-import json
 import logging
 import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -44,8 +41,8 @@ from typing import Any, Protocol
 import zmq
 
 from engine import EngineConfig, EngineError
-from engine.core_proc import CORE_NICE, SPIN_COUNT, SPIN_NICE, may_take_niceness, pack, serve, \
-    unpack
+from engine.core_proc import CORE_NICE, SPIN_COUNT, SPIN_NICE, core_command, may_take_niceness, \
+    pack, serve, unpack
 from engine.errors import error_from_wire
 from engine.outputs import CoreOutput
 from kvops.prompts import ids_for, prompt_ids, tokenizer_for
@@ -448,15 +445,13 @@ class MPClient(EngineClient):
     def _launch(self) -> None:
         log.info("engine core %s: starting its process", self.name)
         self._ready.clear()
-        fields = {f.name: getattr(self.config, f.name) for f in dataclasses.fields(self.config)
-                  if f.name != "secret"}  # (a command line is every local user's to read)
-        self._proc = subprocess.Popen([
-            sys.executable, "-m", "engine.core_proc", "--config", json.dumps(fields),
-            "--input", self._in_address, "--output", self._out_address,
-            "--nice", str(self.core_nice), "--log-level", self.log_level, "--secret-stdin",
-            *([] if self.on_kv_item is not None else ["--no-kv-view"])],
-            env=core_environment(os.environ, self.core_nice), stdin=subprocess.PIPE)
-        self._proc.stdin.write(f"{self.config.secret or ''}\n".encode())
+        argv, stdin = core_command(
+            self.config, self._in_address, self._out_address, "--nice", str(self.core_nice),
+            "--log-level", self.log_level,
+            *([] if self.on_kv_item is not None else ["--no-kv-view"]))
+        self._proc = subprocess.Popen(argv, stdin=subprocess.PIPE,
+                                      env=core_environment(os.environ, self.core_nice))
+        self._proc.stdin.write(stdin)
         self._proc.stdin.close()
 
     def _exit_code(self) -> int | None:

@@ -44,7 +44,8 @@ ENGINE_METRICS = [
     ("kvops:disk_cache_read_bytes", "disk_cache_read_bytes",
      "Bytes of K/V the disk tier read back.", "counter"),
     ("kvops:disk_cache_checksum_failures", "disk_cache_checksum_failures",
-     "Disk tier blocks that failed their checksum or named another model (misses, deleted).",
+     "Disk tier blocks that failed their checks: not opened by the disk key (altered, "
+     "forged, another model's) or not a regular file (misses, deleted).",
      "counter"),
     ("kvops:num_preemptions", "num_preemptions", "Preemptions by recompute.", "counter"),
     ("kvops:num_swaps_out", "num_swaps_out", "Requests swapped out to CPU memory.", "counter"),

@@ -68,7 +68,7 @@ def route(source: str, to: str, request_id: str, expires: float,
         pk = Job.objects.filter(request_id=request_id).values_list("pk", flat=True).first()
         job_id = None if pk is None else str(pk)
     return {"address": address, "to": to,
-            "ticket": move_ticket.sign(engine_secret(), request_id, job_id, source, to, expires)}
+            "ticket": move_ticket.sign(engine_secret(settings.SECRET_KEY), request_id, job_id, source, to, expires)}
 
 
 def destinations(source: Engine) -> list[Engine]:

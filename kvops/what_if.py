@@ -155,7 +155,7 @@ def with_disk(config: EngineConfig, folder: str, block_bytes: int) -> EngineConf
     engine's (`block_bytes` each; the simulator's weigh less)."""
     if not config.disk_cache_bytes:
         return dataclasses.replace(config, disk_cache_dir=None)
-    from engine.disk_tier import file_bytes
+    from engine.disk_seal import file_bytes
     blocks = config.disk_cache_bytes // max(block_bytes, 1) if block_bytes else \
         config.disk_cache_bytes // file_bytes(config.block_size * 8)
     return dataclasses.replace(config, disk_cache_dir=folder,

@@ -114,7 +114,7 @@ def _start_engine(sender=None, **kwargs) -> None:
     # the share of a batch one user may hold: the service-wide one unless set per engine;
     # the deployment's secret (engine/keys.py), derived from SECRET_KEY
     config = config_from_env(os.environ, {"max_batch_share": settings.KVOPS_MAX_BATCH_SHARE,
-                                          "secret": engine_secret()})
+                                          "secret": engine_secret(settings.SECRET_KEY)})
     mode = settings.KVOPS_ENGINE_CORE
     log.info("starting engine %s (core: %s)", config.name, mode)
     hostname = getattr(sender, "hostname", None) or f"engine-{config.name}@{socket.gethostname()}"

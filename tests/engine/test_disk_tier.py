@@ -1,6 +1,7 @@
 """The disk tier's store (engine/disk_tier.py): blocks as files that survive a restart,
-a checksum and the engine's identity on each (a bad or foreign file is a miss, deleted
-and counted), LRU within a byte budget, writes behind that close() finishes."""
+sealed for the engine's identity (a bad or foreign file is a miss, deleted and counted),
+LRU within a byte budget, writes behind that close() finishes. What it promises against
+other users and forged files: tests/engine/test_disk_security.py."""
 from __future__ import annotations
 
 import os
@@ -8,6 +9,7 @@ import time
 
 import pytest
 
+from engine.disk_seal import file_bytes
 from engine.disk_tier import DiskStore
 
 IDENTITY = {"model": "m", "kv_format": "float32", "block_size": 4, "block_bytes": 64}
@@ -77,7 +79,7 @@ def test_a_block_of_another_model_is_never_read(store, tmp_path):
 
 
 def test_the_least_recently_used_blocks_go_for_room(store):
-    size = 8 + 2 + 16 + 2 + 8 + 4 + 32 + 64  # header, hash, payload
+    size = file_bytes(64)
     s = store(capacity=3 * size)
     for i in range(3):
         s.put(h(i), payload(i))
@@ -194,17 +196,15 @@ def test_a_corrupt_block_and_another_models_blocks_are_misses(tmp_path):
     ask(engine, "hit", first)
     flood(engine)
     engine.close()
-    store_root = next(p for p in tmp_path.iterdir() if p.is_dir())
-    files = sorted(store_root.glob("*/*.blk"))
     hashes = hash_blocks(root_hash(engine.runner.model_id, None), first, BLOCK)
-    corrupt = store_root / hashes[3].hex()[:2] / f"{hashes[3].hex()}.blk"
-    assert corrupt in files
+    corrupt = engine.kv.disk.store._path(hashes[3])
+    assert corrupt.exists()
     data = bytearray(corrupt.read_bytes())
     data[-5] ^= 0x10
     corrupt.write_bytes(bytes(data))
     restarted = disk_engine(tmp_path)
     back = ask(restarted, "back", first)
-    # the first three blocks came back; the fourth failed its checksum: recomputed
+    # the first three blocks came back; the fourth failed its checks: recomputed
     assert back.num_cached_tokens == 12 and back.output_token_ids == expected(first, 6)
     # (the reader thread, reading ahead, may be the one that finds it bad: a moment later)
     deadline = time.monotonic() + 30
@@ -331,9 +331,10 @@ def test_below_the_gpu_a_model_with_layer_groups_is_refused(tmp_path):
 
 
 def test_a_core_stopped_by_sigterm_finishes_its_disk_writes_and_dies_by_it(tmp_path):
-    """The engine core as a process (as a worker runs it), stopped by a process group's
-    SIGTERM: it closes its engine first (the disk's writes finish), then dies of the
-    signal; an engine started on the folder finds the blocks."""
+    """The engine core as a process (as a worker runs it, its secret on stdin), stopped
+    by a process group's SIGTERM: it closes its engine first (the disk's writes finish),
+    then dies of the signal; an engine started on the folder with the same secret finds
+    the blocks."""
     import signal
     import time
 
@@ -344,7 +345,8 @@ def test_a_core_stopped_by_sigterm_finishes_its_disk_writes_and_dies_by_it(tmp_p
     config = EngineConfig(simulate=True, simulate_tokenizer="bytes", vocab_size=1000,
                           block_size=BLOCK, num_gpu_blocks=16, num_cpu_blocks=12,
                           cpu_prefix_cache=True, max_num_batched_tokens=64,
-                          disk_cache_dir=str(tmp_path / "disk"), name="core")
+                          disk_cache_dir=str(tmp_path / "disk"), name="core",
+                          secret="a deployment's secret, 32 characters or more")
     ctx = zmq.Context()
     core = CoreProcess(config, ctx, str(tmp_path))
     try:
@@ -363,7 +365,7 @@ def test_a_core_stopped_by_sigterm_finishes_its_disk_writes_and_dies_by_it(tmp_p
         core.to_core.close(linger=0)
         core.from_core.close(linger=0)
         ctx.term()
-    restarted = disk_engine(tmp_path / "disk")
+    restarted = disk_engine(tmp_path / "disk", secret=config.secret)
     warm = ask(restarted, "warm", first)
     assert warm.num_cached_tokens == 28 and warm.output_token_ids == expected(first, 6)
     restarted.close()

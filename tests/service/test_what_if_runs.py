@@ -10,6 +10,7 @@ from django.contrib.auth.models import User
 from django.utils import timezone
 
 from engine.capacity import StepCost, replay_paged
+from engine.disk_seal import file_bytes
 from kvops import tasks, what_if
 from kvops.models import Engine, Job, OperatorAction, WhatIfRun
 from kvops.what_if_trace import build_trace
@@ -163,7 +164,7 @@ def test_a_disk_tier_is_replayed_when_asked(busy_engine):
     assert run.alternative["disk_tier_hit_rate"] > 0 == run.baseline["disk_tier_hit_rate"]
     config = what_if.with_disk(what_if.alternative_config(
         what_if.baseline_config(engine.config), changes), "/nowhere", 720 * 1024)
-    assert config.disk_cache_dir == "/nowhere" and config.disk_cache_bytes == 4096 * (40 + 32 + 128)
+    assert config.disk_cache_dir == "/nowhere" and config.disk_cache_bytes == 4096 * file_bytes(128)
     # without the CPU tier, the disk sits straight below the GPU pool
     direct = what_if.start(operator, engine, 10, 100, {"disk_cache_bytes": 4096 * 720 * 1024},
                            StepCost())
