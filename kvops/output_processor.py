@@ -302,9 +302,18 @@ class OutputProcessor:
             if moved.get("fork"):
                 forks.setdefault(moved["fork"]["parent"], []).append(outs[0])
             else:
-                self._adopt(request_id, [outs[0]])
+                self._adopt_alone(request_id, [outs[0]])
         for parent, firsts in forks.items():
-            self._adopt(parent, sorted(firsts, key=lambda o: o.migration["fork"]["index"]))
+            self._adopt_alone(parent, sorted(firsts, key=lambda o: o.migration["fork"]["index"]))
+
+    def _adopt_alone(self, rid: str, firsts: list[CoreOutput]) -> None:
+        """_adopt, failing alone: an arrival that cannot be followed (its first output
+        malformed) stops its request and never another job's flush."""
+        try:
+            self._adopt(rid, firsts)
+        except Exception:  # noqa: BLE001  (that request's alone)
+            log.exception("request %s moved here, but could not be followed; stopping it", rid)
+            self.on_stop(rid)
 
     def _adopt(self, rid: str, firsts: list[CoreOutput]) -> None:
         """A request that moved here from another engine (its first output here; a fork:
@@ -319,7 +328,10 @@ class OutputProcessor:
             job = Job.objects.filter(pk=int(moved["job_id"])).first()
         except (TypeError, ValueError):  # (a request of no job: nothing to follow)
             job = None
-        if job is None or job.request_id != rid or job.is_terminal or (
+        # (the job must be the attempt that ran on the engine it came from, or was handed
+        # here already: a move of another engine's request is not followed)
+        if job is None or job.request_id != rid or job.is_terminal or \
+                job.engine not in (moved.get("from"), self.engine_name) or (
                 fork and len(firsts) != fork["n"]):
             log.warning("request %s moved here, but no running job of it is waiting; "
                         "stopping it", rid)

@@ -281,3 +281,40 @@ def test_a_stop_string_ends_the_job_in_the_worker_and_stops_the_engine_request()
     assert (job.output_text, job.finish_reason) == (cut, "stop")
     assert job.num_output_tokens < 40  # cut at the stop, whatever the engine ran on to
     assert job.output_token_ids == reference.output_token_ids[:job.num_output_tokens]
+
+
+def test_a_move_in_is_followed_only_from_the_engine_its_job_ran_on_and_fails_alone():
+    """The destination's processor follows a request that moved in only if its job's row
+    is the attempt that ran on the engine it came from (a claim of another engine's job is
+    stopped, not followed); an arrival it cannot follow (its logprobs malformed) is
+    stopped alone: another job's tokens in the same flush are streamed."""
+    live.redis_client().delete(STREAM_KEY)
+    owner = User.objects.create_user("u-moved")
+    engine = LLMEngine(EngineConfig(simulate=True, simulate_tokenizer="bytes",
+                                    vocab_size=1000, num_gpu_blocks=256), detokenize=False)
+    stopped: list[str] = []
+    processor = OutputProcessor("b", StreamProducer(live.redis_client(), "b"),
+                                engine.tokenizer, stopped.append)
+    bystander, claimed, broken = running_job(owner), running_job(owner), running_job(owner)
+
+    def arrival(job, source: str, logprobs: list) -> CoreOutput:
+        return CoreOutput.from_wire([job.request_id, [7], False, None, 3, 0, 0, None, None,
+                                     None, None, None, {
+                                         "from": source, "job_id": str(job.pk),
+                                         "output_token_ids": [5, 6],
+                                         "output_logprobs": logprobs}])
+
+    def streamed(job) -> list[int]:
+        return [u["n"] for e in stream_entries() for u in e["u"] if u["job"] == job.pk]
+
+    try:
+        processor.track(bystander.pk, bystander.request_id, 1)
+        engine.add_request(bystander.request_id, "one", SamplingParams(max_tokens=50))
+        processor.push([*engine.step_core(), arrival(claimed, "x", []),
+                        arrival(broken, "e", [["not", "an entry"]])])
+        wait_until(lambda: streamed(bystander) == [1], "the bystander's token")
+        wait_until(lambda: sorted(stopped) == sorted([claimed.request_id, broken.request_id]),
+                   "both arrivals stopped")
+        assert streamed(claimed) == [] and streamed(broken) == []
+    finally:
+        processor.close()
