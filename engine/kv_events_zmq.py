@@ -133,6 +133,9 @@ class VllmTranslator:
             self._chains.popitem(last=False)
 
 
+REPLAY_REQUEST_BYTES = 256  # the largest frame the replay socket reads
+
+
 class ZmqKVEventPublisher:
     """PUB (and optionally ROUTER for replay) on a thread of its own: publish() only
     queues, so the step loop never waits on a socket."""
@@ -149,6 +152,8 @@ class ZmqKVEventPublisher:
         self._replay = None
         if replay_endpoint:
             self._replay = self._context.socket(zmq.ROUTER)
+            # a replay request is [client, empty, 8-byte start]: nothing larger is read
+            self._replay.setsockopt(zmq.MAXMSGSIZE, REPLAY_REQUEST_BYTES)
             self._replay.bind(replay_endpoint)
         self._topic = topic.encode()
         self._queue: queue.Queue = queue.Queue(maxsize=100_000)
@@ -202,6 +207,9 @@ class ZmqKVEventPublisher:
             log.warning("kv events: a replay request of %d frames ignored", len(frames))
             return
         client, _, start = frames
+        if len(start) != 8:
+            log.warning("kv events: a replay request with a %d-byte start ignored", len(start))
+            return
         first = int.from_bytes(start, "big")
         for seq, payload in list(self._buffer):
             if seq >= first:

@@ -155,3 +155,23 @@ def test_the_cpu_tier_publishes_its_blocks_with_medium_cpu():
     # a CPU pool of 12 cannot keep every offloaded block: the oldest leave it, said so
     assert cpu_removed and set(cpu_removed) <= set(cpu_stored)
     assert set(engine.kv.cpu.cached) == set(cpu_stored) - set(cpu_removed)
+
+
+def test_the_replay_socket_ignores_malformed_and_oversized_requests():
+    """A replay request whose start is not 8 bytes is ignored (no answer), one larger than
+    the socket reads drops its connection; a well-formed request right after is served."""
+    short = tempfile.mkdtemp(prefix="kv", dir="/tmp")
+    pub, rep = f"ipc://{short}/events", f"ipc://{short}/replay"
+    engine = sim_engine(num_gpu_blocks=16, kv_events_endpoint=pub,
+                        kv_events_replay_endpoint=rep)
+    bad = zmq.Context.instance().socket(zmq.DEALER)
+    bad.connect(rep)
+    try:
+        engine.generate([list(range(100, 140))], greedy(2))
+        bad.send_multipart((b"", b"\x00" * 3))
+        bad.send_multipart((b"", b"\x00" * 4096))
+        assert replay(rep, 0)  # (served after both bad requests were read)
+        assert not bad.poll(200)
+    finally:
+        bad.close(linger=0)
+        engine.close()
