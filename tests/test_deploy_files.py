@@ -73,6 +73,18 @@ def test_engines_get_one_gpu_each_and_shared_services():
     assert len(set(names)) == len(names)
 
 
+def test_engines_in_containers_reach_each_others_migration_port_and_publish_it_nowhere():
+    """Each engine is a container of its own: its migration port binds the compose
+    network (a socket file in its own /tmp would reach no other engine), over CurveZMQ,
+    and no engine publishes a port to the host."""
+    engines = {n: s for n, s in compose()["services"].items() if n.startswith("engine-")}
+    for name, svc in engines.items():
+        env = svc["environment"]
+        assert env["KVOPS_ENGINE_MIGRATION_HOST"] == "0.0.0.0", name
+        assert int(env["KVOPS_ENGINE_MIGRATION_PORT"]) > 0, name
+        assert "ports" not in svc, name
+
+
 def test_dockerfile_installs_like_make_setup():
     lines = (REPO / "Dockerfile").read_text().splitlines()
     runs = [l for l in lines if l.startswith("RUN make")]
