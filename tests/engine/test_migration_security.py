@@ -21,7 +21,7 @@ from engine.errors import InvalidRequestError
 from engine.move_check import Destination, check_state
 from tests.engine.sim import VOCAB, expected, greedy, sim_engine
 from tests.engine.test_migration_link import (  # noqa: F401 (the cores fixture)
-    BS, PROMPT, SECRET, cores, deployment_socket, pack, pump, started)
+    BS, PROMPT, SECRET, cores, deployment_socket, moves_and_ends_there, pack, pump, started)
 
 
 def ticket(rid: str, to: str = "b", source: str = "a", job: str | None = None,
@@ -327,13 +327,7 @@ def test_a_move_over_tcp_is_encrypted_and_goes_on(cores):
     src = cores("a", migration_host="127.0.0.1")
     dst = cores("b", migration_host="127.0.0.1")
     assert dst.address.startswith("tcp://127.0.0.1:")
-    src.add("r", PROMPT, 30)
-    started(src, "r", 3)
-    call = src.command("migrate", {"request_id": "r", "address": dst.address, "to": "b"})
-    ok, result = pump(src, dst, until=lambda: call in src.replies)[call]
-    assert ok, result
-    pump(src, dst, until=lambda: dst.ended("r") is not None)
-    assert dst.tokens("r") == expected(PROMPT, 30)
+    moves_and_ends_there(src, dst, "r", 30)
 
 
 def test_the_connection_that_committed_a_move_may_abort_it_and_no_other(cores, peers):
