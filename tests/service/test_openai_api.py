@@ -61,6 +61,7 @@ def test_errors_are_openai_shaped(client, stack):
 
 
 def test_metrics_and_healthz(stack, client):
+    import requests
     client.completions.create(model="simulated-v1", prompt="for the metrics", max_tokens=3)
     text = stack.api("GET", "/metrics").text  # (staff's token: /metrics is staff's)
     for name in ("kvops:kv_cache_usage_perc", "kvops:prefix_cache_queries_total",
