@@ -173,11 +173,12 @@ def move_once(src: CoreProcess, dst: CoreProcess, rid: str, prompt: list[int], b
 
 
 def run(model: str, lengths: list[int], step_ms: float, token_us: float, kv_bytes: int,
-        before: int, after: int) -> list[Row]:
+        before: int, after: int, tcp: bool = False) -> list[Row]:
     longest = max(lengths) + before + after + 64
-    # (over loopback TCP, as between machines: CurveZMQ encrypts every frame)
+    # one machine's port (ipc://, K/V in the clear), or loopback TCP as between machines
+    # (CurveZMQ encrypts every frame)
     common = dict(block_size=16, max_num_seqs=8, max_num_batched_tokens=2048,
-                  enable_prefix_caching=True, migration_host="127.0.0.1")
+                  enable_prefix_caching=True, migration_host="127.0.0.1" if tcp else "")
     if model == "sim":
         common.update(simulate=True, simulate_tokenizer="bytes", vocab_size=32000,
                       simulate_step_ms=step_ms, simulate_token_us=token_us,
@@ -363,6 +364,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--before", type=int, default=16, help="tokens made before the move")
     p.add_argument("--after", type=int, default=64,
                    help="tokens made after it (the staged copy must end before them)")
+    p.add_argument("--tcp", action="store_true",
+                   help="move over loopback TCP with CurveZMQ, as between machines (default: "
+                        "the one-machine port, a socket file)")
     p.add_argument("--pd", action="store_true",
                    help="instead: prefill/decode through the service, 1 prefill + 1 decode "
                         "engine against 2 engines doing both (simulator)")
@@ -374,11 +378,13 @@ def main(argv: list[str] | None = None) -> int:
         return pd_main(args)
     lengths = [int(x) for x in args.lengths.split(",")]
     rows = run(args.model, lengths, args.step_ms, args.token_us, args.kv_bytes_per_token,
-               args.before, args.after)
+               args.before, args.after, args.tcp)
     what = (f"simulator, {args.step_ms:g} ms a step + {args.token_us:g} us a computed "
             f"token, {args.kv_bytes_per_token} bytes of K/V a token" if args.model == "sim"
             else "the default model on this machine's CPU")
-    print(f"Moving a request between two engine cores ({what}); blocks of 16 tokens")
+    how = "loopback TCP, CurveZMQ" if args.tcp else "a socket file (ipc://)"
+    print(f"Moving a request between two engine cores ({what}); blocks of 16 tokens; "
+          f"over {how}")
     print(format_rows(rows))
     return 0
 

@@ -241,6 +241,7 @@ class MigrationLink:
         self._arrived: dict[str, tuple[bytes, float]] = {}  # moved in: (peer, until when
         #                                                     its source may still abort it)
         self._used: dict[str, float] = {}  # tickets' nonces -> their expiry
+        self._next_purge = 0.0  # (Unix time) when expired nonces are forgotten next
         self._parked: list[tuple[bytes, list, list, Future, float]] = []  # wait for a grammar
         self._seq = 0
 
@@ -527,7 +528,17 @@ class MigrationLink:
             self._incoming[rid] = _Incoming(peer, checked, time.monotonic(), kind == "reserve")
             self._used[checked.nonce] = checked.expires
             return result
-        move = self._own(peer, rid, kind)
+        if kind == "abort":  # (the request was cancelled while its commit was in flight)
+            arrived = self._arrived.get(rid)
+            if arrived is None or arrived[0] != peer:
+                raise _Ignored("no move of this connection's just committed this request")
+            del self._arrived[rid]
+            try:
+                engine.abort(rid)
+            except EngineError:  # (it ended meanwhile)
+                pass
+            return None
+        move = self._own(peer, rid)
         move.last = time.monotonic()
         if kind == "write":
             _, _, _, start, header = message
@@ -550,8 +561,6 @@ class MigrationLink:
         if kind == "cancel":
             self._let_go(rid)
             return None
-        if kind == "abort":
-            raise _Ignored("no move of this connection's is in flight")
         raise InvalidRequestError(f"unknown message {kind!r}")
 
     def _opens(self, rid: str, offer: object, ticket: object) -> move_ticket.Ticket:
@@ -594,19 +603,10 @@ class MigrationLink:
             self._parked.append((peer, message, data, future, time.monotonic()))
             raise _Parked
 
-    def _own(self, peer: bytes, rid: str, kind: str) -> _Incoming:
+    def _own(self, peer: bytes, rid: str) -> _Incoming:
         """The move in of `rid`, if this connection opened it (_Ignored otherwise: a
         peer's message about another's move, or about none, is dropped unanswered)."""
         move = self._incoming.get(rid)
-        if kind == "abort":
-            arrived = self._arrived.get(rid)
-            if arrived is not None and arrived[0] == peer:
-                del self._arrived[rid]
-                try:
-                    self.engine.abort(rid)
-                except EngineError:
-                    pass
-                raise _Ignored("aborted")  # (answered by nothing, as before)
         if move is None or move.peer != peer:
             raise _Ignored("no move of this connection's goes by this request id")
         return move
@@ -670,9 +670,11 @@ class MigrationLink:
         for rid, (_, until) in list(self._arrived.items()):
             if now > until:
                 del self._arrived[rid]
-        for nonce, expires in list(self._used.items()):
-            if wall > expires:
-                del self._used[nonce]
+        if wall > self._next_purge:  # (tickets live as long as a job: purged now and then)
+            self._next_purge = wall + 1.0
+            for nonce, expires in list(self._used.items()):
+                if wall > expires:
+                    del self._used[nonce]
 
 
 def _limits(engine) -> tuple[int, int]:

@@ -165,6 +165,18 @@ def cores():
         core.stop()
 
 
+def moves_and_ends_there(src: Core, dst: Core, rid: str, max_tokens: int) -> None:
+    """A request of PROMPT started at `src`, moved to `dst` after 3 tokens: it ends there
+    with the tokens it would have made."""
+    src.add(rid, PROMPT, max_tokens)
+    started(src, rid, 3)
+    call = src.command("migrate", {"request_id": rid, "address": dst.address, "to": dst.name})
+    ok, result = pump(src, dst, until=lambda: call in src.replies)[call]
+    assert ok, result
+    pump(src, dst, until=lambda: dst.ended(rid) is not None)
+    assert dst.tokens(rid) == expected(PROMPT, max_tokens)
+
+
 def started(core: Core, rid: str, n: int) -> None:
     """Wait until the request has made n tokens at `core`."""
     pump(core, until=lambda: len(core.tokens(rid)) >= n)
@@ -485,13 +497,7 @@ def test_malformed_messages_on_the_migration_port_are_dropped(cores):
         assert [a[:3] for a in answers] == [["err", "r", 2], ["err", "r", 3]]
         assert answers[0][3][0] == "InvalidRequestError"
         assert answers[1][3] == ["MigrationRefused", "the move carries no ticket"]
-        src.add("r", PROMPT, 30)
-        started(src, "r", 3)
-        call = src.command("migrate", {"request_id": "r", "address": dst.address, "to": "b"})
-        ok, result = pump(src, dst, until=lambda: call in src.replies)[call]
-        assert ok, result
-        pump(src, dst, until=lambda: dst.ended("r") is not None)
-        assert dst.tokens("r") == expected(PROMPT, 30)
+        moves_and_ends_there(src, dst, "r", 30)
     finally:
         peer.close(linger=0)
         ctx.term()

@@ -21,7 +21,7 @@ from engine.errors import InvalidRequestError
 from engine.move_check import Destination, check_state
 from tests.engine.sim import VOCAB, expected, greedy, sim_engine
 from tests.engine.test_migration_link import (  # noqa: F401 (the cores fixture)
-    BS, PROMPT, SECRET, cores, deployment_socket, pack, pump, started)
+    BS, PROMPT, SECRET, cores, deployment_socket, moves_and_ends_there, pack, pump, started)
 
 
 def ticket(rid: str, to: str = "b", source: str = "a", job: str | None = None,
@@ -327,10 +327,28 @@ def test_a_move_over_tcp_is_encrypted_and_goes_on(cores):
     src = cores("a", migration_host="127.0.0.1")
     dst = cores("b", migration_host="127.0.0.1")
     assert dst.address.startswith("tcp://127.0.0.1:")
-    src.add("r", PROMPT, 30)
-    started(src, "r", 3)
-    call = src.command("migrate", {"request_id": "r", "address": dst.address, "to": "b"})
-    ok, result = pump(src, dst, until=lambda: call in src.replies)[call]
-    assert ok, result
-    pump(src, dst, until=lambda: dst.ended("r") is not None)
-    assert dst.tokens("r") == expected(PROMPT, 30)
+    moves_and_ends_there(src, dst, "r", 30)
+
+
+def test_the_connection_that_committed_a_move_may_abort_it_and_no_other(cores, peers):
+    """An abort (the request cancelled at the source while its commit was in flight)
+    ends the request here only from the connection that committed it."""
+    dst = cores("b")
+    src = sim_engine(block_size=BS, num_gpu_blocks=96, num_cpu_blocks=0, name="a")
+    src.add_request("r", OTHER, greedy(200))
+    while len(src.scheduler.requests["r"].output_token_ids) < 3:
+        src.step()
+    owner, other = peers(dst.address), peers(dst.address)
+    owner.send(["check", "r", 1, src.migration_offer("r"), ticket("r")])
+    assert owner.answer(dst)[0] == "ok"
+    state, data = src.migrate_out("r", 0)
+    header, frames = src.runner.blocks_to_frames(data)
+    owner.send(["commit", "r", 2, state, 0, header, time.time() + 30], frames)
+    assert owner.answer(dst)[0] == "ok"
+    other.send(["abort", "r", 3])
+    owner.send(["check", "q", 4, {}, None])  # (answered after the other's abort was read)
+    owner.answer(dst)
+    assert "r" in dst.engine.scheduler.requests and dst.ended("r") is None
+    owner.send(["abort", "r", 5])
+    pump(dst, until=lambda: dst.ended("r") is not None)
+    assert dst.ended("r")[3] == "abort"
