@@ -126,9 +126,7 @@ def replay_paged(trace: list[TraceRequest], config: EngineConfig,
         swaps_out=m["num_swaps_out"],
         prefix_hit_rate=m["prefix_cache_hits"] / queries,
         wall_seconds=time.perf_counter() - wall,
-        extra={"cpu_hit_rate": (m["cpu_prefix_cache_hits"] - (
-                   m.get("disk_prefix_cache_hits", 0) if m.get("disk_tier_below") == "cpu" else 0))
-               / queries,
+        extra={"cpu_hit_rate": m["cpu_prefix_cache_hits"] / queries,
                "disk_hit_rate": m.get("disk_prefix_cache_hits", 0) / queries,
                "prompt_tokens_computed": m["num_prompt_tokens"],
                "pinned_blocks": pinned, "pins_refused": refused})

@@ -339,14 +339,19 @@ class KVCacheCoordinator:
                               ref_cnts=[b.ref_cnt for b in blocks],
                               num_tokens=len(blocks) * self.block_size
                               if match.tier_blocks else match.num_computed_tokens)
-        if match.tier_blocks:
-            self.tier.record_hit(request.request_id, match.tier_blocks, self.block_size)
+        # Each tier counts its own hits: blocks the disk read back into the CPU tier pass
+        # through it but are the disk's, so every reader takes one counter per tier.
+        from_disk = 0
         if self.disk is not None:
             if self.tier is not None and match.tier_blocks:
-                self.disk.taken(match.tier_blocks, self.block_size)
+                from_disk = self.disk.taken(match.tier_blocks, self.block_size)
             elif self.tier is None and match.groups[0].blocks:  # (below the GPU)
                 self.disk.taken(match.groups[0].blocks, self.block_size,
                                 match.num_computed_tokens)
+        if match.tier_blocks:
+            self.tier.record_hit(request.request_id, match.tier_blocks, self.block_size,
+                                 from_below=from_disk)
+        if self.disk is not None:
             self.disk.note_asked(request.block_hashes)  # (blocks asked again go to disk)
 
     # --- allocation ------------------------------------------------------------------

@@ -31,7 +31,9 @@ class PrefixTier(ABC):
     medium: str  # "CPU", "DISK": as events and the vLLM-format publisher name it
 
     def __init__(self) -> None:
-        self.hit_tokens = 0  # prompt tokens found here, not recomputed
+        # prompt tokens found here, not recomputed: this tier's own (a block a tier below
+        # read back into it is that tier's hit, counted there)
+        self.hit_tokens = 0
         self.num_blocks_stored = 0  # copies GPU -> tier
         self.num_blocks_loaded = 0  # copies tier -> GPU
 
@@ -78,8 +80,11 @@ class PrefixTier(ABC):
         """The step failed: what its copies were to fill is dropped. Returns how many."""
 
     @abstractmethod
-    def record_hit(self, request_id: str, blocks: list, block_size: int) -> None:
-        """A request's prompt continued on these blocks (counted, said in an event)."""
+    def record_hit(self, request_id: str, blocks: list, block_size: int,
+                   from_below: int = 0) -> None:
+        """A request's prompt continued on these blocks (said in an event); counted in
+        hit_tokens but for `from_below` of them, which a tier below read back into this
+        one (they are that tier's hits)."""
 
 
 class CPUTier(PrefixTier):
@@ -198,9 +203,10 @@ class CPUTier(PrefixTier):
         self.uncomputed.clear()
         return len(dropped)
 
-    def record_hit(self, request_id: str, blocks: list[KVBlock], block_size: int) -> None:
+    def record_hit(self, request_id: str, blocks: list[KVBlock], block_size: int,
+                   from_below: int = 0) -> None:
         num_tokens = len(blocks) * block_size
-        self.hit_tokens += num_tokens
+        self.hit_tokens += (len(blocks) - from_below) * block_size
         self._events.emit("PrefixHit", request_id=request_id, pool="cpu",
                           block_ids=[b.block_id for b in blocks],
                           block_hashes=[short(b.block_hash) for b in blocks],

@@ -860,9 +860,9 @@ class LLMEngine:
 
     def _disk_metrics(self) -> dict:
         """The disk tier's counters (engine/disk_tier.py), if the engine has one: prompt
-        tokens served from it (below the CPU tier also counted in cpu_prefix_cache_hits,
-        as they reach the GPU through it; below the GPU, in prefix_cache_hits only), the
-        pool it sits below, blocks and bytes each way, failed checksums."""
+        tokens served from it (its own hits: never in cpu_prefix_cache_hits, though below
+        the CPU tier they reach the GPU through it), the pool it sits below, blocks and
+        bytes each way, failed checksums."""
         disk = self.kv.disk
         if disk is None:
             return {}
@@ -966,7 +966,8 @@ class LLMEngine:
             "prefix_cache_queries": self.kv.prefix_cache_queries,
             "prefix_cache_hits": self.kv.prefix_cache_hits,
             "num_cached_blocks": len(self.kv.gpu.cached),
-            # the CPU tier of the prefix cache (cpu_prefix_cache)
+            # the CPU tier of the prefix cache (cpu_prefix_cache): its own hits (blocks the
+            # disk read back into it are the disk's: disk_prefix_cache_hits)
             "cpu_prefix_cache_hits": self.kv.cpu_prefix_cache_hits,
             "num_cpu_cached_blocks": len(self.kv.cpu.cached),
             "cpu_cache_copy_out_bytes": self.kv.num_blocks_offloaded * self.runner.block_bytes,

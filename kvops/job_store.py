@@ -117,10 +117,24 @@ class Claim:
     task_id: str
 
 
-CLAIM_FIELDS = ["attempts", "status", "engine", "engine_instance", "request_id", "started_at",
-                "first_token_at", "output_text", "output_token_ids", "samples", "output_logprobs",
-                "prompt_logprobs", "finish_reason", "error", "num_output_tokens",
-                "num_cached_tokens", "num_preemptions", "kv_story", "engines"]
+def new_attempt(engine: str, instance: str, now: datetime | None) -> dict[str, object]:
+    """A claimed job's fields as its new attempt starts them, but for the two that count
+    on from the row (attempts + 1, and the request id that names the attempt): running
+    on this worker's engine from now, nothing of an earlier attempt left (its output,
+    error, story, and the engines it moved between). The one list of what a claim resets,
+    applied to a row read here (_claim) and by the database (_claim_queued)."""
+    return {"status": Job.Status.RUNNING, "engine": engine, "engine_instance": instance,
+            "started_at": now, "first_token_at": None, "output_text": "",
+            "output_token_ids": [], "samples": [], "output_logprobs": [],
+            "prompt_logprobs": [], "finish_reason": "", "error": "", "num_output_tokens": 0,
+            "num_cached_tokens": 0, "num_preemptions": 0, "kv_story": None, "engines": []}
+
+
+def _request_id(job_id: int, attempt: int) -> str:
+    return f"job-{job_id}-{attempt}"
+
+
+CLAIM_FIELDS = ["attempts", "request_id", *new_attempt("", "", None)]
 
 
 def claim_jobs(claims: list[Claim]) -> list[Job | None]:
@@ -184,33 +198,25 @@ def _claim_queued(claims: list[Claim]) -> set[int]:
     def column(name: str) -> str:
         return quote(field(name).column)
 
-    def prep(name: str, value):
-        return field(name).get_db_prep_save(value, connection)
-
-    empty = [prep(name, []) for name in ("output_token_ids", "samples", "output_logprobs",
-                                          "prompt_logprobs")]
-    started_at = prep("started_at", timezone.now())
+    now = timezone.now()
     taken: set[int] = set()
     with connection.cursor() as cursor:
         for (task_id, engine, instance), job_ids in by_task.items():
+            fresh = new_attempt(engine, instance, now)
+            sets = ", ".join(f"{column(name)} = %s" for name in fresh)
+            # (the request id as _request_id writes it, from the row's id and attempt)
             cursor.execute(
                 f"UPDATE {quote(Job._meta.db_table)} SET "
-                f"{column('attempts')} = {column('attempts')} + 1, {column('status')} = %s, "
-                f"{column('engine')} = %s, {column('engine_instance')} = %s, "
+                f"{column('attempts')} = {column('attempts')} + 1, "
                 f"{column('request_id')} = 'job-' || {column('id')} || '-' || "
-                f"({column('attempts')} + 1), {column('started_at')} = %s, "
-                f"{column('first_token_at')} = NULL, {column('output_text')} = '', "
-                f"{column('output_token_ids')} = %s, {column('samples')} = %s, "
-                f"{column('output_logprobs')} = %s, {column('prompt_logprobs')} = %s, "
-                f"{column('finish_reason')} = '', {column('error')} = '', "
-                f"{column('num_output_tokens')} = 0, {column('num_cached_tokens')} = 0, "
-                f"{column('num_preemptions')} = 0, {column('kv_story')} = NULL "
+                f"({column('attempts')} + 1), {sets} "
                 f"WHERE {column('id')} IN ({', '.join(['%s'] * len(job_ids))}) "
                 f"AND {column('status')} = %s AND NOT {column('cancel_requested')} "
                 f"AND {column('attempts')} < %s AND {column('celery_task_id')} = %s "
                 f"RETURNING {column('id')}",
-                [Job.Status.RUNNING, engine, instance, started_at, *empty, *job_ids,
-                 Job.Status.QUEUED, MAX_ATTEMPTS, task_id])
+                [*(field(name).get_db_prep_save(value, connection)
+                   for name, value in fresh.items()),
+                 *job_ids, Job.Status.QUEUED, MAX_ATTEMPTS, task_id])
             taken.update(job_id for (job_id,) in cursor.fetchall())
     return taken
 
@@ -246,17 +252,9 @@ def _claim(job: Job, c: Claim, live: set[str]) -> str | None:
                                            "workers running it stopped each time")
         return "ended"
     job.attempts += 1
-    job.status = Job.Status.RUNNING
-    job.engine = c.engine
-    job.engine_instance = c.instance
-    job.request_id = f"job-{job.pk}-{job.attempts}"
-    job.started_at = timezone.now()
-    job.first_token_at = None
-    job.output_text, job.output_token_ids, job.finish_reason, job.error = "", [], "", ""
-    job.samples, job.output_logprobs, job.prompt_logprobs = [], [], []
-    job.num_output_tokens = job.num_cached_tokens = job.num_preemptions = 0
-    job.kv_story = None
-    job.engines = []
+    job.request_id = _request_id(job.pk, job.attempts)
+    for name, value in new_attempt(c.engine, c.instance, timezone.now()).items():
+        setattr(job, name, value)
     return "run"
 
 

@@ -25,15 +25,16 @@ ENGINE_METRICS = [
     ("kvops:prefix_cache_hits", "prefix_cache_hits",
      "Prompt tokens found in the prefix cache.", "counter"),
     ("kvops:cpu_prefix_cache_hits", "cpu_prefix_cache_hits",
-     "Prompt tokens found on the CPU tier of the prefix cache (copied in, not recomputed).",
-     "counter"),
+     "Prompt tokens found on the CPU tier of the prefix cache (copied in, not recomputed); "
+     "its own hits: blocks the disk tier read back into it count in "
+     "kvops:disk_prefix_cache_hits only.", "counter"),
     ("kvops:cpu_cache_copy_out_bytes", "cpu_cache_copy_out_bytes",
      "Bytes the CPU tier copied from GPU blocks about to be reused.", "counter"),
     ("kvops:cpu_cache_copy_in_bytes", "cpu_cache_copy_in_bytes",
      "Bytes the CPU tier copied back into GPU blocks on prefix hits.", "counter"),
     ("kvops:disk_prefix_cache_hits", "disk_prefix_cache_hits",
      "Prompt tokens found on the disk tier of the prefix cache (read back, not recomputed; "
-     "below a CPU tier also in kvops:cpu_prefix_cache_hits, as they come through it).",
+     "never in kvops:cpu_prefix_cache_hits, even where they come through the CPU tier).",
      "counter"),
     ("kvops:disk_cache_blocks", "num_disk_cached_blocks", "Blocks the disk tier holds.",
      "gauge"),
@@ -122,11 +123,9 @@ RESIDENCY = [
      "(sampled)."),
 ]
 def _from_outside(m: dict) -> float:
-    """Prompt tokens whose K/V came from outside the GPU pool: the CPU tier's hits (the
-    disk's among them), or the disk's when it sits straight below the GPU."""
-    if m.get("disk_tier_below") == "gpu":
-        return m.get("disk_prefix_cache_hits", 0)
-    return m.get("cpu_prefix_cache_hits", 0)
+    """Prompt tokens whose K/V came from outside the GPU pool: each lower tier's own hits
+    (wherever the disk sits, its hits are counted in its counter only)."""
+    return m.get("cpu_prefix_cache_hits", 0) + m.get("disk_prefix_cache_hits", 0)
 
 
 # prompt tokens by where their K/V came from, as vLLM labels them (a lower tier is the
@@ -172,7 +171,7 @@ def _kv_story_families(engines):
         labels=["engine", "reason"])
     sources = CounterMetricFamily(
         "kvops:prompt_tokens_by_source", "Prompt tokens at admission by where their K/V "
-        "came from: computed, the GPU prefix cache, the CPU tier.", labels=["engine", "source"])
+        "came from: computed, the GPU prefix cache, a lower tier (CPU or disk).", labels=["engine", "source"])
     residency = {name: HistogramMetricFamily(f"kvops:{name}", text, labels=["engine"])
                  for name, text in RESIDENCY}
     for engine in engines:

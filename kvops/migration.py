@@ -167,23 +167,16 @@ def _audit(engine: str, request_id: str, to: str, result: dict) -> None:
 
 def watch_moved_in(client, processor, job, handle) -> None:
     """A job whose request moved to this worker's engine: its deadline is watched here
-    as its task watched it on the engine it left (past it, it ends as failed), and a
-    cancel asked for while it moved is applied."""
-    from kvops import job_store
+    as its task watched it on the engine it left (kvops/job_deadline.py: past it, it ends
+    as failed), and a cancel asked for while it moved is applied."""
+    from kvops import job_deadline, job_store
 
     def watch() -> None:
         from django.db import connection
         try:
             if job_store.cancels_requested([job.pk]):
                 client.abort_quietly(job.request_id)
-            started = job.started_at.timestamp() if job.started_at else time.time()
-            left = started + settings.KVOPS_JOB_TIMEOUT_S - time.time()
-            if handle.wait(max(0.0, left)) is None:
-                processor.untrack(job.request_id)
-                client.abort_quietly(job.request_id)
-                job_store.fail_job(job.pk, f"request {job.request_id} ran past "
-                                           f"{settings.KVOPS_JOB_TIMEOUT_S:.0f} s",
-                                   job.request_id)
+            job_deadline.wait_or_end(client, processor, job, handle)
         except Exception:  # noqa: BLE001  (the reaper moves what is left)
             log.exception("job %s: watching it after its move failed", job.pk)
         finally:

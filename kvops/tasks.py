@@ -2,13 +2,12 @@
 from __future__ import annotations
 
 import logging
-import time
 
 from celery import shared_task
 from django.conf import settings
 
 from engine import EngineError
-from kvops import job_store, migration
+from kvops import job_deadline, job_store, migration
 from kvops.tenancy import cache_salt, tenant
 from kvops.worker import context
 
@@ -99,16 +98,9 @@ def _run_claimed(worker, jobs: list, outcomes: dict[int, str]) -> None:
     # abort: look again now that there is one.
     for job_id in job_store.cancels_requested([job.pk for job in running]):
         service.abort_quietly(next(j.request_id for j in running if j.pk == job_id))
-    deadline = time.monotonic() + settings.KVOPS_JOB_TIMEOUT_S
     for job in running:
-        outcome = handles[job.pk].wait(max(0.0, deadline - time.monotonic()))
-        if outcome is None:
-            processor.untrack(job.request_id)
-            service.abort_quietly(job.request_id)
-            job_store.fail_job(job.pk, f"request {job.request_id} ran past "
-                                      f"{settings.KVOPS_JOB_TIMEOUT_S:.0f} s", job.request_id)
-            outcome = "timeout"
-        elif outcome == "error":  # its end could not be written: try once more, as a failure
+        outcome = job_deadline.wait_or_end(service, processor, job, handles[job.pk])
+        if outcome == "error":  # its end could not be written: try once more, as a failure
             job_store.fail_job(job.pk, "the job's result could not be stored", job.request_id)
         outcomes[job.pk] = outcome
 
@@ -121,9 +113,10 @@ def _decode_on(service, job) -> dict | None:
     if not name or service.describe_config().get("role") != "prefill":
         return None
     try:
-        # (the hand-over comes once its prompt is computed: the ticket lasts the job's time)
+        # (the hand-over comes once its prompt is computed: the ticket lasts until the
+        # job's deadline)
         return migration.route(service.name, name, job.request_id,
-                               time.time() + settings.KVOPS_JOB_TIMEOUT_S, str(job.pk))
+                               job_deadline.deadline(job), str(job.pk))
     except EngineError as e:
         log.info("job %s decodes on %s: %s", job.pk, service.name, e)
         return None

@@ -10,8 +10,8 @@ export function hasDiskTier(config) {
 }
 
 // The share of all queried prompt tokens that came from disk (null before any query).
-// Below the CPU tier, disk hits also count in cpu_prefix_cache_hits (they reach the GPU
-// through it), so this is a slice of the CPU tier's share, not an addition to it.
+// Disk hits are the disk's own, never in cpu_prefix_cache_hits (below the CPU tier too,
+// where they reach the GPU through it): this share adds to the CPU tier's.
 export function diskHitShare(metrics) {
   const m = metrics || {};
   return m.prefix_cache_queries ? (m.disk_prefix_cache_hits ?? 0) / m.prefix_cache_queries : null;
@@ -32,8 +32,7 @@ export function diskTierFigures(metrics) {
   const belowGpu = m.disk_tier_below === "gpu";  // (no CPU tier: straight below the GPU pool)
   return [
     { key: "hit-share", label: "hit share", text: pct(diskHitShare(m)),
-      title: "prompt tokens served from disk, of all prompt tokens queried"
-        + (belowGpu ? "" : " (also counted as CPU tier hits)") },
+      title: "prompt tokens served from disk, of all prompt tokens queried" },
     { key: "read", label: "read", text: byteSize(m.disk_cache_read_bytes),
       title: `${num(m.disk_cache_read_blocks)} blocks read back into ${belowGpu ? "GPU blocks" : "the CPU tier"}` },
     { key: "written", label: "written", text: byteSize(m.disk_cache_write_bytes),

@@ -17,10 +17,8 @@ const TIERS = [
     tier: "cpu",
     has: (s) => s.cpu_cache_copy_out_bytes !== undefined && s.cpu_prefix_cache_hits !== undefined,
     stored: (s) => s.cpu_cache_copy_out_bytes,
-    // tokens served from a disk below the CPU tier reach the GPU through it and count in
-    // its hits too (a disk straight below the GPU does not)
-    served: (s) => s.cpu_prefix_cache_hits
-      - (s.disk_tier_below === "gpu" ? 0 : (s.disk_prefix_cache_hits ?? 0)),
+    // the CPU tier's own hits (blocks the disk read back through it are the disk's)
+    served: (s) => s.cpu_prefix_cache_hits,
     text: (minutes) => `the CPU tier stored blocks for ${minutes} min and served none: the traffic `
       + "does not come back to its prefixes within the tier's size (a larger tier, or none)",
   },

@@ -180,6 +180,42 @@ def test_a_prefix_let_go_by_the_cpu_tier_comes_back_from_disk_and_after_a_restar
     restarted.close()
 
 
+def test_blocks_back_from_disk_through_the_cpu_tier_are_the_disks_hits_not_the_cpu_tiers(
+        tmp_path):
+    """Each tier counts its own hits: a prefix read back from disk reaches the GPU through
+    the CPU tier, and counts in the disk's hits only, so that every reader (/metrics,
+    the page, the alert rules, the what-if) takes the CPU tier's counter as it is."""
+    engine = disk_engine(tmp_path)
+    first = prompt_of(0)
+    ask(engine, "cold", first)
+    ask(engine, "hit", first)
+    flood(engine)
+    assert not on_gpu_or_cpu(engine, first)
+    engine.kv.disk.store.flush()
+    before = engine.metrics()
+    back = ask(engine, "back", first)
+    assert back.num_cached_tokens == 28
+    m = engine.metrics()
+    grew = {k: m[k] - before[k] for k in ("prefix_cache_hits", "cpu_prefix_cache_hits",
+                                          "disk_prefix_cache_hits")}
+    assert grew == {"prefix_cache_hits": 28, "cpu_prefix_cache_hits": 0,
+                    "disk_prefix_cache_hits": 28}
+    # the blocks read back stay in the CPU tier: hit there again, they are its own hits
+    # (and the rest of the prompt, let go by the CPU tier since, the disk's again)
+    flood(engine, range(9, 11))
+    hashes = hash_blocks(root_hash(engine.runner.model_id, None), first, BLOCK)
+    held = len(engine.kv.tier.lookup(hashes))
+    assert not engine.kv.cached_chain(hashes) and held
+    ask(engine, "again", first)
+    m2 = engine.metrics()
+    grew = {k: m2[k] - m[k] for k in grew}
+    assert grew["cpu_prefix_cache_hits"] == held * BLOCK
+    assert grew["prefix_cache_hits"] == grew["cpu_prefix_cache_hits"] + \
+        grew["disk_prefix_cache_hits"]
+    engine.kv.check_invariants()
+    engine.close()
+
+
 def test_one_off_prompts_are_not_written(tmp_path):
     engine = disk_engine(tmp_path)
     flood(engine, range(1, 12))  # each asked for once

@@ -33,10 +33,10 @@ LENGTHS = [49, 90, 128]
 LOGPROB_ATOL = 1e-4
 
 
-def make_engine(folder, cpu_kernels: str) -> LLMEngine:
+def make_engine(folder, cpu_kernels: str, **kw) -> LLMEngine:
     return LLMEngine(EngineConfig(model=str(folder), device="cpu", dtype="float32",
                                   attention_backend="torch", block_size=4, num_gpu_blocks=256,
-                                  num_cpu_blocks=0, seed=0, cpu_kernels=cpu_kernels))
+                                  num_cpu_blocks=0, seed=0, cpu_kernels=cpu_kernels, **kw))
 
 
 @functools.cache
@@ -85,6 +85,57 @@ def test_long_greedy_and_logprobs_match_transformers(tiny_model, name, cpu_kerne
             f"{len(o.prompt_token_ids)}-token prompt: log-probabilities differ by up to "
             f"{diff.max().item():.2e}, first beyond {LOGPROB_ATOL} at position "
             f"{int((diff >= LOGPROB_ATOL).nonzero()[0]) + 1} of prompt + output")
+
+
+@pytest.mark.parametrize("cpu_kernels", ["off", "on"])
+@pytest.mark.parametrize("name", ["mixtral-e4k2", "qwen3moe-e6k2"])
+def test_prefix_hits_beside_chunked_prefill_match_transformers(tiny_model, name, cpu_kernels):
+    """Reported: both families left transformers' tokens with 4-token blocks, a 16-token
+    step budget and prefix caching, six prompts of which three share a 29-token prefix;
+    so steps mix a request starting past position 0 (its prefix from the cache) with
+    another's prefill chunk and decodes. The tokens must agree, and the log-probabilities
+    of the output tokens within float32 noise (no prompt_logprobs: they turn the cache
+    off for the request)."""
+    folder = tiny_model(name)
+    vocab = MOE_SPECS[name].vocab_size
+    prefix = random_prompts(vocab, [29], seed=7)[0]  # 7 full blocks of 4, and a part
+    sharing = random_prompts(vocab, [5, 11, 2], seed=2, prefix=prefix)
+    prompts = [sharing[0], *random_prompts(vocab, [9, 23, 37], seed=3), *sharing[1:]]
+    engine = make_engine(folder, cpu_kernels, max_num_batched_tokens=16)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0)
+    outs = engine.generate(prompts, params)
+    assert [o.num_cached_tokens for o in outs[-2:]] == [28, 28], "no prefix hit: nothing tested"
+    expected = hf_greedy(folder, prompts, MAX_TOKENS)
+    for i, (o, e) in enumerate(zip(outs, expected)):
+        first = next((j for j, (a, b) in enumerate(zip(o.output_token_ids, e)) if a != b), None)
+        assert first is None, f"prompt {i} ({len(prompts[i])} tokens): token {first} differs"
+    model = _hf_model(folder)
+    with torch.inference_mode():
+        for o in outs:
+            seq = torch.tensor([o.prompt_token_ids + o.output_token_ids])
+            lp = model(seq[:, :-1]).logits[0].float().log_softmax(-1)
+            ref = lp.gather(1, seq[0, 1:, None])[len(o.prompt_token_ids) - 1:, 0]
+            diff = (torch.tensor([entry[0] for entry in o.logprobs]) - ref).abs().max().item()
+            assert diff < LOGPROB_ATOL, f"{len(o.prompt_token_ids)}-token prompt: {diff:.2e}"
+
+
+@pytest.mark.parametrize("cpu_kernels", ["off", "on"])
+@pytest.mark.parametrize("name", ["mixtral-e4k2", "qwen3moe-e6k2"])
+def test_moe_block_rows_do_not_depend_on_the_batch(tiny_model, name, cpu_kernels):
+    """A token's MoE output is its own: the same hidden states through each MoE layer as
+    one batch and cut into the pieces a 16-token budget makes (with 1-row decodes)."""
+    engine = make_engine(tiny_model(name), cpu_kernels)
+    model, ops = engine.runner.model, engine.runner.ops
+    x = torch.randn(45, model.args.dim, generator=torch.Generator().manual_seed(1)) * 2
+    cuts = [0, 16, 29, 30, 31, 45]
+    with torch.inference_mode():
+        for i, layer in enumerate(model.layers):
+            if not isinstance(layer.feed_forward, MoE):
+                continue
+            whole = layer.feed_forward(x, ops)
+            pieces = torch.cat([layer.feed_forward(x[a:b], ops) for a, b in zip(cuts, cuts[1:])])
+            err = (pieces - whole).abs().max().item()
+            assert err < 1e-5 * max(1.0, whole.abs().max().item()), f"layer {i}: {err:.2e}"
 
 
 @pytest.mark.parametrize("name", sorted(MOE_SPECS))

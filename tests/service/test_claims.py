@@ -41,6 +41,7 @@ def assert_claimed(got: Job | None, expected: Job, attempts: int) -> None:
         assert (j.output_text, j.output_token_ids, j.samples, j.output_logprobs,
                 j.prompt_logprobs, j.finish_reason, j.error) == ("", [], [], [], [], "", "")
         assert (j.num_output_tokens, j.num_cached_tokens, j.num_preemptions) == (0, 0, 0)
+        assert j.kv_story is None and j.engines == []  # (an earlier attempt's moves)
     assert got.owner.username == "claims"  # loaded: the worker reads its cache salt
 
 
@@ -54,16 +55,29 @@ def test_queued_jobs_of_the_task_are_claimed_once(owner):
 
 
 def test_a_rerun_starts_clean_whichever_path_claims_it(owner):
+    # its previous attempt moved from one engine to another while it ran, told its KV
+    # story, and produced output
     leftovers = dict(attempts=1, output_text="old", output_token_ids=[1, 2],
                      finish_reason="length", error="old error", num_output_tokens=2,
                      num_cached_tokens=5, num_preemptions=1, first_token_at=timezone.now(),
-                     samples=[{"text": "old"}])
+                     samples=[{"text": "old"}], output_logprobs=[[1, -0.5, []]],
+                     prompt_logprobs=[None], kv_story={"cached_tokens": {"gpu": 16}},
+                     engines=[{"engine": "a", "at": "2026-01-01T00:00:00+00:00",
+                               "reason": "start"},
+                              {"engine": "b", "at": "2026-01-01T00:00:05+00:00",
+                               "reason": "migration"}])
     requeued = job(owner, task_id="task-b", **leftovers)  # queued again after a failure
     orphan = job(owner, task_id="task-c", status=Job.Status.RUNNING,
                  engine_instance=DEAD, **leftovers)  # its worker died
     got = claim((requeued, "task-b"), (orphan, "task-c"))
     assert_claimed(got[0], requeued, 2)
     assert_claimed(got[1], orphan, 2)
+    # the two paths (one UPDATE for the queued, row by row for the orphan) leave the
+    # same row, but for what names the job and its attempt
+    own = {"id", "celery_task_id", "request_id", "started_at", "queued_at"}
+    rows = [Job.objects.filter(pk=j.pk).values().get() for j in (requeued, orphan)]
+    assert {k: v for k, v in rows[0].items() if k not in own} == \
+        {k: v for k, v in rows[1].items() if k not in own}
 
 
 def test_deliveries_that_must_not_run_their_job(owner):

@@ -1,7 +1,10 @@
 """deploy/'s Prometheus alert rules and Grafana dashboard name only metrics that
-/metrics exports, the Prometheus config loads the rules, and the compose file's
-monitoring profile mounts what it provisions."""
+/metrics exports, the tier alerts judge /metrics' counters as the engine page judges the
+same counters, the Prometheus config loads the rules, and the compose file's monitoring
+profile mounts what it provisions."""
+import ast
 import json
+import operator
 import re
 from pathlib import Path
 
@@ -10,7 +13,10 @@ import yaml
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+# what the engine page judges (tests/dashboard/js/tiers.test.mjs checks it on them)
+TIER_CASES = ROOT / "tests" / "dashboard" / "js" / "tier_health_cases.json"
 METRIC = re.compile(r"\bkvops:[a-z0-9_]+")
 SUFFIXES = ("_total", "_bucket", "_sum", "_count", "_created")
 
@@ -69,6 +75,117 @@ def test_every_metric_the_rules_and_the_dashboard_name_is_exported(rf, settings)
     for expr in exprs:
         used = set(METRIC.findall(expr))
         assert used and used <= names, (expr, used - names)
+
+
+INCREASE = re.compile(r"increase\((kvops:[a-z0-9_]+)\[\w+\]\)")
+COMPARE = {ast.Gt: operator.gt, ast.Lt: operator.lt, ast.GtE: operator.ge,
+           ast.LtE: operator.le, ast.Eq: operator.eq, ast.NotEq: operator.ne}
+ARITHMETIC = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+              ast.Div: operator.truediv}
+
+
+def fires(expr: str, samples: dict[str, float]) -> bool:
+    """Whether a rule of `increase(counter[range])` terms, numbers, arithmetic and
+    comparisons joined by and/or fires for one engine whose counters grew from 0 to
+    `samples` (so each increase is the sample). A counter the engine does not export is
+    no series: a comparison on it is no result, as in PromQL. Anything else in the rule
+    is not evaluated here, and fails the test rather than pass unread."""
+    names: list[str] = []
+
+    def term(match: re.Match) -> str:
+        names.append(match.group(1))
+        return f"_{len(names) - 1}"
+
+    try:
+        tree = ast.parse(INCREASE.sub(term, " ".join(expr.split())), mode="eval")
+    except SyntaxError:
+        raise AssertionError(f"{expr!r} is not evaluated here") from None
+
+    def value(node):
+        if isinstance(node, ast.Name) and re.fullmatch(r"_\d+", node.id):
+            return samples.get(names[int(node.id[1:])])
+        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
+            return node.value
+        if isinstance(node, ast.BinOp) and type(node.op) in ARITHMETIC:
+            left, right = value(node.left), value(node.right)
+            return None if left is None or right is None else \
+                ARITHMETIC[type(node.op)](left, right)
+        raise AssertionError(f"{expr!r}: {ast.unparse(node)} is not evaluated here")
+
+    def truth(node) -> bool:
+        if isinstance(node, ast.BoolOp):
+            parts = [truth(v) for v in node.values]
+            return all(parts) if isinstance(node.op, ast.And) else any(parts)
+        if isinstance(node, ast.Compare) and len(node.ops) == 1 and \
+                type(node.ops[0]) in COMPARE:
+            left, right = value(node.left), value(node.comparators[0])
+            return left is not None and right is not None and \
+                COMPARE[type(node.ops[0])](left, right)
+        raise AssertionError(f"{expr!r}: {ast.unparse(node)} is not evaluated here")
+
+    return truth(tree.body)
+
+
+def engine_samples(rf, settings, name: str) -> dict[str, float]:
+    """The engine's samples in /metrics, by name (a counter's with its _total)."""
+    line = re.compile(r'^(kvops:[a-z0-9_]+)\{engine="' + re.escape(name) + r'"\} (\S+)$', re.M)
+    return {metric: float(v) for metric, v in line.findall(scrape(rf, settings))}
+
+
+def engine_with(name: str, metrics: dict) -> None:
+    from kvops.registry import heartbeat, register_engine
+
+    register_engine(name, "w", "h", f"i-{name}", {"block_size": 16}, "s1")
+    heartbeat(name, f"i-{name}", metrics)
+
+
+def test_the_tier_alerts_warn_as_the_engine_page_does(rf, settings):
+    """Each case's counters (the growth the engine page judges, and warns of as its
+    `warn` says: tests/dashboard/js/tiers.test.mjs) through /metrics: the shipped tier
+    rules fire for exactly the tiers the page warns of."""
+    rules = {r["alert"]: r["expr"] for r in alert_rules()}
+    tier_rules = {"cpu": rules["KVOpsCPUTierNeverHits"], "disk": rules["KVOpsDiskTierNeverHits"]}
+    cases = json.loads(TIER_CASES.read_text())["cases"]
+    assert len(cases) >= 5
+    for k, case in enumerate(cases):
+        name = f"tiers{k}"
+        engine_with(name, case["counters"])
+        samples = engine_samples(rf, settings, name)
+        fired = [tier for tier, expr in tier_rules.items() if fires(expr, samples)]
+        assert fired == case["warn"], (case["name"], fired)
+
+
+def test_the_rule_evaluator_reads_what_it_is_given():
+    """fires() itself: arithmetic, and/or, an absent counter."""
+    s = {"kvops:a_total": 5.0, "kvops:b_total": 2.0}
+    assert fires("increase(kvops:a_total[1h]) - increase(kvops:b_total[1h]) == 3", s)
+    assert not fires("increase(kvops:a_total[1h]) > 0 and increase(kvops:b_total[1h]) == 0", s)
+    assert fires("increase(kvops:a_total[1h]) > 9 or increase(kvops:b_total[1h]) > 1", s)
+    assert not fires("increase(kvops:gone_total[1h]) == 0", s)
+    for unread in ("absent(kvops:a_total) == 1", "increase(kvops:a_total[1h]) > bool 0",
+                   "increase(kvops:a_total[1h]) unless increase(kvops:b_total[1h]) > 0"):
+        with pytest.raises(AssertionError, match="not evaluated"):
+            fires(unread, s)
+
+
+def test_prompt_tokens_by_source_add_each_tiers_own_hits(rf, settings):
+    """external_kv_transfer is the CPU tier's hits and the disk's, each its own counter,
+    wherever the disk sits (the engine counts a block the disk read back through the CPU
+    tier as the disk's only)."""
+    base = {"prefix_cache_queries": 1000, "prefix_cache_hits": 400, "disk_prefix_cache_hits": 150}
+    engine_with("below-cpu", {**base, "cpu_prefix_cache_hits": 100, "disk_tier_below": "cpu"})
+    engine_with("below-gpu", {**base, "cpu_prefix_cache_hits": 0, "disk_tier_below": "gpu"})
+    text = scrape(rf, settings)
+
+    def sources(name: str) -> dict[str, float]:
+        line = re.compile(r'^kvops:prompt_tokens_by_source_total\{engine="' + name
+                          + r'",source="(\w+)"\} (\S+)$', re.M)
+        return {source: float(v) for source, v in line.findall(text)}
+
+    assert sources("below-cpu") == {"local_compute": 600.0, "local_cache_hit": 150.0,
+                                    "external_kv_transfer": 250.0}
+    assert sources("below-gpu") == {"local_compute": 600.0, "local_cache_hit": 250.0,
+                                    "external_kv_transfer": 150.0}
 
 
 def test_prometheus_loads_the_rules_and_compose_mounts_them():

@@ -113,3 +113,33 @@ def test_jobs_admitted_together_run_as_one_task_and_each_ends_on_its_own(engine_
     again = run_jobs.apply(args=[[job.pk for job in jobs]],
                            task_id=jobs[0].celery_task_id).get()
     assert again == ["skipped"] * 3
+
+
+def test_the_task_watches_the_deadline_from_the_jobs_start_as_a_moved_job_is_watched(
+        engine_worker, monkeypatch):
+    """One deadline per job (kvops/job_deadline.py): its start plus KVOPS_JOB_TIMEOUT_S,
+    the one a moved-in job is watched to. A task whose wait begins long after its job's
+    start (here: the claim's start set back past the timeout) gives it no more time: the
+    job ends as timed out at once, its request aborted, instead of running to its end."""
+    from datetime import timedelta
+
+    from django.conf import settings
+
+    claim_jobs = job_store.claim_jobs
+
+    def claimed_long_ago(claims):
+        jobs = claim_jobs(claims)
+        for job in jobs:
+            if job is not None:
+                job.started_at -= timedelta(seconds=settings.KVOPS_JOB_TIMEOUT_S + 60)
+                Job.objects.filter(pk=job.pk).update(started_at=job.started_at)
+        return jobs
+    monkeypatch.setattr(job_store, "claim_jobs", claimed_long_ago)
+    job = new_job(1000)  # seconds of steps
+    assert run(job) == "timeout"
+    job.refresh_from_db()
+    assert job.status == Job.Status.FAILED and "ran past" in job.error
+    from kvops import job_deadline
+    assert job_deadline.deadline(job) == job.started_at.timestamp() + settings.KVOPS_JOB_TIMEOUT_S
+    metrics = engine_worker.command("metrics", {})
+    assert metrics["running"] == metrics["waiting"] == 0 and metrics["kv_usage"] == 0.0

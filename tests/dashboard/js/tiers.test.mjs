@@ -3,6 +3,7 @@
 // (format.js), and the tier health warnings over a window of metrics samples
 // (static/kvops/tier_health.js).
 import assert from "node:assert/strict";
+import { readFileSync } from "node:fs";
 import test from "node:test";
 
 import { diskHitShare, diskTierCaption, diskTierFigures, diskTierNote, hasDiskTier } from "../../../static/kvops/disk_tier.js";
@@ -91,11 +92,30 @@ test("no warning where the hits grew, or where nothing was stored", () => {
   assert.deepEqual(tierWarnings(samples(300, idle)), []);
 });
 
-test("the CPU tier's own hits leave out the tokens served from disk", () => {
-  // every CPU tier hit was a block read back from disk: the CPU tier itself served none
-  const viaDisk = (t) => ({ ...storing(t), cpu_prefix_cache_hits: 4 * t, disk_prefix_cache_hits: 4 * t });
+test("the CPU tier is judged on its own hits, as the engine counts them (the disk's apart)", () => {
+  // every hit below the GPU was a block read back from disk through the CPU tier: the
+  // engine counts them as the disk's only, and the CPU tier itself served none
+  const viaDisk = (t) => ({ ...storing(t), disk_tier_below: "cpu", cpu_prefix_cache_hits: 0,
+                            disk_prefix_cache_hits: 4 * t });
   assert.deepEqual(kinds(tierWarnings(samples(300, viaDisk))), ["cpu never-served"]);
+  // the CPU tier serving its own, the disk too: neither is warned of
+  const both = (t) => ({ ...viaDisk(t), cpu_prefix_cache_hits: 4 * t });
+  assert.deepEqual(tierWarnings(samples(300, both)), []);
 });
+
+// The cases the shipped alert rules are checked on too (tests/service/test_monitoring.py):
+// each counter's growth over the window, from zero.
+const CASES = JSON.parse(readFileSync(new URL("./tier_health_cases.json", import.meta.url))).cases;
+
+for (const c of CASES) {
+  test(`the page warns as the alert rules do: ${c.name}`, () => {
+    const zero = Object.fromEntries(Object.entries(c.counters)
+      .map(([k, v]) => [k, typeof v === "number" ? 0 : v]));
+    const window = [{ ts: 0, ...zero }, { ts: 3600, ...c.counters }];
+    const warned = tierWarnings(window).filter((w) => w.kind === "never-served").map((w) => w.tier);
+    assert.deepEqual(warned, c.warn);
+  });
+}
 
 test("without a disk tier only the CPU tier is judged", () => {
   const cpuOnly = (t) => ({ cpu_cache_copy_out_bytes: 4096 * t, cpu_prefix_cache_hits: 0 });
@@ -131,4 +151,6 @@ test("a disk straight below the GPU: its hits are not the CPU tier's, and the pa
   assert.doesNotMatch(figures.find((f) => f.key === "hit-share").title, /CPU tier/);
   const below = diskTierFigures({ disk_tier_below: "cpu", disk_cache_read_blocks: 3 });
   assert.match(below.find((f) => f.key === "read").title, /into the CPU tier/);
+  // below the CPU tier too, the disk's hits are its own: not a slice of the CPU tier's
+  assert.doesNotMatch(below.find((f) => f.key === "hit-share").title, /CPU tier/);
 });
