@@ -1,6 +1,7 @@
 """The documentation's links hold: every relative link or image in README.md and
 docs/**/*.md points at a file that exists, and a `#anchor` at a heading of its target
-(GitHub's slugs). The README stays short enough to read (at most 300 lines)."""
+(GitHub's slugs). The README stays short enough to read (at most 300 lines), and
+docs/design.md's EngineConfig table names every field."""
 from __future__ import annotations
 
 import re
@@ -139,3 +140,19 @@ def test_slugs_follow_github():
     assert slug("`EngineConfig`") == "engineconfig"
     assert slug("SQLite's writers") == "sqlites-writers"
     assert slug("docker compose") == "docker-compose"
+
+
+def test_design_names_every_engine_config_field():
+    """docs/design.md's EngineConfig table names every field of EngineConfig (it missed
+    eight once)."""
+    import dataclasses
+
+    from engine import EngineConfig
+    text = (ROOT / "docs" / "design.md").read_text(encoding="utf-8")
+    section = text[text.index("### EngineConfig"):text.index("### LLMEngine")]
+    named = set()
+    for line in section.splitlines():
+        if line.startswith("| `"):
+            named |= set(re.findall(r"`([a-z_0-9]+)`", line.split("|")[1]))
+    missing = [f.name for f in dataclasses.fields(EngineConfig) if f.name not in named]
+    assert not missing, f"docs/design.md's EngineConfig table misses {missing}"

@@ -1,5 +1,5 @@
 """A Python client of the live protocol (docs/live-protocol.md), the same steps as
-static/kvops/live.js: start from a snapshot, apply deltas in sequence order."""
+static/kvops/live_sync.js: start from a snapshot, apply deltas in sequence order."""
 from __future__ import annotations
 
 import itertools

@@ -19,7 +19,7 @@ BLOCK = 4
 class EngineMachine(RuleBasedStateMachine):
     mode = "recompute"
     cpu_tier = False  # the CPU pool is a second-level prefix cache too
-    # global layers and sliding ones (window 6) with a block table each (engine/hybrid_kv.py)
+    # global layers and sliding ones (window 6) with a block table each (engine/kv_group.py)
     hybrid = False
 
     def __init__(self):
