@@ -131,14 +131,16 @@ def blocks_per_gib(block_size: int) -> str:
 def default_block_bytes(block_size: int) -> dict[str, int]:
     """The default model's bytes a block by K/V dtype (when it has been converted)."""
     from engine.default_model import default_model_dir
+    from engine.kv_layout import block_bytes, kv_layout
     from engine.loader import read_model_folder
 
     try:
         a = read_model_folder(default_model_dir()).args
     except Exception:  # noqa: BLE001  (not converted here: say nothing)
         return {}
-    per_value = 2 * a.n_layers * block_size * a.n_kv_heads * a.head_dim
-    return {name: per_value * b for name, b in (("float32", 4), ("bfloat16", 2), ("fp8", 1))}
+    layout = kv_layout(a.layer_windows, a.n_layers)  # (as the runner lays it out)
+    return {name: block_bytes(layout, block_size, a.n_kv_heads, a.head_dim, b)
+            for name, b in (("float32", 4), ("bfloat16", 2), ("fp8", 1))}
 
 
 def seal_rates(block_bytes: int, seconds: float = 1.0) -> dict[str, float]:
@@ -184,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--message", type=int, default=200, help="tokens of each user message")
     p.add_argument("--reply", type=int, default=100, help="tokens of each reply")
     p.add_argument("--gap-s", type=float, default=180.0,
-                   help="seconds between two turns of a conversation (+-50%)")
+                   help="seconds between two turns of a conversation (+-50%%)")
     p.add_argument("--rate", type=float, default=2.0, help="conversations started a second")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-gpu-blocks", type=int, default=1024)

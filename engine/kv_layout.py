@@ -67,6 +67,15 @@ def kv_layout(layer_windows: tuple[int, ...], n_layers: int, hybrid: bool = True
     return KVLayout(tuple(group_windows), tuple(layer_group), tuple(layer_slot), k)
 
 
+def block_bytes(layout: KVLayout, block_size: int, n_kv_heads: int, head_dim: int,
+                itemsize: int) -> int:
+    """One block's bytes: K and V of the layers a block holds (every layer, or a layer
+    group's: `layout.slots`), for `n_kv_heads` heads (a rank's share of a split model)
+    of `head_dim` values of `itemsize` bytes. The one formula: the runner sizes its
+    pools by it, the benchmarks and the what-if read it."""
+    return layout.slots * 2 * block_size * n_kv_heads * head_dim * itemsize
+
+
 def blocks_for(num_tokens: int, block_size: int, windows: tuple[int | None, ...],
                chunk: int = 0) -> int:
     """Blocks a request of num_tokens holds at most, with a table per window (None:

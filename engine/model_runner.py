@@ -22,7 +22,7 @@ import kernels
 from engine.attention import AttentionBatch, make_attention_backend
 from engine.config import EngineConfig
 from engine.hf_tokenizer import HFTokenizer
-from engine.kv_layout import kv_layout
+from engine.kv_layout import block_bytes, kv_layout
 from engine.loader import (ModelFolder, ModelLoadError, load_model, model_identity,
                            read_model_folder)
 from engine.runner import Runner, StepResult, block_count, frame_header
@@ -94,8 +94,8 @@ class ModelRunner(Runner):
         self._copy_stream = None  # CUDA: the CPU tier's copies ahead of need (copy_ahead)
         self._copy_ahead_done = None  # an event the next step's work waits for
         slots = self.kv_layout.slots
-        self.block_bytes = (slots * 2 * self.block_size * args.n_kv_heads
-                            * args.head_dim * self._kv_dtype.itemsize)
+        self.block_bytes = block_bytes(self.kv_layout, self.block_size, args.n_kv_heads,
+                                       args.head_dim, self._kv_dtype.itemsize)
         self.num_gpu_blocks = config.num_gpu_blocks or self._blocks_from_memory()
         self.num_cpu_blocks = (self._default_cpu_blocks() if config.num_cpu_blocks is None
                                else config.num_cpu_blocks)

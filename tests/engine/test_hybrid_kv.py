@@ -216,3 +216,25 @@ def test_a_pinned_prefix_keeps_what_every_group_needs(tiny_model, salt):
     assert final.output_token_ids == hf_greedy(folder, [prompt], 4)[0]
     engine.unpin_prefix(prefix)
     assert not any(b.pinned for b in engine.kv.gpu.blocks)
+
+
+def test_one_formula_for_a_blocks_bytes_follows_the_layer_groups(tiny_model):
+    """kv_layout.block_bytes is what the runner's cache holds per block, for a model of
+    one table and for one with layer groups (a block holds one group's layers, not every
+    layer's), and what the tiers benchmark reads."""
+    from benchmarks.tiers import default_block_bytes
+    from engine.kv_layout import block_bytes, kv_layout
+    for name in ("gemma2", "gqa16"):
+        engine = LLMEngine(EngineConfig(model=tiny_model(name), device="cpu", dtype="float32",
+                                        num_gpu_blocks=8, num_cpu_blocks=0, block_size=4))
+        runner = engine.runner
+        per_block = runner.kv_cache[:, :, 0].numel() * runner.kv_cache.element_size()
+        assert runner.block_bytes == per_block
+        args = runner.model.args
+        layout = kv_layout(args.layer_windows, args.n_layers)
+        assert block_bytes(layout, 4, args.n_kv_heads, args.head_dim, 4) == per_block
+        # (a block of layer groups holds fewer layers than the model has)
+        assert (layout.slots < args.n_layers) == (name == "gemma2")
+    sizes = default_block_bytes(16)
+    if sizes:  # (the default model, where it has been converted)
+        assert sizes["float32"] == 2 * sizes["bfloat16"] == 4 * sizes["fp8"]
