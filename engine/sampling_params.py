@@ -70,7 +70,7 @@ class SamplingParams:
             bias = {}
             for token, value in self.logit_bias.items():
                 # JSON (and so a stored job) has string keys: "50256" is token 50256
-                if isinstance(token, str) and token.isdigit():
+                if isinstance(token, str) and token.isascii() and token.isdigit():
                     token = int(token)
                 _check(_is_int(token) and token >= 0,
                        f"logit_bias keys must be token ids (integers >= 0), got {token!r}")

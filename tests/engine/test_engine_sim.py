@@ -364,6 +364,15 @@ def test_evict_and_reset_drop_cached_blocks():
         engine.evict_cached_blocks(-1)
 
 
+@pytest.mark.parametrize("key", ["\u00b2", "\u0663", "-1", "x"])
+def test_a_logit_bias_key_that_is_no_token_id_is_refused_naming_it(key):
+    """JSON's string keys are token ids only in ASCII digits ("²".isdigit() is True in
+    Python, and int("²") raises): anything else is an InvalidRequestError, not a crash."""
+    with pytest.raises(InvalidRequestError, match="logit_bias keys"):
+        SamplingParams(logit_bias={key: 1.0})
+    assert SamplingParams(logit_bias={"12": 1.0}).logit_bias == {12: 1.0}
+
+
 @pytest.mark.parametrize("prompt, message", [
     ([], "empty"), ([1, 2, 10_000], r"\[0, 1000\)"), ("", "empty"), (None, "string or a list"),
     (list(range(1, 300)), "limit"),
