@@ -71,7 +71,7 @@ from typing import Any
 
 import msgpack
 import zmq
-from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils import z85
 
 from engine import keys, move_check, move_ticket
 from engine.errors import (CommandExpired, EngineError, InvalidRequestError, InvalidStateError,
@@ -90,6 +90,7 @@ GRAMMAR_COMPILE_S = 30.0  # a move's constraint compiles within this, or the mov
 HEADER_BYTES_PER_TOKEN = 512  # a state's bytes per token (ids, logprobs), at most
 ANSWER_BYTES = 1 << 20  # an answer's largest frame
 ZAP_DOMAIN = b"kvops-migration"
+ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # (where libzmq asks, in the port's context)
 
 Reply = Callable[[bool, Any], None]  # (ok, result or [error type, message])
 
@@ -208,7 +209,7 @@ class MigrationLink:
         self.header_bytes, self.frame_bytes = _limits(engine)
         # Sockets of a context of its own (with its own ZAP handler, over tcp)
         self.context = zmq.Context()
-        self._auth = None
+        self._zap = None
         self.router = self.context.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
         self.router.setsockopt(zmq.MAXMSGSIZE, max(self.header_bytes, self.frame_bytes))
@@ -222,10 +223,12 @@ class MigrationLink:
             self.router.bind(self.address)
         else:
             # Between machines: CurveZMQ, its handshake admitting only the deployment's
-            # client key (the ZAP handler's callback below)
-            self._auth = ThreadAuthenticator(self.context, log=logging.getLogger("engine.zap"))
-            self._auth.start()
-            self._auth.configure_curve_callback(ZAP_DOMAIN.decode(), credentials_provider=self)
+            # client key. libzmq asks the context's ZAP handler (RFC 27) about each
+            # handshake, and admits every client when none is bound, so it is bound
+            # before the port; it is served on the step loop beside the port (_answer_zap)
+            self._zap = self.context.socket(zmq.REP)
+            self._zap.setsockopt(zmq.LINGER, 0)
+            self._zap.bind(ZAP_ENDPOINT)
             self.router.curve_server = True
             self.router.curve_secretkey = server_secret
             self.router.zap_domain = ZAP_DOMAIN
@@ -245,16 +248,32 @@ class MigrationLink:
         self._parked: list[tuple[bytes, list, list, Future, float]] = []  # wait for a grammar
         self._seq = 0
 
-    def callback(self, domain: str, client_key: bytes) -> bool:
-        """The ZAP handler's question (on its thread): may this client key connect?"""
-        return client_key == self._client_public
-
     # --- sockets -------------------------------------------------------------------------
     def sockets(self) -> list[zmq.Socket]:
-        return [self.router, *self._out.values()]
+        return [self.router, *self._out.values(), *([self._zap] if self._zap else [])]
+
+    def _answer_zap(self) -> None:
+        """Answer each waiting ZAP request (RFC 27: version, request id, domain, address,
+        identity, mechanism, credentials): 200 for a CURVE client with the deployment's
+        client key on the port's domain, 400 for anything else."""
+        while True:
+            try:
+                request = self._zap.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            ok = len(request) == 7 and request[0] == b"1.0" and request[2] == ZAP_DOMAIN \
+                and request[5] == b"CURVE" and z85.encode(request[6]) == self._client_public
+            version = request[0] if request else b"1.0"
+            request_id = request[1] if len(request) > 1 else b""
+            self._zap.send_multipart([version, request_id, b"200" if ok else b"400",
+                                      b"OK" if ok else b"not of this deployment",
+                                      b"deployment" if ok else b"", b""])
 
     def on_readable(self, sock: zmq.Socket) -> None:
         """Handle every message waiting on `sock`."""
+        if sock is self._zap:
+            self._answer_zap()
+            return
         while True:
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -282,8 +301,6 @@ class MigrationLink:
             self._let_go(rid)
         for sock in self.sockets():
             sock.close(linger=0)
-        if self._auth is not None:
-            self._auth.stop()
         self.context.term()
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)

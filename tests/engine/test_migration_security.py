@@ -109,14 +109,24 @@ def test_a_stranger_cannot_connect_and_learns_nothing(cores, peers):
 
 def test_strangers_get_no_answer(cores, peers):
     """Whatever a stranger sends over tcp, nothing comes back (no model id, no counts, no
-    error)."""
+    error): one without keys, and one that knows the port's public key but not the
+    deployment's client key (the ZAP handler refuses its handshake)."""
     dst = cores("b", migration_host="127.0.0.1")
     stranger = peers(dst.address, None)
-    stranger.send(["check", "r", 1, offer_of(), ticket("r")])
+    knows_the_port = peers(dst.address, None)
+    knows_the_port.sock.close(linger=0)
+    knows_the_port.sock = knows_the_port.ctx.socket(zmq.DEALER)
+    knows_the_port.sock.setsockopt(zmq.LINGER, 0)
+    knows_the_port.sock.curve_serverkey = keys.curve_pair(SECRET, "server")[0]
+    knows_the_port.sock.curve_publickey, knows_the_port.sock.curve_secretkey = \
+        zmq.curve_keypair()
+    knows_the_port.sock.connect(dst.address)
+    for peer in (stranger, knows_the_port):
+        peer.send(["check", "r", 1, offer_of(), ticket("r")])
     member = peers(dst.address)
     member.send(["check", "r", 2, {}, None])
-    member.answer(dst)  # (served after the stranger's message was, had it arrived)
-    assert not stranger.sock.poll(200)
+    member.answer(dst)  # (served after the strangers' messages were, had they arrived)
+    assert not stranger.sock.poll(200) and not knows_the_port.sock.poll(200)
 
 
 @pytest.mark.parametrize("case", ["none", "forged", "other engine", "other request",
