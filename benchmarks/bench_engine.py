@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.model import ModelArgs
+from engine.model.transformer import ModelArgs
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,13 +13,13 @@ import statistics
 import sys
 import time
 
-from engine.block_pool import BlockPool
-from engine.capacity import HEADER, format_table, replay_contiguous, replay_paged
+from engine.kv.block_pool import BlockPool
+from engine.sim.capacity import HEADER, format_table, replay_contiguous, replay_paged
 from engine.config import EngineConfig
-from engine.events import EventLog
+from engine.kv.events import EventLog
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
-from engine.trace import synthetic_trace
+from engine.sim.trace import synthetic_trace
 
 
 def step_time(num_running: int, steps: int, block_size: int = 16) -> tuple[float, float]:
@@ -108,8 +108,8 @@ def history_bytes_per_1000(num_blocks: int = 100_000) -> float:
     import tracemalloc
 
     from engine.block_hash import short
-    from engine.events import KVEvent
-    from engine.kv_story import KVHistory
+    from engine.kv.events import KVEvent
+    from engine.observe.story import KVHistory
 
     hashes = [os.urandom(32) for _ in range(num_blocks)]
     keys = [short(h) for h in hashes]

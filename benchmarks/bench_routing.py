@@ -16,7 +16,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from engine.capacity import format_table
+from engine.sim.capacity import format_table
 from tests.support.stack import Stack
 
 # Each engine can hold two of the four system prompts with room to run, not all four.

@@ -37,8 +37,8 @@ from pathlib import Path
 from urllib.parse import urlparse, urlunparse
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.capacity import format_table
-from engine.core_proc import CORE_NICE, raise_priority
+from engine.sim.capacity import format_table
+from engine.serve.core_proc import CORE_NICE, raise_priority
 from kvops.engine_client import core_environment
 from tests.support.stack import Stack
 from kvops.run import ensure_redis
@@ -68,7 +68,7 @@ def engine_config(args, streams: int, real: bool) -> dict:
     history = {} if args.kv_history_blocks is None else \
         {"kv_history_blocks": args.kv_history_blocks}
     if real:  # the default model, named by its folder (a stack has its own data dir)
-        from engine.model_runner import resolve_model_path
+        from engine.model.model_runner import resolve_model_path
         return dict(model=str(resolve_model_path(None)), max_num_seqs=max(32, streams),
                     max_num_batched_tokens=2048, device=args.real_device,
                     dtype=args.real_dtype, **history)

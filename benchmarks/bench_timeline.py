@@ -64,8 +64,8 @@ def build_history(name: str, blocks: int, num_requests: int, minutes: float,
     from django.utils import timezone
 
     from engine import EngineConfig, LLMEngine, SamplingParams
-    from engine.kv_feed import encode, select_events
-    from engine.kv_view import Capturer, KVMirror, event_record
+    from engine.observe.feed import encode, select_events
+    from engine.observe.view import Capturer, KVMirror, event_record
     from kvops import live
     from kvops.models import Engine
     from kvops.timeline import TimelineWriter, limits_from_settings

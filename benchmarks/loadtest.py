@@ -18,8 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from pathlib import Path
 
-from engine.capacity import format_table
-from engine.snapshot import decode_array
+from engine.sim.capacity import format_table
+from engine.observe.snapshot import decode_array
 from tests.support.stack import Stack
 
 ENGINE = dict(simulate=1, num_gpu_blocks=2048, block_size=16, max_num_seqs=64,

@@ -5,10 +5,10 @@
                                    [--step-ms 20] [--kv-bytes-per-token 32768]
     python -m benchmarks.migration --pd [--pd-requests 64] [--pd-rate 8]
 
-Two engine cores, each in a process of its own (`python -m engine.core_proc`, as a worker
+Two engine cores, each in a process of its own (`python -m engine.serve.core_proc`, as a worker
 runs them), this process their worker for both. For each context length a request is
 started on the first core with a prompt of that many tokens; once it has made --before
-tokens it is moved to the second (the "migrate" command, engine/migration_link.py), and it
+tokens it is moved to the second (the "migrate" command, engine/transfer/link.py), and it
 makes --after more there. The pause is what its client sees: the gap between the last
 token that came from the first core and the first that came from the second, less the
 normal gap between two tokens (the median before the move); and the longest gap between
@@ -44,9 +44,10 @@ import time
 
 import zmq
 
-from engine import keys, move_ticket
+from engine import keys
+from engine.transfer import ticket as move_ticket
 from engine.config import EngineConfig
-from engine.core_proc import core_command, pack, unpack
+from engine.serve.core_proc import core_command, pack, unpack
 
 SECRET = keys.random_secret()  # the two cores' deployment secret (the service's, in one)
 

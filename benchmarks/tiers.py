@@ -26,7 +26,7 @@ model's forward passes run and its K/V is what the tiers carry, time still simul
 
 Printed per run: the prefix hit rate, prompt tokens computed, the time to first token
 (p50, p99, simulated), and where the hits came from. Then what sealing the disk tier's
-files costs (engine/disk_seal.py, AES-256-GCM; the CRC-32 it replaced beside it): MB/s
+files costs (engine/kv/tiers/disk_seal.py, AES-256-GCM; the CRC-32 it replaced beside it): MB/s
 of one CPU core sealing and opening blocks of the default model's size, per K/V dtype
 (`--seal-only`: that table alone). The replays' time is simulated: a tier's copies and
 its sealing cost nothing in it.
@@ -44,10 +44,10 @@ import time
 import zlib
 from pathlib import Path
 
-from engine.capacity import StepCost
+from engine.sim.capacity import StepCost
 from engine.config import EngineConfig
-from engine.replay_stats import replay_stats
-from engine.trace import TraceRequest
+from engine.sim.replay_stats import replay_stats
+from engine.sim.trace import TraceRequest
 
 VOCAB = 32000
 
@@ -101,7 +101,7 @@ def run(name: str, work: Workload, config: EngineConfig, cost: StepCost,
 
 def model_value_bytes(config: EngineConfig) -> int:
     """Bytes of one K/V value of a real model's configuration (its dtype on its device)."""
-    from engine.model_runner import resolve_device, resolve_dtype
+    from engine.model.model_runner import resolve_device, resolve_dtype
 
     return resolve_dtype(config.dtype, resolve_device(config.device)).itemsize
 
@@ -130,9 +130,9 @@ def blocks_per_gib(block_size: int) -> str:
 
 def default_block_bytes(block_size: int) -> dict[str, int]:
     """The default model's bytes a block by K/V dtype (when it has been converted)."""
-    from engine.default_model import default_model_dir
-    from engine.kv_layout import block_bytes, kv_layout
-    from engine.loader import read_model_folder
+    from engine.model.default_model import default_model_dir
+    from engine.kv.layout import block_bytes, kv_layout
+    from engine.model.loader import read_model_folder
 
     try:
         a = read_model_folder(default_model_dir()).args
@@ -146,7 +146,7 @@ def default_block_bytes(block_size: int) -> dict[str, int]:
 def seal_rates(block_bytes: int, seconds: float = 1.0) -> dict[str, float]:
     """MB/s (10^6 bytes of K/V) of sealing and opening blocks of block_bytes on this
     thread, and of the CRC-32 the files had before."""
-    from engine.disk_seal import BlockSeal
+    from engine.kv.tiers.disk_seal import BlockSeal
 
     seal = BlockSeal(os.urandom(32), b"d" * 16)
     payload, block_hash = os.urandom(block_bytes), os.urandom(32)

@@ -12,7 +12,7 @@ DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 ROLES = ("both", "prefill", "decode")
-EVICTION_POLICIES = ("lru", "slru", "lfu", "priority")  # (engine/block_pool.py ranks them)
+EVICTION_POLICIES = ("lru", "slru", "lfu", "priority")  # (engine/kv/block_pool.py ranks them)
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")  # (kernels/fp8.py)
 KV_CACHE_SCALES = ("tensor", "head", "unit")
 
@@ -35,7 +35,7 @@ class EngineConfig:
     # to be reused is copied to a free CPU block first and stays findable by hash, and a
     # later hit on it is copied back instead of recomputed (swapped requests come first)
     cpu_prefix_cache: bool = False
-    # A level below the CPU tier, or below the GPU pool without one (engine/disk_tier.py):
+    # A level below the CPU tier, or below the GPU pool without one (engine/kv/tiers/disk.py):
     # cached blocks that disk_cache_min_hits prompts asked for beyond the first are
     # written behind to files in this folder as the pool above lets them go, and read
     # back when a prompt's prefix reaches them; up to disk_cache_bytes, least recently
@@ -44,7 +44,7 @@ class EngineConfig:
     # The most of the GPU pool that pinned prefixes may hold (a share, 0-1): a pin past it
     # is refused, naming it; an operator changes it live (LLMEngine.set_retention)
     pin_budget: float = 0.5
-    # What the GPU pool's prefix cache evicts first when blocks run out (block_pool.py):
+    # What the GPU pool's prefix cache evicts first when blocks run out (engine/kv/block_pool.py):
     # "lru" (least recently freed), "slru" (blocks never taken again before those hit),
     # "lfu" (the least hit), "priority" (the prefixes of the least important requests,
     # by scheduling priority); changed live with the pin budget
@@ -53,7 +53,7 @@ class EngineConfig:
     disk_cache_bytes: int = 10 * 2**30
     disk_cache_min_hits: int = 1
     # The deployment's secret (engine/keys.py): the disk tier seals its files with a key
-    # derived from it (engine/disk_seal.py), so that engines sharing it share the disk's
+    # derived from it (engine/kv/tiers/disk_seal.py), so that engines sharing it share the disk's
     # blocks; the migration port's keys and the tickets that allow each move come from
     # it too. The service gives every engine the same one, derived from its secret key
     # (kvops/engine_config.py); None: the disk tier keeps a random key in its folder
@@ -62,7 +62,7 @@ class EngineConfig:
     secret: str | None = field(default=None, repr=False)
     # A model mixing sliding-window and global layers (Gemma 2, 3) keeps a block table
     # per layer group, so that its sliding layers give back what their window passed
-    # (engine/kv_layout.py); off, or with cpu_prefix_cache: one table for every layer
+    # (engine/kv/layout.py); off, or with cpu_prefix_cache: one table for every layer
     hybrid_kv_cache: bool = True
     preemption_mode: str = "recompute"  # what the scheduler does when blocks run out
     scheduling_policy: str = "fcfs"  # "priority": lower value runs first
@@ -96,13 +96,13 @@ class EngineConfig:
     simulate_sliding_window: int | None = None
     # simulate only, with simulate_sliding_window: the stand-in has global layers too, in
     # a block table of their own beside the sliding layers' (a Gemma-like model: layer
-    # groups, engine/kv_layout.py)
+    # groups, engine/kv/layout.py)
     simulate_hybrid: bool = False
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of device memory the engine may use
     kv_cache_memory_bytes: int | None = None  # CPU: bytes for the KV pool (None: 512 MiB)
     name: str = "default"  # engine name, shown in snapshots
     max_pending_events: int = 100_000  # KV events kept for take_events(); oldest dropped
-    # The KV history behind requests' KV stories (engine/kv_story.py): what happened to
+    # The KV history behind requests' KV stories (engine/observe/story.py): what happened to
     # this many of the newest block hashes (about 200 bytes each); 0: no history, no
     # stories
     kv_history_blocks: int = 100_000
@@ -120,14 +120,14 @@ class EngineConfig:
     # same machine every time.
     cpu_kernels: str = "auto"
     large_matmuls: str = "auto"
-    # Split the model's heads and MLP across this many ranks (engine/parallel.py):
+    # Split the model's heads and MLP across this many ranks (engine/model/parallel.py):
     # processes the engine starts, gloo on CPU, NCCL and one GPU each on CUDA
     tensor_parallel_size: int = 1
-    # Publish prefix-cache events over ZMQ in vLLM's format (engine/kv_events_zmq.py):
+    # Publish prefix-cache events over ZMQ in vLLM's format (engine/observe/vllm_events.py):
     # e.g. "tcp://*:5557"; and a ROUTER for replay requests, e.g. "tcp://*:5558"
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None
-    # Where the core takes requests moving in from other engines (engine/migration_link.py):
+    # Where the core takes requests moving in from other engines (engine/transfer/link.py):
     # "" (the default: every engine on one machine) a socket file in a folder of its own
     # that only this user may enter (ipc://); else it binds this host's tcp `migration_port`
     # (0: a free one), a host the other engines reach on a private network ("0.0.0.0"

@@ -6,6 +6,10 @@ class EngineError(Exception):
     """Base class for every error the engine raises on purpose."""
 
 
+class ModelLoadError(EngineError):
+    """The model folder is missing, incomplete, or holds a model the engine cannot run."""
+
+
 class UnknownRequestError(EngineError, KeyError):
     """No live request has this id."""
 

@@ -6,11 +6,11 @@ SECRET_KEY: kvops/engine_config.engine_secret) and hand it to each engine core a
 derived with HMAC-SHA256 (a key for one purpose tells nothing of another's):
 
 * "migration curve server" / "migration curve client": the CurveZMQ key pairs of the
-  migration port (engine/migration_link.py). Every engine of the deployment has the same
+  migration port (engine/transfer/link.py). Every engine of the deployment has the same
   two pairs; a peer that lacks the secret cannot complete the handshake.
 * "migration ticket": the HMAC key of the tickets the service signs for each move
-  (engine/move_ticket.py).
-* "disk tier": the disk tier's AES-GCM key (engine/disk_seal.py).
+  (engine/transfer/ticket.py).
+* "disk tier": the disk tier's AES-GCM key (engine/kv/tiers/disk_seal.py).
 
 An engine with no secret (the plain `LLMEngine` API, a test) makes a random one at start:
 its migration port then takes nobody, which is the safe default.

@@ -15,22 +15,22 @@ import time
 
 from engine.block_hash import hash_blocks, root_hash
 from engine.config import EVICTION_POLICIES, EngineConfig
-from engine.detokenizer import IncrementalDetokenizer, SimTokenizer
+from engine.text.detokenizer import IncrementalDetokenizer, SimTokenizer
 from engine.errors import (InvalidRequestError, InvalidStateError, NotEnoughBlocksError,
                            PrefixNotCachedError)
-from engine.events import EventLog, KVEvent
-from engine.kv_coordinator import KVCacheCoordinator
-from engine.kv_layout import blocks_for
-from engine.kv_story import STORY_QUEUE_MAX, StoryBook
-from engine import migration
+from engine.kv.events import EventLog, KVEvent
+from engine.kv.coordinator import KVCacheCoordinator
+from engine.kv.layout import blocks_for
+from engine.observe.story import STORY_QUEUE_MAX, StoryBook
+from engine.transfer import migration
 from engine.outputs import CoreOutput, RequestOutput
-from engine.rate_meter import RateMeter
+from engine.observe.rate_meter import RateMeter
 from engine.request import Request, RequestStatus
-from engine.runner import Runner
+from engine.model.runner import Runner
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.kv_export import KVExport
-from engine.snapshot import EVICTION_ORDER_LEN
+from engine.sched.scheduler import Scheduler
+from engine.kv.export import KVExport
+from engine.observe.snapshot import EVICTION_ORDER_LEN
 
 _ENDED = frozenset({RequestStatus.FINISHED, RequestStatus.ABORTED})
 log = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ def simulated_tokenizer_path(config: EngineConfig) -> str | None:
     if choice == "bytes":
         return None
     if choice == "default":
-        from engine.default_model import default_model_dir
+        from engine.model.default_model import default_model_dir
         folder = default_model_dir()
         if not (folder / "tokenizer.json").is_file():
             log.warning("simulate_tokenizer=default: %s is not converted (make setup); "
@@ -60,13 +60,13 @@ def simulated_tokenizer(path: str | None):
     else the HF folder's. The worker reads it too, to detokenise."""
     if path is None:
         return SimTokenizer()
-    from engine.hf_tokenizer import HFTokenizer
+    from engine.text.tokenizer import HFTokenizer
     return HFTokenizer.from_folder(path)
 
 
 def build_runner(config: EngineConfig) -> Runner:
     if config.simulate:
-        from engine.simulated_runner import SimulatedRunner
+        from engine.model.simulated_runner import SimulatedRunner
         num_gpu = config.num_gpu_blocks or SIMULATED_NUM_GPU_BLOCKS
         num_cpu = num_gpu // 2 if config.num_cpu_blocks is None else config.num_cpu_blocks
         path = simulated_tokenizer_path(config)
@@ -84,7 +84,7 @@ def build_runner(config: EngineConfig) -> Runner:
         runner.tokenizer = tokenizer
         runner.tokenizer_path = path
         return runner
-    from engine.model_runner import ModelRunner  # imports torch: only for real models
+    from engine.model.model_runner import ModelRunner  # imports torch: only for real models
     return ModelRunner(config)
 
 
@@ -110,7 +110,7 @@ class LLMEngine:
                                      cpu_prefix_cache=config.cpu_prefix_cache,
                                      eviction_policy=config.eviction_policy)
         self.scheduler = Scheduler(config, self.kv, self.max_model_len, self.events)
-        # requests' KV stories (engine/kv_story.py), read from the event stream
+        # requests' KV stories (engine/observe/story.py), read from the event stream
         self.stories = StoryBook(config.name, config.kv_history_blocks,
                                  self.events.subscribe(STORY_QUEUE_MAX),
                                  sample=config.kv_metrics_sample) \
@@ -127,13 +127,13 @@ class LLMEngine:
         self._indices = itertools.count(1)  # request index 0 means "no owner" in snapshots
         self._snapshot_seq = itertools.count(1)
         self._detok: dict[str, IncrementalDetokenizer] = {}
-        self._structured = None  # engine/structured.py, built on the first constrained request
+        self._structured = None  # engine/text/structured.py, built on the first constrained request
         # (request, its compile) once the compile thread is done: the step loop queues the
         # request or ends it (appended by the compile thread, taken by the loop)
         self._compiled: collections.deque = collections.deque()
         self.scheduler.make_sample = self._make_sample
         self._pending: list[Request] = []  # ended by abort or finish_request, not reported yet
-        # moved here or away since the last step (engine/migration.py): their first or
+        # moved here or away since the last step (engine/transfer/migration.py): their first or
         # last output, not reported yet
         self._moved: list[CoreOutput] = []
         self._inflight = None  # the SchedulerOutput being run, until its update is done
@@ -148,17 +148,17 @@ class LLMEngine:
         # the worker's threads and a GPU's activation memory were sized for them
         self.limit_caps = {"max_num_seqs": config.max_num_seqs,
                            "max_num_batched_tokens": config.max_num_batched_tokens}
-        # The vLLM-format publisher (engine/kv_events_zmq.py) and what it reads: the event
+        # The vLLM-format publisher (engine/observe/vllm_events.py) and what it reads: the event
         # stream with full hashes, translated after each step and each cache command
         self._kv_publisher = kv_events
         if kv_events is None and config.kv_events_endpoint:
-            from engine.kv_events_zmq import ZmqKVEventPublisher
+            from engine.observe.vllm_events import ZmqKVEventPublisher
 
             self._kv_publisher = ZmqKVEventPublisher(config.kv_events_endpoint,
                                                      config.kv_events_replay_endpoint)
         self._kv_translator = self._kv_events = None
         if self._kv_publisher is not None:
-            from engine.kv_events_zmq import VllmTranslator
+            from engine.observe.vllm_events import VllmTranslator
 
             self._kv_events = self.events.subscribe(full=True)
             self._kv_translator = VllmTranslator(
@@ -249,13 +249,13 @@ class LLMEngine:
                                                              params.min_tokens)
 
     def structured_outputs(self):
-        """This engine's grammar compiler (engine/structured.py); InvalidRequestError on
+        """This engine's grammar compiler (engine/text/structured.py); InvalidRequestError on
         the simulator, which has no logits to constrain."""
         if self.config.simulate:
             raise InvalidRequestError("structured output needs a model with logits; the "
                                       "simulated engine has none")
         if self._structured is None:
-            from engine.structured import StructuredOutputs
+            from engine.text.structured import StructuredOutputs
             self._structured = StructuredOutputs(self.tokenizer, self.runner.vocab_size)
         return self._structured
 
@@ -342,7 +342,7 @@ class LLMEngine:
             stories.forget_ended_changes()
 
     def kv_story(self, request_id: str) -> dict | None:
-        """The request's KV story (engine/kv_story.py) while it runs and for a while
+        """The request's KV story (engine/observe/story.py) while it runs and for a while
         after it ended; None if unknown or kv_history_blocks is 0."""
         if self.stories is None:
             return None
@@ -531,7 +531,7 @@ class LLMEngine:
         self._pending.extend(ended)
         return True
 
-    # --- moving a request to another engine (engine/migration.py) ---------------------
+    # --- moving a request to another engine (engine/transfer/migration.py) ---------------------
     def migration_offer(self, request_id: str) -> dict:
         """Source: a running request's state and block hashes, for a destination's check."""
         migration.check_movable(self)
@@ -603,7 +603,7 @@ class LLMEngine:
             self._detok.pop(request_id, None)
 
     def report_moved(self, output: CoreOutput) -> None:
-        """A moved request's last output here or first one (engine/migration.py): the
+        """A moved request's last output here or first one (engine/transfer/migration.py): the
         next step reports it."""
         self._moved.append(output)
 
@@ -827,9 +827,9 @@ class LLMEngine:
     # --- observation ---------------------------------------------------------------
     def snapshot(self, compact: bool = False) -> dict:
         """JSON-serialisable KV state; compact=True encodes per-block arrays in base64.
-        Built as the live view builds its own (engine/kv_view.py's KVMirror), from one
+        Built as the live view builds its own (engine/observe/view.py's KVMirror), from one
         full export: one builder for this, the dashboard and the timeline's keyframes."""
-        from engine.kv_view import KVMirror
+        from engine.observe.view import KVMirror
 
         mirror = KVMirror(self.config.name, "", self.describe_config())
         mirror.apply(self.export_kv([], full_scan=True, pins=True))
@@ -839,7 +839,7 @@ class LLMEngine:
         return doc
 
     def export_kv(self, events: list[KVEvent], full_scan: bool, pins: bool) -> KVExport:
-        """The KV state as viewers may keep it (engine/kv_export.py), built by its owners
+        """The KV state as viewers may keep it (engine/kv/export.py), built by its owners
         on this (the loop's) thread: the scheduler's request rows, the KV core's tables
         per pool (with pins and a copy of the hash map when asked), the eviction order,
         the metrics, and `events` (taken by the caller) riding along."""
@@ -859,7 +859,7 @@ class LLMEngine:
         return self.events.take()
 
     def _disk_metrics(self) -> dict:
-        """The disk tier's counters (engine/disk_tier.py), if the engine has one: prompt
+        """The disk tier's counters (engine/kv/tiers/disk.py), if the engine has one: prompt
         tokens served from it (its own hits: never in cpu_prefix_cache_hits, though below
         the CPU tier they reach the GPU through it), the pool it sits below, blocks and
         bytes each way, failed checksums."""
@@ -884,7 +884,7 @@ class LLMEngine:
     def _disk_tier(self):
         """The disk tier of config.disk_cache_dir, its blocks marked with what they mean
         here (a block of another model, K/V format or block size is never read)."""
-        from engine.disk_tier import DiskStore, DiskTier
+        from engine.kv.tiers.disk import DiskStore, DiskTier
         if getattr(self.runner, "tensor_parallel_size", 1) > 1:
             raise InvalidRequestError("a disk tier with a model split over ranks is not "
                                       "supported yet")

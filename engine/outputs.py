@@ -43,9 +43,9 @@ class CoreOutput:
     # with the first token, if asked: see Request.prompt_logprobs
     prompt_logprobs: list[list] | None = None
     error: str | None = None  # finish_reason "error": why the engine could not serve it
-    # its KV story (engine/kv_story.py), when it changed in this step
+    # its KV story (engine/observe/story.py), when it changed in this step
     kv_story: dict | None = None
-    # a request that moved between engines (engine/migration.py): its end at the one it
+    # a request that moved between engines (engine/transfer/migration.py): its end at the one it
     # left ({"to": name}, finish_reason "migrated"), and its first output at the one it
     # came to ({"from": name, "job_id", "output_token_ids": made before, "output_logprobs"})
     migration: dict | None = None

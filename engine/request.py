@@ -55,7 +55,7 @@ class Request:
     # logprobs] (the first token's logprob None), filled as its prefill chunks run
     prompt_logprobs: list[list] = field(default_factory=list)
     grammar: Any = field(default=None, repr=False)  # its structured-output matcher, if any
-    # its constraint compiled (engine/structured.py): its fork's samples make their
+    # its constraint compiled (engine/text/structured.py): its fork's samples make their
     # matchers from it; None until the compile thread has made it
     compiled_grammar: Any = field(default=None, repr=False)
     all_token_ids: list[int] = field(default_factory=list)  # prompt + output, kept in step

@@ -36,7 +36,7 @@ class SamplingParams:
     # The same for each prompt token (vLLM's prompt_logprobs): the request then computes
     # its whole prompt, without the prefix cache's help.
     prompt_logprobs: int | None = None
-    # A constraint on the output (engine/structured.py): {"json": schema},
+    # A constraint on the output (engine/text/structured.py): {"json": schema},
     # {"json_object": true}, {"regex": ...}, {"choice": [...]} or {"grammar": EBNF}.
     structured: dict | None = None
     # Parallel sampling: n sequences from one prompt. The prompt is computed once; then
@@ -96,7 +96,7 @@ class SamplingParams:
         _check(_is_int(self.n) and 1 <= self.n <= MAX_N,
                f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
         if self.structured is not None:
-            from engine.structured import check_spec
+            from engine.text.structured import check_spec
             check_spec(self.structured)
         _check(_is_number(self.min_p) and 0.0 <= self.min_p <= 1.0,
                f"min_p must be a number in [0, 1], got {self.min_p!r}")

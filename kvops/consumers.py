@@ -28,7 +28,7 @@ from channels.utils import await_many_dispatch
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from engine.kv_feed import encode
+from engine.observe.feed import encode
 from kvops import live, selectors, visibility
 from kvops.job_listener import JobFailed, JobListener, reload
 from kvops.models import Engine

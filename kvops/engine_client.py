@@ -1,6 +1,6 @@
 """The worker's handle on its engine: one contract (EngineClient), two transports.
 
-The engine core (engine/core_proc.py: CoreServer, the one step loop) runs either in a
+The engine core (engine/serve/core_proc.py: CoreServer, the one step loop) runs either in a
 process of its own (MPClient, the default: KVOPS_ENGINE_CORE=process) or on a thread of
 the worker (InprocClient: KVOPS_ENGINE_CORE=thread, one process less but the worker's
 Python work shares the step loop's interpreter lock). Either way the worker talks to it
@@ -41,7 +41,7 @@ from typing import Any, Protocol
 import zmq
 
 from engine import EngineConfig, EngineError
-from engine.core_proc import CORE_NICE, SPIN_COUNT, SPIN_NICE, core_command, may_take_niceness, \
+from engine.serve.core_proc import CORE_NICE, SPIN_COUNT, SPIN_NICE, core_command, may_take_niceness, \
     pack, serve, unpack
 from engine.errors import error_from_wire
 from engine.outputs import CoreOutput
@@ -79,7 +79,7 @@ class EngineClient(ABC):
                  on_kv_item: Callable[[dict], None] | None = None,
                  startup_timeout_s: float = 900.0, tokenizer=None) -> None:
         """sink: gets every step's outputs (on the reader thread; it must not block);
-        on_kv_item: gets the KV view's items (engine/kv_feed.py), likewise; tokenizer:
+        on_kv_item: gets the KV view's items (engine/observe/feed.py), likewise; tokenizer:
         the engine's, for chat templates (default: read from the model folder)."""
         self.name = config.name
         self.config = config
@@ -208,7 +208,7 @@ class EngineClient(ABC):
 
     # --- calls from the worker's threads -----------------------------------------------
     def command(self, name: str, arguments: dict, timeout_s: float = 30.0) -> Any:
-        """An operator command by name (engine/commands.py), applied between two steps.
+        """An operator command by name (engine/serve/commands.py), applied between two steps.
         One deadline for both sides: past it the core drops the command."""
         return self._call(["cmd", None, name, arguments, time.time() + timeout_s], timeout_s)
 
@@ -420,7 +420,7 @@ class EngineClient(ABC):
 
 
 class MPClient(EngineClient):
-    """The core in a process of its own (`python -m engine.core_proc`), started again
+    """The core in a process of its own (`python -m engine.serve.core_proc`), started again
     when it dies, MAX_RESTARTS times in a row at most."""
     address_scheme = "ipc"
 

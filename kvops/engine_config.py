@@ -29,7 +29,7 @@ def config_from_env(environ: dict[str, str],
 def engine_secret(secret_key: str) -> str:
     """EngineConfig.secret of this deployment's engines: HMAC-SHA256 of the service's
     secret key (Django's SECRET_KEY), so that the engine never holds the key itself, and
-    every engine of the deployment derives the same disk key (engine/disk_seal.py)."""
+    every engine of the deployment derives the same disk key (engine/kv/tiers/disk_seal.py)."""
     return hmac.new(secret_key.encode(), b"kvops engine secret", hashlib.sha256).hexdigest()
 
 

@@ -4,7 +4,7 @@ event loop and never for longer than a deadline.
 A constraint that xgrammar refuses must be a 400, not a job that fails later, so the web
 compiles each one before storing its job: with the engine's tokenizer where the web can
 read the model folder (what the engine will do), else without one (the grammar alone).
-Compiling can take seconds for a schema within the bounds of engine/structured.py, and
+Compiling can take seconds for a schema within the bounds of engine/text/structured.py, and
 xgrammar cannot be interrupted, so the compiles run in worker processes
 (`python -m kvops.grammar_check`, KVOPS_GRAMMAR_WORKERS of them): a compile past
 KVOPS_GRAMMAR_TIMEOUT_S is a 400 and its worker is killed and replaced. Verdicts are
@@ -289,7 +289,7 @@ def _serve() -> None:
     # compile's deadline pays for it)
 
     from engine.errors import InvalidRequestError
-    from engine.structured import StructuredOutputs, grammar_of
+    from engine.text.structured import StructuredOutputs, grammar_of
     stdin = sys.stdin.buffer
     compilers: dict[tuple[str, int], Any] = {}
     while True:
@@ -300,7 +300,7 @@ def _serve() -> None:
         op = message["op"]
         try:
             if op == "tokenizer":
-                from engine.hf_tokenizer import HFTokenizer
+                from engine.text.tokenizer import HFTokenizer
                 key = (message["folder"], message["vocab_size"])
                 structured = StructuredOutputs(HFTokenizer.from_folder(key[0]), key[1])
                 structured._compiler_for()  # the tokenizer's vocabulary, read once

@@ -235,7 +235,7 @@ def _name(param: str, value: Any, max_chars: int = ENGINE_NAME_CHARS) -> str:
 def _response_format(body: dict, new: NewJob) -> dict | None:
     """OpenAI's `response_format` (json_object, or json_schema with its schema) or vLLM's
     `structured_outputs` (json, json_object, regex, choice or grammar): the constraint
-    the engine applies (engine/structured.py), its shape and size checked here."""
+    the engine applies (engine/text/structured.py), its shape and size checked here."""
     response_format, vllm = body.get("response_format"), body.get("structured_outputs")
     if response_format is None:
         return limits.structured(vllm, "structured_outputs")

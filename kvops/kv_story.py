@@ -1,5 +1,5 @@
 """A job's KV story as GET /api/jobs/<id>/kv/ and the job page show it: the story its
-engine told (engine/kv_story.py, kept on the job's row) with what only the service
+engine told (engine/observe/story.py, kept on the job's row) with what only the service
 knows added: the router's view when it chose (`routing`: the hit on the engine chosen
 and the best one), the routing miss it implies (`other_engine`), and for a viewer who
 is not staff, other users' request ids hidden and a miss under another tenant's cache

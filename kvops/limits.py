@@ -306,14 +306,14 @@ def logit_bias(value) -> dict | None:
 
 
 def structured(value, param: str) -> dict | None:
-    """A structured-output constraint (engine/structured.py: json, json_object, regex,
+    """A structured-output constraint (engine/text/structured.py: json, json_object, regex,
     choice or grammar) of the right shape and within the bounds on what one may be.
     Whether it compiles is checked apart (kvops/grammar_check.py: it can take seconds),
     still before the job exists."""
     if value is None:
         return None
     from engine.errors import InvalidRequestError
-    from engine.structured import check_spec
+    from engine.text.structured import check_spec
     try:
         check_spec(value)
     except InvalidRequestError as e:

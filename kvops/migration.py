@@ -1,7 +1,7 @@
 """Moving running requests between engines, as the service does it: an operator's move
 of one request, and a drain that moves every request off an engine.
 
-The move itself runs between the two engine cores (engine/migration_link.py): the
+The move itself runs between the two engine cores (engine/transfer/link.py): the
 source's worker resolves the destination (its migration address, from the registry)
 and hands the command to its core, which answers once the request runs there. The jobs
 follow by themselves: the source's output processor hands the job's row over when it
@@ -17,7 +17,7 @@ import time
 
 from django.conf import settings
 
-from engine import move_ticket
+from engine.transfer import ticket as move_ticket
 from engine.errors import InvalidRequestError, InvalidStateError
 from kvops import audit_chain, selectors
 from kvops.engine_config import engine_secret
@@ -61,7 +61,7 @@ def route(source: str, to: str, request_id: str, expires: float,
           job_id: str | None = None) -> dict:
     """Where the request `request_id` of engine `source` moves to reach engine `to`, and
     the ticket that lets it ({"address", "to", "ticket"}), good until `expires` (Unix
-    time): the destination takes only moves the service signed (engine/move_ticket.py).
+    time): the destination takes only moves the service signed (engine/transfer/ticket.py).
     The ticket names the request's job (`job_id`, else the job whose attempt it is)."""
     _, address = destination(source, to)
     if job_id is None:

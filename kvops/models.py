@@ -105,7 +105,7 @@ class Job(models.Model):
     finish_reason = models.CharField(max_length=16, blank=True)
     kv_story = models.JSONField(
         null=True, blank=True,
-        help_text="its KV story as its engine told it (engine/kv_story.py): where its "
+        help_text="its KV story as its engine told it (engine/observe/story.py): where its "
                   "prompt's blocks came from, why the first miss missed, its preemptions; "
                   "GET /api/jobs/<id>/kv/ shows it")
     error = models.TextField(blank=True)

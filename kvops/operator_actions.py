@@ -5,7 +5,7 @@ from __future__ import annotations
 from django.conf import settings
 from django.db import IntegrityError, transaction
 
-from engine.commands import STATE_COMMANDS
+from engine.serve.commands import STATE_COMMANDS
 from kvops import audit_chain, control, idempotency, selectors
 from kvops.idempotency import KeyReused
 from kvops.models import Engine, OperatorAction

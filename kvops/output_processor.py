@@ -24,8 +24,8 @@ from django.conf import settings
 from django.db import connection
 from django.utils import timezone
 
-from engine.detokenizer import IncrementalDetokenizer, Tokenizer
-from engine.migration import MIGRATED
+from engine.text.detokenizer import IncrementalDetokenizer, Tokenizer
+from engine.transfer.migration import MIGRATED
 from engine.outputs import CoreOutput
 from kvops import job_store
 from kvops.job_stream import StreamProducer, state_update

@@ -4,7 +4,7 @@ Worker side: PrefixIndex mirrors the engine's prefix cache into Redis sets of sh
 block hashes, one for the GPU pool and one for the CPU tier (EngineConfig.
 cpu_prefix_cache: a hit there is copied back instead of recomputed), from the prefix
 changes its KV feed reports (blocks stored, evicted, the cache cleared;
-engine/kv_feed.py), with a full rewrite now and then (the engine's `prefix-hashes`
+engine/observe/feed.py), with a full rewrite now and then (the engine's `prefix-hashes`
 command) to repair any drift (a lost write, a Redis restart).
 Router side: leading_blocks() counts how many leading blocks of a prompt an engine
 holds, and how many of those are on its GPU, from reads queued by look_up() (a batch of

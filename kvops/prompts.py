@@ -9,7 +9,7 @@ from typing import Any
 
 from engine import EngineError
 from engine.block_hash import hash_blocks, root_hash, short
-from engine.detokenizer import SimTokenizer
+from engine.text.detokenizer import SimTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ def load_tokenizer(config: dict):
     path = _tokenizer_path(config)
     if not path:
         return SimTokenizer() if config.get("simulate") else None
-    from engine.hf_tokenizer import HFTokenizer
+    from engine.text.tokenizer import HFTokenizer
     try:
         return HFTokenizer.from_folder(path)
     except (OSError, EngineError) as e:
@@ -89,7 +89,7 @@ def tokenizer_for(config) -> object | None:
     if config.simulate:
         from engine.llm_engine import simulated_tokenizer, simulated_tokenizer_path
         return simulated_tokenizer(simulated_tokenizer_path(config))
-    from engine.default_model import default_model_dir
+    from engine.model.default_model import default_model_dir
     return load_tokenizer({"model_path": str(config.model or default_model_dir())})
 
 

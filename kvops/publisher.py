@@ -1,4 +1,4 @@
-"""The worker side of the live dashboard: the engine's KV feed (engine/kv_feed.py) to the
+"""The worker side of the live dashboard: the engine's KV feed (engine/observe/feed.py) to the
 Channels group `engine.<name>`, Redis histories and the prefix-cache index.
 
 The feed runs where the engine runs (the engine core process, or the worker's engine

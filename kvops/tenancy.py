@@ -10,7 +10,7 @@ an HMAC of the server's secret key and the user's id: nobody without the key can
 another tenant's chain, so a block hash seen somewhere cannot be tested against guessed
 prompts. Staff share one unsalted cache. Prefixes an operator pins are unsalted and,
 being published on purpose, are shared with everyone: a salted request may reuse pinned
-blocks of the unsalted chain, and only pinned ones (engine/kv_coordinator.py,
+blocks of the unsalted chain, and only pinned ones (engine/kv/coordinator.py,
 find_prefix).
 
 `global`: one cache for all, as vLLM does without a cache_salt (the most reuse).

@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from engine.kv_feed import decode, encode
+from engine.observe.feed import decode, encode
 from kvops.live import redis_client
 
 INDEX_KEY = "kvops:engine:{name}:timeline"

@@ -1,5 +1,5 @@
 """Tool calls on /v1/chat/completions, the way vLLM serves a named or required
-tool_choice: the output is constrained (engine/structured.py) to the called function's
+tool_choice: the output is constrained (engine/text/structured.py) to the called function's
 arguments (a named function) or to a JSON list of {name, parameters} calls (`required`),
 and the answer carries OpenAI's `tool_calls` instead of text.
 

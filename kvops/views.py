@@ -5,7 +5,7 @@ from django.contrib.auth.decorators import login_required
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, render
 
-from engine.kv_story import FIRST_MISS_REASONS
+from engine.observe.story import FIRST_MISS_REASONS
 from kvops import selectors, tenancy, visibility
 from kvops.models import Engine, Job
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
-from engine.kv_feed import decode, encode
+from engine.observe.feed import decode, encode
 
 # Per-block arrays and event fields that carry prefix-cache hashes
 HASH_ARRAYS = ("hash32",)

@@ -1,5 +1,5 @@
 """What if: replay an engine's recent jobs (kvops/what_if_trace.py) through the capacity
-simulator (engine/replay_stats.py: the real scheduler and KV manager, a stand-in model)
+simulator (engine/sim/replay_stats.py: the real scheduler and KV manager, a stand-in model)
 under the engine's own configuration and under an operator's alternative, and keep
 both results side by side (WhatIfRun).
 
@@ -21,10 +21,10 @@ from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from engine.capacity import StepCost
+from engine.sim.capacity import StepCost
 from engine.config import ConfigError, EngineConfig
 from engine.errors import EngineError
-from engine.replay_stats import replay_stats
+from engine.sim.replay_stats import replay_stats
 from kvops import audit_chain
 from kvops.idempotency import HEADER, KeyReused
 from kvops.models import Engine, OperatorAction, WhatIfRun
@@ -155,7 +155,7 @@ def with_disk(config: EngineConfig, folder: str, block_bytes: int) -> EngineConf
     engine's (`block_bytes` each; the simulator's weigh less)."""
     if not config.disk_cache_bytes:
         return dataclasses.replace(config, disk_cache_dir=None)
-    from engine.disk_seal import file_bytes
+    from engine.kv.tiers.disk_seal import file_bytes
     blocks = config.disk_cache_bytes // max(block_bytes, 1) if block_bytes else \
         config.disk_cache_bytes // file_bytes(config.block_size * 8)
     return dataclasses.replace(config, disk_cache_dir=folder,

@@ -1,4 +1,4 @@
-"""An engine's recent jobs as a capacity-simulator trace (engine/trace.py), for what-if
+"""An engine's recent jobs as a capacity-simulator trace (engine/sim/trace.py), for what-if
 replays (kvops/what_if.py).
 
 What comes from the stored jobs (those the engine ran, num_prompt_tokens > 0, queued in
@@ -36,7 +36,7 @@ from datetime import datetime, timedelta
 
 from django.utils import timezone
 
-from engine.trace import TraceRequest
+from engine.sim.trace import TraceRequest
 from kvops.models import Engine, Job, OperatorAction
 from kvops.prompts import inspector, render_chat
 from kvops.tenancy import cache_salt

@@ -471,7 +471,7 @@ def kvops_engine(state, command: str, arguments: dict | None = None,
     from django.conf import settings
 
     from engine import EngineError
-    from engine.commands import STATE_COMMANDS
+    from engine.serve.commands import STATE_COMMANDS
 
     own_stack = _context.stack_id if _context is not None else None
     if stack is None or stack != own_stack:

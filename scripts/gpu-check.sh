@@ -73,11 +73,11 @@ ONLY="$*"
   section tiny 60 "$PY" -m pytest -q tests/engine/test_model_triton.py \
     tests/engine/test_cpu_tier.py tests/kernels/test_torch_attention_off_cpu.py
   # a request moved between two engines with its KV cache: blocks read from one device
-  # pool to the host (pinned) and written into the other's (engine/migration.py), and
-  # between two cores over ZMQ (engine/migration_link.py)
+  # pool to the host (pinned) and written into the other's (engine/transfer/migration.py), and
+  # between two cores over ZMQ (engine/transfer/link.py)
   section migration 50 "$PY" -m pytest -q tests/engine/test_migration.py tests/engine/test_migration_link.py
   # the disk tier of the prefix cache with a real model's CPU pool on a GPU machine:
-  # block bytes out of and back into the pinned CPU pool (engine/disk_tier.py)
+  # block bytes out of and back into the pinned CPU pool (engine/kv/tiers/disk.py)
   section disk 30 "$PY" -m pytest -q tests/engine/test_disk_tier.py
   # fp8 K/V: reshape_and_cache and paged_attention compiled for this GPU against torch's
   # casts and the dequantised reference, a tiny model's fp8 run against transformers'

@@ -9,7 +9,7 @@ from django.utils import timezone
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
-from engine.capacity import StepCost
+from engine.sim.capacity import StepCost
 from engine.config import EVICTION_POLICIES, KV_CACHE_DTYPES, PREEMPTION_MODES
 from kvops import job_store, limits
 from kvops.models import Engine, Job, OperatorAction, WhatIfRun

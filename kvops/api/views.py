@@ -15,7 +15,7 @@ from rest_framework.exceptions import (APIException, NotFound, PermissionDenied,
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from engine.commands import STATE_COMMANDS
+from engine.serve.commands import STATE_COMMANDS
 from kvops import (admission, grammar_check, idempotency, intake, job_store, kv_story, limits,
                    operator_actions, selectors, visibility, what_if)
 from kvops.api.serializers import (DrainSerializer, EmptySerializer, EngineSerializer,

@@ -13,6 +13,6 @@ class Migration(migrations.Migration):
         migrations.AddField(
             model_name='job',
             name='kv_story',
-            field=models.JSONField(blank=True, help_text="its KV story as its engine told it (engine/kv_story.py): where its prompt's blocks came from, why the first miss missed, its preemptions; GET /api/jobs/<id>/kv/ shows it", null=True),
+            field=models.JSONField(blank=True, help_text="its KV story as its engine told it (engine/observe/story.py): where its prompt's blocks came from, why the first miss missed, its preemptions; GET /api/jobs/<id>/kv/ shows it", null=True),
         ),
     ]

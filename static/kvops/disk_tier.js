@@ -1,4 +1,4 @@
-// The disk tier of the prefix cache (engine/disk_tier.py) as the engine page shows it:
+// The disk tier of the prefix cache (engine/kv/tiers/disk.py) as the engine page shows it:
 // counts and a hit share, not a block map, as it may hold millions of blocks. Read from
 // the engine's config (disk_cache_bytes: the budget, 0 without a tier; its folder is
 // staff's) and its metrics (the disk_* counters, present only when the engine has a

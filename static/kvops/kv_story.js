@@ -6,13 +6,13 @@
 // No DOM and no fetch here: the pages fetch and place the HTML, and
 // tests/dashboard/js/kv_story.test.mjs runs this in node.
 //
-// `reasons` is engine/kv_story.py FIRST_MISS_REASONS (reason -> sentence), which the
+// `reasons` is engine/observe/story.py FIRST_MISS_REASONS (reason -> sentence), which the
 // page views hand to the pages: the sentences are kept there only.
 import { SOURCE_CSS } from "./colors.js";
 import { clock, esc, num } from "./format.js";
 
 export const SOURCE_WORDS = { gpu: "GPU hit", cpu: "CPU-tier hit", computed: "computed" };
-// Why a request was preempted (engine/kv_story.py PREEMPTION_REASONS), in words.
+// Why a request was preempted (engine/observe/story.py PREEMPTION_REASONS), in words.
 export const PREEMPTION_WORDS = {
   kv_full: "the GPU pool ran out of free blocks",
   priority: "a request of higher priority needed its blocks",

@@ -5,7 +5,7 @@
 // node's tests import them.
 import { num } from "./format.js";
 
-// The policies the engine knows (engine/block_pool.py EVICTION_POLICIES): what each
+// The policies the engine knows (engine/kv/block_pool.py EVICTION_POLICIES): what each
 // evicts first.
 export const EVICTION_POLICIES = {
   lru: "least recently used first",

@@ -6,7 +6,7 @@ import itertools
 
 import numpy as np
 
-from engine.snapshot import decode_array
+from engine.observe.snapshot import decode_array
 
 ARRAYS = ("state", "ref_cnt", "owner", "hash32")
 

@@ -3,8 +3,8 @@ import numpy as np
 import pytest
 
 from engine import SamplingParams
-from engine.snapshot import decode_array
-from engine.kv_view import EVENT_MAX_BLOCKS, Capturer, KVMirror, event_record
+from engine.observe.snapshot import decode_array
+from engine.observe.view import EVENT_MAX_BLOCKS, Capturer, KVMirror, event_record
 from tests.dashboard.churn import Churn, churn_engine
 from tests.dashboard.live_client import ARRAYS, LiveState
 

@@ -75,7 +75,7 @@ def scenario(stack):
 def expected_misses(stack) -> dict:
     """Prompt tokens computed at first admission, by the first miss's reason, summed over
     the stories of every job the engine ran (a full hit's: "partial_block"), as the
-    engine counts them (engine/kv_story.py StoryBook.admitted)."""
+    engine counts them (engine/observe/story.py StoryBook.admitted)."""
     jobs = stack.api("GET", f"/api/jobs/?engine={ENGINE}&limit=1000").json()["results"]
     totals: dict = {}
     for job in jobs:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import redis
 
-from engine.snapshot import decode_array
+from engine.observe.snapshot import decode_array
 from tests.support.stack import Stack
 from tests.session_redis import free_port, start_redis
 

@@ -9,7 +9,7 @@ import time
 from channels.routing import URLRouter
 from channels.testing import WebsocketCommunicator
 
-from engine.kv_feed import decode
+from engine.observe.feed import decode
 from tests.support.local_publisher import LocalPublisher
 from kvops.ws_routing import websocket_urlpatterns
 

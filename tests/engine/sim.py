@@ -1,6 +1,6 @@
 """Helpers for tests that drive the engine with the simulated model."""
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.simulated_runner import reference_generate
+from engine.model.simulated_runner import reference_generate
 
 VOCAB = 1000
 

@@ -4,8 +4,8 @@ import struct
 import pytest
 
 from engine.block_hash import hash_block, hash_blocks, root_hash
-from engine.block_pool import BlockPool, FreeBlockQueue, KVBlock
-from engine.events import EventLog
+from engine.kv.block_pool import BlockPool, FreeBlockQueue, KVBlock
+from engine.kv.events import EventLog
 
 
 def make_pool(n: int = 8) -> BlockPool:

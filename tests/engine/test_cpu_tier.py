@@ -4,7 +4,8 @@ CPU tier that moved the wrong data changes the output."""
 import pytest
 import torch
 
-from engine import EngineConfig, SamplingParams, scheduler
+from engine import EngineConfig, SamplingParams
+from engine.sched import scheduler
 from engine.block_hash import hash_blocks, root_hash
 from engine.config import ConfigError
 

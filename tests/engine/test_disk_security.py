@@ -16,9 +16,9 @@ import pytest
 
 from engine.block_hash import hash_blocks, root_hash
 from engine.config import ConfigError, EngineConfig
-from engine.core_proc import core_command
-from engine.disk_seal import BlockSeal
-from engine.disk_tier import DiskStore
+from engine.serve.core_proc import core_command
+from engine.kv.tiers.disk_seal import BlockSeal
+from engine.kv.tiers.disk import DiskStore
 from tests.engine.sim import expected
 from tests.engine.test_disk_tier import BLOCK, ask, disk_engine, flood, prompt_of
 

@@ -1,4 +1,4 @@
-"""The disk tier's store (engine/disk_tier.py): blocks as files that survive a restart,
+"""The disk tier's store (engine/kv/tiers/disk.py): blocks as files that survive a restart,
 sealed for the engine's identity (a bad or foreign file is a miss, deleted and counted),
 LRU within a byte budget, writes behind that close() finishes. What it promises against
 other users and forged files: tests/engine/test_disk_security.py."""
@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from engine.disk_seal import file_bytes
-from engine.disk_tier import DiskStore
+from engine.kv.tiers.disk_seal import file_bytes
+from engine.kv.tiers.disk import DiskStore
 
 IDENTITY = {"model": "m", "kv_format": "float32", "block_size": 4, "block_bytes": 64}
 

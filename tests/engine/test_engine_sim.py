@@ -6,7 +6,7 @@ import pytest
 
 from engine import (InvalidRequestError, InvalidStateError, NotEnoughBlocksError,
                     PrefixNotCachedError, SamplingParams, UnknownRequestError)
-from engine.snapshot import decode_array
+from engine.observe.snapshot import decode_array
 
 from .sim import expected, greedy, run_all, sim_engine
 

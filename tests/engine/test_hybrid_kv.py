@@ -1,4 +1,4 @@
-"""Block tables per layer group (engine/kv_layout.py, engine/kv_coordinator.py): a model that mixes sliding and
+"""Block tables per layer group (engine/kv/layout.py, engine/kv/coordinator.py): a model that mixes sliding and
 global layers (Gemma 2, 3) keeps the sliding layers' K/V in tables of their own, which
 give back what the window passed while the global table keeps every block. Tokens stay
 transformers' in every situation (tests/engine/test_model_parity.py runs the families);
@@ -10,11 +10,11 @@ import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.block_hash import hash_blocks, root_hash
-from engine.kv_group import SlidingWindowGroup
-from engine.kv_layout import group_hash, kv_layout
-from engine.kv_events_zmq import BlockRemoved, BlockStored
-from engine.kv_view import Capturer, KVMirror
-from engine.snapshot import decode_array
+from engine.kv.group import SlidingWindowGroup
+from engine.kv.layout import group_hash, kv_layout
+from engine.observe.vllm_events import BlockRemoved, BlockStored
+from engine.observe.view import Capturer, KVMirror
+from engine.observe.snapshot import decode_array
 from tests.dashboard.churn import Churn
 from tests.models.fixtures import tiny_model, tiny_root  # noqa: F401 (fixtures)
 from tests.models.tiny import SPECS, hf_greedy, random_prompts
@@ -158,7 +158,7 @@ def test_snapshots_and_the_live_view_count_every_groups_blocks(tiny_model, name)
 
 
 def test_routers_hear_of_the_global_groups_hashes_only(tiny_model):
-    """The vLLM-format events (engine/kv_events_zmq.py) name the request's prefix hashes
+    """The vLLM-format events (engine/observe/vllm_events.py) name the request's prefix hashes
     (group 0's): the sliding groups' own hashes are neither stored nor removed there."""
     folder = tiny_model("gemma2")
     batches = []
@@ -223,7 +223,7 @@ def test_one_formula_for_a_blocks_bytes_follows_the_layer_groups(tiny_model):
     one table and for one with layer groups (a block holds one group's layers, not every
     layer's), and what the tiers benchmark reads."""
     from benchmarks.tiers import default_block_bytes
-    from engine.kv_layout import block_bytes, kv_layout
+    from engine.kv.layout import block_bytes, kv_layout
     for name in ("gemma2", "gqa16"):
         engine = LLMEngine(EngineConfig(model=tiny_model(name), device="cpu", dtype="float32",
                                         num_gpu_blocks=8, num_cpu_blocks=0, block_size=4))

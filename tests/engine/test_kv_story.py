@@ -1,4 +1,4 @@
-"""The KV story of a request (engine/kv_story.py), in the engine: each first-miss reason
+"""The KV story of a request (engine/observe/story.py), in the engine: each first-miss reason
 produced by the situation it names, preemptions with their causes, and the bounds."""
 from engine import EngineConfig, LLMEngine, SamplingParams
 from tests.engine.sim import greedy, run_all, sim_engine

@@ -1,4 +1,4 @@
-"""A running request moved to another engine with its KV cache (engine/migration.py):
+"""A running request moved to another engine with its KV cache (engine/transfer/migration.py):
 its output is the output it would have had, blocks the destination caches are not
 sent, and a failed move leaves it running where it was; the invariants hold at both
 ends."""
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.migration import MIGRATED, MigrationFailed
+from engine.transfer.migration import MIGRATED, MigrationFailed
 from tests.engine.sim import expected, greedy, sim_engine
 from tests.models.fixtures import tiny_model, tiny_root  # noqa: F401 (fixtures)
 
@@ -238,13 +238,13 @@ def test_the_kv_story_goes_on_at_the_destination_with_the_hop():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_a_real_models_blocks_cross_a_process_boundary_as_they_were(dtype):
-    """ModelRunner's frames (engine/migration_link.py sends them): one buffer, no copy
+    """ModelRunner's frames (engine/transfer/link.py sends them): one buffer, no copy
     on either side, the same values and dtype back; a header or frame that does not fit
     the receiving cache's layout, dtype or the blocks allowed is refused before anything
     is decoded."""
     import types
 
-    from engine.model_runner import ModelRunner
+    from engine.model.model_runner import ModelRunner
     data = torch.randn(3, 2, 5, 4, 2, 8).to(dtype)[:, :, 1:4]  # (not contiguous)
     header, frames = ModelRunner.blocks_to_frames(data)
     assert len(frames) == 1 and memoryview(frames[0]).nbytes == data.numel() * data.element_size()
@@ -278,7 +278,7 @@ def test_a_structured_output_request_moves_and_stays_valid():
 
     import jsonschema
 
-    from engine.default_model import default_model_dir
+    from engine.model.default_model import default_model_dir
     if not (default_model_dir() / "config.json").is_file():
         pytest.skip("default model not converted (make setup)")
     schema = {"type": "object", "additionalProperties": False, "required": ["name", "ripe"],
@@ -416,7 +416,7 @@ def test_a_windowed_models_request_continues_exactly_on_the_other_engine(tiny_mo
 def test_the_default_models_request_moved_mid_answer_gives_the_unmoved_answer():
     """SmolLM2-135M, greedy: moved between two engines (staged) after 10 tokens, the
     answer is the one it has unmoved, token for token and in text."""
-    from engine.default_model import default_model_dir
+    from engine.model.default_model import default_model_dir
     if not (default_model_dir() / "config.json").is_file():
         pytest.skip("default model not converted (make setup)")
     cfg = dict(model=None, device="cpu", dtype="float32", attention_backend="torch",

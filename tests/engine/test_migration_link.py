@@ -1,4 +1,4 @@
-"""Requests moving between engine cores over ZMQ (engine/migration_link.py): each core's
+"""Requests moving between engine cores over ZMQ (engine/transfer/link.py): each core's
 step loop on a thread of its own, as in a core process, talking to the other over TCP.
 The moved request's tokens are the ones it would have made; a staged copy stops it for
 its last blocks only; a destination that refuses or falls silent leaves it running at the
@@ -15,10 +15,11 @@ import msgpack
 import pytest
 import zmq
 
-from engine import keys, migration_link, move_ticket
-from engine.core_proc import CoreServer
-from engine.migration import MIGRATED
-from engine.migration_link import MigrationLink
+from engine import keys
+from engine.transfer import link as migration_link, ticket as move_ticket
+from engine.serve.core_proc import CoreServer
+from engine.transfer.migration import MIGRATED
+from engine.transfer.link import MigrationLink
 from tests.engine.sim import expected, greedy, sim_engine
 from tests.models.fixtures import tiny_model, tiny_root  # noqa: F401 (fixtures)
 

@@ -1,4 +1,4 @@
-"""The migration port under attack (engine/migration_link.py): each forged move an audit
+"""The migration port under attack (engine/transfer/link.py): each forged move an audit
 made against it, replayed through the wire protocol, and what stops it. A stranger (no
 deployment secret) cannot complete the handshake; a peer of the deployment can move only
 what the service signed a ticket for, once; what a move carries is checked whole before
@@ -16,9 +16,10 @@ import msgpack
 import pytest
 import zmq
 
-from engine import keys, migration_link, move_ticket
+from engine import keys
+from engine.transfer import link as migration_link, ticket as move_ticket
 from engine.errors import InvalidRequestError
-from engine.move_check import Destination, check_state
+from engine.transfer.check import Destination, check_state
 from tests.engine.sim import VOCAB, expected, greedy, sim_engine
 from tests.engine.test_migration_link import (  # noqa: F401 (the cores fixture)
     BS, PROMPT, SECRET, cores, deployment_socket, moves_and_ends_there, pack, pump, started)
@@ -227,7 +228,7 @@ def test_a_malformed_state_is_refused_before_it_touches_the_engine(cores, peers,
 
 
 def test_check_state_takes_a_real_offer_and_names_each_bad_field():
-    """engine/move_check.py on its own: a real offer (and a fork's) passes; each mutation
+    """engine/transfer/check.py on its own: a real offer (and a fork's) passes; each mutation
     is an InvalidRequestError naming its field."""
     dest = Destination(vocab_size=VOCAB, block_size=BS, max_model_len=4096, num_groups=1)
     offer = offer_of()

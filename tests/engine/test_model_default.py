@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.default_model import default_model_dir
+from engine.model.default_model import default_model_dir
 
 MAX_TOKENS = 20
 FOLDER = default_model_dir()

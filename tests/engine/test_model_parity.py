@@ -10,11 +10,11 @@ import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.errors import NotEnoughBlocksError
-from engine.kv_layout import kv_layout
-from engine.loader import read_model_folder
-from engine.model import Linear
+from engine.kv.layout import kv_layout
+from engine.model.loader import read_model_folder
+from engine.model.transformer import Linear
 from kernels import cpu_ext
-from engine.ops_cpu import PACKED_MAX_ROWS, CpuKernelOps
+from engine.model.ops_cpu import PACKED_MAX_ROWS, CpuKernelOps
 from tests.models.fixtures import tiny_model, tiny_root  # noqa: F401 (fixtures)
 from tests.models.tiny import SPECS, hf_greedy, random_prompts
 

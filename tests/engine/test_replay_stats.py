@@ -1,12 +1,12 @@
-"""engine/replay_stats.py: a replay with its recorder gives the replay's own figures
+"""engine/sim/replay_stats.py: a replay with its recorder gives the replay's own figures
 unchanged, a queue wait for every request, occupancy over time, and replays given
 prompts (capacity.replay_paged(prompts=...))."""
 import random
 
-from engine.capacity import StepCost, replay_paged
+from engine.sim.capacity import StepCost, replay_paged
 from engine.config import EngineConfig
-from engine.replay_stats import ReplayRecorder, percentile, replay_stats
-from engine.trace import TraceRequest, synthetic_trace
+from engine.sim.replay_stats import ReplayRecorder, percentile, replay_stats
+from engine.sim.trace import TraceRequest, synthetic_trace
 
 CFG = dict(simulate=True, simulate_tokenizer="bytes",
            vocab_size=32000, block_size=16, num_cpu_blocks=64,

@@ -7,11 +7,11 @@ import itertools
 
 from engine.block_hash import root_hash
 from engine.config import EngineConfig
-from engine.events import EventLog
-from engine.kv_coordinator import KVCacheCoordinator
+from engine.kv.events import EventLog
+from engine.kv.coordinator import KVCacheCoordinator
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.sched.scheduler import Scheduler
 
 BS = 4
 _index = itertools.count(1)

@@ -3,10 +3,10 @@ client computes with that tokenizer are the engine's (issue: clients work unchan
 import pytest
 
 from engine import EngineConfig, InvalidRequestError, LLMEngine, SamplingParams
-from engine.default_model import default_model_dir
-from engine.detokenizer import SimTokenizer
-from engine.hf_tokenizer import HFTokenizer
-from engine.simulated_runner import _SEED, digest, next_token, reference_generate
+from engine.model.default_model import default_model_dir
+from engine.text.detokenizer import SimTokenizer
+from engine.text.tokenizer import HFTokenizer
+from engine.model.simulated_runner import _SEED, digest, next_token, reference_generate
 
 PROMPT = "The quick brown fox jumps over the lazy dog, twice: once for luck."
 

@@ -2,10 +2,10 @@ import dataclasses
 
 import pytest
 
-from engine.capacity import replay_contiguous, replay_paged
+from engine.sim.capacity import replay_contiguous, replay_paged
 from engine.config import EngineConfig
-from engine.simulate import main
-from engine.trace import TraceRequest, load_trace, prompt_tokens, synthetic_trace
+from engine.sim.simulate import main
+from engine.sim.trace import TraceRequest, load_trace, prompt_tokens, synthetic_trace
 
 
 def test_paged_beats_contiguous_reservation_on_utilisation_and_concurrency():

@@ -6,8 +6,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from engine import EngineError, SamplingParams
-from engine.kv_layout import group_hash
-from engine.simulated_runner import _SEED, digest
+from engine.kv.layout import group_hash
+from engine.model.simulated_runner import _SEED, digest
 from engine.request import RequestStatus
 
 from .sim import expected, sim_engine
@@ -19,7 +19,7 @@ BLOCK = 4
 class EngineMachine(RuleBasedStateMachine):
     mode = "recompute"
     cpu_tier = False  # the CPU pool is a second-level prefix cache too
-    # global layers and sliding ones (window 6) with a block table each (engine/kv_group.py)
+    # global layers and sliding ones (window 6) with a block table each (engine/kv/group.py)
     hybrid = False
 
     def __init__(self):

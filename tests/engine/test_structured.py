@@ -10,7 +10,7 @@ import jsonschema
 import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.default_model import default_model_dir
+from engine.model.default_model import default_model_dir
 from engine.errors import InvalidRequestError
 
 FOLDER = default_model_dir()

@@ -1,4 +1,4 @@
-"""What a structured-output constraint may be (engine/structured.py's bounds): over a
+"""What a structured-output constraint may be (engine/text/structured.py's bounds): over a
 bound is an InvalidRequestError naming it, before anything is compiled; constraints
 people write pass."""
 import json
@@ -7,7 +7,7 @@ import pytest
 
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
-from engine.structured import (MAX_ALTERNATIVES, MAX_OBJECT_PROPERTIES, MAX_REPEAT,
+from engine.text.structured import (MAX_ALTERNATIVES, MAX_OBJECT_PROPERTIES, MAX_REPEAT,
                                MAX_SCHEMA_PROPERTIES, MAX_SPEC_CHARS, MAX_SPEC_DEPTH,
                                ConstraintTooComplex, check_spec, grammar_of)
 

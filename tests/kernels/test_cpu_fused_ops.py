@@ -1,4 +1,4 @@
-"""kernels/csrc/fused_ops.cpp against the torch code it replaces (engine/model.py's
+"""kernels/csrc/fused_ops.cpp against the torch code it replaces (engine/model/transformer.py's
 RMSNorm, SwiGLU gating, apply_rope and the backend's K/V store), on odd sizes, and the
 checks that refuse bad arguments."""
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.model import RMSNorm
-from engine.ops import apply_rope
+from engine.model.transformer import RMSNorm
+from engine.model.ops import apply_rope
 from kernels import cpu_ext
 
 pytestmark = pytest.mark.skipif(os.environ.get("KVOPS_CPU_KERNELS") == "0",

@@ -1,9 +1,9 @@
-"""engine/sampler.py: greedy, temperature, top-k, top-p, stateless per-token seeds."""
+"""engine/model/sampler.py: greedy, temperature, top-k, top-p, stateless per-token seeds."""
 from __future__ import annotations
 
 import torch
 
-from engine.sampler import SamplingRow, _filtered_probs, request_seed, sample, token_seed
+from engine.model.sampler import SamplingRow, _filtered_probs, request_seed, sample, token_seed
 from engine.sampling_params import SamplingParams
 
 
@@ -94,7 +94,7 @@ def reference_logits(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
 
 
 def test_penalties_bias_and_min_tokens_match_a_per_token_reference():
-    from engine.sampler import process_logits
+    from engine.model.sampler import process_logits
     torch.manual_seed(0)
     vocab = 40
     logits = torch.randn(5, vocab) * 3
@@ -118,7 +118,7 @@ def test_penalties_bias_and_min_tokens_match_a_per_token_reference():
 
 
 def test_min_tokens_masks_eos_only_until_reached_and_respects_ignore_eos():
-    from engine.sampler import process_logits
+    from engine.model.sampler import process_logits
     logits = torch.zeros(3, 10)
     p = SamplingParams(min_tokens=2, max_tokens=5)
     masked = process_logits(logits, [SamplingRow(p, 1, 1, [5], [6], (9,)),

@@ -1,4 +1,4 @@
-"""engine/hf_tokenizer.py: encode/decode, EOS, and chat templates rendered as
+"""engine/text/tokenizer.py: encode/decode, EOS, and chat templates rendered as
 transformers renders them."""
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import shutil
 
 import pytest
 
-from engine.default_model import default_model_dir
-from engine.hf_tokenizer import HFTokenizer
-from engine.loader import ModelLoadError
+from engine.model.default_model import default_model_dir
+from engine.text.tokenizer import HFTokenizer
+from engine.errors import ModelLoadError
 from tests.models.fixtures import tiny_model, tiny_root  # noqa: F401 (fixtures)
 
 MESSAGES = [{"role": "system", "content": "Be brief."},

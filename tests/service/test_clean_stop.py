@@ -187,7 +187,7 @@ def test_a_stop_signal_stops_every_process_of_the_stack(tmp_path, how, private_r
         procs = _processes()
         sessions = {procs[pid][3] for pid in tracked if pid in procs}
         names = " ".join(_survivors(tracked, set()).values())
-        for part in ("uvicorn", "-Q engine.default", "engine.core_proc", "-Q ops "):
+        for part in ("uvicorn", "-Q engine.default", "engine.serve.core_proc", "-Q ops "):
             assert part in names, (part, names)
         if private_redis:
             assert "redis-server" in names, names

@@ -1,4 +1,4 @@
-"""The engine core (engine/core_proc.py) and its worker-side clients, one contract over
+"""The engine core (engine/serve/core_proc.py) and its worker-side clients, one contract over
 two transports (kvops/engine_client.py): requests and operator commands through the
 boundary and expired commands dropped, in a process and on a thread alike; and, for a
 core process, a core killed mid-stream (its requests fail with the reason, a new core
@@ -78,7 +78,7 @@ def any_core(request):
 def test_the_core_runs_ahead_of_the_service_on_the_cpu(core):
     """The core process takes niceness -19 (engine.core_proc.CORE_NICE), so that its
     steps do not wait for a CPU behind the service's processes."""
-    from engine.core_proc import CORE_NICE
+    from engine.serve.core_proc import CORE_NICE
     client, _ = core
     if "KVOPS_ENGINE_CORE_NICE" in os.environ or os.geteuid() != 0:
         pytest.skip("the niceness is set by the environment, or cannot be lowered here")
@@ -108,7 +108,7 @@ def test_the_cores_threads_spin_only_where_the_core_outranks_the_service(core):
     SPIN_NICE or lower spins SPIN_COUNT turns at a barrier before it sleeps; one that runs
     at a higher niceness, or may not lower it, sleeps at once (OMP_WAIT_POLICY=PASSIVE); a
     value the operator set stays."""
-    from engine.core_proc import SPIN_COUNT
+    from engine.serve.core_proc import SPIN_COUNT
     from kvops.engine_client import core_environment
     for nice in (0, -5):
         env = core_environment({}, nice)
@@ -127,7 +127,7 @@ def test_the_cores_threads_spin_only_where_the_core_outranks_the_service(core):
     # A user without the right to lower niceness (the kernel refuses it): sleeping threads.
     unprivileged = subprocess.run(
         ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c",
-         "from engine.core_proc import may_take_niceness as m; print(m(-19), m(5))"],
+         "from engine.serve.core_proc import may_take_niceness as m; print(m(-19), m(5))"],
         capture_output=True, text=True, timeout=120, cwd=os.getcwd())
     assert unprivileged.stdout.split() == ["False", "True"], unprivileged.stderr
 
@@ -173,7 +173,7 @@ def process_stack(tmp_path_factory):
 
 def core_pid(stack: Stack) -> int:
     worker = stack.procs["engine-proc"].pid
-    out = subprocess.run(["pgrep", "-P", str(worker), "-f", "engine.core_proc"],
+    out = subprocess.run(["pgrep", "-P", str(worker), "-f", "engine.serve.core_proc"],
                          capture_output=True, text=True)
     return int(out.stdout.split()[0])
 

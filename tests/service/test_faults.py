@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from engine.snapshot import decode_array
+from engine.observe.snapshot import decode_array
 from tests.support.stack import Stack
 
 ENGINE = dict(simulate=1, num_gpu_blocks=256, block_size=16, max_num_seqs=8,

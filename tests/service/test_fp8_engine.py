@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.hf_tokenizer import HFTokenizer
+from engine.text.tokenizer import HFTokenizer
 from tests.models.tiny import SPECS, build_tiny_model
 from tests.support.stack import Stack
 

@@ -3,7 +3,7 @@ engine's tokenizer, each within a deadline past which the worker is killed and r
 verdicts cached so that a repeat costs nothing."""
 import pytest
 
-from engine.default_model import default_model_dir
+from engine.model.default_model import default_model_dir
 from kvops.grammar_check import GrammarChecker
 
 FOLDER = default_model_dir()

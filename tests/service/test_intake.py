@@ -188,7 +188,7 @@ def test_a_malformed_tool_turn_is_refused_alike_on_rest_and_chat(erin, sim_engin
 def smol_engine():
     """A live engine row serving the default model, whose chat template (SmolLM2's)
     writes no tool calls."""
-    from engine.model_runner import resolve_model_path
+    from engine.model.model_runner import resolve_model_path
     path = resolve_model_path(None)
     engine = Engine.objects.create(
         name="intake-smol", worker="engine-intake-smol@here", status=Engine.Status.READY,
@@ -236,9 +236,9 @@ def test_openais_bookkeeping_fields_are_checked_then_ignored_on_both_apis(erin, 
 def test_a_simulated_engine_with_the_default_tokenizer_counts_as_the_default_model():
     """The web side reads a simulated engine's tokenizer from its registered config:
     the default model's folder (tokenizer_path), or bytes for one registered without it."""
-    from engine.default_model import default_model_dir
-    from engine.detokenizer import SimTokenizer
-    from engine.hf_tokenizer import HFTokenizer
+    from engine.model.default_model import default_model_dir
+    from engine.text.detokenizer import SimTokenizer
+    from engine.text.tokenizer import HFTokenizer
     from kvops.prompts import PromptInspector, tokenizer_id
 
     folder = str(default_model_dir())

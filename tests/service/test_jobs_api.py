@@ -2,8 +2,8 @@
 
 import pytest
 
-from engine.detokenizer import SimTokenizer
-from engine.simulated_runner import reference_generate
+from engine.text.detokenizer import SimTokenizer
+from engine.model.simulated_runner import reference_generate
 
 def expected_text(prompt: str, n: int) -> str:
     ids = reference_generate(SimTokenizer().encode(prompt), n, 32000)

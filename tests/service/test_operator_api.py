@@ -2,7 +2,7 @@
 
 import pytest
 
-from engine.snapshot import decode_array
+from engine.observe.snapshot import decode_array
 
 
 def start_long_job(stack, tokens=3000):

@@ -4,8 +4,8 @@ the tier still counts for routing, and the full rewrite agrees with the events."
 import uuid
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.commands import run_command
-from engine.kv_feed import prefix_changes
+from engine.serve.commands import run_command
+from engine.observe.feed import prefix_changes
 from kvops import live, prefix_index
 from kvops.prompts import inspector
 

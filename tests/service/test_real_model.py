@@ -7,7 +7,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from engine.hf_tokenizer import HFTokenizer
+from engine.text.tokenizer import HFTokenizer
 from tests.support.stack import Stack
 from tests.models.tiny import SPECS, build_tiny_model, hf_greedy
 
@@ -212,7 +212,7 @@ def test_logprobs_through_v1_match_transformers(tiny_stack):
 @pytest.fixture(scope="module")
 def default_stack(tmp_path_factory):
     """The service on the real default model (SmolLM2-135M-Instruct, float32, CPU)."""
-    from engine.default_model import default_model_dir
+    from engine.model.default_model import default_model_dir
     if not (default_model_dir() / "config.json").is_file():
         pytest.skip("default model not converted (run `make setup`)")
     s = Stack(Path(tmp_path_factory.mktemp("default-stack")))
@@ -353,7 +353,7 @@ def hermes_stack(tmp_path_factory):
     """The default model with a chat template that writes tool calls the Hermes way."""
     import shutil
 
-    from engine.default_model import default_model_dir
+    from engine.model.default_model import default_model_dir
     source = default_model_dir()
     if not (source / "config.json").is_file():
         pytest.skip("default model not converted (run `make setup`)")

@@ -5,7 +5,7 @@ import openai
 import pytest
 
 from kvops.prompts import render_chat
-from engine.detokenizer import SimTokenizer
+from engine.text.detokenizer import SimTokenizer
 from tests.service.test_jobs_api import expected_text
 
 

@@ -13,7 +13,7 @@ import pytest
 import requests
 import websockets
 
-from engine.kv_feed import decode
+from engine.observe.feed import decode
 from kvops.prompts import inspector
 
 VICTIM_PASSWORD = "mauve-tractor-41-lake"

@@ -7,8 +7,8 @@ import time
 import numpy as np
 import pytest
 
-from engine.kv_feed import encode
-from engine.snapshot import decode_array
+from engine.observe.feed import encode
+from engine.observe.snapshot import decode_array
 from kvops import live, timeline
 from kvops.timeline import TimelineLimits, TimelineWriter
 from tests.dashboard.live_client import ARRAYS, LiveState

@@ -9,8 +9,8 @@ import pytest
 from django.contrib.auth.models import User
 from django.utils import timezone
 
-from engine.capacity import StepCost, replay_paged
-from engine.disk_seal import file_bytes
+from engine.sim.capacity import StepCost, replay_paged
+from engine.kv.tiers.disk_seal import file_bytes
 from kvops import tasks, what_if
 from kvops.models import Engine, Job, OperatorAction, WhatIfRun
 from kvops.what_if_trace import build_trace

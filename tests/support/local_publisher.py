@@ -1,11 +1,11 @@
 """An engine's live view published from this process (tests): the KV feed that an engine
-core runs (engine/kv_feed.py) runs here, on its own thread, over an LLMEngine the test
+core runs (engine/observe/feed.py) runs here, on its own thread, over an LLMEngine the test
 drives, and hands its items to an EnginePublisher as a worker's client would."""
 from __future__ import annotations
 
 from typing import Any
 
-from engine.kv_feed import KVFeed
+from engine.observe.feed import KVFeed
 from kvops.publisher import EnginePublisher
 
 

@@ -10,7 +10,7 @@ _ENGINE = os.environ.get("KVOPS_ENGINE_NAME")
 
 
 def _arm() -> None:
-    from engine.simulated_runner import SimulatedRunner
+    from engine.model.simulated_runner import SimulatedRunner
 
     trigger = os.path.join(_DIR, f"fault-{_ENGINE}")
     forward = SimulatedRunner.forward

@@ -1,0 +1,222 @@
+"""Next-token sampling: logits processors (min_tokens, logit_bias, repetition, frequency
+and presence penalties), then greedy, or temperature, min-p, top-k, top-p and a draw
+with per-request seeds. Every step is a tensor op over the batch's rows (penalties
+count tokens with one scatter over the batch, not a Python loop over the vocabulary).
+
+Randomness is stateless: the noise for a request's k-th output token comes from a
+generator seeded with token_seed(request seed, k). A request preempted and recomputed
+(or swapped, or batched differently) therefore draws the same noise for the same
+token, and a seeded request reproduces its output. Stop conditions are not handled
+here (the scheduler and the detokenizer own them).
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass(slots=True)
+class SamplingRow:
+    params: SamplingParams
+    seed: int  # the request's base seed (see request_seed)
+    num_output_tokens: int  # tokens the request has generated so far
+    # For the logits processors (the request's own lists, not copies):
+    prompt_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
+    eos_token_ids: tuple[int, ...] = ()
+    grammar: Any = None  # the request's structured-output matcher (engine/text/structured.py)
+
+
+def request_seed(params: SamplingParams, engine_seed: int, request_id: str) -> int:
+    """The request's own seed, else the engine seed mixed with its id (stable across
+    runs, unlike hash())."""
+    if params.seed is not None:
+        return params.seed & _MASK64
+    digest = hashlib.sha256(request_id.encode()).digest()
+    return _splitmix64(engine_seed ^ int.from_bytes(digest[:8], "little"))
+
+
+def token_seed(seed: int, num_output_tokens: int) -> int:
+    """A well-mixed 63-bit seed for one token (torch seeds must fit an int64)."""
+    return _splitmix64(_splitmix64(seed) ^ num_output_tokens) >> 1
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
+    """logits: [num_rows, vocab] float32. Returns one token id per row. Rows with a
+    grammar draw only tokens it allows, and it is told the token drawn."""
+    grammars = [r.grammar for r in rows]
+    constrained = any(g is not None for g in grammars)
+    if constrained:
+        from engine.text.structured import apply_grammars
+        logits = logits.clone()  # the raw logits stay as they are, for logprobs
+        apply_grammars(logits, grammars)
+    tokens = _choose(process_logits(logits, rows), rows)
+    if constrained:
+        for grammar, token in zip(grammars, tokens):
+            if grammar is not None and not grammar.is_terminated():
+                grammar.accept_token(token)
+    return tokens
+
+
+def _choose(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
+    greedy = [r.params.greedy for r in rows]
+    if all(greedy):
+        return logits.argmax(dim=-1).tolist()
+    tokens = logits.argmax(dim=-1).tolist()
+    random_idx = [i for i, g in enumerate(greedy) if not g]
+    probs = _filtered_probs(logits[random_idx], [rows[i].params for i in random_idx])
+    for j, i in enumerate(random_idx):
+        tokens[i] = _draw(probs[j], token_seed(rows[i].seed, rows[i].num_output_tokens))
+    return tokens
+
+
+def token_logprobs(logits: torch.Tensor, rows: list[SamplingRow],
+                   tokens: list[int]) -> dict[int, list]:
+    """For the rows whose request asked for logprobs: row index -> [the sampled token's
+    log-probability, the ids of the `logprobs` most likely tokens, their
+    log-probabilities], from the raw logits (log_softmax before any processor)."""
+    wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    if not wanted:
+        return {}
+    entries = logprobs_of(logits[wanted], [tokens[i] for i in wanted],
+                          [rows[i].params.logprobs for i in wanted])
+    return dict(zip(wanted, entries))
+
+
+def logprobs_of(logits: torch.Tensor, targets: list[int], ks: list[int]) -> list[list]:
+    """Per row of logits [rows, vocab]: [log-probability of its target token, the ids of
+    its ks[row] most likely tokens, their log-probabilities], in one log_softmax, one
+    gather and one topk for all rows."""
+    logprobs = logits.float().log_softmax(dim=-1)
+    index = torch.tensor(targets, device=logits.device)
+    chosen = logprobs.gather(1, index[:, None])[:, 0].tolist()
+    k = max(ks)
+    if k:
+        top_values, top_ids = (t.tolist() for t in logprobs.topk(k, dim=-1))
+    return [[chosen[j], top_ids[j][:n] if n else [], top_values[j][:n] if n else []]
+            for j, n in enumerate(ks)]
+
+
+def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """The logits every way of choosing the token sees (greedy included), as vLLM orders
+    them: min_tokens masks EOS and stop_token_ids, logit_bias adds its biases, then the
+    repetition penalty (divides a positive logit, multiplies a negative one, for tokens of
+    the prompt or the output), the frequency penalty (times the token's count in the
+    output) and the presence penalty (once per token in the output). Returns logits
+    itself when no row asks for any of these."""
+    too_short = [i for i, r in enumerate(rows) if r.num_output_tokens < r.params.min_tokens]
+    biased = [i for i, r in enumerate(rows) if r.params.logit_bias]
+    penalised = [i for i, r in enumerate(rows) if r.params.penalised]
+    if not (too_short or biased or penalised):
+        return logits
+    logits = logits.clone()
+    device = logits.device
+    if too_short:
+        row_idx, token_idx = [], []
+        for i in too_short:
+            params = rows[i].params
+            stops = set(params.stop_token_ids)
+            if not params.ignore_eos:
+                stops.update(rows[i].eos_token_ids)
+            row_idx += [i] * len(stops)
+            token_idx += sorted(stops)
+        logits[torch.tensor(row_idx, dtype=torch.long, device=device),
+               torch.tensor(token_idx, dtype=torch.long, device=device)] = float("-inf")
+    if biased:
+        row_idx, token_idx, values = [], [], []
+        for i in biased:
+            bias = rows[i].params.logit_bias
+            row_idx += [i] * len(bias)
+            token_idx += list(bias)
+            values += list(bias.values())
+        index = (torch.tensor(row_idx, dtype=torch.long, device=device),
+                 torch.tensor(token_idx, dtype=torch.long, device=device))
+        logits.index_put_(index, torch.tensor(values, dtype=logits.dtype, device=device),
+                          accumulate=True)
+    if penalised:
+        logits[penalised] = apply_penalties(logits[penalised], [rows[i] for i in penalised])
+    return logits
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Repetition, frequency and presence penalties for every row at once."""
+    num_rows, vocab = logits.shape
+    device = logits.device
+    output_counts = _token_counts([r.output_token_ids for r in rows], vocab, device)
+    in_prompt = _token_counts([r.prompt_token_ids for r in rows], vocab, device) > 0
+    in_output = output_counts > 0
+
+    def column(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=logits.dtype, device=device)[:, None]
+
+    repetition = column([r.params.repetition_penalty for r in rows]).expand(num_rows, vocab)
+    repetition = torch.where(in_prompt | in_output, repetition, torch.ones_like(repetition))
+    logits = torch.where(logits > 0, logits / repetition, logits * repetition)
+    logits = logits - column([r.params.frequency_penalty for r in rows]) * output_counts
+    return logits - column([r.params.presence_penalty for r in rows]) * in_output
+
+
+def _token_counts(token_lists: list[list[int]], vocab: int, device) -> torch.Tensor:
+    """[rows, vocab]: how often each token occurs in each row's list (one scatter_add
+    over the lists padded with an extra column that is then dropped)."""
+    width = max((len(t) for t in token_lists), default=0)
+    padded = torch.full((len(token_lists), width), vocab, dtype=torch.long)
+    for i, tokens in enumerate(token_lists):
+        padded[i, :len(tokens)] = torch.as_tensor(tokens, dtype=torch.long)
+    padded = padded.to(device)
+    counts = torch.zeros((len(token_lists), vocab + 1), dtype=torch.float32, device=device)
+    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
+    return counts[:, :vocab]
+
+
+def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, then min-p, then top-k, then top-p (vLLM's order), vectorised over
+    rows."""
+    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype,
+                         device=logits.device)
+    logits = logits / temps[:, None]
+    min_p = [p.min_p for p in params]
+    if max(min_p) > 0.0:
+        probs = logits.softmax(dim=-1)
+        floor = probs.amax(dim=-1, keepdim=True) * torch.tensor(
+            min_p, dtype=probs.dtype, device=logits.device)[:, None]
+        logits = logits.masked_fill(probs < floor, float("-inf"))
+    vocab = logits.shape[-1]
+    top_k = [min(p.top_k, vocab) if p.top_k is not None else vocab for p in params]
+    top_p = [p.top_p for p in params]
+    if min(top_k) < vocab or min(top_p) < 1.0:
+        sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+        ranks = torch.arange(vocab, device=logits.device)[None, :]
+        k = torch.tensor(top_k, device=logits.device)[:, None]
+        remove = ranks >= k  # beyond the k best
+        probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
+        # Drop a token when the tokens ranked above it already reach top_p (the best
+        # one is always kept).
+        before = probs.cumsum(dim=-1) - probs
+        p = torch.tensor(top_p, dtype=probs.dtype, device=logits.device)[:, None]
+        remove |= before >= p
+        sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter_(1, sorted_idx, sorted_logits)
+    return logits.softmax(dim=-1)
+
+
+def _draw(probs: torch.Tensor, seed: int) -> int:
+    """One draw from probs [vocab] with its own generator: argmax(p / E), E ~ Exp(1),
+    picks token i with probability p_i."""
+    generator = torch.Generator(device=probs.device).manual_seed(seed)
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    return int((probs / noise).argmax())
+
+
+def _splitmix64(x: int) -> int:
+    z = (x + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)

@@ -1,0 +1,1 @@
+"""What the engine shows: the KV view and feed, snapshots, KV stories, vLLM-format KV events."""

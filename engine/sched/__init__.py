@@ -1,0 +1,1 @@
+"""The scheduler: which requests run each step and with which blocks."""

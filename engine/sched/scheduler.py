@@ -1,0 +1,533 @@
+"""Policy: who runs this step, how many tokens each, and who is preempted.
+
+Every step is one batch mixing decodes and (chunks of) prefills under a token budget,
+vLLM-v1 style: a request simply has tokens whose K/V is not yet computed, and the
+scheduler gives it as many as the budget allows. Running requests go first; when one
+cannot get blocks, the least important running request not yet scheduled this step is
+preempted (recompute: free and requeue; swap: copy to the CPU pool). New requests are
+admitted only in steps that preempted nobody, so a block freed by preemption is never
+fought over in the same step.
+
+Fair share (EngineConfig.max_batch_share): a tenant holding its share of max_num_seqs is
+passed over at admission while requests of others wait, and under fcfs its requests are
+the first preempted; requests without a tenant are exempt, and with nobody else waiting
+a tenant may use the whole batch.
+"""
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from engine.config import EngineConfig
+from engine.errors import InvalidStateError, NotEnoughBlocksError, UnknownRequestError
+from engine.kv.events import EventLog
+from engine.kv.coordinator import KVCacheCoordinator
+from engine.kv.export import request_row
+from engine.request import Request, RequestStatus
+from engine.sched.output import ScheduledRequest, SchedulerOutput
+from engine.sched.queue import WaitingQueue, priority_key
+
+
+# Most CPU-tier copies made ahead of need per step (KVCacheCoordinator.copy_ahead)
+COPY_AHEAD_BLOCKS = 32
+
+
+@dataclass(slots=True)
+class SchedulerCounters:
+    num_preemptions: int = 0  # recompute preemptions, whoever caused them
+    num_swaps_out: int = 0
+    num_swaps_in: int = 0
+    num_prompt_tokens: int = 0  # prefill tokens computed (prompts, recomputed outputs)
+    num_generation_tokens: int = 0  # tokens sampled
+    # every preemption (recompute or swap) by its reason (events.REASONS)
+    preemptions_by_reason: collections.Counter = field(default_factory=collections.Counter)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv: KVCacheCoordinator, max_model_len: int,
+                 events: EventLog) -> None:
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.events = events
+        self.requests: dict[str, Request] = {}  # live: waiting, running, swapped
+        self.waiting = WaitingQueue(config.scheduling_policy)
+        self.running: list[Request] = []  # scheduling order
+        self.swapped: collections.deque[Request] = collections.deque()
+        self.recently_finished: collections.deque[Request] = collections.deque(maxlen=64)
+        self.counters = SchedulerCounters()
+        # Parallel sampling: the engine makes a fork's samples (it numbers requests and
+        # gives each its own detokenizer and grammar); live forks' sample ids by parent.
+        self.make_sample: Callable[[Request, int], Request] | None = None
+        self.forks: dict[str, list[str]] = {}
+        # running requests taken out of the batch while they are copied to another
+        # engine, their blocks kept (engine/transfer/migration.py)
+        self.suspended: dict[str, Request] = {}
+        self.unforked: list[Request] = []  # live requests with n > 1 not forked yet (few)
+        # Live requests not queued yet: their constraint compiles beside the step loop
+        # (engine/text/structured.py); the engine queues each once its grammar is ready.
+        self.compiling: dict[str, Request] = {}
+
+    # --- queue management ----------------------------------------------------------
+    def add(self, request: Request, compiling: bool = False) -> None:
+        """A new request: queued, or (compiling) live but held until release()."""
+        self.requests[request.request_id] = request
+        if request.fork_pending:
+            self.unforked.append(request)
+        if compiling:
+            self.compiling[request.request_id] = request
+        else:
+            self.waiting.push(request)
+
+    def release(self, request: Request) -> None:
+        """Queue a request whose grammar is ready."""
+        del self.compiling[request.request_id]
+        self.waiting.push(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def export_rows(self, window_freed: dict[str, int]) -> tuple[list[tuple], dict[str, int]]:
+        """Viewers' copy of the requests (engine/kv/export.py): the REQUEST_FIELDS row of
+        every live request, then the recently finished ones; and the live ones' indexes
+        by id (their tables' keys)."""
+        live = self.requests
+        rows = [request_row(r, window_freed) for r in live.values()]
+        rows += [request_row(r, window_freed) for r in self.recently_finished
+                 if r.request_id not in live]
+        return rows, {rid: r.index for rid, r in live.items()}
+
+    def has_queued(self) -> bool:
+        """Whether any live request could run (every one but those compiling)."""
+        return len(self.requests) > len(self.compiling)
+
+    # --- one step ------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        if self.config.scheduling_policy == "priority":
+            self.running.sort(key=priority_key)
+        budget = self._schedule_running(out, budget)
+        if not out.preempted:
+            budget = self._resume_swapped(out, budget)
+            self._admit_waiting(out, budget)
+        # The CPU tier's copies of reused blocks (none without it); releases the CPU
+        # blocks this step's swap-ins read.
+        out.swap_out.extend(self.kv.flush_offloads())
+        if self.kv.num_groups > 1 and out.scheduled:
+            tables = self.kv.group_step_block_ids
+            out.group_block_ids = {s.request.request_id: tables(s.request.request_id)
+                                   for s in out.scheduled}
+        if self.kv.cpu_tier and out.scheduled:  # (a step that runs makes the copies)
+            out.copy_ahead = self.kv.copy_ahead(
+                self.config.max_num_batched_tokens // self.kv.block_size
+                + self.config.max_num_seqs, COPY_AHEAD_BLOCKS)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        # Every running request passes here every step: names are bound once, and the
+        # ScheduledRequest is built inline (see _add_scheduled).
+        running, allocate, step_ids = self.running, self.kv.allocate_more, \
+            self.kv.step_block_ids
+        scheduled = out.scheduled
+        i = 0
+        while i < len(running) and budget > 0:
+            request = running[i]
+            start = request.num_computed_tokens
+            num_tokens = len(request.all_token_ids) - (1 if request.fork_pending else 0)
+            num_new = min(num_tokens - start, budget)
+            alloc = allocate(request, num_new)
+            while alloc is None:
+                # Preempt the least important request not yet scheduled (the last one);
+                # if that is this request, it gives way itself.
+                victim = running[-1] if self.share_cap is None else self._victim(i)
+                self._preempt(victim, out, request, num_new)
+                if victim is request:
+                    break
+                alloc = allocate(request, num_new)
+            if alloc is None:
+                continue  # `request` was removed from running; index i now holds the next
+            if alloc.copies:
+                out.copies.extend(alloc.copies)
+            scheduled.append(ScheduledRequest(request, num_new, start,
+                                              step_ids(request.request_id),
+                                              start + num_new == num_tokens
+                                              and not request.fork_pending))
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _resume_swapped(self, out: SchedulerOutput, budget: int) -> int:
+        reserved = self._reserved() if self.unforked else 0
+        for request in list(self.swapped):
+            if request.parked:
+                continue
+            extra = request.num_seqs - 1
+            if len(self.running) + reserved + 1 + extra > self.config.max_num_seqs:
+                break
+            reserved += extra
+            if not self._swap_in(request, out.swap_in):
+                break
+            if budget > 0:
+                num_new = min(request.num_tokens - request.num_held_back
+                              - request.num_computed_tokens, budget)
+                alloc = self.kv.allocate_more(request, num_new) if num_new > 0 else None
+                if alloc is not None:
+                    self._add_scheduled(out, request, num_new)
+                    budget -= num_new
+        return budget
+
+    def _reserved(self) -> int:
+        """Running slots that requests about to fork will take beyond their own one."""
+        running = RequestStatus.RUNNING
+        return sum(r.sampling_params.n - 1 for r in self.unforked if r.status is running)
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        if not self.waiting:
+            return
+        reserved = self._reserved()
+        held = self._seqs_by_tenant() if self.share_cap is not None else None
+        while self.waiting and budget > 0 and \
+                len(self.running) + reserved < self.config.max_num_seqs:
+            request = self.waiting.peek()
+            if held and not self._within_share(request, held):
+                request = self._next_within_share(held)
+            extra = request.num_seqs - 1
+            if len(self.running) + reserved + 1 + extra > self.config.max_num_seqs:
+                break  # its samples will all run: wait until there is room for them
+            match = self.kv.find_prefix(request)
+            request.num_computed_tokens = match.num_computed_tokens
+            num_new = min(request.num_tokens - request.num_held_back
+                          - request.num_computed_tokens, budget)
+            alloc = self.kv.allocate_slots(request, num_new, match)
+            if alloc is None:
+                request.num_computed_tokens = 0
+                break  # head-of-line: later requests wait their turn
+            if held is None or request is self.waiting.peek():
+                self.waiting.pop()
+            else:
+                self.waiting.remove(request)
+            if held is not None and request.tenant is not None:
+                held[request.tenant] = held.get(request.tenant, 0) + 1 + extra
+            self.kv.record_prefix_query(request, match)
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = match.num_computed_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.copies.extend(alloc.copies)
+            if alloc.copies_in:
+                out.swap_in.extend(alloc.copies_in)
+            if num_new == 0:  # a fork whose prompt but the last token was all cached
+                self._fork(request)
+                continue
+            reserved += extra
+            self._add_scheduled(out, request, num_new)
+            budget -= num_new
+
+    # --- fair share ----------------------------------------------------------------------
+    @property
+    def share_cap(self) -> int | None:
+        """The most sequences one tenant may hold while others wait (None: no limit), of
+        max_num_seqs as it is now (an operator's set_limits changes it)."""
+        if self.config.max_batch_share >= 1.0:
+            return None
+        return max(1, int(self.config.max_batch_share * self.config.max_num_seqs))
+
+    def _seqs_by_tenant(self) -> dict[str, int]:
+        """Sequences each tenant holds in the batch (a request about to fork: its n)."""
+        held: dict[str, int] = {}
+        for request in self.running:
+            if request.tenant is not None:
+                held[request.tenant] = held.get(request.tenant, 0) + request.num_seqs
+        return held
+
+    def _next_within_share(self, held: dict[str, int]) -> Request:
+        """The first waiting request whose tenant stays within its share by running, or,
+        if every waiting one would take its tenant past it, the first (nobody else is
+        waiting for the room)."""
+        for request in self.waiting:
+            if self._within_share(request, held):
+                return request
+        return self.waiting.peek()
+
+    def _within_share(self, request: Request, held: dict[str, int]) -> bool:
+        """A tenant holding nothing may start one request, whatever its n (a fork wider
+        than the share would otherwise wait for ever)."""
+        tenant = request.tenant
+        if tenant is None or not held.get(tenant):
+            return True
+        return held[tenant] + request.num_seqs <= self.share_cap
+
+    def _victim(self, at: int) -> Request:
+        """Whom to preempt so that running[at] gets blocks: the last request not yet
+        scheduled this step (running[at:]); under fcfs the last of those whose tenant
+        holds more than its share, if any."""
+        running, cap = self.running, self.share_cap
+        if self.config.scheduling_policy == "fcfs":
+            held = self._seqs_by_tenant()
+            for j in range(len(running) - 1, at - 1, -1):
+                tenant = running[j].tenant
+                if tenant is not None and held.get(tenant, 0) > cap:
+                    return running[j]
+        return running[-1]
+
+    def _add_scheduled(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
+        start = request.num_computed_tokens
+        out.scheduled.append(ScheduledRequest(
+            request, num_new, start, self.kv.step_block_ids(request.request_id),
+            start + num_new == len(request.all_token_ids)))  # never for a fork's parent
+
+    # --- after the model ran ---------------------------------------------------------
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance progress, append sampled tokens, finish requests that hit a stop.
+        Returns the requests that made progress, in batch order."""
+        progressed, finished = [], []
+        self.kv.mark_computed()
+        counters = self.counters
+        running = RequestStatus.RUNNING
+        max_model_len = self.max_model_len
+        for s in out.scheduled:
+            request = s.request
+            if request.status is not running:
+                continue
+            is_decode = s.samples and s.num_new_tokens == 1 and request.output_token_ids
+            if not is_decode:
+                counters.num_prompt_tokens += s.num_new_tokens
+            request.num_computed_tokens += s.num_new_tokens
+            if not s.samples:
+                if request.fork_pending and \
+                        request.num_computed_tokens == len(request.all_token_ids) - 1:
+                    self._fork(request)  # its prompt but the last token is computed
+                continue
+            token = sampled[request.request_id]
+            request.append_output_token(token)
+            counters.num_generation_tokens += 1
+            progressed.append(request)
+            params = request.sampling_params  # a stop token, EOS, or the length limit
+            if len(request.output_token_ids) > params.min_tokens and (
+                    token in params.stop_token_ids
+                    or (not params.ignore_eos and token in request.eos_token_ids)) \
+                    or (request.grammar is not None and request.grammar.is_terminated()):
+                finished.append((request, "stop"))
+            elif len(request.output_token_ids) >= params.max_tokens \
+                    or len(request.all_token_ids) >= max_model_len:
+                finished.append((request, "length"))
+        for request, reason in finished:
+            self.finish(request, RequestStatus.FINISHED, reason)
+        return progressed
+
+    def _fork(self, parent: Request) -> None:
+        """Replace a running request with n > 1 by its n samples, in its place in the
+        running order. Each gets the parent's blocks (one more reference each) and its
+        progress (all but the last prompt token computed), computes that last token
+        itself (copying the shared, partly filled block first) and samples on its own."""
+        n = parent.sampling_params.n
+        samples = [self.make_sample(parent, i) for i in range(n)]
+        for sample in samples:
+            self.kv.fork(parent, sample)
+            sample.num_computed_tokens = parent.num_computed_tokens
+            sample.num_cached_tokens = parent.num_cached_tokens
+            sample.status = RequestStatus.RUNNING
+            self.requests[sample.request_id] = sample
+        at = self.running.index(parent)
+        self.running[at:at + 1] = samples
+        table = self.kv.block_ids(parent.request_id)
+        self.kv.free(parent, "forked")
+        del self.requests[parent.request_id]
+        self.unforked.remove(parent)
+        parent.status = RequestStatus.FINISHED
+        parent.finish_reason = "forked"
+        self.forks[parent.request_id] = [s.request_id for s in samples]
+        self.events.emit("Forked", request_id=parent.request_id, block_ids=table,
+                         ref_cnts=[b.ref_cnt for b in self.kv.req_to_blocks.get(
+                             samples[0].request_id, [])],
+                         num_tokens=parent.num_computed_tokens, detail=f"{n} samples")
+
+    def finish(self, request: Request, status: RequestStatus, reason: str) -> None:
+        """End a live request (finished or aborted) and release all its blocks."""
+        if request.request_id in self.suspended:
+            del self.suspended[request.request_id]
+        elif request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.request_id in self.compiling:
+            del self.compiling[request.request_id]
+        elif request.status == RequestStatus.WAITING:
+            self.waiting.remove(request)
+        elif request.status == RequestStatus.SWAPPED:
+            self.swapped.remove(request)
+        self.kv.free(request, reason)
+        request.status = status
+        request.finish_reason = reason
+        request.num_computed_tokens = 0
+        del self.requests[request.request_id]
+        if request.fork_pending:  # ended before it forked
+            self.unforked.remove(request)
+        if request.parent_id is not None:  # the fork is over once its last sample is
+            siblings = self.forks.get(request.parent_id, ())
+            if not any(s in self.requests for s in siblings):
+                self.forks.pop(request.parent_id, None)
+        self.recently_finished.append(request)
+        self.events.emit("Finished", request_id=request.request_id, detail=reason,
+                         num_tokens=request.num_tokens)
+
+    # --- preemption and swap -------------------------------------------------------------
+    def _preempt(self, victim: Request, out: SchedulerOutput, needy: Request,
+                 num_new: int) -> None:
+        """Make room for `needy`'s num_new tokens (it may be the victim itself, giving
+        way)."""
+        room = (self.kv.blocks_needed(needy, num_new), self.kv.gpu.num_free) \
+            if self.events.on else (None, None)
+        self.running.remove(victim)
+        out.preempted.append(victim.request_id)
+        # the reason: a request that ranks higher took the room, or the pool was full
+        reason = "priority" if self.config.scheduling_policy == "priority" and \
+            victim.priority > needy.priority else "kv_full"
+        by = needy.request_id if needy is not victim else None
+        if self.config.preemption_mode == "swap":
+            result = self.kv.swap_out(victim)
+            if result is not None:
+                out.swap_out.extend(result.mapping)
+                self._mark_swapped(victim, result.mapping, parked=False, reason=reason, by=by,
+                                   room=room)
+                return
+        self._preempt_recompute(victim, "out of blocks", reason, by, room)
+
+    def _preempt_recompute(self, victim: Request, detail: str, reason: str,
+                           by: str | None, room: tuple = (None, None)) -> None:
+        """room: (blocks the request that needed room asked for, free blocks then)."""
+        num_blocks = self.kv.num_blocks_held(victim.request_id)
+        dropped = victim.num_computed_tokens
+        self.kv.free(victim, reason)
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        victim.status = RequestStatus.WAITING
+        self.waiting.push_front(victim)
+        self.counters.num_preemptions += 1
+        self.counters.preemptions_by_reason[reason] += 1
+        self.events.emit("Preempted", request_id=victim.request_id, detail=detail,
+                         reason=reason, by=by, num_tokens=victim.num_tokens,
+                         ref_cnts=[num_blocks], needed_blocks=room[0], free_blocks=room[1],
+                         dropped_tokens=dropped)
+
+    def _mark_swapped(self, request: Request, mapping: list[tuple[int, int]], parked: bool,
+                      reason: str = "operator", by: str | None = "operator",
+                      room: tuple = (None, None)) -> None:
+        request.status = RequestStatus.SWAPPED
+        request.parked = parked
+        request.num_preemptions += 1
+        self.swapped.append(request)
+        self.counters.num_swaps_out += 1
+        self.counters.preemptions_by_reason[reason] += 1
+        self.events.emit("SwappedOut", request_id=request.request_id,
+                         block_ids=[g for g, _ in mapping], pool="gpu",
+                         detail="operator" if parked else "out of blocks",
+                         reason=reason, by=by, num_tokens=request.num_computed_tokens,
+                         needed_blocks=room[0], free_blocks=room[1])
+
+    def _swap_in(self, request: Request, mapping_out: list[tuple[int, int]]) -> bool:
+        result = self.kv.swap_in(request)
+        if result is None:
+            return False
+        mapping_out.extend(result.mapping)
+        self.swapped.remove(request)
+        request.status = RequestStatus.RUNNING
+        request.parked = False
+        self.running.append(request)
+        self.counters.num_swaps_in += 1
+        self.events.emit("SwappedIn", request_id=request.request_id,
+                         block_ids=self.kv.block_ids(request.request_id),
+                         num_tokens=request.num_computed_tokens,
+                         detail=f"{result.num_hit_blocks} blocks from the prefix cache")
+        return True
+
+    # --- operator commands (between steps) ------------------------------------------------
+    def get_live(self, request_id: str) -> Request:
+        request = self.requests.get(request_id)
+        if request is None:
+            ended = next((r for r in self.recently_finished if r.request_id == request_id), None)
+            if ended is not None and ended.finish_reason == "migrated":
+                raise InvalidStateError(f"request {request_id!r} has moved to another engine")
+            if ended is not None:
+                raise InvalidStateError(f"request {request_id!r} has already finished")
+            raise UnknownRequestError(f"no request {request_id!r} on this engine")
+        return request
+
+    def _require(self, request: Request, status: RequestStatus, action: str) -> None:
+        if request.status != status:
+            raise InvalidStateError(
+                f"cannot {action} request {request.request_id!r}: it is {request.status.value}, "
+                f"not {status.value}")
+
+    def live_requests(self, request_id: str) -> list[Request]:
+        """The live request of this id, or the live samples of the forked request of this
+        id; [] if none."""
+        ids = self.forks.get(request_id, [request_id])
+        return [self.requests[i] for i in ids if i in self.requests]
+
+    def abort(self, request_id: str) -> list[Request]:
+        """End a request, or every live sample of a forked request (by its id)."""
+        ended = self.live_requests(request_id) or [self.get_live(request_id)]
+        for request in ended:
+            self.finish(request, RequestStatus.ABORTED, "abort")
+        return ended
+
+    def preempt(self, request_id: str, by: str = "operator") -> Request:
+        """An operator's preemption (by: their name)."""
+        request = self.get_live(request_id)
+        self._require(request, RequestStatus.RUNNING, "preempt")
+        self.running.remove(request)
+        self._preempt_recompute(request, "operator", "operator", by)
+        return request
+
+    # --- migration (engine/transfer/migration.py) -------------------------------------------------
+    def suspend(self, request_id: str) -> Request:
+        """Take a running request out of the batch, its blocks kept, while it is copied to
+        another engine."""
+        request = self.get_live(request_id)
+        self._require(request, RequestStatus.RUNNING, "migrate")
+        if request.fork_pending:
+            raise InvalidStateError(f"request {request_id!r} has not forked into its samples "
+                                    "yet (n > 1): it moves once it has")
+        self.running.remove(request)
+        self.suspended[request_id] = request
+        return request
+
+    def resume(self, request_id: str) -> None:
+        """The copy failed: the request runs on here."""
+        self.running.append(self.suspended.pop(request_id))
+
+    def adopt(self, request: Request) -> None:
+        """A request copied from another engine, its blocks in place: it runs."""
+        request.status = RequestStatus.RUNNING
+        self.requests[request.request_id] = request
+        self.running.append(request)
+
+    def swap_out(self, request_id: str, by: str = "operator") -> list[tuple[int, int]]:
+        """Park a running request in the CPU pool; the caller copies the blocks now."""
+        request = self.get_live(request_id)
+        self._require(request, RequestStatus.RUNNING, "swap out")
+        if self.kv.cpu.num_blocks == 0:
+            raise NotEnoughBlocksError("swap space is disabled (num_cpu_blocks=0)")
+        result = self.kv.swap_out(request)
+        if result is None:
+            need = self.kv.num_blocks_held(request_id)
+            raise NotEnoughBlocksError(
+                f"request {request_id!r} needs {need} CPU blocks, {self.kv.cpu.num_free} free")
+        self.running.remove(request)
+        self._mark_swapped(request, result.mapping, parked=True, by=by)
+        return result.mapping
+
+    def swap_in(self, request_id: str) -> list[tuple[int, int]]:
+        """Bring a swapped request back now; the caller copies the blocks now."""
+        request = self.get_live(request_id)
+        self._require(request, RequestStatus.SWAPPED, "swap in")
+        if len(self.running) >= self.config.max_num_seqs:
+            raise InvalidStateError(
+                f"the running batch is full ({self.config.max_num_seqs} requests); try later")
+        mapping: list[tuple[int, int]] = []
+        if not self._swap_in(request, mapping):
+            need = self.kv.num_cpu_blocks_held(request_id)
+            raise NotEnoughBlocksError(
+                f"request {request_id!r} needs up to {need} GPU blocks, {self.kv.gpu.num_free} free")
+        return mapping

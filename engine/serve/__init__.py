@@ -1,0 +1,1 @@
+"""The engine core process and the commands it answers."""
