@@ -141,6 +141,46 @@ def copy_jobs(arch: int):
     yield "copy_blocks", (copy_blocks_kernel, arch, types, {"CHUNK": 1024}, 4)
 
 
+def layer_jobs(arch: int):
+    """The fused ops of a layer on the Triton path: RMSNorm (with and without the
+    residual add), the gated activation, RoPE with the K/V store."""
+    from kernels.gated_act_kernel import gated_act_kernel
+    from kernels.norm import norm_warps
+    from kernels.norm_kernel import rms_norm_kernel
+    from kernels.rope_store_kv_kernel import rope_store_kv_kernel
+
+    for t, cols, delta, offset in [("bf16", 576, True, False), ("bf16", 4096, False, False),
+                                   ("fp16", 2304, True, True), ("fp32", 576, True, False)]:
+        types = {"out_ptr": f"*{t}", "x_ptr": f"*{t}", "delta_ptr": f"*{t}", "weight_ptr": f"*{t}",
+                 "stride_x": "i32", "stride_delta": "i32", "stride_out": "i32", "n_cols": "i32",
+                 "eps": "fp32", "offset": "fp32"}
+        block = 1 << (cols - 1).bit_length()
+        what = "add_rms_norm" if delta else "rms_norm"
+        yield f"{what} {t} {cols}{' offset' if offset else ''}", (
+            rms_norm_kernel, arch, types,
+            {"HAS_DELTA": delta, "HAS_OFFSET": offset, "BLOCK": block}, norm_warps(block))
+    for t, act in [("bf16", 0), ("fp16", 1), ("fp32", 0)]:
+        types = {"out_ptr": f"*{t}", "x_ptr": f"*{t}", "stride_x": "i32", "stride_out": "i32",
+                 "n_cols": "i32"}
+        yield f"gated_act {t} {('silu', 'gelu_tanh')[act]}", \
+            (gated_act_kernel, arch, types, {"ACT": act, "BLOCK": 1024}, 4)
+    cases = [("bf16", 9, 3, 64, 0), ("bf16", 32, 8, 128, 0), ("fp32", 4, 4, 80, 0)]
+    if arch >= FP8_MIN_ARCH:
+        cases += [("bf16", 32, 8, 128, 1), ("fp16", 9, 3, 64, 2)]
+    for t, heads, kv_heads, dim, fp8 in cases:
+        cache = ("*fp8e4nv", "*fp8e5")[fp8 - 1] if fp8 else f"*{t}"
+        scales = "*fp32" if fp8 else "*i64"
+        types = {"q_out_ptr": f"*{t}", "qkv_ptr": f"*{t}", "cos_sin_ptr": "*fp32",
+                 "key_cache_ptr": cache, "value_cache_ptr": cache, "slot_mapping_ptr": "*i64",
+                 "k_scale_ptr": scales, "v_scale_ptr": scales, "num_slots": "i32", "stride_qkv": "i32"}
+        pad = lambda n: 1 << (n - 1).bit_length()  # noqa: E731
+        constants = {"NUM_HEADS": heads, "NUM_KV_HEADS": kv_heads, "HEAD_DIM": dim,
+                     "QK_PAD": pad(heads + kv_heads), "KV_PAD": pad(kv_heads), "HALF_PAD": pad(dim // 2),
+                     "DIM_PAD": pad(dim), "FP8": fp8}
+        what = f" to {cache[1:]}" if fp8 else ""
+        yield f"rope_store_kv {t} {heads}/{kv_heads}x{dim}{what}", (rope_store_kv_kernel, arch, types, constants, 4)
+
+
 def resource_usage(cubin: bytes) -> dict[str, int]:
     """Registers and stack (spill) bytes per thread, read with the cuobjdump shipped in
     Triton's wheel; empty when it is not there."""
@@ -171,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     failures = 0
     print(f"{'arch':<6} {'kernel':<62} {'warps':>5} {'shared B':>9} {'regs':>5} {'stack B':>7}")
     for arch in args.arch or [90, 80]:
-        for label, job in [*attention_jobs(arch), *copy_jobs(arch)]:
+        for label, job in [*attention_jobs(arch), *copy_jobs(arch), *layer_jobs(arch)]:
             try:
                 compiled = compile_kernel(*job)
             except Exception:  # report every kernel, then fail
