@@ -435,10 +435,6 @@ class DiskTier(PrefixTier):
         self._read_back: dict[int, BlockHash] = {}
 
     @property
-    def stats(self) -> DiskStats:
-        return self.store.stats
-
-    @property
     def num_cached(self) -> int:
         return self.store.num_blocks
 
