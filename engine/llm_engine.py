@@ -12,6 +12,7 @@ import functools
 import itertools
 import logging
 import time
+from collections.abc import Set as AbstractSet
 
 from engine.block_hash import hash_blocks, root_hash
 from engine.config import EVICTION_POLICIES, EngineConfig
@@ -19,7 +20,9 @@ from engine.text.detokenizer import IncrementalDetokenizer, SimTokenizer
 from engine.errors import (InvalidRequestError, InvalidStateError, NotEnoughBlocksError,
                            PrefixNotCachedError)
 from engine.kv.events import EventLog, KVEvent
+from engine.kv.block_pool import BlockPool
 from engine.kv.coordinator import KVCacheCoordinator
+from engine.kv.tiers.base import PrefixTier
 from engine.kv.layout import blocks_for
 from engine.observe.story import STORY_QUEUE_MAX, StoryBook
 from engine.transfer import migration
@@ -104,11 +107,16 @@ class LLMEngine:
         self.events = EventLog(config.max_pending_events)
         # a table per layer group (a model mixing sliding and global layers), or one
         windows = self.runner.kv_group_windows or (self.runner.sliding_window,)
+        if config.disk_cache_dir and getattr(self.runner, "tensor_parallel_size", 1) > 1:
+            raise InvalidRequestError("a disk tier with a model split over ranks is not "
+                                      "supported yet")
         self.kv = KVCacheCoordinator(config.block_size, self.runner.num_gpu_blocks,
                                      self.runner.num_cpu_blocks, config.enable_prefix_caching,
                                      self.events, windows,
                                      cpu_prefix_cache=config.cpu_prefix_cache,
-                                     eviction_policy=config.eviction_policy)
+                                     eviction_policy=config.eviction_policy,
+                                     disk_tier=self._disk_tier if config.disk_cache_dir
+                                     else None)
         self.scheduler = Scheduler(config, self.kv, self.max_model_len, self.events)
         # requests' KV stories (engine/observe/story.py), read from the event stream
         self.stories = StoryBook(config.name, config.kv_history_blocks,
@@ -116,8 +124,6 @@ class LLMEngine:
                                  sample=config.kv_metrics_sample) \
             if config.kv_history_blocks else None
         self.kv.stories = self.stories
-        if config.disk_cache_dir:
-            self.kv.attach_disk(self._disk_tier())
         # requests being copied here from another engine: (request, blocks cached here)
         self.incoming_migrations: dict[str, tuple[Request, int]] = {}
         self.pin_budget = config.pin_budget  # (set_retention changes it)
@@ -858,48 +864,22 @@ class LLMEngine:
     def take_events(self) -> list[KVEvent]:
         return self.events.take()
 
-    def _disk_metrics(self) -> dict:
-        """The disk tier's counters (engine/kv/tiers/disk.py), if the engine has one: prompt
-        tokens served from it (its own hits: never in cpu_prefix_cache_hits, though below
-        the CPU tier they reach the GPU through it), the pool it sits below, blocks and
-        bytes each way, failed checksums."""
-        disk = self.kv.disk
-        if disk is None:
-            return {}
-        st = disk.stats
-        return {"disk_prefix_cache_hits": disk.hit_tokens,
-                "disk_tier_below": disk.above.pool,
-                "num_disk_cached_blocks": disk.store.num_blocks,
-                "disk_cache_bytes_used": disk.store.num_bytes,
-                "disk_cache_stored_blocks": st.stored_blocks,
-                "disk_cache_write_bytes": st.stored_bytes,
-                "disk_cache_read_blocks": st.hit_blocks,
-                "disk_cache_read_bytes": st.read_bytes,
-                "disk_cache_read_ahead_blocks": st.read_ahead_blocks,
-                "disk_cache_checksum_failures": st.checksum_failures,
-                "disk_cache_not_admitted": st.not_admitted,
-                "disk_cache_dropped": st.dropped,
-                "disk_cache_evicted_blocks": st.evicted_blocks}
-
-    def _disk_tier(self):
-        """The disk tier of config.disk_cache_dir, its blocks marked with what they mean
-        here (a block of another model, K/V format or block size is never read)."""
+    def _disk_tier(self, above: BlockPool, unwritten: AbstractSet[int]) -> PrefixTier:
+        """The disk tier of config.disk_cache_dir below the pool `above` (the KV core
+        builds its chain with it), its blocks marked with what they mean here (a block
+        of another model, K/V format or block size is never read); `unwritten`: that
+        pool's blocks whose data the coming step writes."""
         from engine.kv.tiers.disk import DiskStore, DiskTier
-        if getattr(self.runner, "tensor_parallel_size", 1) > 1:
-            raise InvalidRequestError("a disk tier with a model split over ranks is not "
-                                      "supported yet")
         identity = {"model": self.runner.model_id, "kv_format": migration.kv_format(self),
                     "block_size": self.config.block_size,
                     "block_bytes": self.runner.block_bytes}
         secret = self.config.secret.encode() if self.config.secret is not None else None
         store = DiskStore(self.config.disk_cache_dir, self.config.disk_cache_bytes, identity,
                           secret)
-        # below the CPU tier, or straight below the GPU pool without one
-        above = self.kv.cpu if self.kv.cpu_tier else self.kv.gpu
         return DiskTier(store, above, self.events,
                         functools.partial(self.runner.read_pool_block, above.pool),
                         functools.partial(self.runner.write_pool_block, above.pool),
-                        self.config.disk_cache_min_hits)
+                        self.config.disk_cache_min_hits, unwritten)
 
     def close(self) -> None:
         """Release what the runner started (a split model's rank processes) and the KV
@@ -911,8 +891,7 @@ class LLMEngine:
             self._kv_publisher = None
         if self._structured is not None:
             self._structured.close()
-        if self.kv.disk is not None:  # its writes under way finish first
-            self.kv.disk.close()
+        self.kv.close()  # (the disk tier's writes under way finish first)
         close = getattr(self.runner, "close", None)
         if close is not None:
             close()
@@ -931,8 +910,9 @@ class LLMEngine:
                 "eviction_policy": self.kv.gpu.eviction_policy,
                 "pin_budget": self.pin_budget,
                 # the disk tier below it (disk_cache_dir): where, and how many bytes
-                "disk_cache_dir": self.config.disk_cache_dir if self.kv.disk else None,
-                "disk_cache_bytes": self.config.disk_cache_bytes if self.kv.disk else 0,
+                "disk_cache_dir": self.config.disk_cache_dir or None,
+                "disk_cache_bytes": self.config.disk_cache_bytes
+                if self.config.disk_cache_dir else 0,
                 # one block's K/V, every layer (what a tier or a move copies per block)
                 "kv_bytes_per_block": self.runner.block_bytes,
                 # how K/V is stored: the model's dtype ("auto") or fp8, and how its
@@ -966,13 +946,9 @@ class LLMEngine:
             "prefix_cache_queries": self.kv.prefix_cache_queries,
             "prefix_cache_hits": self.kv.prefix_cache_hits,
             "num_cached_blocks": len(self.kv.gpu.cached),
-            # the CPU tier of the prefix cache (cpu_prefix_cache): its own hits (blocks the
-            # disk read back into it are the disk's: disk_prefix_cache_hits)
-            "cpu_prefix_cache_hits": self.kv.cpu_prefix_cache_hits,
-            "num_cpu_cached_blocks": len(self.kv.cpu.cached),
-            "cpu_cache_copy_out_bytes": self.kv.num_blocks_offloaded * self.runner.block_bytes,
-            "cpu_cache_copy_in_bytes": self.kv.num_blocks_onloaded * self.runner.block_bytes,
-            **self._disk_metrics(),
+            # the tiers of the prefix cache (the CPU tier's, the disk's), each its own
+            # hits (blocks the disk read back into the CPU tier are the disk's)
+            **self.kv.tier_metrics(self.runner.block_bytes),
             "num_pinned_blocks": self.kv.gpu.num_pinned,
             "num_soft_pinned_blocks": self.kv.gpu.num_soft_pinned,
             "pin_budget": self.pin_budget,

@@ -7,8 +7,10 @@ None; it never chooses a victim (the scheduler does). It owns:
   map), one GPU pool and one CPU pool shared by every group;
 * one manager per layer group (engine/kv/group.py: full attention or sliding window),
   each owning that group's tables; a one-table model is one group;
-* the tier below the GPU pool (engine/kv/tiers/cpu.py), when the CPU pool is a second level
-  of the prefix cache (EngineConfig.cpu_prefix_cache);
+* the chain of tiers below the GPU pool (engine/kv/tiers/base.py): the CPU tier
+  (engine/kv/tiers/cpu.py), when the CPU pool is a second level of the prefix cache
+  (EngineConfig.cpu_prefix_cache), then the disk tier (engine/kv/tiers/disk.py), either
+  optional; it asks each the same questions, through PrefixTier only;
 * the prefix cache's counters, and which GPU blocks the coming step writes.
 
 Across groups it runs, all or nothing: prefix hits (the longest prefix every group can
@@ -19,6 +21,7 @@ routers know) and what the other groups need for it.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable, Set as AbstractSet
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -29,7 +32,8 @@ from engine.config import ConfigError
 from engine.kv.events import EventLog
 from engine.kv.export import PoolExport
 from engine.kv.group import NOTHING_ALLOCATED, Allocation, GroupHit, KVGroup, SwapResult, make_group
-from engine.kv.tiers.cpu import CPUTier, PrefixTier
+from engine.kv.tiers.base import TIER_POOLS, PrefixTier
+from engine.kv.tiers.cpu import NO_CPU_TIER_METRICS, CPUTier
 from engine.request import Request
 
 
@@ -38,7 +42,8 @@ class PrefixMatch:
     """Cached blocks found for a request about to be admitted."""
     groups: list[GroupHit]  # one per layer group
     num_computed_tokens: int  # tokens they cover, capped so the last token is computed
-    # The tier's blocks that continue group 0's (copied into new GPU blocks)
+    # The blocks of the tier below the GPU that continue group 0's (copied into new GPU
+    # blocks: lookup and load)
     tier_blocks: list = field(default_factory=list)
     story: object = None  # a first admission's KV story (engine/observe/story.py), if kept
 
@@ -57,9 +62,14 @@ class KVCacheCoordinator:
     def __init__(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int,
                  enable_caching: bool, events: EventLog,
                  windows: tuple[int | None, ...] = (None,),
-                 cpu_prefix_cache: bool = False, eviction_policy: str = "lru") -> None:
+                 cpu_prefix_cache: bool = False, eviction_policy: str = "lru",
+                 disk_tier: Callable[[BlockPool, AbstractSet[int]], PrefixTier] | None = None
+                 ) -> None:
         """windows: per layer group, its sliding window (None: full attention); one
-        entry for a model with one table. A hybrid model's group 0 is a global group."""
+        entry for a model with one table. A hybrid model's group 0 is a global group.
+        disk_tier: builds the disk tier (engine/kv/tiers/disk.py) below a pool (the CPU
+        tier's, or the GPU pool of an engine without one), given that pool's blocks whose
+        data the coming step writes; None: no disk tier."""
         if len(windows) > 1 and windows[0] is not None:
             raise ValueError("a hybrid layout's group 0 is a global group")
         self.block_size = block_size
@@ -78,11 +88,9 @@ class KVCacheCoordinator:
             for g, w in enumerate(windows)]
         self.main = self.groups[0]
         self.num_groups = len(self.groups)
-        self.tier: PrefixTier | None = CPUTier(self.cpu, events, self.uncomputed) \
-            if tier_on else None
-        if self.tier is not None:
-            self.gpu.on_evict = self.tier.note_reused
-        self.disk = None  # the disk tier (attach_disk), below the CPU tier or the GPU pool
+        self.cpu_tier = tier_on  # the CPU pool is a level of the prefix cache too
+        # The tiers below the GPU pool, top down (the CPU tier, then the disk)
+        self.tiers: list[PrefixTier] = self._chain(tier_on, disk_tier)
         # The step's hot path, once per running request per step: room for a request that
         # runs already (no hit to place), and its table's ids for the step. With one group
         # these are that group's own methods, without a call in between.
@@ -94,27 +102,25 @@ class KVCacheCoordinator:
         self.prefix_cache_queries = 0  # prompt tokens looked up (tokens)
         self.prefix_cache_hits = 0  # of which found cached on the GPU or a tier (tokens)
 
-    def attach_disk(self, disk) -> None:
-        """The disk tier (engine/kv/tiers/disk.py) below the CPU tier, or below the GPU pool
-        of an engine without one: it takes the cached blocks that pool reuses, and gives
-        back into it those a prompt reaches."""
-        above = self.cpu if self.tier is not None else self.gpu
-        if disk.above is not above:
-            raise ValueError(f"the disk tier sits below the {above.pool.upper()} pool here")
-        if self.tier is None and self.num_groups > 1:
-            raise ConfigError("a disk tier straight below the GPU pool of a model with layer "
-                              "groups is not supported: turn on the CPU tier "
-                              "(cpu_prefix_cache), or hybrid_kv_cache off")
-        self.disk = disk
-        if above is self.gpu:  # (the coming step's blocks hold nothing yet)
-            disk.unwritten = self.uncomputed
-        above.on_evict = disk.note_evicted
+    def _chain(self, cpu_tier: bool, disk_tier: Callable | None) -> list[PrefixTier]:
+        """The tiers below the GPU pool, top down, each offered the cached blocks the pool
+        above it reuses (that pool's on_evict hook)."""
+        tiers: list[PrefixTier] = []
+        if cpu_tier:
+            tiers.append(CPUTier(self.cpu, self.gpu, self._events, self.uncomputed))
+        if disk_tier is not None:
+            if not cpu_tier and self.num_groups > 1:
+                raise ConfigError("a disk tier straight below the GPU pool of a model with "
+                                  "layer groups is not supported: turn on the CPU tier "
+                                  "(cpu_prefix_cache), or hybrid_kv_cache off")
+            above = self.cpu if cpu_tier else self.gpu
+            # (the coming step's GPU blocks hold nothing yet: never written to disk)
+            tiers.append(disk_tier(above, self.uncomputed if above is self.gpu else frozenset()))
+        for tier in tiers:
+            tier.above.on_evict = tier.offer
+        return tiers
 
     # --- what the engine and the viewers read ----------------------------------------
-    @property
-    def cpu_tier(self) -> bool:
-        return self.tier is not None
-
     @property
     def sliding_window(self) -> int | None:
         """Every layer's window (one group that slides), or None."""
@@ -143,17 +149,13 @@ class KVCacheCoordinator:
         return [(g.group, g.req_to_blocks if pool == "gpu" else g.req_to_cpu_blocks)
                 for g in self.groups[1:]]
 
-    @property
-    def cpu_prefix_cache_hits(self) -> int:
-        return self.tier.hit_tokens if self.tier is not None else 0
-
-    @property
-    def num_blocks_offloaded(self) -> int:
-        return self.tier.num_blocks_stored if self.tier is not None else 0
-
-    @property
-    def num_blocks_onloaded(self) -> int:
-        return self.tier.num_blocks_loaded if self.tier is not None else 0
+    def tier_metrics(self, block_bytes: int) -> dict:
+        """Each tier's counters, top down, by their /metrics names (the CPU tier's are
+        there, at 0, on an engine without one; the disk's only with it)."""
+        out = {} if self.cpu_tier else dict(NO_CPU_TIER_METRICS)
+        for tier in self.tiers:
+            out.update(tier.metrics(block_bytes))
+        return out
 
     def block_ids(self, request_id: str) -> list[int]:
         return self.main.block_ids(request_id)
@@ -181,22 +183,21 @@ class KVCacheCoordinator:
             off = None if self.enable_caching else "prefix caching is off on this engine"
             if off is None and request.sampling_params.prompt_logprobs is not None:
                 off = "its prompt's logprobs need every position computed: no cache is read"
-            gpu, tier = len(match.groups[0].blocks), len(match.tier_blocks)
-            disk = self._from_disk(match)
-            if self.tier is None:  # (straight below the GPU: its blocks are the tier's)
-                gpu, tier = gpu - disk, disk
+            # per tier, the blocks of the level above it that it read back there
+            read_back = [tier.read_back_among(blocks)
+                         for tier, blocks in zip(self.tiers, self._levels(match))] or [0]
+            # (blocks read back into the GPU pool are told as the tiers', not the GPU's)
+            gpu = len(match.groups[0].blocks) - read_back[0]
+            below = len(match.tier_blocks) + read_back[0]
             match.story = self.stories.draft(
-                request, gpu, tier, match.num_computed_tokens, self.cached_where, off,
-                windowed=self.num_groups > 1, disk_blocks=disk)
+                request, gpu, below, match.num_computed_tokens, self.cached_where, off,
+                windowed=self.num_groups > 1, disk_blocks=sum(read_back))
         return match
 
-    def _from_disk(self, match: PrefixMatch) -> int:
-        """How many of a match's blocks were read back from the disk tier (those of the
-        pool the disk sits below)."""
-        if self.disk is None:
-            return 0
-        return self.disk.from_disk(match.tier_blocks if self.tier is not None
-                                   else match.groups[0].blocks)
+    @staticmethod
+    def _levels(match: PrefixMatch) -> list[list[KVBlock]]:
+        """A match's blocks by level: group 0's on the GPU, then the tier's below it."""
+        return [match.groups[0].blocks, match.tier_blocks]
 
     def _find_prefix(self, request: Request) -> PrefixMatch:
         """The longest prefix every group can serve, from the GPU pool and then the tier:
@@ -209,25 +210,12 @@ class KVCacheCoordinator:
         if not self.enable_caching or (request.sampling_params.prompt_logprobs is not None
                                        and len(request.prompt_logprobs) < request.num_prompt_tokens):
             return nothing  # (its prompt's logprobs need every position)
-        blocks = self._cached_run(request.block_hashes)
-        if self.tier is None and self.disk is not None and \
-                len(blocks) < len(request.block_hashes) and \
-                self._promote(self.gpu, blocks, request.block_hashes[len(blocks):]):
-            # a disk tier straight below the GPU: its blocks past the run, read back
-            # into GPU blocks (cached and free), continue it
-            blocks = self._cached_run(request.block_hashes)
+        blocks = self._run(0, request.block_hashes)
         if request.pinned_root is not None and self.gpu.num_pinned:
             shared = self._pinned_prefix(request)
             if len(shared) > len(blocks):
                 blocks = shared  # its own later blocks are still cached under its salt
-        tier_blocks: list = []
-        if self.tier is not None:
-            rest = request.block_hashes[len(blocks):]
-            tier_blocks = self.tier.lookup(rest)
-            # past the CPU tier, the disk's blocks are read back into it
-            if self.disk is not None and len(tier_blocks) < len(rest) and \
-                    self._promote(self.cpu, tier_blocks, rest[len(tier_blocks):]):
-                tier_blocks = self.tier.lookup(rest)
+        tier_blocks = self._run(1, request.block_hashes[len(blocks):]) if self.tiers else []
         covered = (len(blocks) + len(tier_blocks)) * self.block_size
         if covered >= request.num_tokens and tier_blocks:
             tier_blocks.pop()  # the last token's block is computed, not copied in
@@ -242,27 +230,26 @@ class KVCacheCoordinator:
             return first
         return self._across_groups(request, first) if blocks else nothing
 
-    def read_ahead(self, hashes: list[BlockHash]) -> None:
-        """A request arrived: its blocks that only the disk tier holds (none of the pools
-        above it) are read on the disk's reader thread, so that its admission finds them
-        in memory."""
-        if self.disk is None:
-            return
-        pools = (self.gpu, self.cpu) if self.tier is not None else (self.gpu,)
-        self.disk.store.read_ahead([h for h in hashes
-                                    if all(p.get_cached(h) is None for p in pools)])
+    def _run(self, level: int, hashes: list[BlockHash]) -> list[KVBlock]:
+        """The leading run of these hashes that a level holds (0: the GPU pool; i: the
+        i-th tier's blocks for load), continued by what the tier below it reads back
+        into it (holding the run meanwhile)."""
+        lookup = self._cached_run if level == 0 else self.tiers[level - 1].lookup
+        run = lookup(hashes)
+        if level < len(self.tiers) and len(run) < len(hashes) and \
+                self.tiers[level].promote(run, hashes[len(run):]):
+            run = lookup(hashes)
+        return run
 
-    def _promote(self, pool: BlockPool, run: list[KVBlock], rest: list[BlockHash]) -> int:
-        """The disk's blocks of `rest` read back into `pool` (the one it sits below),
-        the run found there before them held meanwhile: taking blocks for the disk's
-        must not evict the run they continue. How many of `rest` are now there."""
-        if not self.disk.store.contains(rest[0]):
-            return 0  # (the usual case: nothing to read, nothing to hold)
-        pool.touch(run, hit=False)
-        try:
-            return self.disk.promote(rest)
-        finally:
-            pool.free(reversed(run))  # (tail first, as a request's blocks are freed)
+    def read_ahead(self, hashes: list[BlockHash]) -> None:
+        """A request arrived: each tier is told its blocks that no level above it holds
+        (a tier slow to read, the disk, starts reading them, so that its admission finds
+        them in memory)."""
+        missing, held_above = hashes, self.gpu.cached.__contains__
+        for tier in self.tiers:
+            missing = [h for h in missing if not held_above(h)]
+            tier.read_ahead(missing)
+            held_above = tier.holds
 
     def _cached_run(self, hashes: list[BlockHash]) -> list[KVBlock]:
         out = []
@@ -341,18 +328,15 @@ class KVCacheCoordinator:
                               if match.tier_blocks else match.num_computed_tokens)
         # Each tier counts its own hits: blocks the disk read back into the CPU tier pass
         # through it but are the disk's, so every reader takes one counter per tier.
-        from_disk = 0
-        if self.disk is not None:
-            if self.tier is not None and match.tier_blocks:
-                from_disk = self.disk.taken(match.tier_blocks, self.block_size)
-            elif self.tier is None and match.groups[0].blocks:  # (below the GPU)
-                self.disk.taken(match.groups[0].blocks, self.block_size,
-                                match.num_computed_tokens)
+        loaded = len(match.tier_blocks) * self.block_size
+        served = (match.num_computed_tokens - loaded, loaded)  # tokens, per level
+        read_back = [tier.count_read_back(blocks, self.block_size, n) if blocks else 0
+                     for tier, blocks, n in zip(self.tiers, self._levels(match), served)]
         if match.tier_blocks:
-            self.tier.record_hit(request.request_id, match.tier_blocks, self.block_size,
-                                 from_below=from_disk)
-        if self.disk is not None:
-            self.disk.note_asked(request.block_hashes)  # (blocks asked again go to disk)
+            self.tiers[0].record_hit(request.request_id, match.tier_blocks, self.block_size,
+                                     from_below=sum(read_back[1:]))
+        for tier in self.tiers:
+            tier.count_prompt(request.block_hashes)  # (blocks asked again go to disk)
 
     # --- allocation ------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int,
@@ -366,7 +350,7 @@ class KVCacheCoordinator:
                                        match.groups[0] if match is not None else None)
             if alloc is not None and match is not None and match.tier_blocks:
                 # the first new blocks take the tier's data
-                alloc.copies_in = self.tier.load(match.tier_blocks, alloc.new_blocks)
+                alloc.copies_in = self.tiers[0].load(match.tier_blocks, alloc.new_blocks)
             return alloc
         hits = match.groups if match is not None else [None] * self.num_groups
         need = sum(g.blocks_needed(request, num_new_tokens, h) for g, h in zip(self.groups, hits))
@@ -417,14 +401,13 @@ class KVCacheCoordinator:
         return sum(g.blocks_needed(request, num_new_tokens) for g in self.groups)
 
     def cached_where(self, block_hash: BlockHash) -> str | None:
-        """Where group 0's prefix cache holds this hash now: "gpu", "cpu" (the tier),
-        "disk", or None."""
+        """Where group 0's prefix cache holds this hash now: "gpu", the first tier that
+        holds it ("cpu", "disk"), or None."""
         if self.gpu.get_cached(block_hash) is not None:
             return "gpu"
-        if self.tier is not None and self.tier.lookup([block_hash]):
-            return "cpu"
-        if self.disk is not None and self.disk.store.contains(block_hash):
-            return "disk"
+        for tier in self.tiers:
+            if tier.holds(block_hash):
+                return tier.pool
         return None
 
     def _allocate_more(self, request: Request, num_new_tokens: int) -> Allocation | None:
@@ -444,32 +427,32 @@ class KVCacheCoordinator:
     # --- the step's copies -----------------------------------------------------------
     def flush_offloads(self) -> list[tuple[int, int]]:
         """End of a schedule (or of an operator's command that took GPU blocks): the
-        tier's copies of the GPU blocks this schedule reused (which must run before
+        tiers' copies of the GPU blocks this schedule reused (which must run before
         anything writes those GPU blocks: the step's swap-outs do), and the CPU blocks
         this step's copies read are released."""
-        mapping = self.tier.flush() if self.tier is not None else []
+        mapping = [copy for tier in self.tiers for copy in tier.flush()]
         if self._cpu_held:
             self.cpu.free(self._cpu_held)
             self._cpu_held = []
         return mapping
 
     def copy_ahead(self, horizon: int, max_blocks: int) -> list[tuple[int, int]]:
-        """The tier's copies of cached GPU blocks next in line for reuse, which may run
+        """The tiers' copies of cached GPU blocks next in line for reuse, which may run
         beside this step's forward pass (call after flush_offloads, for a step that runs)."""
-        return self.tier.copy_ahead(self.gpu, horizon, max_blocks) if self.tier is not None else []
+        return [copy for tier in self.tiers for copy in tier.copy_ahead(horizon, max_blocks)]
 
     def mark_computed(self) -> None:
         """The step ran: the blocks registered for it hold their K/V."""
         self.uncomputed.clear()
-        if self.tier is not None:
-            self.tier.mark_computed()
+        for tier in self.tiers:
+            tier.mark_computed()
 
     def forget_uncomputed(self) -> int:
         """A step failed: the blocks registered for it hold no valid K/V. Drop their hashes."""
         dropped = self.gpu.forget_unwritten([self.gpu.blocks[b] for b in self.uncomputed])
         self.uncomputed.clear()
-        if self.tier is not None:
-            self.tier.forget_uncomputed()
+        for tier in self.tiers:
+            tier.forget_uncomputed()
         return len(dropped)
 
     # --- swap --------------------------------------------------------------------------
@@ -518,16 +501,20 @@ class KVCacheCoordinator:
         for block in unpinned:
             self.gpu.unpin(block)
         n = self.gpu.forget_all_hashes()
-        n_cpu = self.cpu.forget_all_hashes()
-        # the disk tier's blocks too: served after a reset, a poisoned block would outlive it
-        n_disk = self.disk.reset() if self.disk is not None else 0
+        # every tier's blocks too: served after a reset, a poisoned block would outlive it
+        forgotten = [(tier, tier.reset()) for tier in self.tiers]
         self._events.emit("AllBlocksCleared", num_tokens=n * self.block_size, reason="reset",
                           by=by or "operator",
                           detail=f"{n} cached blocks forgotten, {len(unpinned)} unpinned"
-                          + (f", {n_cpu} on the CPU tier" if n_cpu else "")
-                          + (f", {n_disk} on disk" if n_disk else ""))
+                          + "".join(f", {k} {tier.where}" for tier, k in forgotten if k))
         return {"num_blocks_forgotten": n, "num_blocks_unpinned": len(unpinned),
-                "num_cpu_blocks_forgotten": n_cpu, "num_disk_blocks_forgotten": n_disk}
+                **{f"num_{pool}_blocks_forgotten": 0 for pool in TIER_POOLS},
+                **{f"num_{tier.pool}_blocks_forgotten": k for tier, k in forgotten}}
+
+    def close(self) -> None:
+        """The engine is closing: each tier finishes what is under way (the disk's writes)."""
+        for tier in self.tiers:
+            tier.close()
 
     def cached_chain(self, hashes: list[BlockHash]) -> list[KVBlock]:
         """Leading blocks of this hash chain that are cached now (group 0's)."""
@@ -610,7 +597,7 @@ class KVCacheCoordinator:
         cpu_tables = {(g.group, rid): t for g in self.groups
                       for rid, t in g.req_to_cpu_blocks.items()}
         # CPU blocks this step's copies read hold a reference until flush_offloads
-        cpu_held = self._cpu_held + (self.tier.held() if self.tier is not None else [])
+        cpu_held = self._cpu_held + [b for tier in self.tiers for b in tier.held()]
         for pool, tables, held in ((self.gpu, gpu_tables, []), (self.cpu, cpu_tables, cpu_held)):
             holders = Counter(b.block_id for table in tables.values() for b in table)
             holders.update(b.block_id for b in held)

@@ -20,7 +20,7 @@ from engine.serve.core_proc import core_command
 from engine.kv.tiers.disk_seal import BlockSeal
 from engine.kv.tiers.disk import DiskStore
 from tests.engine.sim import expected
-from tests.engine.test_disk_tier import BLOCK, ask, disk_engine, flood, prompt_of
+from tests.engine.test_disk_tier import BLOCK, ask, disk_engine, disk_of, flood, prompt_of
 
 IDENTITY = {"model": "m", "kv_format": "float32", "block_size": 4, "block_bytes": 64}
 SECRET = b"s" * 32
@@ -205,7 +205,7 @@ def _first_on_disk(folder):
     ask(engine, "hit", first)
     flood(engine)
     hashes = hash_blocks(root_hash(engine.runner.model_id, None), first, BLOCK)
-    paths = [engine.kv.disk.store._path(x) for x in hashes]
+    paths = [disk_of(engine).store._path(x) for x in hashes]
     engine.close()
     return first, hashes, paths
 
@@ -234,7 +234,7 @@ def test_a_reset_then_a_restart_serves_no_block_from_before_it(tmp_path):
     ask(engine, "cold", first)
     ask(engine, "hit", first)
     flood(engine)
-    engine.kv.disk.store.flush()
+    disk_of(engine).store.flush()
     assert engine.metrics()["num_disk_cached_blocks"] >= 7
     result = engine.reset_prefix_cache()
     assert result["num_disk_blocks_forgotten"] >= 7
@@ -245,7 +245,7 @@ def test_a_reset_then_a_restart_serves_no_block_from_before_it(tmp_path):
     warm = ask(restarted, "warm", first)
     assert warm.num_cached_tokens == 0 and warm.output_token_ids == expected(first, 6)
     # (the epoch before the reset is deleted behind: none of its files is left)
-    assert [p.name for p in restarted.kv.disk.store.root.iterdir()] == ["epoch-1"]
+    assert [p.name for p in disk_of(restarted).store.root.iterdir()] == ["epoch-1"]
     restarted.close()
 
 

@@ -138,9 +138,16 @@ def flood(engine, seeds=range(1, 9)) -> None:
         ask(engine, f"other{seed}", prompt_of(seed))
 
 
+def disk_of(engine):
+    """The engine's disk tier: the last of its KV core's chain."""
+    disk = engine.kv.tiers[-1]
+    assert disk.medium == "DISK"
+    return disk
+
+
 def on_gpu_or_cpu(engine, prompt) -> bool:
     hashes = hash_blocks(root_hash(engine.runner.model_id, None), prompt, BLOCK)
-    return bool(engine.kv.cached_chain(hashes)) or bool(engine.kv.tier.lookup(hashes))
+    return bool(engine.kv.cached_chain(hashes)) or bool(engine.kv.tiers[0].lookup(hashes))
 
 
 def test_a_prefix_let_go_by_the_cpu_tier_comes_back_from_disk_and_after_a_restart(tmp_path):
@@ -151,7 +158,7 @@ def test_a_prefix_let_go_by_the_cpu_tier_comes_back_from_disk_and_after_a_restar
     assert again.num_cached_tokens == 31  # (all of it on the GPU: the last token recomputed)
     flood(engine)
     assert not on_gpu_or_cpu(engine, first)
-    engine.kv.disk.store.flush()
+    disk_of(engine).store.flush()
     m = engine.metrics()
     assert m["disk_cache_stored_blocks"] >= 7 and m["disk_cache_not_admitted"] > 0
     back = ask(engine, "back", first)
@@ -169,7 +176,7 @@ def test_a_prefix_let_go_by_the_cpu_tier_comes_back_from_disk_and_after_a_restar
     restarted.add_request("warm", first, greedy(6))
     # its blocks are read ahead of its admission, on the reader thread
     deadline = time.monotonic() + 30
-    while len(restarted.kv.disk.store._ready) < 7:
+    while len(disk_of(restarted).store._ready) < 7:
         assert time.monotonic() < deadline, "not read ahead"
         time.sleep(0.001)
     warm = run_all(restarted)["warm"]
@@ -191,7 +198,7 @@ def test_blocks_back_from_disk_through_the_cpu_tier_are_the_disks_hits_not_the_c
     ask(engine, "hit", first)
     flood(engine)
     assert not on_gpu_or_cpu(engine, first)
-    engine.kv.disk.store.flush()
+    disk_of(engine).store.flush()
     before = engine.metrics()
     back = ask(engine, "back", first)
     assert back.num_cached_tokens == 28
@@ -204,7 +211,7 @@ def test_blocks_back_from_disk_through_the_cpu_tier_are_the_disks_hits_not_the_c
     # (and the rest of the prompt, let go by the CPU tier since, the disk's again)
     flood(engine, range(9, 11))
     hashes = hash_blocks(root_hash(engine.runner.model_id, None), first, BLOCK)
-    held = len(engine.kv.tier.lookup(hashes))
+    held = len(engine.kv.tiers[0].lookup(hashes))
     assert not engine.kv.cached_chain(hashes) and held
     ask(engine, "again", first)
     m2 = engine.metrics()
@@ -219,7 +226,7 @@ def test_blocks_back_from_disk_through_the_cpu_tier_are_the_disks_hits_not_the_c
 def test_one_off_prompts_are_not_written(tmp_path):
     engine = disk_engine(tmp_path)
     flood(engine, range(1, 12))  # each asked for once
-    engine.kv.disk.store.flush()
+    disk_of(engine).store.flush()
     m = engine.metrics()
     assert m["disk_cache_stored_blocks"] == 0 and m["disk_cache_not_admitted"] > 0
     engine.close()
@@ -233,7 +240,7 @@ def test_a_corrupt_block_and_another_models_blocks_are_misses(tmp_path):
     flood(engine)
     engine.close()
     hashes = hash_blocks(root_hash(engine.runner.model_id, None), first, BLOCK)
-    corrupt = engine.kv.disk.store._path(hashes[3])
+    corrupt = disk_of(engine).store._path(hashes[3])
     assert corrupt.exists()
     data = bytearray(corrupt.read_bytes())
     data[-5] ^= 0x10
@@ -248,7 +255,7 @@ def test_a_corrupt_block_and_another_models_blocks_are_misses(tmp_path):
         assert time.monotonic() < deadline
         time.sleep(0.001)
     assert restarted.metrics()["disk_cache_checksum_failures"] == 1 and not corrupt.exists()
-    restarted.kv.disk.say_gone()  # (said at the next admission; here, now)
+    disk_of(restarted).report_removed()  # (said at the next admission; here, now)
     said = [e for e in restarted.take_events() if e.type == "BlockEvicted" and e.pool == "disk"]
     assert [(e.reason, len(e.block_hashes)) for e in said] == [("corrupt", 1)]
     restarted.close()
@@ -264,14 +271,14 @@ def test_without_a_cpu_tier_the_disk_sits_below_the_gpu_and_outlives_a_restart(t
     from GPU blocks) and come back straight into GPU blocks, as GPU hits counted as the
     disk's; a restarted engine finds them."""
     engine = disk_engine(tmp_path, cpu_prefix_cache=False, num_cpu_blocks=0)
-    assert engine.kv.disk.above is engine.kv.gpu
+    assert disk_of(engine).above is engine.kv.gpu
     first = prompt_of(0)
     ask(engine, "cold", first)
     ask(engine, "hit", first)  # asked for again: its blocks may go to disk
     flood(engine, range(1, 5))
     assert not engine.kv.cached_chain(hash_blocks(root_hash(engine.runner.model_id, None),
                                                   first, BLOCK))
-    engine.kv.disk.store.flush()
+    disk_of(engine).store.flush()
     assert engine.metrics()["disk_cache_stored_blocks"] >= 7
     stored = [e for e in engine.take_events() if e.type == "BlockStored" and e.pool == "disk"]
     assert stored and "from GPU blocks" in stored[0].detail
@@ -307,8 +314,8 @@ def test_reading_back_from_disk_does_not_evict_the_run_it_continues(tmp_path):
     ask(engine, "other", prompt_of(1))  # 10 blocks: the 8 empty ones and first's last 2
     hashes = hash_blocks(root_hash(engine.runner.model_id, None), first, BLOCK)
     assert len(engine.kv.cached_chain(hashes)) == 6
-    engine.kv.disk.store.flush()
-    assert [engine.kv.disk.store.contains(h) for h in hashes[6:]] == [True, True]
+    disk_of(engine).store.flush()
+    assert [disk_of(engine).store.contains(h) for h in hashes[6:]] == [True, True]
     back = ask(engine, "back", first)
     assert back.num_cached_tokens == 31 and back.output_token_ids == expected(first, 6)
     assert engine.metrics()["disk_prefix_cache_hits"] == 7  # (the last token recomputed)
@@ -325,9 +332,9 @@ def test_a_block_read_back_and_then_reset_is_not_the_disks_any_more(tmp_path):
     ask(engine, "cold", first)
     ask(engine, "hit", first)
     flood(engine, range(1, 5))
-    engine.kv.disk.store.flush()
+    disk_of(engine).store.flush()
     hashes = hash_blocks(root_hash(engine.runner.model_id, None), first, BLOCK)
-    assert engine.kv._promote(engine.kv.gpu, [], hashes) == 8  # read back, not taken
+    assert disk_of(engine).promote([], hashes) == 8  # read back, not taken
     engine.reset_prefix_cache()
     for i in range(3):  # prompts that take every free block, the read-back ones too
         other = prompt_of(20 + i)
@@ -352,10 +359,10 @@ def test_reading_back_keeps_the_runs_eviction_order(tmp_path):
     order = lambda: [i for i in engine.kv.gpu.eviction_order(16) if i in ids]  # noqa: E731
     assert order() == ids[::-1]
     before = engine.kv.gpu.eviction_order(16)
-    assert engine.kv._promote(engine.kv.gpu, run, [b"not on disk"]) == 0
+    assert disk_of(engine).promote(run, [b"not on disk"]) == 0
     assert engine.kv.gpu.eviction_order(16) == before
-    engine.kv.disk.store.put(hashes[5], engine.runner.read_pool_block("gpu", run[0].block_id))
-    engine.kv._promote(engine.kv.gpu, run, hashes[5:])
+    disk_of(engine).store.put(hashes[5], engine.runner.read_pool_block("gpu", run[0].block_id))
+    disk_of(engine).promote(run, hashes[5:])
     assert order() == ids[::-1]
     engine.close()
 

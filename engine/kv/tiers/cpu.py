@@ -1,112 +1,53 @@
-"""Tiers of the prefix cache below the GPU pool, behind one interface.
+"""The prefix cache's second level, in the CPU pool (PrefixTier: engine/kv/tiers/base.py).
 
-A tier keeps copies of cached GPU blocks the pool is about to reuse, findable by hash,
-and gives them back when a prompt's prefix continues past what the GPU holds: copied
-into new GPU blocks instead of recomputed (vLLM's KV offloading, SGLang's HiCache). The
-coordinator (engine/kv/coordinator.py) drives it:
+CPUTier keeps copies of the GPU pool's cached blocks in the CPU pool, shared with
+swapped-out requests (whose swap-outs take CPU blocks like any other, evicting cached
+ones), and gives them back by copies into a request's new GPU blocks:
 
-* the GPU pool tells it, through BlockPool.on_evict, which cached blocks a schedule is
-  reusing (`note_reused`); at the end of the schedule `flush` gives each a tier block
-  and returns the copies GPU -> tier, which run before anything writes those GPU blocks;
+* the GPU pool offers it, through BlockPool.on_evict, the cached blocks a schedule is
+  reusing (`offer`); at the end of the schedule `flush` gives each a CPU block and
+  returns the copies GPU -> CPU, which run before anything writes those GPU blocks;
 * `copy_ahead` writes back, ahead of need, cached GPU blocks next in line for reuse, so
   that their copy runs beside a forward pass instead of in the step that reuses them;
 * at admission `lookup` finds the run of the prompt's next hashes it holds, and `load`
-  takes them into the request's new GPU blocks (the copies tier -> GPU).
-
-CPUTier keeps its blocks in the CPU pool, shared with swapped-out requests (whose
-swap-outs take CPU blocks like any other, evicting cached ones). A disk tier implements
-the same interface.
+  takes them into the request's new GPU blocks (the copies CPU -> GPU).
 """
 from __future__ import annotations
-
-from abc import ABC, abstractmethod
 
 from engine.block_hash import BlockHash, short
 from engine.kv.block_pool import BlockPool, KVBlock
 from engine.kv.events import EventLog
+from engine.kv.tiers.base import PrefixTier
 
-
-class PrefixTier(ABC):
-    """A level of the prefix cache below the GPU, as the coordinator uses it."""
-    medium: str  # "CPU", "DISK": as events and the vLLM-format publisher name it
-
-    def __init__(self) -> None:
-        # prompt tokens found here, not recomputed: this tier's own (a block a tier below
-        # read back into it is that tier's hit, counted there)
-        self.hit_tokens = 0
-        self.num_blocks_stored = 0  # copies GPU -> tier
-        self.num_blocks_loaded = 0  # copies tier -> GPU
-
-    @property
-    @abstractmethod
-    def capacity(self) -> int:
-        """Blocks it can hold."""
-
-    @property
-    @abstractmethod
-    def num_cached(self) -> int:
-        """Blocks it holds now, findable by hash."""
-
-    @abstractmethod
-    def lookup(self, hashes: list[BlockHash]) -> list:
-        """Its blocks for the leading run of these hashes that it holds (the run stops at
-        the first it lacks)."""
-
-    @abstractmethod
-    def load(self, blocks: list, gpu_blocks: list[KVBlock]) -> list[tuple[int, int]]:
-        """lookup's blocks into these new GPU blocks: the (tier, gpu) copies, which the
-        step runs before its forward pass. The tier blocks stay until flush."""
-
-    @abstractmethod
-    def note_reused(self, evicted: list[tuple[int, BlockHash]]) -> None:
-        """The GPU pool is reusing these cached (block id, hash): keep a copy of each."""
-
-    @abstractmethod
-    def flush(self) -> list[tuple[int, int]]:
-        """End of a schedule: the (gpu, tier) copies of what note_reused kept, which run
-        before anything writes those GPU blocks; releases what this step's loads read."""
-
-    @abstractmethod
-    def copy_ahead(self, gpu: BlockPool, horizon: int, max_blocks: int) -> list[tuple[int, int]]:
-        """Copies (gpu, tier) of cached GPU blocks among the next `horizon` the free
-        queue hands out, ahead of their reuse (at most max_blocks)."""
-
-    @abstractmethod
-    def mark_computed(self) -> None:
-        """The step ran: the copies it made hold their data."""
-
-    @abstractmethod
-    def forget_uncomputed(self) -> int:
-        """The step failed: what its copies were to fill is dropped. Returns how many."""
-
-    @abstractmethod
-    def record_hit(self, request_id: str, blocks: list, block_size: int,
-                   from_below: int = 0) -> None:
-        """A request's prompt continued on these blocks (said in an event); counted in
-        hit_tokens but for `from_below` of them, which a tier below read back into this
-        one (they are that tier's hits)."""
+# What /metrics says of the CPU tier on an engine without one: its keys are always there
+# (CPUTier.metrics gives them their values)
+NO_CPU_TIER_METRICS = {"cpu_prefix_cache_hits": 0, "num_cpu_cached_blocks": 0,
+                       "cpu_cache_copy_out_bytes": 0, "cpu_cache_copy_in_bytes": 0}
 
 
 class CPUTier(PrefixTier):
     """The prefix cache's second level in the CPU pool."""
     medium = "CPU"
+    where = "on the CPU tier"
 
-    def __init__(self, cpu: BlockPool, events: EventLog, uncomputed: set[int]) -> None:
-        super().__init__()
+    def __init__(self, cpu: BlockPool, gpu: BlockPool, events: EventLog,
+                 uncomputed: set[int]) -> None:
+        super().__init__(gpu)
         self.cpu = cpu  # shared with swapped-out requests
         self._events = events
         self._gpu_uncomputed = uncomputed  # GPU blocks the coming step writes (no copy yet)
         self._to_store: list[tuple[int, BlockHash]] = []  # GPU blocks reused this schedule
         self._held: list[KVBlock] = []  # CPU blocks this step's copies read
         self.uncomputed: list[KVBlock] = []  # CPU blocks this step's copies fill
-
-    @property
-    def capacity(self) -> int:
-        return self.cpu.num_blocks
+        self.num_blocks_stored = 0  # copies GPU -> CPU
+        self.num_blocks_loaded = 0  # copies CPU -> GPU
 
     @property
     def num_cached(self) -> int:
         return len(self.cpu.cached)
+
+    def holds(self, block_hash: BlockHash) -> bool:
+        return self.cpu.get_cached(block_hash) is not None
 
     def lookup(self, hashes: list[BlockHash]) -> list[KVBlock]:
         out = []
@@ -125,7 +66,10 @@ class CPUTier(PrefixTier):
         self.num_blocks_loaded += len(blocks)
         return [(c.block_id, g.block_id) for c, g in zip(blocks, gpu_blocks)]
 
-    def note_reused(self, evicted: list[tuple[int, BlockHash]]) -> None:
+    def promote(self, run: list[KVBlock], hashes: list[BlockHash]) -> int:
+        return 0  # (its blocks are copied into the request's GPU blocks: load)
+
+    def offer(self, evicted: list[tuple[int, BlockHash]]) -> None:
         uncomputed = self._gpu_uncomputed  # (their data is not written: nothing to keep)
         self._to_store.extend(e for e in evicted if e[0] not in uncomputed)
 
@@ -151,7 +95,7 @@ class CPUTier(PrefixTier):
             self._held = []
         return mapping
 
-    def copy_ahead(self, gpu: BlockPool, horizon: int, max_blocks: int) -> list[tuple[int, int]]:
+    def copy_ahead(self, horizon: int, max_blocks: int) -> list[tuple[int, int]]:
         """Write-back ahead of need: the runner may copy these while this step's forward
         pass runs, as they are free (neither read nor written by it). When the pool
         reuses them later, flush finds their hash on the tier and copies nothing: the
@@ -159,7 +103,7 @@ class CPUTier(PrefixTier):
         mapping: list[tuple[int, int]] = []
         stored: list[KVBlock] = []
         cpu, uncomputed, seen = self.cpu, self._gpu_uncomputed, 0
-        for block in gpu.free_queue:
+        for block in self.above.free_queue:
             if seen == horizon or len(stored) == max_blocks:
                 break
             seen += 1
@@ -213,7 +157,24 @@ class CPUTier(PrefixTier):
                           ref_cnts=[b.ref_cnt for b in blocks], num_tokens=num_tokens,
                           detail="CPU tier: copied into GPU blocks, not recomputed")
 
+    def read_back_among(self, blocks: list[KVBlock]) -> int:
+        return 0  # (it reads nothing back into the GPU pool)
+
+    def count_read_back(self, blocks: list[KVBlock], block_size: int, num_tokens: int) -> int:
+        return 0
+
     def held(self) -> list[KVBlock]:
         """CPU blocks this step's loads read (each holds a reference until flush, so that
         no copy of the same step overwrites them)."""
         return self._held
+
+    def reset(self) -> int:
+        return self.cpu.forget_all_hashes()
+
+    def metrics(self, block_bytes: int) -> dict:
+        """Its own hits (blocks the disk read back into it are the disk's:
+        disk_prefix_cache_hits), what it holds, and the bytes copied each way."""
+        return {"cpu_prefix_cache_hits": self.hit_tokens,
+                "num_cpu_cached_blocks": len(self.cpu.cached),
+                "cpu_cache_copy_out_bytes": self.num_blocks_stored * block_bytes,
+                "cpu_cache_copy_in_bytes": self.num_blocks_loaded * block_bytes}

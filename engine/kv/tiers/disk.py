@@ -10,9 +10,13 @@ without a CPU tier, straight below the GPU pool ("the pool above" in what follow
   reuse, as vLLM's offloading reuse manager counts lookups, so that one-off prompts do
   not churn the disk, while a conversation whose history came back once is kept.
 * A prompt whose prefix goes on past what the pools hold finds the rest here: read back
-  into blocks of the pool above (`promote`), cached there, it is then a hit of that
-  pool: a CPU tier hit copied into the request's GPU blocks, or a GPU hit.
+  into blocks of the pool above (`promote`), cached there, it reaches the request
+  through that pool (copied from the CPU tier into its GPU blocks, or a GPU hit) and
+  counts as the disk's hit, not that pool's.
 * LRU within a byte budget; a block read back counts as used.
+
+DiskStore keeps the files; DiskTier is the store as a tier of the prefix cache
+(PrefixTier: engine/kv/tiers/base.py).
 
 A file holds one block, sealed with AES-GCM under a key from the deployment's secret
 (engine/kv/tiers/disk_seal.py: the K/V encrypted, the file authenticated along with the engine's
@@ -38,12 +42,13 @@ import re
 import shutil
 import stat
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Set as AbstractSet
 from dataclasses import dataclass
 from pathlib import Path
 
 from engine.block_hash import BlockHash, short
 from engine.kv.block_pool import BlockPool, KVBlock
+from engine.kv.tiers.base import PrefixTier
 from engine.kv.tiers.disk_files import NotARegularFile, key_file_secret, make_private, \
     make_private_subfolder, own_regular_file, read_regular, write_new
 from engine.kv.tiers.disk_seal import BlockSeal, disk_key, file_bytes, key_id
@@ -402,41 +407,45 @@ def _delete_folder(folder: Path) -> None:
     shutil.rmtree(folder, onerror=lambda *a: log.warning("disk tier: could not delete %s", a[1]))
 
 
-class DiskTier:
-    """The disk below the pool above it (the CPU tier; the GPU pool of an engine without
-    one), as the coordinator uses it: told which cached blocks that pool reuses
-    (`note_evicted`, the pool's on_evict) and which hashes each admitted prompt asks for
-    (`note_asked`), and asked to bring a prompt's next blocks into that pool, cached
-    (`promote`). `read_block` and `write_block` move a block's bytes (the runner's)."""
+class DiskTier(PrefixTier):
+    """The disk below the pool above it (the CPU tier's; the GPU pool of an engine
+    without one): offered the cached blocks that pool reuses (`offer`, the pool's
+    on_evict), it writes behind those that prompts asked for often enough (`count_prompt`
+    counts them); it reads a prompt's next blocks back into that pool, cached there
+    (`promote`), and starts reading a request's blocks when it arrives (`read_ahead`).
+    `read_block` and `write_block` move a block's bytes in and out of the pool above (the
+    runner's); `unwritten`: that pool's blocks whose data the coming step writes (the GPU
+    pool's, below it: their bytes are not the block's yet, never written to disk)."""
     medium = "DISK"
+    where = "on disk"
 
     def __init__(self, store: DiskStore, above: BlockPool, events: EventLog,
                  read_block: Callable[[int], bytes], write_block: Callable[[int, bytes], None],
-                 min_hits: int = 1) -> None:
+                 min_hits: int = 1, unwritten: AbstractSet[int] = frozenset()) -> None:
+        super().__init__(above)
         self.store = store
-        self.above = above
         self._events = events
         self._read_block, self._write_block = read_block, write_block
         self.min_hits = min_hits
+        self._unwritten = unwritten  # (read, never changed here: its owner clears it)
         # per hash, how many prompts asked for it (the newest ASKED_KEPT hashes)
         self._asked: collections.OrderedDict[BlockHash, int] = collections.OrderedDict()
-        self.hit_tokens = 0  # prompt tokens found here, not recomputed
         # blocks above read back, not taken by a request yet: block id -> the hash read
         # into it (a block whose hash was dropped and replaced since is not the disk's)
-        self.promoted: dict[int, BlockHash] = {}
-        # the pool above's blocks whose data the coming step writes (the GPU pool's,
-        # below it): their bytes are not the block's yet, never written to disk
-        self.unwritten: set[int] | frozenset = frozenset()
+        self._read_back: dict[int, BlockHash] = {}
 
     @property
-    def stats(self) -> DiskStats:
-        return self.store.stats
+    def num_cached(self) -> int:
+        return self.store.num_blocks
 
-    def note_asked(self, hashes: list[BlockHash]) -> None:
+    def holds(self, block_hash: BlockHash) -> bool:
+        return self.store.contains(block_hash)
+
+    def count_prompt(self, hashes: list[BlockHash]) -> None:
         """A prompt asked for these blocks (whether they hit or not): a block asked for
-        by more than one prompt is one that comes back, and may go to disk when the CPU
-        tier lets it go."""
-        self.say_gone()
+        by more than one prompt is one that comes back, and may go to disk when the pool
+        above lets it go. (The blocks that left the disk since are said first.)"""
+        self.report_removed()
         asked = self._asked
         for block_hash in hashes:
             asked[block_hash] = asked.get(block_hash, 0) + 1
@@ -449,8 +458,9 @@ class DiskTier:
         first one."""
         return self._asked.get(block_hash, 0) > self.min_hits
 
-    def say_gone(self) -> None:
-        """Say the blocks that left the disk since (BlockEvicted on the disk pool)."""
+    def report_removed(self) -> None:
+        """Say the blocks that left the disk since the last call (BlockEvicted on the
+        disk pool, one event per reason)."""
         gone = self.store.take_gone()
         for reason in sorted({r for _, r in gone}):
             hashes = [h for h, r in gone if r == reason]
@@ -469,13 +479,13 @@ class DiskTier:
         self._asked.clear()
         return self.store.reset()
 
-    def note_evicted(self, evicted: list[tuple[int, BlockHash]]) -> None:
+    def offer(self, evicted: list[tuple[int, BlockHash]]) -> None:
         """The pool above is reusing these cached blocks (their bytes still in place): the
         ones asked for often enough are copied out and written behind."""
         stored = []
         for block_id, block_hash in evicted:
-            self.promoted.pop(block_id, None)
-            if block_id in self.unwritten:
+            self._read_back.pop(block_id, None)
+            if block_id in self._unwritten:
                 continue
             if not self.admits(block_hash):
                 self.store.stats.not_admitted += 1
@@ -489,7 +499,31 @@ class DiskTier:
                               detail=f"disk tier: written behind from {self.above.pool.upper()} blocks "
                                      "about to be reused", hashes=stored if self._events.full else None)
 
-    def promote(self, hashes: list[BlockHash]) -> int:
+    def read_ahead(self, hashes: list[BlockHash]) -> None:
+        """Read those of these blocks the disk holds on the store's reader thread, so
+        that their promotion finds them in memory."""
+        self.store.read_ahead(hashes)
+
+    def lookup(self, hashes: list[BlockHash]) -> list[KVBlock]:
+        return []  # (its blocks are read back into the pool above: promote)
+
+    def load(self, blocks: list[KVBlock], gpu_blocks: list[KVBlock]) -> list[tuple[int, int]]:
+        if blocks:
+            raise RuntimeError("invariant: the disk tier loads no block into GPU blocks "
+                               "(its lookup finds none: its blocks are read back)")
+        return []
+
+    def promote(self, run: list[KVBlock], hashes: list[BlockHash]) -> int:
+        if not hashes or not self.store.contains(hashes[0]):
+            return 0  # (the usual case: nothing to read, nothing to hold)
+        above = self.above
+        above.touch(run, hit=False)
+        try:
+            return self._read_back_run(hashes)
+        finally:
+            above.free(reversed(run))  # (tail first, as a request's blocks are freed)
+
+    def _read_back_run(self, hashes: list[BlockHash]) -> int:
         """Read the leading run of these hashes that the disk holds into blocks of the pool
         above (free and cached there, as if it had kept them); how many."""
         above, n = self.above, 0
@@ -524,7 +558,7 @@ class DiskTier:
             # tail first, as a request's blocks are freed: its tail is evicted first
             above.free(reversed(held))
         if promoted:
-            self.promoted.update((b.block_id, b.block_hash) for b in promoted)
+            self._read_back.update((b.block_id, b.block_hash) for b in promoted)
             self._events.emit("BlockStored", pool=above.pool,
                               block_ids=[b.block_id for b in promoted],
                               block_hashes=[short(b.block_hash) for b in promoted],
@@ -534,41 +568,57 @@ class DiskTier:
                               if self._events.full else None)
         return n
 
-    def from_disk(self, blocks: list[KVBlock]) -> int:
-        """How many of these blocks of the pool above were read back from disk (and
-        still hold what was read)."""
-        promoted = self.promoted
-        return sum(1 for b in blocks if promoted.get(b.block_id, b"") == b.block_hash)
+    def record_hit(self, request_id: str, blocks: list[KVBlock], block_size: int,
+                   from_below: int = 0) -> None:
+        if blocks:
+            raise RuntimeError("invariant: no request loads blocks from the disk tier "
+                               "(its hits are counted by count_read_back)")
 
-    def taken(self, blocks: list[KVBlock], block_size: int, num_tokens: int | None = None) -> int:
-        """A request's prompt continued on these blocks of the pool above: those read
-        back from disk (the run's last ones) count as the disk's hits, in tokens (of the
-        num_tokens the blocks served, when the last block's last token is recomputed);
-        how many blocks they were."""
-        n = self.from_disk(blocks)
+    def read_back_among(self, blocks: list[KVBlock]) -> int:
+        read_back = self._read_back
+        return sum(1 for b in blocks if read_back.get(b.block_id, b"") == b.block_hash)
+
+    def count_read_back(self, blocks: list[KVBlock], block_size: int, num_tokens: int) -> int:
+        n = self.read_back_among(blocks)
         if n:
             for b in blocks:
-                self.promoted.pop(b.block_id, None)
-            tokens = n * block_size
-            if num_tokens is not None:
-                tokens = min(tokens, num_tokens - (len(blocks) - n) * block_size)
-            self.hit_tokens += tokens
+                self._read_back.pop(b.block_id, None)
+            self.hit_tokens += min(n * block_size, num_tokens - (len(blocks) - n) * block_size)
         return n
 
-    def spill(self) -> int:
-        """Write the pool above's cached blocks that admission would take (the engine is
-        closing: what it holds is otherwise lost with it); how many were queued."""
+    def metrics(self, block_bytes: int) -> dict:
+        """Prompt tokens served from it (its own hits: never in cpu_prefix_cache_hits,
+        though below the CPU tier they reach the GPU through it), the pool it sits below,
+        blocks and bytes each way, failed checks."""
+        st = self.store.stats
+        return {"disk_prefix_cache_hits": self.hit_tokens,
+                "disk_tier_below": self.above.pool,
+                "num_disk_cached_blocks": self.store.num_blocks,
+                "disk_cache_bytes_used": self.store.num_bytes,
+                "disk_cache_stored_blocks": st.stored_blocks,
+                "disk_cache_write_bytes": st.stored_bytes,
+                "disk_cache_read_blocks": st.hit_blocks,
+                "disk_cache_read_bytes": st.read_bytes,
+                "disk_cache_read_ahead_blocks": st.read_ahead_blocks,
+                "disk_cache_checksum_failures": st.checksum_failures,
+                "disk_cache_not_admitted": st.not_admitted,
+                "disk_cache_dropped": st.dropped,
+                "disk_cache_evicted_blocks": st.evicted_blocks}
+
+    def write_cached(self) -> int:
+        """Queue the pool above's cached blocks that admission would take (the engine is
+        closing: what that pool holds is otherwise lost with it); how many."""
         n = 0
         for block_hash, block in list(self.above.cached.items()):
-            if block.block_id not in self.unwritten and self.admits(block_hash) and \
+            if block.block_id not in self._unwritten and self.admits(block_hash) and \
                     self.store.can_take(block_hash) and \
                     self.store.put(block_hash, self._read_block(block.block_id)):
                 n += 1
         return n
 
     def close(self) -> None:
-        """Spill what the pool above holds, finish every write, stop the writer."""
+        """Write what the pool above holds, finish every write, stop the writer."""
         try:
-            self.spill()
+            self.write_cached()
         finally:
             self.store.close()
