@@ -68,10 +68,12 @@ ONLY="$*"
     --hf-batch-sizes 32 --repeats 1
   section kernels 60 "$PY" -m benchmarks.bench_kernels
   section cuda-tests 110 "$PY" -m pytest -q -m cuda tests/kernels
-  # tiny models on CUDA: Triton attention, windowed layers, the fused MoE kernel, the CPU
-  # tier's copies ahead, the torch attention path off the CPU
-  section tiny 60 "$PY" -m pytest -q tests/engine/test_model_triton.py \
-    tests/engine/test_cpu_tier.py tests/kernels/test_torch_attention_off_cpu.py
+  # tiny models on CUDA: Triton attention, windowed layers, the fused MoE kernel, the fused
+  # layer ops (norms, activation, RoPE + K/V store) compiled against torch, the CPU tier's
+  # copies ahead, the torch attention path off the CPU
+  section tiny 75 "$PY" -m pytest -q tests/engine/test_model_triton.py \
+    tests/kernels/test_fused_layer_ops.py tests/engine/test_cpu_tier.py \
+    tests/kernels/test_torch_attention_off_cpu.py
   # a request moved between two engines with its KV cache: blocks read from one device
   # pool to the host (pinned) and written into the other's (engine/transfer/migration.py), and
   # between two cores over ZMQ (engine/transfer/link.py)
