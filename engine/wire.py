@@ -222,14 +222,14 @@ FromCore = Ready | Outputs | StepFailed | Reply | Added | Metrics | KVItem
 
 # --- migration source -> destination -------------------------------------------------------
 
-class _Move(_Fields):
+class _MoveMessage(_Fields):
     """Every migration message names its move's request and its sequence number (the
     answer repeats both)."""
     request_id: str
     seq: int
 
 
-class _Opening(_Move):
+class _Opening(_MoveMessage):
     offer: dict[str, Any]  # LLMEngine.migration_offer(), checked by engine/transfer/check.py
     ticket: dict[str, Any] | None  # the service's (engine/transfer/ticket.py)
 
@@ -242,13 +242,13 @@ class Check(_Opening, **_tag(Kind.CHECK)):
     """Open a stop-and-copy move: how many of its blocks are cached here."""
 
 
-class Write(_Move, **_tag(Kind.WRITE)):
+class Write(_MoveMessage, **_tag(Kind.WRITE)):
     """A stage of held blocks from `start` on; their K/V follows as frames."""
     start: int
     kv_header: dict[str, Any]  # the frames' (Runner.blocks_to_frames)
 
 
-class Commit(_Move, **_tag(Kind.COMMIT)):
+class Commit(_MoveMessage, **_tag(Kind.COMMIT)):
     """The request's state and its last blocks (from `skip` on): it runs here from now on."""
     state: dict[str, Any]  # LLMEngine.migrate_out(), checked by engine/transfer/check.py
     skip: int
@@ -256,11 +256,11 @@ class Commit(_Move, **_tag(Kind.COMMIT)):
     deadline: float  # Unix time: later than this it is refused
 
 
-class Cancel(_Move, **_tag(Kind.CANCEL)):
+class Cancel(_MoveMessage, **_tag(Kind.CANCEL)):
     """The source gave up: the blocks held go back (not answered)."""
 
 
-class Abort(_Move, **_tag(Kind.ABORT)):
+class Abort(_MoveMessage, **_tag(Kind.ABORT)):
     """The request was cancelled at the source while its commit was in flight (not
     answered)."""
 
@@ -270,11 +270,11 @@ PeerRequest = Reserve | Check | Write | Commit | Cancel | Abort
 
 # --- migration destination -> source -------------------------------------------------------
 
-class Ok(_Move, **_tag(Kind.OK)):
+class Ok(_MoveMessage, **_tag(Kind.OK)):
     result: dict[str, Any]
 
 
-class Err(_Move, **_tag(Kind.ERR)):
+class Err(_MoveMessage, **_tag(Kind.ERR)):
     error: Refusal
 
 
@@ -285,7 +285,7 @@ PeerAnswer = Ok | Err
 
 M = TypeVar("M")
 
-_encoder = msgspec.msgpack.Encoder()  # (thread-safe: it holds the GIL throughout a call)
+_encoder = msgspec.msgpack.Encoder()  # (shared by threads: each call has its own buffer)
 
 # The core protocol's limit, both ways: an Adds of 256 requests of 128K tokens (msgpack
 # spends at most 5 bytes on a token id below 2**32) fits, and so does a snapshot of the
@@ -307,10 +307,10 @@ class Codec(Generic[M]):
         try:
             data = _encoder.encode(message)
         except (msgspec.EncodeError, TypeError, OverflowError) as e:
-            raise MalformedMessage(f"a {_kind(message)} message cannot be encoded: {e}") \
+            raise MalformedMessage(f"a {type(message).__name__} cannot be encoded: {e}") \
                 from None
         if len(data) > self.max_bytes:
-            raise MalformedMessage(f"a {_kind(message)} message of {len(data)} bytes is over "
+            raise MalformedMessage(f"a {type(message).__name__} of {len(data)} bytes is over "
                                    f"the limit of {self.max_bytes}")
         return data
 
@@ -329,22 +329,17 @@ class Codec(Generic[M]):
     def head(self, data: bytes | memoryview, fields: int) -> list | None:
         """The first `fields` fields of a message that decode() refused, read without a
         schema (its kind, call id or move), to answer it; None for data over the limit
-        or that is no array of at least that many fields."""
+        or that is no array of at least that many fields, the first a string."""
         if memoryview(data).nbytes > self.max_bytes:
             return None
         try:
             message = msgspec.msgpack.decode(data)
         except msgspec.DecodeError:
             return None
-        if not isinstance(message, list) or len(message) < fields:
+        if not isinstance(message, list) or len(message) < fields or \
+                not isinstance(message[0], str):
             return None
         return message[:fields]
-
-
-def _kind(message: object) -> str:
-    config = getattr(message, "__struct_config__", None)
-    return str(config.tag) if config is not None and config.tag is not None else \
-        type(message).__name__
 
 
 def kind_of(message: msgspec.Struct) -> Kind:
