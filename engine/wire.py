@@ -148,8 +148,9 @@ CALL_KINDS = frozenset({Kind.ADDS, Kind.COMMAND, Kind.KV_ASK})  # answered by th
 # --- core -> worker ------------------------------------------------------------------------
 
 class StepOutput(_Fields):
-    """A request's progress in one step: engine.outputs.CoreOutput without its Request
-    object, which stays in the core."""
+    """A request's progress in one step: engine.outputs.CoreOutput's fields, without its
+    Request object, which stays in the core. The client hands these on as decoded; they
+    read as CoreOutputs do."""
     request_id: str
     new_token_ids: list[int]
     finished: bool
@@ -168,12 +169,6 @@ class StepOutput(_Fields):
         return cls(o.request_id, o.new_token_ids, o.finished, o.finish_reason,
                    o.num_prompt_tokens, o.num_cached_tokens, o.num_preemptions, o.logprobs,
                    o.prompt_logprobs, o.error, o.kv_story, o.migration)
-
-    def to_core(self) -> CoreOutput:
-        return CoreOutput(self.request_id, self.new_token_ids, self.finished,
-                          self.finish_reason, self.num_prompt_tokens, self.num_cached_tokens,
-                          self.num_preemptions, self.logprobs, None, self.prompt_logprobs,
-                          self.error, self.kv_story, self.migration)
 
 
 class Ready(_Fields, **_tag(Kind.READY)):

@@ -43,7 +43,6 @@ import zmq
 from engine import wire
 from engine.config import EngineConfig
 from engine.errors import EngineError, MalformedMessage, error_from_wire
-from engine.outputs import CoreOutput
 from engine.serve.core_proc import CORE_NICE, SPIN_COUNT, SPIN_NICE, core_command, \
     may_take_niceness, serve
 
@@ -58,9 +57,11 @@ POLL_MS = 200
 
 
 class OutputSink(Protocol):
-    """Where each step's outputs go (the service's output processor)."""
+    """Where each step's outputs go (the service's output processor): each a
+    wire.StepOutput, read as a CoreOutput is (the same fields, but no Request), as it was
+    decoded: no second pass over a step's outputs."""
 
-    def push(self, outputs: list[CoreOutput]) -> None: ...
+    def push(self, outputs: list[wire.StepOutput]) -> None: ...
 
     def fail(self, request_ids: list[str], message: str) -> None: ...
 
@@ -354,7 +355,7 @@ class EngineClient(ABC):
 
     def _dispatch(self, message: wire.FromCore) -> None:
         if isinstance(message, wire.Outputs):
-            outputs = [o.to_core() for o in message.outputs]
+            outputs = message.outputs
             ended = [o.request_id for o in outputs if o.finished]
             # A forked request's samples ("<id>/<i>") stand for it from their first
             # output on: they are what a dead core leaves to fail.
