@@ -38,12 +38,12 @@ class _Outputs:
 
 def start_engine(name: str, blocks: int, num_requests: int, step_ms: float):
     """The engine's core on a thread of this process with its live view and publisher,
-    as a worker with KVOPS_ENGINE_CORE=thread runs them (kvops/engine_client.py's
+    as a worker with KVOPS_ENGINE_CORE=thread runs them (engine/serve/client.py's
     InprocClient); registered and beating."""
     from django.utils import timezone
 
-    from engine import EngineConfig
-    from kvops.engine_client import InprocClient
+    from engine import EngineConfig, wire
+    from engine.serve.client import InprocClient
     from kvops.models import Engine
     from kvops.prefix_index import PrefixIndex
     from kvops.publisher import EnginePublisher
@@ -75,8 +75,9 @@ def start_engine(name: str, blocks: int, num_requests: int, step_ms: float):
             added[0] += 1
             prompt = (shared if i % 3 == 0 else []) + [rng.randrange(32000) for _ in
                                                        range(rng.randrange(200, 900))]
-            items.append([f"r{i}", prompt, {"max_tokens": rng.randrange(500, 3000)}, 0,
-                          str(100000 + i), None, None])
+            items.append(wire.add_request(f"r{i}", prompt,
+                                          {"max_tokens": rng.randrange(500, 3000)},
+                                          job_id=str(100000 + i)))
         if items:
             client.submit_many(items)
 

@@ -3,7 +3,7 @@
     .venv/bin/python -m benchmarks.bench_publisher [--blocks 65536] [--requests 1000]
         [--seconds 20] [--step-ms 20 0]
 
-Runs the simulated engine's core on a thread of this process (kvops/engine_client.py's
+Runs the simulated engine's core on a thread of this process (engine/serve/client.py's
 InprocClient, as a worker with KVOPS_ENGINE_CORE=thread runs it) with a fixed population
 of requests, once without the live view and once with it and its publisher (sending to a
 private Redis through the real channel layer), and prints steps/s, generated tokens/s,
@@ -46,8 +46,8 @@ class _Outputs:
 
 def run(blocks: int, num_requests: int, seconds: float, step_ms: float,
         publish: bool) -> dict:
-    from engine import EngineConfig
-    from kvops.engine_client import InprocClient
+    from engine import EngineConfig, wire
+    from engine.serve.client import InprocClient
     from kvops.prefix_index import PrefixIndex
     from kvops.publisher import EnginePublisher
 
@@ -63,7 +63,7 @@ def run(blocks: int, num_requests: int, seconds: float, step_ms: float,
     publisher = EnginePublisher(name, source=client, prefix_index=PrefixIndex(name, client)) \
         if publish else None
     client.start()
-    client.submit_many([[f"r{i}", prompt, {"max_tokens": 3000}, 0, None, None, None]
+    client.submit_many([wire.add_request(f"r{i}", prompt, {"max_tokens": 3000})
                         for i, prompt in enumerate(population(num_requests))])
     time.sleep(3.0)  # past the prefill burst
 

@@ -39,7 +39,7 @@ from urllib.parse import urlparse, urlunparse
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.sim.capacity import format_table
 from engine.serve.core_proc import CORE_NICE, raise_priority
-from kvops.engine_client import core_environment
+from engine.serve.client import core_environment
 from tests.support.stack import Stack
 from kvops.run import ensure_redis
 from kvops.sse_client import StreamResult, stream_completion

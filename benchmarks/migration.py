@@ -44,10 +44,10 @@ import time
 
 import zmq
 
-from engine import keys
+from engine import keys, wire
 from engine.transfer import ticket as move_ticket
 from engine.config import EngineConfig
-from engine.serve.core_proc import core_command, pack, unpack
+from engine.serve.core_proc import core_command
 
 SECRET = keys.random_secret()  # the two cores' deployment secret (the service's, in one)
 
@@ -67,18 +67,18 @@ class CoreProcess:
         self.proc.stdin.write(stdin)
         self.proc.stdin.close()
         self.name = config.name
-        ready = self.wait_for(lambda m: m[0] == "ready", 900)
-        self.described = ready[1]
+        ready = self.wait_for(lambda m: isinstance(m, wire.Ready), 900)
+        self.described = ready.config
         self.address = self.described["migration_address"]
         self.arrivals: dict[str, list[tuple[float, int]]] = {}  # rid -> (time, tokens)
-        self.replies: dict[int, list] = {}
+        self.replies: dict[int, wire.Reply | wire.Added] = {}
         self.ended: set[str] = set()
 
-    def wait_for(self, match, timeout_s: float) -> list:
+    def wait_for(self, match, timeout_s: float) -> wire.FromCore:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.from_core.poll(100):
-                message = unpack(self.from_core.recv())
+                message = wire.FROM_CORE.decode(self.from_core.recv())
                 if match(message):
                     return message
         raise TimeoutError("the engine core did not answer")
@@ -86,25 +86,25 @@ class CoreProcess:
     def read(self) -> None:
         while True:
             try:
-                message = unpack(self.from_core.recv(zmq.NOBLOCK))
+                message = wire.FROM_CORE.decode(self.from_core.recv(zmq.NOBLOCK))
             except zmq.Again:
                 return
             now = time.perf_counter()
-            if message[0] == "out":
-                for row in message[1]:
-                    rid, new, finished = row[0], row[1], row[2]
-                    if new:
-                        self.arrivals.setdefault(rid, []).append((now, len(new)))
-                    if finished:
-                        self.ended.add(rid)
-            elif message[0] == "reply":
-                self.replies[message[1]] = message[2:]
+            if isinstance(message, wire.Outputs):
+                for o in message.outputs:
+                    if o.new_token_ids:
+                        self.arrivals.setdefault(o.request_id, []).append(
+                            (now, len(o.new_token_ids)))
+                    if o.finished:
+                        self.ended.add(o.request_id)
+            elif isinstance(message, (wire.Reply, wire.Added)):
+                self.replies[message.call_id] = message
 
-    def send(self, message: list) -> None:
-        self.to_core.send(pack(message))
+    def send(self, message: wire.ToCore) -> None:
+        self.to_core.send(wire.TO_CORE.encode(message))
 
     def close(self) -> None:
-        self.send(["shutdown"])
+        self.send(wire.Shutdown())
         try:
             self.proc.wait(30)
         except subprocess.TimeoutExpired:
@@ -148,19 +148,21 @@ def move_once(src: CoreProcess, dst: CoreProcess, rid: str, prompt: list[int], b
               after: int, staged: bool) -> Row:
     params = {"max_tokens": before + after, "temperature": 0.0, "ignore_eos": True}
     call = next(_calls)
-    src.send(["adds", call, [[rid, prompt, params, 0, None, None, None]]])
+    src.send(wire.Adds(call, [wire.add_request(rid, prompt, params)]))
     pump([src, dst], lambda: call in src.replies)
     made = lambda core: sum(n for _, n in core.arrivals.get(rid, ()))  # noqa: E731
     pump([src, dst], lambda: made(src) >= before)
     call = next(_calls)
     asked = time.perf_counter()
     ticket = move_ticket.sign(SECRET, rid, None, src.name, dst.name, time.time() + 120)
-    src.send(["cmd", call, "migrate", {"request_id": rid, "address": dst.address, "to": dst.name,
-                                       "staged": staged, "ticket": ticket}, time.time() + 120])
+    src.send(wire.Command(call, "migrate", {"request_id": rid, "address": dst.address,
+                                            "to": dst.name, "staged": staged, "ticket": ticket},
+                          time.time() + 120))
     pump([src, dst], lambda: call in src.replies)
-    ok, result = src.replies[call]
-    if not ok:
-        raise RuntimeError(f"the move failed: {result}")
+    reply = src.replies[call]
+    if reply.error is not None:
+        raise RuntimeError(f"the move failed: {reply.error.type}: {reply.error.message}")
+    result = reply.result
     pump([src, dst], lambda: rid in dst.ended)
     at_src = [t for t, _ in src.arrivals[rid]]
     at_dst = [t for t, _ in dst.arrivals[rid]]
@@ -209,8 +211,8 @@ def run(model: str, lengths: list[int], step_ms: float, token_us: float, kv_byte
             # the destination caches the prompt already: its blocks are not sent
             prompt = [rng.randrange(10, vocab - 10) for _ in range(length)]
             call = next(_calls)
-            dst.send(["adds", call, [[f"warm{length}", prompt, {"max_tokens": 1}, 0, None,
-                                      None, None]]])
+            dst.send(wire.Adds(call, [wire.add_request(f"warm{length}", prompt,
+                                                       {"max_tokens": 1})]))
             pump(cores, lambda: f"warm{length}" in dst.ended)
             row = move_once(src, dst, f"r{length}-cached", prompt, before, after, True)
             row.how = "staged, prompt cached there"

@@ -29,6 +29,12 @@ class InvalidRequestError(EngineError, ValueError):
     """The request itself is malformed (empty prompt, too long, duplicate id...)."""
 
 
+class MalformedMessage(InvalidRequestError):
+    """A message off a socket that is not of its protocol (engine/wire.py): no msgpack, a
+    field of the wrong type, one missing or extra, an unknown kind, or over the size
+    limit. Refused before anything acts on it."""
+
+
 class PrefixNotCachedError(EngineError):
     """A pin/unpin named a prefix that has no cached block."""
 
@@ -57,4 +63,4 @@ def error_from_wire(name: str, message: str) -> EngineError:
 _BY_NAME: dict[str, type[EngineError]] = {
     cls.__name__: cls for cls in (UnknownRequestError, InvalidStateError, NotEnoughBlocksError,
                                   InvalidRequestError, PrefixNotCachedError, CommandExpired,
-                                  MigrationFailed, MigrationRefused)}
+                                  MigrationFailed, MigrationRefused, MalformedMessage)}

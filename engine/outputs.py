@@ -50,13 +50,3 @@ class CoreOutput:
     # came to ({"from": name, "job_id", "output_token_ids": made before, "output_logprobs"})
     migration: dict | None = None
 
-    def to_wire(self) -> list:
-        """The fields as a list, for IPC (the request object stays behind)."""
-        return [self.request_id, self.new_token_ids, self.finished, self.finish_reason,
-                self.num_prompt_tokens, self.num_cached_tokens, self.num_preemptions,
-                self.logprobs, None, self.prompt_logprobs, self.error, self.kv_story,
-                self.migration]
-
-    @classmethod
-    def from_wire(cls, row: list) -> CoreOutput:
-        return cls(*row)

@@ -40,6 +40,19 @@ def prompt_ids(tokenizer, prompt: str, messages: list[dict] | None,
     return tokenizer.encode(render_chat(tokenizer, messages, tools) if messages else prompt)
 
 
+def job_prompt_ids(job, config: dict, tokenizer) -> list[int]:
+    """A stored job's prompt as token ids for an engine described by `config` (its
+    describe_config()): those the web rendered at intake (kvops/intake.py) when they were
+    made with that engine's tokenizer, else rendered here the same way with `tokenizer`
+    (a job stored while no engine of its kind was registered, or whose tokenizer the web
+    could not read)."""
+    ids = ids_for(job.tokenizer, job.prompt_token_ids, config)
+    if ids is not None:
+        return ids
+    tools = ((job.params or {}).get("tool_call") or {}).get("tools")
+    return prompt_ids(tokenizer, job.prompt, job.messages, tools)
+
+
 # Job.tokenizer of a prompt its client sent as token ids: those ids run on any engine
 # serving its model (the model's vocabulary made them).
 GIVEN_IDS = "given"

@@ -43,7 +43,7 @@ def _setting(name: str, default: int) -> int:
 
 
 class KVSource(Protocol):
-    """Where the engine's feed runs: an engine client (kvops/engine_client.py)."""
+    """Where the engine's feed runs: an engine client (engine/serve/client.py)."""
 
     def ask_kv(self, kind: str, argument: Any, timeout_s: float) -> Any: ...
 

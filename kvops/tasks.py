@@ -6,8 +6,9 @@ import logging
 from celery import shared_task
 from django.conf import settings
 
-from engine import EngineError
+from engine import EngineError, wire
 from kvops import job_deadline, job_store, migration
+from kvops.prompts import job_prompt_ids
 from kvops.tenancy import cache_salt, tenant
 from kvops.worker import context
 
@@ -75,15 +76,16 @@ def _run_claimed(worker, jobs: list, outcomes: dict[int, str]) -> None:
                                           params.get("stop"), params.get("min_tokens") or 0,
                                           params.get("n") or 1)
         try:
-            prompt = service.prompt_of(job)
+            prompt = job_prompt_ids(job, service.describe_config(), processor.tokenizer)
         except Exception as e:  # noqa: BLE001  (that job's messages: it alone fails)
             processor.untrack(job.request_id)
             job_store.fail_job(job.pk, f"its chat could not be rendered: {e}", job.request_id)
             outcomes[job.pk] = "rejected"
             continue
         engine_params = {k: v for k, v in params.items() if k not in SERVICE_PARAMS}
-        items.append([job.request_id, prompt, engine_params, job.priority, str(job.pk),
-                      cache_salt(job.owner), tenant(job.owner), _decode_on(service, job)])
+        items.append(wire.add_request(job.request_id, prompt, engine_params, job.priority,
+                                      str(job.pk), cache_salt(job.owner), tenant(job.owner),
+                                      _decode_on(service, job)))
     submitted = [job for job in jobs if job.pk not in outcomes]
     refusals = service.submit_many(items) if items else []
     running = []

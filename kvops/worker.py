@@ -1,7 +1,7 @@
 """Engine worker bootstrap: one engine per Celery worker process.
 
 A worker started with KVOPS_ENGINE_WORKER=1 starts its engine when Celery initialises
-(configuration from KVOPS_ENGINE_* variables): its client (kvops/engine_client.py) runs
+(configuration from KVOPS_ENGINE_* variables): its client (engine/serve/client.py) runs
 the engine core in a process of its own by default, or on a thread
 (KVOPS_ENGINE_CORE=thread), with the output processor and the live KV view's publisher
 as its sinks. It registers an Engine row, beats its heart, and answers the
@@ -38,7 +38,7 @@ class WorkerContext:
     engine's name, and the batcher that claims jobs delivered together in one
     transaction. Made once, at the worker's start (or by a test, for an engine in its own
     process), and reached through `context()`."""
-    client: Any  # an EngineClient (kvops/engine_client.py)
+    client: Any  # an EngineClient (engine/serve/client.py)
     processor: Any  # its OutputProcessor
     stack_id: str  # its deployment's (kvops/stack_id.py): commands stamped otherwise are ignored
     name_claim: EngineClaim | None = None  # None: a test's engine, its name not claimed
@@ -151,7 +151,7 @@ def _start_engine_as(config, mode: str, stack: str, hostname: str,
 
     from kvops import live, registry
     from kvops.reaper import reap
-    from kvops.engine_client import make_engine_client
+    from engine.serve.client import make_engine_client
     from kvops.job_stream import StreamProducer
     from kvops.migration import watch_moved_in
     from kvops.output_processor import OutputProcessor
@@ -172,7 +172,7 @@ def _start_engine_as(config, mode: str, stack: str, hostname: str,
     try:
         client = make_engine_client(mode, config, processor,
                                     on_kv_item=lambda item: publisher.on_item(item),
-                                    tokenizer=tokenizer, worker_stopping=_worker_stopping,
+                                    worker_stopping=_worker_stopping,
                                     **_core_process_settings(settings))
     except ValueError as e:
         raise SystemExit(str(e)) from None

@@ -1,1 +1,1 @@
-"""The engine core process and the commands it answers."""
+"""The engine core process, the worker's client for it, and the commands it answers."""

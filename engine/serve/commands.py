@@ -14,6 +14,7 @@ from engine.errors import EngineError, InvalidRequestError
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.wire import AddRequest, Refusal
 
 
 def _int_or_none(value: Any, name: str) -> int | None:
@@ -105,20 +106,18 @@ def run_command(engine: LLMEngine, name: str, arguments: dict) -> Any:
     return op(engine, arguments)
 
 
-def add_requests(engine: LLMEngine, items: list[list]) -> list[list[str] | None]:
-    """Add several requests between two steps: items are [request_id, prompt, sampling
-    params (a dict), priority, job_id, cache_salt, tenant]. Per item None (added) or
-    [error type, message] (refused, e.g. a prompt too long): one bad request does not
-    stop the others."""
-    results: list[list[str] | None] = []
-    for request_id, prompt, params, priority, job_id, cache_salt, tenant in items:
+def add_requests(engine: LLMEngine, items: list[AddRequest]) -> list[Refusal | None]:
+    """Add several requests between two steps. Per item None (added) or why it was
+    refused (e.g. a prompt too long): one bad request does not stop the others."""
+    results: list[Refusal | None] = []
+    for item in items:
         try:
-            engine.add_request(request_id, prompt, SamplingParams(**dict(params)),
-                               priority=priority, job_id=job_id, cache_salt=cache_salt,
-                               tenant=tenant)
+            engine.add_request(item.request_id, item.prompt, SamplingParams(**item.params),
+                               priority=item.priority, job_id=item.job_id,
+                               cache_salt=item.cache_salt, tenant=item.tenant)
             results.append(None)
         except EngineError as e:
-            results.append([type(e).__name__, str(e)])
+            results.append(Refusal.of(e))
         except (KeyError, TypeError, ValueError) as e:
-            results.append(["InvalidRequestError", f"bad arguments: {e}"])
+            results.append(Refusal("InvalidRequestError", f"bad arguments: {e}"))
     return results

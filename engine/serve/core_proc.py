@@ -3,27 +3,16 @@
 One per GPU, with no Django and no Celery: the step loop, scheduler, KV manager and
 model, and nothing else under its interpreter lock (vLLM V1 splits its EngineCore from
 its API server for the same reason: on a GPU a step takes milliseconds, and Python work
-beside it under one lock is taken from the GPU). Its worker talks to it over two ZMQ
-sockets, messages packed with msgpack:
+beside it under one lock is taken from the GPU). Its worker (engine/serve/client.py)
+talks to it over two ZMQ sockets, the messages engine/wire.py's: in, Adds (answered by
+Added), Command and KVAsk (answered by a Reply), Stop and Shutdown; out, Ready, one
+Outputs per step, StepFailed, Metrics (a few times a second) and the live KV view's
+KVItems (engine/observe/feed.py: up to 10 a second). A "migrate" command is answered once
+the request runs at the destination (engine/transfer/link.py).
 
-  worker -> core   ["adds", id, [[request_id, prompt, sampling params, priority, job_id,
-                                cache_salt], ...]]  (new requests; the reply holds None
-                                                    or [error, message] for each)
-                   ["cmd", id, name, arguments, deadline]   (an operator command; "migrate"
-                                                             is answered once the request
-                                                             runs at the destination:
-                                                             engine/transfer/link.py)
-                   ["stop", request_id]                     (its text hit a stop string)
-                   ["kvask", id, kind, argument]            (a question to the KV view)
-                   ["shutdown"]
-  core -> worker   ["ready", describe_config, metrics]   (with its "migration_address")
-                   ["out", [CoreOutput.to_wire(), ...]]     (one per step: every request
-                                                             that progressed or ended)
-                   ["failed", [request_id, ...], message]   (a step raised)
-                   ["reply", id, True, result] or ["reply", id, False, [error, message]]
-                   ["metrics", metrics]                     (a few times a second)
-                   ["kv", item]                             (the live KV view, engine/observe/feed.py:
-                                                             up to 10 a second)
+Every message is decoded once and checked whole before it is applied; one that is not of
+the protocol is refused (MalformedMessage, answered when it carries a call id) and the
+core serves on.
 
 Commands and new requests are applied between two steps. A command whose deadline has
 passed when the core reaches it is dropped (its caller has given up) and answered
@@ -41,13 +30,15 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
-import msgpack
 import zmq
 
+from engine import wire
 from engine.serve.commands import STATE_COMMANDS, add_requests, run_command
 from engine.config import EngineConfig
-from engine.errors import CommandExpired, EngineError, InvalidRequestError
+from engine.errors import CommandExpired, EngineError, InvalidRequestError, MalformedMessage
 from engine.observe.feed import KVFeed
 from engine.llm_engine import LLMEngine
 from engine.keys import random_secret
@@ -59,17 +50,9 @@ IDLE_POLL_MS = 50  # how long an idle core waits for input before looking again
 METRICS_S = 0.25  # metrics are sent this often
 
 
-def pack(message: list) -> bytes:
-    return msgpack.packb(message, use_bin_type=True)
-
-
-def unpack(data: bytes) -> list:
-    return msgpack.unpackb(data, raw=False)
-
-
 class CoreServer:
     """The step loop: the one that drives an engine, in a core process or on a worker's
-    thread (kvops/engine_client.py's two transports)."""
+    thread (engine/serve/client.py's two transports)."""
 
     def __init__(self, engine: LLMEngine, inbox: zmq.Socket, outbox: zmq.Socket,
                  kv_view: bool = True, link: MigrationLink | None = None) -> None:
@@ -79,13 +62,13 @@ class CoreServer:
         # requests moving in and out (engine/transfer/link.py); None: none can
         self.link = link
         # requests to hand to a decode engine once their first token is out (a prefill
-        # engine's): request id -> {"address", "to"}
-        self.handoffs: dict[str, dict] = {}
+        # engine's): request id -> where
+        self.handoffs: dict[str, wire.HandOff] = {}
         self._poller = zmq.Poller()
         self._polled: list[zmq.Socket] = []
         self._send_lock = threading.Lock()
         # the live KV view (engine/observe/feed.py), unless nobody watches (kv_view False)
-        self.feed = KVFeed(engine.config.name, lambda item: self._send(["kv", item])) \
+        self.feed = KVFeed(engine.config.name, lambda item: self._send(wire.KVItem(item))) \
             if kv_view else None
         self.parent = os.getppid()
         self._next_metrics = 0.0
@@ -94,7 +77,7 @@ class CoreServer:
         engine = self.engine
         described = engine.describe_config()
         described["migration_address"] = self.link.address if self.link is not None else None
-        self._send(["ready", described, engine.metrics()])
+        self._send(wire.Ready(described, engine.metrics()))
         while True:
             busy = engine.has_work_to_run() or (self.link is not None and self.link.busy)
             if not self._take_input(0 if busy else IDLE_POLL_MS):
@@ -109,7 +92,7 @@ class CoreServer:
             now = time.monotonic()
             if now >= self._next_metrics:
                 self._next_metrics = now + METRICS_S
-                self._send(["metrics", self.metrics()])
+                self._send(wire.Metrics(self.metrics()))
                 if os.getppid() != self.parent:  # the worker is gone: so are we
                     log.warning("engine core: its worker exited; stopping")
                     return
@@ -121,10 +104,23 @@ class CoreServer:
             metrics["kv_view"] = dataclasses.asdict(self.feed.stats)
         return metrics
 
-    def _send(self, message: list) -> None:
-        data = pack(message)
+    def _send(self, message: wire.FromCore) -> None:
+        data = wire.FROM_CORE.encode(message)
         with self._send_lock:
             self.outbox.send(data)
+
+    def _reply(self, call_id: int, result: Any = None, error: wire.Refusal | None = None) -> None:
+        try:
+            self._send(wire.Reply(call_id, result, error))
+        except MalformedMessage as e:  # (a result over the limit, or msgpack cannot carry it)
+            log.warning("engine core: call %d could not be answered: %s", call_id, e)
+            self._send(wire.Reply(call_id, error=wire.Refusal.of(e)))
+
+    def _reply_later(self, call_id: int) -> Callable[[bool, Any], None]:
+        """The callback that answers a call once it is done: (True, result) or (False,
+        [error type, message])."""
+        return lambda ok, result: self._reply(call_id, result) if ok else \
+            self._reply(call_id, error=wire.Refusal(*result))
 
     def _take_input(self, timeout_ms: int) -> bool:
         """Apply every message waiting (waiting up to timeout_ms for the first); False
@@ -143,64 +139,78 @@ class CoreServer:
             return True
         while True:
             try:
-                message = unpack(self.inbox.recv(zmq.NOBLOCK))
+                data = self.inbox.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return True
-            if message[0] == "shutdown":
+            try:
+                message = wire.TO_CORE.decode(data)
+            except MalformedMessage as e:
+                self._refuse(data, e)
+                continue
+            if isinstance(message, wire.Shutdown):
                 return False
             self._apply(message)
 
-    def _apply(self, message: list) -> None:
-        kind = message[0]
-        if kind == "stop":
-            self.engine.finish_request(message[1])
+    def _refuse(self, data: bytes, error: MalformedMessage) -> None:
+        """A message not of the protocol: answered if it names a call, said in the log."""
+        log.warning("engine core: %s", error)
+        head = wire.TO_CORE.head(data, 2)
+        if head is not None and head[0] in wire.CALL_KINDS and type(head[1]) is int:
+            self._reply(head[1], error=wire.Refusal.of(error))
+
+    def _apply(self, message: wire.ToCore) -> None:
+        if isinstance(message, wire.Stop):
+            self.engine.finish_request(message.request_id)
             return
-        call_id = message[1]
-        if kind == "kvask" and self.feed is None:
-            self._send(["reply", call_id, False, ["LookupError", "this engine keeps no KV view"]])
-            return
-        if kind == "kvask":  # answered by the feed's thread, the loop goes on
-            self.feed.ask(message[2], message[3], lambda ok, result: self._send(
-                ["reply", call_id, ok, result if ok else ["LookupError", str(result)]]))
+        call_id = message.call_id
+        if isinstance(message, wire.KVAsk):
+            if self.feed is None:
+                self._reply(call_id, error=wire.Refusal("LookupError",
+                                                        "this engine keeps no KV view"))
+            else:  # answered by the feed's thread, the loop goes on
+                self.feed.ask(message.kind, message.argument, lambda ok, result: self._reply(
+                    call_id, result) if ok else self._reply(
+                    call_id, error=wire.Refusal("LookupError", str(result))))
             return
         try:
-            if kind == "adds":
-                items = message[2]
-                for item in items:  # an 8th field: where to hand it over to decode
-                    if len(item) > 7:
-                        if item[7] and self.link is not None:
-                            self.handoffs[item[0]] = item[7]
-                        del item[7:]
-                result = add_requests(self.engine, items)
-                for item, refusal in zip(items, result):
-                    if refusal is not None:
-                        self.handoffs.pop(item[0], None)
-            elif kind == "cmd":
-                _, _, name, arguments, deadline = message
-                if deadline is not None and time.time() > deadline:
-                    raise CommandExpired(f"{name}: its caller had stopped waiting; not applied")
-                if name == "migrate":  # answered once the request runs at the destination
-                    if self.link is None:
-                        raise InvalidRequestError("this engine core moves no requests")
-                    self.link.start(dict(arguments or {}), deadline, lambda ok, result: self._send(
-                        ["reply", call_id, ok, result]))
-                    return
-                result = run_command(self.engine, name, dict(arguments or {}))
-                if name in STATE_COMMANDS:  # the worker's metrics carry the new state before
-                    self._send(["metrics", self.metrics()])  # the reply reaches it
-            else:
-                raise InvalidRequestError(f"unknown message {kind!r}")
+            if isinstance(message, wire.Adds):
+                self._send(wire.Added(call_id, self._add(message.requests)))
+                return
+            name, deadline = message.name, message.deadline
+            if deadline is not None and time.time() > deadline:
+                raise CommandExpired(f"{name}: its caller had stopped waiting; not applied")
+            if name == "migrate":  # answered once the request runs at the destination
+                if self.link is None:
+                    raise InvalidRequestError("this engine core moves no requests")
+                self.link.start(dict(message.arguments), deadline, self._reply_later(call_id))
+                return
+            result = run_command(self.engine, name, dict(message.arguments))
+            if name in STATE_COMMANDS:  # the worker's metrics carry the new state before
+                self._send(wire.Metrics(self.metrics()))  # the reply reaches it
         except EngineError as e:
-            self._send(["reply", call_id, False, [type(e).__name__, str(e)]])
+            self._reply(call_id, error=wire.Refusal.of(e))
             return
         except (KeyError, TypeError, ValueError) as e:
-            self._send(["reply", call_id, False, ["InvalidRequestError", f"bad arguments: {e}"]])
+            self._reply(call_id, error=wire.Refusal("InvalidRequestError", f"bad arguments: {e}"))
             return
         except Exception as e:  # reported to the caller; the core keeps serving
-            log.exception("engine core: %s failed", kind)
-            self._send(["reply", call_id, False, [type(e).__name__, str(e)]])
+            log.exception("engine core: %s failed", wire.kind_of(message))
+            self._reply(call_id, error=wire.Refusal.of(e))
             return
-        self._send(["reply", call_id, True, result])
+        self._reply(call_id, result)
+
+    def _add(self, requests: list[wire.AddRequest]) -> list[wire.Refusal | None]:
+        """Add new requests; those of a prefill engine that decode elsewhere are handed
+        over once their first token is out (_hand_over)."""
+        if self.link is not None:
+            for item in requests:
+                if item.decode_on is not None:
+                    self.handoffs[item.request_id] = item.decode_on
+        refusals = add_requests(self.engine, requests)
+        for item, refusal in zip(requests, refusals):
+            if refusal is not None:
+                self.handoffs.pop(item.request_id, None)
+        return refusals
 
     def _step(self) -> None:
         try:
@@ -208,10 +218,10 @@ class CoreServer:
         except Exception as e:
             log.exception("engine step failed")
             failed = self.engine.recover_from_failed_step()
-            self._send(["failed", failed, f"engine step failed: {type(e).__name__}: {e}"])
+            self._send(wire.StepFailed(failed, f"engine step failed: {type(e).__name__}: {e}"))
             return
         if outputs:
-            self._send(["out", [o.to_wire() for o in outputs]])
+            self._send(wire.Outputs([wire.StepOutput.of(o) for o in outputs]))
             if self.handoffs:
                 self._hand_over(outputs)
 
@@ -230,8 +240,8 @@ class CoreServer:
             del self.handoffs[out.request_id]
             rid = out.request_id
             try:
-                self.link.start({"request_id": rid, "address": target["address"],
-                                 "to": target["to"], "ticket": target.get("ticket"),
+                self.link.start({"request_id": rid, "address": target.address,
+                                 "to": target.to, "ticket": target.ticket,
                                  "staged": True, "reason": "decode"},
                                 None, lambda ok, result, rid=rid: None if ok else log.info(
                                     "request %s decodes here: %s", rid, result))
@@ -247,6 +257,7 @@ def serve(config: EngineConfig, input_address: str, output_address: str,
     own = context is None
     context = context or zmq.Context()
     inbox = context.socket(zmq.PULL)
+    inbox.setsockopt(zmq.MAXMSGSIZE, wire.MAX_CORE_MESSAGE_BYTES)  # (over ipc:// or tcp://)
     inbox.connect(input_address)
     outbox = context.socket(zmq.PUSH)
     outbox.connect(output_address)
@@ -286,7 +297,7 @@ CORE_NICE = -19
 
 # With the core at this niceness or lower, its OpenMP threads spin for a moment at a barrier
 # before they sleep (SPIN_COUNT turns of libgomp's wait loop, about 30 us) instead of
-# sleeping at once (kvops.engine_client.core_environment). A parallel region then starts
+# sleeping at once (engine.serve.client.core_environment). A parallel region then starts
 # without a futex wake-up, and a model computed on the CPU runs many of them a step: on the
 # 2-core machine the default model's decode step at 32 requests took 70-74 ms (median of
 # 40) spinning 3,000 turns, 77 ms at libgomp's default (300,000, about 3 ms) and 95-112 ms

@@ -6,17 +6,18 @@ Every core binds a ROUTER socket at its migration address (in its `describe_conf
 tcp://host:port. A move is started by a command to the source core ("migrate":
 request_id, address, to, staged, ticket) and driven by the source's step loop between
 its steps, through a DEALER socket to the destination, as Llumnix's migration does
-between vLLM instances; the destination answers between its steps:
+between vLLM instances; the destination answers between its steps. The messages are
+engine/wire.py's, each a header frame through its codec (the K/V frames follow it raw):
 
   source -> destination                               destination -> source
-  ["reserve", rid, seq, offer, ticket]                ["ok", rid, seq, {"cached_blocks"}]
-  ["write", rid, seq, start, header] + K/V frames     ["ok", rid, seq, {}]
-  ["commit", rid, seq, state, skip, header, deadline] + K/V frames
-                                                      ["ok", rid, seq, commit's result]
-  ["check", rid, seq, offer, ticket] (stop-and-copy)  ["ok", rid, seq, {"cached_blocks"}]
-  ["cancel", rid, seq]     (the source gave up: the held blocks go back)
-  ["abort", rid, seq]      (the request was cancelled while its commit was in flight)
-  a refusal: ["err", rid, seq, [error type, message]]
+  Reserve(rid, seq, offer, ticket)                    Ok(rid, seq, {"cached_blocks", ...})
+  Write(rid, seq, start, kv_header) + K/V frames      Ok(rid, seq, {})
+  Commit(rid, seq, state, skip, kv_header, deadline) + K/V frames
+                                                      Ok(rid, seq, commit's result)
+  Check(rid, seq, offer, ticket) (stop-and-copy)      Ok(rid, seq, {"cached_blocks"})
+  Cancel(rid, seq)     (the source gave up: the held blocks go back)
+  Abort(rid, seq)      (the request was cancelled while its commit was in flight)
+  a refusal: Err(rid, seq, Refusal(error type, message))
 
 Who may talk on the port: on one machine (ipc://) only this user's processes, by the
 folder's mode; over tcp:// the socket speaks CurveZMQ with key pairs derived from the
@@ -27,7 +28,8 @@ first message carries the ticket the service signed for it (engine/transfer/tick
 this request, from that engine, to this one, once, before a deadline. Every later
 message of the move must come from the connection that opened it; `cancel` and `abort`
 touch only the moves that connection opened. What a message carries is checked before
-it touches the engine: the header frame's size, the state field by field
+it touches the engine: the header frame's size and schema (the codec: a malformed one is
+refused if it opens a move or is its opener's, else dropped), the state field by field
 (engine/transfer/check.py), the K/V frames' sizes against the blocks they declare and the
 blocks the move may fill (Runner.blocks_from_frames), and no frame may exceed the
 largest legitimate one (ZMQ_MAXMSGSIZE, from the longest request this engine takes). A
@@ -69,14 +71,13 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-import msgpack
 import zmq
 from zmq.utils import z85
 
-from engine import keys
+from engine import keys, wire
 from engine.transfer import check as move_check, ticket as move_ticket
 from engine.errors import (CommandExpired, EngineError, InvalidRequestError, InvalidStateError,
-                           MigrationFailed, MigrationRefused, error_from_wire)
+                           MalformedMessage, MigrationFailed, MigrationRefused, error_from_wire)
 from engine.kv.layout import cdiv
 from engine.sampling_params import MAX_N
 
@@ -96,40 +97,12 @@ ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # (where libzmq asks, in the port's con
 Reply = Callable[[bool, Any], None]  # (ok, result or [error type, message])
 
 
-def _pack(message: list) -> bytes:
-    return msgpack.packb(message, use_bin_type=True)
-
-
-def _unpack(data) -> list:
-    # (a state's logit_bias is a map of token ids: integer keys)
-    return msgpack.unpackb(data, raw=False, strict_map_key=False)
-
-
-def _pair_of_text(payload: object) -> bool:
-    """Whether a refusal's payload is [error type, message]."""
-    return isinstance(payload, list) and len(payload) == 2 and \
-        all(isinstance(x, str) for x in payload)
+_ANSWERS = wire.Codec(wire.PeerAnswer, ANSWER_BYTES)  # what a destination answers
 
 
 def _in_parts(state: dict) -> bool:
     """Whether a commit's K/V comes in parts: a fork's samples, or layer groups."""
     return bool(state.get("fork")) or state.get("groups") is not None
-
-
-def _header(data: bytes, fields: int) -> list | None:
-    """A message's header, [kind, request id, sequence number, ...] with at least
-    `fields` fields; None, said in the log, for anything else (a stray or hostile peer on
-    the port: dropped, the loop goes on)."""
-    try:
-        message = _unpack(data)
-    except Exception:  # noqa: BLE001  (msgpack's errors for any bytes at all)
-        message = None
-    if isinstance(message, list) and len(message) >= fields and \
-            isinstance(message[0], str) and isinstance(message[1], str) and \
-            isinstance(message[2], int):
-        return message
-    log.warning("migration link: a malformed message was dropped (%d bytes)", len(data))
-    return None
 
 
 class HostFrames:
@@ -208,6 +181,8 @@ class MigrationLink:
         self._server_public, server_secret = keys.curve_pair(secret, "server")
         self._client_public, self._client_secret = keys.curve_pair(secret, "client")
         self.header_bytes, self.frame_bytes = _limits(engine)
+        # the moves' messages, in (checked before they are served) and out
+        self._codec = wire.Codec(wire.PeerRequest, self.header_bytes)
         # Sockets of a context of its own (with its own ZAP handler, over tcp)
         self.context = zmq.Context()
         self._zap = None
@@ -246,7 +221,7 @@ class MigrationLink:
         #                                                     its source may still abort it)
         self._used: dict[str, float] = {}  # tickets' nonces -> their expiry
         self._next_purge = 0.0  # (Unix time) when expired nonces are forgotten next
-        self._parked: list[tuple[bytes, list, list, Future, float]] = []  # wait for a grammar
+        self._parked: list[tuple[bytes, wire.PeerRequest, list, Future, float]] = []  # (a grammar)
         self._seq = 0
 
     # --- sockets -------------------------------------------------------------------------
@@ -281,14 +256,14 @@ class MigrationLink:
             except zmq.Again:
                 return
             if sock is self.router:  # [peer, header, K/V frames...]
-                header = _header(frames[1].bytes if len(frames) > 1 and
-                                 len(frames[1]) <= self.header_bytes else b"", 3)
-                if header is not None and len(frames) <= 2 + 2 * max(MAX_N, 8):
-                    self._serve(frames[0].bytes, header, [f.buffer for f in frames[2:]])
+                if 2 <= len(frames) <= 2 + 2 * max(MAX_N, 8):
+                    self._receive(frames[0].bytes, frames[1].buffer,
+                                  [f.buffer for f in frames[2:]])
+                else:
+                    log.warning("migration link: a message of %d frames was dropped",
+                                len(frames))
             else:
-                header = _header(frames[0].bytes, 4)
-                if header is not None:
-                    self._answered(header)
+                self._answered(frames[0].buffer)
 
     @property
     def busy(self) -> bool:
@@ -332,9 +307,10 @@ class MigrationLink:
                      and offer.get("groups") is None, reply,
                      deadline if deadline is not None else time.time() + 2 * LINK_TIMEOUT_S,
                      "decode" if arguments.get("reason") == "decode" else "migration")
-        self._moves[rid] = move
         move.phase = "reserve" if move.staged else "check"
-        self._send(move, [move.phase, rid, 0, offer, ticket])
+        opening = wire.Reserve if move.staged else wire.Check
+        self._send(move, opening(rid, 0, offer, ticket))
+        self._moves[rid] = move
 
     def advance(self) -> None:
         """Between two steps: send the next stage of every move that may, give up on those
@@ -370,7 +346,7 @@ class MigrationLink:
             self._stop(move)
             return 0
         header, frames = self.transport.encode(data)
-        self._send(move, ["write", move.request_id, 0, move.next_block, header], frames)
+        self._send(move, wire.Write(move.request_id, 0, move.next_block, header), frames)
         sent = end - move.next_block
         move.blocks_sent += sent
         move.next_block = end
@@ -395,8 +371,8 @@ class MigrationLink:
             if _in_parts(state) else runner.num_blocks_in(data) if data is not None else 0
         move.blocks_sent += n
         move.stop_blocks = n
-        self._send(move, ["commit", move.request_id, 0, state, move.next_block, header,
-                          move.commit_deadline], frames)
+        self._send(move, wire.Commit(move.request_id, 0, state, move.next_block, header,
+                                     move.commit_deadline), frames)
 
     def _encode(self, state: dict, data) -> tuple[dict, list]:
         """The commit's K/V: a fork's, each sample's in turn; a windowed engine's, each
@@ -410,10 +386,13 @@ class MigrationLink:
             frames += more
         return {"kind": "parts", "parts": parts}, frames
 
-    def _send(self, move: _Move, message: list, frames: list = ()) -> None:
+    def _send(self, move: _Move, message: wire.PeerRequest, frames: list = ()) -> None:
+        """Send a message of the move, its answer awaited (MalformedMessage, nothing sent,
+        for one over the header's limit)."""
         self._seq += 1
+        message.seq = self._seq
+        data = self._codec.encode(message)
         move.seq, move.sent_at = self._seq, time.monotonic()
-        message[2] = move.seq
         sock = self._out.get(move.address)
         if sock is None:
             sock = self._out[move.address] = self.context.socket(zmq.DEALER)
@@ -426,29 +405,32 @@ class MigrationLink:
                 sock.curve_secretkey = self._client_secret
             sock.connect(move.address)
         move.bytes_sent += sum(memoryview(f).nbytes for f in frames)
-        sock.send_multipart([_pack(message), *frames], copy=False)
+        sock.send_multipart([data, *frames], copy=False)
 
-    def _tell(self, move: _Move, kind: str) -> None:
-        """A message the destination does not answer ("cancel", "abort")."""
+    def _tell(self, move: _Move, message_type: type[wire.Cancel | wire.Abort]) -> None:
+        """A message the destination does not answer (Cancel, Abort)."""
         sock = self._out.get(move.address)
         if sock is not None:
             self._seq += 1
-            sock.send_multipart([_pack([kind, move.request_id, self._seq])])
+            sock.send_multipart([self._codec.encode(message_type(move.request_id, self._seq))])
 
-    def _answered(self, message: list) -> None:
-        kind, rid, seq, payload = message[:4]
-        move = self._moves.get(rid)
-        if move is None or move.seq != seq:  # (an answer to a move given up on)
+    def _answered(self, data: memoryview) -> None:
+        try:
+            answer = _ANSWERS.decode(data)
+        except MalformedMessage as e:
+            self._answered_malformed(data, e)
+            return
+        move = self._moves.get(answer.request_id)
+        if move is None or move.seq != answer.seq:  # (an answer to a move given up on)
             return
         move.seq = 0
-        if kind != "ok":
-            error_type, text = payload if _pair_of_text(payload) else ("MigrationFailed", "?")
-            self._give_up(move, error_from_wire(error_type, f"engine {move.to} refused: {text}"),
+        if isinstance(answer, wire.Err):
+            error = answer.error
+            self._give_up(move, error_from_wire(error.type, f"engine {move.to} refused: "
+                                                f"{error.message}"),
                           tell=move.phase != "commit")
             return
-        if not isinstance(payload, dict):
-            self._give_up(move, MigrationFailed(f"engine {move.to} answered {kind} malformed"))
-            return
+        payload = answer.result
         if move.phase in ("reserve", "check"):
             cached, reserved = payload.get("cached_blocks"), payload.get("reserved_blocks", 0)
             if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
@@ -469,12 +451,24 @@ class MigrationLink:
         elif move.phase == "commit":
             self._finish(move, payload)
 
+    def _answered_malformed(self, data: memoryview, error: MalformedMessage) -> None:
+        """An answer not of the protocol gives its move up, if it names one that awaits
+        it; anything else is dropped."""
+        head = _ANSWERS.head(data, 3)
+        move = self._moves.get(head[1]) if head is not None and type(head[1]) is str else None
+        if move is None or type(head[2]) is not int or move.seq != head[2]:
+            log.warning("migration link: a malformed answer was dropped: %s", error)
+            return
+        move.seq = 0
+        self._give_up(move, MigrationFailed(f"engine {move.to} answered {head[0]!r} "
+                                            f"malformed: {error}"))
+
     def _finish(self, move: _Move, committed: dict) -> None:
         del self._moves[move.request_id]
         engine = self.engine
         if not self._out_of_batch(move.request_id):
             # cancelled here while its commit was in flight: it ends there too
-            self._tell(move, "abort")
+            self._tell(move, wire.Abort)
             move.reply(False, ["InvalidStateError", f"request {move.request_id!r} was "
                                "cancelled while it moved"])
             return
@@ -503,15 +497,42 @@ class MigrationLink:
         if self._out_of_batch(move.request_id):
             self.engine.migration_done(move.request_id, False)
         if tell and move.phase != "offer":
-            self._tell(move, "cancel")
+            self._tell(move, wire.Cancel)
         log.warning("request %s did not move to %s: %s", move.request_id, move.to, error)
         move.reply(False, [type(error).__name__, str(error)])
 
     # --- destination side ----------------------------------------------------------------
-    def _serve(self, peer: bytes, message: list, data: list) -> None:
-        kind, rid, seq = message[0], message[1], message[2]
+    def _receive(self, peer: bytes, header: memoryview, data: list) -> None:
+        """A message from a peer: its header decoded and checked whole, then served."""
         try:
-            result = self._apply(peer, kind, rid, message, data)
+            message = self._codec.decode(header)
+        except MalformedMessage as e:
+            self._refuse(peer, header, e)
+            return
+        self._serve(peer, message, data)
+
+    def _refuse(self, peer: bytes, header: memoryview, error: MalformedMessage) -> None:
+        """A message not of the protocol is refused as one of its kind would be: a move's
+        opening from anyone, a write or commit from the connection whose move it names
+        (a commit's held blocks then go back); anything else is dropped unanswered."""
+        head = self._codec.head(header, 3)
+        if head is None or type(head[1]) is not str or type(head[2]) is not int:
+            log.warning("migration link: a malformed message was dropped: %s", error)
+            return
+        kind, rid, seq = head
+        incoming = self._incoming.get(rid)
+        if kind not in (wire.Kind.RESERVE, wire.Kind.CHECK) and not (
+                kind in (wire.Kind.WRITE, wire.Kind.COMMIT) and incoming is not None
+                and incoming.peer == peer):
+            log.warning("migration link: a malformed %r of %r was dropped: %s", kind, rid, error)
+            return
+        self._failed(rid, kind, peer)
+        self._answer(peer, wire.Err(rid, seq, wire.Refusal.of(error)))
+
+    def _serve(self, peer: bytes, message: wire.PeerRequest, data: list) -> None:
+        kind, rid, seq = wire.kind_of(message), message.request_id, message.seq
+        try:
+            result = self._apply(peer, message, data)
         except _Parked:
             return
         except _Ignored as e:
@@ -519,34 +540,33 @@ class MigrationLink:
             return
         except EngineError as e:
             self._failed(rid, kind, peer)
-            self._answer(peer, ["err", rid, seq, [type(e).__name__, str(e)]])
+            self._answer(peer, wire.Err(rid, seq, wire.Refusal.of(e)))
             return
-        except (KeyError, TypeError, ValueError) as e:  # (a message not of its kind's shape)
+        except (KeyError, TypeError, ValueError) as e:  # (a state not of its kind's shape)
             self._failed(rid, kind, peer)
-            self._answer(peer, ["err", rid, seq, ["InvalidRequestError",
-                                                  f"a malformed {kind}: {e}"]])
+            self._answer(peer, wire.Err(rid, seq, wire.Refusal(
+                "InvalidRequestError", f"a malformed {kind}: {e}")))
             return
         except Exception as e:  # noqa: BLE001  (said to the source; this core goes on)
             log.exception("moving request %s in: %s failed", rid, kind)
             self._failed(rid, kind, peer)
-            self._answer(peer, ["err", rid, seq, [type(e).__name__, str(e)]])
+            self._answer(peer, wire.Err(rid, seq, wire.Refusal.of(e)))
             return
         if result is not None:
-            self._answer(peer, ["ok", rid, seq, result])
+            self._answer(peer, wire.Ok(rid, seq, result))
 
-    def _apply(self, peer: bytes, kind: str, rid: str, message: list, data: list) -> dict | None:
+    def _apply(self, peer: bytes, message: wire.PeerRequest, data: list) -> dict | None:
         """A message's effect here, and its answer (None: none is sent)."""
-        engine = self.engine
-        if kind in ("reserve", "check"):
-            _, _, _, offer, ticket = message
-            checked = self._opens(rid, offer, ticket)
+        engine, rid = self.engine, message.request_id
+        if isinstance(message, (wire.Reserve, wire.Check)):
+            offer, reserve = message.offer, isinstance(message, wire.Reserve)
+            checked = self._opens(rid, offer, message.ticket)
             self._compiled(peer, message, data, offer)
-            result = engine.migration_reserve(offer) if kind == "reserve" \
-                else engine.migration_check(offer)
-            self._incoming[rid] = _Incoming(peer, checked, time.monotonic(), kind == "reserve")
+            result = engine.migration_reserve(offer) if reserve else engine.migration_check(offer)
+            self._incoming[rid] = _Incoming(peer, checked, time.monotonic(), reserve)
             self._used[checked.nonce] = checked.expires
             return result
-        if kind == "abort":  # (the request was cancelled while its commit was in flight)
+        if isinstance(message, wire.Abort):  # (cancelled while its commit was in flight)
             arrived = self._arrived.get(rid)
             if arrived is None or arrived[0] != peer:
                 raise _Ignored("no move of this connection's just committed this request")
@@ -558,28 +578,27 @@ class MigrationLink:
             return None
         move = self._own(peer, rid)
         move.last = time.monotonic()
-        if kind == "write":
-            _, _, _, start, header = message
+        if isinstance(message, wire.Write):
             if not move.held:
                 raise InvalidRequestError(f"no blocks are held for request {rid!r}")
-            most = migration_room(engine, rid, start)
-            engine.migration_write(rid, start, self.transport.decode(header, data, most))
+            most = migration_room(engine, rid, message.start)
+            engine.migration_write(rid, message.start,
+                                   self.transport.decode(message.kv_header, data, most))
             return {}
-        if kind == "commit":
-            _, _, _, state, skip, header, deadline = message
-            if not isinstance(deadline, float) or time.time() > deadline:
+        if isinstance(message, wire.Commit):
+            state = message.state
+            if time.time() > message.deadline:
                 raise MigrationFailed(f"request {rid!r}: its commit came too late")
             self._checked(rid, state, move.ticket)
             self._compiled(peer, message, data, state)
-            blocks = self._decode(header, data, commit_blocks(engine, state, skip))
-            result = engine.migration_commit(state, blocks, skip)
+            blocks = self._decode(message.kv_header, data,
+                                  commit_blocks(engine, state, message.skip))
+            result = engine.migration_commit(state, blocks, message.skip)
             del self._incoming[rid]
             self._arrived[rid] = (peer, time.monotonic() + COMMIT_TIMEOUT_S + COMMIT_GRACE_S)
             return result
-        if kind == "cancel":
-            self._let_go(rid)
-            return None
-        raise InvalidRequestError(f"unknown message {kind!r}")
+        self._let_go(rid)  # Cancel
+        return None
 
     def _opens(self, rid: str, offer: object, ticket: object) -> move_ticket.Ticket:
         """A move's first message: its ticket (for this request, to this engine, unused)
@@ -610,7 +629,8 @@ class MigrationLink:
             raise MigrationRefused(f"request {rid!r} is not the ticket's: another engine's "
                                    "or another job's")
 
-    def _compiled(self, peer: bytes, message: list, data: list, state: dict) -> None:
+    def _compiled(self, peer: bytes, message: wire.PeerRequest, data: list,
+                  state: dict) -> None:
         """Raise _Parked, the message kept beside the loop, while the state's constraint
         compiles on the compile thread (it is served again once compiled)."""
         spec = state["params"].get("structured")
@@ -656,8 +676,8 @@ class MigrationLink:
             at += taken
         return out
 
-    def _answer(self, peer: bytes, message: list) -> None:
-        self.router.send_multipart([peer, _pack(message)])
+    def _answer(self, peer: bytes, message: wire.PeerAnswer) -> None:
+        self.router.send_multipart([peer, _ANSWERS.encode(message)])
 
     def _let_go(self, rid: str) -> None:
         self._incoming.pop(rid, None)
@@ -674,9 +694,9 @@ class MigrationLink:
                 if future.done():
                     self._serve(peer, message, data)
                 elif time.monotonic() - since > GRAMMAR_COMPILE_S:
-                    self._answer(peer, ["err", message[1], message[2], [
+                    self._answer(peer, wire.Err(message.request_id, message.seq, wire.Refusal(
                         "MigrationFailed", "its structured-output constraint did not compile "
-                        f"within {GRAMMAR_COMPILE_S:.0f} s"]])
+                        f"within {GRAMMAR_COMPILE_S:.0f} s")))
                 else:
                     self._parked.append((peer, message, data, future, since))
         now, wall = time.monotonic(), time.time()

@@ -15,7 +15,7 @@ import msgpack
 import pytest
 import zmq
 
-from engine import keys
+from engine import keys, wire
 from engine.transfer import link as migration_link, ticket as move_ticket
 from engine.serve.core_proc import CoreServer
 from engine.transfer.migration import MIGRATED
@@ -32,6 +32,8 @@ SECRET = keys.random_secret()  # the deployment's, shared by every core of a tes
 
 
 def pack(message: list) -> bytes:
+    """A migration message as a peer may write it by hand (the codec's format: an array,
+    its kind first)."""
     return msgpack.packb(message, use_bin_type=True)
 
 
@@ -76,20 +78,20 @@ class Core:
         self.server = CoreServer(self.engine, inbox, outbox, kv_view=False, link=self.link)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
-        self.outputs: list[list] = []  # CoreOutput wire rows, in order
-        self.replies: dict[int, list] = {}
-        ready = msgpack.unpackb(self.from_core.recv(), raw=False)
-        assert ready[0] == "ready"
-        self.address = ready[1]["migration_address"]
+        self.outputs: list[wire.StepOutput] = []  # in order
+        self.replies: dict[int, list] = {}  # call id -> [ok, result or [error, message]]
+        ready = wire.FROM_CORE.decode(self.from_core.recv())
+        assert isinstance(ready, wire.Ready)
+        self.address = ready.config["migration_address"]
         self._sockets = (inbox, outbox)
 
-    def send(self, message: list) -> None:
-        self.to_core.send(pack(message))
+    def send(self, message: wire.ToCore) -> None:
+        self.to_core.send(wire.TO_CORE.encode(message))
 
     def add(self, rid: str, prompt: list[int], max_tokens: int, job_id: str = "7") -> None:
         call = next(_ids)
-        self.send(["adds", call, [[rid, prompt, dataclasses.asdict(greedy(max_tokens)), 0,
-                                   job_id, None, None]]])
+        self.send(wire.Adds(call, [wire.add_request(
+            rid, prompt, dataclasses.asdict(greedy(max_tokens)), job_id=job_id)]))
         assert pump(self, until=lambda: call in self.replies)[call] == [True, [None]]
 
     def command(self, name: str, arguments: dict, deadline_s: float = 30.0) -> int:
@@ -100,36 +102,40 @@ class Core:
                 SECRET, str(arguments.get("request_id")), None, self.name,
                 str(arguments.get("to")), time.time() + deadline_s)}
         call = next(_ids)
-        self.send(["cmd", call, name, arguments, time.time() + deadline_s])
+        self.send(wire.Command(call, name, arguments, time.time() + deadline_s))
         return call
 
     def read(self) -> None:
         while True:
             try:
-                message = msgpack.unpackb(self.from_core.recv(zmq.NOBLOCK), raw=False)
+                message = wire.FROM_CORE.decode(self.from_core.recv(zmq.NOBLOCK))
             except zmq.Again:
                 return
-            if message[0] == "out":
-                self.outputs += message[1]
-            elif message[0] == "reply":
-                self.replies[message[1]] = message[2:]
+            if isinstance(message, wire.Outputs):
+                self.outputs += message.outputs
+            elif isinstance(message, wire.Reply):
+                error = message.error
+                self.replies[message.call_id] = [True, message.result] if error is None \
+                    else [False, [error.type, error.message]]
+            elif isinstance(message, wire.Added):
+                self.replies[message.call_id] = [True, [
+                    None if r is None else [r.type, r.message] for r in message.refusals]]
 
     def tokens(self, rid: str) -> list[int]:
         """Every token this core reported for rid, the ones it came with first."""
         out = []
-        for row in self.outputs:
-            if row[0] == rid:
-                migration = row[12]
-                if migration and "from" in migration:
-                    out += migration["output_token_ids"]
-                out += row[1]
+        for o in self.outputs:
+            if o.request_id == rid:
+                if o.migration and "from" in o.migration:
+                    out += o.migration["output_token_ids"]
+                out += o.new_token_ids
         return out
 
-    def ended(self, rid: str) -> list | None:
-        return next((row for row in self.outputs if row[0] == rid and row[2]), None)
+    def ended(self, rid: str) -> wire.StepOutput | None:
+        return next((o for o in self.outputs if o.request_id == rid and o.finished), None)
 
     def stop(self) -> None:
-        self.send(["shutdown"])
+        self.send(wire.Shutdown())
         self.thread.join(10)
         assert not self.thread.is_alive()
         self.link.close()
@@ -196,13 +202,13 @@ def test_a_moved_request_goes_on_at_the_destination_with_the_tokens_it_would_hav
     assert result["moved"] and result["to"] == "b" and result["blocks_cached"] == 0
     pump(src, dst, until=lambda: dst.ended("r") is not None and src.ended("r") is not None)
     end = src.ended("r")
-    assert end[3] == MIGRATED and end[12] == {"to": "b", "reason": "migration"}
-    arrived = next(row for row in dst.outputs if row[0] == "r")
-    assert arrived[12]["from"] == "a" and arrived[12]["job_id"] == "7"
+    assert end.finish_reason == MIGRATED and end.migration == {"to": "b", "reason": "migration"}
+    arrived = next(o for o in dst.outputs if o.request_id == "r")
+    assert arrived.migration["from"] == "a" and arrived.migration["job_id"] == "7"
     # what the source made, then what the destination made: the request's whole output
-    assert src.tokens("r") == arrived[12]["output_token_ids"]
+    assert src.tokens("r") == arrived.migration["output_token_ids"]
     assert dst.tokens("r") == expected(PROMPT, 60)
-    assert dst.ended("r")[3] == "length"
+    assert dst.ended("r").finish_reason == "length"
     full = 92 // BS  # (80 prompt tokens and at least 12 made: 23 full blocks at least)
     if staged:  # the stop copied the last few blocks only
         assert result["stages"] >= 1 and result["blocks_at_stop"] <= 3
@@ -234,8 +240,8 @@ def test_a_destination_that_refuses_leaves_the_request_running_at_the_source(cor
     ok, error = pump(src, dst, until=lambda: call in src.replies)[call]
     assert not ok and error[0] == "NotEnoughBlocksError"
     pump(src, dst, until=lambda: src.ended("r") is not None)
-    assert src.ended("r")[3] == "length" and src.tokens("r") == expected(PROMPT, 40)
-    assert not any(row[0] == "r" for row in dst.outputs)
+    assert src.ended("r").finish_reason == "length" and src.tokens("r") == expected(PROMPT, 40)
+    assert not any(o.request_id == "r" for o in dst.outputs)
 
 
 def test_a_paused_destination_refuses(cores):
@@ -284,7 +290,7 @@ def test_a_destination_that_falls_silent_mid_copy_leaves_the_request_at_the_sour
         ok, error = pump(src, until=lambda: call in src.replies)[call]
         assert not ok and "did not answer" in error[1]
         pump(src, until=lambda: src.ended("r") is not None)
-        assert src.ended("r")[3] == "length" and src.tokens("r") == expected(PROMPT, 80)
+        assert src.ended("r").finish_reason == "length" and src.tokens("r") == expected(PROMPT, 80)
         # the source told the destination to let go of what it held
         messages = []
         while fake.poll(200):
@@ -400,7 +406,7 @@ def test_a_request_cancelled_while_it_moves_ends_at_both_ends(cores, when):
         assert not ok
         told = fake.next(src)
         assert told[0] == ("cancel" if when == "copying" else "abort") and told[1] == "r"
-        assert src.ended("r")[3] == "abort"
+        assert src.ended("r").finish_reason == "abort"
         pump(src, until=lambda: not src.engine.scheduler.requests)
     finally:
         fake.close()
@@ -443,8 +449,8 @@ def test_a_fork_moves_between_cores_with_all_its_samples(cores, tiny_model):
     dst = Core("b", engine=LLMEngine(EngineConfig(name="b", **cfg)))
     try:
         call = next(_ids)
-        src.send(["adds", call, [["r", prompt, dataclasses.asdict(params), 0, "9", None,
-                                  None]]])
+        src.send(wire.Adds(call, [wire.add_request("r", prompt, dataclasses.asdict(params),
+                                                   job_id="9")]))
         pump(src, until=lambda: call in src.replies)
         pump(src, until=lambda: all(len(src.tokens(f"r/{i}")) >= 4 for i in range(3)))
         call = src.command("migrate", {"request_id": "r", "address": dst.address, "to": "b"})
@@ -454,8 +460,8 @@ def test_a_fork_moves_between_cores_with_all_its_samples(cores, tiny_model):
         pump(src, dst, until=lambda: all(dst.ended(f"r/{i}") for i in range(3)))
         for i, sample in enumerate(alone.samples):
             assert dst.tokens(f"r/{i}") == sample.output_token_ids
-            arrived = next(row for row in dst.outputs if row[0] == f"r/{i}")
-            assert arrived[12]["fork"] == {"parent": "r", "index": i, "n": 3}
+            arrived = next(o for o in dst.outputs if o.request_id == f"r/{i}")
+            assert arrived.migration["fork"] == {"parent": "r", "index": i, "n": 3}
     finally:
         src.stop()
         dst.stop()
@@ -496,7 +502,7 @@ def test_malformed_messages_on_the_migration_port_are_dropped(cores):
             assert peer.poll(5000)
             answers.append(msgpack.unpackb(peer.recv(), raw=False))
         assert [a[:3] for a in answers] == [["err", "r", 2], ["err", "r", 3]]
-        assert answers[0][3][0] == "InvalidRequestError"
+        assert answers[0][3][0] == "MalformedMessage"  # (an InvalidRequestError)
         assert answers[1][3] == ["MigrationRefused", "the move carries no ticket"]
         moves_and_ends_there(src, dst, "r", 30)
     finally:

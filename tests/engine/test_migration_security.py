@@ -102,7 +102,7 @@ def test_a_stranger_cannot_connect_and_learns_nothing(cores, peers):
     member.send(["check", "r", 9, offer, None])
     assert member.answer(dst)[:3] == ["err", "r", 9]  # (a member is answered)
     pump(dst, until=lambda: dst.ended("victim") is not None)
-    assert dst.ended("victim")[3] == "length" and dst.tokens("victim") == expected(PROMPT, 40)
+    assert dst.ended("victim").finish_reason == "length" and dst.tokens("victim") == expected(PROMPT, 40)
     assert not any(stranger.sock.poll(0) for stranger in strangers)
     assert "r" not in dst.engine.scheduler.requests and not dst.engine.incoming_migrations
     assert not dst.engine.kv.cached_chain([bytes.fromhex(h) for h in offer["block_hashes"]])
@@ -195,7 +195,7 @@ def test_only_the_connection_that_opened_a_move_may_touch_it(cores, peers):
     assert not other.sock.poll(0)
     assert dst.engine.kv.block_ids("r") == held and "r" in dst.engine.incoming_migrations
     pump(dst, until=lambda: dst.ended("victim") is not None)
-    assert dst.ended("victim")[3] == "length"
+    assert dst.ended("victim").finish_reason == "length"
 
 
 @pytest.mark.parametrize("field, value, says", [
@@ -362,4 +362,4 @@ def test_the_connection_that_committed_a_move_may_abort_it_and_no_other(cores, p
     assert "r" in dst.engine.scheduler.requests and dst.ended("r") is None
     owner.send(["abort", "r", 5])
     pump(dst, until=lambda: dst.ended("r") is not None)
-    assert dst.ended("r")[3] == "abort"
+    assert dst.ended("r").finish_reason == "abort"

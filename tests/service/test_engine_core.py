@@ -1,5 +1,5 @@
 """The engine core (engine/serve/core_proc.py) and its worker-side clients, one contract over
-two transports (kvops/engine_client.py): requests and operator commands through the
+two transports (engine/serve/client.py): requests and operator commands through the
 boundary and expired commands dropped, in a process and on a thread alike; and, for a
 core process, a core killed mid-stream (its requests fail with the reason, a new core
 takes over; through the service, the stream ends with an error instead of hanging)."""
@@ -16,7 +16,8 @@ import pytest
 from engine import EngineConfig, InvalidRequestError, LLMEngine, SamplingParams, \
     UnknownRequestError
 from engine.errors import CommandExpired
-from kvops.engine_client import InprocClient, MPClient
+from engine import wire
+from engine.serve.client import InprocClient, MPClient
 from tests.support.stack import Stack
 from kvops.sse_client import stream_completion
 from tests.service.test_jobs_api import expected_text
@@ -104,12 +105,12 @@ def test_requests_and_commands_cross_the_boundary(any_core):
 
 
 def test_the_cores_threads_spin_only_where_the_core_outranks_the_service(core):
-    """OpenMP's wait (kvops.engine_client.core_environment): a core that will run at
+    """OpenMP's wait (engine.serve.client.core_environment): a core that will run at
     SPIN_NICE or lower spins SPIN_COUNT turns at a barrier before it sleeps; one that runs
     at a higher niceness, or may not lower it, sleeps at once (OMP_WAIT_POLICY=PASSIVE); a
     value the operator set stays."""
     from engine.serve.core_proc import SPIN_COUNT
-    from kvops.engine_client import core_environment
+    from engine.serve.client import core_environment
     for nice in (0, -5):
         env = core_environment({}, nice)
         assert env["OMP_WAIT_POLICY"] == "PASSIVE" and "GOMP_SPINCOUNT" not in env
@@ -137,7 +138,7 @@ def test_an_expired_command_is_dropped_not_applied_late(any_core):
     client.submit("long", "a long one", {"max_tokens": 3000, "ignore_eos": True})
     sink.wait(lambda: len(sink.tokens.get("long", [])) >= 2, "tokens of the long request")
     with pytest.raises(CommandExpired):
-        client._call(["cmd", None, "abort", {"request_id": "long"}, time.time() - 1], 10)
+        client._call(wire.Command(0, "abort", {"request_id": "long"}, time.time() - 1), 10)
     assert "long" not in sink.finished
     assert client.command("abort", {"request_id": "long"})["status"] == "aborted"
     sink.wait(lambda: sink.finished.get("long") == "abort", "the abort to be reported")

@@ -298,11 +298,9 @@ def test_a_move_in_is_followed_only_from_the_engine_its_job_ran_on_and_fails_alo
     bystander, claimed, broken = running_job(owner), running_job(owner), running_job(owner)
 
     def arrival(job, source: str, logprobs: list) -> CoreOutput:
-        return CoreOutput.from_wire([job.request_id, [7], False, None, 3, 0, 0, None, None,
-                                     None, None, None, {
-                                         "from": source, "job_id": str(job.pk),
-                                         "output_token_ids": [5, 6],
-                                         "output_logprobs": logprobs}])
+        return CoreOutput(job.request_id, [7], False, None, 3, 0, 0, migration={
+            "from": source, "job_id": str(job.pk), "output_token_ids": [5, 6],
+            "output_logprobs": logprobs})
 
     def streamed(job) -> list[int]:
         return [u["n"] for e in stream_entries() for u in e["u"] if u["job"] == job.pk]

@@ -10,7 +10,7 @@ from engine import EngineConfig
 from kvops import job_store, live, worker
 from kvops.admission import create_job, create_jobs
 from kvops.intake import NewJob
-from kvops.engine_client import InprocClient
+from engine.serve.client import InprocClient
 from kvops.prompts import tokenizer_for
 from kvops.job_stream import StreamProducer
 from kvops.models import Job
@@ -31,7 +31,7 @@ def engine_worker():
     processor = OutputProcessor("inproc", StreamProducer(live.redis_client(), "inproc"),
                                 tokenizer, lambda request_id: client.finish_request(request_id),
                                 db_interval_s=0.05)
-    client = InprocClient(config, processor, tokenizer=tokenizer)
+    client = InprocClient(config, processor)
     client.start()
     before = worker.install(worker.WorkerContext(client, processor, "run-job-stack"))
     try:
@@ -84,7 +84,7 @@ def test_a_cancel_between_claim_and_submit_is_not_lost(engine_worker, monkeypatc
         # The owner cancels now: the job is running but its engine request does not exist
         # yet, so the abort cancel_job asks for has nothing to abort.
         for item in items:
-            job_store.cancel_job(Job.objects.get(request_id=item[0]))
+            job_store.cancel_job(Job.objects.get(request_id=item.request_id))
         return submit_many(items)
     monkeypatch.setattr(engine_worker, "submit_many", cancel_then_submit)
     job = new_job(1000)  # seconds of steps, unless cancelled

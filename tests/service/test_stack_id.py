@@ -14,7 +14,7 @@ from django.test import override_settings
 from engine import EngineConfig
 from kvops import live, worker
 from kvops.engine_claim import CLAIM_KEY, EngineClaim, EngineNameTaken
-from kvops.engine_client import InprocClient
+from engine.serve.client import InprocClient
 from kvops.job_stream import StreamProducer
 from kvops.output_processor import OutputProcessor
 from kvops.prompts import tokenizer_for
@@ -141,7 +141,7 @@ def engine_worker():
     tokenizer = tokenizer_for(config)
     processor = OutputProcessor(config.name, StreamProducer(live.redis_client(), config.name),
                                 tokenizer, lambda request_id: client.finish_request(request_id))
-    client = InprocClient(config, processor, tokenizer=tokenizer)
+    client = InprocClient(config, processor)
     client.start()
     before = worker.install(worker.WorkerContext(client, processor, "stack-a"))
     try:

@@ -1,11 +1,11 @@
-"""The worker's handle on its engine: one contract (EngineClient), two transports.
+"""A worker's handle on its engine core: one contract (EngineClient), two transports.
 
 The engine core (engine/serve/core_proc.py: CoreServer, the one step loop) runs either in a
 process of its own (MPClient, the default: KVOPS_ENGINE_CORE=process) or on a thread of
 the worker (InprocClient: KVOPS_ENGINE_CORE=thread, one process less but the worker's
 Python work shares the step loop's interpreter lock). Either way the worker talks to it
-with the same messages over two ZMQ sockets (ipc:// or inproc://), as vLLM's
-EngineCoreClient does with its in-process and multiprocess clients: it sends requests,
+with the same messages (engine/wire.py) over two ZMQ sockets (ipc:// or inproc://), as
+vLLM's EngineCoreClient does with its in-process and multiprocess clients: it sends requests,
 stop-string ends, operator commands and questions to the KV view, and hands each step's
 outputs to the sink it was given (the output processor) and the KV view's items to
 on_kv_item (the publisher).
@@ -40,12 +40,11 @@ from typing import Any, Protocol
 
 import zmq
 
-from engine import EngineConfig, EngineError
-from engine.serve.core_proc import CORE_NICE, SPIN_COUNT, SPIN_NICE, core_command, may_take_niceness, \
-    pack, serve, unpack
-from engine.errors import error_from_wire
-from engine.outputs import CoreOutput
-from kvops.prompts import ids_for, prompt_ids, tokenizer_for
+from engine import wire
+from engine.config import EngineConfig
+from engine.errors import EngineError, MalformedMessage, error_from_wire
+from engine.serve.core_proc import CORE_NICE, SPIN_COUNT, SPIN_NICE, core_command, \
+    may_take_niceness, serve
 
 log = logging.getLogger(__name__)
 
@@ -58,9 +57,11 @@ POLL_MS = 200
 
 
 class OutputSink(Protocol):
-    """Where each step's outputs go (kvops/output_processor.py)."""
+    """Where each step's outputs go (the service's output processor): each a
+    wire.StepOutput, read as a CoreOutput is (the same fields, but no Request), as it was
+    decoded: no second pass over a step's outputs."""
 
-    def push(self, outputs: list[CoreOutput]) -> None: ...
+    def push(self, outputs: list[wire.StepOutput]) -> None: ...
 
     def fail(self, request_ids: list[str], message: str) -> None: ...
 
@@ -77,10 +78,9 @@ class EngineClient(ABC):
 
     def __init__(self, config: EngineConfig, sink: OutputSink,
                  on_kv_item: Callable[[dict], None] | None = None,
-                 startup_timeout_s: float = 900.0, tokenizer=None) -> None:
+                 startup_timeout_s: float = 900.0) -> None:
         """sink: gets every step's outputs (on the reader thread; it must not block);
-        on_kv_item: gets the KV view's items (engine/observe/feed.py), likewise; tokenizer:
-        the engine's, for chat templates (default: read from the model folder)."""
+        on_kv_item: gets the KV view's items (engine/observe/feed.py), likewise."""
         self.name = config.name
         self.config = config
         self.sink = sink
@@ -89,7 +89,6 @@ class EngineClient(ABC):
         self.startup_timeout_s = startup_timeout_s
         self.latest_metrics: dict = {}  # the core's, from its metrics messages
         self.described: dict = {}  # the core's describe_config(), from its ready message
-        self.tokenizer = tokenizer or tokenizer_for(config)  # for chat templates
         self._dir = tempfile.mkdtemp(prefix="kvops-core-")
         self._context = zmq.Context()
         self._in_address = f"{self.address_scheme}://{self._dir}/in"
@@ -97,6 +96,7 @@ class EngineClient(ABC):
         self._to_core = self._context.socket(zmq.PUSH)
         self._to_core.bind(self._in_address)
         self._from_core = self._context.socket(zmq.PULL)
+        self._from_core.setsockopt(zmq.MAXMSGSIZE, wire.MAX_CORE_MESSAGE_BYTES)
         self._from_core.bind(self._out_address)
         self._send_lock = threading.Lock()  # a ZMQ socket is used by one thread at a time
         self._lock = threading.Lock()
@@ -150,7 +150,7 @@ class EngineClient(ABC):
                 time.sleep(0.02)
         self._stopping = True
         if self._exit_code() is None:
-            self._send_nowait(["shutdown"], max(0.0, deadline - time.monotonic()))
+            self._send_nowait(wire.Shutdown(), max(0.0, deadline - time.monotonic()))
         self._await_exit(max(0.1, deadline - time.monotonic()))
         self._reader.join(max(0.1, deadline - time.monotonic()))
         with self._send_lock_within(1.0) as locked:
@@ -169,14 +169,14 @@ class EngineClient(ABC):
         started. stop() still closes the client."""
         self._halting = True
         if self._exit_code() is None:
-            self._send_nowait(["shutdown"], timeout_s)
+            self._send_nowait(wire.Shutdown(), timeout_s)
         self._await_exit(timeout_s)
 
-    def _send_nowait(self, message: list, timeout_s: float) -> bool:
+    def _send_nowait(self, message: wire.ToCore, timeout_s: float) -> bool:
         """Send, waiting at most timeout_s in all (for the send lock too) while the core
         lives and cannot take it (stuck, or starting). Whether it was sent."""
         deadline = time.monotonic() + timeout_s
-        data = pack(message)
+        data = wire.TO_CORE.encode(message)
         while True:
             with self._send_lock_within(max(0.0, deadline - time.monotonic())) as locked:
                 if locked:
@@ -210,7 +210,7 @@ class EngineClient(ABC):
     def command(self, name: str, arguments: dict, timeout_s: float = 30.0) -> Any:
         """An operator command by name (engine/serve/commands.py), applied between two steps.
         One deadline for both sides: past it the core drops the command."""
-        return self._call(["cmd", None, name, arguments, time.time() + timeout_s], timeout_s)
+        return self._call(wire.Command(0, name, arguments, time.time() + timeout_s), timeout_s)
 
     def command_async(self, name: str, arguments: dict, timeout_s: float = 30.0) -> Future:
         """command() without waiting: a future of its result, so that several commands
@@ -228,7 +228,7 @@ class EngineClient(ABC):
                 self._calls.pop(call_id, None)
 
         future.add_done_callback(forget)
-        self._send(["cmd", call_id, name, arguments, time.time() + timeout_s])
+        self._send(wire.Command(call_id, name, arguments, time.time() + timeout_s))
         return future
 
     def submit(self, request_id: str, prompt: str | list[int], params: dict,
@@ -236,25 +236,25 @@ class EngineClient(ABC):
                cache_salt: str | None = None, tenant: str | None = None) -> None:
         """Add a request; raises InvalidRequestError (bad prompt/params) synchronously.
         Its outputs go to the sink."""
-        [refusal] = self.submit_many([[request_id, prompt, params, priority, job_id,
-                                       cache_salt, tenant]])
+        [refusal] = self.submit_many([wire.add_request(request_id, prompt, params, priority,
+                                                       job_id, cache_salt, tenant)])
         if refusal is not None:
             raise refusal
 
-    def submit_many(self, items: list[list]) -> list[EngineError | None]:
-        """Add several requests in one message, applied between the same two steps:
-        items as engine.commands.add_requests takes them. Per item None (added) or the
-        error that refused it. Their outputs go to the sink."""
-        ids = [item[0] for item in items]
+    def submit_many(self, items: list[wire.AddRequest]) -> list[EngineError | None]:
+        """Add several requests in one message, applied between the same two steps
+        (items: wire.add_request's). Per item None (added) or the error that refused it.
+        Their outputs go to the sink."""
+        ids = [item.request_id for item in items]
         with self._lock:
             self._in_flight.update(ids)
         try:
-            replies = self._call(["adds", None, [list(item) for item in items]], 60.0)
+            replies = self._call(wire.Adds(0, items), 60.0)
         except BaseException:
             with self._lock:
                 self._in_flight.difference_update(ids)
             raise
-        refusals = [None if r is None else error_from_wire(*r) for r in replies]
+        refusals = [None if r is None else error_from_wire(r.type, r.message) for r in replies]
         with self._lock:
             self._in_flight.difference_update(i for i, e in zip(ids, refusals) if e is not None)
         return refusals
@@ -270,7 +270,7 @@ class EngineClient(ABC):
     def finish_request(self, request_id: str) -> None:
         """End a request whose text reached a stop string (does not wait)."""
         try:
-            self._send(["stop", request_id])
+            self._send(wire.Stop(request_id))
         except CoreDied:  # the request ended with its core
             pass
 
@@ -279,24 +279,14 @@ class EngineClient(ABC):
 
     def ask_kv(self, kind: str, argument: Any, timeout_s: float) -> Any:
         """A question to the core's KV view (see KVFeed.ask)."""
-        return self._call(["kvask", None, kind, argument], timeout_s)
+        return self._call(wire.KVAsk(0, kind, argument), timeout_s)
 
-    def prompt_of(self, job) -> list[int]:
-        """A stored job's prompt as token ids for this engine: those the web rendered at
-        intake (kvops/intake.py) when they were made with this engine's tokenizer, else
-        rendered here the same way (a job stored while no engine of its kind was
-        registered, or whose tokenizer the web could not read)."""
-        ids = ids_for(job.tokenizer, job.prompt_token_ids, self.described)
-        if ids is not None:
-            return ids
-        tools = ((job.params or {}).get("tool_call") or {}).get("tools")
-        return prompt_ids(self.tokenizer, job.prompt, job.messages, tools)
-
-    def _call(self, message: list, timeout_s: float) -> Any:
+    def _call(self, message: wire.Adds | wire.Command | wire.KVAsk, timeout_s: float) -> Any:
+        """Send a call (its call_id is set here) and wait for its answer."""
         if not self.alive:
             raise EngineError(f"engine {self.name} is not running")
         call_id = next(self._ids)
-        message[1] = call_id
+        message.call_id = call_id
         future: Future = Future()
         with self._lock:
             self._calls[call_id] = future
@@ -310,12 +300,13 @@ class EngineClient(ABC):
             with self._lock:
                 self._calls.pop(call_id, None)
 
-    def _send(self, message: list) -> None:
+    def _send(self, message: wire.ToCore) -> None:
         """Send to the core, waiting while it cannot take the message (starting, or
         behind); CoreDied once it has exited: a PUSH socket with no peer would wait for
         one forever, and a thread stuck here (the output processor, stopping a request
-        of a core that died) would hold the worker's stop."""
-        data = pack(message)
+        of a core that died) would hold the worker's stop. MalformedMessage (typed) for a
+        message the core would refuse (over its size limit)."""
+        data = wire.TO_CORE.encode(message)
         with self._send_lock:
             while True:
                 try:
@@ -331,7 +322,7 @@ class EngineClient(ABC):
     def _read(self) -> None:
         while not self._stopping:
             if self._from_core.poll(POLL_MS):
-                self._dispatch(unpack(self._from_core.recv()))
+                self._receive(self._from_core.recv())
                 continue
             code = self._exit_code()
             if code is not None and not self._stopping:
@@ -339,10 +330,32 @@ class EngineClient(ABC):
                 if self._dead:
                     return
 
-    def _dispatch(self, message: list) -> None:
-        kind = message[0]
-        if kind == "out":
-            outputs = [CoreOutput.from_wire(row) for row in message[1]]
+    def _receive(self, data: bytes) -> None:
+        """Decode (checked whole) and dispatch one message of the core's; one not of the
+        protocol is said in the log, and fails its call if it names one."""
+        try:
+            message = wire.FROM_CORE.decode(data)
+        except MalformedMessage as e:
+            log.error("engine core %s: %s", self.name, e)
+            head = wire.FROM_CORE.head(data, 2)
+            if head is not None and head[0] in (wire.Kind.REPLY, wire.Kind.ADDED) and \
+                    type(head[1]) is int:
+                self._answer(head[1], error=e)
+            return
+        self._dispatch(message)
+
+    def _answer(self, call_id: int, result: Any = None, error: EngineError | None = None) -> None:
+        with self._lock:
+            future = self._calls.get(call_id)
+        if future is not None and not future.done():
+            if error is None:
+                future.set_result(result)
+            else:
+                future.set_exception(error)
+
+    def _dispatch(self, message: wire.FromCore) -> None:
+        if isinstance(message, wire.Outputs):
+            outputs = message.outputs
             ended = [o.request_id for o in outputs if o.finished]
             # A forked request's samples ("<id>/<i>") stand for it from their first
             # output on: they are what a dead core leaves to fail.
@@ -364,27 +377,23 @@ class EngineClient(ABC):
                     self._in_flight.difference_update(e.rsplit("/", 1)[0] for e in ended
                                                       if "/" in e)
             self.sink.push(outputs)
-        elif kind == "reply":
-            _, call_id, ok, result = message
-            with self._lock:
-                future = self._calls.get(call_id)
-            if future is not None and not future.done():
-                if ok:
-                    future.set_result(result)
-                else:
-                    future.set_exception(error_from_wire(*result))
-        elif kind == "metrics":
-            self.latest_metrics = message[1]
-        elif kind == "kv":
+        elif isinstance(message, wire.Reply):
+            error = message.error
+            self._answer(message.call_id, message.result,
+                         None if error is None else error_from_wire(error.type, error.message))
+        elif isinstance(message, wire.Added):
+            self._answer(message.call_id, message.refusals)
+        elif isinstance(message, wire.Metrics):
+            self.latest_metrics = message.metrics
+        elif isinstance(message, wire.KVItem):
             if self.on_kv_item is not None:
-                self.on_kv_item(message[1])
-        elif kind == "failed":
-            _, request_ids, reason = message
+                self.on_kv_item(message.item)
+        elif isinstance(message, wire.StepFailed):
             with self._lock:
-                self._in_flight.difference_update(request_ids)
-            self.sink.fail(request_ids, reason)
-        elif kind == "ready":
-            self.described, self.latest_metrics = message[1], message[2]
+                self._in_flight.difference_update(message.request_ids)
+            self.sink.fail(message.request_ids, message.message)
+        elif isinstance(message, wire.Ready):
+            self.described, self.latest_metrics = message.config, message.metrics
             self._ready.set()
             log.info("engine core %s ready (%s)", self.name, self._where())
 
@@ -426,10 +435,10 @@ class MPClient(EngineClient):
 
     def __init__(self, config: EngineConfig, sink: OutputSink,
                  on_kv_item: Callable[[dict], None] | None = None,
-                 startup_timeout_s: float = 900.0, tokenizer=None,
+                 startup_timeout_s: float = 900.0,
                  worker_stopping: Callable[[], bool] = lambda: False,
                  core_nice: int = CORE_NICE, log_level: str = "INFO") -> None:
-        super().__init__(config, sink, on_kv_item, startup_timeout_s, tokenizer)
+        super().__init__(config, sink, on_kv_item, startup_timeout_s)
         # True once the worker is shutting down: a core that dies of a stop signal then
         # is not replaced. Asked before that core's requests fail, so the worker may
         # hand their jobs back to the queue before it answers True.
@@ -470,8 +479,8 @@ class MPClient(EngineClient):
                 except subprocess.TimeoutExpired:  # (uninterruptible, in the kernel)
                     log.error("engine core %s (pid %s) did not die", self.name, self.pid)
 
-    def _dispatch(self, message: list) -> None:
-        if message[0] == "ready":
+    def _dispatch(self, message: wire.FromCore) -> None:
+        if isinstance(message, wire.Ready):
             self.restarts = 0
         super()._dispatch(message)
 
@@ -513,8 +522,8 @@ class InprocClient(EngineClient):
 
     def __init__(self, config: EngineConfig, sink: OutputSink,
                  on_kv_item: Callable[[dict], None] | None = None,
-                 startup_timeout_s: float = 900.0, tokenizer=None) -> None:
-        super().__init__(config, sink, on_kv_item, startup_timeout_s, tokenizer)
+                 startup_timeout_s: float = 900.0) -> None:
+        super().__init__(config, sink, on_kv_item, startup_timeout_s)
         self._thread: threading.Thread | None = None
         self._failure: BaseException | None = None
 
@@ -542,17 +551,16 @@ class InprocClient(EngineClient):
 
 
 def make_engine_client(mode: str, config: EngineConfig, sink: OutputSink,
-                       on_kv_item: Callable[[dict], None] | None = None, tokenizer=None,
+                       on_kv_item: Callable[[dict], None] | None = None,
                        worker_stopping: Callable[[], bool] = lambda: False,
                        core_nice: int = CORE_NICE, log_level: str = "INFO") -> EngineClient:
     """The client for KVOPS_ENGINE_CORE's `mode`: `process` (its niceness `core_nice`)
     or `thread`."""
     if mode == "process":
-        return MPClient(config, sink, on_kv_item, tokenizer=tokenizer,
-                        worker_stopping=worker_stopping, core_nice=core_nice,
-                        log_level=log_level)
+        return MPClient(config, sink, on_kv_item, worker_stopping=worker_stopping,
+                        core_nice=core_nice, log_level=log_level)
     if mode == "thread":
-        return InprocClient(config, sink, on_kv_item, tokenizer=tokenizer)
+        return InprocClient(config, sink, on_kv_item)
     raise ValueError(f"KVOPS_ENGINE_CORE={mode!r}: use `thread` or `process`")
 
 
