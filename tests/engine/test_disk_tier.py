@@ -4,6 +4,7 @@ LRU within a byte budget, writes behind that close() finishes. What it promises 
 other users and forged files: tests/engine/test_disk_security.py."""
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -108,7 +109,6 @@ def test_a_write_cut_short_leaves_no_block(store, tmp_path):
 
 from engine.block_hash import hash_blocks, root_hash  # noqa: E402
 from engine.config import ConfigError  # noqa: E402
-from tests.models.fixtures import tiny_model, tiny_root  # noqa: E402, F401 (fixtures)
 
 from tests.engine.sim import expected, greedy, run_all, sim_engine  # noqa: E402
 from tests.support.wait import wait_until  # noqa: E402
@@ -390,7 +390,7 @@ def test_a_core_stopped_by_sigterm_finishes_its_disk_writes_and_dies_by_it(tmp_p
 
         for i, prompt in enumerate([first, first] + [prompt_of(s) for s in range(1, 9)]):
             core.send(["adds", i + 1, [[f"r{i}", prompt, params, 0, None, None, None]]])
-            wait_until(lambda: ended(f"r{i}"), f"r{i} to end", 30, poll_s=0.001)
+            wait_until(functools.partial(ended, f"r{i}"), f"r{i} to end", 30, poll_s=0.001)
         core.proc.send_signal(signal.SIGTERM)
         assert core.proc.wait(30) == -signal.SIGTERM
     finally:

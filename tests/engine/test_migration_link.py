@@ -21,7 +21,6 @@ from engine.serve.core_proc import CoreServer
 from engine.transfer.migration import MIGRATED
 from engine.transfer.link import MigrationLink
 from tests.engine.sim import expected, greedy, sim_engine
-from tests.models.fixtures import tiny_model, tiny_root  # noqa: F401 (fixtures)
 from tests.support.wait import wait_until
 
 BS = 4
@@ -421,7 +420,7 @@ def test_several_requests_move_at_once_within_one_staging_budget(cores, monkeypa
     calls = {rid: src.command("migrate", {"request_id": rid, "address": dst.address,
                                           "to": "b"}) for rid in prompts}
     pump(src, dst, until=lambda: all(c in src.replies for c in calls.values()))
-    for rid, call in calls.items():
+    for call in calls.values():
         ok, result = src.replies[call]
         assert ok, result
         assert result["stages"] >= 3  # (16-19 full blocks, 4 a step over all four)
