@@ -43,13 +43,16 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
-# The layers first (.importlinter: kvops over engine over kernels, no cycles), then the suite.
+# The lint rules (pyproject.toml: [tool.ruff]) and the layers (.importlinter: kvops over
+# engine over kernels, no cycles) first, then the suite.
 test: setup
+	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports --no-logo
 	$(PY) -m pytest
 
 # The inner loop: all but the tests that start a stack, a browser or a load (tests/conftest.py).
 test-fast: setup
+	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports --no-logo
 	$(PY) -m pytest -m "not stack"
 

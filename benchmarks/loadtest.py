@@ -9,6 +9,7 @@ Bounded in jobs and in time; talks to 127.0.0.1 only.
 from __future__ import annotations
 
 import argparse
+import functools
 import random
 import statistics
 import sys
@@ -33,6 +34,12 @@ def _ts(iso: str) -> float:
 def _pct(values: list[float], q: float) -> float:
     values = sorted(values)
     return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def _settled(stack: Stack, name: str, snap: dict) -> bool:
+    """Whether the engine runs nothing any more; its snapshot into `snap`."""
+    snap.update(stack.api("GET", f"/api/engines/{name}/").json()["snapshot"])
+    return not [r for r in snap["requests"] if r["status"] in ("waiting", "running", "swapped")]
 
 
 def run(jobs: int, clients: int, deadline_s: float) -> dict:
@@ -76,13 +83,8 @@ def run(jobs: int, clients: int, deadline_s: float) -> dict:
             pools = {}
             for name in ("load-a", "load-b"):
                 snap = {}
-
-                def settled() -> bool:
-                    snap.update(stack.api("GET", f"/api/engines/{name}/").json()["snapshot"])
-                    return not [r for r in snap["requests"]
-                                if r["status"] in ("waiting", "running", "swapped")]
-
-                stack.wait(settled, f"engine {name} idle", 30)
+                stack.wait(functools.partial(_settled, stack, name, snap), f"engine {name} idle",
+                           30)
                 states = decode_array(snap["gpu"]["state"])
                 pools[name] = {s: int((states == i).sum()) for i, s in enumerate(snap["block_states"])}
         finally:

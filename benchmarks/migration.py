@@ -213,7 +213,7 @@ def run(model: str, lengths: list[int], step_ms: float, token_us: float, kv_byte
             call = next(_calls)
             dst.send(wire.Adds(call, [wire.add_request(f"warm{length}", prompt,
                                                        {"max_tokens": 1})]))
-            pump(cores, lambda: f"warm{length}" in dst.ended)
+            pump(cores, lambda: f"warm{length}" in dst.ended)  # noqa: B023 (called here)
             row = move_once(src, dst, f"r{length}-cached", prompt, before, after, True)
             row.how = "staged, prompt cached there"
             rows.append(row)

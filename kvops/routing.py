@@ -198,7 +198,7 @@ def _by_prefix(jobs: list[Job], allowed: list[list[Engine]], engines: list[Engin
     expected: dict[str, set[str]] = {name: set() for name in names}
     decisions = []
     regrets = []  # per job: (engine chosen, tokens the best engine held beyond it)
-    for job, per_engine, its_engines in zip(jobs, hashes, allowed):
+    for _job, per_engine, its_engines in zip(jobs, hashes, allowed):
         cached, on_gpu = {}, {}
         for name in per_engine:
             chain = per_engine[name]

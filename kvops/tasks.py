@@ -47,7 +47,7 @@ def run_jobs(self, job_ids: list[int]) -> list[str]:
                 _fail_quietly(job_id, f"could not be started: {type(e).__name__}: {e}", None)
             return ["failed"] * len(job_ids)
         raise self.retry(exc=e, countdown=min(2 ** self.request.retries, 30),
-                         max_retries=CLAIM_RETRIES)
+                         max_retries=CLAIM_RETRIES) from e
     claimed = [job for job in jobs if job is not None]
     outcomes: dict[int, str] = {}
     try:

@@ -4,6 +4,10 @@ browser or load the service; `make test` (CI) runs everything. A test is marked 
 when it uses one of these fixtures or lives in one of these modules."""
 import pytest
 
+# The tiny model folders (tests/models/fixtures.py), for the model tests in tests/models
+# and tests/engine: one build per session, shared by every module that asks for them.
+from tests.models.fixtures import tiny_model, tiny_root  # noqa: F401 (fixtures)
+
 STACK_FIXTURES = {"stack", "fuzz_stack", "tiny_stack", "default_stack", "hermes_stack",
                   "process_stack", "capped", "two_engines", "gpu_paced", "login"}
 STACK_MODULES = {"test_faults", "test_load", "test_make_run", "test_bench_serve",

@@ -8,7 +8,8 @@ import shutil
 import socket
 import subprocess
 import tempfile
-import time
+
+from tests.support.wait import WaitTimeout, wait_until
 
 
 def free_port() -> int:
@@ -27,15 +28,21 @@ def start_redis(port: int, workdir: str) -> subprocess.Popen:
                              "--databases", "64",
                              "--appendonly", "no", "--dir", workdir],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 10
-    while time.time() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return proc
-        except OSError:
-            time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError(f"redis-server did not start on port {port}")
+    try:
+        wait_until(lambda: _accepts(port), f"redis-server to listen on port {port}", 10,
+                   poll_s=0.05)
+    except WaitTimeout:
+        proc.kill()
+        raise
+    return proc
+
+
+def _accepts(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+            return True
+    except OSError:
+        return False
 
 
 _workdir = tempfile.mkdtemp(prefix="kvops-test-")

@@ -44,7 +44,7 @@ def check_command(argv: list[str]) -> None:
 def test_every_service_command_exists():
     services = compose()["services"]
     assert {"redis", "postgres", "web", "migrate", "engine-0"} <= set(services)
-    for name, svc in services.items():
+    for svc in services.values():
         if "command" in svc:
             check_command(svc["command"])
         health = svc.get("healthcheck", {}).get("test")
@@ -57,7 +57,7 @@ def test_engines_get_one_gpu_each_and_shared_services():
     engines = {n: s for n, s in services.items() if n.startswith("engine-")}
     assert len(engines) >= 2
     gpus = []
-    for name, svc in engines.items():
+    for svc in engines.values():
         env = svc["environment"]
         assert env["KVOPS_ENGINE_DEVICE"] == "cuda"
         devices = svc["deploy"]["resources"]["reservations"]["devices"][0]

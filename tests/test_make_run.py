@@ -4,29 +4,21 @@ job, and Ctrl-C stops every process it started."""
 import os
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 import requests
 
 from tests.support.stack import REPO, free_port
+from tests.support.wait import wait_until
 
 DEFAULT_MODEL = REPO / "data" / "models" / "SmolLM2-135M-Instruct" / "config.json"
 
 
-def wait(predicate, what: str, timeout_s: float, proc: subprocess.Popen, log: Path):
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"make run exited early:\n{log.read_text()[-3000:]}")
-        try:
-            if predicate():
-                return
-        except requests.RequestException:
-            pass
-        time.sleep(0.5)
-    raise AssertionError(f"{what} not ready in {timeout_s} s:\n{log.read_text()[-3000:]}")
+def still_running(proc: subprocess.Popen, log: Path) -> None:
+    """(A wait's check: `make run` exiting ends it, with the log's tail.)"""
+    if proc.poll() is not None:
+        raise AssertionError(f"make run exited early:\n{log.read_text()[-3000:]}")
 
 
 def port_open(port: int) -> bool:
@@ -61,7 +53,9 @@ def test_make_run_serves_and_stops(tmp_path):
             health = requests.get(f"{url}/healthz", timeout=2).json()
             return health["ok"] and health["engines_alive"] > 0  # anonymous: counts only
 
-        wait(engine_up, "the web server and the engine", 300, proc, log)
+        wait_until(engine_up, "the web server and the engine", 300, poll_s=0.5,
+                   errors=(requests.RequestException,), check=lambda: still_running(proc, log),
+                   detail=lambda: log.read_text()[-3000:])
         text = log.read_text()
         assert "starting a private redis-server" in text
         assert f"kvops is starting at {url}/" in text
@@ -86,7 +80,9 @@ def test_make_run_serves_and_stops(tmp_path):
             job.update(session.get(f"{url}/api/jobs/{job_id}/", timeout=10).json())
             return job["status"] in ("finished", "failed", "cancelled")
 
-        wait(finished, "the job", 120, proc, log)
+        wait_until(finished, "the job to end", 120, poll_s=0.5,
+                   errors=(requests.RequestException,), check=lambda: still_running(proc, log),
+                   detail=lambda: log.read_text()[-3000:])
         assert job["status"] == "finished" and job["engine"] == "default"
         assert "Paris" in job["output_text"], job["output_text"]
         # the database with its tokens and prompts, and the data folder: the owner's alone

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.block_hash import BlockHash
@@ -105,8 +106,9 @@ class EventLog:
     """Fans each event out to every reader's queue: the engine's own (take_events) and
     any subscriber (e.g. the vLLM-format publisher). No reader, no cost."""
 
-    def __init__(self, maxlen: int) -> None:
+    def __init__(self, maxlen: int, clock: Callable[[], float] = time.time) -> None:
         self.step = 0  # owned by LLMEngine: the step now running
+        self.clock = clock  # events' `ts`: wall-clock seconds (BlockPool's is for pins)
         # Whether a reader wants the full hashes, parents and token ids (KVEvent's last
         # fields): set by subscribe(full=True); emitters fill them only then.
         self.full = False
@@ -127,7 +129,7 @@ class EventLog:
     def emit(self, type: str, **fields) -> None:
         if not self._queues:
             return
-        event = KVEvent(type=type, step=self.step, ts=time.time(), **fields)
+        event = KVEvent(type=type, step=self.step, ts=self.clock(), **fields)
         for queue in self._queues:
             queue.push(event)
 

@@ -125,21 +125,20 @@ def shard_state(state: dict[str, torch.Tensor], args, rank: int,
     for name, t in state.items():
         if name in ("embed_tokens.weight", "lm_head.weight"):
             out[name] = vocab_slice(t)
-        elif name.endswith("attention.wqkv.weight") or name.endswith("attention.wqkv.bias"):
+        elif name.endswith(("attention.wqkv.weight", "attention.wqkv.bias")):
             q, k, v = t.split([H * D, Hkv * D, Hkv * D])
             out[name] = torch.cat([q[rank * h * D:(rank + 1) * h * D],
                                    k[rank * hkv * D:(rank + 1) * hkv * D],
                                    v[rank * hkv * D:(rank + 1) * hkv * D]])
         elif name.endswith("attention.wo.weight"):
             out[name] = cols(t, h * D)
-        elif name.endswith("feed_forward.w_gate_up.weight") or name.endswith(
-                "feed_forward.w_gate_up.bias"):
+        elif name.endswith(("feed_forward.w_gate_up.weight", "feed_forward.w_gate_up.bias")):
             n = args.intermediate_size // size
             gate, up = t.split(args.intermediate_size)
             out[name] = torch.cat([gate[rank * n:(rank + 1) * n], up[rank * n:(rank + 1) * n]])
         elif name.endswith("feed_forward.w_down.weight"):
             out[name] = cols(t, args.intermediate_size // size)
-        elif name.endswith("attention.wo.bias") or name.endswith("feed_forward.w_down.bias"):
+        elif name.endswith(("attention.wo.bias", "feed_forward.w_down.bias")):
             out[name] = once(t)
         elif name.endswith("experts_gate_up"):  # [E, dim, 2 * I]
             n = args.moe_intermediate_size // size

@@ -13,7 +13,7 @@ from engine.sampling_params import SamplingParams
 from engine.sim.trace import TraceRequest, prompt_tokens
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, frozen=True)
 class StepCost:
     """Simulated time of one step: fixed overhead plus a cost per batched token."""
     base_ms: float = 10.0

@@ -70,8 +70,8 @@ def engine_setup():
     (name, engine, publisher, churn)."""
     from kvops.models import Engine
     from tests.dashboard.churn import Churn, churn_engine
-    from tests.dashboard.wsclient import wait_for
     from tests.support.local_publisher import LocalPublisher
+    from tests.support.wait import wait_until
 
     name = f"t{uuid.uuid4().hex[:8]}"
     engine = churn_engine(name=name)
@@ -82,6 +82,7 @@ def engine_setup():
     for _ in range(20):
         churn()
     publisher(engine)
-    wait_for(lambda: publisher.mirror.seq >= 1, "first capture")
+    wait_until(lambda: publisher.mirror.seq, "the publisher's first capture", 10,
+               until=lambda seq: seq >= 1)
     yield name, engine, publisher, churn
     publisher.close()

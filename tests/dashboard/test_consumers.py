@@ -14,7 +14,8 @@ from kvops.job_stream import StreamProducer
 from kvops.models import Engine, Job
 from tests.dashboard.churn import churn_engine
 from tests.dashboard.live_client import ARRAYS, LiveState, SequenceGap
-from tests.dashboard.wsclient import connect, receive, receive_type, settle, wait_for
+from tests.dashboard.wsclient import connect, receive, receive_type, settle
+from tests.support.wait import wait_until, wait_until_async
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.asyncio]
 
@@ -217,12 +218,8 @@ async def test_a_consumer_joins_its_group_again_after_losing_it(users, engine_se
     comm, client = await subscribed_full(name, users[1])
     key = group_key(live.engine_group(name))
     await asyncio.to_thread(live.redis_client().delete, key)
-    for _ in range(400):  # the consumer adds itself again (a condition, not a duration)
-        if await asyncio.to_thread(live.redis_client().exists, key):
-            break
-        await asyncio.sleep(0.025)
-    else:
-        raise AssertionError("the consumer did not join its group again")
+    await wait_until_async(lambda: asyncio.to_thread(live.redis_client().exists, key),
+                           "the consumer to join its group again", 10, poll_s=0.025)
     await next_delta_applied(comm, client, publisher, engine, churn)
     await comm.disconnect()
 
@@ -253,7 +250,8 @@ async def test_the_websocket_outlives_a_failing_channel_layer(users, engine_setu
     await layer.send(channel.decode(), {"type": "engine.summary"})  # ends the pending receive
     await comm.send_json_to({"type": "ping"})
     assert (await receive_type(comm, "pong"))["type"] == "pong"
-    await asyncio.to_thread(wait_for, lambda: failures[0] == 0, "the failures used up")
+    await asyncio.to_thread(wait_until, lambda: failures[0], "the failures used up", 10,
+                            until=lambda left: left == 0)
     await next_delta_applied(comm, client, publisher, engine, churn)
     await comm.disconnect()
 

@@ -142,7 +142,7 @@ def test_pages_resync_after_a_redis_restart(login, stack):
     # Once the engine is idle, the pages' block maps are the engine's.
     stack.wait(lambda: engine_idle(stack), "the engine idle", 30)
     for page in pages:
-        stack.wait(lambda: page_matches_engine(page, stack),
+        stack.wait(lambda: page_matches_engine(page, stack),  # noqa: B023 (called here)
                    "the page's block map equal to the engine's", 15)
     assert not errors, errors
     log = stack.log("web")

@@ -4,24 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 from channels.routing import URLRouter
 from channels.testing import WebsocketCommunicator
 
 from engine.observe.feed import decode
 from tests.support.local_publisher import LocalPublisher
+from tests.support.wait import wait_until, wait_until_async
 from kvops.ws_routing import websocket_urlpatterns
 
 APP = URLRouter(websocket_urlpatterns)
-
-
-def wait_for(predicate, what: str, timeout_s: float = 10) -> None:
-    deadline = time.time() + timeout_s
-    while not predicate():
-        if time.time() > deadline:
-            raise TimeoutError(what)
-        time.sleep(0.01)
 
 
 async def connect(path: str, user) -> tuple[WebsocketCommunicator, bool, int | None]:
@@ -41,17 +33,15 @@ async def receive(comm: WebsocketCommunicator, timeout: float = 5) -> dict:
 
 
 async def receive_type(comm, kind: str, timeout: float = 5) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        message = await receive(comm, max(0.1, deadline - time.monotonic()))
-        if message["type"] == kind:
-            return message
+    """The next frame of this type; those before it are dropped."""
+    return await wait_until_async(lambda: receive(comm, timeout), f"a {kind!r} frame", timeout,
+                                  until=lambda message: message["type"] == kind, poll_s=0)
 
 
 async def settle(publisher: LocalPublisher, engine) -> int:
     """Let the publisher catch up with the engine; the seq of its last delta."""
     publisher(engine)
-    await asyncio.to_thread(wait_for, lambda: publisher.mirror.version == engine.version
-                            and publisher.idle, "publisher caught up")
+    await asyncio.to_thread(wait_until, lambda: publisher.mirror.version == engine.version
+                            and publisher.idle, "the publisher to catch up", 10)
     await asyncio.sleep(0.05)
     return publisher.mirror.seq

@@ -6,6 +6,7 @@ import pytest
 from engine.block_hash import hash_block, hash_blocks, root_hash
 from engine.kv.block_pool import BlockPool, FreeBlockQueue, KVBlock
 from engine.kv.events import EventLog
+from tests.support.clock import Clock
 
 
 def make_pool(n: int = 8) -> BlockPool:
@@ -202,14 +203,6 @@ def test_the_policy_changes_live_keeping_every_free_block():
     assert len(pool.free_queue) == 6 and sorted(pool.eviction_order(6)) == list(range(6))
     with pytest.raises(ValueError, match="eviction policy"):
         pool.set_eviction_policy("random")
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_soft_pins_keep_blocks_over_the_others_until_their_time_is_up():

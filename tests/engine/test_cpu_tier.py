@@ -10,7 +10,6 @@ from engine.block_hash import hash_blocks, root_hash
 from engine.config import ConfigError
 
 from tests.engine.test_model_parity import make_engine
-from tests.models.fixtures import tiny_model, tiny_root  # noqa: F401 (fixtures)
 from tests.models.tiny import SPECS, hf_greedy, random_prompts
 
 from .sim import expected, greedy, run_all, sim_engine

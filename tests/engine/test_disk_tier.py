@@ -4,8 +4,8 @@ LRU within a byte budget, writes behind that close() finishes. What it promises 
 other users and forged files: tests/engine/test_disk_security.py."""
 from __future__ import annotations
 
+import functools
 import os
-import time
 
 import pytest
 
@@ -109,9 +109,9 @@ def test_a_write_cut_short_leaves_no_block(store, tmp_path):
 
 from engine.block_hash import hash_blocks, root_hash  # noqa: E402
 from engine.config import ConfigError  # noqa: E402
-from tests.models.fixtures import tiny_model, tiny_root  # noqa: E402, F401 (fixtures)
 
 from tests.engine.sim import expected, greedy, run_all, sim_engine  # noqa: E402
+from tests.support.wait import wait_until  # noqa: E402
 
 BLOCK = 4
 
@@ -175,10 +175,8 @@ def test_a_prefix_let_go_by_the_cpu_tier_comes_back_from_disk_and_after_a_restar
     assert restarted.metrics()["num_disk_cached_blocks"] >= 7
     restarted.add_request("warm", first, greedy(6))
     # its blocks are read ahead of its admission, on the reader thread
-    deadline = time.monotonic() + 30
-    while len(disk_of(restarted).store._ready) < 7:
-        assert time.monotonic() < deadline, "not read ahead"
-        time.sleep(0.001)
+    wait_until(lambda: disk_of(restarted).store.num_read_ahead, "7 blocks read ahead", 30,
+               until=lambda n: n >= 7, poll_s=0.001)
     warm = run_all(restarted)["warm"]
     assert warm.num_cached_tokens == 28 and warm.output_token_ids == expected(first, 6)
     m = restarted.metrics()
@@ -250,10 +248,8 @@ def test_a_corrupt_block_and_another_models_blocks_are_misses(tmp_path):
     # the first three blocks came back; the fourth failed its checks: recomputed
     assert back.num_cached_tokens == 12 and back.output_token_ids == expected(first, 6)
     # (the reader thread, reading ahead, may be the one that finds it bad: a moment later)
-    deadline = time.monotonic() + 30
-    while restarted.metrics()["disk_cache_checksum_failures"] < 1:
-        assert time.monotonic() < deadline
-        time.sleep(0.001)
+    wait_until(lambda: restarted.metrics()["disk_cache_checksum_failures"],
+               "the corrupt block found", 30, poll_s=0.001)
     assert restarted.metrics()["disk_cache_checksum_failures"] == 1 and not corrupt.exists()
     disk_of(restarted).report_removed()  # (said at the next admission; here, now)
     said = [e for e in restarted.take_events() if e.type == "BlockEvicted" and e.pool == "disk"]
@@ -379,7 +375,6 @@ def test_a_core_stopped_by_sigterm_finishes_its_disk_writes_and_dies_by_it(tmp_p
     then dies of the signal; an engine started on the folder with the same secret finds
     the blocks."""
     import signal
-    import time
 
     import zmq
 
@@ -395,13 +390,14 @@ def test_a_core_stopped_by_sigterm_finishes_its_disk_writes_and_dies_by_it(tmp_p
     try:
         first = prompt_of(0)
         params = {"max_tokens": 6, "temperature": 0.0}
+
+        def ended(rid: str) -> bool:
+            core.read()
+            return rid in core.ended
+
         for i, prompt in enumerate([first, first] + [prompt_of(s) for s in range(1, 9)]):
             core.send(["adds", i + 1, [[f"r{i}", prompt, params, 0, None, None, None]]])
-            deadline = time.monotonic() + 30
-            while f"r{i}" not in core.ended:
-                assert time.monotonic() < deadline
-                core.read()
-                time.sleep(0.001)
+            wait_until(functools.partial(ended, f"r{i}"), f"r{i} to end", 30, poll_s=0.001)
         core.proc.send_signal(signal.SIGTERM)
         assert core.proc.wait(30) == -signal.SIGTERM
     finally:

@@ -23,7 +23,6 @@ from engine import EngineConfig, SamplingParams  # noqa: E402
 from engine.config import ConfigError  # noqa: E402
 from benchmarks.kv_quality import transformers_prompt_logprobs  # noqa: E402
 from tests.engine.test_model_parity import make_engine  # noqa: E402
-from tests.models.fixtures import tiny_model, tiny_root  # noqa: E402,F401 (fixtures)
 from tests.models.tiny import SPECS, random_prompts  # noqa: E402
 
 FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}

@@ -16,7 +16,6 @@ from engine.observe.vllm_events import BlockRemoved, BlockStored
 from engine.observe.view import Capturer, KVMirror
 from engine.observe.snapshot import decode_array
 from tests.dashboard.churn import Churn
-from tests.models.fixtures import tiny_model, tiny_root  # noqa: F401 (fixtures)
 from tests.models.tiny import SPECS, hf_greedy, random_prompts
 
 BS = 4

@@ -2,6 +2,7 @@
 produced by the situation it names, preemptions with their causes, and the bounds."""
 from engine import EngineConfig, LLMEngine, SamplingParams
 from tests.engine.sim import greedy, run_all, sim_engine
+from tests.support.clock import Clock
 
 BS = 4
 A = list(range(10, 30))  # five full blocks
@@ -194,20 +195,32 @@ def test_outputs_carry_the_story_when_it_changes():
 
 def test_metrics_count_misses_by_reason_preemptions_by_reason_and_residency():
     engine = small(kv_metrics_sample=1.0)
-    story_of(engine, "a1", A)  # never cached: 20 tokens computed
+    clock = engine.events.clock = Clock(100.0)  # the events' time: residency in exact seconds
+    story_of(engine, "a1", A)  # never cached: 20 tokens computed, 5 blocks stored at 100
+    clock.now = 110.0
     story_of(engine, "a2", A)  # a full hit: the last token computed
-    flood(engine, 4)
-    story_of(engine, "a3", A)  # evicted
+    clock.now = 130.0
+    flood(engine, 4)  # evicts a1's blocks, and its own: stored and evicted at 130
+    before = engine.metrics()
+    clock.now = 160.0
+    story_of(engine, "a3", A)  # evicted; takes the flood's blocks, none hit since 130
     m = engine.metrics()
     missed = m["missed_tokens_by_reason"]
     assert missed["evicted"] == 20 and missed["partial_block"] == 1
     assert missed["never_cached"] == 20 + 4 * 40  # a1 and the flood
-    lifetime = m["kv_block_lifetime_seconds"]
-    assert sum(lifetime["counts"]) >= 5 and lifetime["sum"] >= 0
+    lifetime, idle = m["kv_block_lifetime_seconds"], m["kv_block_idle_before_evict_seconds"]
     assert len(lifetime["counts"]) == len(lifetime["bounds"]) + 1
-    # a2 hit a1's 5 blocks (and preempted flood requests their own, on their return)
-    assert sum(m["kv_block_reuse_gap_seconds"]["counts"]) >= 5
-    assert sum(m["kv_block_idle_before_evict_seconds"]["counts"]) == sum(lifetime["counts"])
+    # by the flood's end: a1's 5 blocks lived 30 s, the last 20 of them after a2's hit
+    assert before["kv_block_lifetime_seconds"]["sum"] == 5 * 30
+    assert before["kv_block_idle_before_evict_seconds"]["sum"] == 5 * 20
+    # then those a3 evicted, each 30 s after the flood stored (or last hit) it
+    by_a3 = sum(lifetime["counts"]) - sum(before["kv_block_lifetime_seconds"]["counts"])
+    assert by_a3 > 0 and sum(idle["counts"]) == sum(lifetime["counts"])
+    assert lifetime["sum"] == 5 * 30 + by_a3 * 30 and idle["sum"] == 5 * 20 + by_a3 * 30
+    # a2 hit a1's 5 blocks 10 s after they were stored (and preempted flood requests
+    # their own, on their return, at once)
+    gaps = m["kv_block_reuse_gap_seconds"]
+    assert sum(gaps["counts"]) > 5 and gaps["sum"] == 5 * 10
 
     pressed = sim_engine(num_gpu_blocks=10, block_size=BS, vocab_size=2000,
                          enable_prefix_caching=False)

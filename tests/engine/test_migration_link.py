@@ -21,7 +21,7 @@ from engine.serve.core_proc import CoreServer
 from engine.transfer.migration import MIGRATED
 from engine.transfer.link import MigrationLink
 from tests.engine.sim import expected, greedy, sim_engine
-from tests.models.fixtures import tiny_model, tiny_root  # noqa: F401 (fixtures)
+from tests.support.wait import wait_until
 
 BS = 4
 PROMPT = list(range(10, 90))  # 80 tokens: 20 blocks
@@ -150,12 +150,13 @@ class Core:
 
 def pump(*cores: Core, until, timeout_s: float = 20.0) -> dict:
     """Read every core's messages until `until()` holds; returns the first core's replies."""
-    deadline = time.monotonic() + timeout_s
-    while not until():
-        assert time.monotonic() < deadline, "timed out"
+    def read_all() -> bool:
         for core in cores:
             core.read()
-        time.sleep(0.001)
+        return until()
+
+    wait_until(read_all, "the cores' messages to meet pump's condition", timeout_s,
+               poll_s=0.001)
     return cores[0].replies
 
 
@@ -425,7 +426,7 @@ def test_several_requests_move_at_once_within_one_staging_budget(cores, monkeypa
     calls = {rid: src.command("migrate", {"request_id": rid, "address": dst.address,
                                           "to": "b"}) for rid in prompts}
     pump(src, dst, until=lambda: all(c in src.replies for c in calls.values()))
-    for rid, call in calls.items():
+    for call in calls.values():
         ok, result = src.replies[call]
         assert ok, result
         assert result["stages"] >= 3  # (16-19 full blocks, 4 a step over all four)

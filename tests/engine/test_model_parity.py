@@ -15,7 +15,6 @@ from engine.model.loader import read_model_folder
 from engine.model.transformer import Linear
 from kernels import cpu_ext
 from engine.model.ops_cpu import PACKED_MAX_ROWS, CpuKernelOps
-from tests.models.fixtures import tiny_model, tiny_root  # noqa: F401 (fixtures)
 from tests.models.tiny import SPECS, hf_greedy, random_prompts
 
 MAX_TOKENS = 12

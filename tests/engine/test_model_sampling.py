@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from engine import SamplingParams
 from tests.engine.test_model_parity import make_engine
-from tests.models.fixtures import tiny_model, tiny_root  # noqa: F401 (fixtures)
 from tests.models.tiny import SPECS, random_prompts
 
 PROMPTS = random_prompts(SPECS["gqa64"].vocab_size, [20, 23, 18, 25, 21], seed=8)
@@ -114,7 +113,7 @@ def test_logprobs_match_transformers_log_softmax(tiny_model):
                                        rtol=1e-4)
             assert abs(logprob - row[token].item()) < 1e-4
     reference = hf_log_softmax(folder, PROMPTS[2], sampled.output_token_ids)
-    for row, token, (logprob, top_ids, top_values) in zip(
+    for row, token, (logprob, top_ids, _top_values) in zip(
             reference, sampled.output_token_ids, sampled.logprobs):
         assert top_ids == [] and abs(logprob - row[token].item()) < 1e-4
     engine = make_engine(folder, num_gpu_blocks=16, enable_prefix_caching=False)

@@ -14,7 +14,6 @@ if not torch.cuda.is_available():
 
 from engine import SamplingParams
 from tests.engine.test_model_parity import make_engine
-from tests.models.fixtures import tiny_model, tiny_root  # noqa: F401 (fixtures)
 from tests.models.tiny import SPECS, hf_greedy, random_prompts
 
 pytest.importorskip("triton", reason="the triton package is not installed")

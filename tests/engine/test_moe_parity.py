@@ -22,7 +22,6 @@ import torch
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.model.transformer import Linear, MoE
 from engine.model.ops import TorchOps
-from tests.models.fixtures import tiny_model, tiny_root  # noqa: F401 (fixtures)
 from tests.models.tiny import MOE_SPECS, hf_greedy, random_prompts
 
 MAX_TOKENS = 32

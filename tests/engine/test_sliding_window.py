@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 
 from engine import SamplingParams
-from tests.models.fixtures import tiny_model, tiny_root  # noqa: F401 (fixtures)
 from tests.models.tiny import SPECS, hf_greedy, random_prompts
 
 from .sim import expected, greedy, run_all, sim_engine

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 
 from engine import EngineConfig, EngineError, LLMEngine, SamplingParams
-from tests.models.fixtures import tiny_model, tiny_root  # noqa: F401 (fixtures)
 from tests.models.tiny import SPECS, hf_greedy, random_prompts
 
 MAX_TOKENS = 10

@@ -25,25 +25,32 @@ def test_matches_reference_cpu_to_cpu(dtype: torch.dtype) -> None:
     assert torch.equal(dst[:, :, [1, 3]], make_pool(5, dtype, seed=2)[:, :, [1, 3]])
 
 
-def test_one_gather_one_transfer_one_scatter(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Batched: one index_select and one index_copy_ whatever the number of blocks."""
-    calls = {"index_select": 0, "index_copy_": 0}
-    real_select, real_copy = torch.Tensor.index_select, torch.Tensor.index_copy_
+def random_bits_pool(num_blocks: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """A pool of random bytes: every bit pattern of the dtype, NaN payloads included."""
+    gen = torch.Generator().manual_seed(seed)
+    width = torch.empty((), dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (3, 2, num_blocks, 4, 2, 16 * width), generator=gen,
+                        dtype=torch.uint8)
+    return raw.view(dtype)
 
-    def counting_select(self, *args, **kwargs):
-        calls["index_select"] += 1
-        return real_select(self, *args, **kwargs)
 
-    def counting_copy(self, *args, **kwargs):
-        calls["index_copy_"] += 1
-        return real_copy(self, *args, **kwargs)
-
-    monkeypatch.setattr(torch.Tensor, "index_select", counting_select)
-    monkeypatch.setattr(torch.Tensor, "index_copy_", counting_copy)
-    src, dst = make_pool(8), make_pool(8, seed=3)
-    swap_blocks(src, dst, torch.tensor([[i, 7 - i] for i in range(8)]))
-    assert calls == {"index_select": 1, "index_copy_": 1}
-    assert torch.equal(dst, src.flip(2))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_many_blocks_out_of_order_land_where_mapped_bit_for_bit(dtype: torch.dtype) -> None:
+    """17 blocks in one call, out of order, between pools of 40 and 25 blocks, the mapping
+    int32: each destination block holds its source block's bytes exactly (NaN payloads,
+    fp8), every other destination block and the whole source are as they were."""
+    src, dst = random_bits_pool(40, dtype, seed=8), random_bits_pool(25, dtype, seed=9)
+    src_before, dst_before = src.view(torch.uint8).clone(), dst.view(torch.uint8).clone()
+    gen = torch.Generator().manual_seed(10)
+    src_ids = torch.randperm(40, generator=gen)[:17].tolist()
+    dst_ids = torch.randperm(25, generator=gen)[:17].tolist()
+    swap_blocks(src, dst, torch.tensor(list(zip(src_ids, dst_ids)), dtype=torch.int32))
+    moved = dst.view(torch.uint8)
+    for s, d in zip(src_ids, dst_ids):
+        assert torch.equal(moved[:, :, d], src_before[:, :, s]), (s, d)
+    untouched = sorted(set(range(25)) - set(dst_ids))
+    assert torch.equal(moved[:, :, untouched], dst_before[:, :, untouched])
+    assert torch.equal(src.view(torch.uint8), src_before)
 
 
 def test_empty_mapping_is_a_no_op() -> None:

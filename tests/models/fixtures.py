@@ -1,5 +1,5 @@
-"""Fixtures shared by the model tests (tests/models and tests/engine/test_model_*.py
-import them): tiny random HF folders, built once per session."""
+"""Fixtures shared by the model tests (tests/conftest.py offers them to the whole suite):
+tiny random HF folders, built once per session."""
 from __future__ import annotations
 
 from pathlib import Path

@@ -6,7 +6,6 @@ import re
 from benchmarks import bench_engine as bench
 from engine import generate
 from kernels import cpu_ext
-from tests.models.fixtures import tiny_model, tiny_root  # noqa: F401 (fixtures)
 from tests.models.tiny import SPECS, hf_greedy
 
 

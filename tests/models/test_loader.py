@@ -14,7 +14,6 @@ from engine.errors import ModelLoadError
 from engine.model.loader import read_model_folder
 from engine.model.model_runner import resolve_model_path
 from kernels._triton import interpreting
-from tests.models.fixtures import tiny_model, tiny_root  # noqa: F401 (fixtures)
 from tests.models.tiny import SPECS, hf_greedy, random_prompts
 
 

@@ -10,7 +10,6 @@ import pytest
 from engine.model.default_model import default_model_dir
 from engine.text.tokenizer import HFTokenizer
 from engine.errors import ModelLoadError
-from tests.models.fixtures import tiny_model, tiny_root  # noqa: F401 (fixtures)
 
 MESSAGES = [{"role": "system", "content": "Be brief."},
             {"role": "user", "content": "Hi there"},

@@ -5,12 +5,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from benchmarks import bench_serve
+from tests.support.wait import wait_until
 
 
 def test_bench_serve_runs_and_loses_no_stream(capsys):
@@ -76,13 +76,14 @@ def test_a_terminated_run_stops_its_stack():
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     stack: set[int] = set()
     try:
-        workers: set[int] = set()
-        deadline = time.monotonic() + 300
-        while not workers and bench.poll() is None and time.monotonic() < deadline:
-            workers = {p for p in _children(bench.pid)  # (engine_worker execs celery)
-                       if "engine_worker" in _cmdline(p) or "celery" in _cmdline(p)}
-            time.sleep(0.2)
-        assert workers, f"no engine worker came up: {bench.stderr.read1().decode()[-2000:]}"
+        def still_running() -> None:
+            if bench.poll() is not None:
+                raise AssertionError("the benchmark exited before an engine worker came up: "
+                                     f"{bench.stderr.read().decode()[-2000:]}")
+
+        wait_until(lambda: {p for p in _children(bench.pid)  # (engine_worker execs celery)
+                            if "engine_worker" in _cmdline(p) or "celery" in _cmdline(p)},
+                   "an engine worker", 300, poll_s=0.2, check=still_running)
         stack = _children(bench.pid)  # the web server and the worker
         stack |= {c for p in stack for c in _children(p)}  # the worker's engine core
         bench.send_signal(signal.SIGTERM)

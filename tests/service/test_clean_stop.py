@@ -19,6 +19,7 @@ import pytest
 import requests
 
 from tests.support.stack import REPO, Stack, _own_database, free_port
+from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.stack
 
@@ -102,20 +103,12 @@ def _port_free(port: int) -> bool:
         return True
 
 
-def _wait_for(predicate, what, timeout_s: float, log: Path | None = None) -> None:
-    """Wait until predicate() holds; else fail, saying what (a string, or a callable
-    asked then) and the log's tail."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if predicate():
-                return
-        except (requests.RequestException, ValueError, KeyError):
-            pass
-        time.sleep(0.1)
-    tail = log.read_text(errors="replace")[-4000:] if log is not None else ""
-    what = what() if callable(what) else what
-    raise AssertionError(f"{what} (waited {timeout_s:g} s)\n{tail}")
+# (what a server still starting answers: no answer, or not the JSON it will answer)
+NOT_YET = (requests.RequestException, ValueError, KeyError)
+
+
+def _tail(log: Path) -> str:
+    return log.read_text(errors="replace")[-4000:]
 
 
 def _job_row(db: Path, job_id: int) -> dict:
@@ -171,7 +164,8 @@ def test_a_stop_signal_stops_every_process_of_the_stack(tmp_path, how, private_r
             health = requests.get(f"{url}/healthz", timeout=2).json()
             return health["ok"] and health["engines_alive"] > 0
 
-        _wait_for(ready, "the web server and the engine", 120, log)
+        wait_until(ready, "the web server and the engine", 120, poll_s=0.1, errors=NOT_YET,
+                   detail=lambda: _tail(log))
         token = subprocess.run(
             [sys.executable, "manage.py", "drf_create_token", "admin"], cwd=REPO, env=env,
             capture_output=True, text=True, timeout=60, check=True).stdout.split()[2]
@@ -179,8 +173,9 @@ def test_a_stop_signal_stops_every_process_of_the_stack(tmp_path, how, private_r
         r = requests.post(f"{url}/api/jobs/", json=LONG_JOB, headers=auth, timeout=10)
         assert r.status_code == 201, r.text
         job_id = r.json()["id"]
-        _wait_for(lambda: requests.get(f"{url}/api/jobs/{job_id}/", headers=auth, timeout=5)
-                  .json()["num_output_tokens"] > 0, "the job to run", 30, log)
+        wait_until(lambda: requests.get(f"{url}/api/jobs/{job_id}/", headers=auth, timeout=5)
+                   .json()["num_output_tokens"], "the job to run", 30, poll_s=0.1,
+                   errors=NOT_YET, detail=lambda: _tail(log))
 
         # Everything it started, and their sessions (each child has one of its own).
         tracked = _tree(proc.pid)
@@ -193,9 +188,9 @@ def test_a_stop_signal_stops_every_process_of_the_stack(tmp_path, how, private_r
             assert "redis-server" in names, names
 
         _send(proc, how)
-        _wait_for(lambda: not _survivors(tracked, sessions),
-                  lambda: f"processes left {STOP_WITHIN_S:g} s after the stop signal: "
-                          f"{_survivors(tracked, sessions)}", STOP_WITHIN_S, log)
+        wait_until(lambda: _survivors(tracked, sessions), "every process to stop",
+                   STOP_WITHIN_S, until=lambda left: not left, poll_s=0.1,
+                   detail=lambda: _tail(log))
         assert proc.wait(1) == 0, log.read_text()[-3000:]
         assert _port_free(port), f"port {port} still taken"
         text = log.read_text(errors="replace")
@@ -250,8 +245,8 @@ def test_an_engine_worker_stops_quickly_and_hands_its_job_back(tmp_path, how):
             worker.wait(5)
             raise AssertionError(f"the worker ran on {STOP_WITHIN_S:g} s after its signal:\n"
                                  + stack.log("engine-solo")[-4000:]) from None
-        _wait_for(lambda: not _survivors(tree, set()),
-                  lambda: f"its core outlived it: {_survivors(tree, set())}", 2)
+        wait_until(lambda: _survivors(tree, set()), "its core to stop with it", 2,
+                   until=lambda left: not left, poll_s=0.1)
         log = stack.log("engine-solo")
         assert "Traceback" not in log, log[-5000:]
         assert f"handing jobs [{job_id}] back to the queue" in log, log[-3000:]

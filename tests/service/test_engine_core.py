@@ -21,6 +21,7 @@ from engine.serve.client import InprocClient, MPClient
 from tests.support.stack import Stack
 from kvops.sse_client import stream_completion
 from tests.service.test_jobs_api import expected_text
+from tests.support.wait import wait_until, wait_until_async
 
 CONFIG = dict(simulate=True, simulate_tokenizer="bytes",
               vocab_size=1000, num_gpu_blocks=256, simulate_step_ms=5)
@@ -152,10 +153,7 @@ def test_a_killed_core_fails_its_requests_and_a_new_one_takes_over(core):
     os.kill(first, signal.SIGKILL)
     sink.wait(lambda: "victim" in sink.failed, "the victim to fail")
     assert "SIGKILL" in sink.failed["victim"]
-    deadline = time.monotonic() + 60
-    while not (client.alive and client.pid != first):
-        assert time.monotonic() < deadline, "no new core"
-        time.sleep(0.05)
+    wait_until(lambda: client.alive and client.pid != first, "a new core", 60, poll_s=0.05)
     client.submit("after", "still serving", {"max_tokens": 5})
     sink.wait(lambda: "after" in sink.finished, "a request on the new core")
 
@@ -194,13 +192,13 @@ def test_a_core_killed_mid_stream_ends_the_stream_with_an_error(process_stack):
             process_stack.url, process_stack.tokens["alice"],
             {"model": "simulated-v1", "prompt": "cut short", "max_tokens": 3000,
              "ignore_eos": True}))
-        while True:  # until the job runs and has said something
-            jobs = await asyncio.to_thread(
-                lambda: process_stack.api("GET", "/api/jobs/?status=running").json())
-            rows = jobs["results"] if isinstance(jobs, dict) else jobs
-            if any(r["num_output_tokens"] > 0 for r in rows):
-                break
-            await asyncio.sleep(0.05)
+        def running() -> list[dict]:
+            jobs = process_stack.api("GET", "/api/jobs/?status=running").json()
+            return jobs["results"] if isinstance(jobs, dict) else jobs
+
+        await wait_until_async(lambda: asyncio.to_thread(running),
+                               "the job to run and say something", 60, poll_s=0.05,
+                               until=lambda rows: any(r["num_output_tokens"] > 0 for r in rows))
         os.kill(core_pid(process_stack), signal.SIGKILL)
         return await asyncio.wait_for(task, 60)
 
@@ -215,12 +213,9 @@ def test_a_core_killed_mid_stream_ends_the_stream_with_an_error(process_stack):
         return await stream_completion(process_stack.url, process_stack.tokens["alice"],
                                        {"model": "simulated-v1", "prompt": "next one",
                                         "max_tokens": 8, "temperature": 0})
-    deadline = time.monotonic() + 60
-    while True:  # the worker starts a new core; until then jobs are refused or wait
-        result = asyncio.run(after())
-        if result.error is None:
-            break
-        assert time.monotonic() < deadline, result.error
+    # the worker starts a new core; until then jobs are refused or wait
+    result = wait_until(lambda: asyncio.run(after()), "a stream on a new core", 60, poll_s=0,
+                        until=lambda result: result.error is None)
     assert result.text == expected_text("next one", 8)
 
 

@@ -9,6 +9,7 @@ from rest_framework.test import APIClient
 
 from kvops import live
 from kvops.models import Engine
+from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -23,8 +24,8 @@ def client():
 
 def _until_past(ms: int) -> None:
     """Wait for the clock to pass this millisecond (Redis stamps stream ids with it)."""
-    while int(time.time() * 1000) <= ms:
-        time.sleep(0)
+    wait_until(lambda: int(time.time() * 1000), f"the clock past {ms} ms", 5,
+               until=lambda now: now > ms, poll_s=0)
 
 
 def test_pages_through_the_history_by_id_and_by_time(client):

@@ -6,6 +6,7 @@ import asyncio
 import threading
 
 from kvops.group_commit import GroupCommit
+from tests.support.wait import wait_until, wait_until_async
 
 
 def test_one_calls_items_share_a_batch_and_an_error_fails_that_call_only():
@@ -36,10 +37,9 @@ def test_one_calls_items_share_a_batch_and_an_error_fails_that_call_only():
         ("pair", ["b", "c"]), ("triple", ["d", "bad", "e"]), ("single", ["f"]))]
     for t in others:
         t.start()
-    for _ in range(1000):  # until the three calls are queued behind the first
-        if sum(len(queued.items) for queued in group._waiting) == 6:
-            break
-        threading.Event().wait(0.01)
+    wait_until(lambda: sum(len(queued.items) for queued in group._waiting),
+               "the three calls' 6 items queued behind the first", 10,
+               until=lambda n: n == 6)
     release.set()
     for t in [first, *others]:
         t.join(10)
@@ -81,17 +81,13 @@ def test_event_loop_callers_share_batches_with_threads():
     group = GroupCommit(write)
     first = threading.Thread(target=group.many, args=(["thread"],))
     first.start()
-    for _ in range(1000):  # until the thread writes its batch
-        if batches:
-            break
-        threading.Event().wait(0.01)
+    wait_until(lambda: batches, "the thread to write its batch", 10)
 
     async def callers():
         tasks = [asyncio.ensure_future(group.one(i)) for i in range(5)]
-        for _ in range(1000):  # until all five wait behind the thread's batch
-            if len(group._waiting) == 5:
-                break
-            await asyncio.sleep(0.01)
+        await wait_until_async(lambda: len(group._waiting),
+                               "all five to wait behind the thread's batch", 10,
+                               until=lambda n: n == 5)
         release.set()
         return await asyncio.gather(*tasks)
 

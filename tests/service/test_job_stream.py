@@ -3,7 +3,6 @@ processor (batched stream entries and database writes, fenced on the attempt), t
 side's hub (demultiplexing, gaps and Redis failures end listeners with an error), and the
 text assembler."""
 import asyncio
-import time
 
 import pytest
 from django.contrib.auth.models import User
@@ -17,16 +16,9 @@ from kvops.models import Job
 from kvops import output_processor
 from kvops.output_processor import OutputProcessor
 from kvops.stream_hub import JobStreamHub, StreamError
+from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-def wait_until(predicate, what: str, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 def running_job(owner, attempt: int = 1) -> Job:
@@ -111,11 +103,13 @@ def test_a_first_token_does_not_wait_for_the_flush_gap(monkeypatch, settings):
         processor.track(early.pk, early.request_id, 1)
         engine.add_request(early.request_id, "one", SamplingParams(max_tokens=50))
         processor.push(engine.step_core())
-        wait_until(lambda: streamed(early) == [1], "the first job's first token")
+        wait_until(lambda: streamed(early), "the first job's first token", 20,
+                   until=lambda tokens: tokens == [1])
         processor.track(late.pk, late.request_id, 1)
         engine.add_request(late.request_id, "two", SamplingParams(max_tokens=50))
         processor.push(engine.step_core())  # early's second token, late's first
-        wait_until(lambda: streamed(late) == [1], "the second job's first token")
+        wait_until(lambda: streamed(late), "the second job's first token", 20,
+                   until=lambda tokens: tokens == [1])
         assert streamed(early) == [1, 2]  # its second token went in the same flush
     finally:
         processor.close()
@@ -310,9 +304,10 @@ def test_a_move_in_is_followed_only_from_the_engine_its_job_ran_on_and_fails_alo
         engine.add_request(bystander.request_id, "one", SamplingParams(max_tokens=50))
         processor.push([*engine.step_core(), arrival(claimed, "x", []),
                         arrival(broken, "e", [["not", "an entry"]])])
-        wait_until(lambda: streamed(bystander) == [1], "the bystander's token")
-        wait_until(lambda: sorted(stopped) == sorted([claimed.request_id, broken.request_id]),
-                   "both arrivals stopped")
+        wait_until(lambda: streamed(bystander), "the bystander's token", 20,
+                   until=lambda tokens: tokens == [1])
+        wait_until(lambda: sorted(stopped), "both arrivals stopped", 20,
+                   until=lambda ids: ids == sorted([claimed.request_id, broken.request_id]))
         assert streamed(claimed) == [] and streamed(broken) == []
     finally:
         processor.close()

@@ -3,7 +3,6 @@ database (kvops/engine_claim.py), refused to another live stack, and a worker ig
 operator commands stamped with another stack's id. Against the test session's private
 Redis and, for the commands, a real engine on the simulator in this process."""
 import threading
-import time
 import uuid
 
 import pytest
@@ -19,6 +18,7 @@ from kvops.job_stream import StreamProducer
 from kvops.output_processor import OutputProcessor
 from kvops.prompts import tokenizer_for
 from kvops.stack_id import stack_id
+from tests.support.wait import wait_until
 
 
 @pytest.fixture()
@@ -86,8 +86,8 @@ def test_a_claim_whose_holder_died_is_taken_over_once_it_expires(client, name):
     with pytest.raises(EngineNameTaken):
         claim(client, name, "stack-b").take()
     client.pexpire(key, 1)  # its lifetime runs out
-    while client.exists(key):  # (until Redis has dropped it)
-        time.sleep(0.01)
+    wait_until(lambda: client.exists(key), "Redis to drop the expired claim", 10,
+               until=lambda exists: not exists)
     taker = claim(client, name, "stack-b")
     taker.take()
     try:

@@ -15,6 +15,7 @@ import websockets
 
 from engine.observe.feed import decode
 from kvops.prompts import inspector
+from tests.support.wait import wait_until_async
 
 VICTIM_PASSWORD = "mauve-tractor-41-lake"
 
@@ -101,9 +102,10 @@ def test_the_websocket_sends_a_plain_user_no_hash(stack, victim):
             # a job of alice's makes deltas while we listen
             job = await asyncio.to_thread(stack.api, "POST", "/api/jobs/", user="alice",
                                           json={"prompt": _prompt("0000"), "max_tokens": 30})
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline and (snapshot is None or history is None
-                                                   or len(deltas) < 3):
+
+            async def take_frame() -> tuple[bool, int, bool]:
+                """The next frame kept; whether a snapshot came, how many deltas, the history."""
+                nonlocal snapshot, history
                 frame = await asyncio.wait_for(ws.recv(), 30)
                 if isinstance(frame, bytes):
                     doc = decode(frame)
@@ -113,6 +115,11 @@ def test_the_websocket_sends_a_plain_user_no_hash(stack, victim):
                         deltas.append(doc)
                 elif json.loads(frame)["type"] == "history":
                     history = json.loads(frame)["items"]
+                return snapshot is not None, len(deltas), history is not None
+
+            await wait_until_async(take_frame, "a snapshot, 3 deltas and the history", 30,
+                                   until=lambda seen: seen[0] and seen[1] >= 3 and seen[2],
+                                   poll_s=0)
             await asyncio.to_thread(stack.wait_job, job.json()["id"])
             return snapshot, deltas, history
 
@@ -169,10 +176,14 @@ def test_the_victim_sees_its_own_hashes_on_its_job(stack, victim):
                                       origin=f"http://127.0.0.1:{stack.port}",
                                       additional_headers={"Cookie": cookie}) as ws:
             await ws.send(json.dumps({"type": "blocks"}))
-            while True:
-                message = json.loads(await asyncio.wait_for(ws.recv(), 30))
-                if message["type"] == "blocks" and message.get("request"):
-                    return message["request"]
+
+            async def next_message() -> dict:
+                return json.loads(await asyncio.wait_for(ws.recv(), 30))
+
+            message = await wait_until_async(
+                next_message, "a 'blocks' message with the request's", 30, poll_s=0,
+                until=lambda message: message["type"] == "blocks" and message.get("request"))
+            return message["request"]
 
     try:
         entry = asyncio.run(blocks())

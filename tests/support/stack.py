@@ -9,7 +9,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from urllib.parse import urlparse, urlunparse
 
@@ -17,6 +16,7 @@ import requests
 
 from kvops.private_file import ensure_secret_key
 from kvops.run import web_server_argv
+from tests.support.wait import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 _stack_count = itertools.count(1)
@@ -132,19 +132,15 @@ class Stack:
         return (self.workdir / f"{name}.log").read_text(errors="replace")
 
     def wait(self, predicate, what: str, timeout_s: float) -> None:
-        deadline = time.time() + timeout_s
-        last = None
-        while time.time() < deadline:
-            try:
-                if predicate():
-                    return
-            except Exception as e:  # not up yet
-                last = e
-            for name, proc in self.procs.items():
-                if proc.poll() is not None:
-                    raise RuntimeError(f"{name} exited early:\n{self.log(name)[-3000:]}")
-            time.sleep(0.2)
-        raise TimeoutError(f"{what} not ready after {timeout_s} s (last error: {last})")
+        """wait_until with this stack's ways: a probe that raises is not up yet, and a
+        process of the stack that has exited ends the wait."""
+        wait_until(predicate, what, timeout_s, poll_s=0.2, errors=(Exception,),
+                   check=self._all_running)
+
+    def _all_running(self) -> None:
+        for name, proc in self.procs.items():
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited early:\n{self.log(name)[-3000:]}")
 
     # --- HTTP ----------------------------------------------------------------------
     def api(self, method: str, path: str, user: str | None = "admin", **kw) -> requests.Response:

@@ -72,7 +72,7 @@ class PrefixTier(ABC):
         """The pool above is reusing these cached (block id, hash), their data still in
         place: keep a copy of those the tier takes."""
 
-    def count_prompt(self, hashes: list[BlockHash]) -> None:
+    def count_prompt(self, hashes: list[BlockHash]) -> None:  # noqa: B027 (a no-op unless a tier needs it)
         """A prompt was looked up for these hashes, hit or not (a tier that admits
         blocks by how often they are asked for counts them; others do nothing)."""
 
@@ -89,7 +89,7 @@ class PrefixTier(ABC):
         for a step that runs. None for a tier that moves its blocks itself."""
         return []
 
-    def mark_computed(self) -> None:
+    def mark_computed(self) -> None:  # noqa: B027 (a no-op unless a tier needs it)
         """The step ran: the copies it made hold their data."""
 
     def forget_uncomputed(self) -> int:
@@ -102,7 +102,7 @@ class PrefixTier(ABC):
         return []
 
     # --- giving blocks back ----------------------------------------------------------
-    def read_ahead(self, hashes: list[BlockHash]) -> None:
+    def read_ahead(self, hashes: list[BlockHash]) -> None:  # noqa: B027 (a no-op unless a tier needs it)
         """A request arrived whose blocks of these hashes no level above holds: a tier
         slow to read starts reading them now (others do nothing)."""
 
@@ -152,5 +152,5 @@ class PrefixTier(ABC):
         """Its counters, by the names /metrics publishes them (block_bytes: one block's
         K/V, every layer)."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (a no-op unless a tier needs it)
         """The engine is closing: finish what is under way."""

@@ -135,6 +135,11 @@ class DiskStore:
     def num_bytes(self) -> int:
         return self._bytes
 
+    @property
+    def num_read_ahead(self) -> int:
+        """Blocks read ahead (read_ahead) and held in memory until get() takes them."""
+        return len(self._ready)
+
     def contains(self, block_hash: BlockHash) -> bool:
         with self._lock:
             return block_hash in self._index or block_hash in self._pending
