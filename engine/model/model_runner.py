@@ -1,23 +1,23 @@
-"""ModelRunner: a real Llama-family model behind the Runner interface.
+"""ModelRunner: a real Llama-family model behind the Runner interface, composed of one
+part per job.
 
-Start-up: resolve device and dtype, load the HF folder (weights, tokenizer), size the
-KV pools, allocate them. Each step: turn the SchedulerOutput into one varlen batch
-(input_ids, positions, slot_mapping, block tables, seq_lens, query_start_loc), run the
-model with logits only for the rows that sample, and sample.
+Start-up: resolve device and dtypes (engine/model/device.py), load the HF folder
+(weights, tokenizer), size the KV pools and allocate them (kv_pools.py), calibrate an
+fp8 cache's scales (fp8_scales.py). Each step: turn the SchedulerOutput into one varlen
+batch (input_batch.py: input_ids, positions, slot_mapping, block tables, seq_lens,
+query_start_loc), run the model with logits only for the rows that sample, and sample.
 """
 from __future__ import annotations
 
-import os
 import sys
 import warnings
-import zlib
 from pathlib import Path
 
 import torch
 
 import kernels
 
-from engine.model.attention import AttentionBatch, make_attention_backend
+from engine.model.attention import make_attention_backend
 from engine.config import EngineConfig
 from engine.text.tokenizer import HFTokenizer
 from engine.kv.layout import block_bytes, kv_layout
@@ -27,17 +27,15 @@ from engine.model.loader import (ModelFolder, load_model, model_identity,
 from engine.model.runner import Runner, StepResult, block_count, frame_header
 from engine.model.sampler import logprobs_of, sample, token_logprobs
 from engine.sched.output import SchedulerOutput
-from engine.model import parallel
+from engine.model import kv_pools, parallel
+from engine.model.device import choose_ops, resolve_device, resolve_dtype, resolve_kv_dtype
+from engine.model.fp8_scales import calibrate, calibration_sequences, kv_format_of, unit_scales
 from engine.model.input_batch import InputBatch, RankBatch, StepBatch
-from engine.model.ops import TorchOps
-from engine.model.ops_cpu import cpu_kernel_ops, tune_process
-from engine.model.ops_triton import TritonOps
+from engine.model.ops_cpu import tune_process
+from engine.model.scratch_pass import ScratchPass
 from kernels import cpu_ext
 from kernels._checks import as_bits
-from kernels.fp8 import cache_dtype, is_fp8
-
-DEFAULT_CPU_KV_BYTES = 512 * 1024 ** 2
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from kernels.fp8 import is_fp8
 
 
 class ModelRunner(Runner):
@@ -96,22 +94,27 @@ class ModelRunner(Runner):
         slots = self.kv_layout.slots
         self.block_bytes = block_bytes(self.kv_layout, self.block_size, args.n_kv_heads,
                                        args.head_dim, self._kv_dtype.itemsize)
-        self.num_gpu_blocks = config.num_gpu_blocks or self._blocks_from_memory()
-        self.num_cpu_blocks = (self._default_cpu_blocks() if config.num_cpu_blocks is None
-                               else config.num_cpu_blocks)
+        # a forward pass outside the pools: the sizing's profile, an fp8 cache's calibration
+        scratch = ScratchPass(self.model, self.ops, self.kv_layout, self.block_size,
+                              self._device, self._kv_dtype)
+        self.num_gpu_blocks = config.num_gpu_blocks or kv_pools.device_blocks(
+            config, self._device, self.block_bytes, self.max_model_len,
+            lambda sequences: scratch(sequences, self.attention))
+        self.num_cpu_blocks = (
+            kv_pools.host_blocks(self.num_gpu_blocks, self._device, self.block_bytes)
+            if config.num_cpu_blocks is None else config.num_cpu_blocks)
         if self.tp is not None:  # every rank takes rank 0's pool sizes: one block table
             self.num_gpu_blocks, self.num_cpu_blocks = self.tp.broadcast(
                 (self.num_gpu_blocks, self.num_cpu_blocks))
-        shape = (slots, 2, self.block_size, args.n_kv_heads, args.head_dim)
-        self.kv_cache = torch.zeros(_with_blocks(shape, self.num_gpu_blocks), dtype=self._kv_dtype,
-                                    device=self._device)
-        self.cpu_cache = torch.zeros(_with_blocks(shape, self.num_cpu_blocks), dtype=self._kv_dtype,
-                                     pin_memory=self._device.type == "cuda")
+        # the device and the host pool, allocated once and never replaced
+        self.kv_cache, self.cpu_cache = kv_pools.allocate(
+            (slots, 2, self.block_size, args.n_kv_heads, args.head_dim),
+            self.num_gpu_blocks, self.num_cpu_blocks, self._kv_dtype, self._device)
         # each step's forward inputs, from the scheduler's output
         self.input_batch = InputBatch(self.block_size, self._device, config.seed,
                                       self.kv_layout.num_groups)
         # an fp8 cache's scales, [n_layers, 2, n_kv_heads] (None: the model's dtype)
-        self.kv_scales = self._kv_scales() if is_fp8(self._kv_dtype) else None
+        self.kv_scales = self._kv_scales(scratch) if is_fp8(self._kv_dtype) else None
         # how a block's bytes read: blocks move (disk tier, migration) only between
         # engines whose K/V reads alike (dtype, and an fp8 cache's scales)
         self.kv_format = kv_format_of(self._kv_dtype, config.kv_cache_scales, self.kv_scales)
@@ -380,122 +383,16 @@ class ModelRunner(Runner):
         else:
             _copy_blocks(self.kv_cache, self.kv_cache, mapping)
 
-    # --- sizing -----------------------------------------------------------------------
-    def _blocks_from_memory(self) -> int:
-        if self._device.type == "cuda":
-            budget = self._cuda_kv_budget()
-            source = f"gpu_memory_utilization={self.config.gpu_memory_utilization}"
-        else:
-            budget = self.config.kv_cache_memory_bytes or DEFAULT_CPU_KV_BYTES
-            source = ("kv_cache_memory_bytes" if self.config.kv_cache_memory_bytes
-                      else "the CPU default")
-        num_blocks = budget // self.block_bytes
-        self._log(f"kvops: KV pool from {source}: {budget / 1024 ** 2:.0f} MiB / "
-                  f"{self.block_bytes} B per block = {num_blocks} blocks")
-        if num_blocks < 1:
-            raise ModelLoadError(
-                f"no memory left for the KV cache ({budget} B for {self.block_bytes} B blocks); "
-                "lower max_num_batched_tokens, raise gpu_memory_utilization or set num_gpu_blocks")
-        return int(num_blocks)
-
-    def _default_cpu_blocks(self) -> int:
-        """Half the device pool, but on a GPU no more than a quarter of the host's free
-        memory: the swap pool is pinned, and a big GPU's half would not fit."""
-        blocks = self.num_gpu_blocks // 2
-        if self._device.type == "cuda":
-            free_host = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-            blocks = min(blocks, free_host // 4 // self.block_bytes)
-        return int(blocks)
-
-    def _cuda_kv_budget(self) -> int:
-        """Device memory the KV pool may take: gpu_memory_utilization of the device,
-        minus what the weights and the activations of a full-budget step use (measured
-        with one forward pass over max_num_batched_tokens tokens)."""
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self._device)
-        self._profile_forward()
-        peak = torch.cuda.max_memory_allocated(self._device)
-        total = torch.cuda.get_device_properties(self._device).total_memory
-        free, _ = torch.cuda.mem_get_info(self._device)
-        other = total - free - torch.cuda.memory_reserved(self._device)  # other processes
-        budget = int(total * self.config.gpu_memory_utilization) - peak - max(other, 0)
-        self._log(f"kvops: device memory {total / 1024 ** 3:.1f} GiB x "
-                  f"{self.config.gpu_memory_utilization} - peak {peak / 1024 ** 3:.2f} GiB "
-                  f"(weights + activations) - {max(other, 0) / 1024 ** 3:.2f} GiB used elsewhere "
-                  f"= {budget / 1024 ** 3:.2f} GiB for KV")
-        return budget
-
     @torch.inference_mode()
-    def _profile_forward(self) -> None:
-        """One forward pass of max_num_batched_tokens tokens in sequences of at most
-        max_model_len, against a scratch cache just big enough."""
-        num_tokens = min(self.config.max_num_batched_tokens, self.max_model_len * self.config.max_num_seqs)
-        seq_len = min(num_tokens, self.max_model_len)
-        lens = [seq_len] * (num_tokens // seq_len) + ([num_tokens % seq_len] if num_tokens % seq_len else [])
-        self._scratch_forward([[0] * n for n in lens], self.attention)
-        torch.cuda.synchronize(self._device)
-
-    @torch.inference_mode()
-    def _kv_scales(self) -> torch.Tensor:
-        """An fp8 cache's scales ([n_layers, 2, n_kv_heads] float32): 1 ("unit", as vLLM
-        without scales in the checkpoint), or calibrated once at start-up on a fixed text
-        (kernels/fp8.CALIBRATION_TEXT, and seeded tokens spread over the vocabulary):
-        the largest |K| and |V| each layer writes, per
-        layer ("tensor") or per KV head ("head"), fitted into the format with 2x
-        headroom, as powers of two. The same model and dtype get the same scales at
-        every start (a disk tier written before a restart reads back alike)."""
-        from kernels.fp8 import CALIBRATION_TEXT, scales_for
-
+    def _kv_scales(self, scratch: ScratchPass) -> torch.Tensor:
+        """An fp8 cache's scales ([n_layers, 2, n_kv_heads] float32, this rank's heads):
+        1, or calibrated once at start-up through `scratch` (engine/model/fp8_scales.py)."""
         if self.config.kv_cache_scales == "unit":
-            return self._unit_scales()
-        # the text, and tokens spread over the vocabulary (a model whose tokenizer reads
-        # the text as unknown words still sees its real embeddings)
-        text = self.tokenizer.encode(CALIBRATION_TEXT)[:self.max_model_len]
-        spread = torch.randint(self.vocab_size, (min(256, self.max_model_len),),
-                               generator=torch.Generator().manual_seed(0)).tolist()
-        recorder = _AmaxRecorder(self.attention)
-        # through a cache of the model's dtype: each layer sees the K/V the model makes,
-        # not what an fp8 cache at scale 1 would have clamped or flushed
-        self._scratch_forward([text, spread], recorder, cache_dtype=self._dtype)
-        amax = torch.stack(recorder.amax)  # [n_layers, 2, n_kv_heads]
-        if self.config.kv_cache_scales == "tensor":
-            amax = amax.amax(dim=-1, keepdim=True).expand_as(amax)
-        return scales_for(amax, self._kv_dtype).contiguous()
-
-    def _unit_scales(self) -> torch.Tensor:
-        """Scales of 1 for every layer's K and V, per KV head (this rank's)."""
-        args = self.model.args
-        return torch.ones(args.n_layers, 2, args.n_kv_heads, device=self._device)
-
-    def _scratch_forward(self, sequences: list[list[int]], backend: object,
-                         cache_dtype: torch.dtype | None = None) -> None:
-        """A forward pass of fresh sequences (token ids) against a scratch cache just big
-        enough (of cache_dtype: the K/V cache's by default), through `backend` (this
-        rank's share of the heads, a split model's)."""
-        args, bs, dev = self.model.args, self.block_size, self._device
-        tables, slots, positions, qsl, next_block = [], [], [], [0], 0
-        for seq in sequences:
-            n = len(seq)
-            nb = -(-n // bs)
-            tables.append(list(range(next_block, next_block + nb)))
-            slots.extend(range(next_block * bs, next_block * bs + n))
-            positions.extend(range(n))
-            qsl.append(qsl[-1] + n)
-            next_block += nb
-        cache_dtype = cache_dtype or self._kv_dtype
-        cache = torch.zeros(_with_blocks((self.kv_layout.slots, 2, bs, args.n_kv_heads,
-                                          args.head_dim), next_block),
-                            dtype=cache_dtype, device=dev)
-        kv_scales = self._unit_scales() if is_fp8(cache_dtype) else None
-        lens = [len(seq) for seq in sequences]
-        batch = AttentionBatch(bs, tables, lens, qsl, torch.tensor(slots, device=dev))
-        plan = backend.plan(batch)  # (every layer group in the same blocks)
-        self.model(torch.tensor([t for seq in sequences for t in seq], dtype=torch.int64, device=dev),
-                   torch.tensor(positions, device=dev), cache, backend,
-                   [plan] * self.kv_layout.num_groups,
-                   torch.tensor([q - 1 for q in qsl[1:]], device=dev), self.ops,
-                   kv_scales=kv_scales)
-        del cache
+            return unit_scales(self.model.args.n_layers, self.model.args.n_kv_heads,
+                               self._device)
+        sequences = calibration_sequences(self.tokenizer, self.vocab_size, self.max_model_len)
+        return calibrate(self.config.kv_cache_scales, sequences, self.attention, scratch,
+                         self._dtype, self._kv_dtype)
 
     @staticmethod
     def _log(message: str) -> None:
@@ -511,10 +408,6 @@ def _copy_blocks(src: torch.Tensor, dst: torch.Tensor, mapping: list[tuple[int, 
     dst.index_copy_(2, dst_ids, src.index_select(2, src_ids))  # blocks: [L, 2, n, bs, Hkv, D]
 
 
-def _with_blocks(shape: tuple[int, ...], num_blocks: int) -> tuple[int, ...]:
-    """(L, 2, bs, Hkv, D) -> (L, 2, num_blocks, bs, Hkv, D)."""
-    return shape[:2] + (num_blocks,) + shape[2:]
-
 
 def _max_model_len(config: EngineConfig, folder: ModelFolder) -> int:
     limit = folder.args.max_position_embeddings
@@ -529,72 +422,6 @@ def _max_model_len(config: EngineConfig, folder: ModelFolder) -> int:
     return config.max_model_len
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ModelLoadError("device='cuda' but torch sees no CUDA device; use device='cpu'")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """auto: bfloat16 on CUDA (float16 on GPUs without bf16), float32 on CPU.
-    float16 on CPU is refused: CPUs have few fast float16 kernels, so it is slower than
-    float32 and less accurate than bfloat16."""
-    if name == "auto":
-        if device.type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.float32
-    if name == "float16" and device.type == "cpu":
-        raise ModelLoadError("dtype='float16' is not supported on CPU (slow float16 kernels); "
-                             "use 'float32' or 'bfloat16'")
-    if name == "bfloat16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise ModelLoadError("this GPU has no bfloat16 support; use dtype='float16'")
-    return _DTYPES[name]
-
-
-def resolve_kv_dtype(config: EngineConfig, device: torch.device,
-                     model_dtype: torch.dtype) -> torch.dtype:
-    """EngineConfig.kv_cache_dtype on this device: "auto" is the model's dtype. fp8 with
-    the Triton kernels needs a GPU of compute capability 8.9 or later (Ada, Hopper),
-    where Triton has fp8 types."""
-    kv_dtype = cache_dtype(config.kv_cache_dtype, model_dtype)
-    if is_fp8(kv_dtype) and device.type == "cuda" and config.attention_backend != "torch" \
-            and torch.cuda.get_device_capability(device) < (8, 9):
-        raise ModelLoadError(
-            f"kv_cache_dtype={config.kv_cache_dtype!r} on the Triton kernels needs a GPU of "
-            "compute capability 8.9 or later; use attention_backend='torch' (slower) or "
-            "kv_cache_dtype='auto'")
-    return kv_dtype
-
-
-def kv_format_of(kv_dtype: torch.dtype, granularity: str, scales: torch.Tensor | None) -> str:
-    """The dtype's name; for fp8, with its scales' granularity and a digest of their
-    values: fp8 blocks read alike only under the same scales."""
-    name = str(kv_dtype).removeprefix("torch.")
-    if scales is None:
-        return name
-    digest = zlib.crc32(scales.detach().cpu().numpy().tobytes())
-    return f"{name}/{granularity}:{digest:08x}"
-
-
-class _AmaxRecorder:
-    """An attention backend that notes the largest |K| and |V| (per KV head) of each
-    layer it stores, in call order (layer 0 first), and leaves the rest to `inner`."""
-
-    def __init__(self, inner: object) -> None:
-        self.inner, self.name = inner, inner.name
-        self.amax: list[torch.Tensor] = []
-
-    def plan(self, batch: AttentionBatch) -> object:
-        return self.inner.plan(batch)
-
-    def forward(self, q, k, v, kv_layer, plan, scale, window=None, softcap=None, kv_scale=None):
-        self.amax.append(torch.stack((k.abs().amax(dim=(0, 2)), v.abs().amax(dim=(0, 2)))).float())
-        return self.inner.forward(q, k, v, kv_layer, plan, scale, window=window,
-                                  softcap=softcap, kv_scale=kv_scale)
-
-
 def resolve_model_path(model: str | None) -> str | Path:
     """model=None -> the converted default model (make setup creates it)."""
     if model is not None:
@@ -607,15 +434,6 @@ def resolve_model_path(model: str | None) -> str | Path:
             f"the default model is not at {path}: run `make setup` (it converts "
             "SmolLM2-135M-Instruct there), or pass EngineConfig(model='path/to/hf-folder')")
     return path
-
-
-def choose_ops(config, device: torch.device, dtype: torch.dtype, backend) -> TorchOps:
-    """The runner's pick, once at start-up: with the Triton attention backend, Triton's
-    ops (its fused MoE kernel); for float32 on a CPU, the C++ kernels where they build
-    and config.cpu_kernels asks; plain torch otherwise."""
-    if backend.name == "triton":
-        return TritonOps()
-    return cpu_kernel_ops(config, device, dtype, backend) or TorchOps()
 
 
 def serve_rank(config: EngineConfig, rank: int, size: int, address: str) -> None:
