@@ -6,16 +6,15 @@ Start-up: resolve device and dtypes (engine/model/device.py), load the HF folder
 fp8 cache's scales (fp8_scales.py). Each step: turn the SchedulerOutput into one varlen
 batch (input_batch.py: input_ids, positions, slot_mapping, block tables, seq_lens,
 query_start_loc), run the model with logits only for the rows that sample, and sample.
+Block swaps, copies and moves go through block_io.py. A model split over ranks
+(parallel.py): rank 0 sends each step's block copies and batch to the others.
 """
 from __future__ import annotations
 
 import sys
-import warnings
 from pathlib import Path
 
 import torch
-
-import kernels
 
 from engine.model.attention import make_attention_backend
 from engine.config import EngineConfig
@@ -24,17 +23,17 @@ from engine.kv.layout import block_bytes, kv_layout
 from engine.errors import ModelLoadError
 from engine.model.loader import (ModelFolder, load_model, model_identity,
                            read_model_folder)
-from engine.model.runner import Runner, StepResult, block_count, frame_header
+from engine.model.runner import Runner, StepResult
 from engine.model.sampler import logprobs_of, sample, token_logprobs
 from engine.sched.output import SchedulerOutput
 from engine.model import kv_pools, parallel
+from engine.model.block_io import BlockIO
 from engine.model.device import choose_ops, resolve_device, resolve_dtype, resolve_kv_dtype
 from engine.model.fp8_scales import calibrate, calibration_sequences, kv_format_of, unit_scales
 from engine.model.input_batch import InputBatch, RankBatch, StepBatch
 from engine.model.ops_cpu import tune_process
 from engine.model.scratch_pass import ScratchPass
 from kernels import cpu_ext
-from kernels._checks import as_bits
 from kernels.fp8 import is_fp8
 
 
@@ -89,8 +88,6 @@ class ModelRunner(Runner):
 
         args = self.model.args  # (this rank's share of the heads)
         # One block: K and V of every layer, or of one layer group's (this rank's heads).
-        self._copy_stream = None  # CUDA: the CPU tier's copies ahead of need (copy_ahead)
-        self._copy_ahead_done = None  # an event the next step's work waits for
         slots = self.kv_layout.slots
         self.block_bytes = block_bytes(self.kv_layout, self.block_size, args.n_kv_heads,
                                        args.head_dim, self._kv_dtype.itemsize)
@@ -110,6 +107,10 @@ class ModelRunner(Runner):
         self.kv_cache, self.cpu_cache = kv_pools.allocate(
             (slots, 2, self.block_size, args.n_kv_heads, args.head_dim),
             self.num_gpu_blocks, self.num_cpu_blocks, self._kv_dtype, self._device)
+        # their blocks' swaps, copies and moves
+        self.block_io = BlockIO(self.kv_cache, self.cpu_cache, self._device,
+                                triton_copies=self.attention.name == "triton"
+                                and self._device.type == "cuda")
         # each step's forward inputs, from the scheduler's output
         self.input_batch = InputBatch(self.block_size, self._device, config.seed,
                                       self.kv_layout.num_groups)
@@ -150,15 +151,15 @@ class ModelRunner(Runner):
         """Rank 0 of a split model: the step's block copies and batch go to every rank
         first, then all run them together."""
         if self.tp is None:
-            self._wait_copy_ahead()
+            self.block_io.wait_copy_ahead()
             return super().execute(out)
         batch = self.input_batch.prepare(out) if out.scheduled else None
         swap_out = out.swap_out + out.copy_ahead  # (a split model copies ahead in line)
         self.tp.broadcast(("step", swap_out, out.swap_in, out.copies,
                            batch.for_ranks() if batch else None))
-        self._swap_out(swap_out)
-        self._swap_in(out.swap_in)
-        self._copy_blocks(out.copies)
+        self.block_io.swap_out(swap_out)
+        self.block_io.swap_in(out.swap_in)
+        self.block_io.copy_blocks(out.copies)
         return self._forward_batch(batch) if batch else StepResult()
 
     def serve_rank(self) -> None:
@@ -168,9 +169,9 @@ class ModelRunner(Runner):
             if message[0] == "stop":
                 break
             _, swap_out, swap_in, copies, batch = message
-            self._swap_out(swap_out)
-            self._swap_in(swap_in)
-            self._copy_blocks(copies)
+            self.block_io.swap_out(swap_out)
+            self.block_io.swap_in(swap_in)
+            self.block_io.copy_blocks(copies)
             if batch is not None:
                 self._run_model(batch.to(self._device))
         parallel.shutdown(self.tp, [])
@@ -218,170 +219,59 @@ class ModelRunner(Runner):
             out.setdefault(request_id, []).append((position, *entry))
         return out
 
-    # --- block copies -------------------------------------------------------------------
+    # --- block copies (engine/model/block_io.py) ---------------------------------------
     # (An operator's swap between steps comes here directly: a split model's other ranks
     # are told first. Within a step, execute sends them the copies with the batch.)
     def swap_out(self, mapping: list[tuple[int, int]]) -> None:
-        self._wait_copy_ahead()
+        self.block_io.wait_copy_ahead()
         self._tell_ranks(mapping, [], [])
-        self._swap_out(mapping)
+        self.block_io.swap_out(mapping)
 
     def swap_in(self, mapping: list[tuple[int, int]]) -> None:
-        self._wait_copy_ahead()
+        self.block_io.wait_copy_ahead()
         self._tell_ranks([], mapping, [])
-        self._swap_in(mapping)
+        self.block_io.swap_in(mapping)
 
     def copy_blocks(self, mapping: list[tuple[int, int]]) -> None:
-        self._wait_copy_ahead()
+        self.block_io.wait_copy_ahead()
         self._tell_ranks([], [], mapping)
-        self._copy_blocks(mapping)
+        self.block_io.copy_blocks(mapping)
+
+    def copy_ahead(self, mapping: list[tuple[int, int]]) -> None:
+        """On CUDA, beside the forward pass (BlockIO.copy_ahead); elsewhere, now."""
+        self.block_io.copy_ahead(mapping)
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """[layers, 2, n, block_size, kv heads, head dim] on the host (from a GPU, through
-        a pinned buffer: the copy runs at the link's full speed, and its pages are not
-        moved under the network send that reads them)."""
         self._single_rank("move a request's blocks")
-        self._wait_copy_ahead()
-        index = torch.tensor(block_ids, dtype=torch.long, device=self.kv_cache.device)
-        picked = self.kv_cache.index_select(2, index)
-        if picked.device.type != "cuda":
-            return picked
-        host = torch.empty(picked.shape, dtype=picked.dtype, pin_memory=True)
-        host.copy_(picked, non_blocking=True)
-        torch.cuda.current_stream(picked.device).synchronize()
-        return host
+        return self.block_io.read_blocks(block_ids)
 
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
         self._single_rank("move a request's blocks")
-        self._wait_copy_ahead()
-        if data.shape[2] != len(block_ids) or data.shape[:2] != self.kv_cache.shape[:2] or \
-                data.shape[3:] != self.kv_cache.shape[3:]:
-            raise ValueError(f"blocks of shape {tuple(data.shape)} do not fit this engine's "
-                             f"cache {tuple(self.kv_cache.shape)}")
-        if data.dtype != self.kv_cache.dtype:
-            raise ValueError(f"blocks of {data.dtype} do not fit this engine's "
-                             f"{self.kv_cache.dtype} cache")
-        index = torch.tensor(block_ids, dtype=torch.long, device=self.kv_cache.device)
-        as_bits(self.kv_cache).index_copy_(2, index, as_bits(data).to(self.kv_cache.device))
+        self.block_io.write_blocks(block_ids, data)
+
+    # (read_blocks' data is one tensor, [layers, 2, n, block_size, kv heads, head dim])
+    num_blocks_in = staticmethod(BlockIO.num_blocks_in)
+    blocks_between = staticmethod(BlockIO.blocks_between)
+    blocks_to_frames = staticmethod(BlockIO.blocks_to_frames)
+
+    def blocks_from_frames(self, header: object, frames: list, most: int) -> torch.Tensor:
+        return self.block_io.blocks_from_frames(header, frames, most)
 
     def read_pool_block(self, pool: str, block_id: int) -> bytes:
-        """[layers, 2, block_size, kv heads, head dim] of a block of the CPU or the GPU
-        pool, as bytes (after every copy into the pool under way has landed)."""
         self._single_rank("keep a disk tier")
-        if self._device.type == "cuda":
-            torch.cuda.synchronize(self._device)
-        block = self._pool(pool)[:, :, block_id].contiguous()
-        return block.view(torch.uint8).cpu().numpy().tobytes()
+        return self.block_io.read_pool_block(pool, block_id)
 
     def write_pool_block(self, pool: str, block_id: int, data: bytes) -> None:
         self._single_rank("keep a disk tier")
-        target = self._pool(pool)[:, :, block_id]
-        if len(data) != target.numel() * target.element_size():
-            raise ValueError(f"a block of {len(data)} bytes; this engine's hold "
-                             f"{target.numel() * target.element_size()}")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            source = torch.frombuffer(data, dtype=torch.uint8)
-        as_bits(target).copy_(source.view(as_bits(target).dtype).view(target.shape)
-                              .to(target.device))
-
-    def _pool(self, pool: str) -> torch.Tensor:
-        return {"gpu": self.kv_cache, "cpu": self.cpu_cache}[pool]
-
-    @staticmethod
-    def num_blocks_in(data: torch.Tensor) -> int:
-        return data.shape[2]
-
-    @staticmethod
-    def blocks_between(data: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        return data[:, :, start:end]
-
-    @staticmethod
-    def blocks_to_frames(data: torch.Tensor) -> tuple[dict, list]:
-        """The tensor's bytes as one frame (its own memory, no copy), its shape and dtype
-        in the header."""
-        data = data.contiguous()
-        return ({"kind": "tensor", "shape": list(data.shape),
-                 "dtype": str(data.dtype).removeprefix("torch.")},
-                [data.view(torch.uint8).numpy().data if data.numel() else b""])
-
-    def blocks_from_frames(self, header: object, frames: list, most: int) -> torch.Tensor:
-        """At most `most` blocks of this cache's layout and dtype; the header and the
-        frame's size are checked against them before anything is decoded (ValueError)."""
-        expected = list(self.kv_cache.shape)
-        shape = frame_header(header, "tensor").get("shape")
-        if not isinstance(shape, list) or len(shape) != len(expected):
-            raise ValueError(f"blocks of shape {shape!r} do not fit this engine's cache "
-                             f"{tuple(expected)}")
-        n = block_count(shape[2], most)
-        if shape[:2] != expected[:2] or shape[3:] != expected[3:]:
-            raise ValueError(f"blocks of shape {shape} do not fit this engine's cache "
-                             f"{tuple(expected)}")
-        dtype = self.kv_cache.dtype
-        if header.get("dtype") != str(dtype).removeprefix("torch."):
-            raise ValueError(f"blocks of {header.get('dtype')!r} do not fit this engine's "
-                             f"{dtype} cache")
-        size = n * self.kv_cache[:, :, :1].numel() * self.kv_cache.element_size()
-        if len(frames) != 1 or memoryview(frames[0]).nbytes != size:
-            raise ValueError(f"{n} blocks declared, not the bytes of {n} blocks")
-        if not size:
-            return torch.empty(shape, dtype=dtype)
-        # A view of the received frame (no copy), which lives as long as the tensor; it is
-        # only read (write_blocks copies it into the cache), so that it is read-only
-        # does not matter.
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            flat = torch.frombuffer(frames[0], dtype=torch.uint8)
-        return flat.view(dtype).view(shape)
+        self.block_io.write_pool_block(pool, block_id, data)
 
     def _single_rank(self, what: str) -> None:
         if getattr(self, "tensor_parallel_size", 1) > 1:
             raise NotImplementedError(f"cannot {what} of a model split over ranks yet")
 
-    def copy_ahead(self, mapping: list[tuple[int, int]]) -> None:
-        """On CUDA, on a copy stream of its own, beside the forward pass: it starts once
-        this step's copies are done (a swap-in may read a CPU block it overwrites), and
-        the next step, or an operator's copy between steps, waits for it (they may reuse
-        its GPU blocks or CPU blocks). Elsewhere, now."""
-        if not mapping:
-            return
-        if self._device.type != "cuda":
-            self._swap_out(mapping)
-            return
-        if self._copy_stream is None:
-            self._copy_stream = torch.cuda.Stream(self._device)
-        self._copy_stream.wait_stream(torch.cuda.current_stream(self._device))
-        with torch.cuda.stream(self._copy_stream):
-            kernels.swap_blocks(self.kv_cache, self.cpu_cache, torch.tensor(mapping))
-            self._copy_ahead_done = torch.cuda.Event()
-            self._copy_ahead_done.record(self._copy_stream)
-
-    def _wait_copy_ahead(self) -> None:
-        if self._copy_ahead_done is not None:
-            torch.cuda.current_stream(self._device).wait_event(self._copy_ahead_done)
-            self._copy_ahead_done = None
-
     def _tell_ranks(self, swap_out: list, swap_in: list, copies: list) -> None:
         if self.tp is not None and self.tp.rank == 0 and (swap_out or swap_in or copies):
             self.tp.broadcast(("step", swap_out, swap_in, copies, None))
-
-    def _swap_out(self, mapping: list[tuple[int, int]]) -> None:
-        if mapping:
-            kernels.swap_blocks(self.kv_cache, self.cpu_cache, torch.tensor(mapping))
-
-    def _swap_in(self, mapping: list[tuple[int, int]]) -> None:
-        if mapping:
-            kernels.swap_blocks(self.cpu_cache, self.kv_cache, torch.tensor(mapping))
-
-    def _copy_blocks(self, mapping: list[tuple[int, int]]) -> None:
-        if not mapping:
-            return
-        sources, dests = {a for a, _ in mapping}, {b for _, b in mapping}
-        # The Triton kernel needs CUDA and no block both read and written.
-        if self.attention.name == "triton" and self._device.type == "cuda" and not sources & dests:
-            kernels.copy_blocks(self.kv_cache, torch.tensor(mapping))
-        else:
-            _copy_blocks(self.kv_cache, self.kv_cache, mapping)
 
     @torch.inference_mode()
     def _kv_scales(self, scratch: ScratchPass) -> torch.Tensor:
@@ -397,16 +287,6 @@ class ModelRunner(Runner):
     @staticmethod
     def _log(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
-
-
-def _copy_blocks(src: torch.Tensor, dst: torch.Tensor, mapping: list[tuple[int, int]]) -> None:
-    """Block src of `src` -> block dst of `dst`, every layer's K and V, in two batched
-    ops (gather, then scatter: every source is read before any destination is written)."""
-    src_ids = torch.tensor([a for a, _ in mapping], dtype=torch.int64, device=src.device)
-    dst_ids = torch.tensor([b for _, b in mapping], dtype=torch.int64, device=dst.device)
-    src, dst = as_bits(src), as_bits(dst)  # (bytes: index_copy_ has no fp8 kernel on CPU)
-    dst.index_copy_(2, dst_ids, src.index_select(2, src_ids))  # blocks: [L, 2, n, bs, Hkv, D]
-
 
 
 def _max_model_len(config: EngineConfig, folder: ModelFolder) -> int:
