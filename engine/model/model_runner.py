@@ -155,8 +155,8 @@ class ModelRunner(Runner):
             return super().execute(out)
         batch = self.input_batch.prepare(out) if out.scheduled else None
         swap_out = out.swap_out + out.copy_ahead  # (a split model copies ahead in line)
-        self.tp.broadcast(("step", swap_out, out.swap_in, out.copies,
-                           batch.for_ranks() if batch else None))
+        self.tp.broadcast(parallel.RankStep(swap_out, out.swap_in, out.copies,
+                                            batch.for_ranks() if batch else None))
         self.block_io.swap_out(swap_out)
         self.block_io.swap_in(out.swap_in)
         self.block_io.copy_blocks(out.copies)
@@ -164,17 +164,14 @@ class ModelRunner(Runner):
 
     def serve_rank(self) -> None:
         """A rank other than 0: run what rank 0 broadcasts until it says stop."""
-        while True:
-            message = self.tp.broadcast()
-            if message[0] == "stop":
-                break
-            _, swap_out, swap_in, copies, batch = message
-            self.block_io.swap_out(swap_out)
-            self.block_io.swap_in(swap_in)
-            self.block_io.copy_blocks(copies)
-            if batch is not None:
-                self._run_model(batch.to(self._device))
-        parallel.shutdown(self.tp, [])
+        parallel.serve(self.tp, self._run_rank_step)
+
+    def _run_rank_step(self, step: parallel.RankStep) -> None:
+        self.block_io.swap_out(step.swap_out)
+        self.block_io.swap_in(step.swap_in)
+        self.block_io.copy_blocks(step.copies)
+        if step.batch is not None:
+            self._run_model(step.batch.to(self._device))
 
     def close(self) -> None:
         """Stop the other ranks (a split model); nothing to do otherwise."""
@@ -271,7 +268,7 @@ class ModelRunner(Runner):
 
     def _tell_ranks(self, swap_out: list, swap_in: list, copies: list) -> None:
         if self.tp is not None and self.tp.rank == 0 and (swap_out or swap_in or copies):
-            self.tp.broadcast(("step", swap_out, swap_in, copies, None))
+            self.tp.broadcast(parallel.RankStep(swap_out, swap_in, copies))
 
     @torch.inference_mode()
     def _kv_scales(self, scratch: ScratchPass) -> torch.Tensor:
