@@ -101,7 +101,7 @@ def run(name: str, work: Workload, config: EngineConfig, cost: StepCost,
 
 def model_value_bytes(config: EngineConfig) -> int:
     """Bytes of one K/V value of a real model's configuration (its dtype on its device)."""
-    from engine.model.model_runner import resolve_device, resolve_dtype
+    from engine.model.device import resolve_device, resolve_dtype
 
     return resolve_dtype(config.dtype, resolve_device(config.device)).itemsize
 

@@ -52,7 +52,7 @@ def scales_for(amax: torch.Tensor, dtype: torch.dtype, headroom: float = 2.0) ->
     return torch.where(amax > 0, torch.exp2(torch.ceil(torch.log2(wanted))), 1.0)
 
 
-# What an fp8 cache's scales are calibrated on at start-up (engine/model/model_runner.py):
+# What an fp8 cache's scales are calibrated on at start-up (engine/model/fp8_scales.py):
 # prose, a dialogue, code and numbers, so that K and V reach the sizes real prompts
 # give them. Fixed: the same model gets the same scales at every start.
 CALIBRATION_TEXT = """\

@@ -4,7 +4,7 @@ engine/model/transformer.py holds weights and says what a layer computes; an ops
 every matmul, norm, activation, RoPE + K/V store and the attention call of a forward
 pass goes through one. `TorchOps` (plain torch) is the default on every device and the
 reference the others are tested against. The runner picks the implementation once,
-at start-up (engine/model/model_runner.py, choose_ops): engine/model/ops_cpu.py's `CpuKernelOps`
+at start-up (engine/model/device.py, choose_ops): engine/model/ops_cpu.py's `CpuKernelOps`
 (the C++ CPU kernels) for float32 on a CPU, engine/model/ops_triton.py's `TritonOps` with the
 Triton backend, TorchOps elsewhere; the attention call itself goes to the engine's
 AttentionBackend (torch, C++ or Triton, engine/model/attention.py).

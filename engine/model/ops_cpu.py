@@ -16,7 +16,7 @@ Weights only the packed kernels read are freed: the packed copy is then the only
 What the kernels do not cover (another activation than SiLU, Gemma's norm offset in a
 dtype other than float32) falls through to TorchOps, so any model runs.
 
-The runner's choose_ops (engine/model/model_runner.py) picks it where `cpu_kernel_ops` gives
+The runner's choose_ops (engine/model/device.py) picks it where `cpu_kernel_ops` gives
 one.
 """
 from __future__ import annotations

@@ -13,8 +13,8 @@ Megatron's split, as vLLM does it:
 Every rank holds its heads' share of every KV block: the block tables are the same on
 all ranks, and the scheduler runs once, on rank 0 (the engine's process). Rank 0's
 runner starts the other ranks as processes (`start_ranks`), and each step broadcasts
-the step's block copies and batch to them (`TensorParallel.broadcast`); they run the
-same forward pass, joining its collectives, and drop the logits. torch.distributed
+the step's block copies and batch to them (a `RankStep`); they run the same forward
+pass, joining its collectives, and drop the logits (`serve`). torch.distributed
 carries it: gloo on CPU, NCCL on GPUs (rank r on cuda:r).
 """
 from __future__ import annotations
@@ -25,11 +25,13 @@ import multiprocessing
 import os
 import signal
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from engine.errors import EngineError
+from engine.model.input_batch import RankBatch
 
 _PR_SET_PDEATHSIG = 1
 
@@ -72,6 +74,21 @@ class TensorParallel:
         out = [None] * self.size
         dist.all_gather_object(out, obj)
         return out
+
+
+@dataclass(slots=True)
+class RankStep:
+    """What rank 0 of a split model sends the other ranks before it runs the same
+    itself: a step's block copies, in this order, then its forward pass."""
+    swap_out: list[tuple[int, int]]  # (gpu, cpu)
+    swap_in: list[tuple[int, int]]  # (cpu, gpu)
+    copies: list[tuple[int, int]]  # (src, dst) in the device pool
+    # the forward pass's inputs, on the host; None: copies only (an operator's, between
+    # steps)
+    batch: RankBatch | None = None
+
+
+_STOP = "stop"  # what rank 0 sends last (shutdown)
 
 
 def check_divisible(args, size: int) -> None:
@@ -182,13 +199,24 @@ def init(rank: int, size: int, address: str, device: torch.device) -> TensorPara
     return TensorParallel(rank, size)
 
 
+def serve(tp: TensorParallel, run: Callable[[RankStep], None]) -> None:
+    """A rank other than 0: run each RankStep rank 0 sends until it says stop, then
+    leave the process group."""
+    while True:
+        message = tp.broadcast()
+        if message == _STOP:
+            break
+        run(message)
+    shutdown(tp, [])
+
+
 def shutdown(tp: TensorParallel | None, procs: list) -> None:
     """Tell the ranks to stop (rank 0), wait for them, leave the process group."""
     import torch.distributed as dist
 
     if tp is not None and tp.rank == 0 and dist.is_initialized():
         try:
-            tp.broadcast(("stop",))
+            tp.broadcast(_STOP)
         except RuntimeError:
             pass
     for p in procs:

@@ -161,6 +161,6 @@ def test_on_cuda_the_copies_ahead_run_beside_the_forward_pass(tiny_model):
                          cpu_prefix_cache=True)
     done = [engine.generate([p], SamplingParams(max_tokens=12, temperature=0.0,
                                                 ignore_eos=True))[0] for p in prompts]
-    assert engine.runner._copy_stream is not None  # (copies ahead did run on it)
+    assert engine.runner.block_io.copy_stream is not None  # (copies ahead did run on it)
     assert done[-1].num_cached_tokens >= 12
     assert [o.output_token_ids for o in done] == hf_greedy(folder, prompts, 12)

@@ -237,18 +237,19 @@ def test_the_kv_story_goes_on_at_the_destination_with_the_hop():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_a_real_models_blocks_cross_a_process_boundary_as_they_were(dtype):
-    """ModelRunner's frames (engine/transfer/link.py sends them): one buffer, no copy
-    on either side, the same values and dtype back; a header or frame that does not fit
-    the receiving cache's layout, dtype or the blocks allowed is refused before anything
-    is decoded."""
-    import types
-
+    """ModelRunner's frames (engine/model/block_io.py makes them, engine/transfer/link.py
+    sends them): one buffer, no copy on either side, the same values and dtype back; a
+    header or frame that does not fit the receiving cache's layout, dtype or the blocks
+    allowed is refused before anything is decoded."""
+    from engine.model.block_io import BlockIO
     from engine.model.model_runner import ModelRunner
     data = torch.randn(3, 2, 5, 4, 2, 8).to(dtype)[:, :, 1:4]  # (not contiguous)
     header, frames = ModelRunner.blocks_to_frames(data)
     assert len(frames) == 1 and memoryview(frames[0]).nbytes == data.numel() * data.element_size()
-    here = types.SimpleNamespace(kv_cache=torch.zeros(3, 2, 50, 4, 2, 8, dtype=dtype))
-    back = ModelRunner.blocks_from_frames(here, header, [bytes(frames[0])], 3)
+    here = BlockIO(torch.zeros(3, 2, 50, 4, 2, 8, dtype=dtype),
+                   torch.zeros(3, 2, 0, 4, 2, 8, dtype=dtype), torch.device("cpu"),
+                   triton_copies=False)
+    back = here.blocks_from_frames(header, [bytes(frames[0])], 3)
     assert back.dtype == dtype and torch.equal(back, data)
     assert ModelRunner.num_blocks_in(back) == 3
     other = torch.float64
@@ -266,7 +267,7 @@ def test_a_real_models_blocks_cross_a_process_boundary_as_they_were(dtype):
     ]
     for bad_header, bad_frames, most in refused:
         with pytest.raises(ValueError):
-            ModelRunner.blocks_from_frames(here, bad_header, bad_frames, most)
+            here.blocks_from_frames(bad_header, bad_frames, most)
 
 
 def test_a_structured_output_request_moves_and_stays_valid():
