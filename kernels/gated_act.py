@@ -1,7 +1,7 @@
 """gated_act: a gated MLP's activation, act(gate) * up, in one launch.
 
 The input is the gate/up projection's output [rows, 2 * n] (the gate's n columns, then
-the up projection's), the output [rows, n]. The model's torch path (engine/model/ops.py:
+the up projection's), the output [rows, n]. The model's torch path (engine/model/ops/torch_ops.py:
 TorchOps.gate_up_act, `activation(name, gate).mul_(up)`) is the reference: the activation
 is rounded to the model's dtype before the product, as torch rounds it.
 """

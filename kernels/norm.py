@@ -1,7 +1,7 @@
 """rms_norm and add_rms_norm: RMSNorm over the rows of a 2-D tensor, optionally after
 adding a residual delta in place, in one launch each.
 
-The model's torch path (engine/model/ops.py: rms_norm, TorchOps.add_rms_norm) is the
+The model's torch path (engine/model/ops/torch_ops.py: rms_norm, TorchOps.add_rms_norm) is the
 reference: normalise in float32, cast to the input's dtype, then scale by the weight
 (Llama's order); with an offset (Gemma: scale by 1 + weight) the scaling happens in
 float32 before the cast. One program per row holds the whole row.

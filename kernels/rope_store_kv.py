@@ -1,7 +1,7 @@
 """rope_store_kv: RoPE on a step's queries and keys, and the new K/V into the paged
 cache, in one launch (one program per token).
 
-It replaces, on the Triton path, the model's torch RoPE (engine/model/ops.py apply_rope,
+It replaces, on the Triton path, the model's torch RoPE (engine/model/ops/torch_ops.py apply_rope,
 pairs interleaved: d = 2i, 2i + 1, rotated in float32 and cast back) followed by
 kernels.reshape_and_cache; the two together are its reference. K is stored rotated,
 V as it is; an fp8 cache stores each divided by its head's scale and rounded as torch's

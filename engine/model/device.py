@@ -1,14 +1,14 @@
 """Where and in what the model runs, chosen once at start-up: the device, the model's
-dtype, the K/V cache's dtype, and the ops implementation (engine/model/ops.py)."""
+dtype, the K/V cache's dtype, and the ops implementation (engine/model/ops/torch_ops.py)."""
 from __future__ import annotations
 
 import torch
 
 from engine.config import EngineConfig
 from engine.errors import ModelLoadError
-from engine.model.ops import TorchOps
-from engine.model.ops_cpu import cpu_kernel_ops
-from engine.model.ops_triton import TritonOps
+from engine.model.ops.torch_ops import TorchOps
+from engine.model.ops.cpu_ops import cpu_kernel_ops
+from engine.model.ops.triton_ops import TritonOps
 from kernels.fp8 import cache_dtype, is_fp8
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

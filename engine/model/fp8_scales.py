@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from engine.model.attention import AttentionBatch
+from engine.model.ops.attention import AttentionBatch
 from kernels.fp8 import CALIBRATION_TEXT, scales_for
 
 # runs token sequences through the model against a scratch cache of a dtype, through

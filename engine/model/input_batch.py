@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from engine.model.attention import AttentionBatch
+from engine.model.ops.attention import AttentionBatch
 from engine.model.sampler import SamplingRow, request_seed
 from engine.sched.output import SchedulerOutput
 

@@ -17,7 +17,7 @@ import torch
 from engine.errors import ModelLoadError
 from engine.model.transformer import (SUPPORTED_ROPE_TYPES, Linear, ModelArgs, Transformer,
                           interleave_rope_rows)
-from engine.model.ops import ACTIVATIONS
+from engine.model.ops.torch_ops import ACTIVATIONS
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text",
                          "mixtral", "qwen3_moe")

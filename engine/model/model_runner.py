@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from engine.model.attention import make_attention_backend
+from engine.model.ops.attention import make_attention_backend
 from engine.config import EngineConfig
 from engine.text.tokenizer import HFTokenizer
 from engine.kv.layout import block_bytes, kv_layout
@@ -31,7 +31,7 @@ from engine.model.block_io import BlockIO
 from engine.model.device import choose_ops, resolve_device, resolve_dtype, resolve_kv_dtype
 from engine.model.fp8_scales import calibrate, calibration_sequences, kv_format_of, unit_scales
 from engine.model.input_batch import InputBatch, RankBatch, StepBatch
-from engine.model.ops_cpu import tune_process
+from engine.model.ops.cpu_ops import tune_process
 from engine.model.scratch_pass import ScratchPass
 from kernels import cpu_ext
 from kernels.fp8 import is_fp8

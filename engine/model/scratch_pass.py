@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.kv.layout import KVLayout
-from engine.model.attention import AttentionBatch
+from engine.model.ops.attention import AttentionBatch
 from engine.model.fp8_scales import unit_scales
 from engine.model.kv_pools import with_blocks
 from kernels.fp8 import is_fp8
@@ -17,7 +17,7 @@ from kernels.fp8 import is_fp8
 @dataclass(slots=True)
 class ScratchPass:
     model: torch.nn.Module  # this rank's share of the heads, a split model's
-    ops: object  # the runner's (engine/model/ops.py)
+    ops: object  # the runner's (engine/model/ops/torch_ops.py)
     kv_layout: KVLayout
     block_size: int
     device: torch.device

@@ -4,10 +4,10 @@ gpt-fast style, top-down: Transformer -> Block -> Attention / FeedForward -> RMS
 rotary helpers. The batch is "varlen": the new tokens of every scheduled request are
 concatenated into one [num_tokens] row (prefill chunks and decodes together, no
 padding). Each layer writes its new K/V through the slot mapping and attends through
-the block tables; that is the attention backend's job (engine/model/attention.py).
+the block tables; that is the attention backend's job (engine/model/ops/attention.py).
 
 The layers hold weights and say what is computed; how is the ops object's
-(engine/model/ops.py: plain torch by default, the C++ CPU kernels of engine/model/ops_cpu.py
+(engine/model/ops/torch_ops.py: plain torch by default, the C++ CPU kernels of engine/model/ops/cpu_ops.py
 where the runner picks them). There is one forward path whatever the ops.
 
 Weights follow HF names through engine/model/loader.py, with q/k/v fused into one matrix
@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.model.attention import AttentionBackend
-from engine.model.ops import ACTIVATIONS, TORCH_OPS, TorchOps, rms_norm, soft_cap
+from engine.model.ops.attention import AttentionBackend
+from engine.model.ops.torch_ops import ACTIVATIONS, TORCH_OPS, TorchOps, rms_norm, soft_cap
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
@@ -108,7 +108,7 @@ class StepContext:
     # the backend's per-step plan (gather indices, masks, ...) of each layer group's
     # block tables (Attention.kv_group; one for a model with one table)
     plans: list
-    ops: TorchOps  # how each layer's arithmetic runs (engine/model/ops.py)
+    ops: TorchOps  # how each layer's arithmetic runs (engine/model/ops/torch_ops.py)
     tp: object | None = None  # engine.parallel.TensorParallel when split across ranks
     # an fp8 cache's scales (kernels/fp8.py): [n_layers, 2 (K, V), n_kv_heads] float32
     kv_scales: torch.Tensor | None = None

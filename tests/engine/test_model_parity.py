@@ -14,7 +14,7 @@ from engine.kv.layout import kv_layout
 from engine.model.loader import read_model_folder
 from engine.model.transformer import Linear
 from kernels import cpu_ext
-from engine.model.ops_cpu import PACKED_MAX_ROWS, CpuKernelOps
+from engine.model.ops.cpu_ops import PACKED_MAX_ROWS, CpuKernelOps
 from tests.models.tiny import SPECS, hf_greedy, random_prompts
 
 MAX_TOKENS = 12

@@ -21,7 +21,7 @@ import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.model.transformer import Linear, MoE
-from engine.model.ops import TorchOps
+from engine.model.ops.torch_ops import TorchOps
 from tests.models.tiny import MOE_SPECS, hf_greedy, random_prompts
 
 MAX_TOKENS = 32

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.model.transformer import RMSNorm
-from engine.model.ops import apply_rope
+from engine.model.ops.torch_ops import apply_rope
 from kernels import cpu_ext
 
 pytestmark = pytest.mark.skipif(os.environ.get("KVOPS_CPU_KERNELS") == "0",

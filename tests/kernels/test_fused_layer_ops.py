@@ -1,5 +1,5 @@
 """The fused Triton ops of a layer (kernels/norm.py, gated_act.py, rope_store_kv.py)
-against the model's torch path (engine/model/ops.py), which they replace on the Triton
+against the model's torch path (engine/model/ops/torch_ops.py), which they replace on the Triton
 path: odd sizes, every dtype, Gemma's norm offset, padding slots and fp8 caches."""
 
 import pytest
@@ -7,7 +7,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from engine.model.ops import activation, apply_rope, rms_norm  # noqa: E402
+from engine.model.ops.torch_ops import activation, apply_rope, rms_norm  # noqa: E402
 from kernels.fp8 import FP8_DTYPES  # noqa: E402
 from kernels.gated_act import gated_act  # noqa: E402
 from kernels.norm import add_rms_norm  # noqa: E402

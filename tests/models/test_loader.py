@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine import EngineConfig, EngineError, LLMEngine, SamplingParams
-from engine.model.attention import AttentionBackendError
+from engine.model.ops.attention import AttentionBackendError
 from engine.errors import ModelLoadError
 from engine.model.loader import read_model_folder
 from engine.model.model_runner import resolve_model_path

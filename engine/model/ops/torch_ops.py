@@ -4,10 +4,10 @@ engine/model/transformer.py holds weights and says what a layer computes; an ops
 every matmul, norm, activation, RoPE + K/V store and the attention call of a forward
 pass goes through one. `TorchOps` (plain torch) is the default on every device and the
 reference the others are tested against. The runner picks the implementation once,
-at start-up (engine/model/device.py, choose_ops): engine/model/ops_cpu.py's `CpuKernelOps`
-(the C++ CPU kernels) for float32 on a CPU, engine/model/ops_triton.py's `TritonOps` with the
+at start-up (engine/model/device.py, choose_ops): engine/model/ops/cpu_ops.py's `CpuKernelOps`
+(the C++ CPU kernels) for float32 on a CPU, engine/model/ops/triton_ops.py's `TritonOps` with the
 Triton backend, TorchOps elsewhere; the attention call itself goes to the engine's
-AttentionBackend (torch, C++ or Triton, engine/model/attention.py).
+AttentionBackend (torch, C++ or Triton, engine/model/ops/attention.py).
 
 An ops object may keep weights in its own layout (CpuKernelOps packs them for its
 GEMM); `prepare(model)` does that once, after loading.

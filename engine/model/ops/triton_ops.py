@@ -1,6 +1,6 @@
 """The ops a model runs with on the Triton backend (CUDA, or the interpreter in tests):
-TorchOps (engine/model/ops.py) with a layer's small ops fused into one launch each, as
-the CPU path fuses them (engine/model/ops_cpu.py):
+TorchOps (engine/model/ops/torch_ops.py) with a layer's small ops fused into one launch each, as
+the CPU path fuses them (engine/model/ops/cpu_ops.py):
 
 * RMSNorm, and the residual add + RMSNorm (kernels/norm.py);
 * the gated MLP's activation, act(gate) * up, from the gate/up product (kernels/gated_act.py);
@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.model.attention import TritonAttention
-from engine.model.ops import TorchOps
+from engine.model.ops.attention import TritonAttention
+from engine.model.ops.torch_ops import TorchOps
 
 if TYPE_CHECKING:
     from engine.model.transformer import Attention, FeedForward, MoE, RMSNorm, StepContext

@@ -2,7 +2,7 @@
 kernels of kernels/cpu_ext.py, the choice of who does prefill's matmuls, and the
 process settings a CPU engine wants.
 
-`CpuKernelOps` implements engine/model/ops.py's TorchOps with:
+`CpuKernelOps` implements engine/model/ops/torch_ops.py's TorchOps with:
 * RMSNorm and residual add + RMSNorm as fused float32 ops (kernels/csrc/fused_ops.cpp);
 * few-row matmuls (decode steps, the LM head) by kernels/csrc/small_gemm.cpp on a
   packed copy of each weight, the MLP's gate/up with SwiGLU's gating applied as it
@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.model.ops import TorchOps
+from engine.model.ops.torch_ops import TorchOps
 
 if TYPE_CHECKING:
-    from engine.model.attention import AttentionBackend
+    from engine.model.ops.attention import AttentionBackend
     from engine.config import EngineConfig
     from engine.model.transformer import Attention, FeedForward, Linear, RMSNorm, StepContext, Transformer
     from kernels.cpu_ext import MatmulChoice
@@ -62,14 +62,14 @@ class CpuKernelOps(TorchOps):
                 f"{self.choice.mkl_gflops:.0f} GFLOP/s, measured)")
 
     def prepare(self, model: "Transformer") -> None:
-        from engine.model.transformer import FeedForward, Linear
-
+        # what it packs, told by their parts (the layers' module imports this package):
+        # a gated MLP (FeedForward: w_gate_up) and every Linear (weight_t)
         linears = []
         for module in model.modules():
-            if isinstance(module, FeedForward) and module.activation == "silu":
+            if hasattr(module, "w_gate_up") and module.activation == "silu":
                 self.packed_gate_up[id(module)] = self.k.pack_gate_up(
                     module.w_gate_up.weight_t.detach(), module.intermediate_size)
-            elif isinstance(module, Linear):
+            elif hasattr(module, "weight_t") and hasattr(module, "drop_plain_weight"):
                 self.packed[id(module)] = self.k.pack_weight(module.weight_t.detach())
                 linears.append(module)
         if self.max_rows is None:  # the packed kernels take every matmul: free the plain copies
