@@ -16,7 +16,7 @@ core process is started again; after MAX_RESTARTS in a row the worker reports it
 dead (`alive` is False, so its heartbeat stops and the reaper moves its jobs elsewhere).
 A core that ends because its worker stops (halt(), stop(), or a stop signal to the
 worker's process group that reaches the core too) is not replaced; its requests fail only
-once the worker has handed their jobs back to the queue (kvops/worker.py). Nothing sent
+once the worker has handed their jobs back to the queue (kvops/worker/worker.py). Nothing sent
 to a core blocks once it has exited.
 """
 from __future__ import annotations
@@ -45,7 +45,7 @@ from engine.serve.core_proc import CORE_NICE, SPIN_COUNT, SPIN_NICE, core_comman
     pack, serve, unpack
 from engine.errors import error_from_wire
 from engine.outputs import CoreOutput
-from kvops.prompts import ids_for, prompt_ids, tokenizer_for
+from kvops.intake.prompts import ids_for, prompt_ids, tokenizer_for
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ POLL_MS = 200
 
 
 class OutputSink(Protocol):
-    """Where each step's outputs go (kvops/output_processor.py)."""
+    """Where each step's outputs go (kvops/worker/output_processor.py)."""
 
     def push(self, outputs: list[CoreOutput]) -> None: ...
 
@@ -163,7 +163,7 @@ class EngineClient(ABC):
 
     def halt(self, timeout_s: float = 2.0) -> None:
         """End the core's work now, without waiting for its requests, as a worker does
-        that stops (kvops/worker.py, once it has handed its jobs back): the core is told
+        that stops (kvops/worker/worker.py, once it has handed its jobs back): the core is told
         to shut down, and ended if it has not exited within timeout_s. Its requests and
         the calls waiting for it then fail, as when a core dies, and no new core is
         started. stop() still closes the client."""
@@ -283,7 +283,7 @@ class EngineClient(ABC):
 
     def prompt_of(self, job) -> list[int]:
         """A stored job's prompt as token ids for this engine: those the web rendered at
-        intake (kvops/intake.py) when they were made with this engine's tokenizer, else
+        intake (kvops/intake/intake.py) when they were made with this engine's tokenizer, else
         rendered here the same way (a job stored while no engine of its kind was
         registered, or whose tokenizer the web could not read)."""
         ids = ids_for(job.tokenizer, job.prompt_token_ids, self.described)

@@ -1,6 +1,6 @@
 """OpenAI-compatible endpoints under /v1. Each call is a Job like any other, so it shows
 up on the dashboard; answers and streams (server-sent events) are read from the job
-stream (kvops/job_stream.py) through this process's hub. A client that disconnects
+stream (kvops/stream/job_stream.py) through this process's hub. A client that disconnects
 before its job ends cancels it."""
 from __future__ import annotations
 
@@ -20,15 +20,16 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 from rest_framework.authtoken.models import Token
 
-from kvops import (admission, grammar_check, idempotency, intake, json_body, limits, selectors,
-                   tool_calls)
-from kvops.api_handler import EventStream
-from kvops.idempotency import KeyReused
-from kvops.job_listener import JobFailed, JobListener, cancel_abandoned
+from kvops import selectors
+from kvops.intake import grammar_check, intake, json_body, limits, tool_calls
+from kvops.jobs import admission, idempotency
+from kvops.openai.handler import EventStream
+from kvops.jobs.idempotency import KeyReused
+from kvops.jobs.job_listener import JobFailed, JobListener, cancel_abandoned
 from kvops.models import Job
-from kvops.prompts import inspector, prompt_ids
-from kvops.stream_hub import get_hub
-from kvops.throttles import TooManyJobs, allow_submission
+from kvops.intake.prompts import inspector, prompt_ids
+from kvops.stream.stream_hub import get_hub
+from kvops.jobs.throttles import TooManyJobs, allow_submission
 
 log = logging.getLogger(__name__)
 

@@ -7,9 +7,10 @@ from celery import shared_task
 from django.conf import settings
 
 from engine import EngineError
-from kvops import job_deadline, job_store, migration
-from kvops.tenancy import cache_salt, tenant
-from kvops.worker import context
+from kvops.jobs import job_deadline, job_store
+from kvops.operators import moves as migration
+from kvops.routing.tenancy import cache_salt, tenant
+from kvops.worker.worker import context
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +138,6 @@ def what_if(run_id: int) -> str:
     to the ops queue only, which no engine worker consumes. Acknowledged on receipt: a
     replay that kills its worker (out of memory) is not delivered again to kill the
     next one; the run is marked failed when read (what_if.settle)."""
-    from kvops import what_if as service
+    from kvops.what_if import what_if as service
 
     return service.run(run_id)

@@ -2,7 +2,9 @@ from django.contrib import admin
 from django.contrib.auth import views as auth_views
 from django.urls import include, path, re_path
 
-from kvops import health, metrics_view, openai_api, responses_api, views
+from kvops import openai_api, views
+from kvops.monitoring import health, metrics_view
+from kvops.openai import responses
 
 urlpatterns = [
     path("", views.overview, name="overview"),
@@ -18,8 +20,8 @@ urlpatterns = [
     path("v1/chat/completions", openai_api.chat_completions),
     path("v1/models", openai_api.models),
     path("v1/models/<path:model>", openai_api.model),
-    path("v1/responses", responses_api.responses),
-    path("v1/responses/<str:response_id>", responses_api.response),
+    path("v1/responses", responses.responses),
+    path("v1/responses/<str:response_id>", responses.response),
     re_path(r"^v1/(?P<path>.*)$", openai_api.not_found),  # after every /v1 route
     path("tokenize", openai_api.tokenize),  # vLLM serves these two at the root
     path("detokenize", openai_api.detokenize),

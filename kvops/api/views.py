@@ -1,4 +1,4 @@
-"""REST API (thin: jobs parsed by kvops/intake.py and stored by kvops/admission.py,
+"""REST API (thin: jobs parsed by kvops/intake/intake.py and stored by kvops/jobs/admission.py,
 other input validated in serializers, writes in the modules that own them, reads in
 selectors)."""
 from __future__ import annotations
@@ -16,15 +16,19 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from engine.serve.commands import STATE_COMMANDS
-from kvops import (admission, grammar_check, idempotency, intake, job_store, kv_story, limits,
-                   operator_actions, selectors, visibility, what_if)
+from kvops import selectors
+from kvops.dashboard import kv_story_view, visibility
+from kvops.intake import grammar_check, intake, limits
+from kvops.jobs import admission, idempotency, job_store
+from kvops.operators import operator_actions
+from kvops.what_if import what_if
 from kvops.api.serializers import (DrainSerializer, EmptySerializer, EngineSerializer,
                                    EvictSerializer, MigrateSerializer, RetentionSerializer,
                                    JobSerializer, LimitsSerializer,
                                    OperatorActionSerializer, PrefixSerializer,
                                    WhatIfRunSerializer, WhatIfSerializer)
 from kvops.models import Engine, Job
-from kvops.throttles import JobSubmitThrottle, TooManyJobs
+from kvops.jobs.throttles import JobSubmitThrottle, TooManyJobs
 
 
 class ServiceUnavailable(APIException):
@@ -149,7 +153,7 @@ class JobViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.Retrieve
         or computed), why the first block that missed was not cached (proved from its
         engine's history, "unknown" where that cannot tell), its preemptions and their
         causes, and the router's view when it chose (docs/api.md, "KV story")."""
-        return Response(kv_story.document(self.get_object(), request.user))
+        return Response(kv_story_view.document(self.get_object(), request.user))
 
 
 EVENTS_PAGE_MAX = 1000  # KV events per page of /api/engines/<name>/events/

@@ -11,7 +11,7 @@ from channels.testing import WebsocketCommunicator
 
 from engine.observe.feed import decode
 from tests.support.local_publisher import LocalPublisher
-from kvops.ws_routing import websocket_urlpatterns
+from kvops.dashboard.ws_routing import websocket_urlpatterns
 
 APP = URLRouter(websocket_urlpatterns)
 

@@ -18,7 +18,7 @@ from engine import EngineConfig, InvalidRequestError, LLMEngine, SamplingParams,
 from engine.errors import CommandExpired
 from kvops.engine_client import InprocClient, MPClient
 from tests.support.stack import Stack
-from kvops.sse_client import stream_completion
+from kvops.openai.sse_client import stream_completion
 from tests.service.test_jobs_api import expected_text
 
 CONFIG = dict(simulate=True, simulate_tokenizer="bytes",

@@ -5,7 +5,7 @@ join the same batches as threads."""
 import asyncio
 import threading
 
-from kvops.group_commit import GroupCommit
+from kvops.jobs.group_commit import GroupCommit
 
 
 def test_one_calls_items_share_a_batch_and_an_error_fails_that_call_only():

@@ -60,7 +60,7 @@ def test_healthz_tells_anonymous_callers_the_status_only(rf, monkeypatch):
 
     from django.contrib.auth.models import AnonymousUser
 
-    from kvops import health
+    from kvops.monitoring import health
 
     def redis_down():
         raise ConnectionError("Error 111 connecting to 10.0.0.7:6379. Connection refused.")

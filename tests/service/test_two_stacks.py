@@ -8,7 +8,7 @@ from datetime import datetime
 
 import redis
 
-from kvops.engine_claim import CLAIM_KEY
+from kvops.engines.engine_claim import CLAIM_KEY
 from tests.support.stack import Stack
 
 ENGINE = dict(simulate=1, vocab_size=1000, num_gpu_blocks=64, block_size=16, max_num_seqs=4,

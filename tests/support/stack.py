@@ -15,8 +15,8 @@ from urllib.parse import urlparse, urlunparse
 
 import requests
 
-from kvops.private_file import ensure_secret_key
-from kvops.run import web_server_argv
+from kvops.infra.private_file import ensure_secret_key
+from kvops.infra.run import web_server_argv
 
 REPO = Path(__file__).resolve().parents[2]
 _stack_count = itertools.count(1)
