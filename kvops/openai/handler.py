@@ -6,7 +6,7 @@ for synchronous code: under ASGI each one moves the request to a worker thread a
 back, a dozen trips per request. /v1 uses none of it (bearer tokens, JSON, no cookies),
 and at hundreds of requests a second those trips are most of its cost, so /v1 requests
 go straight to their views. The views still check the Host header against
-ALLOWED_HOSTS (kvops.openai_api calls request.get_host()).
+ALLOWED_HOSTS (kvops/openai/base.py's v1_view calls request.get_host()).
 """
 from __future__ import annotations
 

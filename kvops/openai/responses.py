@@ -26,12 +26,13 @@ from typing import Any, AsyncIterator
 from asgiref.sync import sync_to_async
 from django.http import HttpRequest, HttpResponse, JsonResponse
 
-from kvops import openai_api
 from kvops.intake import intake, limits, tool_calls
-from kvops.openai.handler import EventStream
-from kvops.jobs.job_listener import JobFailed, JobListener, cancel_abandoned
 from kvops.intake.limits import InvalidParam
+from kvops.jobs import idempotency
+from kvops.jobs.job_listener import JobFailed, JobListener, cancel_abandoned
 from kvops.models import Job
+from kvops.openai import base, errors
+from kvops.openai.handler import EventStream
 
 RESPONSE_FIELDS = {"model", "input", "instructions", "max_output_tokens", "temperature",
                    "top_p", "tools", "tool_choice", "parallel_tool_calls", "text", "stream",
@@ -340,25 +341,25 @@ def response_object(job_id: int, state: dict, text: str, created: int,
 
 
 # --- the endpoints ------------------------------------------------------------------------------
-@openai_api.v1_view("POST")
+@base.v1_view("POST")
 async def responses(request: HttpRequest, user) -> HttpResponse:
-    refusal = await openai_api._rate_limited(user)
+    refusal = await base.rate_limited(user)
     if refusal is not None:
         return refusal
     try:
-        key = openai_api.idempotency.key_of(request.headers)
-        body = openai_api._parse(request)
+        key = idempotency.key_of(request.headers)
+        body = base.parse_body(request)
         previous = body.get("previous_response_id")
         history = [] if previous is None else \
             await sync_to_async(history_of, thread_sensitive=False)(previous, user)
         new = parse(body, user, key, history)
-        stream = openai_api._flag(body, "stream")
-        jobs, subs = await openai_api._admit([new])
+        stream = base.flag(body, "stream")
+        jobs, subs = await base.admit([new])
     except NotStored as e:
-        return openai_api._error(404, str(e), "previous_response_id",
-                                 code="response_not_found")
+        return errors.error(404, str(e), "previous_response_id",
+                            code="response_not_found")
     except Exception as e:  # noqa: BLE001  (the chat path's refusals, the same way)
-        refusal = openai_api._refusal(e)
+        refusal = errors.refusal(e)
         if refusal is None:
             raise
         return refusal
@@ -373,8 +374,8 @@ async def responses(request: HttpRequest, user) -> HttpResponse:
             pass
     except JobFailed as e:
         cancel_abandoned(job.pk)
-        return openai_api._error(500, f"the job's updates were lost: {e}",
-                                 type_="server_error")
+        return errors.error(500, f"the job's updates were lost: {e}",
+                            type_="server_error")
     except asyncio.CancelledError:
         cancel_abandoned(job.pk)
         raise
@@ -386,14 +387,14 @@ async def responses(request: HttpRequest, user) -> HttpResponse:
                                         logprobs=listener.logprobs_of(0)))
 
 
-@openai_api.v1_view("GET")
+@base.v1_view("GET")
 async def response(request: HttpRequest, user, response_id: str) -> HttpResponse:
     """GET /v1/responses/<id>: a stored response of the caller's."""
 
     try:
         job_id = job_id_of(response_id, "response_id")
     except InvalidParam as e:
-        return openai_api._error(400, str(e), e.param)
+        return errors.error(400, str(e), e.param)
 
     def read() -> Job | None:
         job = Job.objects.filter(pk=job_id, owner=user).first()
@@ -402,8 +403,8 @@ async def response(request: HttpRequest, user, response_id: str) -> HttpResponse
 
     job = await sync_to_async(read, thread_sensitive=False)()
     if job is None:
-        return openai_api._error(404, f"no stored response {response_id!r}", "response_id",
-                                 code="response_not_found")
+        return errors.error(404, f"no stored response {response_id!r}", "response_id",
+                            code="response_not_found")
     status = "in_progress" if job.status in (Job.Status.QUEUED, Job.Status.RUNNING) else None
     state = {"status": job.status, "finish_reason": job.finish_reason, "error": job.error,
              "num_prompt_tokens": job.num_prompt_tokens,
