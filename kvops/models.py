@@ -13,7 +13,8 @@ class Engine(models.Model):
     name = models.CharField(max_length=64, unique=True)
     worker = models.CharField(max_length=255, help_text="Celery hostname, e.g. engine-a@host")
     stack = models.CharField(max_length=64, blank=True,
-                             help_text="the deployment its worker belongs to (kvops/engines/stack_id.py)")
+                             help_text="the deployment its worker belongs to "
+                                       "(kvops/engines/stack_id.py)")
     instance = models.CharField(max_length=64, blank=True,
                                 help_text="id of the running worker process; new at each start")
     host = models.CharField(max_length=255, blank=True)

@@ -265,7 +265,8 @@ KVOPS_SSE_MAX_CHUNKS_PER_S = float(os.environ.get("KVOPS_SSE_MAX_CHUNKS_PER_S", 
 # A streaming client that reads nothing for this long while its job produces is cut off
 # and its job cancelled (kvops/stream/stream_hub.py).
 KVOPS_STREAM_STALL_S = float(os.environ.get("KVOPS_STREAM_STALL_S", 30))
-# Job-stream updates a worker aims at per second over all its jobs (kvops/worker/output_processor.py).
+# Job-stream updates a worker aims at per second over all its jobs
+# (kvops/worker/output_processor.py).
 KVOPS_STREAM_UPDATES_PER_S = float(os.environ.get("KVOPS_STREAM_UPDATES_PER_S", 10_000))
 KVOPS_HEARTBEAT_S = float(os.environ.get("KVOPS_HEARTBEAT_S", 2))
 KVOPS_ENGINE_DEAD_AFTER_S = float(os.environ.get("KVOPS_ENGINE_DEAD_AFTER_S", 15))

@@ -4,7 +4,7 @@ When its connection drops, kombu's Redis channel (a) tries to push the worker's
 unacknowledged messages back to the queue through that very connection, and (b) later
 acknowledges messages of tasks that finish meanwhile on the dead channel; both fail inside
 kombu and the worker exits with "Unrecoverable error". kvops needs neither: a job whose
-worker stopped is re-dispatched by kvops.reaper under a new task id, and a job that
+worker stopped is re-dispatched by kvops/jobs/reaper.py under a new task id, and a job that
 finished is finished in the database, so a late redelivery of its message is ignored
 (job_store.claim_jobs). Here the restore is off and acks on a closed channel are dropped,
 so the worker rides out the restart and reconnects.
@@ -39,7 +39,7 @@ class Transport(kombu_redis.Transport):
     Channel = Channel
 
 
-TRANSPORT_ALIASES.setdefault(SCHEME, "kvops.broker:Transport")
+TRANSPORT_ALIASES.setdefault(SCHEME, "kvops.infra.broker:Transport")
 
 
 def broker_url(redis_url: str) -> str:

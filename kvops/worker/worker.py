@@ -40,7 +40,7 @@ class WorkerContext:
     process), and reached through `context()`."""
     client: Any  # an EngineClient (kvops/engine_client.py)
     processor: Any  # its OutputProcessor
-    stack_id: str  # its deployment's (kvops/engines/stack_id.py): commands stamped otherwise are ignored
+    stack_id: str  # its deployment's (kvops/engines/stack_id.py): others' commands are ignored
     name_claim: EngineClaim | None = None  # None: a test's engine, its name not claimed
     claim: GroupCommit = dataclasses.field(
         default_factory=lambda: GroupCommit(_claim_jobs))
