@@ -52,7 +52,7 @@ def frames(schema: dict):
 
 
 def valid(text: str | None, schema: dict) -> bool:
-    """The same rules as kvops.consumers.parse_message, written out again."""
+    """The same rules as kvops.dashboard.consumers.parse_message, written out again."""
     try:
         content = json.loads(text) if text is not None and len(text) <= 1024 else None
     except (ValueError, RecursionError):
