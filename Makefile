@@ -57,7 +57,7 @@ test-fast: setup
 	$(PY) -m pytest -m "not stack"
 
 run: setup
-	$(PY) -m kvops.run
+	$(PY) -m kvops.infra.run
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -45,8 +45,8 @@ def start_engine(name: str, blocks: int, num_requests: int, step_ms: float):
     from engine import EngineConfig, wire
     from engine.serve.client import InprocClient
     from kvops.models import Engine
-    from kvops.prefix_index import PrefixIndex
-    from kvops.publisher import EnginePublisher
+    from kvops.routing.prefix_index import PrefixIndex
+    from kvops.worker.publisher import EnginePublisher
 
     config = EngineConfig(simulate=True, simulate_tokenizer="bytes",
                           name=name, num_gpu_blocks=blocks,

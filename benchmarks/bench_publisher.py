@@ -48,8 +48,8 @@ def run(blocks: int, num_requests: int, seconds: float, step_ms: float,
         publish: bool) -> dict:
     from engine import EngineConfig, wire
     from engine.serve.client import InprocClient
-    from kvops.prefix_index import PrefixIndex
-    from kvops.publisher import EnginePublisher
+    from kvops.routing.prefix_index import PrefixIndex
+    from kvops.worker.publisher import EnginePublisher
 
     name = f"bench{int(time.time() * 1000) % 100000}"
     config = EngineConfig(simulate=True, simulate_tokenizer="bytes",

@@ -4,7 +4,7 @@ Chromium).
     .venv/bin/python -m benchmarks.bench_timeline [--blocks 65536] [--requests 1000]
         [--minutes 5] [--deltas-per-s 10] [--steps-per-delta 5] [--positions 600]
 
-First it stores a history as the publisher does (kvops/timeline.py, with the settings'
+First it stores a history as the publisher does (kvops/dashboard/timeline.py, with the settings'
 keyframe interval and byte bound): a simulated engine with a steady population of requests
 is stepped as fast as it goes, its KV view is taken through the engine's capture API every
 `--steps-per-delta` steps, and the deltas are laid out on a clock of `--deltas-per-s` a
@@ -68,7 +68,7 @@ def build_history(name: str, blocks: int, num_requests: int, minutes: float,
     from engine.observe.view import Capturer, KVMirror, event_record
     from kvops import live
     from kvops.models import Engine
-    from kvops.timeline import TimelineWriter, limits_from_settings
+    from kvops.dashboard.timeline import TimelineWriter, limits_from_settings
 
     engine = LLMEngine(EngineConfig(simulate=True, simulate_tokenizer="bytes",
                                     name=name, num_gpu_blocks=blocks,
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
     django.setup()
     from playwright.sync_api import sync_playwright
 
-    from kvops import timeline
+    from kvops.dashboard import timeline
 
     try:
         stack.start_web()

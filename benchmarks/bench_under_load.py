@@ -20,7 +20,7 @@ from pathlib import Path
 
 from benchmarks.bench_serve import engine_config, make_workload, run_streams
 from tests.support.stack import Stack
-from kvops.run import ensure_redis
+from kvops.infra.run import ensure_redis
 from tests.dashboard.page_perf import measure
 
 

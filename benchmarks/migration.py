@@ -258,7 +258,7 @@ def pd_workload(n: int, rate: float, long_prompt: int, seed: int = 0) -> PDWork:
 async def _pd_streams(url: str, token: str, work: PDWork, deadline_s: float):
     import asyncio
 
-    from kvops.sse_client import stream_completion
+    from kvops.openai.sse_client import stream_completion
 
     async def one(i: int):
         await asyncio.sleep(work.arrivals[i])
@@ -307,7 +307,7 @@ def pd_main(args) -> int:
     import os
     from pathlib import Path
 
-    from kvops.run import ensure_redis
+    from kvops.infra.run import ensure_redis
     engine = dict(simulate=1, vocab_size=32000, block_size=16, num_gpu_blocks=8192,
                   num_cpu_blocks=0, max_num_seqs=64, max_num_batched_tokens=2048,
                   simulate_step_ms=args.step_ms, simulate_token_us=args.token_us,

@@ -56,7 +56,7 @@ class EngineConfig:
     # derived from it (engine/kv/tiers/disk_seal.py), so that engines sharing it share the disk's
     # blocks; the migration port's keys and the tickets that allow each move come from
     # it too. The service gives every engine the same one, derived from its secret key
-    # (kvops/engine_config.py); None: the disk tier keeps a random key in its folder
+    # (kvops/engines/engine_config.py); None: the disk tier keeps a random key in its folder
     # (disk.key) and the migration port takes a random one (it then admits no one).
     # Never shown: not in repr, describe_config or a core's command line.
     secret: str | None = field(default=None, repr=False)

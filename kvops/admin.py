@@ -18,7 +18,7 @@ class EngineAdmin(admin.ModelAdmin):
 
 @admin.register(OperatorAction)
 class OperatorActionAdmin(admin.ModelAdmin):
-    """The audit log: read here, written only by kvops/audit_chain.py (no one, superusers
+    """The audit log: read here, written only by kvops/operators/audit_chain.py (no one, superusers
     included, adds, changes or deletes a row; `manage.py verify_audit` checks them)."""
     list_display = ("id", "created_at", "user", "engine", "action", "target", "ok", "status_code")
     list_filter = ("engine", "action", "ok")

@@ -20,7 +20,7 @@ def warn_loose_files() -> list[str]:
     from django.conf import settings
     from django.db import connections
 
-    from kvops.private_file import loose_modes, private_paths
+    from kvops.infra.private_file import loose_modes, private_paths
     database = connections.settings["default"]
     name = database["NAME"] if database["ENGINE"].endswith(("sqlite3", ".sqlite")) else None
     lines = loose_modes(private_paths(settings.DATA_DIR, str(name) if name else None))

@@ -1,5 +1,5 @@
 """ASGI entry point: HTTP through Django (/v1 without the page middleware, see
-kvops/api_handler.py), websockets through Channels (served by uvicorn)."""
+kvops/openai/handler.py), websockets through Channels (served by uvicorn)."""
 import os
 
 from django.core.asgi import get_asgi_application
@@ -10,11 +10,11 @@ django_asgi_app = get_asgi_application()
 from channels.auth import AuthMiddlewareStack  # noqa: E402
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 
-from kvops import reaper  # noqa: E402
-from kvops.api_handler import BareASGIHandler, split_api  # noqa: E402
-from kvops.body_limit import limit_body  # noqa: E402
-from kvops.ws_origin import SameOriginValidator  # noqa: E402
-from kvops.ws_routing import websocket_urlpatterns  # noqa: E402
+from kvops.jobs import reaper  # noqa: E402
+from kvops.openai.handler import BareASGIHandler, split_api  # noqa: E402
+from kvops.openai.body_limit import limit_body  # noqa: E402
+from kvops.dashboard.ws_origin import SameOriginValidator  # noqa: E402
+from kvops.dashboard.ws_routing import websocket_urlpatterns  # noqa: E402
 
 reaper.start()
 

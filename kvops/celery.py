@@ -4,7 +4,7 @@ import os
 
 from celery import Celery
 
-import kvops.broker  # noqa: F401  (registers the broker transport that settings name)
+import kvops.infra.broker  # noqa: F401  (registers the broker transport that settings name)
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "kvops.settings")
 
@@ -29,4 +29,4 @@ app.conf.update(
 app.autodiscover_tasks(["kvops"])
 # Control commands and worker signals: a worker imports the module as it starts, and
 # importing registers them (by name here: the worker module imports what imports this).
-app.conf.imports = ("kvops.worker",)
+app.conf.imports = ("kvops.worker.worker",)

@@ -2,7 +2,7 @@
 
 Groups: `engine.<name>` (KV snapshots and deltas), `engine-summary.<name>` (metrics
 only). Jobs' updates do not go through groups: they travel on the job stream
-(kvops/job_stream.py), which `publish_job_state` writes to. Redis also holds each
+(kvops/stream/job_stream.py), which `publish_job_state` writes to. Redis also holds each
 engine's bounded history of KV events and metrics (streams) and the queries waiting for
 its publisher.
 Worker threads call the sync functions here; they hand messages to one background
@@ -20,7 +20,7 @@ import redis
 from channels.layers import get_channel_layer
 from django.conf import settings
 
-from kvops.job_stream import StreamProducer, state_update
+from kvops.stream.job_stream import StreamProducer, state_update
 
 log = logging.getLogger(__name__)
 

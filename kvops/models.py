@@ -13,7 +13,8 @@ class Engine(models.Model):
     name = models.CharField(max_length=64, unique=True)
     worker = models.CharField(max_length=255, help_text="Celery hostname, e.g. engine-a@host")
     stack = models.CharField(max_length=64, blank=True,
-                             help_text="the deployment its worker belongs to (kvops/stack_id.py)")
+                             help_text="the deployment its worker belongs to "
+                                       "(kvops/engines/stack_id.py)")
     instance = models.CharField(max_length=64, blank=True,
                                 help_text="id of the running worker process; new at each start")
     host = models.CharField(max_length=255, blank=True)
@@ -31,7 +32,7 @@ class Engine(models.Model):
 
 
 class Deployment(models.Model):
-    """This deployment's one row: its stack id, made on first use (kvops/stack_id.py).
+    """This deployment's one row: its stack id, made on first use (kvops/engines/stack_id.py).
     Every process of a deployment shares its database, so they all read the same id;
     two deployments (two databases) differ."""
     stack_id = models.CharField(max_length=64)
@@ -133,7 +134,7 @@ class Job(models.Model):
 
 
 class OperatorAction(models.Model):
-    """One row of the operator log, chained once final (kvops/audit_chain.py): nobody
+    """One row of the operator log, chained once final (kvops/operators/audit_chain.py): nobody
     changes it after. Its user cannot be deleted (the MAC covers who acted): deactivate
     them instead."""
     user = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.PROTECT)
@@ -166,7 +167,7 @@ class OperatorAction(models.Model):
 
 class WhatIfRun(models.Model):
     """A capacity replay of an engine's recent jobs under its own configuration and an
-    operator's alternative (kvops/what_if.py). Stored in the database, not Redis: an
+    operator's alternative (kvops/what_if/what_if.py). Stored in the database, not Redis: an
     operator sizes hardware from these figures, so they outlive a Redis restart and stay
     linked from the operator log; a few kilobytes each, the newest per engine kept."""
 

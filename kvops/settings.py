@@ -10,7 +10,7 @@ from pathlib import Path
 
 import dj_database_url
 
-from kvops.broker import broker_url
+from kvops.infra.broker import broker_url
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 DATA_DIR = Path(os.environ.get("KVOPS_DATA_DIR", BASE_DIR / "data"))
@@ -175,11 +175,11 @@ REST_FRAMEWORK = {
     "DEFAULT_PAGINATION_CLASS": "kvops.api.pagination.Pagination",
     "PAGE_SIZE": 50,
     "EXCEPTION_HANDLER": "kvops.api.errors.exception_handler",
-    # JSON bodies through kvops/json_body.py's rules (as /v1's); forms for the browsable API
-    "DEFAULT_PARSER_CLASSES": ["kvops.json_body.JSONParser",
+    # JSON bodies through kvops/intake/json_body.py's rules (as /v1's); forms for the browsable API
+    "DEFAULT_PARSER_CLASSES": ["kvops.intake.json_body.JSONParser",
                                "rest_framework.parsers.FormParser",
                                "rest_framework.parsers.MultiPartParser"],
-    # Job submissions per user (kvops/throttles.py; staff exempt): REST and /v1 alike.
+    # Job submissions per user (kvops/jobs/throttles.py; staff exempt): REST and /v1 alike.
     "DEFAULT_THROTTLE_RATES": {"jobs": os.environ.get("KVOPS_JOB_RATE", "3000/min") or None},
 }
 # One prompt's characters (the token limit is the model's) and one answer's tokens
@@ -194,7 +194,7 @@ KVOPS_MAX_SEQS_PER_USER = int(os.environ.get("KVOPS_MAX_SEQS_PER_USER", 1024))
 # (EngineConfig.max_batch_share; KVOPS_ENGINE_MAX_BATCH_SHARE for one engine); 1: no limit
 KVOPS_MAX_BATCH_SHARE = float(os.environ.get("KVOPS_MAX_BATCH_SHARE", 0.5))
 # Prefix-cache isolation: `user` (each non-staff user's own cache; staff and pinned
-# prefixes shared) or `global` (one cache for all). See kvops/tenancy.py.
+# prefixes shared) or `global` (one cache for all). See kvops/routing/tenancy.py.
 KVOPS_PREFIX_SHARING = os.environ.get("KVOPS_PREFIX_SHARING", "user")
 if KVOPS_PREFIX_SHARING not in ("user", "global"):
     from django.core.exceptions import ImproperlyConfigured
@@ -217,32 +217,32 @@ SPECTACULAR_SETTINGS = {
     "COMPONENT_SPLIT_REQUEST": True,
 }
 
-# Celery: see kvops/celery.py (its broker is REDIS_URL through kvops/broker.py).
+# Celery: see kvops/celery.py (its broker is REDIS_URL through kvops/infra/broker.py).
 CELERY_RESULT_BACKEND = None
 # Structured-output constraints are compiled before their job is stored, in this many
-# processes per web process, each compile within this deadline (kvops/grammar_check.py)
+# processes per web process, each compile within this deadline (kvops/intake/grammar_check.py)
 KVOPS_GRAMMAR_WORKERS = max(1, int(os.environ.get("KVOPS_GRAMMAR_WORKERS", 2)))
 KVOPS_GRAMMAR_TIMEOUT_S = float(os.environ.get("KVOPS_GRAMMAR_TIMEOUT_S", 5))
 KVOPS_JOB_TIMEOUT_S = int(os.environ.get("KVOPS_JOB_TIMEOUT_S", 3600))
-# Celery (kvops/celery.py): the broker is REDIS_URL through kvops/broker.py's transport;
+# Celery (kvops/celery.py): the broker is REDIS_URL through kvops/infra/broker.py's transport;
 # Redis redelivers an unacknowledged message after the visibility timeout: longer than
 # any job.
 CELERY_BROKER_URL = broker_url(REDIS_URL)
 CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": KVOPS_JOB_TIMEOUT_S + 300}
 KVOPS_CONTROL_TIMEOUT_S = float(os.environ.get("KVOPS_CONTROL_TIMEOUT_S", 5))
 # How jobs that name no engine are spread: `prefix` (the engine caching the longest
-# prefix of the prompt), `round-robin` or `shared` (kvops/routing.py).
+# prefix of the prompt), `round-robin` or `shared` (kvops/routing/routing.py).
 KVOPS_ROUTING = os.environ.get("KVOPS_ROUTING", "prefix")
 # An engine worker (python manage.py engine_worker sets KVOPS_ENGINE_WORKER=1 and the
 # name). The engine's own settings are EngineConfig's fields, each read from
-# KVOPS_ENGINE_<FIELD> (kvops/engine_config.py); these are the worker's, not fields.
+# KVOPS_ENGINE_<FIELD> (kvops/engines/engine_config.py); these are the worker's, not fields.
 KVOPS_ENGINE_WORKER = os.environ.get("KVOPS_ENGINE_WORKER") == "1"
 KVOPS_ENGINE_NAME = os.environ.get("KVOPS_ENGINE_NAME", "default")
 KVOPS_ENGINE_CORE = os.environ.get("KVOPS_ENGINE_CORE", "process")  # or `thread`
 # The core process's niceness (unset: engine.core_proc.CORE_NICE, -19 where allowed).
 KVOPS_ENGINE_CORE_NICE = int(os.environ["KVOPS_ENGINE_CORE_NICE"]) \
     if os.environ.get("KVOPS_ENGINE_CORE_NICE") else None
-# This deployment's id (kvops/stack_id.py): unset, the one stored in its database on first
+# This deployment's id (kvops/engines/stack_id.py): unset, the one stored in its database on first
 # use. Engine names are claimed per stack on the shared Redis database, and operator
 # commands carry it: a worker ignores another stack's.
 KVOPS_STACK_ID = os.environ.get("KVOPS_STACK_ID", "").strip()
@@ -252,10 +252,10 @@ if KVOPS_STACK_ID and not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", KVOPS_STACK_ID):
                                "digits, '.', '_' or '-'")
 KVOPS_PORT = int(os.environ.get("KVOPS_PORT", 8000))
 # Proxies (addresses or networks, comma-separated) whose X-Forwarded-For the web server
-# believes; none by default (kvops/run.py, web_server_argv).
+# believes; none by default (kvops/infra/run.py, web_server_argv).
 KVOPS_TRUSTED_PROXIES = os.environ.get("KVOPS_TRUSTED_PROXIES", "").strip()
 KVOPS_LOG_LEVEL = os.environ.get("KVOPS_LOG_LEVEL", "INFO")
-# A what-if replay (kvops/what_if.py, on the ops worker) that runs longer is stopped and
+# A what-if replay (kvops/what_if/what_if.py, on the ops worker) that runs longer is stopped and
 # marked failed.
 KVOPS_WHAT_IF_TIME_LIMIT_S = float(os.environ.get("KVOPS_WHAT_IF_TIME_LIMIT_S", 600))
 # Server-sent-event chunks one web process sends per second, at most, over all its
@@ -263,9 +263,10 @@ KVOPS_WHAT_IF_TIME_LIMIT_S = float(os.environ.get("KVOPS_WHAT_IF_TIME_LIMIT_S", 
 # produced meanwhile travel together (as vLLM's stream interval does).
 KVOPS_SSE_MAX_CHUNKS_PER_S = float(os.environ.get("KVOPS_SSE_MAX_CHUNKS_PER_S", 6400))
 # A streaming client that reads nothing for this long while its job produces is cut off
-# and its job cancelled (kvops/stream_hub.py).
+# and its job cancelled (kvops/stream/stream_hub.py).
 KVOPS_STREAM_STALL_S = float(os.environ.get("KVOPS_STREAM_STALL_S", 30))
-# Job-stream updates a worker aims at per second over all its jobs (kvops/output_processor.py).
+# Job-stream updates a worker aims at per second over all its jobs
+# (kvops/worker/output_processor.py).
 KVOPS_STREAM_UPDATES_PER_S = float(os.environ.get("KVOPS_STREAM_UPDATES_PER_S", 10_000))
 KVOPS_HEARTBEAT_S = float(os.environ.get("KVOPS_HEARTBEAT_S", 2))
 KVOPS_ENGINE_DEAD_AFTER_S = float(os.environ.get("KVOPS_ENGINE_DEAD_AFTER_S", 15))
@@ -281,7 +282,7 @@ KVOPS_OUTBOX_AFTER_S = float(os.environ.get("KVOPS_OUTBOX_AFTER_S", 10))
 KVOPS_RESEND_AFTER_S = float(os.environ.get("KVOPS_RESEND_AFTER_S", 900))
 KVOPS_EVENT_HISTORY = int(os.environ.get("KVOPS_EVENT_HISTORY", 10_000))  # KV events kept per engine
 KVOPS_METRICS_HISTORY = int(os.environ.get("KVOPS_METRICS_HISTORY", 3600))  # metric points (1/s)
-# The engine page's timeline (kvops/timeline.py): how far back each engine's KV history
+# The engine page's timeline (kvops/dashboard/timeline.py): how far back each engine's KV history
 # reaches, the most it may take in Redis, and how often a keyframe (a full snapshot)
 # starts a window of it.
 KVOPS_TIMELINE_SECONDS = float(os.environ.get("KVOPS_TIMELINE_SECONDS", 300))

@@ -1,4 +1,4 @@
-"""Celery tasks: thin; they take ids and call the job store (kvops/job_store.py)."""
+"""Celery tasks: thin; they take ids and call the job store (kvops/jobs/job_store.py)."""
 from __future__ import annotations
 
 import logging
@@ -7,10 +7,11 @@ from celery import shared_task
 from django.conf import settings
 
 from engine import EngineError, wire
-from kvops import job_deadline, job_store, migration
-from kvops.prompts import job_prompt_ids
-from kvops.tenancy import cache_salt, tenant
-from kvops.worker import context
+from kvops.intake.prompts import job_prompt_ids
+from kvops.jobs import job_deadline, job_store
+from kvops.operators import moves
+from kvops.routing.tenancy import cache_salt, tenant
+from kvops.worker.worker import context
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +25,7 @@ CLAIM_RETRIES = 5  # a delivery whose claim fails (database away) is sent again 
 def run_jobs(self, job_ids: list[int]) -> list[str]:
     """Run jobs on this worker's engine until each ends; one outcome per job.
 
-    Jobs admitted together for one engine travel as one task (kvops/outbox.py):
+    Jobs admitted together for one engine travel as one task (kvops/jobs/outbox.py):
     Celery's cost is per delivery, and in a burst of hundreds of streams that cost, on
     the worker's one interpreter, is what delays the first tokens. The task holds its
     delivery (acks late) while its jobs run, but does no per-token work: the output
@@ -117,7 +118,7 @@ def _decode_on(service, job) -> dict | None:
     try:
         # (the hand-over comes once its prompt is computed: the ticket lasts until the
         # job's deadline)
-        return migration.route(service.name, name, job.request_id,
+        return moves.route(service.name, name, job.request_id,
                                job_deadline.deadline(job), str(job.pk))
     except EngineError as e:
         log.info("job %s decodes on %s: %s", job.pk, service.name, e)
@@ -135,10 +136,10 @@ def _fail_quietly(job_id: int, error: str, request_id: str | None) -> None:
              soft_time_limit=settings.KVOPS_WHAT_IF_TIME_LIMIT_S,
              time_limit=settings.KVOPS_WHAT_IF_TIME_LIMIT_S + 30)
 def what_if(run_id: int) -> str:
-    """Replay an engine's recent jobs under two configurations (kvops/what_if.py). Sent
+    """Replay an engine's recent jobs under two configurations (kvops/what_if/what_if.py). Sent
     to the ops queue only, which no engine worker consumes. Acknowledged on receipt: a
     replay that kills its worker (out of memory) is not delivered again to kill the
     next one; the run is marked failed when read (what_if.settle)."""
-    from kvops import what_if as service
+    from kvops.what_if import what_if as service
 
     return service.run(run_id)

@@ -2,7 +2,9 @@ from django.contrib import admin
 from django.contrib.auth import views as auth_views
 from django.urls import include, path, re_path
 
-from kvops import health, metrics_view, openai_api, responses_api, views
+from kvops import views
+from kvops.monitoring import health, metrics_view
+from kvops.openai import completions, errors, responses, served_models, tokenize
 
 urlpatterns = [
     path("", views.overview, name="overview"),
@@ -14,15 +16,15 @@ urlpatterns = [
     path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("admin/", admin.site.urls),
     path("api/", include("kvops.api.urls")),
-    path("v1/completions", openai_api.completions),
-    path("v1/chat/completions", openai_api.chat_completions),
-    path("v1/models", openai_api.models),
-    path("v1/models/<path:model>", openai_api.model),
-    path("v1/responses", responses_api.responses),
-    path("v1/responses/<str:response_id>", responses_api.response),
-    re_path(r"^v1/(?P<path>.*)$", openai_api.not_found),  # after every /v1 route
-    path("tokenize", openai_api.tokenize),  # vLLM serves these two at the root
-    path("detokenize", openai_api.detokenize),
+    path("v1/completions", completions.completions),
+    path("v1/chat/completions", completions.chat_completions),
+    path("v1/models", served_models.models),
+    path("v1/models/<path:model>", served_models.model),
+    path("v1/responses", responses.responses),
+    path("v1/responses/<str:response_id>", responses.response),
+    re_path(r"^v1/(?P<path>.*)$", errors.not_found),  # after every /v1 route
+    path("tokenize", tokenize.tokenize),  # vLLM serves these two at the root
+    path("detokenize", tokenize.detokenize),
     path("metrics", metrics_view.metrics, name="metrics"),
     path("healthz", health.healthz, name="healthz"),
     path("health", health.health),  # as vLLM serves these three

@@ -6,7 +6,9 @@ from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, render
 
 from engine.observe.story import FIRST_MISS_REASONS
-from kvops import selectors, tenancy, visibility
+from kvops import selectors
+from kvops.dashboard import visibility
+from kvops.routing import tenancy
 from kvops.models import Engine, Job
 
 ACTIONS_SHOWN = 200
@@ -25,7 +27,7 @@ def overview(request: HttpRequest) -> HttpResponse:
 @login_required
 def engine_page(request: HttpRequest, name: str) -> HttpResponse:
     engine = get_object_or_404(Engine, name=name)
-    # tenant: the label of this user's requests in the engine's state (kvops/tenancy.py)
+    # tenant: the label of this user's requests in the engine's state (kvops/routing/tenancy.py)
     # miss_reasons: each first-miss reason in words (the KV stories, static/kvops/kv_story.js)
     page = {"name": engine.name, "operator": request.user.is_staff,
             "config": visibility.config_for(engine.config, request.user),

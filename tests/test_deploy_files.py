@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from kvops.private_file import ensure_secret_key
+from kvops.infra.private_file import ensure_secret_key
 
 REPO = Path(__file__).resolve().parents[1]
 

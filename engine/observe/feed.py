@@ -7,7 +7,7 @@ references and counters, so a step never waits), and its own thread turns captur
 items that `emit` hands on: the delta, encoded once for every client, the KV events worth
 a line in the log, the metrics point, and the prefix-cache changes a router needs. The
 mirror it keeps also answers questions (`ask`): the full snapshot, one request's block
-tables. Nothing here does I/O: the worker's publisher (kvops/publisher.py) sends items
+tables. Nothing here does I/O: the worker's publisher (kvops/worker/publisher.py) sends items
 and answers on.
 """
 from __future__ import annotations

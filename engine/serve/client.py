@@ -16,7 +16,7 @@ core process is started again; after MAX_RESTARTS in a row the worker reports it
 dead (`alive` is False, so its heartbeat stops and the reaper moves its jobs elsewhere).
 A core that ends because its worker stops (halt(), stop(), or a stop signal to the
 worker's process group that reaches the core too) is not replaced; its requests fail only
-once the worker has handed their jobs back to the queue (kvops/worker.py). Nothing sent
+once the worker has handed their jobs back to the queue (kvops/worker/worker.py). Nothing sent
 to a core blocks once it has exited.
 """
 from __future__ import annotations
@@ -163,7 +163,7 @@ class EngineClient(ABC):
 
     def halt(self, timeout_s: float = 2.0) -> None:
         """End the core's work now, without waiting for its requests, as a worker does
-        that stops (kvops/worker.py, once it has handed its jobs back): the core is told
+        that stops (kvops/worker/worker.py, once it has handed its jobs back): the core is told
         to shut down, and ended if it has not exited within timeout_s. Its requests and
         the calls waiting for it then fail, as when a core dies, and no new core is
         started. stop() still closes the client."""

@@ -14,7 +14,7 @@ What a constraint may be is bounded (check_spec): compile time grows with nestin
 (cubically: a schema nested 400 deep took 20 s), with optional properties (2,000 took
 10 s with the default tokenizer) and with counted repetitions, and a service compiles
 what its users send. The web also compiles a constraint before it stores the job, in a
-process it can stop (kvops/grammar_check.py).
+process it can stop (kvops/intake/grammar_check.py).
 
 JSON is generated without free whitespace (xgrammar's any_whitespace off: items are
 separated by ", " and ": "), so a small model cannot wander off in spaces and newlines.

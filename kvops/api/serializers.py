@@ -1,5 +1,5 @@
 """Validation of what operators send, and the shape of what clients get back. (A job's
-fields are parsed by kvops/intake.py, the one parser per job schema.)"""
+fields are parsed by kvops/intake/intake.py, the one parser per job schema.)"""
 from __future__ import annotations
 
 import math
@@ -11,10 +11,11 @@ from rest_framework import serializers
 
 from engine.sim.capacity import StepCost
 from engine.config import EVICTION_POLICIES, KV_CACHE_DTYPES, PREEMPTION_MODES
-from kvops import job_store, limits
+from kvops.intake import limits
+from kvops.jobs import job_store
 from kvops.models import Engine, Job, OperatorAction, WhatIfRun
-from kvops.what_if import MAX_POOL_TOKENS, SETTINGS
-from kvops.what_if_trace import MAX_JOBS, MAX_MINUTES
+from kvops.what_if.what_if import MAX_POOL_TOKENS, SETTINGS
+from kvops.what_if.what_if_trace import MAX_JOBS, MAX_MINUTES
 
 QUEUED_HINT_S = 30  # a what-if run queued this long gets a note: is an ops worker up?
 
@@ -88,7 +89,7 @@ class EngineSerializer(serializers.ModelSerializer):
         read_only_fields = fields
 
     def to_representation(self, instance):
-        from kvops.visibility import config_for
+        from kvops.dashboard.visibility import config_for
         data = super().to_representation(instance)
         request = self.context.get("request")
         data["config"] = config_for(instance.config, getattr(request, "user", None))

@@ -1,6 +1,6 @@
 """GET /api/engines/<name>/timeline/ (what the engine's KV history holds) and
 /api/engines/<name>/timeline/state/?at=... (the keyframe and deltas that rebuild its state
-at a moment): the engine page's timeline, kept by kvops/timeline.py."""
+at a moment): the engine page's timeline, kept by kvops/dashboard/timeline.py."""
 from __future__ import annotations
 
 import math
@@ -15,7 +15,7 @@ from rest_framework.exceptions import NotFound
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from kvops import timeline, visibility
+from kvops.dashboard import timeline, visibility
 from kvops.api.views import ERROR, ServiceUnavailable
 from kvops.models import Engine
 

@@ -1,4 +1,4 @@
-"""REST API (thin: jobs parsed by kvops/intake.py and stored by kvops/admission.py,
+"""REST API (thin: jobs parsed by kvops/intake/intake.py and stored by kvops/jobs/admission.py,
 other input validated in serializers, writes in the modules that own them, reads in
 selectors)."""
 from __future__ import annotations
@@ -10,21 +10,24 @@ from django.shortcuts import get_object_or_404
 from drf_spectacular.utils import OpenApiParameter, extend_schema, inline_serializer
 from rest_framework import mixins, permissions, serializers, status, viewsets
 from rest_framework.decorators import action
-from rest_framework.exceptions import (APIException, NotFound, PermissionDenied,
-                                       ValidationError)
+from rest_framework.exceptions import APIException, NotFound, ValidationError
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from engine.serve.commands import STATE_COMMANDS
-from kvops import (admission, grammar_check, idempotency, intake, job_store, kv_story, limits,
-                   operator_actions, selectors, visibility, what_if)
+from kvops import selectors
+from kvops.dashboard import kv_story_view, visibility
+from kvops.intake import intake
+from kvops.jobs import admission, idempotency, job_store, refusals
+from kvops.operators import operator_actions
+from kvops.what_if import what_if
 from kvops.api.serializers import (DrainSerializer, EmptySerializer, EngineSerializer,
                                    EvictSerializer, MigrateSerializer, RetentionSerializer,
                                    JobSerializer, LimitsSerializer,
                                    OperatorActionSerializer, PrefixSerializer,
                                    WhatIfRunSerializer, WhatIfSerializer)
 from kvops.models import Engine, Job
-from kvops.throttles import JobSubmitThrottle, TooManyJobs
+from kvops.jobs.throttles import JobSubmitThrottle
 
 
 class ServiceUnavailable(APIException):
@@ -33,40 +36,40 @@ class ServiceUnavailable(APIException):
     default_code = "service_unavailable"
 
 
+class Refused(APIException):
+    """A refusal of intake or admission, answered with the status kvops/jobs/refusals.py
+    gives it (the table /v1 answers from too): a bad field's (400, 403) names the field,
+    any other's is its message."""
+
+    def __init__(self, e: Exception, refusal: refusals.Refusal) -> None:
+        self.status_code = refusal.status
+        field = refusal.status in (400, 403)
+        super().__init__({refusal.param: [str(e)]} if field else str(e), refusal.code)
+
+
+def _refused(e: Exception) -> Refused | None:
+    """e as the REST API answers it, if it is a refusal; None: a failure."""
+    refusal = refusals.refusal_of(e)
+    return None if refusal is None else Refused(e, refusal)
+
+
 def _idempotency_key(request) -> str:
     try:
         return idempotency.key_of(request.headers)
     except idempotency.BadKey as e:
-        raise ValidationError({idempotency.HEADER: [str(e)]}) from None
+        raise _refused(e) from None
 
 
 def _answer(create) -> Response | None:
     """Answer 201 with the job create() returns (None: no answer), marked
     `Idempotent-Replayed: true` if it was stored by an earlier call with the same key."""
-    try:
-        job = create()
-    except (admission.Unavailable, grammar_check.Busy) as e:
-        raise ServiceUnavailable(str(e)) from None
-    except idempotency.KeyReused as e:
-        raise KeyConflict(str(e)) from None
-    except TooManyJobs as e:
-        raise TooManyJobsError(str(e)) from None
+    job = create()
     if job is None:
         return None
     response = Response(JobSerializer(job).data, status=status.HTTP_201_CREATED)
     if getattr(job, "replayed", False):
         response["Idempotent-Replayed"] = "true"
     return response
-
-
-class TooManyJobsError(APIException):
-    status_code = 429
-    default_code = "too_many_jobs"
-
-
-class KeyConflict(APIException):
-    status_code = 409
-    default_code = "idempotency_key_reused"
 
 
 class IsOperator(permissions.BasePermission):
@@ -112,12 +115,11 @@ class JobViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.Retrieve
             new = intake.parse_job(request.data, request.user, Job.Source.API
                                    if request.auth is not None else Job.Source.WEB, key)
             return _answer(lambda: admission.admit(new))
-        except limits.NotAllowed as e:
-            raise PermissionDenied({e.param: [str(e)]}) from None
-        except limits.InvalidParam as e:
-            raise ValidationError({e.param: [str(e)]}) from None
-        except intake.NotFound as e:
-            raise NotFound(str(e)) from None
+        except Exception as e:  # noqa: BLE001  (each refusal its own status; others are 500s)
+            refused = _refused(e)
+            if refused is None:
+                raise
+            raise refused from None
 
     @extend_schema(request=None, responses={200: JobSerializer})
     @action(detail=True, methods=["post"])
@@ -149,7 +151,7 @@ class JobViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.Retrieve
         or computed), why the first block that missed was not cached (proved from its
         engine's history, "unknown" where that cannot tell), its preemptions and their
         causes, and the router's view when it chose (docs/api.md, "KV story")."""
-        return Response(kv_story.document(self.get_object(), request.user))
+        return Response(kv_story_view.document(self.get_object(), request.user))
 
 
 EVENTS_PAGE_MAX = 1000  # KV events per page of /api/engines/<name>/events/
@@ -266,7 +268,7 @@ def _action_answer(request, engine: Engine, action: str, target: str,
         code, body, replayed = operator_actions.operator_action(
             request.user, engine, action, target, arguments, _idempotency_key(request))
     except idempotency.KeyReused as e:
-        raise KeyConflict(str(e)) from None
+        raise _refused(e) from None
     response = Response(body, status=code)
     if replayed:
         response["Idempotent-Replayed"] = "true"
@@ -379,7 +381,7 @@ class WhatIfView(APIView):
                                 serializer.changes(), serializer.step_cost(),
                                 _idempotency_key(request))
         except idempotency.KeyReused as e:
-            raise KeyConflict(str(e)) from None
+            raise _refused(e) from None
         except what_if.Refused as e:
             return Response({"error": str(e)}, status=status.HTTP_400_BAD_REQUEST)
         except what_if.Busy as e:

@@ -20,6 +20,6 @@ class Migration(migrations.Migration):
         migrations.AddField(
             model_name='engine',
             name='stack',
-            field=models.CharField(blank=True, help_text='the deployment its worker belongs to (kvops/stack_id.py)', max_length=64),
+            field=models.CharField(blank=True, help_text='the deployment its worker belongs to (kvops/engines/stack_id.py)', max_length=64),
         ),
     ]

@@ -8,7 +8,7 @@ from django.db import migrations, models
 def chain_existing_rows(apps, schema_editor):
     """Rows from before the chain are sealed in id order, as they stand: the chain
     vouches for them from now on, not for what happened to them before."""
-    from kvops.audit_chain import chain_key, link
+    from kvops.operators.audit_chain import chain_key, link
     OperatorAction = apps.get_model("kvops", "OperatorAction")
     key, previous = chain_key(settings.SECRET_KEY), ""
     for seq, row in enumerate(OperatorAction.objects.order_by("id").iterator(), start=1):

@@ -34,7 +34,7 @@ from pathlib import Path
 from django.db.backends.sqlite3 import base
 from django.db.backends.sqlite3.base import Database
 
-from kvops.private_file import create_private_file
+from kvops.infra.private_file import create_private_file
 
 POLL_S = (0.0001, 0.0002, 0.0005, 0.001, 0.002)  # the waits between tries, then the last
 

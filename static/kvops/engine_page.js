@@ -55,7 +55,7 @@ if (query.get("at")) {
 window.kvops = { state: () => state, live: () => sync.state, scrubbing: () => timeline.scrubbing, timeline,
                  selected: () => selected, gpuMap, cpuMap };  // tests, console
 
-// A plain user's view is sealed (kvops/visibility.py): no block hashes, and requests of
+// A plain user's view is sealed (kvops/dashboard/visibility.py): no block hashes, and requests of
 // other tenants (another user's, or staff's) shown as such; their own by their tenant label.
 const othersOf = (r) => Boolean(state?.sealed) && r.tenant !== page.tenant;
 const table = new RequestTable($("#requests"), {

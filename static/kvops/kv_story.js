@@ -1,4 +1,4 @@
-// A job's KV story (GET /api/jobs/<id>/kv/, built by kvops/kv_story.py) as HTML: the
+// A job's KV story (GET /api/jobs/<id>/kv/, built by kvops/dashboard/kv_story_view.py) as HTML: the
 // prompt as a strip of blocks coloured by where their K/V came from, the first miss
 // marked on it with its reason, the preemptions with their causes, the router's view.
 // The job page shows all of it (storyHtml), the engine page's selected request a compact
@@ -21,7 +21,7 @@ export const PREEMPTION_WORDS = {
 };
 // Reasons whose `by` is the request that took the blocks (the others' is an operator).
 const BY_A_REQUEST = new Set(["evicted", "kv_full", "priority"]);
-// What a plain user sees instead of another user's request id (kvops/kv_story.py _seal).
+// What a plain user sees instead of another user's request id (kvops/dashboard/kv_story_view.py _seal).
 const SEALED = "another user's request";
 export const TERMINAL = new Set(["finished", "failed", "cancelled"]);
 

@@ -35,7 +35,7 @@ function pool(arrays) {
   p.owner = Int32Array.from(p.owner);
   p.state = Uint8Array.from(p.state);
   p.n = p.state.length;
-  // A sealed state (a plain user's: kvops/visibility.py) has no hashes: all 0, "none"
+  // A sealed state (a plain user's: kvops/dashboard/visibility.py) has no hashes: all 0, "none"
   p.hash32 = p.hash32 ? Uint32Array.from(p.hash32) : new Uint32Array(p.n);
   return p;
 }

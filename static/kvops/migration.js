@@ -17,7 +17,7 @@ function load(engine) {
 
 // The engines a running request of engine `name` may move to, from GET /api/engines/:
 // alive, ready (not paused, not draining), serving the same model, and with a migration
-// address; the least loaded first, as kvops/migration.py destinations orders them.
+// address; the least loaded first, as kvops/operators/moves.py destinations orders them.
 // `ownConfig` stands in for the engine's own row when the list lacks it.
 export function migrationTargets(engines, name, ownConfig = null) {
   const own = engines.find((e) => e.name === name);

@@ -9,8 +9,8 @@ from django.contrib.auth.models import AnonymousUser
 
 from engine import SamplingParams
 from kvops import live
-from kvops.consumers import CLOSE_NOT_FOUND, CLOSE_NOT_LOGGED_IN
-from kvops.job_stream import StreamProducer
+from kvops.dashboard.consumers import CLOSE_NOT_FOUND, CLOSE_NOT_LOGGED_IN
+from kvops.stream.job_stream import StreamProducer
 from kvops.models import Engine, Job
 from tests.dashboard.churn import churn_engine
 from tests.dashboard.live_client import ARRAYS, LiveState, SequenceGap
@@ -145,7 +145,7 @@ async def test_a_stopped_engine_serves_its_stored_snapshot_marked_stale(users, m
     await asyncio.to_thread(lambda: Engine.objects.create(name=name, worker="w", status="dead"))
     engine = churn_engine(name=name)
     await asyncio.to_thread(live.store_snapshot, name, engine.snapshot(compact=True))
-    monkeypatch.setattr("kvops.consumers.SNAPSHOT_WAIT_S", 0.2)
+    monkeypatch.setattr("kvops.dashboard.consumers.SNAPSHOT_WAIT_S", 0.2)
     comm, ok, _ = await connect(f"/ws/engines/{name}/", users[0])
     assert (await receive(comm))["alive"] is False
     await comm.send_json_to({"type": "subscribe", "level": "full"})
@@ -157,7 +157,7 @@ async def test_a_stopped_engine_serves_its_stored_snapshot_marked_stale(users, m
 async def test_job_stream_and_block_table(users, engine_setup, monkeypatch):
     # A window no busy machine can outlast between the two queries below (the check
     # is that a second query inside it is refused, whatever the timing).
-    monkeypatch.setattr("kvops.consumers.MIN_QUERY_INTERVAL_S", 3600.0)
+    monkeypatch.setattr("kvops.dashboard.consumers.MIN_QUERY_INTERVAL_S", 3600.0)
     name, engine, publisher, churn = engine_setup
     op, alice, bob = users
     engine.add_request("job-7-1", list(range(30)), SamplingParams(max_tokens=200), job_id="7")
@@ -213,7 +213,7 @@ async def next_delta_applied(comm, client: LiveState, publisher, engine, churn) 
 async def test_a_consumer_joins_its_group_again_after_losing_it(users, engine_setup, monkeypatch):
     """Lost memberships say nothing (a Redis restart or failover, a FLUSHALL, expiry):
     consumers add themselves again every REJOIN_S."""
-    monkeypatch.setattr("kvops.consumers.REJOIN_S", 0.2)
+    monkeypatch.setattr("kvops.dashboard.consumers.REJOIN_S", 0.2)
     name, engine, publisher, churn = engine_setup
     comm, client = await subscribed_full(name, users[1])
     key = group_key(live.engine_group(name))
@@ -230,7 +230,7 @@ async def test_the_websocket_outlives_a_failing_channel_layer(users, engine_setu
     import redis
     from channels.layers import get_channel_layer
 
-    monkeypatch.setattr("kvops.consumers.RETRY_MIN_S", 0.05)
+    monkeypatch.setattr("kvops.dashboard.consumers.RETRY_MIN_S", 0.05)
     name, engine, publisher, churn = engine_setup
     comm, client = await subscribed_full(name, users[1])
     layer, failures = get_channel_layer(), [0]

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvops.consumers import CLOSE_FLOODING, ENGINE_MESSAGES, JOB_MESSAGES, MESSAGE_BURST
+from kvops.dashboard.consumers import CLOSE_FLOODING, ENGINE_MESSAGES, JOB_MESSAGES, MESSAGE_BURST
 from kvops.models import Job
 from tests.dashboard.wsclient import connect, receive
 
@@ -52,7 +52,7 @@ def frames(schema: dict):
 
 
 def valid(text: str | None, schema: dict) -> bool:
-    """The same rules as kvops.consumers.parse_message, written out again."""
+    """The same rules as kvops.dashboard.consumers.parse_message, written out again."""
     try:
         content = json.loads(text) if text is not None and len(text) <= 1024 else None
     except (ValueError, RecursionError):
@@ -118,7 +118,7 @@ async def check_frames(comm, schema: dict, sent: list) -> None:
 @FUZZ
 @given(sent=st.lists(frames(ENGINE_MESSAGES), min_size=1, max_size=12))
 async def test_engine_consumer_answers_anything(users, engine_setup, monkeypatch, sent):
-    monkeypatch.setattr("kvops.consumers.MESSAGES_PER_S", 1e6)  # no flood here
+    monkeypatch.setattr("kvops.dashboard.consumers.MESSAGES_PER_S", 1e6)  # no flood here
     comm, ok, _ = await connect(f"/ws/engines/{engine_setup[0]}/", users[1])
     assert ok and (await receive(comm))["type"] == "hello"
     await check_frames(comm, ENGINE_MESSAGES, sent)
@@ -135,7 +135,7 @@ def job(users, engine_setup):
 @FUZZ
 @given(sent=st.lists(frames(JOB_MESSAGES), min_size=1, max_size=12))
 async def test_job_consumer_answers_anything(users, job, monkeypatch, sent):
-    monkeypatch.setattr("kvops.consumers.MESSAGES_PER_S", 1e6)
+    monkeypatch.setattr("kvops.dashboard.consumers.MESSAGES_PER_S", 1e6)
     comm, ok, _ = await connect(f"/ws/jobs/{job.pk}/", users[1])
     assert ok and (await receive(comm))["type"] == "job"
     await check_frames(comm, JOB_MESSAGES, sent)
@@ -156,7 +156,7 @@ async def test_huge_frames_are_refused_without_reading_them(users, engine_setup)
 async def test_a_flood_is_answered_then_closed(users, engine_setup, monkeypatch):
     """Without refills (rate 0) the count is exact whatever the machine's pace: a busy CI
     that takes 0.1 s between two pings would otherwise earn a token, and reset the count."""
-    monkeypatch.setattr("kvops.consumers.MESSAGES_PER_S", 0.0)
+    monkeypatch.setattr("kvops.dashboard.consumers.MESSAGES_PER_S", 0.0)
     comm, ok, _ = await connect(f"/ws/engines/{engine_setup[0]}/", users[1])
     await receive(comm)
     for _ in range(MESSAGE_BURST + 5):

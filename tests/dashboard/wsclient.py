@@ -10,8 +10,8 @@ from channels.testing import WebsocketCommunicator
 
 from engine.observe.feed import decode
 from tests.support.local_publisher import LocalPublisher
+from kvops.dashboard.ws_routing import websocket_urlpatterns
 from tests.support.wait import wait_until, wait_until_async
-from kvops.ws_routing import websocket_urlpatterns
 
 APP = URLRouter(websocket_urlpatterns)
 

@@ -93,7 +93,7 @@ def test_tools_reach_a_template_that_renders_them(tmp_path, tiny_model):
     template uses them, as transformers renders it; a template without them ignores them."""
     from transformers import AutoTokenizer
 
-    from kvops.prompts import render_chat
+    from kvops.intake.prompts import render_chat
     folder = tmp_path / "tools"
     shutil.copytree(tiny_model("gqa16"), folder)
     config = json.loads((folder / "tokenizer_config.json").read_text())

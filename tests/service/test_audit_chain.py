@@ -1,4 +1,4 @@
-"""The operator log is tamper-evident (kvops/audit_chain.py): each final row is chained by
+"""The operator log is tamper-evident (kvops/operators/audit_chain.py): each final row is chained by
 an HMAC of the secret key over the previous row's MAC and its own content; `manage.py
 verify_audit` names the first row an edit or a deletion broke, and /admin/ lets no one,
 superusers included, add, change or delete a row."""
@@ -10,10 +10,10 @@ from django.core.management import call_command
 from django.core.management.base import CommandError
 from rest_framework.test import APIClient
 
-from kvops import control
-from kvops.migration import _audit
+from kvops.engines import control
+from kvops.operators.moves import _audit
 from kvops.models import OperatorAction
-from kvops.registry import register_engine
+from kvops.engines.registry import register_engine
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -73,7 +73,7 @@ def test_a_deleted_row_is_caught(actions):
 
 
 def test_a_sealed_row_is_not_sealed_again(actions):
-    from kvops.audit_chain import AuditError, seal
+    from kvops.operators.audit_chain import AuditError, seal
     with pytest.raises(AuditError):
         seal(actions[0])
 

@@ -5,7 +5,7 @@ import pytest
 from django.contrib.auth.models import User
 from django.utils import timezone
 
-from kvops import job_store
+from kvops.jobs import job_store
 from kvops.models import Engine, Job
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -152,7 +152,7 @@ def test_a_stop_signal_stops_every_process_of_the_stack(tmp_path, how, private_r
                DJANGO_SUPERUSER_PASSWORD="clean-stop-pw-123", **ENGINE_ENV)
     env.pop("KVOPS_ENGINE_WORKER", None)
     log = tmp_path / "run.log"
-    proc = subprocess.Popen([sys.executable, "-m", "kvops.run"], cwd=REPO, env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "kvops.infra.run"], cwd=REPO, env=env,
                             stdout=log.open("w"), stderr=subprocess.STDOUT,
                             start_new_session=True)
     url = f"http://127.0.0.1:{port}"

@@ -36,7 +36,7 @@ def test_the_login_lockout_holds_with_forged_forwarded_addresses(stack):
 
 
 def test_no_proxy_is_trusted_unless_named(settings):
-    from kvops.run import WS_MAX_BYTES, web_server_argv
+    from kvops.infra.run import WS_MAX_BYTES, web_server_argv
     assert settings.KVOPS_TRUSTED_PROXIES == ""  # the default
     argv = web_server_argv("127.0.0.1", 8000, settings.KVOPS_TRUSTED_PROXIES)
     assert "--no-proxy-headers" in argv and "--forwarded-allow-ips" not in argv
@@ -101,7 +101,7 @@ def test_a_websocket_message_over_the_limit_closes_the_socket(stack):
     (None, "127.0.0.1:8000", False, False),
 ])
 def test_the_origin_rule(settings, origin, host, secure, ok):
-    from kvops.ws_origin import allowed
+    from kvops.dashboard.ws_origin import allowed
     settings.ALLOWED_HOSTS = ["127.0.0.1", "[::1]", "kvops.example.org"]
     settings.CSRF_TRUSTED_ORIGINS = ["https://*.trusted.example"]
     assert allowed(origin, host, secure) is ok

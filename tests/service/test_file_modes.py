@@ -9,7 +9,7 @@ import stat
 import pytest
 
 from kvops.apps import warn_loose_files
-from kvops.private_file import create_private_file, loose_modes, private_paths
+from kvops.infra.private_file import create_private_file, loose_modes, private_paths
 
 
 def mode(path) -> int:

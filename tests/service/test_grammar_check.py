@@ -1,10 +1,10 @@
-"""The web's constraint compiles (kvops/grammar_check.py): in worker processes, with the
+"""The web's constraint compiles (kvops/intake/grammar_check.py): in worker processes, with the
 engine's tokenizer, each within a deadline past which the worker is killed and replaced;
 verdicts cached so that a repeat costs nothing."""
 import pytest
 
 from engine.model.default_model import default_model_dir
-from kvops.grammar_check import GrammarChecker
+from kvops.intake.grammar_check import GrammarChecker
 
 FOLDER = default_model_dir()
 TOKENIZER = (str(FOLDER), 49152)
@@ -68,7 +68,7 @@ def test_checks_past_the_queue_are_refused_as_busy(checker):
     once (503), not queued without end on the web's threads."""
     import threading
 
-    from kvops.grammar_check import QUEUE_PER_WORKER, Busy
+    from kvops.intake.grammar_check import QUEUE_PER_WORKER, Busy
     outcomes = []
 
     def check(n: int) -> None:

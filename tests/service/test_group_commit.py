@@ -5,7 +5,7 @@ join the same batches as threads."""
 import asyncio
 import threading
 
-from kvops.group_commit import GroupCommit
+from kvops.jobs.group_commit import GroupCommit
 from tests.support.wait import wait_until, wait_until_async
 
 

@@ -145,7 +145,7 @@ def test_v1_honours_the_idempotency_key(erin, sim_engine, client):
 def test_an_agent_loops_messages_are_kept_as_chat_templates_expect_them():
     """An agent's second turn: its call (content null, arguments as JSON text), the tool's
     result, a developer message (a system one); kept as transformers passes them."""
-    from kvops import limits
+    from kvops.intake import limits
     kept = limits.messages([
         {"role": "developer", "content": "be brief"},
         {"role": "user", "content": "weather?"},
@@ -239,7 +239,7 @@ def test_a_simulated_engine_with_the_default_tokenizer_counts_as_the_default_mod
     from engine.model.default_model import default_model_dir
     from engine.text.detokenizer import SimTokenizer
     from engine.text.tokenizer import HFTokenizer
-    from kvops.prompts import PromptInspector, tokenizer_id
+    from kvops.intake.prompts import PromptInspector, tokenizer_id
 
     folder = str(default_model_dir())
     sim = {"simulate": True, "tokenizer_path": folder, "model_path": None}

@@ -9,13 +9,14 @@ from django.contrib.auth.models import User
 from django.utils import timezone
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from kvops import job_store, live
+from kvops import live
+from kvops.jobs import job_store
 from engine.outputs import CoreOutput
-from kvops.job_stream import STREAM_KEY, StreamProducer, TextAssembler, decode_entry
+from kvops.stream.job_stream import STREAM_KEY, StreamProducer, TextAssembler, decode_entry
 from kvops.models import Job
-from kvops import output_processor
-from kvops.output_processor import OutputProcessor
-from kvops.stream_hub import JobStreamHub, StreamError
+from kvops.worker import output_processor
+from kvops.worker.output_processor import OutputProcessor
+from kvops.stream.stream_hub import JobStreamHub, StreamError
 from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -6,7 +6,7 @@ from django.contrib.auth.models import User
 from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
-from kvops.throttles import JobSubmitThrottle
+from kvops.jobs.throttles import JobSubmitThrottle
 
 pytestmark = pytest.mark.django_db(transaction=True)
 JOB = {"prompt": "limits", "max_tokens": 2}

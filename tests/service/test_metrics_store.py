@@ -1,4 +1,4 @@
-"""Job latency histograms in Redis (kvops/metrics_store.py): per-bucket counts written
+"""Job latency histograms in Redis (kvops/monitoring/metrics_store.py): per-bucket counts written
 per batch, read back as Prometheus's cumulative buckets."""
 import uuid
 from dataclasses import dataclass
@@ -6,7 +6,8 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from kvops import live, metrics_store
+from kvops import live
+from kvops.monitoring import metrics_store
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
 

@@ -23,7 +23,7 @@ SUFFIXES = ("_total", "_bucket", "_sum", "_count", "_created")
 
 def scrape(rf, settings) -> str:
     """/metrics as Prometheus scrapes it: with the token."""
-    from kvops.metrics_view import metrics
+    from kvops.monitoring.metrics_view import metrics
 
     settings.KVOPS_METRICS_TOKEN = "scrape-secret-2"
     answer = metrics(rf.get("/metrics", HTTP_AUTHORIZATION="Bearer scrape-secret-2"))
@@ -133,7 +133,7 @@ def engine_samples(rf, settings, name: str) -> dict[str, float]:
 
 
 def engine_with(name: str, metrics: dict) -> None:
-    from kvops.registry import heartbeat, register_engine
+    from kvops.engines.registry import heartbeat, register_engine
 
     register_engine(name, "w", "h", f"i-{name}", {"block_size": 16}, "s1")
     heartbeat(name, f"i-{name}", metrics)
@@ -221,7 +221,7 @@ def test_prometheus_loads_the_rules_and_compose_mounts_them():
 
 
 def test_cache_config_info_names_each_engines_kv_dtype_and_block_bytes(rf, settings):
-    from kvops.registry import register_engine
+    from kvops.engines.registry import register_engine
 
     register_engine("fp8", "w1", "h", "i1", {"block_size": 16, "dtype": "bfloat16",
                                            "kv_cache_dtype": "fp8_e4m3",

@@ -83,7 +83,7 @@ def test_metrics_and_healthz(stack, client):
 
 
 def test_rest_and_v1_apply_the_same_rules(stack):
-    """One set of rules (kvops/limits.py): the same request is refused by both APIs, in
+    """One set of rules (kvops/intake/limits.py): the same request is refused by both APIs, in
     the same words; a priority below 0 is for staff only, on both."""
     import requests
 

@@ -8,10 +8,11 @@ from django.contrib.auth.models import User
 from django.utils import timezone
 from kombu.exceptions import OperationalError
 
-from kvops import live, outbox
-from kvops.admission import create_job
-from kvops.intake import NewJob
-from kvops.reaper import reap
+from kvops import live
+from kvops.jobs import outbox
+from kvops.jobs.admission import create_job
+from kvops.intake.intake import NewJob
+from kvops.jobs.reaper import reap
 from kvops.models import Job
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -32,7 +33,7 @@ def broker_down(monkeypatch):
     """The broker refuses every send (what kombu raises once its retries are spent)."""
     def refuse(*args, **kwargs):
         raise OperationalError("Error 111 connecting to 127.0.0.1:6379. Connection refused.")
-    monkeypatch.setattr("kvops.outbox.app.send_task", refuse)
+    monkeypatch.setattr("kvops.jobs.outbox.app.send_task", refuse)
     return monkeypatch
 
 
@@ -85,7 +86,7 @@ def test_a_redis_started_afresh_gets_the_queued_jobs_again(owner):
     """The broker's messages went with a Redis started again empty (the private one of a
     `make run` stopped and started): the first reaper pass that finds the queue's mark
     gone sends every queued job again, once, whatever web process it runs in."""
-    from kvops.reaper import QUEUE_MARK, check_broker
+    from kvops.jobs.reaper import QUEUE_MARK, check_broker
     queue = "engine.outbox-d"
     job = create_job(NewJob(owner, {"max_tokens": 4}, "hi", engine="outbox-d"))
     check_broker()  # the mark, as a running web process keeps it

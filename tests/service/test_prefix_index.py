@@ -1,4 +1,4 @@
-"""The routing index of cached prefixes (kvops/prefix_index.py) with the CPU tier: a
+"""The routing index of cached prefixes (kvops/routing/prefix_index.py) with the CPU tier: a
 real simulated engine's KV events feed it in Redis, a prefix pushed off the GPU onto
 the tier still counts for routing, and the full rewrite agrees with the events."""
 import uuid
@@ -6,8 +6,9 @@ import uuid
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.serve.commands import run_command
 from engine.observe.feed import prefix_changes
-from kvops import live, prefix_index
-from kvops.prompts import inspector
+from kvops import live
+from kvops.routing import prefix_index
+from kvops.intake.prompts import inspector
 
 BLOCK = 4
 

@@ -4,7 +4,7 @@ what it answered)."""
 import openai
 import pytest
 
-from kvops.prompts import render_chat
+from kvops.intake.prompts import render_chat
 from engine.text.detokenizer import SimTokenizer
 from tests.service.test_jobs_api import expected_text
 

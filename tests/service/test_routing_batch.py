@@ -1,4 +1,4 @@
-"""Routing a batch of jobs at once (kvops/routing.py: choose_queues): engines, load and
+"""Routing a batch of jobs at once (kvops/routing/routing.py: choose_queues): engines, load and
 the prefix index read once for the batch, and each job seeing the ones routed before
 it, so that a batch decides exactly as the same jobs routed one by one would."""
 import uuid
@@ -8,9 +8,10 @@ from django.contrib.auth.models import User
 from django.utils import timezone
 
 from engine import EngineConfig, LLMEngine
-from kvops import live, prefix_index, selectors
+from kvops import live, selectors
+from kvops.routing import prefix_index
 from kvops.models import Engine, Job
-from kvops.routing import PENDING_KEY, choose_queues
+from kvops.routing.routing import PENDING_KEY, choose_queues
 
 pytestmark = pytest.mark.django_db
 
@@ -101,8 +102,8 @@ def test_a_burst_follows_its_prefixes_as_one_by_one_routing_would(engines):
 
 
 def prefix_index_chain(engines, prompt, owner):
-    from kvops.prompts import inspector
-    from kvops.tenancy import cache_salt
+    from kvops.intake.prompts import inspector
+    from kvops.routing.tenancy import cache_salt
     config = Engine.objects.get(name=engines[0]).config
     return inspector.short_hashes(config, inspector.token_ids(config, prompt, None),
                                   cache_salt(owner))

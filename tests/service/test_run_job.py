@@ -7,14 +7,16 @@ from django.contrib.auth.models import User
 from django.db import DatabaseError
 
 from engine import EngineConfig
-from kvops import job_store, live, worker
-from kvops.admission import create_job, create_jobs
-from kvops.intake import NewJob
+from kvops import live
+from kvops.jobs import job_store
+from kvops.worker import worker
+from kvops.jobs.admission import create_job, create_jobs
+from kvops.intake.intake import NewJob
 from engine.serve.client import InprocClient
-from kvops.prompts import tokenizer_for
-from kvops.job_stream import StreamProducer
+from kvops.intake.prompts import tokenizer_for
+from kvops.stream.job_stream import StreamProducer
 from kvops.models import Job
-from kvops.output_processor import OutputProcessor
+from kvops.worker.output_processor import OutputProcessor
 from kvops.tasks import run_jobs
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -117,7 +119,7 @@ def test_jobs_admitted_together_run_as_one_task_and_each_ends_on_its_own(engine_
 
 def test_the_task_watches_the_deadline_from_the_jobs_start_as_a_moved_job_is_watched(
         engine_worker, monkeypatch):
-    """One deadline per job (kvops/job_deadline.py): its start plus KVOPS_JOB_TIMEOUT_S,
+    """One deadline per job (kvops/jobs/job_deadline.py): its start plus KVOPS_JOB_TIMEOUT_S,
     the one a moved-in job is watched to. A task whose wait begins long after its job's
     start (here: the claim's start set back past the timeout) gives it no more time: the
     job ends as timed out at once, its request aborted, instead of running to its end."""
@@ -139,7 +141,7 @@ def test_the_task_watches_the_deadline_from_the_jobs_start_as_a_moved_job_is_wat
     assert run(job) == "timeout"
     job.refresh_from_db()
     assert job.status == Job.Status.FAILED and "ran past" in job.error
-    from kvops import job_deadline
+    from kvops.jobs import job_deadline
     assert job_deadline.deadline(job) == job.started_at.timestamp() + settings.KVOPS_JOB_TIMEOUT_S
     metrics = engine_worker.command("metrics", {})
     assert metrics["running"] == metrics["waiting"] == 0 and metrics["kv_usage"] == 0.0

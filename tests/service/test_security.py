@@ -60,7 +60,7 @@ def test_healthz_tells_anonymous_callers_the_status_only(rf, monkeypatch):
 
     from django.contrib.auth.models import AnonymousUser
 
-    from kvops import health
+    from kvops.monitoring import health
 
     def redis_down():
         raise ConnectionError("Error 111 connecting to 10.0.0.7:6379. Connection refused.")
@@ -109,20 +109,20 @@ async def test_a_burst_of_v1_calls_looks_a_token_up_once(monkeypatch, rf):
     call), the answer kept TOKEN_CACHE_S; an unknown key is no user."""
     import asyncio
 
-    from kvops import openai_api
+    from kvops.openai import auth
 
     user = await User.objects.acreate(username="bursty")
     token = await Token.objects.acreate(user=user)
     lookups = []
-    real = openai_api._token_user
+    real = auth._token_user
 
     def counted(key):
         lookups.append(key)
         return real(key)
-    monkeypatch.setattr(openai_api, "_tokens", openai_api.TokenUsers(counted))
+    monkeypatch.setattr(auth, "_tokens", auth.TokenUsers(counted))
     request = rf.post("/v1/completions", HTTP_AUTHORIZATION=f"Bearer {token.key}")
-    users = await asyncio.gather(*(openai_api._authenticate(request) for _ in range(20)))
+    users = await asyncio.gather(*(auth.authenticate(request) for _ in range(20)))
     assert all(u is not None and u.pk == user.pk for u in users)
     assert lookups == [token.key]
     bad = rf.post("/v1/completions", HTTP_AUTHORIZATION="Bearer not-a-token")
-    assert await openai_api._authenticate(bad) is None
+    assert await auth.authenticate(bad) is None

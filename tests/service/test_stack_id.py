@@ -1,5 +1,5 @@
 """One deployment per Redis database: an engine name is claimed per stack on the Redis
-database (kvops/engine_claim.py), refused to another live stack, and a worker ignores
+database (kvops/engines/engine_claim.py), refused to another live stack, and a worker ignores
 operator commands stamped with another stack's id. Against the test session's private
 Redis and, for the commands, a real engine on the simulator in this process."""
 import threading
@@ -11,13 +11,14 @@ from django.conf import settings
 from django.test import override_settings
 
 from engine import EngineConfig
-from kvops import live, worker
-from kvops.engine_claim import CLAIM_KEY, EngineClaim, EngineNameTaken
+from kvops import live
+from kvops.worker import worker
+from kvops.engines.engine_claim import CLAIM_KEY, EngineClaim, EngineNameTaken
 from engine.serve.client import InprocClient
-from kvops.job_stream import StreamProducer
-from kvops.output_processor import OutputProcessor
-from kvops.prompts import tokenizer_for
-from kvops.stack_id import stack_id
+from kvops.stream.job_stream import StreamProducer
+from kvops.worker.output_processor import OutputProcessor
+from kvops.intake.prompts import tokenizer_for
+from kvops.engines.stack_id import stack_id
 from tests.support.wait import wait_until
 
 
@@ -153,7 +154,7 @@ def engine_worker():
 def test_a_command_of_another_stack_is_ignored_and_logged(engine_worker, caplog):
     change = {"eviction_policy": "lfu"}
     for stack in ("stack-b", None):  # another deployment's, and one with no stack id
-        with caplog.at_level("WARNING", logger="kvops.worker"):
+        with caplog.at_level("WARNING", logger="kvops.worker.worker"):
             assert worker.kvops_engine(None, "retention", change, stack=stack) is None
         assert f"from stack {stack!r}" in caplog.text and "'stack-a'" in caplog.text
         caplog.clear()

@@ -4,8 +4,8 @@ statements as the database's parameter limit needs."""
 import pytest
 from django.contrib.auth.models import User
 
-from kvops import admission
-from kvops.intake import NewJob
+from kvops.jobs import admission
+from kvops.intake.intake import NewJob
 from kvops.models import Job
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -14,7 +14,7 @@ import requests
 import websockets
 
 from engine.observe.feed import decode
-from kvops.prompts import inspector
+from kvops.intake.prompts import inspector
 from tests.support.wait import wait_until_async
 
 VICTIM_PASSWORD = "mauve-tractor-41-lake"
@@ -145,7 +145,7 @@ def test_the_audits_attack_finds_nothing(stack, victim, settings):
     assert [code for code, hashes in guessed.items() if hashes & seen] == []
     # (the hashes are there: under the real salt, which needs the server's key, the
     # victim's code is the one that matches)
-    from kvops import tenancy
+    from kvops.routing import tenancy
     settings.SECRET_KEY = stack.env.get("DJANGO_SECRET_KEY") or \
         (stack.workdir / "secret_key").read_text().strip()  # the stack's
     settings.KVOPS_PREFIX_SHARING = "user"
@@ -202,8 +202,8 @@ def test_a_plain_user_reads_no_address_or_path_of_an_engine(client):
     policies and the model's name; staff read the whole config."""
     from django.contrib.auth.models import User
 
-    from kvops import visibility
-    from kvops.registry import register_engine
+    from kvops.dashboard import visibility
+    from kvops.engines.registry import register_engine
     secret = {"migration_address": "tcp://10.1.2.3:5599", "disk_cache_dir": "/srv/kv/disk",
               "model_path": "/srv/models/SmolLM2-135M", "kv_cache_scales": "/srv/scales.json",
               "tokenizer_path": "/srv/models/SmolLM2-135M", "kv_events_endpoint": "tcp://*:5557"}

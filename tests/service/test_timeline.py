@@ -1,4 +1,4 @@
-"""An engine's timeline (kvops/timeline.py, GET /api/engines/<name>/timeline/ and
+"""An engine's timeline (kvops/dashboard/timeline.py, GET /api/engines/<name>/timeline/ and
 .../timeline/state/): the state it rebuilds at a moment is the snapshot the engine's
 publisher stored at that moment, on the shared stack's simulated engine; and the writer
 keeps windows whole, in sequence, within their age and bytes, on the session's Redis."""
@@ -9,8 +9,9 @@ import pytest
 
 from engine.observe.feed import encode
 from engine.observe.snapshot import decode_array
-from kvops import live, timeline
-from kvops.timeline import TimelineLimits, TimelineWriter
+from kvops import live
+from kvops.dashboard import timeline
+from kvops.dashboard.timeline import TimelineLimits, TimelineWriter
 from tests.dashboard.live_client import ARRAYS, LiveState
 
 

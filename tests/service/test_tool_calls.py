@@ -1,10 +1,10 @@
-"""kvops/tool_calls.py: what each tool_choice asks of the output, and how an `auto`
+"""kvops/intake/tool_calls.py: what each tool_choice asks of the output, and how an `auto`
 answer's Hermes-style <tool_call> blocks become OpenAI tool_calls."""
 import json
 
 import pytest
 
-from kvops import tool_calls
+from kvops.intake import tool_calls
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}}}},

@@ -8,7 +8,7 @@ from datetime import datetime
 
 import redis
 
-from kvops.engine_claim import CLAIM_KEY
+from kvops.engines.engine_claim import CLAIM_KEY
 from tests.support.stack import Stack
 
 ENGINE = dict(simulate=1, vocab_size=1000, num_gpu_blocks=64, block_size=16, max_num_seqs=4,
@@ -26,7 +26,7 @@ def test_a_second_deployment_on_the_same_redis_database_is_kept_apart(tmp_path):
         b.start_web()
         shared = redis.Redis.from_url(a.env["REDIS_URL"])
         a_stack = shared.hget(CLAIM_KEY.format(name="twin"), "stack").decode()
-        b_stack = b.manage("shell", "-c", "from kvops.stack_id import stack_id; "
+        b_stack = b.manage("shell", "-c", "from kvops.engines.stack_id import stack_id; "
                                           "print(stack_id())").splitlines()[-1]
         assert a_stack and b_stack and a_stack != b_stack  # two databases, two stacks
 

@@ -71,13 +71,13 @@ def test_every_v1_error_is_openai_shaped(no_engines):
 
 @pytest.mark.django_db(transaction=True)
 def test_a_failure_inside_v1_is_a_json_500(no_engines, monkeypatch):
-    from kvops import openai_api
+    from kvops.openai import served_models
     user = User.objects.create_user("routes-fay")
     auth = {"HTTP_AUTHORIZATION": f"Bearer {Token.objects.create(user=user).key}"}
 
     def broken():
         raise RuntimeError("the registry is on fire")
-    monkeypatch.setattr(openai_api.selectors, "served_models", broken)
+    monkeypatch.setattr(served_models.selectors, "served_models", broken)
     answer = Client(raise_request_exception=False).get("/v1/models", **auth)
     assert answer.status_code == 500 and answer["Content-Type"] == "application/json"
     assert answer.json()["error"]["type"] == "server_error"

@@ -1,4 +1,4 @@
-"""What-if runs (kvops/what_if.py) in this process: the task's replay of the engine's own
+"""What-if runs (kvops/what_if/what_if.py) in this process: the task's replay of the engine's own
 configuration is the simulator's replay of the same trace and configuration, a bigger
 pool preempts no more than a smaller one, and what start() refuses. (The task through
 a real worker: test_what_if_api.py.)"""
@@ -11,9 +11,10 @@ from django.utils import timezone
 
 from engine.sim.capacity import StepCost, replay_paged
 from engine.kv.tiers.disk_seal import file_bytes
-from kvops import tasks, what_if
+from kvops import tasks
+from kvops.what_if import what_if
 from kvops.models import Engine, Job, OperatorAction, WhatIfRun
-from kvops.what_if_trace import build_trace
+from kvops.what_if.what_if_trace import build_trace
 
 pytestmark = pytest.mark.django_db
 
@@ -230,7 +231,7 @@ def test_the_engines_pins_are_pinned_before_the_replay_within_the_pin_budget(bus
                            ("pin", {"prompt": SYSTEM})]:
         OperatorAction.objects.create(user=operator, engine="busy", action=action,
                                       params=params, ok=True, status_code=200)
-    from kvops.what_if_trace import active_pins
+    from kvops.what_if.what_if_trace import active_pins
     assert active_pins("busy", timezone.now()) == [{"prompt": SYSTEM}]
     run = what_if.start(operator, engine, 10, 100, {"pin_budget": 0.0}, StepCost())
     assert tasks.what_if.apply(args=[run.pk]).get() == "finished"

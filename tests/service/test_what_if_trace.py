@@ -1,4 +1,4 @@
-"""An engine's stored jobs as a simulator trace (kvops/what_if_trace.py): which jobs,
+"""An engine's stored jobs as a simulator trace (kvops/what_if/what_if_trace.py): which jobs,
 their arrival offsets and lengths, and prompts built to share exactly the prefixes the
 jobs' prompts shared (per cache salt), with prefix groups that describe them."""
 from datetime import timedelta
@@ -9,7 +9,7 @@ from django.contrib.auth.models import User
 from django.utils import timezone
 
 from kvops.models import Engine, Job
-from kvops.what_if_trace import build_trace
+from kvops.what_if.what_if_trace import build_trace
 
 pytestmark = pytest.mark.django_db
 

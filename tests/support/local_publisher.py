@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine.observe.feed import KVFeed
-from kvops.publisher import EnginePublisher
+from kvops.worker.publisher import EnginePublisher
 
 
 class LocalPublisher:

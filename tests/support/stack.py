@@ -14,8 +14,8 @@ from urllib.parse import urlparse, urlunparse
 
 import requests
 
-from kvops.private_file import ensure_secret_key
-from kvops.run import web_server_argv
+from kvops.infra.private_file import ensure_secret_key
+from kvops.infra.run import web_server_argv
 from tests.support.wait import wait_until
 
 REPO = Path(__file__).resolve().parents[2]

@@ -7,7 +7,7 @@ import sys
 from django.conf import settings
 from django.core.management.base import BaseCommand
 
-from kvops.engine_config import config_from_env
+from kvops.engines.engine_config import config_from_env
 
 
 class Command(BaseCommand):

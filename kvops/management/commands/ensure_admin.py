@@ -7,7 +7,7 @@ from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand
 
-from kvops.private_file import create_private
+from kvops.infra.private_file import create_private
 
 
 class Command(BaseCommand):

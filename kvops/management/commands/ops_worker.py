@@ -1,5 +1,5 @@
 """`python manage.py ops_worker`: start the ops worker, a Celery worker on the `ops`
-queue only, for the service's own heavy work (what-if replays, kvops/what_if.py), away
+queue only, for the service's own heavy work (what-if replays, kvops/what_if/what_if.py), away
 from the engine workers, whose processes serve jobs."""
 import os
 import socket
@@ -7,7 +7,7 @@ import sys
 
 from django.core.management.base import BaseCommand
 
-from kvops.what_if import OPS_QUEUE
+from kvops.what_if.what_if import OPS_QUEUE
 
 
 class Command(BaseCommand):

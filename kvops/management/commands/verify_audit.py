@@ -1,11 +1,11 @@
-"""manage.py verify_audit: walk the operator log's chain (kvops/audit_chain.py) and say
+"""manage.py verify_audit: walk the operator log's chain (kvops/operators/audit_chain.py) and say
 OK with the number of rows, or name the first row that does not verify (exit 1)."""
 from __future__ import annotations
 
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
-from kvops import audit_chain
+from kvops.operators import audit_chain
 from kvops.models import OperatorAction
 
 

@@ -1,11 +1,11 @@
-"""`python manage.py web`: the web server as `make run` starts it (kvops/run.py,
+"""`python manage.py web`: the web server as `make run` starts it (kvops/infra/run.py,
 web_server_argv), for containers and process managers."""
 import os
 
 from django.conf import settings
 from django.core.management.base import BaseCommand
 
-from kvops.run import web_server_argv
+from kvops.infra.run import web_server_argv
 
 
 class Command(BaseCommand):

@@ -1,0 +1,2 @@
+"""What the processes stand on: `make run`'s launcher, the Celery broker's transport, files only
+their owner may read."""

@@ -1,0 +1,2 @@
+"""/healthz (and vLLM's /health, /ping, /version), /metrics, and the latency histograms
+kept in Redis."""
