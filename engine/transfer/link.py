@@ -326,7 +326,7 @@ class MigrationLink:
                                       "service (engine/transfer/ticket.py)")
         if rid in self._moves:
             raise InvalidStateError(f"request {rid!r} is already moving")
-        offer = self.engine.migration_offer(rid)
+        offer = self.engine.migrator.offer(rid)
         move = _Move(rid, str(arguments.get("to") or address), address,
                      bool(arguments.get("staged", True)) and not offer.get("fork")
                      and offer.get("groups") is None, reply,
@@ -365,7 +365,7 @@ class MigrationLink:
             self._stop(move)
             return 0
         end = min(move.held_end, move.next_block + budget)
-        data, end = self.engine.migration_stage(move.request_id, move.next_block, end)
+        data, end = self.engine.migrator.stage(move.request_id, move.next_block, end)
         if end <= move.next_block:  # (nothing newly full: cannot happen below held_end)
             self._stop(move)
             return 0
@@ -385,7 +385,7 @@ class MigrationLink:
         if commit_deadline - time.time() < 0.05:
             raise CommandExpired(f"request {move.request_id!r}: too little time is left "
                                  "before its caller's deadline to move it")
-        state, data = self.engine.migrate_out(move.request_id, move.next_block)
+        state, data = self.engine.migrator.take_out(move.request_id, move.next_block)
         move.stopped = time.monotonic()
         move.phase = "commit"
         move.commit_deadline = commit_deadline
@@ -478,7 +478,7 @@ class MigrationLink:
             move.reply(False, ["InvalidStateError", f"request {move.request_id!r} was "
                                "cancelled while it moved"])
             return
-        engine.migration_done(move.request_id, True, move.to, move.reason)
+        engine.migrator.done(move.request_id, True, move.to, move.reason)
         now = time.monotonic()
         move.reply(True, {
             "request_id": move.request_id, "to": move.to, "moved": True,
@@ -501,7 +501,7 @@ class MigrationLink:
         """The move failed: the request runs on here; the destination lets go."""
         self._moves.pop(move.request_id, None)
         if self._out_of_batch(move.request_id):
-            self.engine.migration_done(move.request_id, False)
+            self.engine.migrator.done(move.request_id, False)
         if tell and move.phase != "offer":
             self._tell(move, "cancel")
         log.warning("request %s did not move to %s: %s", move.request_id, move.to, error)
@@ -541,8 +541,8 @@ class MigrationLink:
             _, _, _, offer, ticket = message
             checked = self._opens(rid, offer, ticket)
             self._compiled(peer, message, data, offer)
-            result = engine.migration_reserve(offer) if kind == "reserve" \
-                else engine.migration_check(offer)
+            result = engine.migrator.reserve(offer) if kind == "reserve" \
+                else engine.migrator.check(offer)
             self._incoming[rid] = _Incoming(peer, checked, time.monotonic(), kind == "reserve")
             self._used[checked.nonce] = checked.expires
             return result
@@ -563,7 +563,7 @@ class MigrationLink:
             if not move.held:
                 raise InvalidRequestError(f"no blocks are held for request {rid!r}")
             most = migration_room(engine, rid, start)
-            engine.migration_write(rid, start, self.transport.decode(header, data, most))
+            engine.migrator.write(rid, start, self.transport.decode(header, data, most))
             return {}
         if kind == "commit":
             _, _, _, state, skip, header, deadline = message
@@ -572,7 +572,7 @@ class MigrationLink:
             self._checked(rid, state, move.ticket)
             self._compiled(peer, message, data, state)
             blocks = self._decode(header, data, commit_blocks(engine, state, skip))
-            result = engine.migration_commit(state, blocks, skip)
+            result = engine.migrator.commit(state, blocks, skip)
             del self._incoming[rid]
             self._arrived[rid] = (peer, time.monotonic() + COMMIT_TIMEOUT_S + COMMIT_GRACE_S)
             return result
@@ -616,7 +616,7 @@ class MigrationLink:
         spec = state["params"].get("structured")
         if spec is None:
             return
-        future = self.engine.structured_outputs().compile(spec)
+        future = self.engine.input_processor.structured_outputs().compile(spec)
         if not future.done():
             self._parked.append((peer, message, data, future, time.monotonic()))
             raise _Parked
@@ -661,8 +661,8 @@ class MigrationLink:
 
     def _let_go(self, rid: str) -> None:
         self._incoming.pop(rid, None)
-        if rid in self.engine.incoming_migrations:
-            self.engine.migration_cancel(rid)
+        if rid in self.engine.migrator.incoming:
+            self.engine.migrator.cancel(rid)
 
     def expire(self) -> None:
         """Serve the messages whose constraint has compiled; give back the blocks held for
@@ -710,7 +710,7 @@ def _limits(engine) -> tuple[int, int]:
 def migration_room(engine, request_id: str, start: object) -> int:
     """How many blocks a staged write from `start` may fill: the held ones from there
     (InvalidRequestError for a start outside them)."""
-    request = engine.incoming_migrations.get(request_id)
+    request = engine.migrator.incoming.get(request_id)
     if request is None:
         raise InvalidRequestError(f"no copy of request {request_id!r} is under way here")
     held, cached = len(engine.kv.block_ids(request_id)), request[1]
