@@ -72,8 +72,8 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler, detokenize)
         # a request moving to or from another engine: callers drive it (migrator.offer...)
         self.migrator = Migrator(config, self.scheduler, self.kv, self.runner, self.stories,
-                                 self.output_processor, self.input_processor.next_index,
-                                 self.input_processor.structured_outputs, lambda: self.state)
+                                 self.input_processor, self.output_processor,
+                                 lambda: self.state)
         self.reporter = Reporter(config, self.runner, self.kv, self.scheduler, self.pins,
                                  self.stories)
         self.scheduler.make_sample = self._make_sample

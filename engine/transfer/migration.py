@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 from engine.config import EngineConfig
 from engine.errors import (InvalidRequestError, InvalidStateError, MigrationFailed,
                            NotEnoughBlocksError)
+from engine.input_processor import InputProcessor
 from engine.kv.coordinator import KVCacheCoordinator
 from engine.kv.layout import cdiv
 from engine.model.runner import Runner
@@ -68,22 +69,19 @@ class Migrator:
     last outputs wait in it until the engine's next step reports them (take_reports)."""
 
     def __init__(self, config: EngineConfig, scheduler: Scheduler, kv: KVCacheCoordinator,
-                 runner: Runner, stories: StoryBook | None, output_processor: OutputProcessor,
-                 next_index: Callable[[], int], structured_outputs: Callable[[], Any],
-                 engine_state: Callable[[], str]) -> None:
-        """output_processor: whose text it follows (a request's text before it moved
-        was its source's to deliver); next_index: a new request's engine-wide number;
-        structured_outputs: the engine's grammar compiler (engine/text/structured.py);
-        engine_state: the operator's state (LLMEngine.state): only a "ready" engine
-        takes a request."""
+                 runner: Runner, stories: StoryBook | None, input_processor: InputProcessor,
+                 output_processor: OutputProcessor, engine_state: Callable[[], str]) -> None:
+        """input_processor: a request's number and its grammar compiler;
+        output_processor: whose text it follows (a request's text before it moved was its
+        source's to deliver); engine_state: the operator's state (LLMEngine.state): only
+        a "ready" engine takes a request."""
         self.config = config
         self.scheduler = scheduler
         self.kv = kv
         self.runner = runner
         self.stories = stories
+        self.input_processor = input_processor
         self.output_processor = output_processor
-        self._next_index = next_index
-        self._structured_outputs = structured_outputs
         self._engine_state = engine_state
         # requests being copied here from another engine: (request, blocks cached here)
         self.incoming: dict[str, tuple[Request, int]] = {}
@@ -547,7 +545,7 @@ class Migrator:
         request = Request(
             request_id=state["request_id"], prompt_token_ids=list(state["prompt_token_ids"]),
             sampling_params=params, arrival_time=state["arrival_time"],
-            index=self._next_index(), root_hash=bytes.fromhex(state["root_hash"]),
+            index=self.input_processor.next_index(), root_hash=bytes.fromhex(state["root_hash"]),
             pinned_root=bytes.fromhex(state["pinned_root"]) if state["pinned_root"] else None,
             block_size=self.config.block_size, priority=state["priority"],
             job_id=state["job_id"], tenant=state["tenant"],
@@ -558,7 +556,7 @@ class Migrator:
         if params.structured is not None:
             # Its constraint, compiled here (xgrammar caches it), its matcher brought to
             # where the source's was by the tokens made so far
-            structured = self._structured_outputs()
+            structured = self.input_processor.structured_outputs()
             compiled = structured.compile(params.structured).result(GRAMMAR_COMPILE_S)
             request.compiled_grammar = compiled
             request.grammar = structured.matcher(compiled)

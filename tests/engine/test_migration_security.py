@@ -308,7 +308,7 @@ def test_a_constraint_compiles_beside_the_loop_while_its_move_waits(cores, peers
             asked.set()
             return compiling
 
-    monkeypatch.setattr(dst.engine, "structured_outputs", Compiler)
+    monkeypatch.setattr(dst.engine.input_processor, "structured_outputs", Compiler)
     dst.add("victim", PROMPT, 60)
     offer = offer_of()
     offer["params"]["structured"] = {"regex": "[a-z]+"}
