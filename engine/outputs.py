@@ -4,6 +4,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.request import Request, RequestStatus
+
+ENDED = frozenset({RequestStatus.FINISHED, RequestStatus.ABORTED})
+
 
 @dataclass(slots=True)
 class RequestOutput:
@@ -50,3 +54,13 @@ class CoreOutput:
     # came to ({"from": name, "job_id", "output_token_ids": made before, "output_logprobs"})
     migration: dict | None = None
 
+
+def core_output(request: Request, new_token_ids: list[int]) -> CoreOutput:
+    """A request's output as it stands, with the tokens it gained (none: it only ended,
+    or moved)."""
+    # Positional and without the status property: this runs for every request in
+    # every step.
+    return CoreOutput(request.request_id, new_token_ids, request.status in ENDED,
+                      request.finish_reason, len(request.prompt_token_ids),
+                      request.num_cached_tokens or 0, request.num_preemptions, None,
+                      request, None, request.error)

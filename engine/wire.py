@@ -225,7 +225,7 @@ class _MoveMessage(_Fields):
 
 
 class _Opening(_MoveMessage):
-    offer: dict[str, Any]  # LLMEngine.migration_offer(), checked by engine/transfer/check.py
+    offer: dict[str, Any]  # Migrator.offer(), checked by engine/transfer/check.py
     ticket: dict[str, Any] | None  # the service's (engine/transfer/ticket.py)
 
 
@@ -245,7 +245,7 @@ class Write(_MoveMessage, **_tag(Kind.WRITE)):
 
 class Commit(_MoveMessage, **_tag(Kind.COMMIT)):
     """The request's state and its last blocks (from `skip` on): it runs here from now on."""
-    state: dict[str, Any]  # LLMEngine.migrate_out(), checked by engine/transfer/check.py
+    state: dict[str, Any]  # Migrator.take_out(), checked by engine/transfer/check.py
     skip: int
     kv_header: dict[str, Any]
     deadline: float  # Unix time: later than this it is refused

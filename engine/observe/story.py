@@ -375,6 +375,24 @@ class StoryBook:
         """Changes of stories that ended went out with their final output, if any."""
         self.changed.intersection_update(self._stories)
 
+    def hand_out(self, outputs: list, requests: dict) -> None:
+        """A step's outputs (CoreOutput): each request whose story changed gets it with
+        its output (kv_story). requests: the live ones by id (a first token is noted)."""
+        self.drain()
+        if self.awaiting_first_token:
+            now = time.time()
+            for rid in list(self.awaiting_first_token):
+                request = requests.get(rid)
+                if request is not None and request.output_token_ids:
+                    self.first_token(rid, now)
+        changed = self.changed
+        if changed:
+            for o in outputs:
+                if o.request_id in changed:
+                    o.kv_story = self.story(o.request_id)
+                    changed.discard(o.request_id)
+            self.forget_ended_changes()
+
     def forked(self, parent_id: str, child_ids: list[str]) -> None:
         """A request with n > 1 became its samples: each carries its story on."""
         story = self._stories.get(parent_id)
@@ -503,6 +521,11 @@ class StoryBook:
     def story(self, request_id: str) -> dict | None:
         story = self._stories.get(request_id) or self._ended.get(request_id)
         return None if story is None else story.document(self.engine_name)
+
+    def current(self, request_id: str) -> dict | None:
+        """story(), with every event emitted so far read first."""
+        self.drain()
+        return self.story(request_id)
 
     def discard(self, request_id: str) -> None:
         """A request that arrived here and was given back (its fork's move failed)."""

@@ -31,6 +31,9 @@ import time
 import msgspec
 import zmq
 
+from engine.config import EngineConfig
+from engine.kv.events import EventLog
+
 log = logging.getLogger(__name__)
 
 MEDIUM_GPU = "GPU"
@@ -134,6 +137,30 @@ class VllmTranslator:
 
 
 REPLAY_REQUEST_BYTES = 256  # the largest frame the replay socket reads
+
+
+class KVEventsOut:
+    """An engine's prefix-cache changes as vLLM publishes them: its event stream with
+    the full hashes, translated and handed to `publisher` (anything with publish(events);
+    by default the ZMQ publisher of EngineConfig.kv_events_endpoint) after each step and
+    each cache command."""
+
+    def __init__(self, config: EngineConfig, events: EventLog, num_blocks: int,
+                 publisher=None) -> None:
+        """num_blocks: the engine's GPU and CPU blocks (the hashes the translator keeps)."""
+        self.publisher = publisher if publisher is not None else ZmqKVEventPublisher(
+            config.kv_events_endpoint, config.kv_events_replay_endpoint)
+        self._events = events.subscribe(full=True)
+        self._translator = VllmTranslator(config.block_size, num_blocks)
+
+    def publish(self) -> None:
+        """The changes since the last call, as one KVEventBatch."""
+        self.publisher.publish(self._translator.translate(self._events.take()))
+
+    def close(self) -> None:
+        close = getattr(self.publisher, "close", None)
+        if close is not None:
+            close()
 
 
 class ZmqKVEventPublisher:

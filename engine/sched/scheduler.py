@@ -20,7 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
-from engine.errors import InvalidStateError, NotEnoughBlocksError, UnknownRequestError
+from engine.errors import (InvalidRequestError, InvalidStateError, NotEnoughBlocksError,
+                           UnknownRequestError)
 from engine.kv.events import EventLog
 from engine.kv.coordinator import KVCacheCoordinator
 from engine.kv.export import request_row
@@ -68,6 +69,10 @@ class Scheduler:
         # Live requests not queued yet: their constraint compiles beside the step loop
         # (engine/text/structured.py); the engine queues each once its grammar is ready.
         self.compiling: dict[str, Request] = {}
+        # set_limits may lower the batch limits and raise them back, never above these:
+        # the worker's threads and a GPU's activation memory were sized for them
+        self.limit_caps = {"max_num_seqs": config.max_num_seqs,
+                           "max_num_batched_tokens": config.max_num_batched_tokens}
 
     # --- queue management ----------------------------------------------------------
     def add(self, request: Request, compiling: bool = False) -> None:
@@ -480,6 +485,29 @@ class Scheduler:
         self._preempt_recompute(request, "operator", "operator", by)
         return request
 
+    def set_limits(self, max_num_seqs: int | None = None,
+                   max_num_batched_tokens: int | None = None) -> dict:
+        """Change the batch limits between two steps (an operator's live tuning). Each
+        must lie in [1 (16 for the token budget), its value at start]. A lower
+        max_num_seqs preempts nobody: admissions wait until the batch is below it."""
+        changes = {"max_num_seqs": max_num_seqs,
+                   "max_num_batched_tokens": max_num_batched_tokens}
+        for name, value in changes.items():
+            if value is None:
+                continue
+            low = 16 if name == "max_num_batched_tokens" else 1
+            if isinstance(value, bool) or not isinstance(value, int) or \
+                    not low <= value <= self.limit_caps[name]:
+                raise InvalidRequestError(
+                    f"{name} must be an integer in [{low}, {self.limit_caps[name]}] (its "
+                    f"value at start bounds it), got {value!r}")
+        for name, value in changes.items():
+            if value is not None:
+                setattr(self.config, name, value)
+        return {"max_num_seqs": self.config.max_num_seqs,
+                "max_num_batched_tokens": self.config.max_num_batched_tokens,
+                "caps": dict(self.limit_caps)}
+
     # --- migration (engine/transfer/migration.py) -------------------------------------------------
     def suspend(self, request_id: str) -> Request:
         """Take a running request out of the batch, its blocks kept, while it is copied to
@@ -502,6 +530,28 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         self.requests[request.request_id] = request
         self.running.append(request)
+
+    def adopt_fork(self, parent_id: str, sample_ids: list[str]) -> None:
+        """Samples copied here together (each adopted already) are one fork again: its
+        id names them all (abort, a move on)."""
+        if parent_id in self.requests or parent_id in self.forks:
+            raise InvalidStateError(f"request {parent_id!r} already exists here")
+        strays = [i for i in sample_ids if i not in self.requests]
+        if not sample_ids or strays:
+            raise InvalidStateError(f"fork {parent_id!r}: its samples must be live here "
+                                    f"first ({strays or 'none'} are not)")
+        self.forks[parent_id] = list(sample_ids)
+
+    def disown(self, request_id: str, reason: str = "migration") -> Request:
+        """Undo adopt(): a request copied here goes back before it ran (its fork could
+        not come whole). Its blocks are freed and it leaves no trace: no Finished
+        event, not among the recently finished."""
+        request = self.get_live(request_id)
+        self._require(request, RequestStatus.RUNNING, "give back")
+        self.running.remove(request)
+        del self.requests[request_id]
+        self.kv.free(request, reason)
+        return request
 
     def swap_out(self, request_id: str, by: str = "operator") -> list[tuple[int, int]]:
         """Park a running request in the CPU pool; the caller copies the blocks now."""

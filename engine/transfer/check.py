@@ -1,7 +1,7 @@
 """A moving request's state, checked whole before it touches the destination.
 
 What arrives on the migration port (engine/transfer/link.py) is the source core's
-`migration.state_of` (or a fork's `fork_state`), and even from a peer of the deployment
+`Migrator.state_of` (or a fork's offer), and even from a peer of the deployment
 it is an input: every field is checked for its type and range here (token ids and
 logit_bias keys inside this engine's vocabulary, the computed tokens within the tokens,
 logprobs of the shapes the sampler makes, the KV story of the shape kv_story writes)
@@ -85,7 +85,7 @@ def _top(ids: object, logprobs: object, field: str, vocab: int) -> None:
 
 
 def check_state(dest: Destination, state: object) -> None:
-    """One request's state (migration.state_of), or a fork's (fork_state), as it may be
+    """One request's state (Migrator.state_of), or a fork's (Migrator.offer), as it may be
     taken here; InvalidRequestError naming the first field that is not."""
     if not isinstance(state, dict):
         _fail("state", "must be a map")

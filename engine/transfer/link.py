@@ -301,7 +301,7 @@ class MigrationLink:
                                       "service (engine/transfer/ticket.py)")
         if rid in self._moves:
             raise InvalidStateError(f"request {rid!r} is already moving")
-        offer = self.engine.migration_offer(rid)
+        offer = self.engine.migrator.offer(rid)
         move = _Move(rid, str(arguments.get("to") or address), address,
                      bool(arguments.get("staged", True)) and not offer.get("fork")
                      and offer.get("groups") is None, reply,
@@ -341,7 +341,7 @@ class MigrationLink:
             self._stop(move)
             return 0
         end = min(move.held_end, move.next_block + budget)
-        data, end = self.engine.migration_stage(move.request_id, move.next_block, end)
+        data, end = self.engine.migrator.stage(move.request_id, move.next_block, end)
         if end <= move.next_block:  # (nothing newly full: cannot happen below held_end)
             self._stop(move)
             return 0
@@ -361,7 +361,7 @@ class MigrationLink:
         if commit_deadline - time.time() < 0.05:
             raise CommandExpired(f"request {move.request_id!r}: too little time is left "
                                  "before its caller's deadline to move it")
-        state, data = self.engine.migrate_out(move.request_id, move.next_block)
+        state, data = self.engine.migrator.take_out(move.request_id, move.next_block)
         move.stopped = time.monotonic()
         move.phase = "commit"
         move.commit_deadline = commit_deadline
@@ -472,7 +472,7 @@ class MigrationLink:
             move.reply(False, ["InvalidStateError", f"request {move.request_id!r} was "
                                "cancelled while it moved"])
             return
-        engine.migration_done(move.request_id, True, move.to, move.reason)
+        engine.migrator.done(move.request_id, True, move.to, move.reason)
         now = time.monotonic()
         move.reply(True, {
             "request_id": move.request_id, "to": move.to, "moved": True,
@@ -495,7 +495,7 @@ class MigrationLink:
         """The move failed: the request runs on here; the destination lets go."""
         self._moves.pop(move.request_id, None)
         if self._out_of_batch(move.request_id):
-            self.engine.migration_done(move.request_id, False)
+            self.engine.migrator.done(move.request_id, False)
         if tell and move.phase != "offer":
             self._tell(move, wire.Cancel)
         log.warning("request %s did not move to %s: %s", move.request_id, move.to, error)
@@ -562,7 +562,7 @@ class MigrationLink:
             offer, reserve = message.offer, isinstance(message, wire.Reserve)
             checked = self._opens(rid, offer, message.ticket)
             self._compiled(peer, message, data, offer)
-            result = engine.migration_reserve(offer) if reserve else engine.migration_check(offer)
+            result = engine.migrator.reserve(offer) if reserve else engine.migrator.check(offer)
             self._incoming[rid] = _Incoming(peer, checked, time.monotonic(), reserve)
             self._used[checked.nonce] = checked.expires
             return result
@@ -582,8 +582,8 @@ class MigrationLink:
             if not move.held:
                 raise InvalidRequestError(f"no blocks are held for request {rid!r}")
             most = migration_room(engine, rid, message.start)
-            engine.migration_write(rid, message.start,
-                                   self.transport.decode(message.kv_header, data, most))
+            engine.migrator.write(rid, message.start,
+                                  self.transport.decode(message.kv_header, data, most))
             return {}
         if isinstance(message, wire.Commit):
             state = message.state
@@ -593,7 +593,7 @@ class MigrationLink:
             self._compiled(peer, message, data, state)
             blocks = self._decode(message.kv_header, data,
                                   commit_blocks(engine, state, message.skip))
-            result = engine.migration_commit(state, blocks, message.skip)
+            result = engine.migrator.commit(state, blocks, message.skip)
             del self._incoming[rid]
             self._arrived[rid] = (peer, time.monotonic() + COMMIT_TIMEOUT_S + COMMIT_GRACE_S)
             return result
@@ -636,7 +636,7 @@ class MigrationLink:
         spec = state["params"].get("structured")
         if spec is None:
             return
-        future = self.engine.structured_outputs().compile(spec)
+        future = self.engine.input_processor.structured_outputs().compile(spec)
         if not future.done():
             self._parked.append((peer, message, data, future, time.monotonic()))
             raise _Parked
@@ -681,8 +681,8 @@ class MigrationLink:
 
     def _let_go(self, rid: str) -> None:
         self._incoming.pop(rid, None)
-        if rid in self.engine.incoming_migrations:
-            self.engine.migration_cancel(rid)
+        if rid in self.engine.migrator.incoming:
+            self.engine.migrator.cancel(rid)
 
     def expire(self) -> None:
         """Serve the messages whose constraint has compiled; give back the blocks held for
@@ -730,7 +730,7 @@ def _limits(engine) -> tuple[int, int]:
 def migration_room(engine, request_id: str, start: object) -> int:
     """How many blocks a staged write from `start` may fill: the held ones from there
     (InvalidRequestError for a start outside them)."""
-    request = engine.incoming_migrations.get(request_id)
+    request = engine.migrator.incoming.get(request_id)
     if request is None:
         raise InvalidRequestError(f"no copy of request {request_id!r} is under way here")
     held, cached = len(engine.kv.block_ids(request_id)), request[1]

@@ -100,7 +100,7 @@ def tokenizer_for(config) -> object | None:
     detokenises and renders chats with it): the simulator's (simulate_tokenizer), or the
     model folder's (EngineConfig.model, else the converted default model)."""
     if config.simulate:
-        from engine.llm_engine import simulated_tokenizer, simulated_tokenizer_path
+        from engine.model.build import simulated_tokenizer, simulated_tokenizer_path
         return simulated_tokenizer(simulated_tokenizer_path(config))
     from engine.model.default_model import default_model_dir
     return load_tokenizer({"model_path": str(config.model or default_model_dir())})

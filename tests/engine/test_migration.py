@@ -35,15 +35,15 @@ def run_all(*engines: LLMEngine) -> dict:
 
 def move(src: LLMEngine, dst: LLMEngine, rid: str) -> dict:
     """The five calls, as a service makes them; returns the check and the commit."""
-    offer = src.migration_offer(rid)
-    checked = dst.migration_check(offer)
-    state, blocks = src.migrate_out(rid, checked["cached_blocks"])
+    offer = src.migrator.offer(rid)
+    checked = dst.migrator.check(offer)
+    state, blocks = src.migrator.take_out(rid, checked["cached_blocks"])
     try:
-        committed = dst.migration_commit(state, blocks, checked["cached_blocks"])
+        committed = dst.migrator.commit(state, blocks, checked["cached_blocks"])
     except Exception:
-        src.migration_done(rid, moved=False)
+        src.migrator.done(rid, moved=False)
         raise
-    src.migration_done(rid, moved=True)
+    src.migrator.done(rid, moved=True)
     return {"check": checked, "commit": committed, "sent": len(blocks), "state": state}
 
 
@@ -100,17 +100,17 @@ def test_a_refused_or_failed_move_leaves_the_request_running_where_it_was():
     src.add_request("r", PROMPT, greedy(30))
     step(src, 10)
     with pytest.raises(Exception, match="free blocks"):
-        full.migration_check(src.migration_offer("r"))
+        full.migrator.check(src.migrator.offer("r"))
     # the check passed, then the destination's cache changed before the commit
     dst = sim_engine(block_size=BS, num_gpu_blocks=64, num_cpu_blocks=0)
     dst.add_request("warm", PROMPT, greedy(2))
     run_all(dst)
-    checked = dst.migration_check(src.migration_offer("r"))
+    checked = dst.migrator.check(src.migrator.offer("r"))
     dst.evict_cached_blocks(None)
-    state, blocks = src.migrate_out("r", checked["cached_blocks"])
+    state, blocks = src.migrator.take_out("r", checked["cached_blocks"])
     with pytest.raises(MigrationFailed):
-        dst.migration_commit(state, blocks, checked["cached_blocks"])
-    src.migration_done("r", moved=False)
+        dst.migrator.commit(state, blocks, checked["cached_blocks"])
+    src.migrator.done("r", moved=False)
     dst.kv.check_invariants()
     assert "r" not in dst.scheduler.requests and dst.kv.gpu.num_free == 64
     final = run_all(src)
@@ -123,10 +123,10 @@ def test_what_cannot_move_is_refused_with_a_reason():
     step(src, 3)
     other = sim_engine(block_size=8, num_gpu_blocks=64, num_cpu_blocks=0)
     with pytest.raises(Exception, match="blocks of 4"):
-        other.migration_check(src.migration_offer("r"))
+        other.migrator.check(src.migrator.offer("r"))
     src.add_request("waiting", PROMPT, greedy(3))
     with pytest.raises(Exception, match="only a running request moves"):
-        src.migration_offer("waiting")
+        src.migrator.offer("waiting")
     assert not dst.has_unfinished_requests()
 
 
@@ -169,19 +169,19 @@ def staged_move(src: LLMEngine, dst: LLMEngine, rid: str, steps_between: int) ->
     """A staged copy: the destination holds blocks for what the request has computed,
     its full blocks are copied while it keeps decoding at the source, then one short
     stop-and-copy of the rest."""
-    reserved = dst.migration_reserve(src.migration_offer(rid))
+    reserved = dst.migrator.reserve(src.migrator.offer(rid))
     held = reserved["cached_blocks"] + reserved["reserved_blocks"]
     done, staged = reserved["cached_blocks"], 0
     for _ in range(steps_between):  # the source decodes on; a stage between its steps
-        blocks, end = src.migration_stage(rid, done, held)
-        dst.migration_write(rid, done, blocks)
+        blocks, end = src.migrator.stage(rid, done, held)
+        dst.migrator.write(rid, done, blocks)
         staged += end - done
         done = end
         step(src)
         step(dst)
-    state, rest = src.migrate_out(rid, done)
-    committed = dst.migration_commit(state, rest, done)
-    src.migration_done(rid, moved=True)
+    state, rest = src.migrator.take_out(rid, done)
+    committed = dst.migrator.commit(state, rest, done)
+    src.migrator.done(rid, moved=True)
     return {"reserved": reserved, "staged": staged, "last": len(rest), "commit": committed}
 
 
@@ -207,11 +207,11 @@ def test_a_cancelled_staged_copy_gives_the_held_blocks_back():
     cached_before = len(dst.kv.gpu.cached)
     src.add_request("r", PROMPT, greedy(30))
     step(src, 8)
-    reserved = dst.migration_reserve(src.migration_offer("r"))
+    reserved = dst.migrator.reserve(src.migrator.offer("r"))
     assert reserved["cached_blocks"] == 6  # held: not evictable meanwhile
     with pytest.raises(Exception, match="not held"):
-        dst.migration_write("r", 0, src.migration_stage("r", 0)[0])
-    dst.migration_cancel("r")
+        dst.migrator.write("r", 0, src.migrator.stage("r", 0)[0])
+    dst.migrator.cancel("r")
     dst.kv.check_invariants()
     assert dst.kv.gpu.num_free == 64 and len(dst.kv.gpu.cached) == cached_before
     assert run_all(src)["r"].output_token_ids == expected(PROMPT, 30)
@@ -313,7 +313,7 @@ def test_a_fork_moves_with_all_its_samples(tiny_model):
     step(src, 6)
     assert sorted(src.scheduler.forks["r"]) == ["r/0", "r/1", "r/2"]
     with pytest.raises(Exception, match="samples move together"):
-        src.migration_offer("r/1")
+        src.migrator.offer("r/1")
     moved = move(src, dst, "r")
     assert moved["commit"]["samples"] == 3 and sorted(dst.scheduler.forks["r"]) == \
         ["r/0", "r/1", "r/2"]
@@ -335,7 +335,7 @@ def test_a_fork_moves_with_all_its_samples(tiny_model):
     step(src, 6)
     src.abort("s/1")
     with pytest.raises(Exception, match="a sample of it has ended"):
-        src.migration_offer("s")
+        src.migrator.offer("s")
 
 
 def test_a_fork_that_cannot_come_whole_comes_not_at_all(tiny_model):
@@ -350,11 +350,11 @@ def test_a_fork_that_cannot_come_whole_comes_not_at_all(tiny_model):
                                  num_cpu_blocks=0, seed=0))
     src.add_request("r", prompt, params)
     step(src, 6)
-    offer = src.migration_offer("r")
-    state, blocks = src.migrate_out("r", 0)
+    offer = src.migrator.offer("r")
+    state, blocks = src.migrator.take_out("r", 0)
     with pytest.raises(MigrationFailed, match="needs more free blocks"):
-        dst.migration_commit(state, blocks, 0)
-    src.migration_done("r", moved=False)
+        dst.migrator.commit(state, blocks, 0)
+    src.migrator.done("r", moved=False)
     dst.kv.check_invariants()
     assert dst.kv.gpu.num_free == 10 and not dst.scheduler.requests and not dst.step_core()
     final = run_all(src)
@@ -374,10 +374,10 @@ def test_a_windowed_request_moves_with_each_groups_live_blocks(hybrid):
     step(src, 14)
     layout = src.kv.tables_of("r")
     assert any(freed for freed, _ in layout)  # (the window has given blocks back)
-    offer = src.migration_offer("r")
+    offer = src.migrator.offer("r")
     assert offer["groups"] == [[freed, len(ids)] for freed, ids in layout]
     with pytest.raises(Exception, match="one stop-and-copy"):
-        dst.migration_reserve(offer)
+        dst.migrator.reserve(offer)
     moved = move(src, dst, "r")
     assert moved["check"]["cached_blocks"] == 0
     assert [g[0] for g in moved["state"]["groups"]] == [f for f, _ in dst.kv.tables_of("r")]
@@ -390,8 +390,8 @@ def test_a_windowed_request_moves_with_each_groups_live_blocks(hybrid):
     src.add_request("s", PROMPT, greedy(20))
     step(src, 3)
     with pytest.raises(Exception, match="sliding windows or layer groups"):
-        plain.migration_commit(*src.migrate_out("s", 0), 0)
-    src.migration_done("s", moved=False)
+        plain.migrator.commit(*src.migrator.take_out("s", 0), 0)
+    src.migrator.done("s", moved=False)
 
 
 @pytest.mark.parametrize("spec", ["mistral-window", "gemma2"])
@@ -446,21 +446,21 @@ def test_a_commit_that_fails_part_way_gives_back_every_block_it_took(how):
     src.add_request("r", PROMPT, greedy(40))
     step(src, 12)
     free = dst.kv.gpu.num_free
-    offer = src.migration_offer("r")
+    offer = src.migrator.offer("r")
     skip = 0
     if how == "held":
-        skip = dst.migration_reserve(offer)["cached_blocks"]
+        skip = dst.migrator.reserve(offer)["cached_blocks"]
         assert dst.kv.gpu.num_free < free
-    state, blocks = src.migrate_out("r", skip)
+    state, blocks = src.migrator.take_out("r", skip)
     short = [b[:-1] for b in blocks] if how == "windowed" else blocks[:-1]
     # (what it raises is not the point here, what it gives back is)
     with pytest.raises(Exception):  # noqa: B017
-        dst.migration_commit(state, short, skip)
-    assert dst.kv.gpu.num_free == free and not dst.incoming_migrations
+        dst.migrator.commit(state, short, skip)
+    assert dst.kv.gpu.num_free == free and not dst.migrator.incoming
     assert "r" not in dst.scheduler.requests
     dst.kv.check_invariants()
-    dst.migration_commit(state, blocks, skip) if how != "held" else None
-    src.migration_done("r", moved=how != "held")
+    dst.migrator.commit(state, blocks, skip) if how != "held" else None
+    src.migrator.done("r", moved=how != "held")
     if how == "held":
         final = run_all(src)
         assert final["r"].finish_reason == "length"

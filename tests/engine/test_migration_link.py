@@ -143,7 +143,7 @@ class Core:
             sock.close(linger=0)
         self.ctx.term()
         self.engine.kv.check_invariants()
-        assert not self.engine.incoming_migrations
+        assert not self.engine.migrator.incoming
         assert self.engine.kv.gpu.num_free == self.engine.kv.gpu.num_blocks - sum(
             len(self.engine.kv.block_ids(r)) for r in self.engine.scheduler.requests)
 
@@ -310,7 +310,7 @@ def test_a_source_that_falls_silent_mid_copy_leaves_nothing_held(cores, monkeypa
     src_engine.add_request("r", PROMPT, greedy(30))
     for _ in range(8):
         src_engine.step()
-    offer = src_engine.migration_offer("r")
+    offer = src_engine.migrator.offer("r")
     dst = cores("b")
     free = dst.engine.kv.gpu.num_free
     ctx = zmq.Context()
@@ -324,7 +324,7 @@ def test_a_source_that_falls_silent_mid_copy_leaves_nothing_held(cores, monkeypa
         assert kind == "ok" and answer["reserved_blocks"] >= 20
         assert dst.engine.kv.gpu.num_free < free
         # held: fewer free blocks there, until the source is given up on
-        pump(dst, until=lambda: not dst.engine.incoming_migrations)
+        pump(dst, until=lambda: not dst.engine.migrator.incoming)
         pump(dst, until=lambda: dst.engine.kv.gpu.num_free == free)
     finally:
         fake.close(linger=0)

@@ -42,7 +42,7 @@ def offer_of(rid: str = "r", tokens: int = 3, prompt: list[int] = OTHER, n: int 
     while first not in engine.scheduler.requests or \
             len(engine.scheduler.requests[first].output_token_ids) < tokens:
         engine.step()
-    return engine.migration_offer(rid)
+    return engine.migrator.offer(rid)
 
 
 SEND_WAIT_MS = 2000
@@ -117,7 +117,7 @@ def test_a_stranger_cannot_connect_and_learns_nothing(cores, peers):
     pump(dst, until=lambda: dst.ended("victim") is not None)
     assert dst.ended("victim").finish_reason == "length" and dst.tokens("victim") == expected(PROMPT, 40)
     assert not any(stranger.sock.poll(0) for stranger in strangers)
-    assert "r" not in dst.engine.scheduler.requests and not dst.engine.incoming_migrations
+    assert "r" not in dst.engine.scheduler.requests and not dst.engine.migrator.incoming
     assert not dst.engine.kv.cached_chain([bytes.fromhex(h) for h in offer["block_hashes"]])
 
 
@@ -167,7 +167,7 @@ def test_a_move_without_the_services_ticket_is_refused(cores, peers, case):
     kind, rid, seq, error = peer.answer(dst)
     assert (kind, rid, seq, error[0]) == ("err", "r", 1, "MigrationRefused")
     assert "cached" not in error[1] and "simulated" not in error[1]  # (no model, no counts)
-    assert not dst.engine.incoming_migrations and dst.engine.kv.gpu.num_free == free
+    assert not dst.engine.migrator.incoming and dst.engine.kv.gpu.num_free == free
     # the right ticket opens it
     peer.send(["reserve", "r", 2, offer, ticket("r", job="7")])
     assert peer.answer(dst)[0] == "ok"
@@ -182,7 +182,7 @@ def test_a_ticket_opens_one_move_once(cores, peers):
     peer.send(["reserve", "r", 1, offer, signed])
     assert peer.answer(dst)[0] == "ok"
     peer.send(["cancel", "r", 2])
-    pump(dst, until=lambda: not dst.engine.incoming_migrations)
+    pump(dst, until=lambda: not dst.engine.migrator.incoming)
     peer.send(["reserve", "r", 3, offer, signed])
     assert peer.answer(dst)[3] == ["MigrationRefused", "the move's ticket was used already"]
 
@@ -206,7 +206,7 @@ def test_only_the_connection_that_opened_a_move_may_touch_it(cores, peers):
     owner.send(["check", "q", 6, {}, None])  # (answered after the others were served)
     assert owner.answer(dst)[:3] == ["err", "q", 6]
     assert not other.sock.poll(0)
-    assert dst.engine.kv.block_ids("r") == held and "r" in dst.engine.incoming_migrations
+    assert dst.engine.kv.block_ids("r") == held and "r" in dst.engine.migrator.incoming
     pump(dst, until=lambda: dst.ended("victim") is not None)
     assert dst.ended("victim").finish_reason == "length"
 
@@ -235,7 +235,7 @@ def test_a_malformed_state_is_refused_before_it_touches_the_engine(cores, peers,
     peer.send(["reserve", "r", 1, offer, ticket("r")])
     kind, _, _, error = peer.answer(dst)
     assert kind == "err" and error[0] == "InvalidRequestError" and says in error[1]
-    assert not dst.engine.incoming_migrations
+    assert not dst.engine.migrator.incoming
     pump(dst, until=lambda: dst.ended("victim") is not None)
     assert dst.tokens("victim") == expected(PROMPT, 30)
 
@@ -284,7 +284,7 @@ def test_frames_larger_or_more_than_declared_are_refused_before_decoding(cores, 
     peer.send(["check", "q", 10, {}, None])
     assert peer.answer(dst)[:3] == ["err", "q", 10]
     assert not big.sock.poll(200)
-    assert "r" in dst.engine.incoming_migrations  # (its owner's move goes on)
+    assert "r" in dst.engine.migrator.incoming  # (its owner's move goes on)
 
 
 def test_held_blocks_go_back_when_the_ticket_runs_out_even_while_writes_come(
@@ -299,9 +299,9 @@ def test_held_blocks_go_back_when_the_ticket_runs_out_even_while_writes_come(
     assert peer.answer(dst)[0] == "ok"
     assert dst.engine.kv.gpu.num_free < free
     seq = 2
-    while dst.engine.incoming_migrations:  # (bounded by pump's timeout)
+    while dst.engine.migrator.incoming:  # (bounded by pump's timeout)
         peer.send(["write", "r", seq, 0, {"kind": "ints", "n": 0}], [b""])
-        pump(dst, until=lambda s=seq: peer.sock.poll(0) or not dst.engine.incoming_migrations)
+        pump(dst, until=lambda s=seq: peer.sock.poll(0) or not dst.engine.migrator.incoming)
         if peer.sock.poll(0):
             peer.sock.recv()
         seq += 1
@@ -321,7 +321,7 @@ def test_a_constraint_compiles_beside_the_loop_while_its_move_waits(cores, peers
             asked.set()
             return compiling
 
-    monkeypatch.setattr(dst.engine, "structured_outputs", Compiler)
+    monkeypatch.setattr(dst.engine.input_processor, "structured_outputs", Compiler)
     dst.add("victim", PROMPT, 60)
     offer = offer_of()
     offer["params"]["structured"] = {"regex": "[a-z]+"}
@@ -330,7 +330,7 @@ def test_a_constraint_compiles_beside_the_loop_while_its_move_waits(cores, peers
     pump(dst, until=asked.is_set)
     made = len(dst.tokens("victim"))
     pump(dst, until=lambda: len(dst.tokens("victim")) >= made + 5)  # (the loop steps on)
-    assert not peer.sock.poll(0) and not dst.engine.incoming_migrations
+    assert not peer.sock.poll(0) and not dst.engine.migrator.incoming
     compiling.set_exception(InvalidRequestError("structured regex: refused"))
     kind, _, _, error = peer.answer(dst)
     assert kind == "err" and "refused" in error[1]
@@ -363,9 +363,9 @@ def test_the_connection_that_committed_a_move_may_abort_it_and_no_other(cores, p
     while len(src.scheduler.requests["r"].output_token_ids) < 3:
         src.step()
     owner, other = peers(dst.address), peers(dst.address)
-    owner.send(["check", "r", 1, src.migration_offer("r"), ticket("r")])
+    owner.send(["check", "r", 1, src.migrator.offer("r"), ticket("r")])
     assert owner.answer(dst)[0] == "ok"
-    state, data = src.migrate_out("r", 0)
+    state, data = src.migrator.take_out("r", 0)
     header, frames = src.runner.blocks_to_frames(data)
     owner.send(["commit", "r", 2, state, 0, header, time.time() + 30], frames)
     assert owner.answer(dst)[0] == "ok"

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
+
 from engine.block_hash import root_hash
 from engine.config import EngineConfig
+from engine.errors import InvalidRequestError, InvalidStateError, UnknownRequestError
 from engine.kv.events import EventLog
 from engine.kv.coordinator import KVCacheCoordinator
 from engine.request import Request, RequestStatus
@@ -190,3 +193,90 @@ def test_a_block_filled_in_this_step_is_not_copied_before_it_is_written():
     assert match.num_computed_tokens == 4 and not match.cow
     kv.uncomputed.clear()
     assert kv.find_prefix(exact).cow
+
+
+# --- the scheduler's API for the Migrator and the operator ------------------------------
+def adopted(s: Scheduler, rid: str, prompt: list[int]) -> Request:
+    """A request copied here as the Migrator brings one: its blocks taken, then adopted
+    (a sample "<parent>/<i>" knows its parent)."""
+    r = request(rid, prompt)
+    if "/" in rid:
+        r.parent_id, r.sample_index = rid.split("/")[0], int(rid.split("/")[1])
+    assert s.kv.allocate_slots(r, len(prompt)) is not None
+    r.num_computed_tokens = len(prompt)
+    s.kv.mark_computed()
+    s.adopt(r)
+    return r
+
+
+def test_adopted_samples_become_one_fork_that_ends_together():
+    s = scheduler()
+    adopted(s, "p/0", list(range(10, 19)))
+    adopted(s, "p/1", list(range(10, 19)))
+    s.adopt_fork("p", ["p/0", "p/1"])
+    assert [r.request_id for r in s.live_requests("p")] == ["p/0", "p/1"]
+    ended = s.abort("p")
+    assert [r.request_id for r in ended] == ["p/0", "p/1"]
+    assert not s.requests and "p" not in s.forks
+    assert s.kv.gpu.num_free == s.kv.gpu.num_blocks
+    s.kv.check_invariants()
+
+
+def test_a_fork_is_adopted_only_under_a_free_id_and_over_live_samples():
+    s = scheduler()
+    adopted(s, "p/0", list(range(10, 19)))
+    with pytest.raises(InvalidStateError, match="'p/1'"):
+        s.adopt_fork("p", ["p/0", "p/1"])  # p/1 never came
+    with pytest.raises(InvalidStateError):
+        s.adopt_fork("p", [])
+    with pytest.raises(InvalidStateError, match="already exists"):
+        s.adopt_fork("p/0", ["p/0"])  # the id of a live request
+    assert s.forks == {}
+    s.adopt_fork("p", ["p/0"])
+    with pytest.raises(InvalidStateError, match="already exists"):
+        s.adopt_fork("p", ["p/0"])  # a fork of that id is here already
+    assert s.forks == {"p": ["p/0"]}
+
+
+def test_a_disowned_request_gives_its_blocks_back_and_leaves_no_trace():
+    s = scheduler()
+    adopted(s, "stays", list(range(40, 49)))
+    r = adopted(s, "back", list(range(10, 19)))
+    held = s.kv.num_blocks_held("back")
+    free = s.kv.gpu.num_free
+    s.events.take()
+    assert s.disown("back") is r
+    assert "back" not in s.requests and r not in s.running
+    assert [x.request_id for x in s.running] == ["stays"]
+    assert s.kv.gpu.num_free == free + held and s.kv.block_ids("back") == []
+    assert r not in s.recently_finished
+    assert not [e for e in s.events.take() if e.type == "Finished"]
+    s.kv.check_invariants()
+
+
+def test_only_a_running_request_is_disowned():
+    s = scheduler()
+    s.add(request("queued", [5, 6, 7]))
+    with pytest.raises(InvalidStateError, match="waiting"):
+        s.disown("queued")
+    with pytest.raises(UnknownRequestError):
+        s.disown("nobody")
+    assert "queued" in s.requests and s.waiting.peek().request_id == "queued"
+
+
+def test_the_batch_limits_move_within_their_values_at_start():
+    s = scheduler(max_num_seqs=8, max_num_batched_tokens=64)
+    assert s.set_limits(max_num_seqs=2) == {
+        "max_num_seqs": 2, "max_num_batched_tokens": 64,
+        "caps": {"max_num_seqs": 8, "max_num_batched_tokens": 64}}
+    for i in range(4):
+        s.add(request(f"r{i}", [5, 6, 7 + i]))
+    assert len(s.schedule().scheduled) == 2  # the lowered limit admits two
+    for bad in ({"max_num_seqs": 9}, {"max_num_seqs": 0}, {"max_num_seqs": True},
+                {"max_num_batched_tokens": 15}, {"max_num_batched_tokens": 65},
+                {"max_num_seqs": 4, "max_num_batched_tokens": 2.5}):
+        with pytest.raises(InvalidRequestError):
+            s.set_limits(**bad)
+    # a refused change changes nothing, not even its valid half
+    assert (s.config.max_num_seqs, s.config.max_num_batched_tokens) == (2, 64)
+    assert s.set_limits(max_num_seqs=8)["max_num_seqs"] == 8

@@ -89,7 +89,7 @@ def test_the_step_loop_never_waits_for_a_compile(engine):
     its grammar is ready; an abort while it compiles ends it at once."""
     import threading
 
-    structured = engine.structured_outputs()
+    structured = engine.input_processor.structured_outputs()
     gate = threading.Event()
     structured._pool.submit(gate.wait)  # the compile thread is busy until the gate opens
     prompt = chat(engine, "Describe an apple as JSON with its name, colour and ripeness.")
