@@ -68,18 +68,20 @@ class OutputProcessor:
         """Append the output of each request that made progress to `outputs`, and give
         the step's logprobs to the outputs of the requests that asked for them."""
         # As outputs.core_output, inline: this runs for every request in every step.
+        # Only this step's progress: `outputs` may already hold a report of the same
+        # request (its arrival from another engine), which must not take them twice.
         ended_states = ENDED
-        outputs += [CoreOutput(r.request_id, [r.output_token_ids[-1]],
+        progress = [CoreOutput(r.request_id, [r.output_token_ids[-1]],
                                r.status in ended_states, r.finish_reason,
                                len(r.prompt_token_ids), r.num_cached_tokens or 0,
                                r.num_preemptions, None, r) for r in progressed]
-        for o in outputs:  # the prompt's logprobs travel once, with the first token
-            if o.request.prompt_logprobs and len(o.request.output_token_ids) == 1 \
-                    and o.new_token_ids:
+        outputs += progress
+        for o in progress:  # the prompt's logprobs travel once, with the first token
+            if o.request.prompt_logprobs and len(o.request.output_token_ids) == 1:
                 o.prompt_logprobs = o.request.prompt_logprobs
         logprobs = result.logprobs
         if logprobs:  # only requests that asked for them
-            for o in outputs:
+            for o in progress:
                 entry = logprobs.get(o.request_id)
                 if entry is not None:
                     o.logprobs = [entry]

@@ -437,7 +437,11 @@ class Migrator:
             raise MigrationFailed(f"request {request.request_id!r} needs more free blocks "
                                   f"than this engine has now ({self.kv.gpu.num_free})")
         with self._given_back_on_error(request):
+            if len(data) != len(tables):
+                raise InvalidRequestError(f"the commit of {request.request_id!r} carries "
+                                          f"{len(data)} layer groups' blocks, not {len(tables)}")
             for ids, blocks in zip(tables, data, strict=True):
+                self._check_count(request.request_id, blocks, len(ids))
                 if ids:
                     self.runner.write_blocks(ids, blocks)
             request.num_computed_tokens = state["num_computed_tokens"]
@@ -510,11 +514,19 @@ class Migrator:
         were here)."""
         table = self.kv.block_ids(request.request_id)
         last = cdiv(request.num_computed_tokens, self.config.block_size)
+        self._check_count(request.request_id, data, last - skip)
         if first < last:
             self.runner.write_blocks(table[first:last], self.runner.blocks_between(
                 data, first - skip, last - skip))
         return self._arrive(state, request, max(0, last - sent_from), cached,
                             len(table), max(0, last - first))
+
+    def _check_count(self, request_id: str, data: Any, want: int) -> None:
+        """A commit's data must hold exactly the blocks it is to fill."""
+        got = self.runner.num_blocks_in(data) if data is not None else 0
+        if got != max(want, 0):
+            raise InvalidRequestError(f"the commit of {request_id!r} carries {got} blocks, "
+                                      f"not the {max(want, 0)} it needs")
 
     def _arrive(self, state: dict, request: Request, blocks_sent: int, cached: int,
                 num_blocks: int, written: int | None = None) -> dict:

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from engine import EngineConfig, LLMEngine, SamplingParams
+from engine import EngineConfig, InvalidRequestError, LLMEngine, SamplingParams
 from engine.transfer.migration import MIGRATED, MigrationFailed
 from tests.engine.sim import expected, greedy, sim_engine
 
@@ -453,8 +453,7 @@ def test_a_commit_that_fails_part_way_gives_back_every_block_it_took(how):
         assert dst.kv.gpu.num_free < free
     state, blocks = src.migrator.take_out("r", skip)
     short = [b[:-1] for b in blocks] if how == "windowed" else blocks[:-1]
-    # (what it raises is not the point here, what it gives back is)
-    with pytest.raises(Exception):  # noqa: B017
+    with pytest.raises(InvalidRequestError, match="carries .* blocks, not the"):
         dst.migrator.commit(state, short, skip)
     assert dst.kv.gpu.num_free == free and not dst.migrator.incoming
     assert "r" not in dst.scheduler.requests
@@ -467,3 +466,19 @@ def test_a_commit_that_fails_part_way_gives_back_every_block_it_took(how):
     else:
         final = run_all(src, dst)
         assert dst.scheduler.recently_finished[-1].output_token_ids == expected(PROMPT, 40)
+
+
+def test_a_moved_request_keeps_one_logprob_entry_per_token():
+    """The step that reports a request's arrival also runs it: its logprobs entry for that
+    step is kept once, not once for the arrival's report and again for its progress."""
+    src, dst = pair()
+    params = dataclasses.replace(greedy(20), logprobs=1)
+    src.add_request("r", PROMPT, params)
+    step(src, 8)
+    move(src, dst, "r")
+    src.step_core()  # (its end here, reported)
+    final = run_all(src, dst)
+    out = final["r"]
+    assert out.output_token_ids == expected(PROMPT, 20)
+    assert len(out.logprobs) == len(out.output_token_ids) == 20
+    assert [entry[1] for entry in out.logprobs] == [[t] for t in out.output_token_ids]
