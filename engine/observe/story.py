@@ -49,7 +49,7 @@ PREEMPTION_REASONS = ("kv_full", "priority", "operator", "migration")
 # Bounds (seconds) of the block residency histograms (vLLM's kv_block_* names)
 RESIDENCY_BUCKETS = (0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)
 _RESETS_KEPT = 64  # the newest resets the history remembers
-STORY_QUEUE_MAX = 1 << 20  # events between two drains; more are dropped (and said)
+STORY_QUEUE_MAX = 1 << 20  # events between two catch-ups; more are dropped (and said)
 
 
 @dataclass(slots=True)
@@ -315,8 +315,8 @@ class StoryBook:
         self.changed: set[str] = set()  # request ids whose story changed since taken
 
     # --- feeding ---------------------------------------------------------------------
-    def drain(self) -> None:
-        """Read every event emitted so far."""
+    def catch_up(self) -> None:
+        """Read every event emitted so far (the stories lag the engine until this runs)."""
         if self._queue.num_dropped:
             self.history.lost_events += self._queue.num_dropped
             self._queue.num_dropped = 0
@@ -378,7 +378,7 @@ class StoryBook:
     def hand_out(self, outputs: list, requests: dict) -> None:
         """A step's outputs (CoreOutput): each request whose story changed gets it with
         its output (kv_story). requests: the live ones by id (a first token is noted)."""
-        self.drain()
+        self.catch_up()
         if self.awaiting_first_token:
             now = time.time()
             for rid in list(self.awaiting_first_token):
@@ -415,7 +415,7 @@ class StoryBook:
         "gpu" | "cpu" | None) says where a hash is cached now; `off`: why no cache was
         read (None: it was); `windowed`: a sliding layer group may have shortened the
         hit. admitted() keeps it once the request has its blocks."""
-        self.drain()
+        self.catch_up()
         at = time.time()
         bs = request.block_size
         prompt_hashes = request.block_hashes[:request.num_prompt_tokens // bs]
@@ -524,7 +524,7 @@ class StoryBook:
 
     def current(self, request_id: str) -> dict | None:
         """story(), with every event emitted so far read first."""
-        self.drain()
+        self.catch_up()
         return self.story(request_id)
 
     def discard(self, request_id: str) -> None:
@@ -536,7 +536,7 @@ class StoryBook:
     def arrived(self, document: dict, source: str, blocks_sent: int) -> None:
         """A request moved here from engine `source` (engine/transfer/migration.py): its story goes
         on from the one told there, the hop a preemption with reason `migration`."""
-        self.drain()
+        self.catch_up()
         story = Story(
             document["request_id"], document["job_id"], document["block_size"],
             document["prompt_tokens"], list(document["hashes"]), document["sources"]["gpu"],
