@@ -60,6 +60,15 @@ ONLY="$*"
   date -u
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true
   "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
+  # the engine at GPU pace (named only, about 6 minutes: scripts/gpu-check.sh pace): a
+  # decode step by phase on the default model in bfloat16 at 1, 32 and 256 running, then
+  # the engine against transformers, the kernels against SDPA and 256 streams through the
+  # service (the engine, kernels and serve256 sections below)
+  if [[ " $ONLY " == *" pace "* ]]; then
+    ONLY="$ONLY engine kernels serve256"
+    section pace 90 "$PY" -m benchmarks.bench_step --device cuda --model default \
+      --running 1,32,256
+  fi
   # through the service: 32 streams, the default model in bfloat16 on cuda
   section serve 120 "$PY" -m benchmarks.bench_serve --streams "" --real 32 --real-tokens 128 \
     --real-device cuda --real-dtype bfloat16
@@ -71,7 +80,7 @@ ONLY="$*"
   # tiny models on CUDA: Triton attention, windowed layers, the fused MoE kernel, the fused
   # layer ops (norms, activation, RoPE + K/V store) compiled against torch, the CPU tier's
   # copies ahead, the torch attention path off the CPU
-  section tiny 75 "$PY" -m pytest -q tests/engine/test_model_triton.py \
+  section tiny 70 "$PY" -m pytest -q tests/engine/test_model_triton.py \
     tests/kernels/test_fused_layer_ops.py tests/engine/test_cpu_tier.py \
     tests/kernels/test_torch_attention_off_cpu.py
   # a request moved between two engines with its KV cache: blocks read from one device
@@ -85,7 +94,7 @@ ONLY="$*"
   # casts and the dequantised reference, a tiny model's fp8 run against transformers'
   section fp8 45 "$PY" -m pytest -q tests/kernels/test_fp8_kv.py tests/engine/test_fp8_kv.py
   # the service path with many free cores: the simulator, short streams at 5 ms a step
-  section sim 55 "$PY" -m benchmarks.bench_serve --streams 256 --sim-tokens 64-64 --step-ms 5
+  section sim 45 "$PY" -m benchmarks.bench_serve --streams 256 --sim-tokens 64-64 --step-ms 5
   # 256 streams of the default model through the service (named only: over the budget
   # of one command together with the rest)
   [ -n "$ONLY" ] && section serve256 150 "$PY" -m benchmarks.bench_serve --streams "" \
