@@ -42,7 +42,7 @@ from engine.serve.core_proc import CORE_NICE, raise_priority
 from engine.serve.client import core_environment
 from tests.support.stack import Stack
 from kvops.infra.run import ensure_redis
-from kvops.openai.sse_client import StreamResult, stream_completion
+from benchmarks.sse_client import StreamResult, stream_completion
 
 SIM_VOCAB = 32000
 

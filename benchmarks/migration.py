@@ -258,7 +258,7 @@ def pd_workload(n: int, rate: float, long_prompt: int, seed: int = 0) -> PDWork:
 async def _pd_streams(url: str, token: str, work: PDWork, deadline_s: float):
     import asyncio
 
-    from kvops.openai.sse_client import stream_completion
+    from benchmarks.sse_client import stream_completion
 
     async def one(i: int):
         await asyncio.sleep(work.arrivals[i])

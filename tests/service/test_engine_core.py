@@ -19,7 +19,7 @@ from engine.errors import CommandExpired
 from engine import wire
 from engine.serve.client import InprocClient, MPClient
 from tests.support.stack import Stack
-from kvops.openai.sse_client import stream_completion
+from benchmarks.sse_client import stream_completion
 from tests.service.test_jobs_api import expected_text
 from tests.support.wait import wait_until, wait_until_async
 

@@ -1,6 +1,6 @@
-"""The load generator's HTTP/1.1 chunked-body decoding (kvops/openai/sse_client.py), on bodies
+"""The load generator's HTTP/1.1 chunked-body decoding (benchmarks/sse_client.py), on bodies
 cut at every byte: what the benchmark counts must be what the server sent."""
-from kvops.openai.sse_client import _Dechunker
+from benchmarks.sse_client import _Dechunker
 
 EVENTS = [b'data: {"choices": [{"text": "h\\u00e9llo "}]}\n\n', b"data: x\n\n" * 3,
           b"data: " + b"y" * 300 + b"\n\n", b"data: [DONE]\n\n"]

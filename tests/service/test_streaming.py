@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from tests.support.stack import Stack
-from kvops.openai.sse_client import completion_request, stream_completion
+from benchmarks.sse_client import completion_request, stream_completion
 from tests.service.test_jobs_api import expected_text
 
 STREAMS = 256
