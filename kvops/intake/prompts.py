@@ -40,15 +40,18 @@ def prompt_ids(tokenizer, prompt: str, messages: list[dict] | None,
     return tokenizer.encode(render_chat(tokenizer, messages, tools) if messages else prompt)
 
 
-def job_prompt_ids(job, config: dict, tokenizer) -> list[int]:
+def job_prompt_ids(job, config: dict, tokenizer) -> list[int] | None:
     """A stored job's prompt as token ids for an engine described by `config` (its
-    describe_config()): those the web rendered at intake (kvops/intake.py) when they were
-    made with that engine's tokenizer, else rendered here the same way with `tokenizer`
-    (a job stored while no engine of its kind was registered, or whose tokenizer the web
-    could not read)."""
+    describe_config()): those the web rendered at intake (kvops/intake/intake.py) when
+    they were made with that engine's tokenizer, else rendered here the same way with
+    `tokenizer` (a job stored while no engine of its kind was registered, or whose
+    tokenizer the web could not read); None if they must be rendered and `tokenizer` is
+    None."""
     ids = ids_for(job.tokenizer, job.prompt_token_ids, config)
     if ids is not None:
         return ids
+    if tokenizer is None:
+        return None
     tools = ((job.params or {}).get("tool_call") or {}).get("tools")
     return prompt_ids(tokenizer, job.prompt, job.messages, tools)
 
@@ -141,10 +144,9 @@ class PromptInspector:
         """A stored job's token ids on this engine: those rendered at intake when they were
         made with its tokenizer, else rendered now (None if not readable here)."""
         ids = ids_for(job.tokenizer, job.prompt_token_ids, config)
-        if ids is not None:
+        if ids is not None:  # (the tokenizer is not loaded for them)
             return ids
-        tools = ((job.params or {}).get("tool_call") or {}).get("tools")
-        return self.token_ids(config, job.prompt, job.messages, tools)
+        return job_prompt_ids(job, config, self.tokenizer(config))
 
     def short_hashes(self, config: dict, token_ids: list[int] | None,
                      cache_salt: str | None = None) -> list[str]:
