@@ -581,7 +581,7 @@ class MigrationLink:
         if isinstance(message, wire.Write):
             if not move.held:
                 raise InvalidRequestError(f"no blocks are held for request {rid!r}")
-            most = migration_room(engine, rid, message.start)
+            most = engine.migrator.room(rid, message.start)
             engine.migrator.write(rid, message.start,
                                   self.transport.decode(message.kv_header, data, most))
             return {}
@@ -592,7 +592,7 @@ class MigrationLink:
             self._checked(rid, state, move.ticket)
             self._compiled(peer, message, data, state)
             blocks = self._decode(message.kv_header, data,
-                                  commit_blocks(engine, state, message.skip))
+                                  engine.migrator.commit_blocks(state, message.skip))
             result = engine.migrator.commit(state, blocks, message.skip)
             del self._incoming[rid]
             self._arrived[rid] = (peer, time.monotonic() + COMMIT_TIMEOUT_S + COMMIT_GRACE_S)
@@ -725,34 +725,3 @@ def _limits(engine) -> tuple[int, int]:
     per_block = max(runner.block_bytes, engine.config.block_size *
                     getattr(runner, "kv_bytes_per_token", 0))
     return (1 << 20) + MAX_N * engine.max_model_len * HEADER_BYTES_PER_TOKEN, blocks * per_block
-
-
-def migration_room(engine, request_id: str, start: object) -> int:
-    """How many blocks a staged write from `start` may fill: the held ones from there
-    (InvalidRequestError for a start outside them)."""
-    request = engine.migrator.incoming.get(request_id)
-    if request is None:
-        raise InvalidRequestError(f"no copy of request {request_id!r} is under way here")
-    held, cached = len(engine.kv.block_ids(request_id)), request[1]
-    if not isinstance(start, int) or isinstance(start, bool) or not cached <= start <= held:
-        raise InvalidRequestError(f"request {request_id!r}: blocks {cached}..{held - 1} are "
-                                  f"held here, not from {start!r}")
-    return held - start
-
-
-def commit_blocks(engine, state: dict, skip: object) -> int | list[int]:
-    """The blocks a (checked) state's commit must carry from `skip` on: its computed
-    tokens' blocks past skip; a fork's, per sample past its skip; a windowed engine's,
-    per layer group, every block it holds."""
-    bs = engine.config.block_size
-    if state.get("fork"):
-        if "skips" not in state:
-            raise InvalidRequestError("a fork's commit must give each sample's skip")
-        return [cdiv(st["num_computed_tokens"], bs) - k
-                for st, k in zip(state["samples"], state["skips"])]
-    if state.get("groups") is not None:
-        return [held for _, held in state["groups"]]
-    last = cdiv(state["num_computed_tokens"], bs)
-    if not isinstance(skip, int) or isinstance(skip, bool) or not 0 <= skip <= last:
-        raise InvalidRequestError(f"a commit's skip must be in [0, {last}], got {skip!r}")
-    return last - skip

@@ -344,19 +344,48 @@ class Migrator:
         self.incoming[rid] = (request, cached)
         return {"cached_blocks": cached, "reserved_blocks": num_full - cached}
 
+    def room(self, request_id: str, start: object) -> int:
+        """How many blocks a staged write from `start` may fill: the held ones from there
+        (InvalidRequestError for a start outside them, or no copy under way). The port
+        asks before it decodes a write's frames."""
+        incoming = self.incoming.get(request_id)
+        if incoming is None:
+            raise InvalidRequestError(f"no copy of request {request_id!r} is under way here")
+        held, cached = len(self.kv.block_ids(request_id)), incoming[1]
+        if not isinstance(start, int) or isinstance(start, bool) or not cached <= start <= held:
+            raise InvalidRequestError(f"request {request_id!r}: blocks {cached}..{held - 1} are "
+                                      f"held here, not from {start!r}")
+        return held - start
+
     def write(self, request_id: str, start: int, data: Any) -> None:
         """Staged K/V into the held blocks from index `start` on."""
-        if request_id not in self.incoming:
-            raise InvalidRequestError(f"no copy of request {request_id!r} is under way here")
-        _, cached = self.incoming[request_id]
-        table = self.kv.block_ids(request_id)
+        room = self.room(request_id, start)
         n = self.runner.num_blocks_in(data) if data is not None else 0
-        if start < cached or start + n > len(table):
+        if n > room:
+            cached = self.incoming[request_id][1]
             raise InvalidRequestError(f"blocks {start}..{start + n - 1} are not held for "
                                       f"request {request_id!r} (blocks {cached}.."
-                                      f"{len(table) - 1} are)")
+                                      f"{start + room - 1} are)")
         if n:
-            self.runner.write_blocks(table[start:start + n], data)
+            self.runner.write_blocks(self.kv.block_ids(request_id)[start:start + n], data)
+
+    def commit_blocks(self, state: dict, skip: object) -> int | list[int]:
+        """The blocks a (checked) state's commit must carry from `skip` on: its computed
+        tokens' blocks past skip; a fork's, per sample past its skip; a windowed engine's,
+        per layer group, every block it holds. The port asks before it decodes a
+        commit's frames; commit() checks what it is given against the same counts."""
+        bs = self.config.block_size
+        if state.get("fork"):
+            if "skips" not in state:
+                raise InvalidRequestError("a fork's commit must give each sample's skip")
+            return [cdiv(st["num_computed_tokens"], bs) - k
+                    for st, k in zip(state["samples"], state["skips"])]
+        if state.get("groups") is not None:
+            return [held for _, held in state["groups"]]
+        last = cdiv(state["num_computed_tokens"], bs)
+        if not isinstance(skip, int) or isinstance(skip, bool) or not 0 <= skip <= last:
+            raise InvalidRequestError(f"a commit's skip must be in [0, {last}], got {skip!r}")
+        return last - skip
 
     def cancel(self, request_id: str) -> None:
         """The copy stopped; the held blocks go back."""

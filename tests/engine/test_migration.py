@@ -209,7 +209,7 @@ def test_a_cancelled_staged_copy_gives_the_held_blocks_back():
     step(src, 8)
     reserved = dst.migrator.reserve(src.migrator.offer("r"))
     assert reserved["cached_blocks"] == 6  # held: not evictable meanwhile
-    with pytest.raises(Exception, match="not held"):
+    with pytest.raises(InvalidRequestError, match="held here, not from 0"):
         dst.migrator.write("r", 0, src.migrator.stage("r", 0)[0])
     dst.migrator.cancel("r")
     dst.kv.check_invariants()
