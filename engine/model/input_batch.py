@@ -31,18 +31,23 @@ class InputBatch:
     def prepare(self, out: SchedulerOutput) -> StepBatch:
         bs = self.block_size
         input_ids: list[int] = []
-        positions: list[np.ndarray] = []
-        slots: list[np.ndarray] = []
+        positions: list[int] = []
+        slots: list[int] = []
         tables, seq_lens, query_start_loc = [], [], [0]
         logits_rows, sampling_ids, sampling_rows = [], [], []
         prompt_rows, prompt_logits_rows = [], []  # SamplingParams.prompt_logprobs
         for s in out.scheduled:
             request, start, n = s.request, s.start, s.num_new_tokens
-            input_ids.extend(request.all_token_ids[start:start + n])
-            pos = np.arange(start, start + n)
-            table = np.asarray(s.block_ids, dtype=np.int64)
-            positions.append(pos)
-            slots.append(table[pos // bs] * bs + pos % bs)
+            if n == 1:  # a decode: plain ints (numpy's per-call cost is most of a row's)
+                input_ids.append(request.all_token_ids[start])
+                positions.append(start)
+                slots.append(s.block_ids[start // bs] * bs + start % bs)
+            else:
+                input_ids.extend(request.all_token_ids[start:start + n])
+                pos = np.arange(start, start + n)
+                table = np.asarray(s.block_ids, dtype=np.int64)
+                positions.extend(range(start, start + n))
+                slots.extend((table[pos // bs] * bs + pos % bs).tolist())
             tables.append(s.block_ids)
             seq_lens.append(start + n)
             query_start_loc.append(query_start_loc[-1] + n)
@@ -64,31 +69,31 @@ class InputBatch:
                     request.num_output_tokens, request.prompt_token_ids,
                     request.output_token_ids, request.eos_token_ids, request.grammar))
         dev = self.device
-        slot_mapping = torch.from_numpy(np.concatenate(slots)).to(dev)
+        slot_mapping = torch.tensor(slots, dtype=torch.int64, device=dev)
         attention = AttentionBatch(bs, tables, seq_lens, query_start_loc, slot_mapping)
         groups = None
         if out.group_block_ids is not None:  # a block table per layer group (0: the above)
-            groups = [attention] + [self._group_batch(out, g, seq_lens, query_start_loc,
-                                                      positions)
+            groups = [attention] + [self._group_batch(out, g, seq_lens, query_start_loc)
                                     for g in range(1, self.num_groups)]
         return StepBatch(
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
-            positions=torch.from_numpy(np.concatenate(positions)).to(dev),
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
             logits_indices=torch.tensor(logits_rows + prompt_logits_rows, dtype=torch.int64,
                                         device=dev),
             attention=attention, sampling_ids=sampling_ids, sampling_rows=sampling_rows,
             prompt_rows=prompt_rows, groups=groups)
 
     def _group_batch(self, out: SchedulerOutput, group: int, seq_lens: list[int],
-                     query_start_loc: list[int], positions: list[np.ndarray]) -> AttentionBatch:
+                     query_start_loc: list[int]) -> AttentionBatch:
         """Layer group `group`'s tables and slots for the step (the same sequences)."""
         bs, tables, slots = self.block_size, [], []
-        for s, pos in zip(out.scheduled, positions):
+        for s in out.scheduled:
             ids = out.group_block_ids[s.request.request_id][group]
             tables.append(ids)
-            slots.append(np.asarray(ids, dtype=np.int64)[pos // bs] * bs + pos % bs)
+            pos = np.arange(s.start, s.start + s.num_new_tokens)
+            slots.extend((np.asarray(ids, dtype=np.int64)[pos // bs] * bs + pos % bs).tolist())
         return AttentionBatch(bs, tables, seq_lens, query_start_loc,
-                              torch.from_numpy(np.concatenate(slots)).to(self.device))
+                              torch.tensor(slots, dtype=torch.int64, device=self.device))
 
 
 @dataclass(slots=True)
