@@ -38,8 +38,8 @@ def rope_store_kv(qkv: torch.Tensor, cos_sin: torch.Tensor, key_cache: torch.Ten
         is a slot past the cache's end.
     Returns the rotated queries, a new [num_tokens, num_heads, head_dim] tensor.
     """
-    T = qkv.shape[0] if qkv.dim() == 2 else 0
     checks.check_ndim(_OP, "qkv", qkv, 2, "[num_tokens, (H + 2 Hkv) * head_dim]")
+    T = qkv.shape[0]
     checks.check_dtype(_OP, "qkv", qkv, checks.ATTENTION_DTYPES)
     checks.check_last_dim_contiguous(_OP, "qkv", qkv)
     checks.check_ndim(_OP, "key_cache", key_cache, 4, _CACHE_LAYOUT)

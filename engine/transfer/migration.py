@@ -399,6 +399,7 @@ class Migrator:
         are its, and `data` is the rest from `skip` on."""
         self.changes += 1
         if state.get("fork"):
+            self._check_data(state, data, skip)  # (every sample's, before any comes)
             return self._commit_fork(state, data)
         if state.get("groups") is not None:
             return self._commit_tables(state, data)
@@ -466,11 +467,8 @@ class Migrator:
             raise MigrationFailed(f"request {request.request_id!r} needs more free blocks "
                                   f"than this engine has now ({self.kv.gpu.num_free})")
         with self._given_back_on_error(request):
-            if len(data) != len(tables):
-                raise InvalidRequestError(f"the commit of {request.request_id!r} carries "
-                                          f"{len(data)} layer groups' blocks, not {len(tables)}")
+            self._check_data(state, data, 0)
             for ids, blocks in zip(tables, data, strict=True):
-                self._check_count(request.request_id, blocks, len(ids))
                 if ids:
                     self.runner.write_blocks(ids, blocks)
             request.num_computed_tokens = state["num_computed_tokens"]
@@ -543,19 +541,36 @@ class Migrator:
         were here)."""
         table = self.kv.block_ids(request.request_id)
         last = cdiv(request.num_computed_tokens, self.config.block_size)
-        self._check_count(request.request_id, data, last - skip)
+        self._check_data(state, data, skip)
         if first < last:
             self.runner.write_blocks(table[first:last], self.runner.blocks_between(
                 data, first - skip, last - skip))
         return self._arrive(state, request, max(0, last - sent_from), cached,
                             len(table), max(0, last - first))
 
-    def _check_count(self, request_id: str, data: Any, want: int) -> None:
-        """A commit's data must hold exactly the blocks it is to fill."""
-        got = self.runner.num_blocks_in(data) if data is not None else 0
-        if got != max(want, 0):
-            raise InvalidRequestError(f"the commit of {request_id!r} carries {got} blocks, "
-                                      f"not the {max(want, 0)} it needs")
+    def _check_data(self, state: dict, data: Any, skip: object) -> None:
+        """A commit's data must hold exactly the blocks commit_blocks counts (the count
+        the port decodes by): per sample of a fork, per layer group of a windowed
+        request; InvalidRequestError naming the counts before anything is written (a
+        commit's blocks taken or held by then go back with it)."""
+        want = self.commit_blocks(state, skip)
+        rid = state["request_id"]
+        if isinstance(want, int):
+            got = self.runner.num_blocks_in(data) if data is not None else 0
+            if got != max(want, 0):
+                raise InvalidRequestError(f"the commit of {rid!r} carries {got} blocks, "
+                                          f"not the {max(want, 0)} it needs")
+            return
+        parts = "samples'" if state.get("fork") else "layer groups'"
+        if not isinstance(data, list) or len(data) != len(want):
+            got = len(data) if isinstance(data, list) else type(data).__name__
+            raise InvalidRequestError(f"the commit of {rid!r} carries {got} {parts} blocks, "
+                                      f"not {len(want)}")
+        for blocks, n in zip(data, want, strict=True):
+            got = self.runner.num_blocks_in(blocks) if blocks is not None else 0
+            if got != max(n, 0):
+                raise InvalidRequestError(f"the commit of {rid!r} carries {got} blocks, "
+                                          f"not the {max(n, 0)} it needs")
 
     def _arrive(self, state: dict, request: Request, blocks_sent: int, cached: int,
                 num_blocks: int, written: int | None = None) -> dict:
