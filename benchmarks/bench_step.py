@@ -2,12 +2,15 @@
 
     python -m benchmarks.bench_step [--device cpu|cuda] [--model stand-in|default|PATH]
                                     [--running 1,32,256] [--steps 30] [--dtype float32|bfloat16]
+                                    [--enforce-eager]
 
 A step of the engine core (LLMEngine.step_core, what the core process runs) split into:
 scheduling (the scheduler's schedule), input preparation (the step's tensors from the
 scheduler's output, engine/model/input_batch.py), the forward pass (the host's time to
 issue it; on CUDA also the device's time, by CUDA events), sampling (the sampler and the
 sampled ids to the host) and the rest of the step (the scheduler's update and the outputs),
+a decode step replayed as a CUDA graph counting as the forward pass (`--enforce-eager`:
+op by op),
 plus the launches a step makes: CUDA kernels on a GPU, torch operators on a CPU (one
 profiled step each, apart from the timed ones).
 
@@ -67,7 +70,10 @@ class PhaseClock:
         self._wrap(engine.scheduler, "schedule", "schedule")
         self._wrap(runner.input_batch, "prepare", "prepare")
         self._wrap(runner, "_run_model", "forward", device=True)
-        self._wrap(runner, "_forward_batch", "forward+sample")
+        graphs = getattr(runner, "decode_graphs", None)
+        if graphs is not None and graphs.capture:  # a replay, instead of _run_model
+            self._wrap(graphs, "run", "forward", device=True)
+        self._wrap(runner, "_sample", "sample")
 
     def _wrap(self, owner: object, name: str, phase: str, device: bool = False) -> None:
         inner = getattr(owner, name)
@@ -93,11 +99,8 @@ class PhaseClock:
         engine.step_core()
         total = time.perf_counter() - t0
         s = self._step
-        forward = s.get("forward", 0.0)
-        sample = s.get("forward+sample", 0.0) - forward
-        for phase, value in (("schedule", s.get("schedule", 0.0)), ("prepare", s.get("prepare", 0.0)),
-                             ("forward", forward), ("sample", sample)):
-            self.totals[phase].append(value)
+        for phase in PHASES[:4]:
+            self.totals[phase].append(s.get(phase, 0.0))
         self.totals["rest"].append(total - sum(self.totals[p][-1] for p in PHASES[:4]))
         self.totals["step"].append(total)
         if self._events is not None:
@@ -121,13 +124,14 @@ def launches_per_step(engine: LLMEngine, cuda: bool) -> int:
     return sum(1 for e in events if e.name.startswith("aten::") and e.cpu_parent is None)
 
 
-def run(model: str, device: str, dtype: str, running: int, steps: int) -> dict:
+def run(model: str, device: str, dtype: str, running: int, steps: int,
+        enforce_eager: bool = False) -> dict:
     blocks_per_seq = (PROMPT_TOKENS + steps + 16) // 16 + 2
     engine = LLMEngine(EngineConfig(
         model=model, device=device, dtype=dtype, block_size=16, max_num_seqs=max(running, 1),
         max_num_batched_tokens=max(2048, running * PROMPT_TOKENS),
         num_gpu_blocks=running * blocks_per_seq + 16, num_cpu_blocks=0,
-        enable_prefix_caching=False, seed=0))
+        enable_prefix_caching=False, seed=0, enforce_eager=enforce_eager))
     vocab = engine.runner.vocab_size
     params = SamplingParams(max_tokens=steps + 64, temperature=0.0, ignore_eos=True)
     for i in range(running):
@@ -148,12 +152,16 @@ def run(model: str, device: str, dtype: str, running: int, steps: int) -> dict:
     median_ms["device"] = statistics.median(clock.device_ms) if clock.device_ms else None
     median_ms["launches"] = launches
     median_ms["tok_s"] = running / (median_ms["step"] / 1e3)
+    reason = engine.runner.eager_reason
+    median_ms["decode"] = f"eager ({reason})" if reason else (
+        "CUDA graphs" if engine.runner.decode_graphs.capture else "padded, eager")
     engine.close()
     return median_ms
 
 
 def print_table(rows: list[tuple[int, dict]], model: str, device: str, dtype: str) -> None:
-    print(f"\nbench_step: {model} on {device} ({dtype}); medians of the timed decode steps, ms")
+    print(f"\nbench_step: {model} on {device} ({dtype}), decode steps "
+          f"{rows[0][1]['decode']}; medians of the timed decode steps, ms")
     head = (f"{'running':>7} {'step':>7} {'sched':>7} {'prepare':>7} {'forward':>7} "
             f"{'(device)':>8} {'sample':>7} {'rest':>7} {'launches':>8} {'tok/s':>9}")
     print(head)
@@ -177,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (CUDA default)")
     p.add_argument("--running", default="1,32,256", help="running sequences, comma-separated")
     p.add_argument("--steps", type=int, default=30, help="timed decode steps at each size")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="decode steps op by op, not as CUDA graphs (EngineConfig.enforce_eager)")
     args = p.parse_args(argv)
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     with tempfile.TemporaryDirectory(prefix="kvops-bench-step-") as tmp:
@@ -186,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
             model = str(default_model_dir())
         else:
             model = args.model
-        rows = [(n, run(model, args.device, dtype, n, args.steps))
+        rows = [(n, run(model, args.device, dtype, n, args.steps, args.enforce_eager))
                 for n in (int(x) for x in args.running.split(","))]
     print_table(rows, args.model, args.device, dtype)
     return 0

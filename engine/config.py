@@ -120,6 +120,11 @@ class EngineConfig:
     # same machine every time.
     cpu_kernels: str = "auto"
     large_matmuls: str = "auto"
+    # Decode steps run eagerly, op by op, instead of as CUDA graphs captured at start-up
+    # per padded batch size (engine/model/cuda_graphs.py; vLLM's name). Graphs need the
+    # Triton backend on one GPU; models split over ranks, with a table per layer group or
+    # with experts run eagerly whatever this says
+    enforce_eager: bool = False
     # Split the model's heads and MLP across this many ranks (engine/model/parallel.py):
     # processes the engine starts, gloo on CPU, NCCL and one GPU each on CUDA
     tensor_parallel_size: int = 1

@@ -61,13 +61,16 @@ ONLY="$*"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true
   "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
   # the engine at GPU pace (named only, about 6 minutes: scripts/gpu-check.sh pace): a
-  # decode step by phase on the default model in bfloat16 at 1, 32 and 256 running, then
+  # decode step by phase on the default model in bfloat16 at 1, 32 and 256 running (as
+  # CUDA graphs, then op by op), then
   # the engine against transformers, the kernels against SDPA and 256 streams through the
   # service (the engine, kernels and serve256 sections below)
   if [[ " $ONLY " == *" pace "* ]]; then
-    ONLY="$ONLY engine kernels serve256"
+    ONLY="$ONLY pace-eager engine kernels serve256"
     section pace 90 "$PY" -m benchmarks.bench_step --device cuda --model default \
       --running 1,32,256
+    section pace-eager 60 "$PY" -m benchmarks.bench_step --device cuda --model default \
+      --running 1,32,256 --enforce-eager
   fi
   # through the service: 32 streams, the default model in bfloat16 on cuda
   section serve 120 "$PY" -m benchmarks.bench_serve --streams "" --real 32 --real-tokens 128 \
@@ -80,8 +83,8 @@ ONLY="$*"
   # tiny models on CUDA: Triton attention, windowed layers, the fused MoE kernel, the fused
   # layer ops (norms, activation, RoPE + K/V store) compiled against torch, the CPU tier's
   # copies ahead, the torch attention path off the CPU
-  section tiny 70 "$PY" -m pytest -q tests/engine/test_model_triton.py \
-    tests/kernels/test_fused_layer_ops.py tests/engine/test_cpu_tier.py \
+  section tiny 90 "$PY" -m pytest -q tests/engine/test_model_triton.py \
+    tests/engine/test_decode_graphs.py tests/kernels/test_fused_layer_ops.py tests/engine/test_cpu_tier.py \
     tests/kernels/test_torch_attention_off_cpu.py
   # a request moved between two engines with its KV cache: blocks read from one device
   # pool to the host (pinned) and written into the other's (engine/transfer/migration.py), and

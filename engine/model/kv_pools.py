@@ -20,11 +20,13 @@ ProfileForward = Callable[[list[list[int]]], None]
 
 
 def device_blocks(config: EngineConfig, device: torch.device, block_bytes: int,
-                  max_model_len: int, forward: ProfileForward) -> int:
+                  max_model_len: int, forward: ProfileForward,
+                  decode_graphs: bool = False) -> int:
     """The device pool's blocks: on CUDA, what gpu_memory_utilization leaves after a
-    profiled step (`forward`); on a CPU, kv_cache_memory_bytes or the default."""
+    profiled step (`forward`) and, with decode_graphs, the CUDA graphs' memory pool;
+    on a CPU, kv_cache_memory_bytes or the default."""
     if device.type == "cuda":
-        budget = _cuda_kv_budget(config, device, max_model_len, forward)
+        budget = _cuda_kv_budget(config, device, max_model_len, forward, decode_graphs)
         source = f"gpu_memory_utilization={config.gpu_memory_utilization}"
     else:
         budget = config.kv_cache_memory_bytes or DEFAULT_CPU_KV_BYTES
@@ -67,21 +69,33 @@ def with_blocks(shape: tuple[int, ...], num_blocks: int) -> tuple[int, ...]:
 
 
 def _cuda_kv_budget(config: EngineConfig, device: torch.device, max_model_len: int,
-                    forward: ProfileForward) -> int:
+                    forward: ProfileForward, decode_graphs: bool) -> int:
     """Device memory the KV pool may take: gpu_memory_utilization of the device,
     minus what the weights and the activations of a full-budget step use (measured
-    with one forward pass over max_num_batched_tokens tokens)."""
+    with one forward pass over max_num_batched_tokens tokens) and, with decode_graphs,
+    the graphs' pool: the activations of the largest decode step (max_num_seqs
+    sequences of one token, measured the same way), which the graphs hold apart from
+    the eager steps' memory."""
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     _profile_forward(config, device, max_model_len, forward)
     peak = torch.cuda.max_memory_allocated(device)
+    graphs = 0
+    if decode_graphs:
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        with torch.inference_mode():
+            forward([[0]] * config.max_num_seqs)
+        torch.cuda.synchronize(device)
+        graphs = torch.cuda.max_memory_allocated(device) - base
     total = torch.cuda.get_device_properties(device).total_memory
     free, _ = torch.cuda.mem_get_info(device)
     other = total - free - torch.cuda.memory_reserved(device)  # other processes
-    budget = int(total * config.gpu_memory_utilization) - peak - max(other, 0)
+    budget = int(total * config.gpu_memory_utilization) - peak - graphs - max(other, 0)
     _log(f"kvops: device memory {total / 1024 ** 3:.1f} GiB x "
          f"{config.gpu_memory_utilization} - peak {peak / 1024 ** 3:.2f} GiB "
-         f"(weights + activations) - {max(other, 0) / 1024 ** 3:.2f} GiB used elsewhere "
+         f"(weights + activations) - {graphs / 1024 ** 3:.2f} GiB (decode graphs) - "
+         f"{max(other, 0) / 1024 ** 3:.2f} GiB used elsewhere "
          f"= {budget / 1024 ** 3:.2f} GiB for KV")
     return budget
 

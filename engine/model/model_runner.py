@@ -28,6 +28,7 @@ from engine.model.sampler import logprobs_of, sample, token_logprobs
 from engine.sched.output import SchedulerOutput
 from engine.model import kv_pools, parallel
 from engine.model.block_io import BlockIO
+from engine.model.cuda_graphs import DecodeGraphs, decode_sizes, why_eager
 from engine.model.device import choose_ops, resolve_device, resolve_dtype, resolve_kv_dtype
 from engine.model.fp8_scales import calibrate, calibration_sequences, kv_format_of, unit_scales
 from engine.model.input_batch import InputBatch, RankBatch, StepBatch
@@ -94,9 +95,14 @@ class ModelRunner(Runner):
         # a forward pass outside the pools: the sizing's profile, an fp8 cache's calibration
         scratch = ScratchPass(self.model, self.ops, self.kv_layout, self.block_size,
                               self._device, self._kv_dtype)
+        # decode steps as CUDA graphs, or why not (engine/model/cuda_graphs.py)
+        self.eager_reason = why_eager(self.attention.name, self.ops.name,
+                                      config.tensor_parallel_size > 1, self.kv_layout.num_groups,
+                                      args.n_experts > 0, config.enforce_eager)
+        captures = self.eager_reason is None and self._device.type == "cuda"
         self.num_gpu_blocks = config.num_gpu_blocks or kv_pools.device_blocks(
             config, self._device, self.block_bytes, self.max_model_len,
-            lambda sequences: scratch(sequences, self.attention))
+            lambda sequences: scratch(sequences, self.attention), decode_graphs=captures)
         self.num_cpu_blocks = (
             kv_pools.host_blocks(self.num_gpu_blocks, self._device, self.block_bytes)
             if config.num_cpu_blocks is None else config.num_cpu_blocks)
@@ -112,8 +118,15 @@ class ModelRunner(Runner):
                                 triton_copies=self.attention.name == "triton"
                                 and self._device.type == "cuda")
         # each step's forward inputs, from the scheduler's output
-        self.input_batch = InputBatch(self.block_size, self._device, config.seed,
-                                      self.kv_layout.num_groups)
+        self.input_batch = InputBatch(
+            self.block_size, self._device, config.seed, self.kv_layout.num_groups,
+            max_tokens=max(config.max_num_batched_tokens, config.max_num_seqs),
+            max_seqs=config.max_num_seqs,
+            max_blocks=-(-self.max_model_len // self.block_size) + 1,
+            device_tables=self.attention.name == "triton")
+        self.decode_graphs = None if self.eager_reason else DecodeGraphs(
+            self.input_batch, decode_sizes(config.max_num_seqs), self.max_model_len,
+            self._device, capture=captures)
         # an fp8 cache's scales, [n_layers, 2, n_kv_heads] (None: the model's dtype)
         self.kv_scales = self._kv_scales(scratch) if is_fp8(self._kv_dtype) else None
         # how a block's bytes read: blocks move (disk tier, migration) only between
@@ -132,7 +145,12 @@ class ModelRunner(Runner):
                   f"{self.ops.describe() if self.cpu_kernels else 'off'}"
                   + (f"; layer groups (sliding window per group) {list(self.kv_group_windows)}"
                      if hybrid else "")
-                  + (f"; tensor-parallel rank {self.tp.rank} of {self.tp.size}" if self.tp else ""))
+                  + (f"; tensor-parallel rank {self.tp.rank} of {self.tp.size}" if self.tp else "")
+                  + "; decode steps " + (f"eager ({self.eager_reason})" if self.eager_reason
+                                          else "as CUDA graphs" if captures
+                                          else "padded to graph sizes, eager (no CUDA)"))
+        if self.decode_graphs is not None:
+            self.decode_graphs.capture_all(self._run_model)
         weight_bytes = self.ops.own_bytes() + sum(  # (tied weights once)
             t.numel() * t.element_size()
             for t in {id(t): t for t in self.model.state_dict().values()}.values())
@@ -181,7 +199,12 @@ class ModelRunner(Runner):
 
     # --- one step ---------------------------------------------------------------------
     def forward(self, out: SchedulerOutput) -> StepResult:
-        return self._forward_batch(self.input_batch.prepare(out))
+        graphs = self.decode_graphs
+        size = graphs.size_for(out) if graphs is not None else None
+        if size is None:
+            return self._forward_batch(self.input_batch.prepare(out))
+        batch = graphs.prepare(out, size)
+        return self._sample(batch, graphs.run(batch, size, self._run_model))
 
     @torch.inference_mode()
     def _run_model(self, batch: "StepBatch | RankBatch") -> torch.Tensor:
@@ -191,9 +214,12 @@ class ModelRunner(Runner):
         return self.model(batch.input_ids, batch.positions, self.kv_cache, self.attention,
                           plans, batch.logits_indices, self.ops, kv_scales=self.kv_scales)
 
-    @torch.inference_mode()
     def _forward_batch(self, batch: "StepBatch") -> StepResult:
-        logits = self._run_model(batch)
+        return self._sample(batch, self._run_model(batch))
+
+    @torch.inference_mode()
+    def _sample(self, batch: "StepBatch", logits: torch.Tensor) -> StepResult:
+        """The step's tokens and logprobs from the logits of its logits rows."""
         num_sampled = len(batch.sampling_rows)
         result = StepResult()
         if batch.prompt_rows:

@@ -25,6 +25,17 @@ class AttentionBackendError(EngineError):
 
 
 @dataclass(slots=True)
+class DeviceTables:
+    """A step's tables already on the device (engine/model/step_buffers.py), as the
+    Triton kernels read them, with the host-side bounds their launch is planned by."""
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor  # [num_seqs] int32
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    max_seq_len: int  # a bound on seq_lens (a CUDA graph's: max_model_len)
+    max_query_len: int
+
+
+@dataclass(slots=True)
 class AttentionBatch:
     """One step's varlen batch, as both host lists (for planning without a device sync)
     and device tensors (for kernels)."""
@@ -33,6 +44,9 @@ class AttentionBatch:
     seq_lens: list[int]  # context length per sequence, including its new tokens
     query_start_loc: list[int]  # [num_seqs + 1]: sequence s owns rows [qsl[s], qsl[s+1])
     slot_mapping: torch.Tensor  # [num_tokens] int64 on the device: where each new K/V goes
+    # the same tables on the device, where the step's input batch keeps them (None: a
+    # backend that needs them builds them from the lists)
+    device: DeviceTables | None = None
 
 
 class AttentionBackend(Protocol):
@@ -131,6 +145,10 @@ class TritonAttention:
         self._paged_attention = kernels.paged_attention
 
     def plan(self, batch: AttentionBatch) -> "TritonPlan":
+        d = batch.device
+        if d is not None:  # (the step buffers': no per-sequence work here)
+            return TritonPlan(batch.slot_mapping, d.block_tables, d.seq_lens,
+                              d.query_start_loc, d.max_seq_len, d.max_query_len)
         max_blocks = max(len(t) for t in batch.block_tables)
         tables = torch.zeros(len(batch.block_tables), max_blocks, dtype=torch.int32)
         for i, t in enumerate(batch.block_tables):
