@@ -3,10 +3,10 @@ and presence penalties), then greedy, or temperature, min-p, top-k, top-p and a 
 with per-request seeds. Every step is a tensor op over the batch's rows (penalties
 count tokens with one scatter over the batch, not a Python loop over the vocabulary).
 
-Randomness is stateless: the noise for a request's k-th output token comes from a
-generator seeded with token_seed(request seed, k). A request preempted and recomputed
-(or swapped, or batched differently) therefore draws the same noise for the same
-token, and a seeded request reproduces its output. Stop conditions are not handled
+Randomness is stateless: a request's k-th output token is drawn by the inverse CDF at
+one uniform number made from token_seed(request seed, k). A request preempted and
+recomputed (or swapped, or batched differently) therefore draws with the same number
+for the same token, and a seeded request reproduces its output. Stop conditions are not handled
 here (the scheduler and the detokenizer own them).
 """
 from __future__ import annotations
@@ -74,15 +74,36 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
 
 
 def _choose(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
+    """Each row's token: the argmax, or for a row that samples a draw by the inverse of
+    its filtered distribution's CDF at one uniform number from the row's token seed.
+    One set of batched ops and one read of the ids to the host, however many rows
+    draw (a GPU waits for the device once a step, not once a row)."""
     greedy = [r.params.greedy for r in rows]
-    if all(greedy):
-        return logits.argmax(dim=-1).tolist()
-    tokens = logits.argmax(dim=-1).tolist()
-    random_idx = [i for i, g in enumerate(greedy) if not g]
-    probs = _filtered_probs(logits[random_idx], [rows[i].params for i in random_idx])
-    for j, i in enumerate(random_idx):
-        tokens[i] = _draw(probs[j], token_seed(rows[i].seed, rows[i].num_output_tokens))
-    return tokens
+    tokens = logits.argmax(dim=-1)
+    if not all(greedy):
+        random_idx = [i for i, g in enumerate(greedy) if not g]
+        probs = _filtered_probs(logits[random_idx], [rows[i].params for i in random_idx])
+        uniforms = [uniform(token_seed(rows[i].seed, rows[i].num_output_tokens))
+                    for i in random_idx]
+        drawn = _inverse_cdf(probs, torch.tensor(uniforms, dtype=probs.dtype,
+                                                 device=probs.device))
+        tokens[torch.tensor(random_idx, device=tokens.device)] = drawn
+    return tokens.tolist()
+
+
+def uniform(seed: int) -> float:
+    """A number in [0, 1) from a token seed (token_seed's 63 bits, the top 53 used)."""
+    return (seed >> 10) * 2.0 ** -53
+
+
+def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Per row of probs [rows, vocab]: the first token whose cumulative probability
+    passes the row's uniform times the row's total (so rounding in the sum never runs
+    past the last token; a token of probability 0 is never picked)."""
+    cdf = probs.cumsum(dim=-1)
+    target = uniforms[:, None] * cdf[:, -1:]
+    picked = torch.searchsorted(cdf, target, right=True)[:, 0]
+    return picked.clamp_(max=probs.shape[-1] - 1)
 
 
 def token_logprobs(logits: torch.Tensor, rows: list[SamplingRow],
@@ -213,14 +234,6 @@ def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
         sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter_(1, sorted_idx, sorted_logits)
     return logits.softmax(dim=-1)
-
-
-def _draw(probs: torch.Tensor, seed: int) -> int:
-    """One draw from probs [vocab] with its own generator: argmax(p / E), E ~ Exp(1),
-    picks token i with probability p_i."""
-    generator = torch.Generator(device=probs.device).manual_seed(seed)
-    noise = torch.empty_like(probs).exponential_(generator=generator)
-    return int((probs / noise).argmax())
 
 
 def _splitmix64(x: int) -> int:

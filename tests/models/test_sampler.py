@@ -148,3 +148,25 @@ def test_bad_processor_params_are_refused_with_the_field_named():
                          ({"logit_bias": {5: 101}}, "logit_bias")]:
         with pytest.raises(InvalidRequestError, match=name):
             SamplingParams(**kwargs)
+
+
+def test_a_batch_of_draws_equals_each_row_drawn_alone():
+    """Rows that draw in one batch (with greedy rows between them) get the tokens they
+    get alone: one uniform per row from its own seed and position, nothing shared."""
+    torch.manual_seed(0)
+    logits = torch.randn(6, 300)
+    params = [SamplingParams(temperature=t, top_p=p) for t, p in
+              [(1.0, 1.0), (0.0, 1.0), (0.7, 0.9), (1.3, 1.0), (0.0, 1.0), (1.0, 0.5)]]
+    batch = [SamplingRow(p, 40 + i, 3 * i) for i, p in enumerate(params)]
+    together = sample(logits, batch)
+    alone = [sample(logits[i:i + 1], [row])[0] for i, row in enumerate(batch)]
+    assert together == alone
+    assert together[1] == logits[1].argmax() and together[4] == logits[4].argmax()
+
+
+def test_a_token_of_probability_zero_is_never_drawn():
+    logits = torch.full((1, 50), float("-inf"))
+    logits[0, [3, 17, 49]] = torch.tensor([0.0, 1.0, 0.5])
+    p = SamplingParams(temperature=1.0)
+    drawn = {sample(logits, rows(p, 1, seed=2, step=s))[0] for s in range(300)}
+    assert drawn == {3, 17, 49}
