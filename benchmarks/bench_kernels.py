@@ -1,6 +1,7 @@
-"""Benchmark paged_attention against SDPA on the same data laid out contiguously.
+"""Benchmark paged_attention against SDPA on the same data laid out contiguously, and
+the fused gate/up projection + activation against cuBLAS's matmul + gated_act.
 
-    python -m benchmarks.bench_kernels                  # CUDA: decode and prefill tables
+    python -m benchmarks.bench_kernels                  # CUDA: decode, prefill and gated MLP tables
     python -m benchmarks.bench_kernels --quick          # CUDA: fewer shapes
     python -m benchmarks.bench_kernels --cpu-interpret  # no GPU: tiny smoke run in Triton's interpreter
 
@@ -12,6 +13,13 @@ TFLOP/s; the ratio to torch.nn.functional.scaled_dot_product_attention on
 contiguous K/V (the no-paging baseline; > 1 means paged is slower); and the largest
 difference between the two outputs. Chunk rows give SDPA an explicit bottom-right
 causal mask, which can move it to a slower backend than a plain causal prefill.
+
+The gated MLP table (CUDA only) times kernels.gate_up_act, the gate/up projection and
+the activation in one launch, against torch.mm then kernels.gated_act (what TritonOps
+runs past its row bound), for the default model's MLP (dim 576, intermediate 1536,
+bf16) at decode batch sizes: time per call (median) of each, their ratio (< 1 means the
+fused kernel is faster), the fused kernel's weight + activation bytes over its time,
+and the largest difference between the two outputs.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from typing import Callable
 import torch
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
+MLP_DIM, MLP_INTERMEDIATE, MLP_ROWS = 576, 1536, (1, 32, 256)  # SmolLM2-135M's MLP
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +155,44 @@ def run_case(case: Case, dtype: torch.dtype, device: torch.device, copy_bytes_pe
                flops / (paged_ms * 1e-3) / 1e12, diff)
 
 
+@dataclass(slots=True)
+class GateUpRow:
+    rows: int
+    fused_ms: float
+    unfused_ms: float  # torch.mm, then gated_act
+    gbytes_per_s: float  # the fused kernel's bytes (weight, x, out) over its time
+    max_diff: float
+
+
+def run_gate_up(rows: int, dtype: torch.dtype, device: torch.device) -> GateUpRow:
+    from kernels.gate_up_act import gate_up_act
+    from kernels.gated_act import gated_act
+
+    gen = torch.Generator(device=device).manual_seed(rows)
+    x = torch.randn(rows, MLP_DIM, generator=gen, device=device).to(dtype)
+    weight_t = (torch.randn(MLP_DIM, 2 * MLP_INTERMEDIATE, generator=gen, device=device)
+                * MLP_DIM ** -0.5).to(dtype)
+
+    def fused() -> torch.Tensor:
+        return gate_up_act(x, weight_t, None, "silu")
+
+    def unfused() -> torch.Tensor:
+        return gated_act(torch.mm(x, weight_t), "silu")
+
+    fused_ms, unfused_ms = measure(fused, device), measure(unfused, device)
+    diff = (fused().float() - unfused().float()).abs().max().item()
+    nbytes = (weight_t.numel() + x.numel() + rows * MLP_INTERMEDIATE) * dtype.itemsize
+    return GateUpRow(rows, fused_ms, unfused_ms, nbytes / (fused_ms * 1e-3) / 1e9, diff)
+
+
+def print_gate_up_table(rows: list[GateUpRow], dtype: torch.dtype) -> None:
+    print(f"\ngated MLP: dim {MLP_DIM}, intermediate {MLP_INTERMEDIATE}, {dtype}, silu")
+    print(f"{'rows':>6}{'fused ms':>10}{'mm+act ms':>11}{'fused/mm+act':>14}{'GB/s':>8}{'max diff':>10}")
+    for row in rows:
+        print(f"{row.rows:>6}{row.fused_ms:>10.4f}{row.unfused_ms:>11.4f}"
+              f"{row.fused_ms / row.unfused_ms:>14.2f}{row.gbytes_per_s:>8.0f}{row.max_diff:>10.1e}")
+
+
 def print_table(title: str, rows: list[Row | Case]) -> None:
     print(f"\n{title}")
     print(f"{'kind':<8}{'batch':>6}{'context':>8}{'q/seq':>7}{'splits':>7}{'paged ms':>10}{'sdpa ms':>10}"
@@ -198,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         print_table(title, rows)
+    if device.type == "cuda":  # the interpreter's timings of a GEMM would say nothing
+        print_gate_up_table([run_gate_up(rows, dtype, device) for rows in MLP_ROWS], dtype)
     return 0
 
 

@@ -143,7 +143,10 @@ def copy_jobs(arch: int):
 
 def layer_jobs(arch: int):
     """The fused ops of a layer on the Triton path: RMSNorm (with and without the
-    residual add), the gated activation, RoPE with the K/V store."""
+    residual add), the gated activation, the gate/up projection with the activation,
+    RoPE with the K/V store."""
+    from kernels.gate_up_act import choose_tiles, kernel_constants
+    from kernels.gate_up_act_kernel import gate_up_act_kernel
     from kernels.gated_act_kernel import gated_act_kernel
     from kernels.norm import norm_warps
     from kernels.norm_kernel import rms_norm_kernel
@@ -164,6 +167,20 @@ def layer_jobs(arch: int):
                  "n_cols": "i32"}
         yield f"gated_act {t} {('silu', 'gelu_tanh')[act]}", \
             (gated_act_kernel, arch, types, {"ACT": act, "BLOCK": 1024}, 4)
+    dtypes = {t: d for d, t in TRITON_DTYPES.items()}
+    # rows: each tile size choose_tiles makes up to the decode bound (256); 1 is a
+    # constant at launch (one sequence decoding)
+    for t, rows, act, bias in [("bf16", 1, 0, False), ("bf16", 32, 1, True), ("bf16", 256, 0, False),
+                               ("fp16", 64, 1, True), ("fp32", 1, 0, True), ("fp32", 256, 0, False)]:
+        types = {"out_ptr": f"*{t}", "x_ptr": f"*{t}", "w_ptr": f"*{t}", "bias_ptr": f"*{t}",
+                 "M": "1" if rows == 1 else "i32", "N": "i32", "K": "i32",
+                 "stride_x": "i32", "stride_w": "i32", "stride_out": "i32"}
+        tiles = choose_tiles(rows, dtypes[t], interpret=False)
+        activation = ("silu", "gelu_pytorch_tanh")[act]
+        constants = kernel_constants(dtypes[t], activation, bias, tiles, interpret=False)
+        yield f"gate_up_act {t} {rows} rows {('silu', 'gelu_tanh')[act]}{' bias' if bias else ''} " \
+              f"({tiles.block_m}x{tiles.block_n}x{tiles.block_k})", \
+            (gate_up_act_kernel, arch, types, constants, tiles.num_warps)
     cases = [("bf16", 9, 3, 64, 0), ("bf16", 32, 8, 128, 0), ("fp32", 4, 4, 80, 0)]
     if arch >= FP8_MIN_ARCH:
         cases += [("bf16", 32, 8, 128, 1), ("fp16", 9, 3, 64, 2)]

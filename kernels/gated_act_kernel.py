@@ -1,4 +1,5 @@
-"""Triton kernel for gated_act (launcher and checks: kernels/gated_act.py).
+"""Triton kernel for gated_act (launcher and checks: kernels/gated_act.py), and the
+activation it applies, shared with gate_up_act_kernel.
 
 Imported on the first launch only, so that importing `kernels` never imports Triton.
 """
@@ -7,6 +8,18 @@ import triton
 import triton.language as tl
 
 from kernels.rounding_kernel import round_to
+
+
+@triton.jit
+def activate(gate, ACT: tl.constexpr):
+    """The gate's activation in float32; ACT is a code of gated_act.ACTIVATIONS."""
+    if ACT == 0:  # SiLU
+        act = gate * tl.sigmoid(gate)
+    else:  # GELU, tanh approximation: 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))),
+        # with tanh(u) = 2 sigmoid(2u) - 1
+        inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        act = gate * tl.sigmoid(2.0 * inner)
+    return act
 
 
 @triton.jit
@@ -24,12 +37,7 @@ def gated_act_kernel(
     mask = cols < n_cols
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-    if ACT == 0:
-        act = gate * tl.sigmoid(gate)
-    else:  # 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), tanh(u) = 2 sigmoid(2u) - 1
-        inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
-        act = gate * tl.sigmoid(2.0 * inner)
     # the activation rounded to the model's dtype before the product, as torch's
     # activation(gate).mul_(up) rounds it
-    act = round_to(act, out_ptr.dtype.element_ty).to(tl.float32)
+    act = round_to(activate(gate, ACT), out_ptr.dtype.element_ty).to(tl.float32)
     tl.store(out_ptr + row * stride_out + cols, round_to(act * up, out_ptr.dtype.element_ty), mask=mask)

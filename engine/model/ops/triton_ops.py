@@ -3,7 +3,9 @@ TorchOps (engine/model/ops/torch_ops.py) with a layer's small ops fused into one
 the CPU path fuses them (engine/model/ops/cpu_ops.py):
 
 * RMSNorm, and the residual add + RMSNorm (kernels/norm.py);
-* the gated MLP's activation, act(gate) * up, from the gate/up product (kernels/gated_act.py);
+* the gated MLP's gate/up projection and activation, act(x @ gate) * (x @ up), at decode
+  sizes (kernels/gate_up_act.py); past them cuBLAS's product, then the activation
+  (kernels/gated_act.py);
 * RoPE on q and k with the new K/V stored into the paged cache (kernels/rope_store_kv.py):
   the attention backend then reads K/V from the cache alone;
 * the experts of an MoE layer (kernels/fused_moe.py).
@@ -24,14 +26,21 @@ from engine.model.ops.torch_ops import TorchOps
 if TYPE_CHECKING:
     from engine.model.transformer import Attention, FeedForward, MoE, RMSNorm, StepContext
 
+# Rows up to which the gated MLP's gate/up projection and activation run as one kernel
+# (decode batches): one launch, and no [rows, 2 * intermediate] product written and read
+# back. Past it (prefill), cuBLAS's GEMM then gated_act: the kernel's tiles are sized for
+# few rows, and a large GEMM is what cuBLAS is tuned for.
+GATE_UP_FUSED_MAX_ROWS = 256
+
 
 class TritonOps(TorchOps):
     name = "triton"
 
     def __init__(self) -> None:
-        from kernels import gated_act, norm, rope_store_kv
+        from kernels import gate_up_act, gated_act, norm, rope_store_kv
 
         self._norm, self._gated_act, self._rope_store_kv = norm, gated_act, rope_store_kv
+        self._gate_up_act = gate_up_act
 
     def rms_norm(self, x: torch.Tensor, norm: "RMSNorm") -> torch.Tensor:
         if x.dim() != 2:  # a norm over heads (Qwen3's q/k norms): torch's
@@ -44,7 +53,10 @@ class TritonOps(TorchOps):
     def gate_up_act(self, x: torch.Tensor, ffn: "FeedForward") -> torch.Tensor:
         if ffn.activation not in self._gated_act.ACTIVATIONS:
             return super().gate_up_act(x, ffn)
-        return self._gated_act.gated_act(self.linear(x, ffn.w_gate_up), ffn.activation)
+        w = ffn.w_gate_up
+        if x.shape[0] <= GATE_UP_FUSED_MAX_ROWS:
+            return self._gate_up_act.gate_up_act(x, w.weight_t, w.bias, ffn.activation)
+        return self._gated_act.gated_act(self.linear(x, w), ffn.activation)
 
     def attention(self, qkv: torch.Tensor, attn: "Attention", ctx: "StepContext",
                   layer_idx: int) -> torch.Tensor:
