@@ -55,7 +55,9 @@ def choose_tiles(rows: int, dtype: torch.dtype, interpret: bool) -> GateUpTiles:
     block_k = 32 if wide else 128 if block_m <= 32 else 64
     # 16-bit tiles past 16 rows spill on 4 warps; fp32's spill on 8 (sm_90)
     num_warps = 8 if block_m > 16 and not wide else 4
-    return GateUpTiles(block_m, 64, block_k, num_warps)
+    # a few rows: narrower column tiles, twice the programs to stream the weights with
+    # (the default model's 1,536 columns are 48 programs at 32, 24 at 64)
+    return GateUpTiles(block_m, 32 if rows <= 16 else 64, block_k, num_warps)
 
 
 def kernel_constants(dtype: torch.dtype, activation: str, has_bias: bool, tiles: GateUpTiles,

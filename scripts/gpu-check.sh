@@ -81,10 +81,12 @@ ONLY="$*"
   section kernels 60 "$PY" -m benchmarks.bench_kernels
   section cuda-tests 110 "$PY" -m pytest -q -m cuda tests/kernels
   # tiny models on CUDA: Triton attention, windowed layers, the fused MoE kernel, the fused
-  # layer ops (norms, activation, RoPE + K/V store) compiled against torch, the CPU tier's
+  # layer ops (norms, activation, RoPE + K/V store, the gate/up GEMM with its activation)
+  # compiled against torch, decode steps as CUDA graphs against eager ones, the CPU tier's
   # copies ahead, the torch attention path off the CPU
-  section tiny 90 "$PY" -m pytest -q tests/engine/test_model_triton.py \
-    tests/engine/test_decode_graphs.py tests/kernels/test_fused_layer_ops.py tests/engine/test_cpu_tier.py \
+  section tiny 100 "$PY" -m pytest -q tests/engine/test_model_triton.py \
+    tests/engine/test_decode_graphs.py tests/kernels/test_fused_layer_ops.py \
+    tests/kernels/test_gate_up_act.py tests/engine/test_cpu_tier.py \
     tests/kernels/test_torch_attention_off_cpu.py
   # a request moved between two engines with its KV cache: blocks read from one device
   # pool to the host (pinned) and written into the other's (engine/transfer/migration.py), and
