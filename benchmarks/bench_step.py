@@ -2,7 +2,7 @@
 
     python -m benchmarks.bench_step [--device cpu|cuda] [--model stand-in|default|PATH]
                                     [--running 1,32,256] [--steps 30] [--dtype float32|bfloat16]
-                                    [--enforce-eager]
+                                    [--enforce-eager] [--async-scheduling auto|on|off]
 
 A step of the engine core (LLMEngine.step_core, what the core process runs) split into:
 scheduling (the scheduler's schedule), input preparation (the step's tensors from the
@@ -10,7 +10,8 @@ scheduler's output, engine/model/input_batch.py), the forward pass (the host's t
 issue it; on CUDA also the device's time, by CUDA events), sampling (the sampler and the
 sampled ids to the host) and the rest of the step (the scheduler's update and the outputs),
 a decode step replayed as a CUDA graph counting as the forward pass (`--enforce-eager`:
-op by op),
+op by op); with async scheduling (on with CUDA) a step's outputs are the step before's,
+read back while its own forward pass runs,
 plus the launches a step makes: CUDA kernels on a GPU, torch operators on a CPU (one
 profiled step each, apart from the timed ones).
 
@@ -73,7 +74,8 @@ class PhaseClock:
         graphs = getattr(runner, "decode_graphs", None)
         if graphs is not None and graphs.capture:  # a replay, instead of _run_model
             self._wrap(graphs, "run", "forward", device=True)
-        self._wrap(runner, "_sample", "sample")
+        self._wrap(runner, "sample", "sample")
+        self._wrap(runner, "collect", "sample")
 
     def _wrap(self, owner: object, name: str, phase: str, device: bool = False) -> None:
         inner = getattr(owner, name)
@@ -125,13 +127,14 @@ def launches_per_step(engine: LLMEngine, cuda: bool) -> int:
 
 
 def run(model: str, device: str, dtype: str, running: int, steps: int,
-        enforce_eager: bool = False) -> dict:
+        enforce_eager: bool = False, async_scheduling: bool | None = None) -> dict:
     blocks_per_seq = (PROMPT_TOKENS + steps + 16) // 16 + 2
     engine = LLMEngine(EngineConfig(
         model=model, device=device, dtype=dtype, block_size=16, max_num_seqs=max(running, 1),
         max_num_batched_tokens=max(2048, running * PROMPT_TOKENS),
         num_gpu_blocks=running * blocks_per_seq + 16, num_cpu_blocks=0,
-        enable_prefix_caching=False, seed=0, enforce_eager=enforce_eager))
+        enable_prefix_caching=False, seed=0, enforce_eager=enforce_eager,
+        async_scheduling=async_scheduling))
     vocab = engine.runner.vocab_size
     params = SamplingParams(max_tokens=steps + 64, temperature=0.0, ignore_eos=True)
     for i in range(running):
@@ -153,8 +156,9 @@ def run(model: str, device: str, dtype: str, running: int, steps: int,
     median_ms["launches"] = launches
     median_ms["tok_s"] = running / (median_ms["step"] / 1e3)
     reason = engine.runner.eager_reason
-    median_ms["decode"] = f"eager ({reason})" if reason else (
-        "CUDA graphs" if engine.runner.decode_graphs.capture else "padded, eager")
+    median_ms["decode"] = (f"eager ({reason})" if reason else (
+        "CUDA graphs" if engine.runner.decode_graphs.capture else "padded, eager")) + (
+        ", async scheduling" if engine.async_scheduling else ", a step at a time")
     engine.close()
     return median_ms
 
@@ -187,6 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=30, help="timed decode steps at each size")
     p.add_argument("--enforce-eager", action="store_true",
                    help="decode steps op by op, not as CUDA graphs (EngineConfig.enforce_eager)")
+    p.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto",
+                   help="issue each step before the one before is read back "
+                        "(EngineConfig.async_scheduling; auto: on with CUDA)")
     args = p.parse_args(argv)
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     with tempfile.TemporaryDirectory(prefix="kvops-bench-step-") as tmp:
@@ -196,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
             model = str(default_model_dir())
         else:
             model = args.model
-        rows = [(n, run(model, args.device, dtype, n, args.steps, args.enforce_eager))
+        ahead = {"auto": None, "on": True, "off": False}[args.async_scheduling]
+        rows = [(n, run(model, args.device, dtype, n, args.steps, args.enforce_eager, ahead))
                 for n in (int(x) for x in args.running.split(","))]
     print_table(rows, args.model, args.device, dtype)
     return 0

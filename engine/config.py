@@ -125,6 +125,12 @@ class EngineConfig:
     # Triton backend on one GPU; models split over ranks, with a table per layer group or
     # with experts run eagerly whatever this says
     enforce_eager: bool = False
+    # Schedule and issue the next step before a step's sampled tokens are read back to the
+    # host (they feed the next step on the device), so that the host's work overlaps the
+    # device's (engine/llm_engine.py, _step_ahead). None: on where the device is CUDA. The
+    # tokens are the same either way; a request that stops computes one step more,
+    # dropped. A model split over ranks, and the simulator, run a step at a time
+    async_scheduling: bool | None = None
     # Split the model's heads and MLP across this many ranks (engine/model/parallel.py):
     # processes the engine starts, gloo on CPU, NCCL and one GPU each on CUDA
     tensor_parallel_size: int = 1

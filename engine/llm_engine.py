@@ -27,13 +27,14 @@ from engine.kv.events import EventLog, KVEvent
 from engine.kv.export import KVExport
 from engine.kv.pins import Pins
 from engine.model.build import build_disk_tier, build_runner
-from engine.model.runner import Runner
+from engine.model.runner import Flight, Runner
 from engine.observe.reporter import Reporter
 from engine.observe.story import STORY_QUEUE_MAX, StoryBook
 from engine.output_processor import OutputProcessor
 from engine.outputs import CoreOutput, RequestOutput, core_output
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
+from engine.sched.output import SchedulerOutput
 from engine.sched.scheduler import Scheduler
 from engine.transfer.migration import Migrator
 
@@ -78,7 +79,7 @@ class LLMEngine:
         # a request moving to or from another engine: callers drive it (migrator.offer...)
         self.migrator = Migrator(config, self.scheduler, self.kv, self.runner, self.stories,
                                  self.input_processor, self.output_processor,
-                                 lambda: self.state)
+                                 lambda: self.state, lambda: self.settle())
         self.reporter = Reporter(config, self.runner, self.kv, self.scheduler, self.pins,
                                  self.stories)
         self.scheduler.make_sample = self._make_sample
@@ -88,6 +89,17 @@ class LLMEngine:
         self._snapshot_seq = itertools.count(1)
         self._pending: list[Request] = []  # ended by abort or finish_request, not reported yet
         self._inflight = None  # the SchedulerOutput being run, until its update is done
+        # Async scheduling: the step after is scheduled and issued before a step's tokens
+        # are read back (on the device they feed the next step; Runner.launch), so the
+        # host's work overlaps the device's. _flight: the step issued and sampled, not read
+        # back; _settled: outputs of a flight that a command read back early (settle),
+        # handed out with the next step's
+        wanted = config.async_scheduling
+        if wanted is None:
+            wanted = self.runner.device == "cuda"
+        self.async_scheduling = bool(wanted) and self.runner.supports_async
+        self._flight: tuple[SchedulerOutput, Flight] | None = None
+        self._settled: list[CoreOutput] = []
         # An operator's pause: no step runs (requests and their KV stay) until resume()
         self.paused = False
         # An operator's drain: the service routes no new jobs here; the engine reports
@@ -127,7 +139,7 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending) or \
-            self.migrator.has_reports
+            self.migrator.has_reports or self._flight is not None or bool(self._settled)
 
     # --- the step --------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -148,10 +160,13 @@ class LLMEngine:
             self._changes += 1
             self._pending += self.input_processor.queue_compiled()
         ended, self._pending = self._pending, []
-        outputs = [core_output(request, []) for request in ended]
+        outputs, self._settled = self._settled, []
+        outputs += [core_output(request, []) for request in ended]
         outputs += self.migrator.take_reports()  # (moved here or away since the last step)
         if self.paused:  # (aborts still end while paused)
             return outputs
+        if self.async_scheduling:
+            return self._step_ahead(outputs)
         started = time.perf_counter()
         self.events.step = self.step_count + 1
         out = self.scheduler.schedule()
@@ -171,6 +186,68 @@ class LLMEngine:
             self._kv_events_out.publish()
         self.step_seconds += time.perf_counter() - started
         return outputs
+
+    def _step_ahead(self, outputs: list[CoreOutput]) -> list[CoreOutput]:
+        """One step with async scheduling: the flight before advanced (its K/V is
+        written, its sampled tokens pending), the next step scheduled and issued with
+        those tokens as its decodes' inputs on the device, then the flight before read
+        back and applied (stops, outputs) while the device runs the new one, which then
+        samples from its requests' state as updated. Every token is the one a step at a
+        time would give; a request that stopped on the token read back has computed one
+        more, which is dropped. A step whose requests ask for prompt logprobs or fork is
+        read back at once."""
+        started = time.perf_counter()
+        before, self._flight = self._flight, None
+        if before is not None:
+            self.scheduler.advance(before[0])
+        self.events.step = self.step_count + 1
+        out = self.scheduler.schedule()
+        flight = None
+        if out.has_work:
+            self.step_count += 1
+            self._changes += 1
+            self._inflight = (out, before[0]) if before is not None else out
+            flight = self.runner.launch(out, before[1] if before is not None else None)
+        if before is not None:
+            self._read_back(before, outputs)
+        if flight is not None:
+            self.runner.sample(flight)
+            if _reads_back_at_once(out):
+                self.scheduler.advance(out)
+                self._read_back((out, flight), outputs)
+            else:
+                self._flight = (out, flight)
+        elif out.has_work:  # block copies alone
+            self.scheduler.update_from_output(out, {})
+        self._inflight = None
+        if out.has_work or before is not None:
+            self.reporter.record_step(time.time())
+            if self._kv_events_out is not None:
+                self._kv_events_out.publish()
+        self.step_seconds += time.perf_counter() - started
+        return outputs
+
+    def _read_back(self, flight: tuple[SchedulerOutput, Flight], outputs: list[CoreOutput]) -> None:
+        """An advanced flight's tokens read back and applied; its progress into outputs."""
+        out, issued = flight
+        result = self.runner.collect(issued)
+        if result.prompt_logprobs:
+            self.output_processor.keep_prompt_logprobs(out, result.prompt_logprobs)
+        progressed = self.scheduler.apply_tokens(out, result.tokens)
+        self.output_processor.add_progress(outputs, progressed, result)
+
+    def settle(self) -> None:
+        """Read back and apply the step in flight (async scheduling), so that what
+        follows sees every request as it is; its outputs go out with the next step's.
+        Every operator command and move settles first. Nothing to do otherwise."""
+        if self._flight is None:
+            return
+        flight, self._flight = self._flight, None
+        self._changes += 1
+        self._inflight = flight[0]
+        self.scheduler.advance(flight[0])
+        self._read_back(flight, self._settled)
+        self._inflight = None
 
     def generate(self, prompts: list[str | list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
@@ -214,10 +291,13 @@ class LLMEngine:
         request as it was. Returns the ids of the ended requests."""
         self._changes += 1
         out, self._inflight = self._inflight, None
+        self._flight = None  # (async scheduling: the steps issued are ended below)
         self.kv.forget_uncomputed()
-        victims = [s.request for s in out.scheduled] if out is not None else []
+        outs = out if isinstance(out, tuple) else (out,) if out is not None else ()
+        victims = [s.request for o in outs for s in o.scheduled]
         ended = []
         for request in victims:
+            request.num_pending = 0
             if request.status.is_finished:
                 continue
             self.scheduler.finish(request, RequestStatus.ABORTED, "abort")
@@ -229,6 +309,7 @@ class LLMEngine:
     def abort(self, request_id: str) -> RequestOutput:
         """End a request now; the next step reports it (finish_reason "abort"). Returns
         its output so far."""
+        self.settle()
         self._changes += 1
         ended = self.scheduler.abort(request_id)
         self._pending.extend(ended)
@@ -238,6 +319,7 @@ class LLMEngine:
         """End a request as finished (its caller found a stop string in its text); the
         next step reports it. False if it had ended already. A forked request's id ends
         all its live samples."""
+        self.settle()
         ended = self.scheduler.live_requests(request_id)
         if not ended:
             return False
@@ -250,12 +332,14 @@ class LLMEngine:
     # --- operator commands on requests and the batch -------------------------------------
     def preempt(self, request_id: str, by: str = "operator") -> dict:
         """Preempt a running request (by: who asked, for its KV story)."""
+        self.settle()
         self._changes += 1
         request = self.scheduler.preempt(request_id, by)
         return {"request_id": request_id, "status": request.status.value,
                 "num_preemptions": request.num_preemptions}
 
     def swap_out(self, request_id: str, by: str = "operator") -> dict:
+        self.settle()
         self._changes += 1
         mapping = self.scheduler.swap_out(request_id, by)
         self.runner.swap_out(mapping)
@@ -263,6 +347,7 @@ class LLMEngine:
                 "cpu_block_table": self.kv.cpu_block_ids(request_id)}
 
     def swap_in(self, request_id: str) -> dict:
+        self.settle()
         self._changes += 1
         mapping = self.scheduler.swap_in(request_id)
         self.runner.swap_out(self.kv.flush_offloads())  # reused cached blocks' data first
@@ -275,6 +360,7 @@ class LLMEngine:
     def pause(self) -> dict:
         """Stop running steps; every request keeps its place and its KV blocks, and new
         ones wait (vLLM's /pause). Operator commands still apply."""
+        self.settle()
         self.paused = True
         self._changes += 1
         return {"state": "paused", "running": len(self.scheduler.running),
@@ -300,6 +386,7 @@ class LLMEngine:
                    max_num_batched_tokens: int | None = None) -> dict:
         """Change the batch limits between two steps (an operator's live tuning;
         Scheduler.set_limits)."""
+        self.settle()
         result = self.scheduler.set_limits(max_num_seqs, max_num_batched_tokens)
         self._changes += 1
         return result
@@ -317,12 +404,14 @@ class LLMEngine:
         """Whether a step now would do anything: requests and not paused, or ended
         requests (an abort while paused) to report."""
         return bool(self._pending) or self.input_processor.has_compiled or \
-            self.migrator.has_reports or (not self.paused and self.scheduler.has_queued())
+            self.migrator.has_reports or self._flight is not None or bool(self._settled) \
+            or (not self.paused and self.scheduler.has_queued())
 
     # --- operator commands on the prefix cache (pins: engine/kv/pins.py) -----------------
     def evict_cached_blocks(self, n: int | None = None, by: str = "operator") -> int:
         """Drop up to n refcount-0 cached blocks (all if None), LRU first (by: who
         asked, named where the blocks' hashes are explained)."""
+        self.settle()
         self._changes += 1
         if n is not None and (not isinstance(n, int) or n < 0):
             raise InvalidRequestError("n must be a non-negative integer or None")
@@ -332,6 +421,7 @@ class LLMEngine:
         return evicted
 
     def reset_prefix_cache(self, by: str = "operator") -> dict:
+        self.settle()
         self._changes += 1
         result = self.kv.reset_prefix_cache(by)
         if self._kv_events_out is not None:
@@ -342,12 +432,14 @@ class LLMEngine:
                    soft: bool = False, priority: int = 0, ttl_s: float = 3600.0) -> dict:
         """Pin the cached blocks of this prefix so they are never evicted; soft: kept
         over every block not soft-pinned instead, for ttl_s, by priority (Pins.pin)."""
+        self.settle()
         self._changes += 1
         blocks = self.pins.prefix(self.input_processor.prompt_ids(prompt), cache_salt)
         return self.pins.pin(blocks, self.input_processor.live_needs(), soft, priority, ttl_s)
 
     def unpin_prefix(self, prompt: str | list[int], cache_salt: str | None = None,
                      soft: bool = False) -> dict:
+        self.settle()
         self._changes += 1
         blocks = self.pins.prefix(self.input_processor.prompt_ids(prompt), cache_salt)
         return self.pins.unpin(blocks, soft)
@@ -357,6 +449,7 @@ class LLMEngine:
     def set_retention(self, pin_budget: float | None = None,
                       eviction_policy: str | None = None) -> dict:
         """Change what the prefix cache keeps, live (Pins.set_retention)."""
+        self.settle()
         result = self.pins.set_retention(pin_budget, eviction_policy)
         self._changes += 1
         return result
@@ -401,3 +494,11 @@ class LLMEngine:
         close = getattr(self.runner, "close", None)
         if close is not None:
             close()
+
+
+def _reads_back_at_once(out: SchedulerOutput) -> bool:
+    """A step read back before the next is scheduled (async scheduling): one whose
+    requests ask for prompt logprobs (kept before a fork replaces the request) or are
+    about to fork."""
+    return any(s.request.fork_pending or s.request.sampling_params.prompt_logprobs is not None
+               for s in out.scheduled)

@@ -65,6 +65,9 @@ class Request:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None  # finish_reason "error": why the engine could not serve it
     parked: bool = False  # swapped out by an operator: waits for swap_in/abort
+    # tokens sampled on the device and not yet appended (async scheduling: the step
+    # after is scheduled before they are read; Scheduler.advance / apply_tokens)
+    num_pending: int = 0
     block_hashes: list[BlockHash] = field(default_factory=list)  # of the full blocks
 
     def __post_init__(self) -> None:

@@ -62,15 +62,17 @@ ONLY="$*"
   "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
   # the engine at GPU pace (named only, about 6 minutes: scripts/gpu-check.sh pace): a
   # decode step by phase on the default model in bfloat16 at 1, 32 and 256 running (as
-  # CUDA graphs, then op by op), then
+  # CUDA graphs with async scheduling, then a step at a time, then op by op), then
   # the engine against transformers, the kernels against SDPA and 256 streams through the
   # service (the engine, kernels and serve256 sections below)
   if [[ " $ONLY " == *" pace "* ]]; then
-    ONLY="$ONLY pace-eager engine kernels serve256"
+    ONLY="$ONLY pace-sync pace-eager engine kernels serve256"
     section pace 90 "$PY" -m benchmarks.bench_step --device cuda --model default \
       --running 1,32,256
-    section pace-eager 60 "$PY" -m benchmarks.bench_step --device cuda --model default \
-      --running 1,32,256 --enforce-eager
+    section pace-sync 50 "$PY" -m benchmarks.bench_step --device cuda --model default \
+      --running 1,32,256 --async-scheduling off
+    section pace-eager 50 "$PY" -m benchmarks.bench_step --device cuda --model default \
+      --running 1,32,256 --enforce-eager --async-scheduling off
   fi
   # through the service: 32 streams, the default model in bfloat16 on cuda
   section serve 120 "$PY" -m benchmarks.bench_serve --streams "" --real 32 --real-tokens 128 \

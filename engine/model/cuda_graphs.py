@@ -157,7 +157,7 @@ class DecodeGraphs:
                                    list(range(size + 1)), t["slot_mapping"][:size], tables)
         return StepBatch(input_ids=t["input_ids"][:size], positions=t["positions"][:size],
                          logits_indices=t["logits_indices"][:size], attention=attention,
-                         sampling_ids=[""] * size, sampling_rows=[])
+                         sampling_ids=[""] * size, sampling_requests=[])
 
 
 def _log(message: str) -> None:

@@ -1,7 +1,7 @@
 """One step's forward inputs, from the scheduler's SchedulerOutput (engine/sched/output.py):
 one varlen batch of every scheduled request's new tokens, in batch order (token ids,
 positions, slot mapping, block tables, sequence lengths, query start locations), the
-rows whose logits are needed, and each sampling request's sampling row.
+rows whose logits are needed, and the requests that sample from them.
 
 The tensors are views of buffers kept across steps (engine/model/step_buffers.py): a
 step writes its rows into the host buffer and crosses to the device in one copy. Where
@@ -17,6 +17,7 @@ import torch
 from engine.model.ops.attention import AttentionBatch, DeviceTables
 from engine.model.sampler import SamplingRow, request_seed
 from engine.model.step_buffers import BlockTables, StepBuffers
+from engine.request import Request
 from engine.sched.output import SchedulerOutput
 
 
@@ -56,13 +57,19 @@ class InputBatch:
         positions: list[int] = []
         slots: list[int] = []
         tables, seq_lens, query_start_loc = [], [], [0]
-        logits_rows, sampling_ids, sampling_rows = [], [], []
+        logits_rows, sampling_ids, sampling_requests = [], [], []
         prompt_rows, prompt_logits_rows = [], []  # SamplingParams.prompt_logprobs
         keep, table_rows, step = self.tables, [], self.steps
+        pending: list[tuple[int, str]] = []  # (row, request id) of inputs not yet read
         for s in out.scheduled:
             request, start, n = s.request, s.start, s.num_new_tokens
             if n == 1:  # a decode: plain ints (numpy's per-call cost is most of a row's)
-                input_ids.append(request.all_token_ids[start])
+                ids = request.all_token_ids
+                if start < len(ids):
+                    input_ids.append(ids[start])
+                else:  # sampled last step, still on the device (async scheduling)
+                    pending.append((len(input_ids), request.request_id))
+                    input_ids.append(0)
                 positions.append(start)
                 slots.append(s.block_ids[start // bs] * bs + start % bs)
             else:
@@ -88,11 +95,7 @@ class InputBatch:
             if s.samples:
                 logits_rows.append(query_start_loc[-1] - 1)
                 sampling_ids.append(request.request_id)
-                sampling_rows.append(SamplingRow(
-                    request.sampling_params,
-                    request_seed(request.sampling_params, self.seed, request.request_id),
-                    request.num_output_tokens, request.prompt_token_ids,
-                    request.output_token_ids, request.eos_token_ids, request.grammar))
+                sampling_requests.append(request)
         num_tokens, num_seqs = len(input_ids), len(out.scheduled)
         buf = buffers or self._buffers_for(num_tokens, num_seqs)
         buf.wait_copied()
@@ -139,8 +142,17 @@ class InputBatch:
         return StepBatch(
             input_ids=t["input_ids"][:num_tokens], positions=t["positions"][:num_tokens],
             logits_indices=t["logits_indices"][:num_logits],
-            attention=attention, sampling_ids=sampling_ids, sampling_rows=sampling_rows,
-            prompt_rows=prompt_rows, groups=groups)
+            attention=attention, sampling_ids=sampling_ids,
+            sampling_requests=sampling_requests, prompt_rows=prompt_rows, groups=groups,
+            pending=pending)
+
+    def sampling_row(self, request: Request) -> SamplingRow:
+        """How the request's next token is chosen, from its state now (its output so
+        far, which the penalties and the token's seed read, and its grammar)."""
+        params = request.sampling_params
+        return SamplingRow(params, request_seed(params, self.seed, request.request_id),
+                           request.num_output_tokens, request.prompt_token_ids,
+                           request.output_token_ids, request.eos_token_ids, request.grammar)
 
     def _buffers_for(self, num_tokens: int, num_seqs: int) -> StepBuffers:
         """The step buffers, grown first if this step does not fit (max_num_seqs or
@@ -173,12 +185,17 @@ class StepBatch:
     logits_indices: torch.Tensor  # [num_sampled] int64: the last row of each sampling request
     attention: AttentionBatch
     sampling_ids: list[str]  # request ids, one per logits row
-    sampling_rows: list[SamplingRow]
+    # the requests, in the same order: their sampling rows are made when they sample
+    # (InputBatch.sampling_row), from their state then
+    sampling_requests: list[Request]
     # after the sampling rows in logits_indices: (request id, position, next prompt
     # token, k) per prompt position scored (SamplingParams.prompt_logprobs)
     prompt_rows: list[tuple] = field(default_factory=list)
     # a hybrid model's: each layer group's batch (its tables and slots); None: one table
     groups: list[AttentionBatch] | None = None
+    # (row, request id): decode inputs sampled by the step before and not read to the
+    # host yet (async scheduling), to be filled on the device from that step's tokens
+    pending: list[tuple[int, str]] = field(default_factory=list)
 
     def for_ranks(self) -> RankBatch:
         """What the other tensor-parallel ranks need to run the same forward pass (its

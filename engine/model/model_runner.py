@@ -23,8 +23,10 @@ from engine.kv.layout import block_bytes, kv_layout
 from engine.errors import ModelLoadError
 from engine.model.loader import (ModelFolder, load_model, model_identity,
                            read_model_folder)
-from engine.model.runner import Runner, StepResult
-from engine.model.sampler import logprobs_of, sample, token_logprobs
+from engine.model.runner import Flight, Runner, StepResult
+from engine.model.sampler import (SamplingRow, accept_tokens, logprobs_of, on_device,
+                                  sample_tokens, token_logprobs)
+from engine.sampling_params import SamplingParams
 from engine.sched.output import SchedulerOutput
 from engine.model import kv_pools, parallel
 from engine.model.block_io import BlockIO
@@ -199,12 +201,79 @@ class ModelRunner(Runner):
 
     # --- one step ---------------------------------------------------------------------
     def forward(self, out: SchedulerOutput) -> StepResult:
+        flight = self._forward(out, None)
+        self.sample(flight)
+        return self.collect(flight)
+
+    # --- a step in three parts (async scheduling: engine/llm_engine.py) ------------------
+    @property
+    def supports_async(self) -> bool:
+        return self.tp is None
+
+    def launch(self, out: SchedulerOutput, feed: Flight | None) -> Flight | None:
+        self.block_io.wait_copy_ahead()
+        Runner.execute(self, SchedulerOutput(swap_out=out.swap_out, swap_in=out.swap_in,
+                                             copies=out.copies, copy_ahead=out.copy_ahead))
+        return self._forward(out, feed) if out.scheduled else None
+
+    def _forward(self, out: SchedulerOutput, feed: Flight | None) -> Flight:
+        """The step's inputs and forward pass: padded and replayed as a CUDA graph when
+        it is a decode step of a captured size (cuda_graphs.py), eager otherwise."""
         graphs = self.decode_graphs
         size = graphs.size_for(out) if graphs is not None else None
+        batch = self.input_batch.prepare(out) if size is None else graphs.prepare(out, size)
+        if batch.pending:
+            self._take_pending(batch, feed)
         if size is None:
-            return self._forward_batch(self.input_batch.prepare(out))
-        batch = graphs.prepare(out, size)
-        return self._sample(batch, graphs.run(batch, size, self._run_model))
+            return Flight(batch, self._run_model(batch))
+        return Flight(batch, graphs.run(batch, size, self._run_model), graphed=graphs.capture)
+
+    @staticmethod
+    def _take_pending(batch: StepBatch, feed: Flight | None) -> None:
+        """The decode inputs sampled by the step before, copied on the device from its
+        tokens into the batch's token ids (the host has not read them yet)."""
+        if feed is None or feed.tokens is None:
+            raise RuntimeError("a decode's input was sampled by a step that is not in flight")
+        device = batch.input_ids.device
+        rows = on_device([row for row, _ in batch.pending], device)
+        index = on_device([feed.index[rid] for _, rid in batch.pending], device)
+        batch.input_ids.index_copy_(0, rows, feed.tokens.index_select(0, index))
+
+    @torch.inference_mode()
+    def sample(self, flight: Flight) -> None:
+        batch = flight.batch
+        n = len(batch.sampling_ids)
+        row_of = self.input_batch.sampling_row
+        # (a request that ended since it was scheduled: any token, dropped)
+        flight.rows = rows = [_DROPPED if r.status.is_finished else row_of(r)
+                              for r in batch.sampling_requests]
+        flight.index = {rid: i for i, rid in enumerate(batch.sampling_ids)}
+        if flight.graphed and any(r.params.logprobs is not None for r in rows):
+            flight.logits = flight.logits.clone()  # (the graph's output is written again)
+        flight.tokens = tokens = sample_tokens(flight.logits[:n], rows)
+        if tokens.device.type == "cuda":
+            flight.host = torch.empty(n, dtype=tokens.dtype, pin_memory=True)
+            flight.host.copy_(tokens, non_blocking=True)
+            flight.ready = torch.cuda.Event()
+            flight.ready.record()
+        else:
+            flight.host = tokens
+
+    @torch.inference_mode()
+    def collect(self, flight: Flight) -> StepResult:
+        if flight.ready is not None:
+            flight.ready.synchronize()
+        batch, rows, logits = flight.batch, flight.rows, flight.logits
+        n = len(batch.sampling_ids)
+        tokens = flight.host.tolist()
+        accept_tokens(rows, tokens)
+        result = StepResult()
+        if batch.prompt_rows:
+            result.prompt_logprobs = self._prompt_logprobs(logits[n:], batch.prompt_rows)
+        for i, entry in token_logprobs(logits[:n], rows, tokens).items():
+            result.logprobs[batch.sampling_ids[i]] = entry
+        result.tokens = dict(zip(batch.sampling_ids, tokens))
+        return result
 
     @torch.inference_mode()
     def _run_model(self, batch: "StepBatch | RankBatch") -> torch.Tensor:
@@ -215,22 +284,9 @@ class ModelRunner(Runner):
                           plans, batch.logits_indices, self.ops, kv_scales=self.kv_scales)
 
     def _forward_batch(self, batch: "StepBatch") -> StepResult:
-        return self._sample(batch, self._run_model(batch))
-
-    @torch.inference_mode()
-    def _sample(self, batch: "StepBatch", logits: torch.Tensor) -> StepResult:
-        """The step's tokens and logprobs from the logits of its logits rows."""
-        num_sampled = len(batch.sampling_rows)
-        result = StepResult()
-        if batch.prompt_rows:
-            result.prompt_logprobs = self._prompt_logprobs(logits[num_sampled:],
-                                                           batch.prompt_rows)
-            logits = logits[:num_sampled]
-        tokens = sample(logits, batch.sampling_rows)
-        for i, entry in token_logprobs(logits, batch.sampling_rows, tokens).items():
-            result.logprobs[batch.sampling_ids[i]] = entry
-        result.tokens = dict(zip(batch.sampling_ids, tokens))
-        return result
+        flight = Flight(batch, self._run_model(batch))
+        self.sample(flight)
+        return self.collect(flight)
 
     @staticmethod
     def _prompt_logprobs(logits: torch.Tensor, rows: list[tuple]) -> dict[str, list]:
@@ -310,6 +366,10 @@ class ModelRunner(Runner):
     @staticmethod
     def _log(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
+
+
+# the row of a request that ended after it was scheduled: its token is dropped
+_DROPPED = SamplingRow(SamplingParams(temperature=0.0), 0, 0)
 
 
 def _max_model_len(config: EngineConfig, folder: ModelFolder) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.sched.output import SchedulerOutput
 
@@ -19,6 +20,21 @@ class StepResult:
     # request id -> [(position, logprob, top ids, top logprobs), ...] of the prompt tokens
     # whose logprobs this step computed (SamplingParams.prompt_logprobs)
     prompt_logprobs: dict[str, list] = field(default_factory=dict)
+
+
+@dataclass(slots=True, eq=False)
+class Flight:
+    """A step issued and not yet read back (async scheduling, engine/llm_engine.py): its
+    batch and logits, then (Runner.sample) its tokens on the device and on their way to
+    the host."""
+    batch: Any
+    logits: Any
+    graphed: bool = False  # logits in a CUDA graph's output, written again by its next replay
+    rows: list = field(default_factory=list)  # its sampling rows, made when it sampled
+    tokens: Any = None  # [num_sampled] on the device
+    host: Any = None  # the same on the host, once `ready` has passed
+    ready: Any = None  # a CUDA event after the copy to the host (None: already there)
+    index: dict[str, int] = field(default_factory=dict)  # request id -> its row in tokens
 
 
 class Runner(abc.ABC):
@@ -40,6 +56,25 @@ class Runner(abc.ABC):
     # A hybrid model's layer groups (engine/kv/layout.py): each group's window (None:
     # global), group 0 global; None: one block table for every layer
     kv_group_windows: tuple[int | None, ...] | None = None
+
+    # Whether launch / sample / collect issue a step without waiting for the device, so
+    # the engine can schedule the next one meanwhile (async scheduling)
+    supports_async: bool = False
+
+    def launch(self, out: SchedulerOutput, feed: Flight | None) -> Flight | None:
+        """A step's block copies and forward pass, issued; None when nothing is
+        scheduled. feed: the step before, whose tokens (still on the device) are the
+        inputs of this step's decodes that sampled there. Only where supports_async."""
+        raise NotImplementedError(f"{type(self).__name__} runs steps one at a time")
+
+    def sample(self, flight: Flight) -> None:
+        """Sample a launched step's tokens from its requests' state now (their output
+        so far, their grammars), on the device, and start their copy to the host."""
+        raise NotImplementedError(f"{type(self).__name__} runs steps one at a time")
+
+    def collect(self, flight: Flight) -> StepResult:
+        """A sampled step's tokens (waiting for them) and the logprobs asked for."""
+        raise NotImplementedError(f"{type(self).__name__} runs steps one at a time")
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         """Run one step: block copies in order (swap out, swap in, copy-on-write), then the

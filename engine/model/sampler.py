@@ -59,25 +59,36 @@ def token_seed(seed: int, num_output_tokens: int) -> int:
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
     """logits: [num_rows, vocab] float32. Returns one token id per row. Rows with a
     grammar draw only tokens it allows, and it is told the token drawn."""
-    grammars = [r.grammar for r in rows]
-    constrained = any(g is not None for g in grammars)
-    if constrained:
-        from engine.text.structured import apply_grammars
-        logits = logits.clone()  # the raw logits stay as they are, for logprobs
-        apply_grammars(logits, grammars)
-    tokens = _choose(process_logits(logits, rows), rows)
-    if constrained:
-        for grammar, token in zip(grammars, tokens):
-            if grammar is not None and not grammar.is_terminated():
-                grammar.accept_token(token)
+    tokens = sample_tokens(logits, rows).tolist()
+    accept_tokens(rows, tokens)
     return tokens
 
 
-def _choose(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
+def sample_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """sample's tokens as a tensor on the logits' device [num_rows] int64, without
+    waiting for the device (async scheduling reads them a step later); the rows'
+    grammars are told the tokens by accept_tokens once they are read."""
+    grammars = [r.grammar for r in rows]
+    if any(g is not None for g in grammars):
+        from engine.text.structured import apply_grammars
+        logits = logits.clone()  # the raw logits stay as they are, for logprobs
+        apply_grammars(logits, grammars)
+    return _choose(process_logits(logits, rows), rows)
+
+
+def accept_tokens(rows: list[SamplingRow], tokens: list[int]) -> None:
+    """Tell each row's grammar the token drawn for it."""
+    for row, token in zip(rows, tokens):
+        grammar = row.grammar
+        if grammar is not None and not grammar.is_terminated():
+            grammar.accept_token(token)
+
+
+def _choose(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Each row's token: the argmax, or for a row that samples a draw by the inverse of
     its filtered distribution's CDF at one uniform number from the row's token seed.
-    One set of batched ops and one read of the ids to the host, however many rows
-    draw (a GPU waits for the device once a step, not once a row)."""
+    One set of batched ops, however many rows draw, and nothing read back to the host
+    (a GPU waits for the device once a step, when the ids are read, not once a row)."""
     greedy = [r.params.greedy for r in rows]
     tokens = logits.argmax(dim=-1)
     if not all(greedy):
@@ -85,10 +96,9 @@ def _choose(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
         probs = _filtered_probs(logits[random_idx], [rows[i].params for i in random_idx])
         uniforms = [uniform(token_seed(rows[i].seed, rows[i].num_output_tokens))
                     for i in random_idx]
-        drawn = _inverse_cdf(probs, torch.tensor(uniforms, dtype=probs.dtype,
-                                                 device=probs.device))
-        tokens[torch.tensor(random_idx, device=tokens.device)] = drawn
-    return tokens.tolist()
+        drawn = _inverse_cdf(probs, on_device(uniforms, probs.device, probs.dtype))
+        tokens[on_device(random_idx, tokens.device)] = drawn
+    return tokens
 
 
 def uniform(seed: int) -> float:
@@ -124,7 +134,7 @@ def logprobs_of(logits: torch.Tensor, targets: list[int], ks: list[int]) -> list
     its ks[row] most likely tokens, their log-probabilities], in one log_softmax, one
     gather and one topk for all rows."""
     logprobs = logits.float().log_softmax(dim=-1)
-    index = torch.tensor(targets, device=logits.device)
+    index = on_device(targets, logits.device)
     chosen = logprobs.gather(1, index[:, None])[:, 0].tolist()
     k = max(ks)
     if k:
@@ -156,8 +166,7 @@ def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
                 stops.update(rows[i].eos_token_ids)
             row_idx += [i] * len(stops)
             token_idx += sorted(stops)
-        logits[torch.tensor(row_idx, dtype=torch.long, device=device),
-               torch.tensor(token_idx, dtype=torch.long, device=device)] = float("-inf")
+        logits[on_device(row_idx, device), on_device(token_idx, device)] = float("-inf")
     if biased:
         row_idx, token_idx, values = [], [], []
         for i in biased:
@@ -165,9 +174,8 @@ def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
             row_idx += [i] * len(bias)
             token_idx += list(bias)
             values += list(bias.values())
-        index = (torch.tensor(row_idx, dtype=torch.long, device=device),
-                 torch.tensor(token_idx, dtype=torch.long, device=device))
-        logits.index_put_(index, torch.tensor(values, dtype=logits.dtype, device=device),
+        index = (on_device(row_idx, device), on_device(token_idx, device))
+        logits.index_put_(index, on_device(values, device, logits.dtype),
                           accumulate=True)
     if penalised:
         logits[penalised] = apply_penalties(logits[penalised], [rows[i] for i in penalised])
@@ -183,7 +191,7 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
     in_output = output_counts > 0
 
     def column(values: list[float]) -> torch.Tensor:
-        return torch.tensor(values, dtype=logits.dtype, device=device)[:, None]
+        return on_device(values, device, logits.dtype)[:, None]
 
     repetition = column([r.params.repetition_penalty for r in rows]).expand(num_rows, vocab)
     repetition = torch.where(in_prompt | in_output, repetition, torch.ones_like(repetition))
@@ -199,7 +207,7 @@ def _token_counts(token_lists: list[list[int]], vocab: int, device) -> torch.Ten
     padded = torch.full((len(token_lists), width), vocab, dtype=torch.long)
     for i, tokens in enumerate(token_lists):
         padded[i, :len(tokens)] = torch.as_tensor(tokens, dtype=torch.long)
-    padded = padded.to(device)
+    padded = _moved_to(padded, device)
     counts = torch.zeros((len(token_lists), vocab + 1), dtype=torch.float32, device=device)
     counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
     return counts[:, :vocab]
@@ -208,14 +216,13 @@ def _token_counts(token_lists: list[list[int]], vocab: int, device) -> torch.Ten
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Temperature, then min-p, then top-k, then top-p (vLLM's order), vectorised over
     rows."""
-    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype,
-                         device=logits.device)
+    temps = on_device([p.temperature for p in params], logits.device, logits.dtype)
     logits = logits / temps[:, None]
     min_p = [p.min_p for p in params]
     if max(min_p) > 0.0:
         probs = logits.softmax(dim=-1)
-        floor = probs.amax(dim=-1, keepdim=True) * torch.tensor(
-            min_p, dtype=probs.dtype, device=logits.device)[:, None]
+        floor = probs.amax(dim=-1, keepdim=True) * on_device(
+            min_p, logits.device, probs.dtype)[:, None]
         logits = logits.masked_fill(probs < floor, float("-inf"))
     vocab = logits.shape[-1]
     top_k = [min(p.top_k, vocab) if p.top_k is not None else vocab for p in params]
@@ -223,17 +230,30 @@ def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
     if min(top_k) < vocab or min(top_p) < 1.0:
         sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
         ranks = torch.arange(vocab, device=logits.device)[None, :]
-        k = torch.tensor(top_k, device=logits.device)[:, None]
+        k = on_device(top_k, logits.device)[:, None]
         remove = ranks >= k  # beyond the k best
         probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
         # Drop a token when the tokens ranked above it already reach top_p (the best
         # one is always kept).
         before = probs.cumsum(dim=-1) - probs
-        p = torch.tensor(top_p, dtype=probs.dtype, device=logits.device)[:, None]
+        p = on_device(top_p, logits.device, probs.dtype)[:, None]
         remove |= before >= p
         sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter_(1, sorted_idx, sorted_logits)
     return logits.softmax(dim=-1)
+
+
+def on_device(values: list, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """A list as a tensor on `device`. On CUDA through pinned memory, asynchronously: a
+    copy from pageable memory would wait for everything the device has queued (with
+    async scheduling, the next step's forward pass)."""
+    return _moved_to(torch.tensor(values, dtype=dtype), device)
+
+
+def _moved_to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if torch.device(device).type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def _splitmix64(x: int) -> int:

@@ -140,7 +140,11 @@ class Scheduler:
         while i < len(running) and budget > 0:
             request = running[i]
             start = request.num_computed_tokens
-            num_tokens = len(request.all_token_ids) - (1 if request.fork_pending else 0)
+            if request.num_pending and self._ends_with_pending(request):
+                i += 1  # its pending token is its last: it ends when that is applied
+                continue
+            num_tokens = len(request.all_token_ids) + request.num_pending \
+                - (1 if request.fork_pending else 0)
             num_new = min(num_tokens - start, budget)
             alloc = allocate(request, num_new)
             while alloc is None:
@@ -162,6 +166,13 @@ class Scheduler:
             budget -= num_new
             i += 1
         return budget
+
+    def _ends_with_pending(self, request: Request) -> bool:
+        """Whether a request's pending tokens (async scheduling) bring it to its length
+        limit, so that it computes nothing more."""
+        n = request.num_pending
+        return request.num_output_tokens + n >= request.sampling_params.max_tokens \
+            or request.num_tokens + n >= self.max_model_len
 
     def _resume_swapped(self, out: SchedulerOutput, budget: int) -> int:
         reserved = self._reserved() if self.unforked else 0
@@ -287,11 +298,18 @@ class Scheduler:
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Advance progress, append sampled tokens, finish requests that hit a stop.
         Returns the requests that made progress, in batch order."""
-        progressed, finished = [], []
+        self.advance(out)
+        return self.apply_tokens(out, sampled)
+
+    def advance(self, out: SchedulerOutput) -> None:
+        """What a step's forward pass did, before its sampled tokens are known: its
+        blocks hold their K/V, its requests' computed tokens move on, a request whose
+        prompt but the last token is computed forks, and each request that sampled
+        holds a pending token (Request.num_pending) until apply_tokens. With async
+        scheduling the next step is scheduled in between."""
         self.kv.mark_computed()
         counters = self.counters
         running = RequestStatus.RUNNING
-        max_model_len = self.max_model_len
         for s in out.scheduled:
             request = s.request
             if request.status is not running:
@@ -300,10 +318,27 @@ class Scheduler:
             if not is_decode:
                 counters.num_prompt_tokens += s.num_new_tokens
             request.num_computed_tokens += s.num_new_tokens
-            if not s.samples:
-                if request.fork_pending and \
-                        request.num_computed_tokens == len(request.all_token_ids) - 1:
-                    self._fork(request)  # its prompt but the last token is computed
+            if s.samples:
+                request.num_pending += 1
+            elif request.fork_pending and \
+                    request.num_computed_tokens == len(request.all_token_ids) - 1:
+                self._fork(request)  # its prompt but the last token is computed
+
+    def apply_tokens(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """The step's sampled tokens appended to the requests advance() left them
+        pending on (running, or preempted or swapped since by the next step's
+        schedule), and the requests that hit a stop finished. A request that ended
+        meanwhile drops its token. Returns the requests that made progress, in batch
+        order."""
+        progressed, finished = [], []
+        counters = self.counters
+        max_model_len = self.max_model_len
+        for s in out.scheduled:
+            request = s.request
+            if not s.samples or not request.num_pending:
+                continue
+            request.num_pending -= 1
+            if request.status.is_finished:
                 continue
             token = sampled[request.request_id]
             request.append_output_token(token)

@@ -70,12 +70,15 @@ class Migrator:
 
     def __init__(self, config: EngineConfig, scheduler: Scheduler, kv: KVCacheCoordinator,
                  runner: Runner, stories: StoryBook | None, input_processor: InputProcessor,
-                 output_processor: OutputProcessor, engine_state: Callable[[], str]) -> None:
+                 output_processor: OutputProcessor, engine_state: Callable[[], str],
+                 settle: Callable[[], None] = lambda: None) -> None:
         """input_processor: a request's number and its grammar compiler;
         output_processor: whose text it follows (a request's text before it moved was its
         source's to deliver); engine_state: the operator's state (LLMEngine.state): only
-        a "ready" engine takes a request."""
+        a "ready" engine takes a request; settle: the engine's (LLMEngine.settle), called
+        before a move touches a request, so that no step is in flight."""
         self.config = config
+        self.settle = settle
         self.scheduler = scheduler
         self.kv = kv
         self.runner = runner
@@ -147,6 +150,7 @@ class Migrator:
     # --- source --------------------------------------------------------------------------
     def offer(self, request_id: str) -> dict:
         """A running request's state and block hashes, for a destination's check."""
+        self.settle()
         self.check_movable()
         samples = self._live_fork(request_id)  # (a fork: all its samples)
         if samples is not None:
@@ -195,6 +199,7 @@ class Migrator:
         the K/V of its computed tokens' blocks from `skip` on. A fork: every sample, its
         state listing theirs and `data` a list of theirs (a sample from the first block
         not sample 0's)."""
+        self.settle()
         self.changes += 1
         self.check_movable()
         samples = self._live_fork(request_id)
@@ -239,6 +244,7 @@ class Migrator:
         """The request ended here (it runs on engine `to`; the next step reports its
         end, finish_reason "migrated"; `reason`: "migration", or "decode" for a prefill
         engine's hand-over), or runs on here (the commit failed). A fork: every sample."""
+        self.settle()
         self.changes += 1
         ids = self.scheduler.forks.get(request_id)
         if ids is not None and all(i in self.scheduler.suspended for i in ids):
@@ -259,6 +265,7 @@ class Migrator:
         """While the request runs: the K/V of its full computed blocks from `start` on
         (they no longer change; below `end`, the blocks the destination holds), and the
         index after the last one."""
+        self.settle()
         request = self.scheduler.get_live(request_id)
         if request.status is not RequestStatus.RUNNING or request_id in self.scheduler.suspended:
             raise InvalidStateError(f"request {request_id!r} is not running here")
@@ -327,6 +334,7 @@ class Migrator:
         leading ones cached here, fresh ones for the rest), which write() fills while the
         request keeps running at the source. Returns {"cached_blocks": k}: the source
         stages its blocks from k on."""
+        self.settle()
         if offer.get("fork") or offer.get("groups") is not None:
             raise InvalidRequestError(f"request {offer['request_id']!r} moves in one stop-and-"
                                       "copy, not staged (a fork, or an engine with sliding "
@@ -359,6 +367,7 @@ class Migrator:
 
     def write(self, request_id: str, start: int, data: Any) -> None:
         """Staged K/V into the held blocks from index `start` on."""
+        self.settle()
         room = self.room(request_id, start)
         n = self.runner.num_blocks_in(data) if data is not None else 0
         if n > room:
@@ -389,6 +398,7 @@ class Migrator:
 
     def cancel(self, request_id: str) -> None:
         """The copy stopped; the held blocks go back."""
+        self.settle()
         request, _ = self.incoming.pop(request_id)
         self.kv.free(request, "migration")
 
@@ -397,6 +407,7 @@ class Migrator:
         its blocks from `skip` on); it runs from the next step (MigrationFailed, and
         nothing changed, if it cannot now). After reserve() and write(), the held blocks
         are its, and `data` is the rest from `skip` on."""
+        self.settle()
         self.changes += 1
         if state.get("fork"):
             self._check_data(state, data, skip)  # (every sample's, before any comes)

@@ -62,8 +62,8 @@ def test_padded_decode_steps_give_the_unpadded_tokens(tiny_model, name, situatio
 
 
 def test_seeded_sampling_forks_and_stops_are_the_same_padded_and_eager(tiny_model):
-    """Sampled tokens (seeded, with penalties), n > 1 forks and a stop token come out
-    the same from padded steps as from eager ones."""
+    """Sampled tokens (seeded, with penalties) and n > 1 forks come out the same from
+    padded steps as from eager ones, with async scheduling too."""
     folder = tiny_model("gqa16")
     prompts = random_prompts(SPECS["gqa16"].vocab_size, [9, 14, 5], seed=3)
     params = [SamplingParams(max_tokens=7, temperature=0.9, top_p=0.9, seed=11,
@@ -83,11 +83,16 @@ def test_seeded_sampling_forks_and_stops_are_the_same_padded_and_eager(tiny_mode
                     done[o.request_id] = o.output_token_ids
         return engine, done
 
-    padded, got = run()
-    eager, expected = run(enforce_eager=True)
+    padded, got = run(async_scheduling=False)
+    eager, expected = run(enforce_eager=True, async_scheduling=False)
     assert eager.runner.decode_graphs is None and eager.runner.eager_reason == "enforce_eager"
     assert got == expected and len(got) == 5
     assert padded.runner.decode_graphs.steps  # decode steps did run padded
+    # and with async scheduling: the inputs sampled a step before are copied into the
+    # graphs' buffers on the device
+    ahead, again = run(async_scheduling=True)
+    assert ahead.async_scheduling and ahead.runner.decode_graphs.steps
+    assert again == expected
 
 
 def test_experts_and_the_torch_backend_run_eagerly_and_say_why(tiny_model):

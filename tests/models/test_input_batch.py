@@ -45,8 +45,8 @@ def test_a_prefill_chunk_and_a_decode_become_one_varlen_batch():
     assert batch.attention.seq_lens == [6, 6]
     assert batch.attention.query_start_loc == [0, 6, 7]
     assert batch.logits_indices.tolist() == [6]
-    assert batch.sampling_ids == ["b"]
-    [row] = batch.sampling_rows
+    assert batch.sampling_ids == ["b"] and batch.sampling_requests == [b]
+    row = InputBatch(BS, CPU, seed=123, num_groups=1).sampling_row(b)
     assert row.seed == request_seed(b.sampling_params, 123, "b") == 7
     assert row.num_output_tokens == 1 and row.output_token_ids is b.output_token_ids
     assert batch.prompt_rows == [] and batch.groups is None
