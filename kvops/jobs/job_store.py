@@ -71,7 +71,7 @@ def publish_jobs(jobs: list[Job]) -> None:
 PAYLOAD_FIELDS = ("status", "attempts", "output_text", "num_output_tokens", "finish_reason",
                   "num_prompt_tokens", "error", "engine", "request_id", "num_cached_tokens",
                   "num_preemptions", "samples", "queued_at", "started_at", "first_token_at",
-                  "finished_at", "engines")
+                  "finished_at", "engines", "params")
 
 
 def job_payload(job: Job) -> dict:

@@ -1,4 +1,6 @@
-"""GET /metrics: Prometheus text with vLLM-style names, labelled by engine."""
+"""GET /metrics: Prometheus text. What vLLM also measures, under vLLM's names and labels
+(vllm_series.py: vLLM's dashboards work unchanged); kvops' own figures (tiers, swaps,
+the KV story, routing) as kvops:..., labelled by engine."""
 from __future__ import annotations
 
 import hmac
@@ -10,21 +12,14 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
                                     HistogramMetricFamily)
 
 from kvops import selectors
-from kvops.monitoring import metrics_store
+from kvops.monitoring import metrics_store, vllm_series
 from kvops.monitoring.health import signed_in_user
 from kvops.models import Job
 
 # (metric, engine metrics key, help, kind)
 ENGINE_METRICS = [
-    ("kvops:kv_cache_usage_perc", "kv_usage", "Fraction of GPU KV blocks in use (0-1).", "gauge"),
     ("kvops:cpu_kv_cache_usage_perc", "cpu_kv_usage", "Fraction of CPU swap blocks in use.", "gauge"),
-    ("kvops:num_requests_running", "running", "Requests in the running batch.", "gauge"),
-    ("kvops:num_requests_waiting", "waiting", "Requests waiting for admission.", "gauge"),
     ("kvops:num_requests_swapped", "swapped", "Requests swapped out to CPU memory.", "gauge"),
-    ("kvops:prefix_cache_queries", "prefix_cache_queries",
-     "Prompt tokens looked up in the prefix cache.", "counter"),
-    ("kvops:prefix_cache_hits", "prefix_cache_hits",
-     "Prompt tokens found in the prefix cache.", "counter"),
     ("kvops:cpu_prefix_cache_hits", "cpu_prefix_cache_hits",
      "Prompt tokens found on the CPU tier of the prefix cache (copied in, not recomputed); "
      "its own hits: blocks the disk tier read back into it count in "
@@ -49,11 +44,8 @@ ENGINE_METRICS = [
      "Disk tier blocks that failed their checks: not opened by the disk key (altered, "
      "forged, another model's) or not a regular file (misses, deleted).",
      "counter"),
-    ("kvops:num_preemptions", "num_preemptions", "Preemptions by recompute.", "counter"),
     ("kvops:num_swaps_out", "num_swaps_out", "Requests swapped out to CPU memory.", "counter"),
     ("kvops:num_swaps_in", "num_swaps_in", "Requests swapped back in.", "counter"),
-    ("kvops:prompt_tokens", "num_prompt_tokens", "Prefill tokens computed.", "counter"),
-    ("kvops:generation_tokens", "num_generation_tokens", "Tokens generated.", "counter"),
     ("kvops:engine_steps", "num_steps", "Engine steps run.", "counter"),
     ("kvops:engine_step_seconds", "step_seconds",
      "Wall seconds spent in engine steps (schedule, forward, update); divided by "
@@ -82,16 +74,7 @@ class _Collector:
             jobs.add_metric([status], Job.objects.filter(status=status).count())
         yield jobs
         yield from _kv_story_families(engines)
-        for hist_name, per_engine in metrics_store.read_histograms().items():
-            bounds = metrics_store.HISTOGRAMS[hist_name]
-            family = HistogramMetricFamily(f"kvops:{hist_name}",
-                                           hist_name.replace("_", " ").capitalize() + ".",
-                                           labels=["engine"])
-            for engine, counts in per_engine.items():
-                buckets = [(repr(b), counts.get(repr(b), 0.0)) for b in bounds]
-                buckets.append(("+Inf", counts.get("+Inf", 0.0)))
-                family.add_metric([engine], buckets, sum_value=counts.get("sum", 0.0))
-            yield family
+        yield from vllm_series.families(engines)
 
 
 def _cache_config_info(engines) -> GaugeMetricFamily:

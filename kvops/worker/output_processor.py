@@ -28,6 +28,7 @@ from engine.text.detokenizer import IncrementalDetokenizer, Tokenizer
 from engine.transfer.migration import MIGRATED
 from engine.outputs import CoreOutput
 from kvops.jobs import job_store
+from kvops.monitoring import metrics_store
 from kvops.stream.job_stream import StreamProducer, state_update
 
 log = logging.getLogger(__name__)
@@ -79,6 +80,9 @@ class _Tracked:
     num_preemptions: int = 0
     first_token_at: datetime | None = None
     first_token_written: bool = False
+    # when the engine loop handed over the last step that gave it tokens (monotonic):
+    # the inter-token gaps are measured from it
+    last_token_s: float | None = None
     # If asked: per token [token, logprob, top], for the updates and the row
     logprobs: list[list] = field(default_factory=list)
     logprobs_sent: int = 0  # of them in updates already
@@ -125,7 +129,10 @@ class OutputProcessor:
         self.db_interval_s = db_interval_s
         self.stats = ProcessorStats()
         self._lock = threading.Lock()
-        self._inbox: list[CoreOutput] = []  # under _lock
+        # each step's outputs, with when the engine loop handed them over; under _lock
+        self._inbox: list[tuple[float, list[CoreOutput]]] = []
+        # inter-token gaps not yet in Redis (written with the progress); this thread's
+        self._gaps = metrics_store.Tally()
         self._failed: list[tuple[str, str]] = []  # (request id, why), under _lock
         self._new: dict[str, _Tracked] = {}  # tracked by tasks, not yet seen here; under _lock
         self._gone: set[str] = set()  # untracked by tasks; under _lock
@@ -186,8 +193,9 @@ class OutputProcessor:
     # --- the engine loop ---------------------------------------------------------------
     def push(self, outputs: list[CoreOutput]) -> None:
         if outputs:
+            now = time.monotonic()
             with self._lock:
-                self._inbox.extend(outputs)
+                self._inbox.append((now, outputs))
                 first = self._awaiting and self._awaiting.intersection(
                     out.request_id for out in outputs)
                 if first:
@@ -228,7 +236,7 @@ class OutputProcessor:
 
     def _flush(self, write_db: bool) -> None:
         with self._lock:
-            outputs, self._inbox = self._inbox, []
+            steps, self._inbox = self._inbox, []
             failed, self._failed = self._failed, []
             self._jobs.update(self._new)
             self._new.clear()
@@ -238,11 +246,14 @@ class OutputProcessor:
         updates: list[dict] = []
         ended: list[_Tracked] = []
         by_request: dict[str, list[CoreOutput]] = {}  # a job's outputs of several steps
-        for out in outputs:
-            if out.error is not None:  # the engine could not serve it: the job fails
-                failed.append((out.request_id, out.error))
-                continue
-            by_request.setdefault(out.request_id, []).append(out)
+        for at, outputs in steps:
+            for out in outputs:
+                if out.error is not None:  # the engine could not serve it: the job fails
+                    failed.append((out.request_id, out.error))
+                    continue
+                if out.new_token_ids:
+                    self._time_tokens(out.request_id, at)
+                by_request.setdefault(out.request_id, []).append(out)
         moved: list[tuple[_Tracked, dict]] = []  # moved away: (attempt, where to and why)
         self._adopt_arrivals(by_request)
         for request_id, outs in by_request.items():
@@ -270,6 +281,8 @@ class OutputProcessor:
                 self._write_progress()
             except Exception:  # kept dirty: written with the next batch
                 log.exception("writing the progress of %d jobs failed", len(self._jobs))
+            gaps, self._gaps = self._gaps, metrics_store.Tally()
+            metrics_store.record_tally(gaps, self.engine_name)
         for request_id, message in failed:
             members = self._pop_attempt(request_id)
             if members:
@@ -277,6 +290,18 @@ class OutputProcessor:
                 job_store.fail_job(t.job_id, message, request_id=t.attempt_id)
                 t.handle.set("failed")
         self.stats.flushes += 1
+
+    def _time_tokens(self, request_id: str, at: float) -> None:
+        """A step handed over at `at` gave the request tokens: the gap since its last
+        such step is one inter-token latency (as vLLM's, one per step, however many
+        tokens the step gave)."""
+        t = self._jobs.get(request_id)
+        if t is None:
+            return
+        if t.last_token_s is not None:
+            self._gaps.observe("inter_token_latency_seconds", self.engine_name,
+                               at - t.last_token_s)
+        t.last_token_s = at
 
     def _pop_attempt(self, request_id: str) -> list[_Tracked]:
         """Stop following the attempt this id names (a request, a fork's parent, or one

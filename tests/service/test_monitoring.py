@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 # what the engine page judges (tests/dashboard/js/tiers.test.mjs checks it on them)
 TIER_CASES = ROOT / "tests" / "dashboard" / "js" / "tier_health_cases.json"
-METRIC = re.compile(r"\bkvops:[a-z0-9_]+")
+METRIC = re.compile(r"\b(?:kvops|vllm):[a-z0-9_]+")
 SUFFIXES = ("_total", "_bucket", "_sum", "_count", "_created")
 
 
@@ -34,7 +34,7 @@ def scrape(rf, settings) -> str:
 def exported(rf, settings) -> set[str]:
     """Families /metrics declares (its # TYPE lines), and their samples' names."""
     text = scrape(rf, settings)
-    families = set(re.findall(r"^# TYPE (kvops:\S+) (\w+)", text, re.M))
+    families = set(re.findall(r"^# TYPE ((?:kvops|vllm):\S+) (\w+)", text, re.M))
     names = set()
     for family, kind in families:
         names.add(family)
@@ -59,7 +59,7 @@ def dashboard_exprs() -> list[str]:
 
 def test_every_metric_the_rules_and_the_dashboard_name_is_exported(rf, settings):
     names = exported(rf, settings)
-    assert "kvops:request_queue_time_seconds_bucket" in names  # the queue-wait alert's
+    assert "vllm:request_queue_time_seconds_bucket" in names  # the queue-wait alert's
     rules = alert_rules()
     assert {r["alert"] for r in rules} >= {"KVOpsEngineDown", "KVOpsKVCacheFull",
                                             "KVOpsPreemptionStorm", "KVOpsPrefixHitRateCollapsed",
@@ -77,7 +77,7 @@ def test_every_metric_the_rules_and_the_dashboard_name_is_exported(rf, settings)
         assert used and used <= names, (expr, used - names)
 
 
-INCREASE = re.compile(r"increase\((kvops:[a-z0-9_]+)\[\w+\]\)")
+INCREASE = re.compile(r"increase\(((?:kvops|vllm):[a-z0-9_]+)\[\w+\]\)")
 COMPARE = {ast.Gt: operator.gt, ast.Lt: operator.lt, ast.GtE: operator.ge,
            ast.LtE: operator.le, ast.Eq: operator.eq, ast.NotEq: operator.ne}
 ARITHMETIC = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
@@ -128,7 +128,8 @@ def fires(expr: str, samples: dict[str, float]) -> bool:
 
 def engine_samples(rf, settings, name: str) -> dict[str, float]:
     """The engine's samples in /metrics, by name (a counter's with its _total)."""
-    line = re.compile(r'^(kvops:[a-z0-9_]+)\{engine="' + re.escape(name) + r'"\} (\S+)$', re.M)
+    line = re.compile(r'^((?:kvops|vllm):[a-z0-9_]+)\{engine="' + re.escape(name)
+                      + r'"(?:,model_name="[^"]*")?\} (\S+)$', re.M)
     return {metric: float(v) for metric, v in line.findall(scrape(rf, settings))}
 
 

@@ -64,15 +64,16 @@ def test_metrics_and_healthz(stack, client):
     import requests
     client.completions.create(model="simulated-v1", prompt="for the metrics", max_tokens=3)
     text = stack.api("GET", "/metrics").text  # (staff's token: /metrics is staff's)
-    for name in ("kvops:kv_cache_usage_perc", "kvops:prefix_cache_queries_total",
-                 "kvops:prefix_cache_hits_total", "kvops:num_preemptions_total",
-                 "kvops:num_swaps_out_total", "kvops:num_requests_running",
-                 "kvops:time_to_first_token_seconds_bucket",
-                 "kvops:e2e_request_latency_seconds_count", "kvops:engine_steps_total",
+    for name in ("vllm:kv_cache_usage_perc", "vllm:prefix_cache_queries_total",
+                 "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
+                 "kvops:num_swaps_out_total", "vllm:num_requests_running",
+                 "vllm:time_to_first_token_seconds_bucket",
+                 "vllm:e2e_request_latency_seconds_count", "kvops:engine_steps_total",
                  "kvops:engine_step_seconds_total"):
         assert name in text, name
     line = next(l for l in text.splitlines()
-                if l.startswith('kvops:e2e_request_latency_seconds_count{engine="sim"}'))
+                if l.startswith('vllm:e2e_request_latency_seconds_count{engine="sim",'
+                                 'model_name="simulated-v1"}'))
     assert float(line.split()[-1]) >= 1
     health = stack.api("GET", "/healthz").json()  # signed in: the checks and the engines
     assert health["ok"] and health["checks"] == {"database": "ok", "redis": "ok"}
