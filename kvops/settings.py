@@ -165,9 +165,10 @@ CHANNEL_LAYERS = {
 
 REST_FRAMEWORK = {
     # Token first: a call without credentials gets a 401 with `WWW-Authenticate: Token`
-    # (DRF answers with the first class's challenge; the session's has none: a 403)
+    # (DRF answers with the first class's challenge; the session's has none: a 403).
+    # It takes `Token <key>` and `Bearer <key>` alike, as /v1 does.
     "DEFAULT_AUTHENTICATION_CLASSES": [
-        "rest_framework.authentication.TokenAuthentication",
+        "kvops.api.auth.TokenAuthentication",
         "rest_framework.authentication.SessionAuthentication",
     ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
