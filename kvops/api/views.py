@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from datetime import datetime, timezone
 
+from django.http import Http404
 from drf_spectacular.utils import OpenApiParameter, extend_schema, inline_serializer
 from rest_framework import mixins, permissions, serializers, status, viewsets
 from rest_framework.decorators import action
@@ -44,7 +45,8 @@ class Refused(APIException):
     def __init__(self, e: Exception, refusal: refusals.Refusal) -> None:
         self.status_code = refusal.status
         field = refusal.status in (400, 403)
-        super().__init__({refusal.param: [str(e)]} if field else str(e), refusal.code)
+        super().__init__({refusal.param: [str(e)]} if field else str(e),
+                         refusal.code or errors.error_type(refusal.status))
 
 
 def _refused(e: Exception) -> Refused | None:
@@ -86,6 +88,13 @@ class JobViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.Retrieve
 
     def get_throttles(self):
         return [JobSubmitThrottle()] if self.action == "create" else []
+
+    def get_object(self) -> Job:
+        try:
+            return super().get_object()
+        except Http404:  # its message would name neither the job nor whose jobs are seen
+            raise NotFound(f"no job {self.kwargs.get('pk')!r} among those you may see "
+                           "(GET /api/jobs/ lists them)") from None
 
     def get_queryset(self):
         qs = selectors.jobs_visible_to(self.request.user)

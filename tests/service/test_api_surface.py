@@ -120,6 +120,7 @@ def test_a_validation_error_names_its_field(client, operator, engine):
     assert error["message"].startswith("max_num_seqs: ")
     job = api_error(client.post("/api/jobs/", {}, content_type="application/json"), 400)
     assert job["field"] == "prompt" and "prompt" in job["message"]
+    assert job["code"] == "invalid_request"  # a refusal of intake without a code of its own
 
 
 def test_an_action_the_engine_refuses(client, operator, engine, monkeypatch):
@@ -154,7 +155,7 @@ def test_not_found(client, operator):
         assert error["type"] == error["code"] == "not_found"
         assert "'nowhere'" in error["message"] and "/api/engines/" in error["message"]
     error = api_error(client.get("/api/jobs/999999/"), 404)
-    assert error["type"] == "not_found"
+    assert error["type"] == "not_found" and "'999999'" in error["message"]
     error = api_error(client.get("/api/no-such-thing/"), 404)
     assert error["code"] == "unknown_url" and "/api/docs/" in error["message"]
 
