@@ -172,6 +172,16 @@ def test_drf_answers_of_its_own_are_in_the_shape(client, operator):
     assert error["type"] == "permission_error" and "operator" in error["message"]
 
 
+def test_a_failure_is_a_500_in_the_shape(client, operator, monkeypatch, caplog):
+    def broken():
+        raise RuntimeError("the database went away")
+    monkeypatch.setattr(selectors, "engines", broken)
+    client.force_login(operator)
+    error = api_error(client.get("/api/engines/"), 500)
+    assert error["type"] == "server_error" and "RuntimeError" in error["message"]
+    assert "the database went away" in caplog.text  # logged, with its traceback
+
+
 # --- the schema -----------------------------------------------------------------------
 
 def served_openai_routes() -> list[str]:
