@@ -165,9 +165,10 @@ CHANNEL_LAYERS = {
 
 REST_FRAMEWORK = {
     # Token first: a call without credentials gets a 401 with `WWW-Authenticate: Token`
-    # (DRF answers with the first class's challenge; the session's has none: a 403)
+    # (DRF answers with the first class's challenge; the session's has none: a 403).
+    # It takes `Token <key>` and `Bearer <key>` alike, as /v1 does.
     "DEFAULT_AUTHENTICATION_CLASSES": [
-        "rest_framework.authentication.TokenAuthentication",
+        "kvops.api.auth.TokenAuthentication",
         "rest_framework.authentication.SessionAuthentication",
     ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
@@ -207,7 +208,13 @@ CACHES = {"default": {"BACKEND": "django.core.cache.backends.redis.RedisCache",
                       "OPTIONS": {"socket_connect_timeout": 2, "socket_timeout": 2}}}
 SPECTACULAR_SETTINGS = {
     "TITLE": "kvops API",
-    "DESCRIPTION": "Jobs, engines and operator actions of a kvops deployment.",
+    # Swagger UI shows the description as Markdown: the link leads back to the pages.
+    "DESCRIPTION": "Jobs, engines and operator actions of a kvops deployment (/api), and "
+                   "its OpenAI-compatible routes (/v1, /tokenize, /detokenize). Every route "
+                   "takes an API key as `Authorization: Bearer <key>` or `Token <key>`. "
+                   "Errors on /api are `{\"error\": {\"type\", \"code\", \"message\", "
+                   "\"field\", \"fields\"}}`; on /v1, OpenAI's error object.\n\n"
+                   "[← Back to the console](/)",
     "VERSION": "1.0.0",
     "SERVE_INCLUDE_SCHEMA": False,
     # Swagger UI's files come from this server (drf-spectacular-sidecar), not a CDN.
@@ -215,6 +222,9 @@ SPECTACULAR_SETTINGS = {
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
     "REDOC_DIST": "SIDECAR",
     "COMPONENT_SPLIT_REQUEST": True,
+    # the OpenAI-compatible routes are plain Django views: described by hand there
+    "POSTPROCESSING_HOOKS": ["drf_spectacular.hooks.postprocess_schema_enums",
+                             "kvops.openai.schema.add_openai_paths"],
 }
 
 # Celery: see kvops/celery.py (its broker is REDIS_URL through kvops/infra/broker.py).

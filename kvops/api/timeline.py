@@ -8,7 +8,6 @@ from datetime import datetime, timezone
 
 import redis
 from django.conf import settings
-from django.shortcuts import get_object_or_404
 from drf_spectacular.utils import OpenApiParameter, extend_schema, inline_serializer
 from rest_framework import permissions, serializers
 from rest_framework.exceptions import NotFound
@@ -16,8 +15,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from kvops.dashboard import timeline, visibility
-from kvops.api.views import ERROR, ServiceUnavailable
-from kvops.models import Engine
+from kvops.api.views import ERROR, ServiceUnavailable, engine_or_404
 
 THROUGH = ("at", "window")
 
@@ -84,7 +82,7 @@ class EngineTimelineView(APIView):
         "newest": serializers.FloatField(allow_null=True),
         "windows": serializers.ListField(child=WINDOW)}), 404: ERROR, 503: ERROR})
     def get(self, request, name: str):
-        engine = get_object_or_404(Engine, name=name)
+        engine = engine_or_404(name)
         try:
             windows, newest = timeline.windows(engine.name)
         except redis.RedisError as e:
@@ -122,7 +120,7 @@ class EngineTimelineStateView(APIView):
     def get(self, request, name: str):
         query = TimelineStateQuery(data=request.query_params)
         query.is_valid(raise_exception=True)
-        engine = get_object_or_404(Engine, name=name)
+        engine = engine_or_404(name)
         at, through = query.validated_data["at"], query.validated_data["through"]
         try:
             answer = timeline.window_at(engine.name, at, through_window=through == "window")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from datetime import datetime, timezone
 
-from django.shortcuts import get_object_or_404
+from django.http import Http404
 from drf_spectacular.utils import OpenApiParameter, extend_schema, inline_serializer
 from rest_framework import mixins, permissions, serializers, status, viewsets
 from rest_framework.decorators import action
@@ -21,6 +21,7 @@ from kvops.intake import intake
 from kvops.jobs import admission, idempotency, job_store, refusals
 from kvops.operators import operator_actions
 from kvops.what_if import what_if
+from kvops.api import errors
 from kvops.api.serializers import (DrainSerializer, EmptySerializer, EngineSerializer,
                                    EvictSerializer, MigrateSerializer, RetentionSerializer,
                                    JobSerializer, LimitsSerializer,
@@ -44,7 +45,8 @@ class Refused(APIException):
     def __init__(self, e: Exception, refusal: refusals.Refusal) -> None:
         self.status_code = refusal.status
         field = refusal.status in (400, 403)
-        super().__init__({refusal.param: [str(e)]} if field else str(e), refusal.code)
+        super().__init__({refusal.param: [str(e)]} if field else str(e),
+                         refusal.code or errors.error_type(refusal.status))
 
 
 def _refused(e: Exception) -> Refused | None:
@@ -87,6 +89,13 @@ class JobViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.Retrieve
     def get_throttles(self):
         return [JobSubmitThrottle()] if self.action == "create" else []
 
+    def get_object(self) -> Job:
+        try:
+            return super().get_object()
+        except Http404:  # its message would name neither the job nor whose jobs are seen
+            raise NotFound(f"no job {self.kwargs.get('pk')!r} among those you may see "
+                           "(GET /api/jobs/ lists them)") from None
+
     def get_queryset(self):
         qs = selectors.jobs_visible_to(self.request.user)
         params = self.request.query_params
@@ -128,7 +137,7 @@ class JobViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.Retrieve
         try:
             job = job_store.cancel_job(job)
         except job_store.Conflict as e:
-            return Response({"error": str(e)}, status=status.HTTP_409_CONFLICT)
+            return errors.error_response(409, str(e), "conflict")
         return Response(JobSerializer(job).data)
 
     @extend_schema(responses={200: inline_serializer("JobKVStory", {
@@ -165,6 +174,9 @@ class EngineViewSet(viewsets.ReadOnlyModelViewSet):
 
     def get_queryset(self):
         return selectors.engines()
+
+    def get_object(self) -> Engine:
+        return engine_or_404(self.kwargs["name"])
 
     @extend_schema(responses={200: inline_serializer("EngineDetail", {
         "engine": EngineSerializer(), "snapshot": serializers.DictField(allow_null=True)})})
@@ -243,12 +255,25 @@ class OperatorActionViewSet(mixins.ListModelMixin, viewsets.GenericViewSet):
 
 
 ACTION_RESULT = inline_serializer("OperatorResult", {
-    "ok": serializers.BooleanField(), "result": serializers.JSONField(required=False),
-    "error": serializers.CharField(required=False),
-    "message": serializers.CharField(required=False)})
-ERROR = inline_serializer("Error", {"error": serializers.CharField()})
-OPERATOR_RESPONSES = {200: ACTION_RESULT, 400: ERROR, 403: ERROR, 404: ACTION_RESULT,
-                      409: ACTION_RESULT, 504: ACTION_RESULT}
+    "ok": serializers.BooleanField(), "result": serializers.JSONField(required=False)})
+ERROR = inline_serializer("Error", {"error": inline_serializer("ErrorDetail", {
+    "type": serializers.CharField(help_text="the kind of error, one per HTTP status"),
+    "code": serializers.CharField(help_text="its cause: DRF's or a refusal's code, or the "
+                                            "engine's error class (InvalidStateError)"),
+    "message": serializers.CharField(),
+    "field": serializers.CharField(allow_null=True, help_text="the first field at fault"),
+    "fields": serializers.DictField(help_text="each field's messages")})})
+OPERATOR_RESPONSES = {200: ACTION_RESULT, 400: ERROR, 403: ERROR, 404: ERROR, 409: ERROR,
+                      504: ERROR}
+
+
+def engine_or_404(name: str) -> Engine:
+    """The engine named name; a 404 saying so if there is none (get_object_or_404's
+    message would name neither the engine nor where they are listed)."""
+    engine = Engine.objects.filter(name=name).first()
+    if engine is None:
+        raise NotFound(f"no engine is named {name!r} (GET /api/engines/ lists them)")
+    return engine
 
 
 def _checked_action(request, serializer_class, name: str, action: str,
@@ -257,7 +282,7 @@ def _checked_action(request, serializer_class, name: str, action: str,
     action (404 for an unknown engine) with the fields given, nulls left out."""
     serializer = serializer_class(data=request.data or {})
     serializer.is_valid(raise_exception=True)
-    engine = get_object_or_404(Engine, name=name)
+    engine = engine_or_404(name)
     arguments = {k: v for k, v in serializer.validated_data.items() if v is not None}
     return _action_answer(request, engine, action, target, arguments)
 
@@ -269,7 +294,10 @@ def _action_answer(request, engine: Engine, action: str, target: str,
             request.user, engine, action, target, arguments, _idempotency_key(request))
     except idempotency.KeyReused as e:
         raise _refused(e) from None
-    response = Response(body, status=code)
+    # the engine's refusal ({"ok": false, "error": <its class>, "message"}, as the
+    # operator log keeps it) in the API's error shape
+    response = Response(body, status=code) if code == 200 else errors.error_response(
+        code, body.get("message") or body.get("error") or "", body.get("error"))
     if replayed:
         response["Idempotent-Replayed"] = "true"
     return response
@@ -298,7 +326,7 @@ class RequestActionView(APIView):
         serializer = (MigrateSerializer if action == "migrate" else EmptySerializer)(
             data=request.data or {})
         serializer.is_valid(raise_exception=True)
-        engine = get_object_or_404(Engine, name=name)
+        engine = engine_or_404(name)
         return _action_answer(request, engine, action, request_id,
                               {"request_id": request_id, **serializer.validated_data})
 
@@ -374,7 +402,7 @@ class WhatIfView(APIView):
     def post(self, request, name: str):
         serializer = WhatIfSerializer(data=request.data or {})
         serializer.is_valid(raise_exception=True)
-        engine = get_object_or_404(Engine, name=name)
+        engine = engine_or_404(name)
         data = serializer.validated_data
         try:
             run = what_if.start(request.user, engine, data["minutes"], data["max_jobs"],
@@ -383,9 +411,9 @@ class WhatIfView(APIView):
         except idempotency.KeyReused as e:
             raise _refused(e) from None
         except what_if.Refused as e:
-            return Response({"error": str(e)}, status=status.HTTP_400_BAD_REQUEST)
+            return errors.error_response(400, str(e), "refused")
         except what_if.Busy as e:
-            return Response({"error": str(e)}, status=status.HTTP_409_CONFLICT)
+            return errors.error_response(409, str(e), "busy")
         except what_if.Unavailable as e:
             raise ServiceUnavailable(str(e)) from None
         response = Response(WhatIfRunSerializer(run).data, status=status.HTTP_202_ACCEPTED)
@@ -395,7 +423,7 @@ class WhatIfView(APIView):
 
     @extend_schema(responses={200: WhatIfRunSerializer(many=True), 403: ERROR, 404: ERROR})
     def get(self, request, name: str):
-        engine = get_object_or_404(Engine, name=name)
+        engine = engine_or_404(name)
         runs = [what_if.settle(run) for run in selectors.what_if_runs(engine.name)]
         return Response(WhatIfRunSerializer(runs, many=True).data)
 

@@ -1,5 +1,6 @@
-"""Who calls /v1: the user of the request's bearer token (a DRF token), each key looked up
-at most once every few seconds."""
+"""Who calls /v1 and /tokenize: the user of the request's DRF token, sent as `Bearer <key>`
+or `Token <key>` (kvops/intake/api_key.py), each key looked up at most once every few
+seconds."""
 from __future__ import annotations
 
 import asyncio
@@ -11,6 +12,7 @@ from django.db import close_old_connections
 from django.http import HttpRequest, JsonResponse
 from rest_framework.authtoken.models import Token
 
+from kvops.intake import api_key
 from kvops.openai import errors
 
 TOKEN_CACHE_S = 5.0  # a deleted token or deactivated user is refused this long after, at most
@@ -57,15 +59,14 @@ _tokens = TokenUsers()  # this web process's
 
 
 async def authenticate(request: HttpRequest):
-    """The user of the request's bearer token, or None."""
-    header = request.headers.get("Authorization", "")
-    scheme, _, key = header.partition(" ")
-    key = key.strip()
-    if scheme.lower() != "bearer" or not key:
+    """The user of the request's token, or None."""
+    key = api_key.key_of(request.headers.get("Authorization", ""))
+    if not key:
         return None
     return await _tokens.user(key)
 
 
 def unauthorized() -> JsonResponse:
-    return errors.error(401, "missing or invalid API key: send `Authorization: Bearer <token>`",
+    return errors.error(401, "missing or invalid API key: send `Authorization: Bearer <token>` "
+                        "(or `Token <token>`)",
                         type_="authentication_error", code="invalid_api_key")

@@ -28,15 +28,17 @@ export async function api(method, path, body, headers = {}) {
   return { status: response.status, ok: response.ok, data };
 }
 
-// One line saying what went wrong, from any of the API's error shapes.
+// One line saying what went wrong. /api answers {"error": {type, code, message, field,
+// fields}} (docs/api.md, "Errors"; /v1's OpenAI shape has a message there too); api()
+// above makes {"error": "<text>"} of a network failure or a body that is not JSON.
 export function errorText(result) {
   const d = result.data;
   if (!d) return `HTTP ${result.status}`;
   if (typeof d === "string") return d;
-  if (d.message) return `${d.error ? d.error + ": " : ""}${d.message}`;
-  if (d.error) return typeof d.error === "string" ? d.error : JSON.stringify(d.error);
-  if (d.detail) return d.detail;
-  return Object.entries(d).map(([k, v]) => `${k}: ${Array.isArray(v) ? v.join(" ") : v}`).join("; ");
+  const error = d.error;
+  if (typeof error === "string") return error;
+  if (error && error.message) return error.message;
+  return `HTTP ${result.status}: ${JSON.stringify(d).slice(0, 300)}`;
 }
 
 // A fresh Idempotency-Key: a POST sent again with it (its answer never came) is answered

@@ -82,7 +82,7 @@ def test_unicode_edge_cases_run(fuzz_stack, prompt):
 
 def test_nul_is_refused(fuzz_stack):
     r = fuzz_stack.api("POST", "/api/jobs/", json={"prompt": "nul \u0000 inside"})
-    assert r.status_code == 400 and "NUL characters" in r.json()["error"]
+    assert r.status_code == 400 and "NUL characters" in r.json()["error"]["message"]
 
 
 def test_lone_surrogate_is_refused(fuzz_stack):
@@ -90,4 +90,4 @@ def test_lone_surrogate_is_refused(fuzz_stack):
     r = requests.post(f"{fuzz_stack.url}/api/jobs/", data=b'{"prompt": "bad \\ud800 half"}',
                       headers={"Authorization": f"Token {fuzz_stack.tokens['admin']}",
                                "Content-Type": "application/json"}, timeout=60)
-    assert r.status_code == 400 and "prompt" in r.json()["error"]
+    assert r.status_code == 400 and "prompt" in r.json()["error"]["message"]

@@ -8,7 +8,7 @@ def test_batch_limits_change_live_within_their_bounds(stack):
     result = answer.json()["result"]
     assert result["max_num_seqs"] == 4 and result["caps"]["max_num_seqs"] == 16
     too_many = stack.api("POST", "/api/engines/sim/limits/", json={"max_num_seqs": 17})
-    assert too_many.status_code == 400 and "[1, 16]" in too_many.json()["message"]
+    assert too_many.status_code == 400 and "[1, 16]" in too_many.json()["error"]["message"]
     assert stack.api("POST", "/api/engines/sim/limits/", json={}).status_code == 400
     assert stack.api("POST", "/api/engines/sim/limits/",
                      json={"max_num_batched_tokens": 8}).status_code == 400

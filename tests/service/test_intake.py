@@ -1,5 +1,5 @@
 """One intake: a field one API refuses the others refuse too, with the same message
-naming the same field (REST's {"error", "fields"}, OpenAI's {"error": {"message",
+naming the same field (REST's {"error": {"message", "fields"}}, OpenAI's {"error": {"message",
 "param"}}); /v1 honours Idempotency-Key as REST does; REST refuses what the engines
 that would run it cannot do, as /v1 does. In this process, against the database."""
 import pytest
@@ -52,7 +52,7 @@ def refusals(client, user, fields: dict) -> list[tuple[int, str, str]]:
     out = []
     answer = rest(user, {"prompt": "x", **fields})
     body = answer.json()
-    [(param, [message])] = body["fields"].items() if answer.status_code == 400 else [("", [""])]
+    [(param, [message])] = body["error"]["fields"].items() if answer.status_code == 400 else [("", [""])]
     out.append((answer.status_code, param, message))
     for path, base in (("/v1/completions", {"model": "sim-model", "prompt": "x"}),
                        ("/v1/chat/completions", {"model": "sim-model", "messages": CHAT})):
@@ -97,12 +97,12 @@ def test_chat_fields_are_refused_alike_on_rest_and_chat(erin, sim_engine, client
         chat = v1(client, erin, "/v1/chat/completions", {"model": "sim-model",
                                                          "messages": messages})
         assert answer.status_code == chat.status_code == 400
-        assert answer.json()["fields"]["messages"] == [chat.json()["error"]["message"]]
+        assert answer.json()["error"]["fields"]["messages"] == [chat.json()["error"]["message"]]
     tools = [{"type": "x"}]
     answer = rest(erin, {"messages": CHAT, "tools": tools})
     chat = v1(client, erin, "/v1/chat/completions", {"model": "sim-model", "messages": CHAT,
                                                      "tools": tools})
-    assert answer.json()["fields"]["tools"] == [chat.json()["error"]["message"]]
+    assert answer.json()["error"]["fields"]["tools"] == [chat.json()["error"]["message"]]
 
 
 def test_what_the_engines_cannot_do_is_refused_on_rest_as_on_v1(erin, sim_engine, client):
@@ -113,16 +113,16 @@ def test_what_the_engines_cannot_do_is_refused_on_rest_as_on_v1(erin, sim_engine
     completion = v1(client, erin, "/v1/completions", {"model": "sim-model", "prompt": "x",
                                                       **spec})
     assert answer.status_code == completion.status_code == 400
-    assert answer.json()["fields"]["structured_outputs"] == \
+    assert answer.json()["error"]["fields"]["structured_outputs"] == \
         [completion.json()["error"]["message"]]
     assert "simulate" in completion.json()["error"]["message"]
     answer = rest(erin, {"prompt": "x", "model": "sim-model", "prompt_logprobs": 1})
-    assert answer.status_code == 400 and "simulate" in answer.json()["fields"]["prompt_logprobs"][0]
+    assert answer.status_code == 400 and "simulate" in answer.json()["error"]["fields"]["prompt_logprobs"][0]
     echo = v1(client, erin, "/v1/completions", {"model": "sim-model", "prompt": "x",
                                                 "echo": True, "logprobs": 1})
     assert echo.status_code == 400 and echo.json()["error"]["param"] == "echo"
     missing = rest(erin, {"prompt": "x", "model": "no-such-model"})
-    assert missing.status_code == 404 and "no-such-model" in missing.json()["error"]
+    assert missing.status_code == 404 and "no-such-model" in missing.json()["error"]["message"]
     assert Job.objects.count() == 0
 
 
@@ -177,11 +177,11 @@ def test_a_malformed_tool_turn_is_refused_alike_on_rest_and_chat(erin, sim_engin
                                                                   message, says):
     messages = [{"role": "user", "content": "hi"}, message]
     answer = rest(erin, {"messages": messages})
-    assert answer.status_code == 400 and says in answer.json()["fields"]["messages"][0]
+    assert answer.status_code == 400 and says in answer.json()["error"]["fields"]["messages"][0]
     chat = v1(client, erin, "/v1/chat/completions", {"model": "sim-model",
                                                      "messages": messages})
     assert chat.status_code == 400 and chat.json()["error"]["param"] == "messages"
-    assert answer.json()["fields"]["messages"][0] == chat.json()["error"]["message"]
+    assert answer.json()["error"]["fields"]["messages"][0] == chat.json()["error"]["message"]
 
 
 @pytest.fixture()

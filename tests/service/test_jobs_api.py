@@ -43,7 +43,7 @@ def test_job_naming_an_engine_and_an_unknown_one(stack):
     r = stack.api("POST", "/api/jobs/", json={"prompt": "x", "max_tokens": 1, "engine": "sim"})
     assert stack.wait_job(r.json()["id"])["engine"] == "sim"
     r = stack.api("POST", "/api/jobs/", json={"prompt": "x", "engine": "nope"})
-    assert r.status_code == 404 and "nope" in r.json()["error"]
+    assert r.status_code == 404 and "nope" in r.json()["error"]["message"]
 
 
 def test_cancel_a_running_job(stack):
@@ -98,18 +98,18 @@ def test_anonymous_is_refused(stack):
 def test_bad_input_is_a_clear_400(stack, body, field):
     r = stack.api("POST", "/api/jobs/", json=body)
     assert r.status_code == 400, r.text
-    assert field in r.json()["error"]
+    assert field in r.json()["error"]["message"]
 
 
 def test_malformed_json_is_a_400(stack):
     r = stack.api("POST", "/api/jobs/", data=b"{not json", headers={"Content-Type": "application/json"})
-    assert r.status_code == 400 and "JSON" in r.json()["error"]
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
 
 
 def test_prompt_over_the_model_limit_is_a_400(stack):
     r = stack.api("POST", "/api/jobs/", json={"prompt": "y" * 5000, "max_tokens": 1})
     assert r.status_code == 400
-    assert "5000 tokens on engine sim" in r.json()["error"] and "4095" in r.json()["error"]
+    assert "5000 tokens on engine sim" in r.json()["error"]["message"] and "4095" in r.json()["error"]["message"]
     r = stack.api("POST", "/api/jobs/", json={"prompt": "y" * 4095, "max_tokens": 1})
     assert r.status_code == 201  # the longest prompt that fits
 

@@ -67,7 +67,7 @@ def test_jobs_queued_or_running_are_capped_per_user(users, settings):
     for _ in range(2):
         assert rest(erin).post("/api/jobs/", JOB, format="json").status_code == 201
     refused = rest(erin).post("/api/jobs/", JOB, format="json")
-    assert refused.status_code == 429 and "KVOPS_MAX_JOBS_PER_USER=2" in refused.json()["error"]
+    assert refused.status_code == 429 and "KVOPS_MAX_JOBS_PER_USER=2" in refused.json()["error"]["message"]
     assert rest(boss).post("/api/jobs/", JOB, format="json").status_code == 201
     from kvops.models import Job
     Job.objects.filter(owner=erin).update(status=Job.Status.FINISHED)  # they ended
@@ -99,7 +99,7 @@ def test_a_job_counts_its_n_sequences(users, settings):
     assert rest(erin).post("/api/jobs/", {**JOB, "n": 6}, format="json").status_code == 201
     refused = rest(erin).post("/api/jobs/", {**JOB, "n": 3}, format="json")
     assert refused.status_code == 429, refused.content
-    assert "KVOPS_MAX_SEQS_PER_USER=8" in refused.json()["error"]
-    assert "would make 9" in refused.json()["error"]
+    assert "KVOPS_MAX_SEQS_PER_USER=8" in refused.json()["error"]["message"]
+    assert "would make 9" in refused.json()["error"]["message"]
     assert rest(erin).post("/api/jobs/", {**JOB, "n": 2}, format="json").status_code == 201
     assert rest(boss).post("/api/jobs/", {**JOB, "n": 16}, format="json").status_code == 201

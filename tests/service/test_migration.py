@@ -187,16 +187,16 @@ def test_what_cannot_move_is_refused_with_the_reason(stack):
     r = stack.api("POST", "/api/engines/a/requests/nope/migrate/", json={"to": "b"})
     assert r.status_code == 404, r.text
     r = stack.api("POST", url, json={})
-    assert r.status_code == 400 and "to" in r.json()["fields"]
+    assert r.status_code == 400 and "to" in r.json()["error"]["fields"]
     r = stack.api("POST", url, json={"to": "zz"})
-    assert r.status_code == 400 and "no engine is named" in r.json()["message"]
+    assert r.status_code == 400 and "no engine is named" in r.json()["error"]["message"]
     r = stack.api("POST", url, json={"to": "a"})
-    assert r.status_code == 400 and "already runs" in r.json()["message"]
+    assert r.status_code == 400 and "already runs" in r.json()["error"]["message"]
     assert stack.api("POST", url, json={"to": "b"}, user="alice").status_code == 403
     assert stack.api("POST", "/api/engines/b/pause/").status_code == 200
     try:
         r = stack.api("POST", url, json={"to": "b"})
-        assert r.status_code == 409 and "paused" in r.json()["message"], r.text
+        assert r.status_code == 409 and "paused" in r.json()["error"]["message"], r.text
     finally:
         assert stack.api("POST", "/api/engines/b/resume/").status_code == 200
     # an Idempotency-Key: the move happens once, the retry gets the first answer
@@ -208,7 +208,7 @@ def test_what_cannot_move_is_refused_with_the_reason(stack):
     assert again.json() == first.json()
     # moved: on b now, and not on a
     r = stack.api("POST", f"/api/engines/a/requests/{rid}/migrate/", json={"to": "b"})
-    assert r.status_code == 409 and "moved to another engine" in r.json()["message"], r.text
+    assert r.status_code == 409 and "moved to another engine" in r.json()["error"]["message"], r.text
     assert stack.api("POST", f"/api/jobs/{job['id']}/cancel/").status_code in (200, 202)
     final = stack.wait_job(job["id"])
     assert final["status"] == "cancelled" and final["engine"] == "b"

@@ -41,7 +41,7 @@ def test_swap_out_swap_in_preempt_abort(stack):
 
     stack.wait(swapped_in_snapshot, "snapshot showing the swap", 10)
     r = act(stack, rid, "swap-out")
-    assert r.status_code == 409 and "swapped" in r.json()["message"]
+    assert r.status_code == 409 and "swapped" in r.json()["error"]["message"]
     r = act(stack, rid, "swap-in")
     assert r.status_code == 200 and r.json()["result"]["status"] == "running"
     r = act(stack, rid, "preempt")
@@ -52,7 +52,7 @@ def test_swap_out_swap_in_preempt_abort(stack):
     assert done["status"] == "cancelled" and "operator" in done["error"]
     assert done["num_preemptions"] == 2
     r = act(stack, rid, "abort")
-    assert r.status_code == 409 and "finished" in r.json()["message"]
+    assert r.status_code == 409 and "finished" in r.json()["error"]["message"]
     log = stack.api("GET", "/api/actions/").json()["results"]
     mine = [a for a in log if a["target"] == rid]
     assert [a["action"] for a in reversed(mine)] == ["swap-out", "swap-out", "swap-in",
@@ -66,7 +66,7 @@ def test_unknown_request_engine_and_action(stack):
     r = stack.api("POST", "/api/engines/nope/requests/x/preempt/")
     assert r.status_code == 404
     r = stack.api("POST", "/api/engines/sim/requests/x/explode/")
-    assert r.status_code == 404 and "explode" in r.json()["error"]
+    assert r.status_code == 404 and "explode" in r.json()["error"]["message"]
 
 
 def test_non_staff_cannot_act(stack):
@@ -106,7 +106,7 @@ def test_prefix_cache_pin_evict_reset(stack):
     r = stack.api("POST", "/api/engines/sim/prefix-cache/reset/")
     assert r.status_code == 200 and r.json()["result"]["num_blocks_forgotten"] >= len(pinned)
     r = stack.api("POST", "/api/engines/sim/prefix-cache/pin/", json={"prompt": prompt})
-    assert r.status_code == 409 and "cached" in r.json()["message"]
+    assert r.status_code == 409 and "cached" in r.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("action, body", [
@@ -135,7 +135,7 @@ def test_a_worker_that_does_not_answer_is_a_504(stack):
     stack.manage("shell", "-c", "from kvops.models import Engine; Engine.objects.create("
                  "name='ghost', worker='engine-ghost@nowhere', status='ready')")
     r = stack.api("POST", "/api/engines/ghost/prefix-cache/reset/")
-    assert r.status_code == 504 and "did not answer" in r.json()["message"]
+    assert r.status_code == 504 and "did not answer" in r.json()["error"]["message"]
 
 
 def test_a_retried_action_with_an_idempotency_key_happens_once(stack):
@@ -168,7 +168,7 @@ def test_the_pin_budget_is_set_live_and_refuses_a_pin_over_it(stack):
         assert r.status_code == 200, r.text
         assert r.json()["result"]["pin_budget"] == 0.0
         r = stack.api("POST", "/api/engines/sim/prefix-cache/pin/", json={"prompt": prompt})
-        assert r.status_code == 409 and "pin budget of 0 blocks" in r.json()["message"], r.text
+        assert r.status_code == 409 and "pin budget of 0 blocks" in r.json()["error"]["message"], r.text
         # a soft pin counts against no budget (it takes no block from a request)
         r = stack.api("POST", "/api/engines/sim/prefix-cache/pin/",
                       json={"prompt": prompt, "soft": True, "priority": -1, "ttl_s": 600})

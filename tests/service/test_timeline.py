@@ -94,13 +94,13 @@ def test_a_window_fetched_whole_reaches_the_next_keyframe(stack):
 def test_bad_moments_are_400_with_a_message(stack, params, field):
     answer = stack.api("GET", "/api/engines/sim/timeline/state/", params=params)
     assert answer.status_code == 400, answer.text
-    assert field in answer.json()["error"]
+    assert field in answer.json()["error"]["message"]
 
 
 def test_moments_the_timeline_does_not_hold_and_unknown_engines_are_404(stack):
     long_ago = stack.api("GET", "/api/engines/sim/timeline/state/",
                          params={"at": "2001-01-01T00:00:00Z"})
-    assert long_ago.status_code == 404 and "holds" in long_ago.json()["error"]
+    assert long_ago.status_code == 404 and "holds" in long_ago.json()["error"]["message"]
     assert stack.api("GET", "/api/engines/sim/timeline/state/",
                      params={"at": "-1e300"}).status_code == 404
     assert stack.api("GET", "/api/engines/nope/timeline/state/",

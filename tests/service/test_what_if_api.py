@@ -42,7 +42,7 @@ def run_jobs(stack, n: int) -> list[dict]:
 
 def test_nothing_to_replay_before_any_job(stack):
     r = what_if(stack, {"minutes": 5})
-    assert r.status_code == 400 and "nothing to replay" in r.json()["error"]
+    assert r.status_code == 400 and "nothing to replay" in r.json()["error"]["message"]
 
 
 def test_a_what_if_runs_on_the_ops_worker_and_returns_both_replays(stack):
@@ -107,7 +107,7 @@ def test_a_retry_with_the_same_idempotency_key_gets_the_first_run(stack):
     other = stack.api("POST", "/api/engines/wi/what-if/", json={"minutes": 10,
                                                                  "num_gpu_blocks": 48},
                       headers=dict(key))
-    assert other.status_code == 409 and "another action" in other.json()["error"]
+    assert other.status_code == 409 and "another action" in other.json()["error"]["message"]
     bad = stack.api("POST", "/api/engines/wi/what-if/", json=body,
                     headers={"Idempotency-Key": "x" * 500})
     assert bad.status_code == 400 and "Idempotency-Key" in bad.text
@@ -147,7 +147,7 @@ def test_bad_requests_are_400_with_a_message(stack, body, status, words):
 
 def test_only_operators_and_only_known_engines_and_runs(stack):
     r = what_if(stack, {}, user="alice")
-    assert r.status_code == 403 and "operator" in r.json()["error"]
+    assert r.status_code == 403 and "operator" in r.json()["error"]["message"]
     assert stack.api("GET", "/api/engines/wi/what-if/", user="alice").status_code == 403
     assert what_if(stack, {}, engine="nosuch").status_code == 404
     assert stack.api("GET", "/api/engines/wi/what-if/987654/").status_code == 404
