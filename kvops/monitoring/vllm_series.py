@@ -16,39 +16,39 @@ LABELS = ["model_name", "engine"]
 
 # (name, engine metrics key, help, kind): the engine's own figures (Reporter.metrics)
 ENGINE_SERIES = [
-    ("vllm:num_requests_running", "running", "Number of requests in model execution batches.",
+    ("vllm:num_requests_running", "running", "Requests in the running batch.",
      "gauge"),
-    ("vllm:num_requests_waiting", "waiting", "Number of requests waiting to be processed.",
+    ("vllm:num_requests_waiting", "waiting", "Requests waiting to be admitted.",
      "gauge"),
-    ("vllm:kv_cache_usage_perc", "kv_usage", "KV-cache usage. 1 means 100 percent usage.",
+    ("vllm:kv_cache_usage_perc", "kv_usage", "Share of the GPU KV pool in use (1: all of it).",
      "gauge"),
     ("vllm:prefix_cache_queries", "prefix_cache_queries",
-     "Prefix cache queries, in terms of number of queried tokens.", "counter"),
+     "Prompt tokens looked up in the prefix cache.", "counter"),
     ("vllm:prefix_cache_hits", "prefix_cache_hits",
-     "Prefix cache hits, in terms of number of cached tokens.", "counter"),
+     "Prompt tokens found in the prefix cache.", "counter"),
     ("vllm:num_preemptions", "num_preemptions",
-     "Cumulative number of preemptions from the engine (by recompute; kvops:num_swaps_out "
-     "counts those by swap).", "counter"),
-    ("vllm:prompt_tokens", "num_prompt_tokens", "Number of prefill tokens processed.",
+     "Requests preempted by recompute (kvops:num_swaps_out counts those "
+     "swapped out).", "counter"),
+    ("vllm:prompt_tokens", "num_prompt_tokens", "Prompt tokens computed.",
      "counter"),
     ("vllm:generation_tokens", "num_generation_tokens",
-     "Number of generation tokens processed.", "counter"),
+     "Output tokens generated.", "counter"),
 ]
 
 HISTOGRAM_HELP = {
-    "time_to_first_token_seconds": "Histogram of time to first token in seconds.",
-    "e2e_request_latency_seconds": "Histogram of e2e request latency in seconds.",
-    "request_queue_time_seconds": "Histogram of time spent in WAITING phase for request.",
-    "request_prefill_time_seconds": "Histogram of time spent in PREFILL phase for request.",
-    "request_decode_time_seconds": "Histogram of time spent in DECODE phase for request.",
-    "request_inference_time_seconds": "Histogram of time spent in RUNNING phase for request.",
+    "time_to_first_token_seconds": "Seconds from a request's arrival to its first token.",
+    "e2e_request_latency_seconds": "Seconds from a request's arrival to its end.",
+    "request_queue_time_seconds": "Seconds a request waited before it first ran.",
+    "request_prefill_time_seconds": "Seconds a request spent computing its prompt.",
+    "request_decode_time_seconds": "Seconds a request spent generating after its first token.",
+    "request_inference_time_seconds": "Seconds a request spent running (prompt and generation).",
     "request_time_per_output_token_seconds":
-        "Histogram of time_per_output_token_seconds per request.",
-    "inter_token_latency_seconds": "Histogram of inter-token latency in seconds.",
-    "request_prompt_tokens": "Number of prefill tokens processed.",
-    "request_generation_tokens": "Number of generation tokens processed.",
+        "A request's mean seconds per output token after the first.",
+    "inter_token_latency_seconds": "Seconds between a request's consecutive output tokens.",
+    "request_prompt_tokens": "A request's prompt tokens.",
+    "request_generation_tokens": "A request's output tokens.",
     "request_max_num_generation_tokens":
-        "Histogram of maximum number of requested generation tokens.",
+        "Output tokens a request asked for at most (max_tokens).",
 }
 # counted in tokens: their bounds stop at the engine's max_model_len, as vLLM's do
 TOKEN_COUNTS = {"request_prompt_tokens", "request_generation_tokens",
