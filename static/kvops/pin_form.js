@@ -9,8 +9,7 @@ export const PIN_MODES = {
   job: {
     label: "job id",
     placeholder: "A job's id, e.g. 1234: pins the prompt that job ran, as the engine saw it "
-      + "(a chat rendered through the model's template, under the job's cache salt). "
-      + "To pin what chat jobs cached, pin by job or by chat messages.",
+      + "(a chat rendered through the model's template, under the job's cache salt).",
   },
   messages: {
     label: "chat messages (JSON)",

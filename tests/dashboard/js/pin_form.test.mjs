@@ -7,9 +7,9 @@ import { PIN_MODES, pinRequest } from "../../../static/kvops/pin_form.js";
 
 test("four modes, the job first; the placeholders say which pins what chat jobs cached", () => {
   assert.deepEqual(Object.keys(PIN_MODES), ["job", "messages", "token_ids", "text"]);
-  assert.match(PIN_MODES.job.placeholder, /pin by job or by chat messages/);
+  assert.match(PIN_MODES.job.placeholder, /the prompt that job ran, as the engine saw it/);
   assert.match(PIN_MODES.messages.placeholder, /chat template/);
-  assert.match(PIN_MODES.text.placeholder, /not chat jobs'/);
+  assert.match(PIN_MODES.text.placeholder, /not chat jobs' \(pin those by job or by chat messages\)/);
 });
 
 test("a job id", () => {
