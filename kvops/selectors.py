@@ -99,8 +99,8 @@ def what_if_run(engine_name: str, run_id: int) -> WhatIfRun | None:
     return WhatIfRun.objects.filter(engine=engine_name, pk=run_id).select_related("user").first()
 
 
-# a pin's prefix may be someone's prompt, and a salt names a tenant's hash chain
-PROMPT_PARAMS = ("prompt", "token_ids", "cache_salt")
+# a pin's prefix may be someone's prompt (or chat), and a salt names a tenant's hash chain
+PROMPT_PARAMS = ("prompt", "messages", "token_ids", "cache_salt")
 HIDDEN = "(hidden: staff only)"
 
 

@@ -1,5 +1,4 @@
 """Pages (thin: they render templates; the data comes from the API and websockets)."""
-import json
 
 from django.contrib.auth.decorators import login_required
 from django.http import HttpRequest, HttpResponse
@@ -8,6 +7,7 @@ from django.shortcuts import get_object_or_404, render
 from engine.observe.story import FIRST_MISS_REASONS
 from kvops import selectors
 from kvops.dashboard import visibility
+from kvops.operators import log_rows
 from kvops.routing import tenancy
 from kvops.models import Engine, Job
 
@@ -59,15 +59,8 @@ def actions_page(request: HttpRequest) -> HttpResponse:
     rows = []
     for a in actions[:ACTIONS_SHOWN]:  # prompts in an action's params: staff only
         params = selectors.action_params_for(a, request.user)
-        rows.append({"action": a, "params": json.dumps(params) if params else "",
-                     "answer": _answer(a.result)})
+        rows.append({"action": a, "params": log_rows.params_rows(params),
+                     "answer": log_rows.answer(a.result)})
     return render(request, "kvops/actions.html", {
         "rows": rows, "engine": engine, "shown": ACTIONS_SHOWN,
         "engines": [e.name for e in selectors.engines()]})
-
-
-def _answer(result: dict) -> str:
-    """The engine's answer in one line: its error, or its result as JSON."""
-    if result.get("message"):
-        return f"{result.get('error', 'error')}: {result['message']}"
-    return json.dumps(result.get("result", result))

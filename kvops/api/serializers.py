@@ -189,11 +189,19 @@ class LimitsSerializer(StrictMixin, serializers.Serializer):
 
 
 class PrefixSerializer(StrictMixin, serializers.Serializer):
-    prompt = TextField(required=False, max_length=settings.KVOPS_MAX_PROMPT_CHARS,
-                       trim_whitespace=False)
+    """A pin's or unpin's prefix, named one way of four (kvops/operators/pin_target.py
+    makes it the engine's arguments): `job` (what that job ran, under its cache salt),
+    `messages` (a chat rendered as a chat job's, without the generation prompt),
+    `token_ids`, or `text` (tokenized raw, no chat template; `prompt` is its older name)."""
+    job = serializers.IntegerField(required=False, min_value=1, max_value=2**63 - 1)
+    messages = serializers.JSONField(required=False)
     token_ids = serializers.ListField(child=serializers.IntegerField(min_value=0,
                                                                      max_value=2**31 - 1),
                                       required=False, max_length=1_000_000)
+    text = TextField(required=False, max_length=settings.KVOPS_MAX_PROMPT_CHARS,
+                     trim_whitespace=False)
+    prompt = TextField(required=False, max_length=settings.KVOPS_MAX_PROMPT_CHARS,
+                       trim_whitespace=False)
     cache_salt = TextField(required=False, allow_null=True, default=None,
                                        max_length=256)
     # a soft pin: kept over the other cached blocks for ttl_s (renewed by each hit), by
@@ -204,14 +212,32 @@ class PrefixSerializer(StrictMixin, serializers.Serializer):
     ttl_s = FiniteFloatField(required=False, allow_null=True, default=None, min_value=1.0,
                              max_value=30 * 86400.0)
 
+    MODES = ("job", "messages", "token_ids", "text", "prompt")
+
+    def validate_messages(self, value):
+        try:
+            return limits.messages(value)
+        except limits.InvalidParam as e:
+            raise serializers.ValidationError(str(e)) from None
+
     def validate(self, attrs):
         if not attrs.get("soft") and (attrs.get("priority") is not None
                                       or attrs.get("ttl_s") is not None):
             raise serializers.ValidationError(
                 {"soft": ["priority and ttl_s are a soft pin's: give soft: true"]})
-        if bool(attrs.get("prompt")) == bool(attrs.get("token_ids")):
-            raise serializers.ValidationError(
-                {"prompt": ["give exactly one of `prompt` (non-empty text) or `token_ids`"]})
+        given = [mode for mode in self.MODES if attrs.get(mode)]
+        if len(given) != 1:
+            said = f"got {', '.join(f'`{m}`' for m in given)}" if given else "got none"
+            raise serializers.ValidationError({
+                (given[1] if given else "non_field_errors"): [
+                    "give exactly one of `job` (what a job ran), `messages` (a chat, "
+                    "rendered as a chat job's), `token_ids` or `text` (raw, no chat "
+                    f"template; non-empty); {said}. To pin what chat jobs cached, pin by "
+                    "job or by messages"]})
+        if given[0] == "job" and attrs.get("cache_salt") is not None:
+            raise serializers.ValidationError({"cache_salt": [
+                "a job's prefix is pinned under the job's own cache salt: leave out "
+                "`cache_salt`"]})
         return attrs
 
 

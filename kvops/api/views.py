@@ -19,7 +19,7 @@ from kvops import selectors
 from kvops.dashboard import kv_story_view, visibility
 from kvops.intake import intake
 from kvops.jobs import admission, idempotency, job_store, refusals
-from kvops.operators import operator_actions
+from kvops.operators import operator_actions, pin_target
 from kvops.what_if import what_if
 from kvops.api import errors
 from kvops.api.serializers import (DrainSerializer, EmptySerializer, EngineSerializer,
@@ -371,7 +371,8 @@ class EngineRetentionView(APIView):
 
 
 class PrefixCacheActionView(APIView):
-    """POST /api/engines/<name>/prefix-cache/<action>/"""
+    """POST /api/engines/<name>/prefix-cache/<action>/: evict, reset, or pin and unpin a
+    prefix named by `job`, `messages`, `token_ids` or `text` (kvops/operators/pin_target.py)."""
     permission_classes = [permissions.IsAuthenticated, IsOperator]
     SERIALIZERS = {"evict": EvictSerializer, "reset": EmptySerializer,
                    "pin": PrefixSerializer, "unpin": PrefixSerializer}
@@ -383,7 +384,17 @@ class PrefixCacheActionView(APIView):
         serializer_class = self.SERIALIZERS.get(action)
         if serializer_class is None:
             raise NotFound(f"unknown action {action!r}; one of {', '.join(self.SERIALIZERS)}")
-        return _checked_action(request, serializer_class, name, action, "")
+        if serializer_class is not PrefixSerializer:
+            return _checked_action(request, serializer_class, name, action, "")
+        serializer = PrefixSerializer(data=request.data or {})
+        serializer.is_valid(raise_exception=True)
+        engine = engine_or_404(name)
+        try:  # a job or a chat made into the token ids the engine cached
+            arguments = pin_target.engine_arguments(engine, serializer.validated_data)
+        except pin_target.Refused as e:
+            code = "invalid" if e.status == 400 else "not_renderable"
+            return errors.error_response(e.status, f"{e.field}: {e}", code, {e.field: [str(e)]})
+        return _action_answer(request, engine, action, "", arguments)
 
 
 WHAT_IF_RESPONSES = {202: WhatIfRunSerializer, 400: ERROR, 403: ERROR, 404: ERROR, 409: ERROR,

@@ -14,16 +14,20 @@ from engine.text.detokenizer import SimTokenizer
 log = logging.getLogger(__name__)
 
 
-def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> str:
+def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None,
+                add_generation_prompt: bool = True) -> str:
     """The tokenizer's chat template applied to messages (and `tools`, OpenAI's list, for
     templates that render them); a plain transcript for the simulator, which has no
-    template."""
+    template. Without the generation prompt (the assistant's turn opened) the text is the
+    start of every chat that goes on from these messages: what a pin of them holds."""
     if hasattr(tokenizer, "apply_chat_template"):
         if tools:
-            return tokenizer.apply_chat_template(messages, tools=tools)
-        return tokenizer.apply_chat_template(messages)
-    return "".join(f"{m['role']}: {m['content']}{_calls_text(m)}\n"
-                   for m in messages) + "assistant: "
+            return tokenizer.apply_chat_template(messages, tools=tools,
+                                                 add_generation_prompt=add_generation_prompt)
+        return tokenizer.apply_chat_template(messages,
+                                             add_generation_prompt=add_generation_prompt)
+    transcript = "".join(f"{m['role']}: {m['content']}{_calls_text(m)}\n" for m in messages)
+    return transcript + ("assistant: " if add_generation_prompt else "")
 
 
 def _calls_text(message: dict) -> str:
@@ -33,11 +37,14 @@ def _calls_text(message: dict) -> str:
 
 
 def prompt_ids(tokenizer, prompt: str, messages: list[dict] | None,
-               tools: list[dict] | None = None) -> list[int]:
+               tools: list[dict] | None = None, add_generation_prompt: bool = True) -> list[int]:
     """The token ids an engine runs for a job: its chat rendered (with its tools) and
     tokenized, or its prompt tokenized. The web does this once, at intake
-    (kvops/intake/intake.py); the ids travel with the job to routing, the worker and the core."""
-    return tokenizer.encode(render_chat(tokenizer, messages, tools) if messages else prompt)
+    (kvops/intake/intake.py); the ids travel with the job to routing, the worker and the core.
+    A pin of a chat's prefix renders it without the generation prompt."""
+    if messages:
+        return tokenizer.encode(render_chat(tokenizer, messages, tools, add_generation_prompt))
+    return tokenizer.encode(prompt)
 
 
 def job_prompt_ids(job, config: dict, tokenizer) -> list[int] | None:
@@ -132,13 +139,14 @@ class PromptInspector:
         return self._tokenizers[key]
 
     def token_ids(self, config: dict, prompt: str, messages: list[dict] | None,
-                  tools: list[dict] | None = None) -> list[int] | None:
+                  tools: list[dict] | None = None,
+                  add_generation_prompt: bool = True) -> list[int] | None:
         """The prompt's token ids on this engine (prompt_ids), or None if its tokenizer is
         not readable from here (its model folder is on another machine)."""
         tokenizer = self.tokenizer(config)
         if tokenizer is None:
             return None
-        return prompt_ids(tokenizer, prompt, messages, tools)
+        return prompt_ids(tokenizer, prompt, messages, tools, add_generation_prompt)
 
     def job_token_ids(self, config: dict, job) -> list[int] | None:
         """A stored job's token ids on this engine: those rendered at intake when they were

@@ -3,7 +3,8 @@
 // state current meanwhile, unpainted). Data: a snapshot, then deltas in sequence
 // (live_sync.js: a gap or a restart asks for a new snapshot); operator actions go
 // through the REST API (a running request's Migrate control among them: migration.js
-// says where it may go; the Retention control's form: retention.js). ?request=<id>
+// says where it may go; the Retention control's form: retention.js; the Pin form's ways
+// to name a prefix: pin_form.js). ?request=<id>
 // selects a request once it shows; ?at=<time> opens the timeline at that moment (a job's
 // KV story links here). window.kvopsPerf keeps timings for tests.
 import { api, errorText, newIdempotencyKey } from "./api.js";
@@ -19,6 +20,7 @@ import { TERMINAL, compactStoryHtml, missesHtml } from "./kv_story.js";
 import { MetricsHistory, cumulativeHitRate } from "./metrics.js";
 import { LiveSync } from "./live_sync.js";
 import { drainText, migrationTargets, migrationText } from "./migration.js";
+import { PIN_MODES, pinRequest } from "./pin_form.js";
 import { RequestTable } from "./request_table.js";
 import { EVICTION_POLICIES, currentRetention, followedForm, pinnedText, retentionForm,
          retentionRequest, retentionText } from "./retention.js";
@@ -441,7 +443,8 @@ function renderSelected() {
     <p><span class="mono">${esc(r.request_id)}</span> <span class="pill ${esc(r.status)}">${esc(r.status)}</span>
     ${othersOf(r) ? '· <span class="muted">another user\'s request</span>'
     : r.job_id ? `· <a href="/jobs/${esc(r.job_id)}/">job ${esc(r.job_id)}</a>` : ""}
-    <button class="small secondary" id="unselect" style="float:right">clear</button></p>`;
+    <button class="small secondary" id="unselect" style="float:right">clear</button></p>
+    ${page.operator && r.job_id ? `<button class="small secondary" id="pin-job" title="pin the prompt this job ran (as the engine saw it, under its cache salt)">Pin this job's prefix</button>` : ""}`;
   $("#selected-detail").innerHTML = `<p class="muted">${num(r.num_computed_tokens)} tokens computed, ${num(r.num_cached_tokens)} from the prefix cache;
     ${r.block_table.length} GPU blocks (${shared} shared), ${r.cpu_block_table.length} CPU blocks.</p>
     <div class="muted" style="font-size:12px">GPU block table, in order (² = shared)</div>
@@ -449,6 +452,8 @@ function renderSelected() {
     ${r.cpu_block_table.length ? `<div class="muted" style="font-size:12px;margin-top:6px">CPU block table</div><div class="chips">${chips(r.cpu_block_table, "cpu")}</div>` : ""}
     <div id="selected-story">${storyOf(r)}</div>`;
   $("#unselect").onclick = () => select(null, false);
+  const pinJob = $("#pin-job");
+  if (pinJob) pinJob.onclick = () => prefixAction("pin", { job: Number(r.job_id) }, null);
 }
 
 // The selected request's job's KV story (GET /api/jobs/<id>/kv/), for a viewer who may
@@ -733,8 +738,17 @@ if (page.operator) {
                  `Evict ${n === "" ? "every" : n} cached block${n === "1" ? "" : "s"} at ref count 0?`);
   };
   $("#reset").onclick = () => prefixAction("reset", {}, "Reset the prefix cache (forget every cached block, unpin all)?");
-  $("#pin").onclick = () => prefixAction("pin", { prompt: $("#pin-prompt").value }, null);
-  $("#unpin").onclick = () => prefixAction("unpin", { prompt: $("#pin-prompt").value }, null);
+  $("#pin-mode").replaceChildren(...Object.entries(PIN_MODES).map(([mode, m]) => new Option(m.label, mode)));
+  const showPinMode = () => { $("#pin-prompt").placeholder = PIN_MODES[$("#pin-mode").value].placeholder; };
+  $("#pin-mode").onchange = showPinMode;
+  showPinMode();
+  const pinForm = (action) => {
+    const asked = pinRequest($("#pin-mode").value, $("#pin-prompt").value);
+    if (asked.error) showAnswer(`${LABELS[action]}: ${asked.error}`, false);
+    else prefixAction(action, asked.body, null);
+  };
+  $("#pin").onclick = () => pinForm("pin");
+  $("#unpin").onclick = () => pinForm("unpin");
 }
 
 async function loadActions() {

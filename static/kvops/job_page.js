@@ -1,7 +1,8 @@
 // A job: its tokens as they stream (websocket /ws/jobs/<id>/), facts and timings (REST),
 // while it runs its request's block table (asked of the engine once a second), and its
 // KV story (REST, kv_story.js: read on load and whenever its status changes). A job moved
-// between engines while it ran says which, and when (migration.js ranOnText).
+// between engines while it ran says which, and when (migration.js ranOnText). Operators
+// may pin the prompt it ran on its engine.
 import { api, errorText } from "./api.js";
 import { ownerCss } from "./colors.js";
 import { $, esc, num, seconds, toast, when } from "./format.js";
@@ -48,6 +49,11 @@ function renderFacts() {
     ["tokens/s", gen ? num(job.num_output_tokens / gen, 1) : "–"],
   ].map(([k, v]) => `<dt>${k}</dt><dd>${v}</dd>`).join("");
   $("#cancel").hidden = TERMINAL.has(job.status);
+  const pin = $("#pin-job");
+  if (pin) {  // (operators): once the job has an engine, whose prefix cache holds its prompt
+    pin.hidden = !job.engine;
+    pin.title = job.engine ? `pin the prompt this job ran on engine ${job.engine}, as the engine saw it (its chat rendered, under its cache salt)` : "";
+  }
 }
 
 // n > 1: every sample's text and finish reason, once the job has ended.
@@ -154,5 +160,22 @@ $("#cancel").onclick = async () => {
   toast(result.ok ? "Cancel requested" : errorText(result), !result.ok);
   loadJob();
 };
+// Operators: pin the prompt this job ran on its engine (POST .../prefix-cache/pin/ {job}).
+const pinButton = $("#pin-job");
+if (pinButton) {
+  pinButton.onclick = async () => {
+    if (!job?.engine) return;
+    const result = await api("POST", `/api/engines/${encodeURIComponent(job.engine)}/prefix-cache/pin/`, { job: page.id });
+    const r = result.data?.result;
+    const line = result.ok
+      ? `Pinned on ${job.engine}: ${num(r.block_ids.length)} blocks (${num(r.num_tokens)} tokens), ${num(r.num_newly_pinned)} newly pinned`
+      : `Pin on ${job.engine}: ${errorText(result)}`;
+    const answer = $("#pin-answer");
+    answer.hidden = false;
+    answer.className = `answer ${result.ok ? "ok" : "bad"}`;
+    answer.textContent = line;
+    toast(line, !result.ok);
+  };
+}
 loadJob();
 loadStory();

@@ -62,6 +62,7 @@ def test_an_operator_sets_the_policy_and_the_pin_budget(login, stack):
     r = stack.api("POST", "/api/jobs/", json={"prompt": PROMPT, "max_tokens": 4, "engine": ENGINE})
     assert r.status_code == 201, r.text
     assert stack.wait_job(r.json()["id"])["status"] == "finished"
+    page.select_option("#pin-mode", "text")  # (a completion job's prompt: raw text)
     page.fill("#pin-prompt", PROMPT)
     page.click("#pin")
     page.wait_for_function(ANSWER_SAYS, arg="HTTP 409")
