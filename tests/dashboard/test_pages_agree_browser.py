@@ -1,0 +1,73 @@
+"""The job and engine pages agree with themselves and with the engine, in headless
+Chromium against the real stack (uvicorn, a simulated engine worker with a small pool,
+Redis, SQLite): each test is one thing a page once said that was not so (a figure, a
+state, a word), driven to the situation that showed it."""
+from pathlib import Path
+
+import pytest
+
+from tests.support.stack import Stack
+
+playwright = pytest.importorskip("playwright.sync_api")
+ENGINE = "pg"
+PROMPT = "Blocks held at the end of a job, shown once it ended. " * 2  # 108 tokens: 6 full blocks
+# runs until cancelled (about 40 s; within the pool: 64 blocks of 16 tokens)
+LONG = {"max_tokens": 900, "ignore_eos": True}
+# the engine page's header: label -> the value shown
+HEADER = """() => Object.fromEntries([...document.querySelectorAll('#head-stats .kv')].map(
+    (kv) => [kv.querySelector('span').textContent, kv.querySelector('b').textContent]))"""
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    s = Stack(Path(tmp_path_factory.mktemp("pages-agree-browser")))
+    try:
+        s.start_web()
+        s.start_engine(ENGINE, simulate=1, block_size=16, num_gpu_blocks=64, num_cpu_blocks=64,
+                       max_num_seqs=8, simulate_step_ms=40)
+        yield s
+    finally:
+        s.stop()
+
+
+def submit(stack, prompt: str, **kw) -> int:
+    r = stack.api("POST", "/api/jobs/", json={"prompt": prompt, "max_tokens": 4,
+                                              "engine": ENGINE, **kw})
+    assert r.status_code == 201, r.text
+    return r.json()["id"]
+
+
+def story(stack, job_id: int) -> dict:
+    r = stack.api("GET", f"/api/jobs/{job_id}/kv/")
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def act(stack, request_id: str, action: str) -> None:
+    r = stack.api("POST", f"/api/engines/{ENGINE}/requests/{request_id}/{action}/")
+    assert r.status_code == 200, r.text
+
+
+def chips(page) -> list[int]:
+    return [int(c) for c in page.eval_on_selector_all("#gpu-chips .chip",
+                                                      "cs => cs.map((c) => c.textContent)")]
+
+
+def test_a_paused_engine_makes_no_tokens_per_second(login, stack):
+    job_id = submit(stack, "a job running while the engine pauses", **LONG)
+    stack.wait_running(job_id)
+    page, errors = login(stack, "admin", "admin-pass-123")
+    page.goto(f"{stack.url}/engines/{ENGINE}/")
+    page.wait_for_function(f"Number(({HEADER})()['tokens/s'].replaceAll(',', '')) > 0")
+    try:
+        assert stack.api("POST", f"/api/engines/{ENGINE}/pause/").json()["ok"]
+        # the metrics that say paused (sent as the pause is answered) say 0 tokens/s
+        metrics = stack.api("GET", f"/api/engines/{ENGINE}/").json()["engine"]["metrics"]
+        assert metrics["state"] == "paused"
+        assert (metrics["generation_tokens_per_s"], metrics["prompt_tokens_per_s"]) == (0, 0)
+        page.wait_for_function(f"({HEADER})()['tokens/s'] === '0'")
+    finally:
+        assert stack.api("POST", f"/api/engines/{ENGINE}/resume/").json()["ok"]
+        stack.api("POST", f"/api/jobs/{job_id}/cancel/")
+    stack.wait_job(job_id)
+    assert not errors, errors
