@@ -36,9 +36,7 @@ def document(job: Job, viewer) -> dict:
                                              "preemptions": [], "ended": None},
     }
     if not story:
-        doc["detail"] = ("its engine has not admitted it yet" if job.status == Job.Status.QUEUED
-                         else "its engine told no KV story (it keeps no KV history, or the "
-                              "job ran before stories were kept)")
+        doc["detail"] = untold_detail(job.status)
     miss = doc["first_miss"]
     if miss and miss["reason"] == "salt" and not visibility.sees_everything(viewer):
         # (before the routing's reading, which a never_cached miss would get)
@@ -55,6 +53,18 @@ def document(job: Job, viewer) -> dict:
     if not visibility.sees_everything(viewer):
         _seal(doc, viewer)
     return doc
+
+
+def untold_detail(status: str) -> str:
+    """Why a job's row holds no story yet, by its status: a running job's comes with its
+    progress (its engine hands it out with the first token, or the end if sooner)."""
+    if status == Job.Status.QUEUED:
+        return "its engine has not admitted it yet"
+    if status == Job.Status.RUNNING:
+        return "the job is running, waiting for its story (its engine sends it with the " \
+               "job's first token)"
+    return "its engine told no KV story (it keeps no KV history, or the job ran before " \
+           "stories were kept)"
 
 
 def _iso(ts: float | None) -> str | None:

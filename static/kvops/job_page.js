@@ -105,8 +105,10 @@ async function loadStory(retry = 0) {
   const body = $("#kv-story-body");
   if (!result.ok) { body.innerHTML = `<p class="error">${esc(errorText(result))}</p>`; return; }
   body.innerHTML = storyHtml(result.data, page.miss_reasons);
+  const over = TERMINAL.has(result.data.status);
   $("#kv-story-when").textContent = `as of ${new Date().toLocaleTimeString(undefined, { hour12: false })}`
-    + (TERMINAL.has(result.data.status) ? " (the job has ended: the story is whole)" : "");
+    + (over ? " (the job has ended: the story is whole)"
+      : result.data.status === "running" ? " (running: the story grows until the job ends)" : "");
   const behind = (TERMINAL.has(lastStatus ?? "") && !TERMINAL.has(result.data.status))
     || (lastStatus === "running" && !result.data.told);
   if (behind && retry < STORY_RETRIES) setTimeout(() => loadStory(retry + 1), 1000);

@@ -71,3 +71,18 @@ def test_a_paused_engine_makes_no_tokens_per_second(login, stack):
         stack.api("POST", f"/api/jobs/{job_id}/cancel/")
     stack.wait_job(job_id)
     assert not errors, errors
+
+
+def test_a_running_jobs_story_says_it_is_running(login, stack):
+    job_id = submit(stack, "a job whose story is read while it runs", **LONG)
+    stack.wait_running(job_id)
+    page, errors = login(stack, "admin", "admin-pass-123")
+    try:
+        page.goto(f"{stack.url}/jobs/{job_id}/")
+        page.wait_for_function(
+            "document.querySelector('#kv-story-when').textContent.includes('running')")
+        assert "told no KV story" not in page.inner_text("#kv-story")
+    finally:
+        stack.api("POST", f"/api/jobs/{job_id}/cancel/")
+    stack.wait_job(job_id)
+    assert not errors, errors

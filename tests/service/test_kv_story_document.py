@@ -1,0 +1,33 @@
+"""The KV story document the job page reads (kvops/dashboard/kv_story_view.py), built
+from a job's row alone: no engine, no database (the viewer is staff: nothing is sealed)."""
+from types import SimpleNamespace
+
+from kvops.dashboard.kv_story_view import document
+from kvops.models import Job
+
+STAFF = SimpleNamespace(is_staff=True)  # (a staff viewer: nothing sealed, nothing looked up)
+
+
+def story(**extra) -> dict:
+    """A story as the engine tells it (engine/observe/story.py Story.document)."""
+    return {"engine": "a", "request_id": "job-7-1", "job_id": "7", "block_size": 16,
+            "prompt_tokens": 40, "cached_tokens": {"gpu": 32, "cpu": 0, "disk": 0},
+            "hashes": ["h0", "h1"], "sources": {"gpu": 2, "cpu": 0, "disk": 0},
+            "first_miss": None, "preemptions": [], "swaps": [], "moves": [],
+            "copy_on_write": 0, "window_freed": 0, "final_blocks": None,
+            "moments": {"admitted": 100.0, "first_token": None, "preemptions": [],
+                        "ended": None}, "finish_reason": None, **extra}
+
+
+def job(status: str, kv_story: dict | None) -> Job:
+    return Job(pk=7, status=status, engine="a", request_id="job-7-1", kv_story=kv_story,
+               num_prompt_tokens=40)
+
+
+def test_a_running_job_without_its_story_yet_is_waiting_for_it():
+    doc = document(job(Job.Status.RUNNING, None), STAFF)
+    assert not doc["told"]
+    assert "running" in doc["detail"] and "waiting for its story" in doc["detail"]
+    assert "keeps no KV history" not in doc["detail"]
+    assert "not admitted" in document(job(Job.Status.QUEUED, None), STAFF)["detail"]
+    assert "keeps no KV history" in document(job(Job.Status.FINISHED, None), STAFF)["detail"]
