@@ -1,7 +1,9 @@
 // A job: its tokens as they stream (websocket /ws/jobs/<id>/), facts and timings (REST),
 // while it runs its request's block table (asked of the engine once a second), and its
 // KV story (REST, kv_story.js: read on load and whenever its status changes). A job moved
-// between engines while it ran says which, and when (migration.js ranOnText).
+// between engines while it ran says which, and when (migration.js ranOnText). The
+// connection's pill shows while the job is live: its socket closes once the job's end
+// has come (the job stream's last message).
 import { api, errorText } from "./api.js";
 import { ownerCss } from "./colors.js";
 import { $, esc, num, seconds, toast, when } from "./format.js";
@@ -90,6 +92,16 @@ function showState(message) {
   if (status !== lastStatus) loadStory();  // admitted, or ended (or changed since the first read)
   if (TERMINAL.has(status) && !TERMINAL.has(lastStatus ?? "")) blocksReleased();
   lastStatus = status;
+  if (TERMINAL.has(status)) endLive();
+}
+
+// The job ended: nothing more comes on its socket, and it is no longer live.
+let ended = false;
+function endLive() {
+  if (ended) return;
+  ended = true;
+  $("#conn")?.remove();
+  socket.close();
 }
 
 // The story as the job's row has it. Reads may overlap: only the latest one is shown.
@@ -146,7 +158,12 @@ const socket = new LiveSocket(`/ws/jobs/${page.id}/`, {
     else if (message.type === "blocks") showBlocks(message);
     else if (message.type === "error") console.warn("kvops:", message.message);
   },
-  onStatus: (s) => { $("#conn").textContent = s; $("#conn").className = `pill conn ${s === "live" ? "live" : "offline"}`; },
+  onStatus: (s) => {
+    const pill = $("#conn");  // (a job that had ended when the page was made has none)
+    if (ended || !pill) return;
+    pill.textContent = s;
+    pill.className = `pill conn ${s === "live" ? "live" : "offline"}`;
+  },
 });
 
 setInterval(() => { if (lastStatus === "running") socket.send({ type: "blocks" }); }, 1000);

@@ -86,3 +86,18 @@ def test_a_running_jobs_story_says_it_is_running(login, stack):
         stack.api("POST", f"/api/jobs/{job_id}/cancel/")
     stack.wait_job(job_id)
     assert not errors, errors
+
+
+def test_the_live_pill_goes_when_the_job_ends(login, stack):
+    job_id = submit(stack, "a job watched until it is cancelled", **LONG)
+    stack.wait_running(job_id)
+    page, errors = login(stack, "admin", "admin-pass-123")
+    page.goto(f"{stack.url}/jobs/{job_id}/")
+    page.wait_for_function("document.querySelector('#conn')?.textContent === 'live'")
+    assert stack.api("POST", f"/api/jobs/{job_id}/cancel/").status_code in (200, 202)
+    page.wait_for_function("document.querySelector('#status').textContent === 'cancelled'")
+    page.wait_for_selector("#conn", state="detached")  # the job stream's end: no longer live
+    page.goto(f"{stack.url}/jobs/{job_id}/")  # a page opened on an ended job
+    page.wait_for_selector("#kv-story .kv-summary, #kv-story .kv-untold")
+    assert page.query_selector("#conn") is None
+    assert not errors, errors
