@@ -6,7 +6,7 @@
 // has come (the job stream's last message).
 import { api, errorText } from "./api.js";
 import { ownerCss } from "./colors.js";
-import { $, esc, num, seconds, toast, when } from "./format.js";
+import { $, esc, num, plural, seconds, toast, when } from "./format.js";
 import { TERMINAL, storyHtml } from "./kv_story.js";
 import { ranOnText } from "./migration.js";
 import { LiveSocket } from "./socket.js";
@@ -79,7 +79,7 @@ function showState(message) {
   out.textContent = message.text ?? "";
   if (!TERMINAL.has(status)) out.insertAdjacentHTML("beforeend", '<span class="caret"></span>');
   if (atBottom) out.scrollTop = out.scrollHeight;
-  $("#out-count").textContent = `${num(message.num_output_tokens)} tokens`;
+  $("#out-count").textContent = plural(message.num_output_tokens, "token");
   showSamples(message.samples || []);
   $("#error").textContent = message.error || "";
   if (job) {  // the live counts, until the row is read again
@@ -144,7 +144,7 @@ function showBlocks(message) {
   const hashOf = (k) => (hashes[k] ? `, hash ${hashes[k]}…` : "");
   const chips = (ids, gpu = true) => ids.map((id, k) => `<span class="chip" style="--c:${ownerCss(r.index)}" title="logical block ${k}: tokens ${k * bs}–${(k + 1) * bs - 1}${gpu ? hashOf(k) : ""}">${id}</span>`).join("");
   $("#blocks").innerHTML = `<p style="margin:0 0 6px"><span class="pill ${esc(r.status)}">${esc(r.status)}</span>
-      ${num(r.num_computed_tokens)} tokens in ${r.block_table.length} GPU blocks${r.cpu_block_table.length ? `, ${r.cpu_block_table.length} CPU blocks` : ""}
+      ${plural(r.num_computed_tokens, "token")} in ${plural(r.block_table.length, "GPU block")}${r.cpu_block_table.length ? `, ${plural(r.cpu_block_table.length, "CPU block")}` : ""}
       · <a href="/engines/${esc(message.engine)}/?request=${encodeURIComponent(r.request_id)}">on the block map</a></p>
     <div class="muted" style="font-size:12px">GPU, logical block order</div>
     <div class="chips" id="gpu-chips">${chips(r.block_table) || '<span class="muted">none (swapped out or waiting)</span>'}</div>

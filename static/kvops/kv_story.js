@@ -9,7 +9,7 @@
 // `reasons` is engine/observe/story.py FIRST_MISS_REASONS (reason -> sentence), which the
 // page views hand to the pages: the sentences are kept there only.
 import { SOURCE_CSS } from "./colors.js";
-import { clock, esc, num } from "./format.js";
+import { clock, esc, num, plural } from "./format.js";
 
 export const SOURCE_WORDS = { gpu: "GPU hit", cpu: "CPU-tier hit", computed: "computed" };
 // Why a request was preempted (engine/observe/story.py PREEMPTION_REASONS), in words.
@@ -65,12 +65,16 @@ export function legendHtml() {
 function cachedHtml(doc) {
   const c = doc.cached_tokens;
   const cached = c.gpu + c.cpu + c.disk;
-  return `<span class="kv-cached"><b>${num(cached)}</b> of ${num(doc.prompt_tokens)} prompt tokens cached `
+  return `<span class="kv-cached"><b>${num(cached)}</b> of ${plural(doc.prompt_tokens, "prompt token")} cached `
     + `(GPU ${num(c.gpu)} · CPU ${num(c.cpu)} · disk ${num(c.disk)}), <b>${num(doc.prompt_tokens - cached)}</b> computed</span>`;
 }
 
 function missHtml(doc, reasons) {
   const miss = doc.first_miss;
+  if (!miss && !doc.blocks.some((b) => b.hash)) {  // (a full block has a hash)
+    return `<div class="kv-miss no-full-block"><b>No full block</b>: the prompt's ${plural(doc.prompt_tokens, "token")}`
+      + ` fill no block of ${num(doc.block_size)}, so nothing could be found cached: all were computed.</div>`;
+  }
   if (!miss) {
     return `<div class="kv-miss none"><b>No miss</b>: every full block of the prompt was found cached.</div>`;
   }
@@ -86,8 +90,8 @@ function missHtml(doc, reasons) {
 function preemptionsHtml(doc) {
   if (!doc.preemptions.length) return `<p class="muted kv-preemptions">No preemptions.</p>`;
   const rows = doc.preemptions.map((p) => {
-    const cost = [p.recomputed_tokens ? `${num(p.recomputed_tokens)} tokens recomputed` : "",
-                  p.swapped_blocks ? `${num(p.swapped_blocks)} blocks swapped out` : ""].filter(Boolean).join(", ");
+    const cost = [p.recomputed_tokens ? `${plural(p.recomputed_tokens, "token")} recomputed` : "",
+                  p.swapped_blocks ? `${plural(p.swapped_blocks, "block")} swapped out` : ""].filter(Boolean).join(", ");
     const href = momentHref(doc.engine, p.at, p.by, p.reason);
     return `<tr data-reason="${esc(p.reason)}"><td class="muted">${p.at ? clock(isoSeconds(p.at)) : "–"}</td>
       <td><b class="mono">${esc(p.reason)}</b><br><span class="muted">${esc(PREEMPTION_WORDS[p.reason] ?? "")}</span></td>
@@ -122,12 +126,12 @@ export function storyHtml(doc, reasons) {
   const at = (iso) => (iso ? clock(isoSeconds(iso)) : "–");
   const facts = [
     ...routingRows(doc),
-    ["copy on write", `${num(doc.copy_on_write)} blocks copied before a write (shared with another request)`],
-    ["window", `${num(doc.window_freed)} blocks given back by a sliding window`],
+    ["copy on write", `${plural(doc.copy_on_write, "block")} copied before a write (shared with another request)`],
+    ["window", `${plural(doc.window_freed, "block")} given back by a sliding window`],
     ["moments", `admitted ${at(m.admitted)} · first token ${at(m.first_token)} · ended ${at(m.ended)}`],
   ];
-  return `<p class="kv-summary">${num(doc.prompt_tokens)} prompt tokens in ${num(doc.blocks.length)} blocks
-      of ${num(doc.block_size)} tokens on engine ${esc(doc.engine)}: ${cachedHtml(doc)}.</p>
+  return `<p class="kv-summary">${plural(doc.prompt_tokens, "prompt token")} in ${plural(doc.blocks.length, "block")}
+      of ${plural(doc.block_size, "token")} on engine ${esc(doc.engine)}: ${cachedHtml(doc)}.</p>
     ${stripHtml(doc)}${legendHtml()}${missHtml(doc, reasons)}
     <dl class="facts">${facts.map(([k, v]) => `<dt>${k}</dt><dd>${v}</dd>`).join("")}</dl>
     <h4>Preemptions (${doc.preemptions.length})</h4>${preemptionsHtml(doc)}`;

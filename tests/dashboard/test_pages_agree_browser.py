@@ -101,3 +101,17 @@ def test_the_live_pill_goes_when_the_job_ends(login, stack):
     page.wait_for_selector("#kv-story .kv-summary, #kv-story .kv-untold")
     assert page.query_selector("#conn") is None
     assert not errors, errors
+
+
+def test_a_prompt_shorter_than_a_block_has_no_full_block(login, stack):
+    job_id = submit(stack, "seven!!", max_tokens=1)  # 7 tokens (the byte tokenizer)
+    assert stack.wait_job(job_id)["num_prompt_tokens"] == 7
+    page, errors = login(stack, "admin", "admin-pass-123")
+    page.goto(f"{stack.url}/jobs/{job_id}/")
+    page.wait_for_selector("#kv-story .kv-summary")
+    text = page.inner_text("#kv-story")
+    assert "No full block" in text and "No miss" not in text
+    assert page.query_selector("#kv-story .kv-miss.none") is None
+    assert "7 prompt tokens in 1 block of 16 tokens" in " ".join(text.split())
+    page.wait_for_function("document.querySelector('#out-count').textContent === '1 token'")
+    assert not errors, errors

@@ -6,6 +6,7 @@ import test from "node:test";
 
 import { SOURCE_CSS } from "../../../static/kvops/colors.js";
 import { compactStoryHtml, momentHref, missesHtml, storyHtml, stripHtml } from "../../../static/kvops/kv_story.js";
+import { plural } from "../../../static/kvops/format.js";
 import { MetricsHistory } from "../../../static/kvops/metrics.js";
 import { Replay } from "../../../static/kvops/replay.js";
 import { parseMoment } from "../../../static/kvops/timeline.js";
@@ -90,6 +91,35 @@ test("a story not told yet says why; a full hit says no miss", () => {
   assert.match(compactStoryHtml({ told: false, detail: "its engine has not admitted it yet", job: 3 }, REASONS),
                /job 3[\s\S]*not admitted/);
   assert.match(storyHtml(story({ first_miss: null }), REASONS), /kv-miss none/);
+});
+
+test("a prompt shorter than one block says it has no full block, not that nothing missed", () => {
+  // a 7-token prompt, nothing cached: one partly filled block, no hash, no first miss
+  const short = story({ prompt_tokens: 7, cached_tokens: { gpu: 0, cpu: 0, disk: 0 }, first_miss: null,
+                        blocks: [{ index: 0, hash: null, source: "computed" }], preemptions: [],
+                        copy_on_write: 0 });
+  const html = storyHtml(short, REASONS);
+  assert.match(html, /kv-miss no-full-block/);
+  assert.match(html, /No full block<\/b>: the prompt's 7 tokens fill no block of 16/);
+  assert.doesNotMatch(html, /No miss|kv-miss none/);
+  assert.doesNotMatch(compactStoryHtml(short, REASONS), /No miss|kv-miss none/);
+});
+
+test("counts read in the singular when they are 1", () => {
+  const one = story({ prompt_tokens: 1, cached_tokens: { gpu: 0, cpu: 0, disk: 0 }, first_miss: null,
+                      blocks: [{ index: 0, hash: null, source: "computed" }], copy_on_write: 1, window_freed: 1,
+                      preemptions: [{ at: AT, reason: "kv_full", by: null, needed_blocks: 1, free_blocks: 0,
+                                      recomputed_tokens: 1, swapped_blocks: 0 }] });
+  const html = storyHtml(one, REASONS);
+  assert.match(html, /1 prompt token in 1 block\s+of 16 tokens/);
+  assert.match(html, /of 1 prompt token cached/);
+  assert.match(html, /1 block copied before a write/);
+  assert.match(html, /1 block given back/);
+  assert.match(html, /1 token recomputed/);
+  assert.doesNotMatch(html, /\b1 (blocks|tokens|prompt tokens)\b/);
+  assert.equal(plural(1, "token"), "1 token");
+  assert.equal(plural(0, "token"), "0 tokens");
+  assert.equal(plural(1200, "token"), "1,200 tokens");
 });
 
 test("the compact story counts preemptions by cause and keeps the first miss", () => {
