@@ -244,6 +244,12 @@ class Story:
     ended_at: float | None = None
     finish_reason: str | None = None
     disk_blocks: int = 0  # then read back from the disk tier (through the pool above it)
+    # the blocks it held at its end (group 0's, table order, {"gpu": [...], "cpu": [...]}):
+    # what the job page shows once it ended; None until then
+    final_blocks: dict | None = None
+    # the blocks its last release gave back (BlockRemoved), since its last preemption or
+    # swap: at its end, its final blocks
+    released: dict = field(default_factory=dict)
 
     def document(self, engine: str) -> dict:
         gpu, cpu = self.gpu_blocks, self.cpu_blocks
@@ -255,6 +261,8 @@ class Story:
             "first_miss": dict(self.first_miss) if self.first_miss else None,
             "preemptions": [dict(p) for p in self.preemptions],
             "copy_on_write": self.copy_on_write, "window_freed": self.window_freed,
+            "final_blocks": {k: list(v) for k, v in self.final_blocks.items()}
+            if self.final_blocks is not None else None,
             "moments": {"admitted": self.admitted_at, "first_token": self.first_token_at,
                         "preemptions": [p["at"] for p in self.preemptions],
                         "ended": self.ended_at},
@@ -330,6 +338,12 @@ class StoryBook:
         if story is None:
             return
         kind = event.type
+        if kind == "BlockRemoved":  # (told at its end, with Finished)
+            if not event.group:
+                story.released[event.pool] = list(event.block_ids)
+            return
+        if kind in ("Preempted", "SwappedOut", "SwappedIn"):
+            story.released = {}
         if kind in ("Preempted", "SwappedOut") and event.reason is not None:
             story.preemptions.append({
                 "at": event.ts, "reason": event.reason, "by": event.by,
@@ -349,6 +363,9 @@ class StoryBook:
             return
         elif kind == "Finished":
             story.ended_at, story.finish_reason = event.ts, event.detail
+            story.final_blocks = {"gpu": story.released.get("gpu", []),
+                                  "cpu": story.released.get("cpu", [])}
+            story.released = {}
             if story.first_token_at is None and (event.num_tokens or 0) > story.prompt_tokens:
                 story.first_token_at = event.ts  # its first token came in its last step
             self._end(story)
@@ -401,7 +418,7 @@ class StoryBook:
         for child in child_ids:
             self._stories[child] = dataclasses.replace(
                 story, request_id=child, cached=dict(story.cached),
-                preemptions=list(story.preemptions))
+                preemptions=list(story.preemptions), released={})
             self.changed.add(child)
             if story.first_token_at is None:
                 self.awaiting_first_token.add(child)

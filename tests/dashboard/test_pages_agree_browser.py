@@ -115,3 +115,31 @@ def test_a_prompt_shorter_than_a_block_has_no_full_block(login, stack):
     assert "7 prompt tokens in 1 block of 16 tokens" in " ".join(text.split())
     page.wait_for_function("document.querySelector('#out-count').textContent === '1 token'")
     assert not errors, errors
+
+
+def test_a_finished_jobs_block_table_is_what_it_held_at_its_end(login, stack):
+    first = submit(stack, PROMPT)
+    stack.wait_job(first)
+    hit = submit(stack, PROMPT)  # a prefix hit on the first's blocks
+    assert stack.wait_job(hit)["num_cached_tokens"] > 0
+    page, errors = login(stack, "admin", "admin-pass-123")
+    for job_id in (first, hit):
+        final = story(stack, job_id)["final_blocks"]
+        assert final and len(final["gpu"]) >= 7, final  # 6 full blocks and the tail
+        page.goto(f"{stack.url}/jobs/{job_id}/")
+        page.wait_for_selector("#final-blocks")
+        assert chips(page) == final["gpu"]
+        text = page.inner_text("#blocks")
+        assert f"holding {len(final['gpu'])} GPU blocks" in text
+        assert "swapped out or waiting" not in text and "Shown while" not in text
+        assert page.inner_text("#blocks-when") == "at its end"
+
+    # a page left open while the job runs: the live table, then the record of its end
+    job_id = submit(stack, "a job whose blocks are watched to its end", **LONG)
+    stack.wait_running(job_id)
+    page.goto(f"{stack.url}/jobs/{job_id}/")
+    page.wait_for_selector("#gpu-chips .chip")  # its live table, from the engine
+    assert stack.api("POST", f"/api/jobs/{job_id}/cancel/").status_code in (200, 202)
+    page.wait_for_selector("#final-blocks")
+    assert chips(page) == story(stack, job_id)["final_blocks"]["gpu"]
+    assert not errors, errors

@@ -157,6 +157,33 @@ def test_swap_preemptions_count_the_blocks_moved():
     assert swaps and all(p["swapped_blocks"] > 0 and p["recomputed_tokens"] == 0 for p in swaps)
 
 
+def test_the_story_keeps_the_blocks_held_at_the_end_hits_and_computed():
+    engine = small()
+    story_of(engine, "a1", A)
+    engine.add_request("a2", A, greedy(3))  # a prefix hit on a1's blocks
+    held = []  # its table before its last step (which may add a block)
+    while engine.has_unfinished_requests():
+        if "a2" in engine.scheduler.requests:
+            held = engine.kv.block_ids("a2")
+        engine.step()
+    story = engine.kv_story("a2")
+    assert story["sources"]["gpu"] == 5  # it was a hit: its first 5 blocks are a1's
+    final = story["final_blocks"]
+    assert final["cpu"] == [] and len(held) >= 5
+    assert final["gpu"][:len(held)] == held and len(final["gpu"]) <= len(held) + 1
+
+
+def test_the_final_blocks_of_a_request_preempted_then_ended_waiting_are_none():
+    engine = small()
+    engine.add_request("p", A, greedy(30))
+    for _ in range(3):
+        engine.step()
+    engine.preempt("p")
+    engine.abort("p")
+    engine.step()
+    assert engine.kv_story("p")["final_blocks"] == {"gpu": [], "cpu": []}
+
+
 def test_forked_samples_carry_the_story_and_count_their_copies_on_write():
     engine = small()
     engine.add_request("f", A[:18], SamplingParams(n=3, max_tokens=3, temperature=0.0))

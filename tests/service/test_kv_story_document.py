@@ -31,3 +31,11 @@ def test_a_running_job_without_its_story_yet_is_waiting_for_it():
     assert "keeps no KV history" not in doc["detail"]
     assert "not admitted" in document(job(Job.Status.QUEUED, None), STAFF)["detail"]
     assert "keeps no KV history" in document(job(Job.Status.FINISHED, None), STAFF)["detail"]
+
+
+def test_the_blocks_held_at_the_end_come_from_the_jobs_own_record():
+    final = {"gpu": [5, 9, 2], "cpu": []}
+    doc = document(job(Job.Status.FINISHED, story(final_blocks=final, finish_reason="length")),
+                   STAFF)
+    assert doc["final_blocks"] == final
+    assert [b["source"] for b in doc["blocks"]] == ["gpu", "gpu", "computed"]
