@@ -12,8 +12,10 @@ const COLUMNS = [
   ["", null], ["request", "request_id"], ["job", "job_id"], ["status", "status"],
   ["prompt", "num_prompt_tokens"], ["computed", "num_computed_tokens"],
   ["output", "num_output_tokens"], ["cached", "num_cached_tokens"], ["blocks", "blocks"],
-  ["preempt.", "num_preemptions"], ["prio", "priority"], ["actions", null],
+  ["preempt.", "num_preemptions"], ["swaps", "num_swaps_out"], ["prio", "priority"], ["actions", null],
 ];
+// (preempt.: recompute preemptions; swaps: swaps out. engine/sched/scheduler.py, above
+// SchedulerCounters, says what each counts.)
 // What an operator may do to a request in each state (the engine refuses the rest).
 const ACTIONS = {
   running: [["preempt", "Preempt"], ["swap-out", "Swap out"], ["abort", "Abort"]],
@@ -165,7 +167,7 @@ export class RequestTable {
       <div class="mono" title="${esc(r.request_id)}${r.request_id.includes("/") ? " (a sample of a request with n > 1: the samples share its prompt's blocks)" : ""}">${esc(r.request_id)}</div>
       <div>${this.othersOf(r) ? '<span class="muted" title="its job is its owner\'s to see">another user\'s</span>'
     : r.job_id ? `<a href="/jobs/${esc(r.job_id)}/">${esc(r.job_id)}</a>` : "–"}</div>
-      <div></div>${'<div class="num"></div>'.repeat(7)}<div class="actions"></div>`;
+      <div></div>${'<div class="num"></div>'.repeat(8)}<div class="actions"></div>`;
     el.cells = [...el.children];
     el.shown = [];  // what each cell shows now
     this.spacer.appendChild(el);
@@ -185,8 +187,9 @@ export class RequestTable {
     set(7, num(r.num_cached_tokens));
     set(8, `${r.block_table.length}${r.cpu_block_table.length ? ` <span class="muted">+${r.cpu_block_table.length}c</span>` : ""}`);
     set(9, String(r.num_preemptions));
-    set(10, String(r.priority));
-    if (this.operator) set(11, this.actionsHtml(r));
+    set(10, String(r.num_swaps_out ?? 0));
+    set(11, String(r.priority));
+    if (this.operator) set(12, this.actionsHtml(r));
   }
 
   actionsHtml(r) {

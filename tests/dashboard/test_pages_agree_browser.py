@@ -143,3 +143,36 @@ def test_a_finished_jobs_block_table_is_what_it_held_at_its_end(login, stack):
     page.wait_for_selector("#final-blocks")
     assert chips(page) == story(stack, job_id)["final_blocks"]["gpu"]
     assert not errors, errors
+
+
+def test_swaps_are_named_and_counted_alike_everywhere(login, stack):
+    job_id = submit(stack, "preempted once, then swapped out and in", **LONG)
+    request_id = stack.wait_running(job_id)
+    act(stack, request_id, "preempt")
+    # (refused while it waits to be admitted again: nothing changes, it is asked again)
+    stack.wait(lambda: stack.api("POST", f"/api/engines/{ENGINE}/requests/{request_id}/swap-out/")
+               .status_code == 200, "a swap out of the request running again", 20)
+    act(stack, request_id, "swap-in")
+    page, errors = login(stack, "admin", "admin-pass-123")
+    try:
+        page.goto(f"{stack.url}/engines/{ENGINE}/")
+        page.wait_for_selector(f'.vrow[data-request="{request_id}"]')
+        page.wait_for_function(f"({HEADER})()['swaps out/in'] === '1/1'")
+        header = page.evaluate(HEADER)
+        assert header["preemptions"] == "1"
+        row = page.eval_on_selector_all(f'.vrow[data-request="{request_id}"] > div',
+                                        "cs => cs.map((c) => c.textContent.trim())")
+        assert (row[9], row[10]) == ("1", "1")  # preempt., swaps
+        page.goto(f"{stack.url}/jobs/{job_id}/")
+        page.wait_for_function("document.querySelectorAll('#kv-story tr[data-kind]').length >= 3")
+        kinds = page.eval_on_selector_all("#kv-story tr[data-kind]", "rs => rs.map((r) => r.dataset.kind)")
+        assert kinds == ["preemption", "swap-out", "swap-in"]
+        assert "an operator swapped it out" in page.inner_text("#kv-story")
+        assert "1 preemption (recompute) · swaps out/in 1/1" in page.inner_text("#kv-story")
+        facts = page.evaluate("""() => Object.fromEntries([...document.querySelectorAll('#facts dt')]
+            .map((dt) => [dt.textContent, dt.nextElementSibling.textContent]))""")
+        assert facts["preemptions"] == "1"
+    finally:
+        stack.api("POST", f"/api/jobs/{job_id}/cancel/")
+    stack.wait_job(job_id)
+    assert not errors, errors

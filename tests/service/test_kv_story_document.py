@@ -39,3 +39,35 @@ def test_the_blocks_held_at_the_end_come_from_the_jobs_own_record():
                    STAFF)
     assert doc["final_blocks"] == final
     assert [b["source"] for b in doc["blocks"]] == ["gpu", "gpu", "computed"]
+
+
+def test_preemptions_swaps_and_moves_are_counted_apart():
+    at = 101.0
+    doc = document(job(Job.Status.FINISHED, story(
+        preemptions=[{"at": at, "reason": "operator", "by": "admin", "needed_blocks": None,
+                      "free_blocks": None, "recomputed_tokens": 20}],
+        swaps=[{"at": at, "direction": "out", "reason": "operator", "by": "admin",
+                "needed_blocks": None, "free_blocks": None, "blocks": 3},
+               {"at": at, "direction": "in", "reason": "operator", "by": "admin",
+                "needed_blocks": None, "free_blocks": None, "blocks": 3}])), STAFF)
+    assert [p["reason"] for p in doc["preemptions"]] == ["operator"]
+    assert [s["direction"] for s in doc["swaps"]] == ["out", "in"]
+    assert doc["moves"] == [] and doc["swaps"][0]["at"].startswith("1970-01-01T00:01:41")
+
+
+def test_a_story_kept_before_swaps_were_told_apart_is_sorted_out():
+    old = story(preemptions=[
+        {"at": 101.0, "reason": "kv_full", "by": "job-8-1", "needed_blocks": 4,
+         "free_blocks": 1, "recomputed_tokens": 30, "swapped_blocks": 0},
+        {"at": 102.0, "reason": "operator", "by": "admin", "needed_blocks": None,
+         "free_blocks": None, "recomputed_tokens": 0, "swapped_blocks": 3},
+        {"at": 103.0, "reason": "migration", "by": "east", "needed_blocks": None,
+         "free_blocks": None, "recomputed_tokens": 0, "swapped_blocks": 6}])
+    for key in ("swaps", "moves", "final_blocks"):
+        del old[key]
+    doc = document(job(Job.Status.FINISHED, old), STAFF)
+    assert [p["reason"] for p in doc["preemptions"]] == ["kv_full"]
+    assert [(s["direction"], s["reason"], s["blocks"]) for s in doc["swaps"]] == \
+        [("out", "operator", 3)]
+    assert [(m["from"], m["blocks_sent"]) for m in doc["moves"]] == [("east", 6)]
+    assert doc["final_blocks"] is None
