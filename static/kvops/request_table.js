@@ -16,6 +16,8 @@ const COLUMNS = [
 ];
 // (preempt.: recompute preemptions; swaps: swaps out. engine/sched/scheduler.py, above
 // SchedulerCounters, says what each counts.)
+// The empty table's words, by filter (the others: "<status> requests").
+const EMPTY_NOUNS = { live: "live requests", all: "requests" };
 // What an operator may do to a request in each state (the engine refuses the rest).
 const ACTIONS = {
   running: [["preempt", "Preempt"], ["swap-out", "Swap out"], ["abort", "Abort"]],
@@ -74,8 +76,10 @@ export class RequestTable {
     root.innerHTML = `
       <div class="vhead">${COLUMNS.map(([label, key]) =>
         `<div ${key ? `data-sort="${key}"` : ""} class="${key && key !== "request_id" && key !== "status" && key !== "job_id" ? "num" : ""}">${label}</div>`).join("")}</div>
-      <div class="vbody"><div class="vspacer"></div></div>`;
+      <p class="vempty muted">Waiting for the engine's state…</p>
+      <div class="vbody" hidden><div class="vspacer"></div></div>`;
     this.body = root.querySelector(".vbody");
+    this.empty = root.querySelector(".vempty");
     this.spacer = root.querySelector(".vspacer");
     root.querySelector(".vhead").addEventListener("click", (e) => this.sortBy(e.target.dataset.sort));
     this.body.addEventListener("scroll", () => this.renderRows());
@@ -135,7 +139,19 @@ export class RequestTable {
     });
     this.rows = groupSamples(rows).map((r) => r.index);
     this.spacer.style.height = `${rows.length * ROW_HEIGHT}px`;
+    this.showEmpty(rows.length === 0);
     this.renderRows();
+  }
+
+  // No row to show: say so in words instead of a blank table.
+  showEmpty(empty) {
+    if (empty) {
+      const noun = EMPTY_NOUNS[this.filter] ?? `${this.filter} requests`;
+      this.empty.textContent = this.search ? `No ${noun} match “${this.search}”.`
+        : this.filter === "live" ? "No live requests (none waiting, running or swapped)." : `No ${noun}.`;
+    }
+    this.empty.hidden = !empty;
+    this.body.hidden = empty;
   }
 
   get count() { return this.rows.length; }

@@ -176,3 +176,24 @@ def test_swaps_are_named_and_counted_alike_everywhere(login, stack):
         stack.api("POST", f"/api/jobs/{job_id}/cancel/")
     stack.wait_job(job_id)
     assert not errors, errors
+
+
+def test_an_engine_without_live_requests_says_so_and_its_map_fills_its_panel(login, stack):
+    stack.wait(lambda: stack.api("GET", f"/api/engines/{ENGINE}/").json()["engine"]
+               ["metrics"]["running"] == 0, "no request running", 20)
+    page, errors = login(stack, "admin", "admin-pass-123")
+    page.goto(f"{stack.url}/engines/{ENGINE}/")
+    page.wait_for_function("window.kvopsPerf && kvopsPerf.snapshots >= 1")
+    page.wait_for_selector("#requests .vempty:has-text('No live requests')")
+    assert not page.is_visible("#requests .vbody")
+    # 64 blocks: cells sized to the blocks, the panel as tall as its map
+    sizes = page.evaluate("""() => ({map: document.querySelector('#gpu-map').getBoundingClientRect(),
+        wrap: document.querySelector('#gpu-wrap').getBoundingClientRect(),
+        panel: document.querySelector('#gpu-wrap').closest('.panel').getBoundingClientRect()})""")
+    assert sizes["map"]["height"] >= 0.5 * sizes["panel"]["height"], sizes
+    assert sizes["map"]["width"] >= 0.8 * sizes["wrap"]["width"], sizes
+    page.select_option("#req-filter", "swapped")
+    page.wait_for_selector("#requests .vempty:has-text('No swapped requests.')")
+    page.select_option("#req-filter", "all")
+    page.wait_for_selector("#requests .vbody", state="visible")  # the ended ones are listed
+    assert not errors, errors
