@@ -346,10 +346,10 @@ class LLMEngine:
         return {"request_id": request_id, "status": "swapped", "num_blocks": len(mapping),
                 "cpu_block_table": self.kv.cpu_block_ids(request_id)}
 
-    def swap_in(self, request_id: str) -> dict:
+    def swap_in(self, request_id: str, by: str = "operator") -> dict:
         self.settle()
         self._changes += 1
-        mapping = self.scheduler.swap_in(request_id)
+        mapping = self.scheduler.swap_in(request_id, by)
         self.runner.swap_out(self.kv.flush_offloads())  # reused cached blocks' data first
         self.runner.swap_in(mapping)
         table = self.kv.block_ids(request_id)

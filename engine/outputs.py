@@ -18,7 +18,7 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort" | "error" once finished
     num_cached_tokens: int  # prompt tokens served from the prefix cache at admission
-    num_preemptions: int  # times the request lost its GPU blocks
+    num_preemptions: int  # times the request lost its GPU blocks to recompute them (not swaps)
     text_delta: str = ""  # text added since the previous output of this request
     # per output token [sampled logprob, top ids, top logprobs] (SamplingParams.logprobs)
     logprobs: list[list] | None = None

@@ -61,7 +61,9 @@ class Request:
     all_token_ids: list[int] = field(default_factory=list)  # prompt + output, kept in step
     num_computed_tokens: int = 0  # tokens whose K/V is in the cache
     num_cached_tokens: int | None = None  # prefix-cache hit at first admission
-    num_preemptions: int = 0  # times it lost its GPU blocks (recompute or swap)
+    # (what the counts mean: engine/sched/scheduler.py, above SchedulerCounters)
+    num_preemptions: int = 0  # times it lost its GPU blocks to recompute them
+    num_swaps_out: int = 0  # times its GPU blocks were swapped out to the CPU pool
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None  # finish_reason "error": why the engine could not serve it
     parked: bool = False  # swapped out by an operator: waits for swap_in/abort

@@ -20,7 +20,7 @@ from engine.request import Request
 # A request as the dashboard lists it, in this order (a row is a tuple of these).
 REQUEST_FIELDS = ("request_id", "index", "job_id", "status", "num_prompt_tokens",
                   "num_computed_tokens", "num_output_tokens", "num_cached_tokens",
-                  "num_preemptions", "priority", "parked", "arrival_time", "finish_reason",
+                  "num_preemptions", "num_swaps_out", "priority", "parked", "arrival_time", "finish_reason",
                   "window_freed_blocks", "tenant")
 
 
@@ -29,7 +29,7 @@ def request_row(r: Request, window_freed: dict[str, int]) -> tuple:
     back, by request id; empty for most models)."""
     return (r.request_id, r.index, r.job_id, r.status.value, len(r.prompt_token_ids),
             r.num_computed_tokens, len(r.output_token_ids), r.num_cached_tokens or 0,
-            r.num_preemptions, r.priority, r.parked, r.arrival_time, r.finish_reason,
+            r.num_preemptions, r.num_swaps_out, r.priority, r.parked, r.arrival_time, r.finish_reason,
             window_freed.get(r.request_id, 0) if window_freed else 0, r.tenant)
 
 

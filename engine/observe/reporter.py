@@ -84,6 +84,7 @@ class Reporter:
         now = time.time()
         kv, sched = self.kv, self.scheduler
         c = sched.counters
+        paused = state == "paused"
         return {
             "kv_usage": kv.gpu.usage,
             "cpu_kv_usage": kv.cpu.usage,
@@ -106,8 +107,9 @@ class Reporter:
             "swapped": len(sched.swapped),
             "num_prompt_tokens": c.num_prompt_tokens,
             "num_generation_tokens": c.num_generation_tokens,
-            "prompt_tokens_per_s": self._prompt_rate.rate(now),
-            "generation_tokens_per_s": self._gen_rate.rate(now),
+            # 0 while paused: no step runs, whatever the last ones made
+            "prompt_tokens_per_s": self._prompt_rate.rate(now, paused),
+            "generation_tokens_per_s": self._gen_rate.rate(now, paused),
             "num_steps": step_count,
             "step_seconds": step_seconds,
             "state": state,  # (an operator's pause or drain)

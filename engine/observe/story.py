@@ -45,7 +45,10 @@ FIRST_MISS_REASONS = {
                      "which is always computed",
     "unknown": "the history cannot tell",
 }
-PREEMPTION_REASONS = ("kv_full", "priority", "operator", "migration")
+# Why a request was preempted (recompute) or swapped out; a swap in is the operator's
+# ("operator") or the scheduler's once blocks came back (None). What each count means:
+# engine/sched/scheduler.py, above SchedulerCounters.
+PREEMPTION_REASONS = ("kv_full", "priority", "operator")
 # Bounds (seconds) of the block residency histograms (vLLM's kv_block_* names)
 RESIDENCY_BUCKETS = (0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)
 _RESETS_KEPT = 64  # the newest resets the history remembers
@@ -237,13 +240,21 @@ class Story:
     cached: dict[str, int]  # prompt tokens not computed, by where they came from
     first_miss: dict | None
     admitted_at: float
-    preemptions: list[dict] = field(default_factory=list)
+    preemptions: list[dict] = field(default_factory=list)  # recompute preemptions
     copy_on_write: int = 0
     window_freed: int = 0
     first_token_at: float | None = None
     ended_at: float | None = None
     finish_reason: str | None = None
     disk_blocks: int = 0  # then read back from the disk tier (through the pool above it)
+    swaps: list[dict] = field(default_factory=list)  # swaps out and in, oldest first
+    moves: list[dict] = field(default_factory=list)  # moves in from other engines
+    # the blocks it held at its end (group 0's, table order, {"gpu": [...], "cpu": [...]}):
+    # what the job page shows once it ended; None until then
+    final_blocks: dict | None = None
+    # the blocks its last release gave back (BlockRemoved), since its last preemption or
+    # swap: at its end, its final blocks
+    released: dict = field(default_factory=dict)
 
     def document(self, engine: str) -> dict:
         gpu, cpu = self.gpu_blocks, self.cpu_blocks
@@ -254,7 +265,10 @@ class Story:
             "sources": {"gpu": gpu, "cpu": cpu, "disk": self.disk_blocks},
             "first_miss": dict(self.first_miss) if self.first_miss else None,
             "preemptions": [dict(p) for p in self.preemptions],
+            "swaps": [dict(s) for s in self.swaps], "moves": [dict(m) for m in self.moves],
             "copy_on_write": self.copy_on_write, "window_freed": self.window_freed,
+            "final_blocks": {k: list(v) for k, v in self.final_blocks.items()}
+            if self.final_blocks is not None else None,
             "moments": {"admitted": self.admitted_at, "first_token": self.first_token_at,
                         "preemptions": [p["at"] for p in self.preemptions],
                         "ended": self.ended_at},
@@ -290,8 +304,10 @@ def check_document(document: object) -> None:
         (d.get("first_miss") is None or plain_map(d["first_miss"])) and \
         isinstance(d.get("moments"), dict) and moment(d["moments"].get("admitted")) and \
         moment(d["moments"].get("first_token")) and \
-        isinstance(d.get("preemptions"), list) and all(plain_map(p) and moment(p.get("at"))
-                                                        for p in d["preemptions"]) and \
+        all(isinstance(d.get(k, []), list) and all(plain_map(x) and moment(x.get("at"))
+                                                   for x in d.get(k, []))
+            for k in ("preemptions", "swaps", "moves")) and \
+        isinstance(d.get("preemptions"), list) and \
         count(d.get("copy_on_write")) and count(d.get("window_freed"))
     if not ok:
         raise ValueError("not a KV story document")
@@ -330,12 +346,24 @@ class StoryBook:
         if story is None:
             return
         kind = event.type
-        if kind in ("Preempted", "SwappedOut") and event.reason is not None:
+        if kind == "BlockRemoved":  # (told at its end, with Finished)
+            if not event.group:
+                story.released[event.pool] = list(event.block_ids)
+            return
+        if kind in ("Preempted", "SwappedOut", "SwappedIn"):
+            story.released = {}
+        if kind == "Preempted" and event.reason is not None:
             story.preemptions.append({
                 "at": event.ts, "reason": event.reason, "by": event.by,
                 "needed_blocks": event.needed_blocks, "free_blocks": event.free_blocks,
-                "recomputed_tokens": event.dropped_tokens or 0 if kind == "Preempted" else 0,
-                "swapped_blocks": len(event.block_ids) if kind == "SwappedOut" else 0})
+                "recomputed_tokens": event.dropped_tokens or 0})
+        elif kind in ("SwappedOut", "SwappedIn"):
+            out = kind == "SwappedOut"
+            story.swaps.append({
+                "at": event.ts, "direction": "out" if out else "in", "reason": event.reason,
+                "by": event.by, "needed_blocks": event.needed_blocks if out else None,
+                "free_blocks": event.free_blocks if out else None,
+                "blocks": len(event.block_ids)})
         elif kind == "CopiedOnWrite":
             story.copy_on_write += 1
         elif kind == "WindowFreed":
@@ -349,6 +377,9 @@ class StoryBook:
             return
         elif kind == "Finished":
             story.ended_at, story.finish_reason = event.ts, event.detail
+            story.final_blocks = {"gpu": story.released.get("gpu", []),
+                                  "cpu": story.released.get("cpu", [])}
+            story.released = {}
             if story.first_token_at is None and (event.num_tokens or 0) > story.prompt_tokens:
                 story.first_token_at = event.ts  # its first token came in its last step
             self._end(story)
@@ -401,7 +432,8 @@ class StoryBook:
         for child in child_ids:
             self._stories[child] = dataclasses.replace(
                 story, request_id=child, cached=dict(story.cached),
-                preemptions=list(story.preemptions))
+                preemptions=list(story.preemptions), swaps=list(story.swaps),
+                moves=list(story.moves), released={})
             self.changed.add(child)
             if story.first_token_at is None:
                 self.awaiting_first_token.add(child)
@@ -544,10 +576,10 @@ class StoryBook:
             document["first_miss"], document["moments"]["admitted"],
             [dict(p) for p in document["preemptions"]], document["copy_on_write"],
             document["window_freed"], document["moments"]["first_token"],
-            disk_blocks=document["sources"].get("disk", 0))
-        story.preemptions.append({
-            "at": time.time(), "reason": "migration", "by": source, "needed_blocks": None,
-            "free_blocks": None, "recomputed_tokens": 0, "swapped_blocks": blocks_sent})
+            disk_blocks=document["sources"].get("disk", 0),
+            swaps=[dict(s) for s in document.get("swaps", [])],
+            moves=[dict(m) for m in document.get("moves", [])])
+        story.moves.append({"at": time.time(), "from": source, "blocks_sent": blocks_sent})
         self._stories[story.request_id] = story
         if story.first_token_at is None:
             self.awaiting_first_token.add(story.request_id)

@@ -34,6 +34,11 @@ from engine.sched.queue import WaitingQueue, priority_key
 COPY_AHEAD_BLOCKS = 32
 
 
+# What the counts mean, everywhere they are shown (the engine's metrics, a request's row,
+# a job's facts and its KV story): a preemption is a request losing its GPU blocks to
+# compute them again later (recompute), whoever caused it; a swap out (its blocks copied
+# to the CPU pool) and a swap in are counted apart, as swaps, and a move to another
+# engine as neither. vLLM's num_preemptions counts the same.
 @dataclass(slots=True)
 class SchedulerCounters:
     num_preemptions: int = 0  # recompute preemptions, whoever caused them
@@ -41,7 +46,8 @@ class SchedulerCounters:
     num_swaps_in: int = 0
     num_prompt_tokens: int = 0  # prefill tokens computed (prompts, recomputed outputs)
     num_generation_tokens: int = 0  # tokens sampled
-    # every preemption (recompute or swap) by its reason (events.REASONS)
+    # every preemption (recompute) by its reason (events.REASONS): they add up to
+    # num_preemptions
     preemptions_by_reason: collections.Counter = field(default_factory=collections.Counter)
 
 
@@ -455,17 +461,19 @@ class Scheduler:
                       room: tuple = (None, None)) -> None:
         request.status = RequestStatus.SWAPPED
         request.parked = parked
-        request.num_preemptions += 1
+        request.num_swaps_out += 1
         self.swapped.append(request)
         self.counters.num_swaps_out += 1
-        self.counters.preemptions_by_reason[reason] += 1
         self.events.emit("SwappedOut", request_id=request.request_id,
                          block_ids=[g for g, _ in mapping], pool="gpu",
                          detail="operator" if parked else "out of blocks",
                          reason=reason, by=by, num_tokens=request.num_computed_tokens,
                          needed_blocks=room[0], free_blocks=room[1])
 
-    def _swap_in(self, request: Request, mapping_out: list[tuple[int, int]]) -> bool:
+    def _swap_in(self, request: Request, mapping_out: list[tuple[int, int]],
+                 by: str | None = None) -> bool:
+        """by: the operator who swapped it in (None: the scheduler, blocks having come
+        back)."""
         result = self.kv.swap_in(request)
         if result is None:
             return False
@@ -476,6 +484,7 @@ class Scheduler:
         self.running.append(request)
         self.counters.num_swaps_in += 1
         self.events.emit("SwappedIn", request_id=request.request_id,
+                         reason="operator" if by is not None else None, by=by,
                          block_ids=self.kv.block_ids(request.request_id),
                          num_tokens=request.num_computed_tokens,
                          detail=f"{result.num_hit_blocks} blocks from the prefix cache")
@@ -603,15 +612,16 @@ class Scheduler:
         self._mark_swapped(request, result.mapping, parked=True, by=by)
         return result.mapping
 
-    def swap_in(self, request_id: str) -> list[tuple[int, int]]:
-        """Bring a swapped request back now; the caller copies the blocks now."""
+    def swap_in(self, request_id: str, by: str = "operator") -> list[tuple[int, int]]:
+        """Bring a swapped request back now (by: the operator's name); the caller copies
+        the blocks now."""
         request = self.get_live(request_id)
         self._require(request, RequestStatus.SWAPPED, "swap in")
         if len(self.running) >= self.config.max_num_seqs:
             raise InvalidStateError(
                 f"the running batch is full ({self.config.max_num_seqs} requests); try later")
         mapping: list[tuple[int, int]] = []
-        if not self._swap_in(request, mapping):
+        if not self._swap_in(request, mapping, by):
             need = self.kv.num_cpu_blocks_held(request_id)
             raise NotEnoughBlocksError(
                 f"request {request_id!r} needs up to {need} GPU blocks, {self.kv.gpu.num_free} free")

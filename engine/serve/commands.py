@@ -69,7 +69,7 @@ def _by(arguments: dict) -> str:
 OPERATOR_COMMANDS: dict[str, Callable[[LLMEngine, dict], Any]] = {
     "preempt": lambda e, a: e.preempt(_request_id(a), _by(a)),
     "swap-out": lambda e, a: e.swap_out(_request_id(a), _by(a)),
-    "swap-in": lambda e, a: e.swap_in(_request_id(a)),
+    "swap-in": lambda e, a: e.swap_in(_request_id(a), _by(a)),
     "abort": lambda e, a: _abort_result(e.abort(_request_id(a))),
     "evict": lambda e, a: {"num_evicted": e.evict_cached_blocks(
         _int_or_none(a.get("num_blocks"), "num_blocks"), _by(a))},

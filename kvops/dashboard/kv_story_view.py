@@ -29,16 +29,16 @@ def document(job: Job, viewer) -> dict:
         "block_size": bs, "prompt_tokens": story.get("prompt_tokens", job.num_prompt_tokens),
         "cached_tokens": story.get("cached_tokens") or {"gpu": 0, "cpu": 0, "disk": 0},
         "blocks": _blocks(story), "first_miss": story.get("first_miss"),
-        "preemptions": story.get("preemptions", []), "routing": routing,
+        **_counted_apart(story.get("preemptions", []), story.get("swaps"),
+                         story.get("moves")),
+        "routing": routing, "final_blocks": story.get("final_blocks"),
         "copy_on_write": story.get("copy_on_write", 0),
         "window_freed": story.get("window_freed", 0),
         "moments": story.get("moments") or {"admitted": None, "first_token": None,
                                              "preemptions": [], "ended": None},
     }
     if not story:
-        doc["detail"] = ("its engine has not admitted it yet" if job.status == Job.Status.QUEUED
-                         else "its engine told no KV story (it keeps no KV history, or the "
-                              "job ran before stories were kept)")
+        doc["detail"] = untold_detail(job.status)
     miss = doc["first_miss"]
     if miss and miss["reason"] == "salt" and not visibility.sees_everything(viewer):
         # (before the routing's reading, which a never_cached miss would get)
@@ -57,6 +57,39 @@ def document(job: Job, viewer) -> dict:
     return doc
 
 
+def untold_detail(status: str) -> str:
+    """Why a job's row holds no story yet, by its status: a running job's comes with its
+    progress (its engine hands it out with the first token, or the end if sooner)."""
+    if status == Job.Status.QUEUED:
+        return "its engine has not admitted it yet"
+    if status == Job.Status.RUNNING:
+        return "the job is running, waiting for its story (its engine sends it with the " \
+               "job's first token)"
+    return "its engine told no KV story (it keeps no KV history, or the job ran before " \
+           "stories were kept)"
+
+
+def _counted_apart(preemptions: list[dict], swaps: list[dict] | None,
+                   moves: list[dict] | None) -> dict:
+    """Preemptions (recompute), swaps and moves, each counted as the engine counts them
+    (engine/sched/scheduler.py, above SchedulerCounters). A story kept before swaps and
+    moves were told apart (None) had them among its preemptions: they are sorted out."""
+    if swaps is not None and moves is not None:
+        return {"preemptions": preemptions, "swaps": swaps, "moves": moves}
+    kept, swaps, moves = [], [], []
+    for p in preemptions:
+        if p.get("reason") == "migration":
+            moves.append({"at": p["at"], "from": p.get("by"),
+                          "blocks_sent": p.get("swapped_blocks", 0)})
+        elif p.get("swapped_blocks"):
+            swaps.append({"at": p["at"], "direction": "out", "reason": p.get("reason"),
+                          "by": p.get("by"), "needed_blocks": p.get("needed_blocks"),
+                          "free_blocks": p.get("free_blocks"), "blocks": p["swapped_blocks"]})
+        else:
+            kept.append({k: v for k, v in p.items() if k != "swapped_blocks"})
+    return {"preemptions": kept, "swaps": swaps, "moves": moves}
+
+
 def _iso(ts: float | None) -> str | None:
     return None if ts is None else datetime.fromtimestamp(ts, timezone.utc).isoformat()
 
@@ -68,7 +101,9 @@ def _with_iso_times(story: dict) -> dict:
     story = dict(story)
     if story.get("first_miss"):
         story["first_miss"] = {**story["first_miss"], "at": _iso(story["first_miss"]["at"])}
-    story["preemptions"] = [{**p, "at": _iso(p["at"])} for p in story.get("preemptions", [])]
+    for key in ("preemptions", "swaps", "moves"):
+        if key in story:
+            story[key] = [{**p, "at": _iso(p["at"])} for p in story[key]]
     moments = story.get("moments") or {}
     story["moments"] = {"admitted": _iso(moments.get("admitted")),
                         "first_token": _iso(moments.get("first_token")),
@@ -130,8 +165,8 @@ def _seal(doc: dict, viewer) -> None:
     staff (operators' names and the viewer's own requests stay). A `salt` miss reads
     `never_cached`, without the other tenant's hash: told "cached under another salt", a
     user could test guesses of another tenant's prompt (docs/security.md)."""
-    ids = {_REQUEST_ID.fullmatch(x["by"]) for x in [doc["first_miss"] or {}, *doc["preemptions"]]
-           if x.get("by")}
+    ids = {_REQUEST_ID.fullmatch(x["by"])
+           for x in [doc["first_miss"] or {}, *doc["preemptions"], *doc["swaps"]] if x.get("by")}
     job_ids = {int(m[1]) for m in ids if m}
     mine = set(Job.objects.filter(pk__in=job_ids, owner=viewer).values_list("pk", flat=True))
 
@@ -144,4 +179,5 @@ def _seal(doc: dict, viewer) -> None:
         if doc["first_miss"]["by"] == "another user's request":
             doc["first_miss"]["detail"] = _REQUEST_ID.sub("another user's request",
                                                           doc["first_miss"]["detail"])
-    doc["preemptions"] = [{**p, "by": sealed(p.get("by"))} for p in doc["preemptions"]]
+    for key in ("preemptions", "swaps"):
+        doc[key] = [{**p, "by": sealed(p.get("by"))} for p in doc[key]]

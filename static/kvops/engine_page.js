@@ -30,7 +30,8 @@ import { TimelineStrip, parseMoment } from "./timeline.js";
 
 const page = JSON.parse($("#engine-data").textContent);
 const palette = new Palette();
-const gpuMap = new BlockMap($("#gpu-map"), $("#gpu-overlay"), palette, { maxHeight: 660 });
+// (cells up to 40 px: a small pool fills its panel's width instead of a strip of it)
+const gpuMap = new BlockMap($("#gpu-map"), $("#gpu-overlay"), palette, { maxHeight: 660, maxCell: 40 });
 const cpuMap = new BlockMap($("#cpu-map"), $("#cpu-overlay"), palette, { maxHeight: 260, maxCell: 12 });
 const history = new MetricsHistory(600);
 // `log` keeps the last few snapshots and resyncs, with why and when (tests, console).
@@ -117,8 +118,9 @@ function showWhole() {
   gpuMap.attach(state.gpu, state.evictRank, $("#gpu-wrap").clientWidth);
   cpuMap.attach(state.cpu, null, $("#cpu-wrap").clientWidth);
   $("#gpu-caption").textContent = `${num(state.gpu.n)} blocks of ${state.config.block_size} tokens${kvCaption(state.config)}${groupsCaption(state.config)}${splitCaption(state.config)}`;
-  $("#cpu-caption").textContent = `${num(state.cpu.n)} blocks${state.config.cpu_prefix_cache
-    ? " · also the prefix cache's second tier: its cached blocks were copied from the GPU" : ""}`;
+  $("#cpu-caption").textContent = state.cpu.n === 0 ? "none: this engine has no CPU pool (no swap space)"
+    : `${num(state.cpu.n)} blocks${state.config.cpu_prefix_cache
+      ? " · also the prefix cache's second tier: its cached blocks were copied from the GPU" : ""}`;
   $("#disk-tier").hidden = !hasDiskTier(state.config);
   table.setState(state);
   if (selected !== null && !state.requests.has(selected)) selected = null;

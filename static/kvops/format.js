@@ -14,6 +14,12 @@ export function num(value, digits = 0) {
   return FORMATS[digits].format(value);
 }
 
+// A count and its noun, the noun plural unless the count is 1: "1 block", "3 blocks".
+// `many`: a plural that is not the noun and "s".
+export function plural(n, noun, many = `${noun}s`) {
+  return `${num(n)} ${n === 1 ? noun : many}`;
+}
+
 export function pct(fraction, digits = 1) {
   if (fraction === null || fraction === undefined || Number.isNaN(fraction)) return "–";
   return `${(100 * fraction).toFixed(digits)}%`;

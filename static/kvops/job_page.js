@@ -1,12 +1,16 @@
 // A job: its tokens as they stream (websocket /ws/jobs/<id>/), facts and timings (REST),
-// while it runs its request's block table (asked of the engine once a second), and its
-// KV story (REST, kv_story.js: read on load and whenever its status changes). A job moved
-// between engines while it ran says which, and when (migration.js ranOnText). Operators
-// may pin the prompt it ran on its engine.
+// A job: its tokens as they stream (websocket /ws/jobs/<id>/), facts and timings (REST),
+// while it runs its request's block table (asked of the engine once a second), once it
+// ended the blocks it held at its end (its KV story's record: the engine's is gone), and
+// its KV story (REST, kv_story.js: read on load and whenever its status changes). A job
+// moved between engines while it ran says which, and when (migration.js ranOnText). The
+// connection's pill shows while the job is live: its socket closes once the job's end
+// has come (the job stream's last message). Operators may pin the prompt it ran on its
+// engine.
 import { api, errorText } from "./api.js";
 import { ownerCss } from "./colors.js";
-import { $, esc, num, seconds, toast, when } from "./format.js";
-import { TERMINAL, storyHtml } from "./kv_story.js";
+import { $, esc, num, plural, seconds, toast, when } from "./format.js";
+import { SOURCE_WORDS, TERMINAL, storyHtml } from "./kv_story.js";
 import { ranOnText } from "./migration.js";
 import { LiveSocket } from "./socket.js";
 
@@ -83,7 +87,7 @@ function showState(message) {
   out.textContent = message.text ?? "";
   if (!TERMINAL.has(status)) out.insertAdjacentHTML("beforeend", '<span class="caret"></span>');
   if (atBottom) out.scrollTop = out.scrollHeight;
-  $("#out-count").textContent = `${num(message.num_output_tokens)} tokens`;
+  $("#out-count").textContent = plural(message.num_output_tokens, "token");
   showSamples(message.samples || []);
   $("#error").textContent = message.error || "";
   if (job) {  // the live counts, until the row is read again
@@ -94,8 +98,17 @@ function showState(message) {
   }
   if (status !== lastStatus || message.finished) loadJob();
   if (status !== lastStatus) loadStory();  // admitted, or ended (or changed since the first read)
-  if (TERMINAL.has(status) && !TERMINAL.has(lastStatus ?? "")) blocksReleased();
   lastStatus = status;
+  if (TERMINAL.has(status)) endLive();
+}
+
+// The job ended: nothing more comes on its socket, and it is no longer live.
+let ended = false;
+function endLive() {
+  if (ended) return;
+  ended = true;
+  $("#conn")?.remove();
+  socket.close();
 }
 
 // The story as the job's row has it. Reads may overlap: only the latest one is shown.
@@ -111,32 +124,58 @@ async function loadStory(retry = 0) {
   const body = $("#kv-story-body");
   if (!result.ok) { body.innerHTML = `<p class="error">${esc(errorText(result))}</p>`; return; }
   body.innerHTML = storyHtml(result.data, page.miss_reasons);
+  const over = TERMINAL.has(result.data.status);
   $("#kv-story-when").textContent = `as of ${new Date().toLocaleTimeString(undefined, { hour12: false })}`
-    + (TERMINAL.has(result.data.status) ? " (the job has ended: the story is whole)" : "");
+    + (over ? " (the job has ended: the story is whole)"
+      : result.data.status === "running" ? " (running: the story grows until the job ends)" : "");
+  if (over) showFinalBlocks(result.data);
   const behind = (TERMINAL.has(lastStatus ?? "") && !TERMINAL.has(result.data.status))
     || (lastStatus === "running" && !result.data.told);
   if (behind && retry < STORY_RETRIES) setTimeout(() => loadStory(retry + 1), 1000);
 }
 
-function blocksReleased() {  // the last table shown stays, marked as the past
+// A logical block's chip: its id, its tokens and where its K/V came from in the title.
+function chip(id, k, bs, colour, more = "") {
+  return `<span class="chip" style="--c:${colour}" title="logical block ${k}: tokens ${k * bs}–${(k + 1) * bs - 1}${more}">${id}</span>`;
+}
+
+// The blocks the job held at its end, as its KV story recorded them (hits and computed
+// blocks alike): the engine has given them back, so it is asked nothing.
+function showFinalBlocks(doc) {
   const box = $("#blocks");
-  if (!box.querySelector(".chips")) return;
-  box.querySelector(".pill")?.remove();
-  box.insertAdjacentHTML("afterbegin", '<p class="muted" style="margin:0 0 6px">The request has ended: these blocks went back to the pool (cached ones stay findable for prefix hits).</p>');
+  const final = doc.final_blocks;
+  $("#blocks-when").textContent = "at its end";
+  if (!final) {
+    box.innerHTML = `<span class="muted" id="blocks-unknown">${doc.told
+      ? "Its KV story does not record the blocks it held at its end (it ended before they were recorded)."
+      : `No record of the blocks it held at its end: ${esc(doc.detail)}.`}</span>`;
+    return;
+  }
+  const bs = doc.block_size || 16;
+  const source = (k) => (doc.blocks[k] ? `, prompt block: ${SOURCE_WORDS[doc.blocks[k].source] ?? doc.blocks[k].source}` : "");
+  const gpu = final.gpu.map((id, k) => chip(id, k, bs, "#7d8799", source(k))).join("");
+  const cpu = final.cpu.map((id, k) => chip(id, k, bs, "#8a5cd6")).join("");
+  box.innerHTML = `<p style="margin:0 0 6px" id="final-blocks">The request ended holding ${plural(final.gpu.length, "GPU block")}`
+    + `${final.cpu.length ? ` and ${plural(final.cpu.length, "CPU block")}` : ""}; they went back to the pool`
+    + ` (cached ones stay findable for prefix hits).</p>
+    <div class="muted" style="font-size:12px">GPU, logical block order</div>
+    <div class="chips" id="gpu-chips">${gpu || '<span class="muted">none (it held only CPU blocks, or none)</span>'}</div>
+    ${cpu ? `<div class="muted" style="font-size:12px;margin-top:6px">CPU swap</div><div class="chips">${cpu}</div>` : ""}`;
 }
 
 function showBlocks(message) {
+  if (ended) return;  // (an answer that crossed the end: the record is shown instead)
   const r = message.request;
   if (!r) {
-    $("#blocks").innerHTML = `<span class="muted">${TERMINAL.has(lastStatus) ? "The request has ended: its blocks went back to the pool." : "Not on an engine yet."}</span>`;
+    $("#blocks").innerHTML = '<span class="muted">Not on an engine yet.</span>';
     return;
   }
   const bs = message.block_size || 16;
   const hashes = r.block_hashes || [];  // the GPU blocks' hash prefixes: the owner's to see
   const hashOf = (k) => (hashes[k] ? `, hash ${hashes[k]}…` : "");
-  const chips = (ids, gpu = true) => ids.map((id, k) => `<span class="chip" style="--c:${ownerCss(r.index)}" title="logical block ${k}: tokens ${k * bs}–${(k + 1) * bs - 1}${gpu ? hashOf(k) : ""}">${id}</span>`).join("");
+  const chips = (ids, gpu = true) => ids.map((id, k) => chip(id, k, bs, ownerCss(r.index), gpu ? hashOf(k) : "")).join("");
   $("#blocks").innerHTML = `<p style="margin:0 0 6px"><span class="pill ${esc(r.status)}">${esc(r.status)}</span>
-      ${num(r.num_computed_tokens)} tokens in ${r.block_table.length} GPU blocks${r.cpu_block_table.length ? `, ${r.cpu_block_table.length} CPU blocks` : ""}
+      ${plural(r.num_computed_tokens, "token")} in ${plural(r.block_table.length, "GPU block")}${r.cpu_block_table.length ? `, ${plural(r.cpu_block_table.length, "CPU block")}` : ""}
       · <a href="/engines/${esc(message.engine)}/?request=${encodeURIComponent(r.request_id)}">on the block map</a></p>
     <div class="muted" style="font-size:12px">GPU, logical block order</div>
     <div class="chips" id="gpu-chips">${chips(r.block_table) || '<span class="muted">none (swapped out or waiting)</span>'}</div>
@@ -150,7 +189,12 @@ const socket = new LiveSocket(`/ws/jobs/${page.id}/`, {
     else if (message.type === "blocks") showBlocks(message);
     else if (message.type === "error") console.warn("kvops:", message.message);
   },
-  onStatus: (s) => { $("#conn").textContent = s; $("#conn").className = `pill conn ${s === "live" ? "live" : "offline"}`; },
+  onStatus: (s) => {
+    const pill = $("#conn");  // (a job that had ended when the page was made has none)
+    if (ended || !pill) return;
+    pill.textContent = s;
+    pill.className = `pill conn ${s === "live" ? "live" : "offline"}`;
+  },
 });
 
 setInterval(() => { if (lastStatus === "running") socket.send({ type: "blocks" }); }, 1000);

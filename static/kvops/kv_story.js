@@ -9,15 +9,23 @@
 // `reasons` is engine/observe/story.py FIRST_MISS_REASONS (reason -> sentence), which the
 // page views hand to the pages: the sentences are kept there only.
 import { SOURCE_CSS } from "./colors.js";
-import { clock, esc, num } from "./format.js";
+import { clock, esc, num, plural } from "./format.js";
 
 export const SOURCE_WORDS = { gpu: "GPU hit", cpu: "CPU-tier hit", computed: "computed" };
-// Why a request was preempted (engine/observe/story.py PREEMPTION_REASONS), in words.
+// Why a request was preempted (recompute) or swapped (engine/observe/story.py
+// PREEMPTION_REASONS), in words. What each count means: engine/sched/scheduler.py, above
+// SchedulerCounters (a preemption recomputes; swaps and moves are counted apart).
 export const PREEMPTION_WORDS = {
   kv_full: "the GPU pool ran out of free blocks",
   priority: "a request of higher priority needed its blocks",
   operator: "an operator preempted it",
-  migration: "it was moved to another engine",
+};
+export const SWAP_WORDS = {
+  out: { kv_full: "swapped out: the GPU pool ran out of free blocks",
+         priority: "swapped out: a request of higher priority needed its blocks",
+         operator: "an operator swapped it out" },
+  // (the scheduler's swap in has no reason: it resumed once blocks were free)
+  in: { operator: "an operator swapped it in", resumed: "swapped back in once blocks were free" },
 };
 // Reasons whose `by` is the request that took the blocks (the others' is an operator).
 const BY_A_REQUEST = new Set(["evicted", "kv_full", "priority"]);
@@ -65,12 +73,16 @@ export function legendHtml() {
 function cachedHtml(doc) {
   const c = doc.cached_tokens;
   const cached = c.gpu + c.cpu + c.disk;
-  return `<span class="kv-cached"><b>${num(cached)}</b> of ${num(doc.prompt_tokens)} prompt tokens cached `
+  return `<span class="kv-cached"><b>${num(cached)}</b> of ${plural(doc.prompt_tokens, "prompt token")} cached `
     + `(GPU ${num(c.gpu)} · CPU ${num(c.cpu)} · disk ${num(c.disk)}), <b>${num(doc.prompt_tokens - cached)}</b> computed</span>`;
 }
 
 function missHtml(doc, reasons) {
   const miss = doc.first_miss;
+  if (!miss && !doc.blocks.some((b) => b.hash)) {  // (a full block has a hash)
+    return `<div class="kv-miss no-full-block"><b>No full block</b>: the prompt's ${plural(doc.prompt_tokens, "token")}`
+      + ` fill no block of ${num(doc.block_size)}, so nothing could be found cached: all were computed.</div>`;
+  }
   if (!miss) {
     return `<div class="kv-miss none"><b>No miss</b>: every full block of the prompt was found cached.</div>`;
   }
@@ -83,21 +95,53 @@ function missHtml(doc, reasons) {
   </div>`;
 }
 
+// The story's preemptions (recompute), swaps (out and in) and moves in one table, in
+// time order, each row named for what it was (data-kind: preemption, swap-out, swap-in,
+// move).
+function eventRows(doc) {
+  const rows = [
+    ...doc.preemptions.map((p) => ({ at: p.at, kind: "preemption", reason: p.reason, by: p.by,
+      words: PREEMPTION_WORDS[p.reason] ?? "", needed: p.needed_blocks, free: p.free_blocks,
+      cost: p.recomputed_tokens ? `${plural(p.recomputed_tokens, "token")} recomputed` : "" })),
+    ...(doc.swaps ?? []).map((s) => ({ at: s.at, kind: `swap-${s.direction}`, reason: s.reason, by: s.by,
+      words: SWAP_WORDS[s.direction]?.[s.reason ?? "resumed"] ?? "", needed: s.needed_blocks, free: s.free_blocks,
+      cost: `${plural(s.blocks, "block")} swapped ${s.direction}` })),
+    ...(doc.moves ?? []).map((m) => ({ at: m.at, kind: "move", reason: null, by: m.from,
+      words: `moved here from engine ${m.from}`, needed: null, free: null,
+      cost: m.blocks_sent ? `${plural(m.blocks_sent, "block")} sent` : "" })),
+  ];
+  return rows.sort((a, b) => (a.at ?? "").localeCompare(b.at ?? ""));
+}
+
+const KIND_WORDS = { preemption: "preempted (recompute)", "swap-out": "swapped out", "swap-in": "swapped in", move: "moved" };
+
 function preemptionsHtml(doc) {
-  if (!doc.preemptions.length) return `<p class="muted kv-preemptions">No preemptions.</p>`;
-  const rows = doc.preemptions.map((p) => {
-    const cost = [p.recomputed_tokens ? `${num(p.recomputed_tokens)} tokens recomputed` : "",
-                  p.swapped_blocks ? `${num(p.swapped_blocks)} blocks swapped out` : ""].filter(Boolean).join(", ");
-    const href = momentHref(doc.engine, p.at, p.by, p.reason);
-    return `<tr data-reason="${esc(p.reason)}"><td class="muted">${p.at ? clock(isoSeconds(p.at)) : "–"}</td>
-      <td><b class="mono">${esc(p.reason)}</b><br><span class="muted">${esc(PREEMPTION_WORDS[p.reason] ?? "")}</span></td>
-      <td class="mono">${esc(p.by ?? "–")}</td>
-      <td>${p.needed_blocks == null ? "–" : `${num(p.needed_blocks)} needed, ${num(p.free_blocks)} free`}</td>
-      <td>${cost || "–"}</td>
+  const events = eventRows(doc);
+  if (!events.length) return `<p class="muted kv-preemptions">No preemptions, swaps or moves.</p>`;
+  const rows = events.map((e) => {
+    const href = e.kind === "move" ? null : momentHref(doc.engine, e.at, e.by, e.reason);
+    return `<tr data-kind="${e.kind}" data-reason="${esc(e.reason ?? "")}"><td class="muted">${e.at ? clock(isoSeconds(e.at)) : "–"}</td>
+      <td><b>${KIND_WORDS[e.kind]}</b>${e.reason ? ` <b class="mono">${esc(e.reason)}</b>` : ""}<br><span class="muted">${esc(e.words)}</span></td>
+      <td class="mono">${esc(e.by ?? "–")}</td>
+      <td>${e.needed == null ? "–" : `${num(e.needed)} needed, ${num(e.free)} free`}</td>
+      <td>${e.cost || "–"}</td>
       <td>${href ? `<a class="moment" href="${esc(href)}">timeline</a>` : ""}</td></tr>`;
   });
-  return `<table class="list kv-preemptions"><thead><tr><th>at</th><th>cause</th><th>by</th>
+  return `<table class="list kv-preemptions"><thead><tr><th>at</th><th>what</th><th>by</th>
     <th>blocks</th><th>cost</th><th></th></tr></thead><tbody>${rows.join("")}</tbody></table>`;
+}
+
+// Swaps out and in, as the engine page's header shows them ("1/1").
+function swapsText(doc) {
+  const swaps = doc.swaps ?? [];
+  const out = swaps.filter((s) => s.direction === "out").length;
+  return `${num(out)}/${num(swaps.length - out)}`;
+}
+
+// The counts as the engine page's header and request rows show them.
+export function countsText(doc) {
+  return `${plural(doc.preemptions.length, "preemption")} (recompute) · swaps out/in ${swapsText(doc)}`
+    + ((doc.moves ?? []).length ? ` · ${plural(doc.moves.length, "move")}` : "");
 }
 
 function routingRows(doc) {
@@ -122,15 +166,16 @@ export function storyHtml(doc, reasons) {
   const at = (iso) => (iso ? clock(isoSeconds(iso)) : "–");
   const facts = [
     ...routingRows(doc),
-    ["copy on write", `${num(doc.copy_on_write)} blocks copied before a write (shared with another request)`],
-    ["window", `${num(doc.window_freed)} blocks given back by a sliding window`],
+    ["copy on write", `${plural(doc.copy_on_write, "block")} copied before a write (shared with another request)`],
+    ["window", `${plural(doc.window_freed, "block")} given back by a sliding window`],
     ["moments", `admitted ${at(m.admitted)} · first token ${at(m.first_token)} · ended ${at(m.ended)}`],
   ];
-  return `<p class="kv-summary">${num(doc.prompt_tokens)} prompt tokens in ${num(doc.blocks.length)} blocks
-      of ${num(doc.block_size)} tokens on engine ${esc(doc.engine)}: ${cachedHtml(doc)}.</p>
+  return `<p class="kv-summary">${plural(doc.prompt_tokens, "prompt token")} in ${plural(doc.blocks.length, "block")}
+      of ${plural(doc.block_size, "token")} on engine ${esc(doc.engine)}: ${cachedHtml(doc)}.</p>
     ${stripHtml(doc)}${legendHtml()}${missHtml(doc, reasons)}
     <dl class="facts">${facts.map(([k, v]) => `<dt>${k}</dt><dd>${v}</dd>`).join("")}</dl>
-    <h4>Preemptions (${doc.preemptions.length})</h4>${preemptionsHtml(doc)}`;
+    <h4>Preemptions, swaps and moves <span class="muted kv-counts" style="text-transform:none">${countsText(doc)}</span></h4>
+    ${preemptionsHtml(doc)}`;
 }
 
 // The engine page's selected request: the strip, cached tokens, the first miss and how
@@ -143,7 +188,8 @@ export function compactStoryHtml(doc, reasons) {
   const listed = Object.entries(causes).map(([reason, n]) => `${esc(reason)} ${n}`).join(", ");
   return `<div class="kv-compact">${head}${stripHtml(doc, { compact: true })}
     <p>${cachedHtml(doc)}</p>${missHtml(doc, reasons)}
-    <p class="kv-preemption-count">preemptions: <b>${doc.preemptions.length}</b>${listed ? ` (${listed})` : ""}</p></div>`;
+    <p class="kv-preemption-count">preemptions: <b>${doc.preemptions.length}</b>${listed ? ` (${listed})` : ""}
+      · swaps out/in <b>${swapsText(doc)}</b></p></div>`;
 }
 
 // The engine page's "Misses by reason": totals {reason: prompt tokens}, a bar each,

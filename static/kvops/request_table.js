@@ -12,8 +12,12 @@ const COLUMNS = [
   ["", null], ["request", "request_id"], ["job", "job_id"], ["status", "status"],
   ["prompt", "num_prompt_tokens"], ["computed", "num_computed_tokens"],
   ["output", "num_output_tokens"], ["cached", "num_cached_tokens"], ["blocks", "blocks"],
-  ["preempt.", "num_preemptions"], ["prio", "priority"], ["actions", null],
+  ["preempt.", "num_preemptions"], ["swaps", "num_swaps_out"], ["prio", "priority"], ["actions", null],
 ];
+// (preempt.: recompute preemptions; swaps: swaps out. engine/sched/scheduler.py, above
+// SchedulerCounters, says what each counts.)
+// The empty table's words, by filter (the others: "<status> requests").
+const EMPTY_NOUNS = { live: "live requests", all: "requests" };
 // What an operator may do to a request in each state (the engine refuses the rest).
 const ACTIONS = {
   running: [["preempt", "Preempt"], ["swap-out", "Swap out"], ["abort", "Abort"]],
@@ -72,8 +76,10 @@ export class RequestTable {
     root.innerHTML = `
       <div class="vhead">${COLUMNS.map(([label, key]) =>
         `<div ${key ? `data-sort="${key}"` : ""} class="${key && key !== "request_id" && key !== "status" && key !== "job_id" ? "num" : ""}">${label}</div>`).join("")}</div>
-      <div class="vbody"><div class="vspacer"></div></div>`;
+      <p class="vempty muted">Waiting for the engine's state…</p>
+      <div class="vbody" hidden><div class="vspacer"></div></div>`;
     this.body = root.querySelector(".vbody");
+    this.empty = root.querySelector(".vempty");
     this.spacer = root.querySelector(".vspacer");
     root.querySelector(".vhead").addEventListener("click", (e) => this.sortBy(e.target.dataset.sort));
     this.body.addEventListener("scroll", () => this.renderRows());
@@ -133,7 +139,19 @@ export class RequestTable {
     });
     this.rows = groupSamples(rows).map((r) => r.index);
     this.spacer.style.height = `${rows.length * ROW_HEIGHT}px`;
+    this.showEmpty(rows.length === 0);
     this.renderRows();
+  }
+
+  // No row to show: say so in words instead of a blank table.
+  showEmpty(empty) {
+    if (empty) {
+      const noun = EMPTY_NOUNS[this.filter] ?? `${this.filter} requests`;
+      this.empty.textContent = this.search ? `No ${noun} match “${this.search}”.`
+        : this.filter === "live" ? "No live requests (none waiting, running or swapped)." : `No ${noun}.`;
+    }
+    this.empty.hidden = !empty;
+    this.body.hidden = empty;
   }
 
   get count() { return this.rows.length; }
@@ -165,7 +183,7 @@ export class RequestTable {
       <div class="mono" title="${esc(r.request_id)}${r.request_id.includes("/") ? " (a sample of a request with n > 1: the samples share its prompt's blocks)" : ""}">${esc(r.request_id)}</div>
       <div>${this.othersOf(r) ? '<span class="muted" title="its job is its owner\'s to see">another user\'s</span>'
     : r.job_id ? `<a href="/jobs/${esc(r.job_id)}/">${esc(r.job_id)}</a>` : "–"}</div>
-      <div></div>${'<div class="num"></div>'.repeat(7)}<div class="actions"></div>`;
+      <div></div>${'<div class="num"></div>'.repeat(8)}<div class="actions"></div>`;
     el.cells = [...el.children];
     el.shown = [];  // what each cell shows now
     this.spacer.appendChild(el);
@@ -185,8 +203,9 @@ export class RequestTable {
     set(7, num(r.num_cached_tokens));
     set(8, `${r.block_table.length}${r.cpu_block_table.length ? ` <span class="muted">+${r.cpu_block_table.length}c</span>` : ""}`);
     set(9, String(r.num_preemptions));
-    set(10, String(r.priority));
-    if (this.operator) set(11, this.actionsHtml(r));
+    set(10, String(r.num_swaps_out ?? 0));
+    set(11, String(r.priority));
+    if (this.operator) set(12, this.actionsHtml(r));
   }
 
   actionsHtml(r) {

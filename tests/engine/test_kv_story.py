@@ -135,7 +135,7 @@ def test_preemptions_say_why_who_and_what_they_cost():
     p = preemptions[0]
     assert p["reason"] == "kv_full" and p["by"] in {"r0", "r1", "r2"}
     assert p["needed_blocks"] > p["free_blocks"]
-    assert p["recomputed_tokens"] > 0 and p["swapped_blocks"] == 0
+    assert p["recomputed_tokens"] > 0
 
     engine.add_request("op", list(range(1, 9)), greedy(20))
     engine.step()
@@ -147,14 +147,74 @@ def test_preemptions_say_why_who_and_what_they_cost():
     assert story["moments"]["preemptions"] == [p["at"]]
 
 
-def test_swap_preemptions_count_the_blocks_moved():
+def test_swaps_are_told_as_swaps_with_the_blocks_moved():
     engine = sim_engine(num_gpu_blocks=10, num_cpu_blocks=32, block_size=BS, vocab_size=2000,
                         enable_prefix_caching=False, preemption_mode="swap")
     for i in range(3):
         engine.add_request(f"s{i}", list(range(100 * i + 1, 100 * i + 9)), greedy(20))
     run_all(engine)
-    swaps = [p for i in range(3) for p in engine.kv_story(f"s{i}")["preemptions"]]
-    assert swaps and all(p["swapped_blocks"] > 0 and p["recomputed_tokens"] == 0 for p in swaps)
+    stories = [engine.kv_story(f"s{i}") for i in range(3)]
+    swaps = [s for story in stories for s in story["swaps"]]
+    outs = [s for s in swaps if s["direction"] == "out"]
+    assert outs and all(s["blocks"] > 0 and s["reason"] == "kv_full" for s in outs)
+    # the scheduler brought each back once blocks were free: no operator's doing
+    assert [s for s in swaps if s["direction"] == "in"] and \
+        all(s["reason"] is None and s["by"] is None for s in swaps if s["direction"] == "in")
+    # a swap is no preemption (engine/sched/scheduler.py, above SchedulerCounters)
+    assert not any(story["preemptions"] for story in stories)
+    m = engine.metrics()
+    assert m["num_preemptions"] == sum(m["preemptions_by_reason"].values()) == 0
+    assert m["num_swaps_out"] == len(outs)
+
+
+def test_an_operators_swap_out_and_in_are_swaps_and_agree_with_the_counts():
+    engine = sim_engine(num_gpu_blocks=32, num_cpu_blocks=32, block_size=BS, vocab_size=2000,
+                        enable_prefix_caching=False)
+    engine.add_request("w", list(range(1, 14)), greedy(30))
+    for _ in range(3):
+        engine.step()
+    engine.preempt("w", by="olive")
+    for _ in range(3):
+        engine.step()
+    engine.swap_out("w", by="olive")
+    engine.step()
+    engine.swap_in("w", by="olive")
+    request = engine.scheduler.requests["w"]
+    story = engine.kv_story("w")
+    assert [p["reason"] for p in story["preemptions"]] == ["operator"]
+    assert [(s["direction"], s["reason"], s["by"]) for s in story["swaps"]] == \
+        [("out", "operator", "olive"), ("in", "operator", "olive")]
+    m = engine.metrics()
+    # one count per concept: the request's, the engine's and the story's agree
+    assert request.num_preemptions == m["num_preemptions"] == len(story["preemptions"]) == 1
+    assert request.num_swaps_out == m["num_swaps_out"] == m["num_swaps_in"] == 1
+
+
+def test_the_story_keeps_the_blocks_held_at_the_end_hits_and_computed():
+    engine = small()
+    story_of(engine, "a1", A)
+    engine.add_request("a2", A, greedy(3))  # a prefix hit on a1's blocks
+    held = []  # its table before its last step (which may add a block)
+    while engine.has_unfinished_requests():
+        if "a2" in engine.scheduler.requests:
+            held = engine.kv.block_ids("a2")
+        engine.step()
+    story = engine.kv_story("a2")
+    assert story["sources"]["gpu"] == 5  # it was a hit: its first 5 blocks are a1's
+    final = story["final_blocks"]
+    assert final["cpu"] == [] and len(held) >= 5
+    assert final["gpu"][:len(held)] == held and len(final["gpu"]) <= len(held) + 1
+
+
+def test_the_final_blocks_of_a_request_preempted_then_ended_waiting_are_none():
+    engine = small()
+    engine.add_request("p", A, greedy(30))
+    for _ in range(3):
+        engine.step()
+    engine.preempt("p")
+    engine.abort("p")
+    engine.step()
+    assert engine.kv_story("p")["final_blocks"] == {"gpu": [], "cpu": []}
 
 
 def test_forked_samples_carry_the_story_and_count_their_copies_on_write():

@@ -229,9 +229,11 @@ def test_the_kv_story_goes_on_at_the_destination_with_the_hop():
     assert story["engine"] == "west" and story["hashes"] == told_there["hashes"]
     assert story["first_miss"] == told_there["first_miss"]
     assert story["moments"]["first_token"] == told_there["moments"]["first_token"]
-    [hop] = story["preemptions"]
-    assert (hop["reason"], hop["by"], hop["recomputed_tokens"]) == ("migration", "east", 0)
-    assert hop["swapped_blocks"] >= 6 and story["finish_reason"] == "length"
+    # a move is neither a preemption nor a swap: told as a move
+    assert story["preemptions"] == [] and story["swaps"] == []
+    [hop] = story["moves"]
+    assert hop["from"] == "east" and hop["blocks_sent"] >= 6
+    assert story["finish_reason"] == "length"
     assert src.kv_story("r")["finish_reason"] == "migrated"
 
 

@@ -93,8 +93,8 @@ def test_an_operators_move_keeps_the_clients_stream_whole(stack):
     assert [(e["engine"], e["reason"]) for e in final["engines"]] == \
         [(source, "start"), (other(source), "migration")]
     story = stack.api("GET", f"/api/jobs/{job['id']}/kv/", user="alice").json()
-    [hop] = [p for p in story["preemptions"] if p["reason"] == "migration"]
-    assert hop["recomputed_tokens"] == 0 and hop["swapped_blocks"] >= 1
+    [hop] = story["moves"]
+    assert hop["from"] == source and hop["blocks_sent"] >= 1 and story["preemptions"] == []
     assert story["engine"] == other(source)
     log = stack.api("GET", "/api/actions/").json()["results"]
     assert any(a["action"] == "migrate" and a["target"] == rid and a["ok"] for a in log)
@@ -231,8 +231,7 @@ def test_a_drain_by_migration_moves_every_running_request(stack):
             assert final["output_text"] == expected_text(prompt, 120), prompt
             assert [e["engine"] for e in final["engines"]] == ["a", "b"]
             story = stack.api("GET", f"/api/jobs/{final['id']}/kv/").json()
-            hops = [p for p in story["preemptions"] if p["reason"] == "migration"]
-            assert len(hops) == 1 and hops[0]["recomputed_tokens"] == 0
+            assert len(story["moves"]) == 1 and story["moves"][0]["from"] == "a"
         stack.wait(lambda: engine_row(stack, "a")["state"] == "drained", "a drained", 30)
         log = stack.api("GET", "/api/actions/").json()["results"]
         drained = [a for a in log if a["action"] == "migrate" and a["params"].get("by") == "drain"]

@@ -6,6 +6,7 @@ import test from "node:test";
 
 import { SOURCE_CSS } from "../../../static/kvops/colors.js";
 import { compactStoryHtml, momentHref, missesHtml, storyHtml, stripHtml } from "../../../static/kvops/kv_story.js";
+import { plural } from "../../../static/kvops/format.js";
 import { MetricsHistory } from "../../../static/kvops/metrics.js";
 import { Replay } from "../../../static/kvops/replay.js";
 import { parseMoment } from "../../../static/kvops/timeline.js";
@@ -14,9 +15,12 @@ import { FINISH, GROW, snapshot } from "./kv_fixtures.mjs";
 const REASONS = { never_cached: "no engine block has held this hash", evicted: "its block was taken",
                   partial_block: "only the last block missed" };
 const AT = "2026-12-04T19:42:05.767397+00:00";
+const AT_LATER = "2026-12-04T19:42:06.100000+00:00";
+const AT_LATEST = "2026-12-04T19:42:07.100000+00:00";
 
 // A story as GET /api/jobs/<id>/kv/ gives it: 3 GPU hits, a CPU-tier hit, then 2 computed
-// blocks (the last partly filled), its first miss at block 4, evicted by job-88-1.
+// blocks (the last partly filled), its first miss at block 4, evicted by job-88-1; one
+// preemption (kv_full), then an operator's swap out and swap in.
 function story(extra = {}) {
   const sources = ["gpu", "gpu", "gpu", "cpu", "computed", "computed"];
   return {
@@ -26,9 +30,12 @@ function story(extra = {}) {
     first_miss: { block: 4, reason: "evicted", at: AT, by: "job-88-1",
                   detail: "block 4 was evicted at 19:42:05 to make room for job-88-1 (least recently used first)" },
     preemptions: [{ at: AT, reason: "kv_full", by: "job-90-1", needed_blocks: 5, free_blocks: 2,
-                    recomputed_tokens: 40, swapped_blocks: 0 },
-                  { at: AT, reason: "operator", by: "admin", needed_blocks: null, free_blocks: null,
-                    recomputed_tokens: 0, swapped_blocks: 3 }],
+                    recomputed_tokens: 40 }],
+    swaps: [{ at: AT_LATER, direction: "out", reason: "operator", by: "admin", needed_blocks: null,
+              free_blocks: null, blocks: 3 },
+            { at: AT_LATEST, direction: "in", reason: "operator", by: "admin", needed_blocks: null,
+              free_blocks: null, blocks: 3 }],
+    moves: [],
     routing: { policy: "prefix", engine: "a", hit_tokens: 64, best_engine: "b", best_hit_tokens: 80 },
     copy_on_write: 1, window_freed: 0,
     moments: { admitted: AT, first_token: AT, preemptions: [AT, AT], ended: AT },
@@ -74,13 +81,28 @@ test("the job page's story says the first miss in words, the tiers, the causes a
   assert.ok(html.includes("its block was taken"));
   assert.ok(html.includes("block 4 was evicted at 19:42:05 to make room for job-88-1 (least recently used first)"));
   const links = [...html.matchAll(/<a class="moment" href="([^"]*)"/g)].map((m) => m[1].replaceAll("&amp;", "&"));
-  assert.equal(links.length, 3);  // the first miss and both preemptions
+  assert.equal(links.length, 4);  // the first miss, the preemption and both swaps
   assert.equal(new URL(links[1], "http://x").searchParams.get("request"), "job-90-1");
   assert.equal(new URL(links[2], "http://x").searchParams.has("request"), false);  // the operator's
-  assert.match(html, /<tr data-reason="kv_full">[\s\S]*the GPU pool ran out of free blocks[\s\S]*5 needed, 2 free[\s\S]*40 tokens recomputed/);
-  assert.match(html, /<tr data-reason="operator">[\s\S]*3 blocks swapped out/);
+  assert.match(html, /<tr data-kind="preemption" data-reason="kv_full">[\s\S]*the GPU pool ran out of free blocks[\s\S]*5 needed, 2 free[\s\S]*40 tokens recomputed/);
   assert.match(html, /holding 64 tokens of its prefix[\s\S]*>b<\/a>, holding 80 tokens/);
-  assert.match(html, /Preemptions \(2\)/);
+});
+
+test("a swap out and a swap in are named as what they were, and counted apart from preemptions", () => {
+  const html = storyHtml(story(), REASONS);
+  const kinds = [...html.matchAll(/<tr data-kind="([^"]+)"/g)].map((m) => m[1]);
+  assert.deepEqual(kinds, ["preemption", "swap-out", "swap-in"]);  // in time order
+  assert.match(html, /<tr data-kind="swap-out" data-reason="operator">[\s\S]*an operator swapped it out[\s\S]*3 blocks swapped out/);
+  assert.match(html, /<tr data-kind="swap-in" data-reason="operator">[\s\S]*an operator swapped it in[\s\S]*3 blocks swapped in/);
+  assert.doesNotMatch(html, /an operator preempted it/);
+  // the engine page's numbers: preemptions (recompute) and swaps out/in
+  assert.match(html, /1 preemption \(recompute\) · swaps out\/in 1\/1/);
+  const resumed = storyHtml(story({ swaps: [{ at: AT, direction: "in", reason: null, by: null, blocks: 2 }] }), REASONS);
+  assert.match(resumed, /swapped back in once blocks were free/);
+  // a move in from another engine is a move, neither a preemption nor a swap
+  const moved = storyHtml(story({ moves: [{ at: AT_LATEST, from: "east", blocks_sent: 6 }] }), REASONS);
+  assert.match(moved, /<tr data-kind="move"[\s\S]*moved here from engine east[\s\S]*6 blocks sent/);
+  assert.match(moved, /· 1 move</);
 });
 
 test("a story not told yet says why; a full hit says no miss", () => {
@@ -92,9 +114,38 @@ test("a story not told yet says why; a full hit says no miss", () => {
   assert.match(storyHtml(story({ first_miss: null }), REASONS), /kv-miss none/);
 });
 
+test("a prompt shorter than one block says it has no full block, not that nothing missed", () => {
+  // a 7-token prompt, nothing cached: one partly filled block, no hash, no first miss
+  const short = story({ prompt_tokens: 7, cached_tokens: { gpu: 0, cpu: 0, disk: 0 }, first_miss: null,
+                        blocks: [{ index: 0, hash: null, source: "computed" }], preemptions: [],
+                        copy_on_write: 0 });
+  const html = storyHtml(short, REASONS);
+  assert.match(html, /kv-miss no-full-block/);
+  assert.match(html, /No full block<\/b>: the prompt's 7 tokens fill no block of 16/);
+  assert.doesNotMatch(html, /No miss|kv-miss none/);
+  assert.doesNotMatch(compactStoryHtml(short, REASONS), /No miss|kv-miss none/);
+});
+
+test("counts read in the singular when they are 1", () => {
+  const one = story({ prompt_tokens: 1, cached_tokens: { gpu: 0, cpu: 0, disk: 0 }, first_miss: null,
+                      blocks: [{ index: 0, hash: null, source: "computed" }], copy_on_write: 1, window_freed: 1,
+                      preemptions: [{ at: AT, reason: "kv_full", by: null, needed_blocks: 1, free_blocks: 0,
+                                      recomputed_tokens: 1, swapped_blocks: 0 }] });
+  const html = storyHtml(one, REASONS);
+  assert.match(html, /1 prompt token in 1 block\s+of 16 tokens/);
+  assert.match(html, /of 1 prompt token cached/);
+  assert.match(html, /1 block copied before a write/);
+  assert.match(html, /1 block given back/);
+  assert.match(html, /1 token recomputed/);
+  assert.doesNotMatch(html, /\b1 (blocks|tokens|prompt tokens)\b/);
+  assert.equal(plural(1, "token"), "1 token");
+  assert.equal(plural(0, "token"), "0 tokens");
+  assert.equal(plural(1200, "token"), "1,200 tokens");
+});
+
 test("the compact story counts preemptions by cause and keeps the first miss", () => {
   const html = compactStoryHtml(story(), REASONS);
-  assert.match(html, /preemptions: <b>2<\/b> \(kv_full 1, operator 1\)/);
+  assert.match(html, /preemptions: <b>1<\/b> \(kv_full 1\)\s+· swaps out\/in <b>1\/1<\/b>/);
   assert.match(html, /data-reason="evicted"/);
   assert.equal(cells(html).length, 6);
   assert.match(html, /href="\/jobs\/12\/"/);
