@@ -39,6 +39,7 @@ WS_MAX_BYTES = 4 * 1024
 # a second or two, kvops/worker/worker.py) before what is left of them is killed; then the
 # private Redis, if any.
 STOP_S = 7.0
+READY_POLL_S = 1.0  # how often the start-up asks whether the stack serves yet
 REDIS_STOP_S = 1.0
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 
@@ -225,6 +226,41 @@ def _name(proc: subprocess.Popen) -> str:
     return " ".join(map(str, proc.args[:4]))
 
 
+def serving(port: int) -> bool:
+    """Whether the stack serves: its web server's /healthz says the database and Redis
+    answer and an engine is alive (asked there, not at /health, whose 503s until then
+    the web server would log)."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as r:
+            health = json.load(r)
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+    return bool(health.get("ok")) and health.get("engines_alive", 0) > 0
+
+
+def quiet_children() -> None:
+    """What the stack's processes print that a user cannot act on, left out: Celery's
+    banner (the engine worker's thread count in it is one waiting thread per job the
+    batch may hold, not a claim on the CPU) and its warning against running as root,
+    said once here instead."""
+    os.environ["KVOPS_CELERY_QUIET"] = "1"
+    if os.geteuid() == 0:
+        log("running as root: the workers would run as any user; Celery advises against "
+            "root (run `make run` as a normal user to follow it)")
+        filters = os.environ.get("PYTHONWARNINGS")
+        os.environ["PYTHONWARNINGS"] = ",".join(
+            filter(None, [filters, "ignore::UserWarning:celery.platforms"]))
+
+
+def quiet_args() -> list[str]:
+    """The Celery workers' flag that leaves their banner out, under `make run`."""
+    return ["--quiet"] if os.environ.get("KVOPS_CELERY_QUIET") else []
+
+
 def main() -> int:
     # Ctrl-C, SIGTERM (docker stop, systemd), SIGHUP (the terminal closed) and SIGQUIT
     # stop the stack; set explicitly, since a shell that starts us in the background hands
@@ -251,6 +287,10 @@ def main() -> int:
         redis_proc = ensure_redis(redis_url, data_dir)
         manage("migrate", "--noinput", "-v0")
         manage("ensure_admin")
+        # (the web server serves the pages' files from the checkout while debugging; the
+        # folder it would collect them into must exist, or it warns on every start)
+        Path(settings.STATIC_ROOT).mkdir(parents=True, exist_ok=True)
+        quiet_children()
         name = settings.KVOPS_ENGINE_NAME
         for argv in (web_server_argv("127.0.0.1", port, settings.KVOPS_TRUSTED_PROXIES),
                      [sys.executable, "manage.py", "engine_worker", "--name", name],
@@ -258,13 +298,23 @@ def main() -> int:
             if stopping():
                 raise Stopped
             children.append(spawn(argv))
-        log(f"kvops is starting at http://127.0.0.1:{port}/ (engine {name!r}); Ctrl-C stops it")
+        url = f"http://127.0.0.1:{port}/"
+        log(f"kvops is starting at {url}: the web server, the ops worker, and engine "
+            f"{name!r} loading its model (the URL is printed again once it serves)")
+        ready_at = None
         while not stopping():
             dead = next((c for c in [*children, *filter(None, [redis_proc])]
                          if c.poll() is not None), None)
             if dead is not None:
                 log(f"{_name(dead)} exited with {dead.returncode}; stopping")
                 return 1
+            now = time.monotonic()
+            if ready_at is not True and (ready_at is None or now >= ready_at):
+                if serving(port):
+                    log(f"kvops is ready at {url} (engine {name!r}); Ctrl-C stops it")
+                    ready_at = True
+                else:
+                    ready_at = now + READY_POLL_S
             time.sleep(0.2)
         raise Stopped
     except Stopped:

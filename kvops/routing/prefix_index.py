@@ -58,6 +58,8 @@ class PrefixIndex:
         now = time.monotonic()
         if now - self._last_full < RESYNC_S:
             return
+        if not getattr(self.source, "alive", True):
+            return  # (loading its model, or gone: the rewrite once it runs repairs the index)
         self._last_full = now
         try:
             hashes = {pool: self.source.command("prefix-hashes", {"pool": pool})

@@ -8,6 +8,7 @@ from django.conf import settings
 from django.core.management.base import BaseCommand
 
 from kvops.engines.engine_config import config_from_env
+from kvops.infra.run import quiet_args
 
 
 class Command(BaseCommand):
@@ -29,7 +30,8 @@ class Command(BaseCommand):
         max_seqs = config_from_env(env).max_num_seqs
         threads = opts["threads"] or max_seqs + 16
         queues = f"engine.{name}" if opts["no_shared_queue"] else f"engine.{name},jobs"
-        argv = [sys.executable, "-m", "celery", "-A", "kvops", "worker", "-P", "threads",
+        argv = [sys.executable, "-m", "celery", "-A", "kvops", *quiet_args(), "worker", "-P", "threads",
                 "-c", str(threads), "-Q", queues, "-n", f"engine-{name}@{socket.gethostname()}",
                 "--without-gossip", "--without-mingle", "-l", opts["loglevel"]]
         os.execve(sys.executable, argv, env)
+

@@ -7,6 +7,7 @@ import sys
 
 from django.core.management.base import BaseCommand
 
+from kvops.infra.run import quiet_args
 from kvops.what_if.what_if import OPS_QUEUE
 
 
@@ -22,8 +23,9 @@ class Command(BaseCommand):
         env = dict(os.environ)
         env.pop("KVOPS_ENGINE_WORKER", None)  # never an engine in this worker
         # prefork: each replay in a child process, which the task's time limit can stop
-        argv = [sys.executable, "-m", "celery", "-A", "kvops", "worker", "-P", "prefork",
+        argv = [sys.executable, "-m", "celery", "-A", "kvops", *quiet_args(), "worker", "-P", "prefork",
                 "-c", str(opts["concurrency"]), "-Q", OPS_QUEUE,
                 "-n", f"ops@{socket.gethostname()}", "--without-gossip", "--without-mingle",
                 "-l", opts["loglevel"]]
         os.execve(sys.executable, argv, env)
+
