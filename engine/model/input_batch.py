@@ -43,6 +43,9 @@ class InputBatch:
         self.buffers = StepBuffers(max_tokens, max_seqs, max_blocks, device)
         self.tables = BlockTables(max_seqs, max_blocks) if device_tables else None
         self.steps = 0
+        # request id -> its sampling row (sampling_row), at most _most_rows of them
+        self._rows: dict[str, SamplingRow] = {}
+        self._most_rows = 4 * max_seqs
 
     def prepare(self, out: SchedulerOutput, buffers: StepBuffers | None = None,
                 pad_to: int | None = None, plan_seq_len: int | None = None) -> StepBatch:
@@ -148,11 +151,22 @@ class InputBatch:
 
     def sampling_row(self, request: Request) -> SamplingRow:
         """How the request's next token is chosen, from its state now (its output so
-        far, which the penalties and the token's seed read, and its grammar)."""
+        far, which the penalties and the token's seed read, and its grammar). A
+        request's row is kept across steps and brought up to date: the same request
+        (its own output list) changes only its count and its grammar."""
+        row = self._rows.get(request.request_id)
+        if row is not None and row.output_token_ids is request.output_token_ids:
+            row.num_output_tokens = len(request.output_token_ids)
+            row.grammar = request.grammar
+            return row
+        if len(self._rows) >= self._most_rows:  # (ended requests' rows: made again if needed)
+            self._rows.clear()
         params = request.sampling_params
-        return SamplingRow(params, request_seed(params, self.seed, request.request_id),
-                           request.num_output_tokens, request.prompt_token_ids,
-                           request.output_token_ids, request.eos_token_ids, request.grammar)
+        row = self._rows[request.request_id] = SamplingRow(
+            params, request_seed(params, self.seed, request.request_id),
+            request.num_output_tokens, request.prompt_token_ids, request.output_token_ids,
+            request.eos_token_ids, request.grammar)
+        return row
 
     def _buffers_for(self, num_tokens: int, num_seqs: int) -> StepBuffers:
         """The step buffers, grown first if this step does not fit (max_num_seqs or

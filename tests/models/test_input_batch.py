@@ -88,3 +88,20 @@ def test_a_hybrid_models_groups_each_get_their_tables_and_slots():
     assert second.block_tables == [[8, 4]]
     assert second.slot_mapping.tolist() == [32, 33, 34, 35, 16, 17]
     assert second.seq_lens == first.seq_lens and second.query_start_loc == first.query_start_loc
+
+
+def test_a_requests_sampling_row_is_kept_and_follows_its_output():
+    """The row a request samples with is made once and brought up to date (its output
+    count, its grammar); a new request under the same id gets a row of its own."""
+    batch = InputBatch(BS, CPU, seed=5, num_groups=1)
+    r = request("r", [10, 11, 12], 1, temperature=0.7)
+    row = batch.sampling_row(r)
+    assert row.num_output_tokens == 0 and row.seed == request_seed(r.sampling_params, 5, "r")
+    r.append_output_token(40)
+    r.grammar = object()
+    again = batch.sampling_row(r)
+    assert again is row and again.num_output_tokens == 1 and again.grammar is r.grammar
+    assert again.output_token_ids == [40]
+    other = request("r", [10, 11, 12], 1, temperature=0.7, seed=9)  # the id used again
+    fresh = batch.sampling_row(other)
+    assert fresh is not row and fresh.num_output_tokens == 0 and fresh.seed == 9
