@@ -27,7 +27,7 @@ from engine.kv.events import EventLog, KVEvent
 from engine.kv.export import KVExport
 from engine.kv.pins import Pins
 from engine.model.build import build_disk_tier, build_runner
-from engine.model.runner import Flight, Runner
+from engine.model.runner import Flight, Runner, StepResult
 from engine.observe.reporter import Reporter
 from engine.observe.story import STORY_QUEUE_MAX, StoryBook
 from engine.output_processor import OutputProcessor
@@ -175,16 +175,9 @@ class LLMEngine:
         self.step_count += 1
         self._changes += 1
         self._inflight = out
-        result = self.runner.execute(out)
-        if result.prompt_logprobs:  # before update_from_output, which may fork
-            self.output_processor.keep_prompt_logprobs(out, result.prompt_logprobs)
-        progressed = self.scheduler.update_from_output(out, result.tokens)
+        self._apply(out, self.runner.execute(out), outputs, advance=True)
         self._inflight = None
-        self.output_processor.add_progress(outputs, progressed, result)
-        self.reporter.record_step(time.time())
-        if self._kv_events_out is not None:
-            self._kv_events_out.publish()
-        self.step_seconds += time.perf_counter() - started
+        self._step_done(started)
         return outputs
 
     def _step_ahead(self, outputs: list[CoreOutput]) -> list[CoreOutput]:
@@ -209,32 +202,40 @@ class LLMEngine:
             self._inflight = (out, before[0]) if before is not None else out
             flight = self.runner.launch(out, before[1] if before is not None else None)
         if before is not None:
-            self._read_back(before, outputs)
+            self._apply(before[0], self.runner.collect(before[1]), outputs, advance=False)
         if flight is not None:
             self.runner.sample(flight)
             if _reads_back_at_once(out):
-                self.scheduler.advance(out)
-                self._read_back((out, flight), outputs)
+                self._apply(out, self.runner.collect(flight), outputs, advance=True)
             else:
                 self._flight = (out, flight)
         elif out.has_work:  # block copies alone
-            self.scheduler.update_from_output(out, {})
+            self._apply(out, StepResult(), outputs, advance=True)
         self._inflight = None
         if out.has_work or before is not None:
-            self.reporter.record_step(time.time())
-            if self._kv_events_out is not None:
-                self._kv_events_out.publish()
-        self.step_seconds += time.perf_counter() - started
+            self._step_done(started)
+        else:
+            self.step_seconds += time.perf_counter() - started
         return outputs
 
-    def _read_back(self, flight: tuple[SchedulerOutput, Flight], outputs: list[CoreOutput]) -> None:
-        """An advanced flight's tokens read back and applied; its progress into outputs."""
-        out, issued = flight
-        result = self.runner.collect(issued)
+    def _apply(self, out: SchedulerOutput, result: StepResult, outputs: list[CoreOutput],
+               advance: bool) -> None:
+        """A step's result applied: its prompt logprobs kept (before the advance, which
+        may fork the request they belong to), the batch advanced unless it was already
+        (async scheduling), its tokens appended, its progress into outputs."""
         if result.prompt_logprobs:
             self.output_processor.keep_prompt_logprobs(out, result.prompt_logprobs)
+        if advance:
+            self.scheduler.advance(out)
         progressed = self.scheduler.apply_tokens(out, result.tokens)
         self.output_processor.add_progress(outputs, progressed, result)
+
+    def _step_done(self, started: float) -> None:
+        """After a step that ran: its time, the reporter's rate, the KV events out."""
+        self.reporter.record_step(time.time())
+        if self._kv_events_out is not None:
+            self._kv_events_out.publish()
+        self.step_seconds += time.perf_counter() - started
 
     def settle(self) -> None:
         """Read back and apply the step in flight (async scheduling), so that what
@@ -245,8 +246,7 @@ class LLMEngine:
         flight, self._flight = self._flight, None
         self._changes += 1
         self._inflight = flight[0]
-        self.scheduler.advance(flight[0])
-        self._read_back(flight, self._settled)
+        self._apply(flight[0], self.runner.collect(flight[1]), self._settled, advance=True)
         self._inflight = None
 
     def generate(self, prompts: list[str | list[int]],

@@ -160,3 +160,25 @@ def test_a_move_between_engines_with_async_scheduling(tiny_model, how):
 def test_async_scheduling_is_on_by_default_only_on_cuda(tiny_model):
     engine = make_engine(tiny_model("gqa16"))
     assert engine.config.async_scheduling is None and not engine.async_scheduling
+
+
+def test_a_fork_keeps_its_prompt_logprobs_with_async_scheduling(tiny_model):
+    """A request with n > 1 and prompt logprobs: the step that scores its prompt is read
+    back at once, its prompt logprobs kept before it forks, so each sample carries them
+    as with a step at a time."""
+    folder = tiny_model("gqa16")
+    prompt = random_prompts(SPECS["gqa16"].vocab_size, [11], seed=3)[0]
+    params = SamplingParams(max_tokens=4, n=2, temperature=0.0, prompt_logprobs=2,
+                            ignore_eos=True)
+    kept = {}
+    for ahead in (True, False):
+        engine = make_engine(folder, async_scheduling=ahead)
+        engine.add_request("f", prompt, params)
+        seen = kept[ahead] = {}
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.prompt_logprobs:
+                    seen.setdefault(o.request_id, o.prompt_logprobs)
+    assert set(kept[True]) == {"f/0", "f/1"}
+    assert all(len(entries) == len(prompt) for entries in kept[True].values())
+    assert kept[True] == kept[False]
