@@ -11,7 +11,7 @@ eagerly.
 Sizes: 1, 2, 4, 8, then every 16 up to max_num_seqs (and max_num_seqs itself), as vLLM
 and nano-vllm pick them. They are captured largest first into one memory pool, so a
 smaller graph's activations reuse the largest's memory, which the KV pool's sizing
-counted before the pool was allocated (kv_pools.device_blocks, decode_reserve).
+counted before the pool was allocated (kv_pools.device_blocks, decode_graphs).
 
 A graph's attention is planned for max_model_len (its KV splits are fixed at capture;
 a split past a sequence's context is empty and costs little: kernels/paged_attention.py)
@@ -31,7 +31,6 @@ from collections.abc import Callable
 import torch
 
 from engine.model.input_batch import InputBatch, StepBatch
-from engine.model.ops.attention import AttentionBatch, DeviceTables
 from engine.model.step_buffers import StepBuffers
 from engine.sched.output import SchedulerOutput
 
@@ -137,27 +136,10 @@ class DecodeGraphs:
              f"({self.pool_bytes / 1024 ** 2:.0f} MiB)")
 
     def static_batch(self, size: int) -> StepBatch:
-        """A decode batch of `size` sequences over the buffers' fixed views, filled with
-        a step that stores nothing (slot -1) and reads block 0 for a context of one."""
-        b = self.buffers
-        b.wait_copied()
-        v = b.np
-        v["input_ids"][:size] = 0
-        v["positions"][:size] = 0
-        v["slot_mapping"][:size] = -1
-        v["logits_indices"][:size] = range(size)
-        v["seq_lens"][:size] = 1
-        v["query_start_loc"][:size + 1] = range(size + 1)
-        v["block_tables"][:size] = 0
-        b.commit(size, with_tables=True)
-        t = b.t
-        tables = DeviceTables(t["block_tables"][:size], t["seq_lens"][:size],
-                              t["query_start_loc"][:size + 1], self.max_model_len, 1)
-        attention = AttentionBatch(self.input_batch.block_size, [[0]] * size, [1] * size,
-                                   list(range(size + 1)), t["slot_mapping"][:size], tables)
-        return StepBatch(input_ids=t["input_ids"][:size], positions=t["positions"][:size],
-                         logits_indices=t["logits_indices"][:size], attention=attention,
-                         sampling_ids=[""] * size, sampling_requests=[])
+        """A decode batch of `size` sequences over the buffers' fixed views, all of them
+        padding (InputBatch.prepare's: a step that stores nothing and reads block 0 for
+        a context of one): what a graph is captured on."""
+        return self.prepare(SchedulerOutput(), size)
 
 
 def _log(message: str) -> None:

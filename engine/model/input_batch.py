@@ -50,8 +50,9 @@ class InputBatch:
     def prepare(self, out: SchedulerOutput, buffers: StepBuffers | None = None,
                 pad_to: int | None = None, plan_seq_len: int | None = None) -> StepBatch:
         """The step's batch. buffers, pad_to: a decode step padded to pad_to sequences in
-        these buffers (a CUDA graph's, engine/model/cuda_graphs.py): each padding row has
-        token 0 at position 0, slot -1 (nothing stored), no context and a logits row;
+        these buffers (a CUDA graph's, engine/model/cuda_graphs.py): each padding row is
+        a sequence of token 0 at position 0, slot -1 (nothing stored), reading block 0
+        for a context of one, with a logits row;
         plan_seq_len: the context bound the attention plan is made for (a graph's:
         max_model_len), instead of the step's longest."""
         bs = self.block_size
@@ -135,7 +136,8 @@ class InputBatch:
                 t["block_tables"][:num_seqs], t["seq_lens"][:num_seqs],
                 t["query_start_loc"][:num_seqs + 1],
                 max_seq_len=plan_seq_len or max(seq_lens),
-                max_query_len=max(b - a for a, b in zip(query_start_loc, query_start_loc[1:])))
+                max_query_len=max((b - a for a, b in zip(query_start_loc, query_start_loc[1:])),
+                                  default=1))
         attention = AttentionBatch(bs, tables, seq_lens, query_start_loc,
                                    t["slot_mapping"][:num_tokens], on_device)
         groups = None

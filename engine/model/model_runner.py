@@ -212,8 +212,7 @@ class ModelRunner(Runner):
 
     def launch(self, out: SchedulerOutput, feed: Flight | None) -> Flight | None:
         self.block_io.wait_copy_ahead()
-        Runner.execute(self, SchedulerOutput(swap_out=out.swap_out, swap_in=out.swap_in,
-                                             copies=out.copies, copy_ahead=out.copy_ahead))
+        self.copy_for(out)
         return self._forward(out, feed) if out.scheduled else None
 
     def _forward(self, out: SchedulerOutput, feed: Flight | None) -> Flight:

@@ -79,13 +79,18 @@ class Runner(abc.ABC):
     def execute(self, out: SchedulerOutput) -> StepResult:
         """Run one step: block copies in order (swap out, swap in, copy-on-write), then the
         forward pass. Returns its sampled tokens and the logprobs asked for."""
+        self.copy_for(out)
+        if not out.scheduled:
+            return StepResult()
+        return self.forward(out)
+
+    def copy_for(self, out: SchedulerOutput) -> None:
+        """The step's block copies, in order: swap out, swap in, copy-on-write, then the
+        CPU tier's copies ahead."""
         self.swap_out(out.swap_out)
         self.swap_in(out.swap_in)
         self.copy_blocks(out.copies)
         self.copy_ahead(out.copy_ahead)
-        if not out.scheduled:
-            return StepResult()
-        return self.forward(out)
 
     def copy_ahead(self, mapping: list[tuple[int, int]]) -> None:
         """Copy (gpu block, cpu block) pairs that this step's forward pass neither reads

@@ -119,7 +119,8 @@ class BlockTables:
 
     def gather(self, rows: list[int], into: np.ndarray) -> None:
         """The rows, in this order, into the first len(rows) rows of `into`."""
-        np.take(self.rows, rows, axis=0, out=into[:len(rows)])
+        if rows:
+            np.take(self.rows, rows, axis=0, out=into[:len(rows)])
 
     def _take_row(self, step: int) -> int:
         if not self._free:  # reclaim the rows of requests not in this step

@@ -95,6 +95,24 @@ def test_seeded_sampling_forks_and_stops_are_the_same_padded_and_eager(tiny_mode
     assert again == expected
 
 
+def test_a_graph_is_captured_on_a_batch_of_padding_rows(tiny_model):
+    """What a graph of size 4 is captured on: four sequences of one token at position 0,
+    each reading block 0 for a context of one and storing nothing, in the graphs' own
+    buffers, with a logits row each and the attention planned for max_model_len."""
+    engine = triton_engine(tiny_model("gqa16"))
+    graphs = engine.runner.decode_graphs
+    batch = graphs.static_batch(4)
+    tables = batch.attention.device
+    assert batch.input_ids.tolist() == [0, 0, 0, 0] and batch.positions.tolist() == [0] * 4
+    assert batch.attention.slot_mapping.tolist() == [-1] * 4
+    assert batch.logits_indices.tolist() == [0, 1, 2, 3]
+    assert tables.seq_lens.tolist() == [1] * 4
+    assert tables.query_start_loc.tolist() == [0, 1, 2, 3, 4]
+    assert tables.block_tables[:, 0].tolist() == [0] * 4
+    assert tables.max_seq_len == engine.runner.max_model_len and tables.max_query_len == 1
+    assert batch.input_ids.data_ptr() == graphs.buffers.t["input_ids"].data_ptr()
+
+
 def test_experts_and_the_torch_backend_run_eagerly_and_say_why(tiny_model):
     moe = triton_engine(tiny_model("qwen3moe"))
     assert moe.runner.decode_graphs is None
