@@ -11,7 +11,6 @@ here (the scheduler and the detokenizer own them).
 """
 from __future__ import annotations
 
-import functools
 import hashlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,13 +39,6 @@ def request_seed(params: SamplingParams, engine_seed: int, request_id: str) -> i
     runs, unlike hash())."""
     if params.seed is not None:
         return params.seed & _MASK64
-    return _id_seed(engine_seed, request_id)
-
-
-@functools.lru_cache(maxsize=1 << 16)
-def _id_seed(engine_seed: int, request_id: str) -> int:
-    """The engine seed mixed with a request's id: asked for at every step the request
-    samples in, so kept rather than hashed again."""
     digest = hashlib.sha256(request_id.encode()).digest()
     return _splitmix64(engine_seed ^ int.from_bytes(digest[:8], "little"))
 
