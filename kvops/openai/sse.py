@@ -22,6 +22,14 @@ class _Diverged(Exception):
 _json = msgspec.json.Encoder()
 
 
+def continues(sent: str, text: str) -> bool:
+    """Whether a sample's text so far can still continue what was streamed of it. A job
+    that runs again (its engine died, even in the middle of a move) starts its text over:
+    while the new text is a prefix of what was sent, nothing is sent and the stream waits
+    for it to catch up; only text that departs from what was sent is a divergence."""
+    return text.startswith(sent) or sent.startswith(text)
+
+
 def _event(doc: dict) -> bytes:
     """One server-sent event carrying doc as JSON (msgspec: a fifth of json.dumps's
     cost, and a stream sends one per chunk)."""
@@ -114,7 +122,7 @@ async def job_events(listener: JobListener, ident: str, model: str, created: int
                     text = listener.text_of(index)
                     if auto:  # content up to a call; the calls are sent at the end
                         text = tool_calls.visible_auto(text, final=False)
-                    if not text.startswith(sent[index]):  # a re-run (its worker died)
+                    if not continues(sent[index], text):
                         raise _Diverged
                     if len(text) > len(sent[index]):
                         yield chunk(text[len(sent[index]):], None, index=index)
@@ -152,6 +160,8 @@ async def job_events(listener: JobListener, ident: str, model: str, created: int
                         else:
                             tool_call = None  # no call: the text as it is, below
                     for index, outcome in enumerate(outcomes):
+                        if not outcome["text"].startswith(sent[index]):
+                            raise _Diverged
                         if len(outcome["text"]) > len(sent[index]):
                             yield chunk(outcome["text"][len(sent[index]):], None, index=index)
                         yield chunk(None, outcome["finish_reason"] or "stop", index=index)

@@ -3,6 +3,7 @@ processor (batched stream entries and database writes, fenced on the attempt), t
 side's hub (demultiplexing, gaps and Redis failures end listeners with an error), and the
 text assembler."""
 import asyncio
+import json
 
 import pytest
 from django.contrib.auth.models import User
@@ -12,7 +13,8 @@ from engine import EngineConfig, LLMEngine, SamplingParams
 from kvops import live
 from kvops.jobs import job_store
 from engine.outputs import CoreOutput
-from kvops.stream.job_stream import STREAM_KEY, StreamProducer, TextAssembler, decode_entry
+from kvops.stream.job_stream import (STREAM_KEY, StreamProducer, TextAssembler, decode_entry,
+                                     state_update)
 from kvops.models import Job
 from kvops.worker import output_processor
 from kvops.worker.output_processor import OutputProcessor
@@ -312,3 +314,65 @@ def test_a_move_in_is_followed_only_from_the_engine_its_job_ran_on_and_fails_alo
         assert streamed(claimed) == [] and streamed(broken) == []
     finally:
         processor.close()
+
+
+@pytest.mark.asyncio
+async def test_a_stream_waits_for_a_rerun_to_catch_up_and_fails_only_if_it_departs():
+    """A job that runs again (its engine died, in the middle of a move too) starts its text
+    over. Its stream waits while the new text is a prefix of what it sent, sends only what
+    goes beyond it, and ends cleanly; a re-run whose text departs from what was sent is
+    the one case that ends the stream with an error."""
+    from django.conf import settings
+    from kvops.openai.sse import job_events
+    from kvops.jobs import job_listener
+    from kvops.jobs.job_listener import JobListener
+    owner = await asyncio.to_thread(User.objects.create_user, "u-rerun")
+
+    async def wait_for(condition) -> None:
+        for _ in range(3000):
+            if condition():
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError("condition not met")
+
+    async def stream(rerun_text: str) -> str:
+        job = await asyncio.to_thread(running_job, owner)
+        hub = JobStreamHub(settings.REDIS_URL)
+        listener = JobListener(await hub.subscribe(job.pk), job)
+        producer = StreamProducer(live.redis_client(), "e1")
+        events = job_events(listener, "cmpl-1", "m", 0, chat=False)
+        body = []
+
+        async def read() -> None:
+            async for event in events:
+                body.append(event)
+
+        reader = asyncio.ensure_future(read())
+        await asyncio.to_thread(producer.send, [
+            {"job": job.pk, "attempt": 1, "offset": 0, "text": "Hello wor", "n": 3}])
+        await wait_for(lambda: b"Hello wor" in b"".join(body))
+        # the re-run: its first text is a prefix of what was sent, and the stream sees it
+        # (a listener's updates are checked as soon as they are applied)
+        await asyncio.to_thread(producer.send, [
+            {"job": job.pk, "attempt": 2, "offset": 0, "text": rerun_text[:5], "n": 1}])
+        await wait_for(lambda: listener.text.attempt == 2)
+        await asyncio.to_thread(producer.send, [
+            {"job": job.pk, "attempt": 2, "offset": 5, "text": rerun_text[5:], "n": 4}])
+        job.attempts, job.output_text = 2, rerun_text
+        job.status, job.finish_reason = Job.Status.FINISHED, "length"
+        await asyncio.to_thread(producer.send, [
+            state_update(job.pk, 2, job_store.job_payload(job))])
+        await asyncio.wait_for(reader, 30)
+        hub._task.cancel()
+        return b"".join(body).decode()
+
+    body = await stream("Hello world!")
+    assert '"error"' not in body and body.endswith("data: [DONE]\n\n")
+    texts = [json.loads(line[6:])["choices"][0]["text"] for line in body.split("\n\n")
+             if line.startswith("data: {")]
+    assert "".join(texts) == "Hello world!" and texts[-1] == ""  # the finish chunk
+    body = await stream("Hello there")  # departs after "Hello "
+    assert "differs from what was streamed" in body and body.endswith("data: [DONE]\n\n")
+    await asyncio.gather(*job_listener._background)  # its client was told: it is cancelled
+    job = await asyncio.to_thread(Job.objects.filter(owner=owner).order_by("-pk").first)
+    assert job.cancel_requested
