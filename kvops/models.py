@@ -2,6 +2,8 @@
 from django.conf import settings
 from django.db import models
 
+from kvops.text_fields import StoredJSONField, StoredTextField
+
 
 class Engine(models.Model):
     class Status(models.TextChoices):
@@ -18,9 +20,9 @@ class Engine(models.Model):
     instance = models.CharField(max_length=64, blank=True,
                                 help_text="id of the running worker process; new at each start")
     host = models.CharField(max_length=255, blank=True)
-    config = models.JSONField(default=dict, blank=True)
+    config = StoredJSONField(default=dict, blank=True)
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.STARTING)
-    metrics = models.JSONField(default=dict, blank=True, help_text="latest engine metrics")
+    metrics = StoredJSONField(default=dict, blank=True, help_text="latest engine metrics")
     started_at = models.DateTimeField(null=True, blank=True)
     last_heartbeat = models.DateTimeField(null=True, blank=True)
 
@@ -59,9 +61,9 @@ class Job(models.Model):
     owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE,
                               related_name="jobs")
     source = models.CharField(max_length=8, choices=Source.choices, default=Source.API)
-    prompt = models.TextField(blank=True)
-    messages = models.JSONField(null=True, blank=True, help_text="chat messages, if a chat job")
-    params = models.JSONField(default=dict, help_text="sampling parameters")
+    prompt = StoredTextField(blank=True)
+    messages = StoredJSONField(null=True, blank=True, help_text="chat messages, if a chat job")
+    params = StoredJSONField(default=dict, help_text="sampling parameters")
     prompt_token_ids = models.JSONField(
         null=True, blank=True, help_text="the prompt as the engine runs it (its chat rendered "
                                          "and tokenized once, at intake); null: not rendered")
@@ -74,8 +76,8 @@ class Job(models.Model):
     engine = models.CharField(max_length=64, blank=True, help_text="engine that ran it")
     engine_instance = models.CharField(max_length=64, blank=True,
                                        help_text="worker process that runs it (Engine.instance)")
-    routing = models.JSONField(default=dict, blank=True, help_text="why it went where it went")
-    engines = models.JSONField(
+    routing = StoredJSONField(default=dict, blank=True, help_text="why it went where it went")
+    engines = StoredJSONField(
         default=list, blank=True,
         help_text="each engine it ran on when it moved while running (migration): "
                   "[{engine, at, reason}], oldest first; empty if it ran on one")
@@ -91,25 +93,25 @@ class Job(models.Model):
                                          "the reaper sends it)")
     attempts = models.PositiveIntegerField(default=0)
     cancel_requested = models.BooleanField(default=False)
-    output_text = models.TextField(blank=True)
+    output_text = StoredTextField(blank=True)
     output_token_ids = models.JSONField(default=list, blank=True)
-    output_logprobs = models.JSONField(
+    output_logprobs = StoredJSONField(
         default=list, blank=True,
         help_text="with logprobs: per output token [token, logprob, [[token, logprob], ...]]")
-    prompt_logprobs = models.JSONField(
+    prompt_logprobs = StoredJSONField(
         default=list, blank=True,
         help_text="with prompt_logprobs: the same per prompt token (the first's logprob null)")
-    samples = models.JSONField(
+    samples = StoredJSONField(
         default=list, blank=True,
         help_text="with n > 1: every sample's {text, token_ids, finish_reason}, in order "
                   "(output_text and output_token_ids hold sample 0's)")
     finish_reason = models.CharField(max_length=16, blank=True)
-    kv_story = models.JSONField(
+    kv_story = StoredJSONField(
         null=True, blank=True,
         help_text="its KV story as its engine told it (engine/observe/story.py): where its "
                   "prompt's blocks came from, why the first miss missed, its preemptions; "
                   "GET /api/jobs/<id>/kv/ shows it")
-    error = models.TextField(blank=True)
+    error = StoredTextField(blank=True)
     num_prompt_tokens = models.PositiveIntegerField(default=0)
     num_cached_tokens = models.PositiveIntegerField(default=0)
     num_output_tokens = models.PositiveIntegerField(default=0)
@@ -142,11 +144,11 @@ class OperatorAction(models.Model):
     engine = models.CharField(max_length=64)
     action = models.CharField(max_length=32)
     target = models.CharField(max_length=128, blank=True, help_text="request id, if any")
-    params = models.JSONField(default=dict, blank=True)
+    params = StoredJSONField(default=dict, blank=True)
     ok = models.BooleanField(default=False)
     status_code = models.PositiveSmallIntegerField(default=0, help_text="HTTP status answered "
                                                    "(0: not answered yet)")
-    result = models.JSONField(default=dict, blank=True, help_text="the engine's answer")
+    result = StoredJSONField(default=dict, blank=True, help_text="the engine's answer")
     idempotency_key = models.CharField(
         max_length=128, blank=True, default="",
         help_text="the client's Idempotency-Key: a retried action returns this answer")
@@ -183,14 +185,14 @@ class WhatIfRun(models.Model):
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.QUEUED)
-    params = models.JSONField(default=dict, help_text="minutes, max_jobs, step cost and the "
+    params = StoredJSONField(default=dict, help_text="minutes, max_jobs, step cost and the "
                                                       "alternative's settings, as asked")
     progress = models.FloatField(default=0.0, help_text="0-1, both replays together")
-    error = models.TextField(blank=True)
-    trace = models.JSONField(default=dict, blank=True, help_text="what was replayed")
-    baseline = models.JSONField(default=dict, blank=True,
+    error = StoredTextField(blank=True)
+    trace = StoredJSONField(default=dict, blank=True, help_text="what was replayed")
+    baseline = StoredJSONField(default=dict, blank=True,
                                 help_text="the replay under the engine's configuration")
-    alternative = models.JSONField(default=dict, blank=True,
+    alternative = StoredJSONField(default=dict, blank=True,
                                    help_text="the replay under the operator's configuration")
 
     class Meta:

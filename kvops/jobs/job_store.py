@@ -7,7 +7,7 @@ import logging
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from django.db import connection, transaction
+from django.db import DataError, IntegrityError, connection, transaction
 from django.utils import timezone
 
 from kvops import live
@@ -15,6 +15,8 @@ from kvops.engines import control
 from kvops.monitoring import metrics_store
 from kvops.models import Engine, Job
 from kvops.jobs.outbox import dispatch_job
+from kvops.jobs.reconnect import retried_on_reconnect
+from kvops.text_fields import escape_text
 from kvops.engines.registry import live_instances
 
 log = logging.getLogger(__name__)
@@ -308,31 +310,58 @@ def _progress_row():
     """A delta's parameters for _progress_sql, up to the status."""
     when = connection.ops.adapt_datetimefield_value
     story = _story_prep()
-    return lambda d: (d.text, d.num_output_tokens, d.num_prompt_tokens, d.num_cached_tokens,
+    return lambda d: (escape_text(d.text, connection), d.num_output_tokens, d.num_prompt_tokens, d.num_cached_tokens,
                       d.num_preemptions, when(d.first_token_at), story(d.kv_story), d.job_id,
                       d.request_id)
 
 
-def record_progress(deltas: list[ProgressDelta]) -> set[str]:
+def record_progress(deltas: list[ProgressDelta]) -> tuple[set[str], set[str]]:
     """Append what running jobs produced: one statement run for every job
     (executemany) in one transaction. Each row is matched on its attempt (request id),
-    so a stale attempt writes nothing; returns the request ids of such attempts (their
-    job runs again elsewhere, or ended: the caller stops them). Plain SQL: the ORM's
-    form of this (a CASE per field) costs milliseconds of Python per job, which the
-    worker cannot spare."""
+    so a stale attempt writes nothing. Returns (fenced, unstored): the request ids of
+    stale attempts (their job runs again elsewhere, or ended: the caller stops them), and
+    of those whose row the database refused (the rest of the batch is written; the
+    caller keeps their text and writes it whole at the end). Plain SQL: the ORM's form
+    of this (a CASE per field) costs milliseconds of Python per job, which the worker
+    cannot spare."""
     sql = _progress_sql("output_text || %s")
     row = _progress_row()
     rows = [(*row(d), Job.Status.RUNNING) for d in deltas]
-    with transaction.atomic(), connection.cursor() as cursor:
-        cursor.executemany(sql, rows)
-        if cursor.rowcount == -1 or cursor.rowcount >= len(rows):
-            return set()
+    unstored: set[str] = set()
+    try:
+        with transaction.atomic(), connection.cursor() as cursor:
+            cursor.executemany(sql, rows)
+            if cursor.rowcount == -1 or cursor.rowcount >= len(rows):
+                return set(), unstored
+    except _REFUSED_ROW:  # one row the database will not take must not cost the others
+        unstored = _rows_one_by_one(sql, rows, [d.request_id for d in deltas])
     # Some row did not match (rare): find which attempts lost their job.
     owned = set(Job.objects.filter(pk__in=[d.job_id for d in deltas], status=Job.Status.RUNNING)
                 .values_list("pk", "request_id"))
-    return {d.request_id for d in deltas if (d.job_id, d.request_id) not in owned}
+    return ({d.request_id for d in deltas if (d.job_id, d.request_id) not in owned
+             and d.request_id not in unstored}, unstored)
 
 
+# What a database says of a row it will not store (a value it cannot hold), as opposed
+# to a connection or a lock that failed the whole statement.
+_REFUSED_ROW = (DataError, IntegrityError, UnicodeError, ValueError)
+
+
+def _rows_one_by_one(sql: str, rows: list[tuple], keys: list) -> set:
+    """Run sql for each row in a savepoint of its own; the keys of the rows refused."""
+    refused = set()
+    with transaction.atomic(), connection.cursor() as cursor:
+        for key, params in zip(keys, rows, strict=True):
+            try:
+                with transaction.atomic():
+                    cursor.execute(sql, params)
+            except _REFUSED_ROW as e:
+                log.warning("the database refused the row of %s: %s", key, e)
+                refused.add(key)
+    return refused
+
+
+@retried_on_reconnect
 def hand_over(delta: ProgressDelta, to_engine: str, reason: str = "migration") -> Job | None:
     """The attempt's request now runs on engine `to_engine` (it moved there while it ran;
     the source's output processor calls this once it has seen the request end there):
@@ -363,6 +392,7 @@ def hand_over(delta: ProgressDelta, to_engine: str, reason: str = "migration") -
     return job
 
 
+@retried_on_reconnect
 def record_adopted(deltas: list[ProgressDelta], instance: str) -> tuple[set[str], set[str]]:
     """The progress of attempts that moved to this engine (`instance`) and whose move the
     source has not yet written (hand_over): each delta's text is the whole output so
@@ -383,15 +413,19 @@ def record_adopted(deltas: list[ProgressDelta], instance: str) -> tuple[set[str]
     return written, {d.request_id for d in rest if (d.job_id, d.request_id) not in owned}
 
 
+@retried_on_reconnect
 def finish_jobs(finals: list[FinalState]) -> list[Job]:
     """Attempts that ended: finished, or aborted (cancelled by their owner or an
     operator). Writes their final state in one transaction and returns the jobs, as
     stored (finished ones with PAYLOAD_FIELDS only), that were still those attempts' (a
     job that ended meanwhile, or runs again elsewhere, is left alone). Plain SQL for the
     finished ones, for the output processor's sake (hundreds can end in one step); an
-    abort needs the row to word its reason, and takes the ORM."""
+    abort needs the row to word its reason, and takes the ORM. A job whose row the
+    database refuses (a value it cannot hold) fails alone, "its result could not be
+    stored", and is returned so; the others' ends are written."""
     finished: list[int] = []
-    aborted: list[Job] = []
+    aborted: list[Job] = []  # (and those failed because their end could not be stored)
+    refused: list[FinalState] = []
     table = connection.ops.quote_name(Job._meta.db_table)
     sql = (f"UPDATE {table} SET output_text = %s, output_token_ids = %s, "
            "num_output_tokens = %s, num_prompt_tokens = %s, num_cached_tokens = %s, "
@@ -405,15 +439,15 @@ def finish_jobs(finals: list[FinalState]) -> list[Job]:
     when = connection.ops.adapt_datetimefield_value
     now = when(timezone.now())
     story = _story_prep()
-    with transaction.atomic(), connection.cursor() as cursor:
-        for f in finals:
-            if f.finish_reason == "abort":
-                job = _finish_aborted(f)
-                if job is not None:
-                    aborted.append(job)
-                continue
-            cursor.execute(sql, (
-                f.text, token_ids.get_db_prep_value(f.token_ids, connection),
+    rows, keys = [], []
+    aborts = [f for f in finals if f.finish_reason == "abort"]
+    for f in finals:
+        if f.finish_reason == "abort":
+            continue
+        try:
+            rows.append((
+                escape_text(f.text, connection),
+                token_ids.get_db_prep_value(f.token_ids, connection),
                 len(f.token_ids), f.num_prompt_tokens, f.num_cached_tokens, f.num_preemptions,
                 when(f.first_token_at), f.finish_reason,
                 samples.get_db_prep_value(f.samples, connection),
@@ -421,8 +455,47 @@ def finish_jobs(finals: list[FinalState]) -> list[Job]:
                 logprobs.get_db_prep_value(f.prompt_logprobs, connection),
                 story(f.kv_story), Job.Status.FINISHED, now, f.job_id,
                 f.request_id, Job.Status.RUNNING, Job.Status.QUEUED))
-            if cursor.rowcount:
-                finished.append(f.job_id)
+            keys.append(f)
+        except _REFUSED_ROW as e:  # (a value that cannot even be put in SQL)
+            log.warning("the end of job %s cannot be stored: %s", f.job_id, e)
+            refused.append(f)
+    try:
+        with transaction.atomic(), connection.cursor() as cursor:
+            for f, params in zip(keys, rows, strict=True):
+                cursor.execute(sql, params)
+                if cursor.rowcount:
+                    finished.append(f.job_id)
+            for f in aborts:
+                job = _finish_aborted(f)
+                if job is not None:
+                    aborted.append(job)
+    except _REFUSED_ROW:  # each on its own: one job's row the database refuses fails it alone
+        finished, aborted = [], []
+        with transaction.atomic(), connection.cursor() as cursor:
+            for f, params in zip(keys, rows, strict=True):
+                try:
+                    with transaction.atomic():
+                        cursor.execute(sql, params)
+                        if cursor.rowcount:
+                            finished.append(f.job_id)
+                except _REFUSED_ROW as e:
+                    log.warning("the end of job %s cannot be stored: %s", f.job_id, e)
+                    refused.append(f)
+            for f in aborts:
+                try:
+                    with transaction.atomic():
+                        job = _finish_aborted(f)
+                except _REFUSED_ROW as e:
+                    log.warning("the end of job %s cannot be stored: %s", f.job_id, e)
+                    refused.append(f)
+                    continue
+                if job is not None:
+                    aborted.append(job)
+    for f in refused:  # failed, with the reason, while the attempt still owns it
+        fail_job(f.job_id, "the job's result could not be stored", f.request_id,
+                 publish=False)
+    aborted += Job.objects.filter(pk__in=[f.job_id for f in refused],
+                                  status=Job.Status.FAILED).only(*PAYLOAD_FIELDS)
     # Read back only what the job's final update and its latency need (not its prompt,
     # token ids or logprobs: parsing those JSON lists was a third of a job's end)
     jobs = list(Job.objects.filter(pk__in=finished).only(*PAYLOAD_FIELDS))
@@ -466,7 +539,9 @@ def _story_prep():
     return lambda story: None if story is None else field.get_db_prep_value(story, connection)
 
 
-def fail_job(job_id: int, error: str, request_id: str | None = None) -> None:
+@retried_on_reconnect
+def fail_job(job_id: int, error: str, request_id: str | None = None,
+             publish: bool = True) -> None:
     """End the job as failed; with request_id, only while that attempt owns it."""
     with transaction.atomic():
         job = Job.objects.select_for_update().filter(pk=job_id).first()
@@ -476,7 +551,8 @@ def fail_job(job_id: int, error: str, request_id: str | None = None) -> None:
             return
         _end(job, Job.Status.FAILED, error=error[:4000])
         job.save(update_fields=END_FIELDS)
-    publish_job(job)
+    if publish:
+        publish_job(job)
 
 
 CANCEL_FLAG_KEY = "kvops:cancel:{job}"

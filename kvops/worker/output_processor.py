@@ -502,8 +502,11 @@ class OutputProcessor:
             return
         adopters = [t for t in dirty if t.adopted]
         deltas = [_delta(t, "".join(t.unwritten)) for t in dirty if not t.adopted]
-        fenced = job_store.record_progress(deltas) if deltas else set()
-        waiting: set[str] = set()  # moved here, the row not handed over yet: again later
+        fenced, unstored = job_store.record_progress(deltas) if deltas else (set(), set())
+        # moved here, the row not handed over yet, or refused by the database: their text
+        # waits (a refused row's is written whole at its end, which fails it alone if
+        # refused again)
+        waiting = {t.request_id for t in dirty if t.attempt_id in unstored}
         if adopters:
             written, lost = job_store.record_adopted(
                 [_delta(t, "".join(t.text)) for t in adopters], self.instance)

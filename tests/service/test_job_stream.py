@@ -151,10 +151,10 @@ def test_a_forked_job_ends_once_all_its_samples_have_and_a_dead_core_fails_it():
 def test_a_stale_attempt_writes_nothing():
     owner = User.objects.create_user("u2")
     job = running_job(owner, attempt=2)
-    fenced = job_store.record_progress([
+    fenced, unstored = job_store.record_progress([
         job_store.ProgressDelta(job.pk, f"job-{job.pk}-1", "stale", 5, 3, 0, 0),
         job_store.ProgressDelta(job.pk, job.request_id, "", 0, 3, 0, 0)])
-    assert fenced == {f"job-{job.pk}-1"}  # the stale attempt is told, the owner is not
+    assert fenced == {f"job-{job.pk}-1"} and not unstored  # the stale attempt is told
     first = timezone.now()
     job_store.record_progress([job_store.ProgressDelta(job.pk, job.request_id, "fre", 1,
                                                      3, 0, 0, first)])
