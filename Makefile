@@ -44,11 +44,14 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # The lint rules (pyproject.toml: [tool.ruff]) and the layers (.importlinter: kvops over
-# engine over kernels, no cycles) first, then the suite.
+# engine over kernels, no cycles) first, then the suite on SQLite, then the tests marked
+# `postgres` again on PostgreSQL: the local server if one answers at
+# KVOPS_TEST_POSTGRES_URL, else a private cluster (tests/session_postgres.py).
 test: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports --no-logo
 	$(PY) -m pytest
+	KVOPS_TEST_DATABASE=postgres $(PY) -m pytest -m postgres
 
 # The inner loop: all but the tests that start a stack, a browser or a load (tests/conftest.py).
 test-fast: setup

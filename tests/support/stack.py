@@ -53,6 +53,12 @@ class Stack:
                         KVOPS_HEARTBEAT_S="0.5", KVOPS_CONTROL_TIMEOUT_S="5",
                         DJANGO_SUPERUSER_USERNAME="admin", DJANGO_SUPERUSER_EMAIL="a@x.org",
                         DJANGO_SUPERUSER_PASSWORD="admin-pass-123")
+        self.database = None  # its own database on the PostgreSQL pass's server
+        if os.environ.get("KVOPS_TEST_DATABASE") == "postgres" and "DATABASE_URL" not in (
+                env or {}):
+            from tests.session_postgres import create_database
+            self.database = f"kvops_stack_{os.getpid()}_{next(_stack_count)}"
+            self.env["DATABASE_URL"] = create_database(self._postgres_server(), self.database)
         self.env.update(env or {})
         if faults:
             self.env["PYTHONPATH"] = os.pathsep.join(
@@ -127,6 +133,15 @@ class Stack:
     def stop(self) -> None:
         for name in list(self.procs):
             self.kill(name)
+        if self.database is not None:
+            from tests.session_postgres import drop_database
+            drop_database(self._postgres_server(), self.database)
+            self.database = None
+
+    @staticmethod
+    def _postgres_server() -> str:
+        from tests.session_postgres import server_url
+        return server_url()
 
     def log(self, name: str) -> str:
         return (self.workdir / f"{name}.log").read_text(errors="replace")
