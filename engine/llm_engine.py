@@ -460,6 +460,13 @@ class LLMEngine:
         after it ended; None if unknown or kv_history_blocks is 0."""
         return self.stories.current(request_id) if self.stories is not None else None
 
+    def lookup_prefix(self, prompt: str | list[int], cache_salt: str | None = None) -> dict:
+        """How many leading tokens of this prompt (text tokenised, or token ids) each
+        level of the prefix cache holds now under cache_salt, as an admission would find
+        them (Reporter.lookup_prefix). Changes nothing: LMCache's lookup, Dynamo's /query.
+        Raises InvalidRequestError for a prompt add_request would refuse."""
+        return self.reporter.lookup_prefix(self.input_processor.prompt_ids(prompt), cache_salt)
+
     def snapshot(self, compact: bool = False) -> dict:
         """JSON-serialisable KV state; compact=True encodes per-block arrays in base64."""
         return self.reporter.snapshot(self.export_kv([], full_scan=True, pins=True), compact,

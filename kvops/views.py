@@ -21,7 +21,8 @@ def overview(request: HttpRequest) -> HttpResponse:
               "state": selectors.engine_state(e),
               "config": visibility.config_for(e.config, request.user), "metrics": e.metrics}
              for e in engines]
-    return render(request, "kvops/overview.html", {"engines": engines, "cards": cards})
+    return render(request, "kvops/overview.html", {"engines": engines, "cards": cards,
+                                                   "models": sorted(selectors.served_models())})
 
 
 @login_required

@@ -263,9 +263,12 @@ class KVCacheCoordinator:
 
     def _pinned_prefix(self, request: Request) -> list[KVBlock]:
         """The leading pinned blocks of the request's tokens in the unsalted chain."""
+        return self._pinned_run(hash_blocks(request.pinned_root, request.all_token_ids,
+                                            self.block_size))
+
+    def _pinned_run(self, hashes: list[BlockHash]) -> list[KVBlock]:
         out = []
-        for block_hash in hash_blocks(request.pinned_root, request.all_token_ids,
-                                      self.block_size):
+        for block_hash in hashes:
             block = self.gpu.get_cached(block_hash)
             if block is None or not block.pinned:
                 break
@@ -515,6 +518,25 @@ class KVCacheCoordinator:
         """The engine is closing: each tier finishes what is under way (the disk's writes)."""
         for tier in self.tiers:
             tier.close()
+
+    def leading_cached(self, hashes: list[BlockHash],
+                       shared: list[BlockHash] | None = None) -> dict[str, int]:
+        """Where the leading cached run of this chain (group 0's) lies now, in blocks per
+        level, top down, as an admission would find it (_find_prefix): the GPU pool's run
+        (or, when longer, the pinned blocks of `shared`, the unsalted chain of the same
+        tokens, which a salted request may use), then the blocks each tier holds in turn
+        that continue it. Read-only: nothing is read back, touched or counted."""
+        found = {"gpu": len(self._cached_run(hashes))}
+        if shared is not None and self.gpu.num_pinned:
+            found["gpu"] = max(found["gpu"], len(self._pinned_run(shared)))
+        start = found["gpu"]
+        for tier in self.tiers:
+            n = 0
+            while start + n < len(hashes) and tier.holds(hashes[start + n]):
+                n += 1
+            found[tier.pool] = n
+            start += n
+        return found
 
     def cached_chain(self, hashes: list[BlockHash]) -> list[KVBlock]:
         """Leading blocks of this hash chain that are cached now (group 0's)."""

@@ -7,11 +7,13 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from engine.block_hash import hash_blocks, root_hash
 from engine.config import EngineConfig
 from engine.kv.coordinator import KVCacheCoordinator
 from engine.kv.events import KVEvent
 from engine.kv.export import KVExport
 from engine.kv.pins import Pins
+from engine.kv.tiers.base import TIER_POOLS
 from engine.model.runner import Runner
 from engine.observe.rate_meter import RateMeter
 from engine.observe.snapshot import EVICTION_ORDER_LEN
@@ -78,6 +80,21 @@ class Reporter:
                 # when it has one; None: the simulator's byte tokenizer)
                 "tokenizer_path": getattr(runner, "tokenizer_path",
                                           getattr(runner, "model_path", None))}
+
+    def lookup_prefix(self, token_ids: list[int], cache_salt: str | None) -> dict:
+        """How many leading tokens of token_ids the prefix cache holds now under
+        cache_salt (KVCacheCoordinator.leading_cached): per level (`gpu`, `cpu`, `disk`;
+        None for a tier this engine has not) the tokens of the leading cached run found
+        there, and `cached_tokens`, the whole run. Full blocks only."""
+        bs = self.config.block_size
+        model_id = self.runner.model_id
+        hashes = hash_blocks(root_hash(model_id, cache_salt), token_ids, bs)
+        shared = hash_blocks(root_hash(model_id, None), token_ids, bs) if cache_salt else None
+        blocks = self.kv.leading_cached(hashes, shared)
+        levels = {pool: None for pool in ("gpu", *TIER_POOLS)}
+        levels.update({pool: n * bs for pool, n in blocks.items()})
+        return {"num_prompt_tokens": len(token_ids), "block_size": bs, "tiers": levels,
+                "cached_tokens": sum(blocks.values()) * bs}
 
     def metrics(self, step_count: int, step_seconds: float, state: str) -> dict:
         """state: the operator's (LLMEngine.state)."""

@@ -82,6 +82,8 @@ OPERATOR_COMMANDS: dict[str, Callable[[LLMEngine, dict], Any]] = {
     # the GPU pool's cached hashes, or the CPU tier's with {"pool": "cpu"}
     "prefix-hashes": lambda e, a: [short(h) for h in (
         e.kv.cpu if a.get("pool") == "cpu" else e.kv.gpu).cached],
+    # read-only: the leading tokens of a prompt each level of the prefix cache holds
+    "prefix-lookup": lambda e, a: e.lookup_prefix(_prompt_arg(a), a.get("cache_salt")),
     "pause": lambda e, a: e.pause(),
     "resume": lambda e, a: e.resume(),
     "drain": lambda e, a: e.drain(),

@@ -1,11 +1,11 @@
 """Who calls /api: a session's user (the pages), or a DRF token's, sent as `Token <key>`
-or `Bearer <key>` (kvops/intake/api_key.py), as /v1 takes it too."""
+or `Bearer <key>` (kvops/infra/api_key.py), as /v1 takes it too."""
 from __future__ import annotations
 
 from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from rest_framework import authentication, exceptions
 
-from kvops.intake import api_key
+from kvops.infra import api_key
 
 
 class TokenAuthentication(authentication.TokenAuthentication):

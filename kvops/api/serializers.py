@@ -188,11 +188,10 @@ class LimitsSerializer(StrictMixin, serializers.Serializer):
         return data
 
 
-class PrefixSerializer(StrictMixin, serializers.Serializer):
-    """A pin's or unpin's prefix, named one way of four (kvops/operators/pin_target.py
-    makes it the engine's arguments): `job` (what that job ran, under its cache salt),
-    `messages` (a chat rendered as a chat job's, without the generation prompt),
-    `token_ids`, or `text` (tokenized raw, no chat template; `prompt` is its older name)."""
+class PrefixNameSerializer(StrictMixin, serializers.Serializer):
+    """A prefix named one way of several (MODES, exactly one of them): `job` (what that
+    job ran), `messages` (a chat rendered as a chat job's, without the generation
+    prompt), `token_ids`, or `text` (tokenized raw, no chat template)."""
     job = serializers.IntegerField(required=False, min_value=1, max_value=2**63 - 1)
     messages = serializers.JSONField(required=False)
     token_ids = serializers.ListField(child=serializers.IntegerField(min_value=0,
@@ -200,6 +199,37 @@ class PrefixSerializer(StrictMixin, serializers.Serializer):
                                       required=False, max_length=1_000_000)
     text = TextField(required=False, max_length=settings.KVOPS_MAX_PROMPT_CHARS,
                      trim_whitespace=False)
+
+    MODES = ("job", "messages", "token_ids", "text")
+    HINT = ""  # what to say after "give exactly one of ..."
+
+    def validate_messages(self, value):
+        try:
+            return limits.messages(value)
+        except limits.InvalidParam as e:
+            raise serializers.ValidationError(str(e)) from None
+
+    def validate(self, attrs):
+        given = [mode for mode in self.MODES if attrs.get(mode)]
+        if len(given) != 1:
+            said = f"got {', '.join(f'`{m}`' for m in given)}" if given else "got none"
+            raise serializers.ValidationError({
+                (given[1] if given else "non_field_errors"): [
+                    "give exactly one of `job` (what a job ran), `messages` (a chat, "
+                    "rendered as a chat job's), `token_ids` or `text` (raw, no chat "
+                    f"template; non-empty); {said}{self.HINT}"]})
+        return attrs
+
+    def mode(self, attrs: dict) -> str:
+        """Which way a validated body names its prefix."""
+        return next(mode for mode in self.MODES if attrs.get(mode))
+
+
+class PrefixSerializer(PrefixNameSerializer):
+    """A pin's or unpin's prefix, named one way of four (kvops/operators/pin_target.py
+    makes it the engine's arguments): `job` (what that job ran, under its cache salt),
+    `messages` (a chat rendered as a chat job's, without the generation prompt),
+    `token_ids`, or `text` (tokenized raw, no chat template; `prompt` is its older name)."""
     prompt = TextField(required=False, max_length=settings.KVOPS_MAX_PROMPT_CHARS,
                        trim_whitespace=False)
     cache_salt = TextField(required=False, allow_null=True, default=None,
@@ -213,31 +243,37 @@ class PrefixSerializer(StrictMixin, serializers.Serializer):
                              max_value=30 * 86400.0)
 
     MODES = ("job", "messages", "token_ids", "text", "prompt")
-
-    def validate_messages(self, value):
-        try:
-            return limits.messages(value)
-        except limits.InvalidParam as e:
-            raise serializers.ValidationError(str(e)) from None
+    HINT = ". To pin what chat jobs cached, pin by job or by messages"
 
     def validate(self, attrs):
         if not attrs.get("soft") and (attrs.get("priority") is not None
                                       or attrs.get("ttl_s") is not None):
             raise serializers.ValidationError(
                 {"soft": ["priority and ttl_s are a soft pin's: give soft: true"]})
-        given = [mode for mode in self.MODES if attrs.get(mode)]
-        if len(given) != 1:
-            said = f"got {', '.join(f'`{m}`' for m in given)}" if given else "got none"
-            raise serializers.ValidationError({
-                (given[1] if given else "non_field_errors"): [
-                    "give exactly one of `job` (what a job ran), `messages` (a chat, "
-                    "rendered as a chat job's), `token_ids` or `text` (raw, no chat "
-                    f"template; non-empty); {said}. To pin what chat jobs cached, pin by "
-                    "job or by messages"]})
-        if given[0] == "job" and attrs.get("cache_salt") is not None:
+        attrs = super().validate(attrs)
+        if self.mode(attrs) == "job" and attrs.get("cache_salt") is not None:
             raise serializers.ValidationError({"cache_salt": [
                 "a job's prefix is pinned under the job's own cache salt: leave out "
                 "`cache_salt`"]})
+        return attrs
+
+
+class PrefixLookupSerializer(PrefixNameSerializer):
+    """A prefix lookup (POST /api/prefix-lookup/, kvops/operators/prefix_lookup.py): the
+    prefix, named one way of four, on the engines serving `model` (all live ones without
+    it), under the caller's cache salt, or (staff) under `user`'s."""
+    model = TextField(required=False, max_length=256)
+    user = TextField(required=False, max_length=150,
+                     help_text="staff: look up under this user's cache salt (their jobs' "
+                               "cached blocks); a job's lookup is under its owner's")
+
+    HINT = ". Chat jobs cached their rendered chat: look those up by job or by messages"
+
+    def validate(self, attrs):
+        attrs = super().validate(attrs)
+        if self.mode(attrs) == "job" and attrs.get("user"):
+            raise serializers.ValidationError({"user": [
+                "a job is looked up under its owner's cache salt: leave out `user`"]})
         return attrs
 
 

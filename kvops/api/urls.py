@@ -12,6 +12,7 @@ router.register("actions", views.OperatorActionViewSet, basename="action")
 urlpatterns = [
     path("schema/", SpectacularAPIView.as_view(), name="schema"),
     path("docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),
+    path("prefix-lookup/", views.PrefixLookupView.as_view(), name="prefix-lookup"),
     path("engines/<str:name>/requests/<str:request_id>/<str:action>/",
          views.RequestActionView.as_view(), name="request-action"),
     path("engines/<str:name>/prefix-cache/<str:action>/",

@@ -19,13 +19,14 @@ from kvops import selectors
 from kvops.dashboard import kv_story_view, visibility
 from kvops.intake import intake
 from kvops.jobs import admission, idempotency, job_store, refusals
-from kvops.operators import operator_actions, pin_target
+from kvops.operators import operator_actions, pin_target, prefix_lookup
 from kvops.what_if import what_if
 from kvops.api import errors
 from kvops.api.serializers import (DrainSerializer, EmptySerializer, EngineSerializer,
                                    EvictSerializer, MigrateSerializer, RetentionSerializer,
                                    JobSerializer, LimitsSerializer,
-                                   OperatorActionSerializer, PrefixSerializer,
+                                   OperatorActionSerializer, PrefixLookupSerializer,
+                                   PrefixSerializer,
                                    WhatIfRunSerializer, WhatIfSerializer)
 from kvops.models import Engine, Job
 from kvops.jobs.throttles import JobSubmitThrottle
@@ -395,6 +396,50 @@ class PrefixCacheActionView(APIView):
             code = "invalid" if e.status == 400 else "not_renderable"
             return errors.error_response(e.status, f"{e.field}: {e}", code, {e.field: [str(e)]})
         return _action_answer(request, engine, action, "", arguments)
+
+
+def _tiers(name: str):
+    return inline_serializer(name, {
+        "gpu": serializers.IntegerField(),
+        "cpu": serializers.IntegerField(allow_null=True),
+        "disk": serializers.IntegerField(allow_null=True),
+        "total": serializers.IntegerField()}, allow_null=True)
+
+
+PREFIX_LOOKUP = inline_serializer("PrefixLookup", {
+    "model": serializers.CharField(allow_null=True),
+    "user": serializers.CharField(help_text="whose cache salt the lookup was under"),
+    "salted": serializers.BooleanField(help_text="false: the shared, unsalted cache"),
+    "engines": inline_serializer("PrefixLookupEngine", {
+        "engine": serializers.CharField(), "model": serializers.CharField(),
+        "block_size": serializers.IntegerField(),
+        "num_prompt_tokens": serializers.IntegerField(allow_null=True),
+        "router": _tiers("PrefixLookupRouter"),
+        "engine_cache": _tiers("PrefixLookupEngineCache"),
+        "errors": serializers.ListField(child=serializers.CharField())}, many=True)})
+
+
+class PrefixLookupView(APIView):
+    """POST /api/prefix-lookup/: which engine holds this prefix, and where. Name it by
+    exactly one of `text` (tokenized as a completion's prompt), `messages` (rendered as
+    a chat job's, without the generation prompt), `token_ids` or `job` (what that job
+    ran, under its owner's cache salt); `model` picks the engines (all live ones without
+    it). Per engine, the leading cached tokens per level (gpu, cpu, disk; null: a level
+    that view has not) as the router's prefix index sees them and as the engine itself
+    answers. Under your own cache salt; staff may name a `user` to look up under theirs
+    (docs/api.md, "Looking up a prefix")."""
+    permission_classes = [permissions.IsAuthenticated]
+
+    @extend_schema(request=PrefixLookupSerializer,
+                   responses={200: PREFIX_LOOKUP, 400: ERROR, 403: ERROR})
+    def post(self, request):
+        serializer = PrefixLookupSerializer(data=request.data or {})
+        serializer.is_valid(raise_exception=True)
+        try:
+            return Response(prefix_lookup.look_up(request.user, serializer.validated_data))
+        except pin_target.Refused as e:
+            code = "permission_denied" if e.status == 403 else "invalid"
+            return errors.error_response(e.status, f"{e.field}: {e}", code, {e.field: [str(e)]})
 
 
 WHAT_IF_RESPONSES = {202: WhatIfRunSerializer, 400: ERROR, 403: ERROR, 404: ERROR, 409: ERROR,

@@ -1,6 +1,6 @@
 """GET /healthz: 200 when the database and Redis answer, else 503. Anyone may ask (load
-balancers, compose): they get the status only. A signed-in user or a token holder also
-gets each check's error and the engines.
+balancers, compose): they get the status only. A signed-in user or a token holder
+(`Token <key>` or `Bearer <key>`) also gets each check's error and the engines.
 
 GET /health and /ping, /version: as vLLM serves them, for clients and load tools that
 probe a server before they use it."""
@@ -14,6 +14,7 @@ from rest_framework.authentication import TokenAuthentication
 from rest_framework.exceptions import AuthenticationFailed
 
 from kvops import live, selectors
+from kvops.infra import api_key
 
 
 def healthz(request: HttpRequest) -> JsonResponse:
@@ -48,16 +49,20 @@ def healthz(request: HttpRequest) -> JsonResponse:
 
 
 def signed_in_user(request: HttpRequest):
-    """The user of the request's session or API token (`Authorization: Token <key>`),
-    None for an anonymous caller: the probes outside the REST API (/healthz, /metrics)
-    read who asks this one way."""
+    """The user of the request's session or API token (`Authorization: Token <key>` or
+    `Bearer <key>`, kvops/infra/api_key.py), None for an anonymous caller or a key that
+    is not one: the probes outside the REST API (/healthz, /metrics) read who asks this
+    one way."""
     if getattr(request, "user", None) is not None and request.user.is_authenticated:
         return request.user
+    key = api_key.key_of(request.META.get("HTTP_AUTHORIZATION", ""))
+    if not key:
+        return None
     try:
-        found = TokenAuthentication().authenticate(request)
+        user, _ = TokenAuthentication().authenticate_credentials(key)
     except (AuthenticationFailed, DatabaseError):
         return None
-    return None if found is None else found[0]
+    return user
 
 
 @require_http_methods(["GET", "HEAD"])

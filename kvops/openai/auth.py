@@ -1,5 +1,5 @@
 """Who calls /v1 and /tokenize: the user of the request's DRF token, sent as `Bearer <key>`
-or `Token <key>` (kvops/intake/api_key.py), each key looked up at most once every few
+or `Token <key>` (kvops/infra/api_key.py), each key looked up at most once every few
 seconds."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from django.db import close_old_connections
 from django.http import HttpRequest, JsonResponse
 from rest_framework.authtoken.models import Token
 
-from kvops.intake import api_key
+from kvops.infra import api_key
 from kvops.openai import errors
 
 TOKEN_CACHE_S = 5.0  # a deleted token or deactivated user is refused this long after, at most

@@ -1,5 +1,6 @@
 """What a pin or unpin names, made into the engine's `pin`/`unpin` arguments
-(engine/serve/commands.py: `prompt` text or `token_ids`, and `cache_salt`).
+(engine/serve/commands.py: `prompt` text or `token_ids`, and `cache_salt`). A prefix
+lookup (prefix_lookup.py) makes a job or a chat into token ids here too.
 
 An operator names a prefix one of four ways (kvops/api/serializers.py PrefixSerializer):
 * `job`: the token ids that job ran, as the worker sends them (intake/prompts.py
@@ -47,7 +48,7 @@ def engine_arguments(engine: Engine, data: dict) -> dict:
     salt = {"cache_salt": data["cache_salt"]} if data.get("cache_salt") is not None else {}
     if data.get("messages"):
         return {"messages": data["messages"],
-                "token_ids": _chat_ids(engine, data["messages"]), **salt, **soft}
+                "token_ids": chat_ids(engine, data["messages"]), **salt, **soft}
     if data.get("token_ids"):
         return {"token_ids": data["token_ids"], **salt, **soft}
     return {"prompt": data.get("text") or data["prompt"], **salt, **soft}
@@ -57,20 +58,30 @@ def _job_arguments(engine: Engine, job_id: int) -> dict:
     job = Job.objects.filter(pk=job_id).select_related("owner").first()
     if job is None:
         raise Refused("job", f"there is no job {job_id}")
+    salt = cache_salt(job.owner)
+    return {"job": job_id, "token_ids": job_ids(engine, job),
+            **({"cache_salt": salt} if salt else {})}
+
+
+def job_ids(engine: Engine, job: Job) -> list[int]:
+    """The token ids the job ran, as the engine saw them (its chat rendered with the
+    engine's template); Refused (409) if they must be rendered with a tokenizer this
+    process cannot read. Its blocks are cached under its owner's salt (cache_salt)."""
     try:
         ids = inspector.job_token_ids(engine.config, job)
     except Exception as e:  # noqa: BLE001  (its chat, which this model's template refuses)
-        raise Refused("job", f"job {job_id}'s chat cannot be rendered with "
+        raise Refused("job", f"job {job.pk}'s chat cannot be rendered with "
                              f"{selectors.model_name(engine)!r}'s chat template: {e}") from None
     if not ids:
-        raise Refused("job", f"job {job_id}'s prompt must be rendered with engine "
+        raise Refused("job", f"job {job.pk}'s prompt must be rendered with engine "
                              f"{engine.name}'s tokenizer, which this web process cannot "
-                             "read; pin its `token_ids` instead", 409)
-    salt = cache_salt(job.owner)
-    return {"job": job_id, "token_ids": ids, **({"cache_salt": salt} if salt else {})}
+                             "read; give its `token_ids` instead", 409)
+    return ids
 
 
-def _chat_ids(engine: Engine, messages: list[dict]) -> list[int]:
+def chat_ids(engine: Engine, messages: list[dict]) -> list[int]:
+    """A chat rendered with the engine's chat template without the generation prompt, as
+    token ids: the start of every chat job that goes on from these messages."""
     model = selectors.model_name(engine)
     try:
         ids = inspector.token_ids(engine.config, "", messages, add_generation_prompt=False)
@@ -79,5 +90,5 @@ def _chat_ids(engine: Engine, messages: list[dict]) -> list[int]:
                                   f"template: {e}") from None
     if ids is None:
         raise Refused("messages", f"engine {engine.name}'s tokenizer is not readable from "
-                                  "this web process; pin by `job` or `token_ids` instead", 409)
+                                  "this web process; give a `job` or `token_ids` instead", 409)
     return ids

@@ -1,9 +1,11 @@
-// Overview: a card per engine (metrics over its summary websocket), recent jobs, submit.
-import { api } from "./api.js";
+// Overview: a card per engine (metrics over its summary websocket), recent jobs, submit,
+// and which engine holds a prefix (prefix_lookup.js).
+import { api, errorText } from "./api.js";
 import { sparkline } from "./charts.js";
 import { $, esc, num, pct } from "./format.js";
 import { jobRow, submitJob } from "./jobs_common.js";
 import { cumulativeHitRate } from "./metrics.js";
+import { LOOKUP_MODES, TIERS, lookupRequest, lookupTable } from "./prefix_lookup.js";
 import { LiveSocket } from "./socket.js";
 
 const SPARK_POINTS = 120;
@@ -75,4 +77,34 @@ $("#quick-submit").addEventListener("submit", async (event) => {
     ? `Job <a href="/jobs/${out.job.id}/">${out.job.id}</a> queued.`
     : `<span class="error">${esc(out.error)}</span>`;
   if (out.ok) { form.prompt.value = ""; loadJobs(); }
+});
+
+// Which engine holds this prefix: POST /api/prefix-lookup/, its answer as a table.
+const lookupForm = $("#lookup-form");
+lookupForm.mode.replaceChildren(...Object.entries(LOOKUP_MODES).map(([mode, m]) => new Option(m.label, mode)));
+const showLookupMode = () => { lookupForm.prefix.placeholder = LOOKUP_MODES[lookupForm.mode.value].placeholder; };
+lookupForm.mode.onchange = showLookupMode;
+showLookupMode();
+
+function showLookup(summary, bad, rows = null) {
+  $("#lookup-summary").textContent = summary;
+  $("#lookup-summary").className = bad ? "error" : "";
+  $("#lookup-table").hidden = !rows?.length;
+  const cell = (n, tier) => (n === null ? `<td class="num muted" title="${tier ? "no such tier in this view" : "no answer"}">–</td>` : `<td class="num">${num(n)}</td>`);
+  $("#lookup-table tbody").innerHTML = (rows || []).map((r) => (r.error !== undefined
+    ? `<tr data-engine="${esc(r.engine)}"><td>${esc(r.engine)}</td><td colspan="5" class="error">${esc(r.error)}</td></tr>`
+    : `<tr data-engine="${esc(r.engine)}" data-view="${esc(r.view)}"><td>${esc(r.engine)}</td><td>${esc(r.view)}</td>`
+      + TIERS.map((t) => cell(r[t], r.total !== null)).join("") + cell(r.total, false) + "</tr>")).join("");
+}
+
+lookupForm.addEventListener("submit", async (event) => {
+  event.preventDefault();
+  const asked = lookupRequest(lookupForm.mode.value, lookupForm.prefix.value, lookupForm.model.value,
+                              lookupForm.user?.value ?? "");
+  if (asked.error) { showLookup(asked.error, true); return; }
+  showLookup("Looking up…", false);
+  const result = await api("POST", "/api/prefix-lookup/", asked.body);
+  if (!result.ok) { showLookup(`Look-up failed: ${errorText(result)}`, true); return; }
+  const { summary, rows } = lookupTable(result.data);
+  showLookup(summary, false, rows);
 });

@@ -1,7 +1,9 @@
 // The engine page's Pin form: the four ways to name a prefix to pin or unpin (POST
 // /api/engines/<name>/prefix-cache/pin/ and unpin/, docs/api.md "Pinning a prefix"),
 // what each one is for, and the body the form's text makes in each; no DOM here
-// (tests/dashboard/js/pin_form.test.mjs).
+// (tests/dashboard/js/pin_form.test.mjs). The text is read by prefix_body.js.
+
+import { prefixBody } from "./prefix_body.js";
 
 // A chat job's cached blocks are its chat rendered through the model's template: its
 // system prompt pasted as raw text finds none of them. Hence the job first.
@@ -31,26 +33,6 @@ export const PIN_MODES = {
 // The body of a pin or unpin for the form's mode and text: {body}, or {error} in words
 // when the text cannot be one (nothing is sent then).
 export function pinRequest(mode, text) {
-  const t = String(text ?? "").trim();
   if (!(mode in PIN_MODES)) return { error: `unknown mode ${mode}; one of ${Object.keys(PIN_MODES).join(", ")}` };
-  if (t === "") return { error: `give the ${PIN_MODES[mode].label} to pin` };
-  if (mode === "job") {
-    const id = t.replace(/^#/, "");
-    if (!/^[0-9]+$/.test(id) || Number(id) < 1) return { error: `a job id is a positive whole number; got ${t}` };
-    return { body: { job: Number(id) } };
-  }
-  if (mode === "messages") {
-    let messages;
-    try { messages = JSON.parse(t); } catch {
-      return { error: 'chat messages are JSON: a list like [{"role": "system", "content": "…"}]' };
-    }
-    if (!Array.isArray(messages)) messages = [messages];  // one message alone
-    return { body: { messages } };
-  }
-  if (mode === "token_ids") {
-    const parts = t.replace(/^\[|\]$/g, "").split(/[\s,]+/).filter((p) => p !== "");
-    if (!parts.every((p) => /^[0-9]+$/.test(p))) return { error: "token ids are whole numbers, separated by commas or spaces" };
-    return { body: { token_ids: parts.map(Number) } };
-  }
-  return { body: { text: String(text) } };  // (as typed: spaces are tokens too)
+  return prefixBody(mode, text, PIN_MODES[mode].label, "pin");
 }

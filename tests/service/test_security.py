@@ -42,8 +42,12 @@ def test_metrics_answer_their_token_and_staff_only(settings, client):
                                      is_staff=True)
     plain_token = Token.objects.create(user=plain).key
     staff_token = Token.objects.create(user=staff).key
-    assert client.get("/metrics", HTTP_AUTHORIZATION=f"Token {plain_token}").status_code == 403
-    assert client.get("/metrics", HTTP_AUTHORIZATION=f"Token {staff_token}").status_code == 200
+    for scheme in ("Token", "Bearer", "bearer"):  # an API key in either scheme, as on /api
+        assert client.get("/metrics", HTTP_AUTHORIZATION=f"{scheme} {plain_token}"
+                          ).status_code == 403
+        assert client.get("/metrics", HTTP_AUTHORIZATION=f"{scheme} {staff_token}"
+                          ).status_code == 200
+    assert client.get("/metrics", HTTP_AUTHORIZATION="Basic c3RhZmZlcjp4").status_code == 401
     client.force_login(plain)
     refused = client.get("/metrics")
     assert refused.status_code == 403 and "staff" in refused.json()["error"]
@@ -72,10 +76,16 @@ def test_healthz_tells_anonymous_callers_the_status_only(rf, monkeypatch):
     assert answer.status_code == 503 and body["checks"] == {"database": "ok", "redis": "error"}
     assert "10.0.0.7" not in answer.content.decode() and "engines" not in body
     token = Token.objects.create(user=User.objects.create_user("ops", password="x-pass-123"))
-    request = rf.get("/healthz", HTTP_AUTHORIZATION=f"Token {token.key}")
-    request.user = AnonymousUser()
-    body = json.loads(health.healthz(request).content)
-    assert "10.0.0.7" in body["checks"]["redis"] and body["engines"] == []
+    for header in (f"Token {token.key}", f"Bearer {token.key}"):  # either scheme, as on /api
+        request = rf.get("/healthz", HTTP_AUTHORIZATION=header)
+        request.user = AnonymousUser()
+        body = json.loads(health.healthz(request).content)
+        assert "10.0.0.7" in body["checks"]["redis"] and body["engines"] == []
+    for header in ("Bearer not-a-key", f"Basic {token.key}", "Bearer"):
+        request = rf.get("/healthz", HTTP_AUTHORIZATION=header)
+        request.user = AnonymousUser()
+        body = json.loads(health.healthz(request).content)
+        assert body["checks"]["redis"] == "error" and "engines" not in body
 
 
 def test_weak_passwords_are_refused():

@@ -1,7 +1,7 @@
 """The API key of a request's Authorization header, the one reading of it for every API
-(/api through kvops/api/auth.py, /v1 and /tokenize through kvops/openai/auth.py): a DRF
-token sent as `Token <key>` (DRF's scheme) or `Bearer <key>` (OpenAI's), either on
-either surface."""
+(/api through kvops/api/auth.py, /v1 and /tokenize through kvops/openai/auth.py,
+/healthz and /metrics through kvops/monitoring/health.py): a DRF token sent as
+`Token <key>` (DRF's scheme) or `Bearer <key>` (OpenAI's), either on every surface."""
 from __future__ import annotations
 
 SCHEMES = ("token", "bearer")  # lowercase: a scheme's case does not matter (RFC 9110)
