@@ -246,14 +246,16 @@ class OutputProcessor:
         updates: list[dict] = []
         ended: list[_Tracked] = []
         by_request: dict[str, list[CoreOutput]] = {}  # a job's outputs of several steps
+        gaps: list[float] = []  # inter-token latencies seen in these steps
         for at, outputs in steps:
             for out in outputs:
                 if out.error is not None:  # the engine could not serve it: the job fails
                     failed.append((out.request_id, out.error))
                     continue
                 if out.new_token_ids:
-                    self._time_tokens(out.request_id, at)
+                    self._time_tokens(out.request_id, at, gaps)
                 by_request.setdefault(out.request_id, []).append(out)
+        self._gaps.observe_many("inter_token_latency_seconds", self.engine_name, gaps)
         moved: list[tuple[_Tracked, dict]] = []  # moved away: (attempt, where to and why)
         self._adopt_arrivals(by_request)
         for request_id, outs in by_request.items():
@@ -291,16 +293,15 @@ class OutputProcessor:
                 t.handle.set("failed")
         self.stats.flushes += 1
 
-    def _time_tokens(self, request_id: str, at: float) -> None:
+    def _time_tokens(self, request_id: str, at: float, gaps: list[float]) -> None:
         """A step handed over at `at` gave the request tokens: the gap since its last
         such step is one inter-token latency (as vLLM's, one per step, however many
-        tokens the step gave)."""
+        tokens the step gave), added to `gaps`."""
         t = self._jobs.get(request_id)
         if t is None:
             return
         if t.last_token_s is not None:
-            self._gaps.observe("inter_token_latency_seconds", self.engine_name,
-                               at - t.last_token_s)
+            gaps.append(at - t.last_token_s)
         t.last_token_s = at
 
     def _pop_attempt(self, request_id: str) -> list[_Tracked]:
