@@ -6,7 +6,8 @@ tenant label, which says nothing of who), every request's counts and status, and
 events, but no block hash of anyone's: with a hash and a guess of a prompt's first
 blocks, anyone who can compute the chain can test the guess (docs/security.md). Their
 own requests' hashes are on their own job (the job websocket's `blocks`); token ids
-never reach the engine's views. The sealing applies to every way the state leaves the
+never reach the engine's views, and the text of a hovered block's tokens (the engine's
+answer to `block`) only for their own requests (block_facts_for). The sealing applies to every way the state leaves the
 service: the snapshot (REST and websocket), the live deltas, the event history (REST and
 websocket) and the timeline.
 
