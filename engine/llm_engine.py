@@ -472,6 +472,11 @@ class LLMEngine:
         return self.reporter.snapshot(self.export_kv([], full_scan=True, pins=True), compact,
                                       self.next_snapshot_seq())
 
+    def block_facts(self, pool: str, block_id: int) -> dict:
+        """What a viewer hovering one block asks beyond the snapshot (Reporter.block_facts):
+        its idle time, its place in the eviction order, its holders' tokens and text."""
+        return self.reporter.block_facts(pool, block_id)
+
     def export_kv(self, events: list[KVEvent], full_scan: bool, pins: bool) -> KVExport:
         """The KV state as viewers may keep it (engine/kv/export.py), with `events`
         (taken by the caller) riding along."""

@@ -42,6 +42,9 @@ class KVBlock:
     soft_until: float = 0.0
     soft_ttl: float = 0.0
     soft_priority: int = 0
+    # The pool's clock when its last holder let it go (None: held now, or never held):
+    # how long a cached block has waited for a request to take it back
+    freed_at: float | None = None
 
 
 class FreeBlockQueue:
@@ -296,6 +299,25 @@ class BlockPool:
             out.append(block.block_id)
         return out
 
+    def eviction_place(self, block_id: int) -> tuple[int, int] | None:
+        """Where a free cached block stands in the eviction order: (its place among the
+        free cached blocks, 1 for the next to lose its data; how many there are), or None
+        if it is not one. Walks the free queue: for a viewer's question, not a step."""
+        place, cached = None, 0
+        for block in self.free_queue:
+            if block.block_hash is None:
+                continue
+            cached += 1
+            if block.block_id == block_id:
+                place = cached
+        return None if place is None else (place, cached)
+
+    def idle_s(self, block_id: int) -> float | None:
+        """Seconds since the block's last holder let it go; None while it is held (or
+        was never held)."""
+        freed_at = self.blocks[block_id].freed_at
+        return None if freed_at is None else max(0.0, self.clock() - freed_at)
+
     # --- allocation ------------------------------------------------------------------
     def take_new(self, n: int, for_request: str | None = None,
                  keep: int | None = None) -> list[KVBlock]:
@@ -317,6 +339,7 @@ class BlockPool:
                 self._drop_hash(block)
             block.ref_cnt = 1
             block.keep = keep
+            block.freed_at = None
             taken.append(block)
         if evicted:
             if self.on_evict is not None:
@@ -333,6 +356,7 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
             block.ref_cnt += 1
+            block.freed_at = None
             if hit and block.block_hash is not None:  # (cached data taken again)
                 block.hits += 1
                 if block.soft_until:  # a hit renews its soft pin
@@ -347,6 +371,7 @@ class BlockPool:
                 raise RuntimeError(f"invariant: {self.pool} block {block.block_id} freed twice")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
+                block.freed_at = self.clock()
                 if block.block_hash is None:
                     self.free_queue.appendleft(block)
                 else:

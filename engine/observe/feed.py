@@ -33,6 +33,9 @@ NOISY_EVENTS = frozenset({"BlockStored", "BlockRemoved", "BlockEvicted"})
 WIRE_MAX_EVENTS = 50  # events kept per item: every kind but churn, up to this many,
 WIRE_MAX_NOISY = 8  # and the latest of the block churn
 ASK_POLL_S = 0.1  # how often the feed thread looks for questions when idle
+# Questions only the engine can answer (its evictor's order, when a block was let go),
+# answered by the hook on the loop thread between two steps; the others by the mirror
+ENGINE_QUESTIONS = frozenset({"block"})
 
 
 def encode(doc: dict, level: int = 6) -> bytes:
@@ -110,6 +113,8 @@ class KVFeed:
         self._lock = threading.Lock()
         self._pending: KVExport | None = None  # handed from the loop thread, under _lock
         self._asks: queue.Queue[tuple[str, Any, Callable[[bool, Any], None]]] = queue.Queue()
+        self._engine_asks: queue.Queue[tuple[str, Any, Callable[[bool, Any], None]]] = \
+            queue.Queue()  # ENGINE_QUESTIONS, for the loop thread
         self._busy = False  # the feed thread is handling a capture (under _lock)
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -120,6 +125,8 @@ class KVFeed:
         now = time.monotonic()
         if self._thread is None:
             self._start(engine.describe_config())
+        if not self._engine_asks.empty():
+            self._answer_from(engine)
         changed = engine.version != self._last_version
         if now - self._last_capture < (self.interval_s if changed else self.idle_interval_s):
             return
@@ -144,8 +151,12 @@ class KVFeed:
     def ask(self, kind: str, argument: Any, reply: Callable[[bool, Any], None]) -> None:
         """Answer a question from the mirror, on the feed thread: `snapshot` (encoded
         zlib JSON, and the seq it is current at), `snapshot-doc` (the document itself),
-        `request` (one request's entry, argument: its id). reply(ok, result) is called
-        with the answer."""
+        `request` (one request's entry, argument: its id); and `block` (argument:
+        {pool, block_id}), answered by the engine itself on its loop thread, between two
+        steps (LLMEngine.block_facts). reply(ok, result) is called with the answer."""
+        if kind in ENGINE_QUESTIONS:
+            self._engine_asks.put((kind, argument, reply))
+            return
         self._asks.put((kind, argument, reply))
         self._wake.set()
 
@@ -170,6 +181,18 @@ class KVFeed:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout_s)
+
+    def _answer_from(self, engine) -> None:
+        while True:
+            try:
+                kind, argument, reply = self._engine_asks.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                argument = argument if isinstance(argument, dict) else {}
+                reply(True, engine.block_facts(argument.get("pool"), argument.get("block_id")))
+            except Exception as e:  # the asker hears why; the loop goes on
+                reply(False, f"{type(e).__name__}: {e}")
 
     # --- the feed thread -----------------------------------------------------------------
     def _run(self) -> None:

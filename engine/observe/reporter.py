@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from engine.block_hash import hash_blocks, root_hash
 from engine.config import EngineConfig
+from engine.errors import InvalidRequestError
 from engine.kv.coordinator import KVCacheCoordinator
 from engine.kv.events import KVEvent
 from engine.kv.export import KVExport
@@ -21,6 +22,8 @@ from engine.sched.scheduler import Scheduler
 
 if TYPE_CHECKING:
     from engine.observe.story import StoryBook
+
+PREVIEW_CHARS = 200  # of a block's text in block_facts (a block of odd tokens can be long)
 
 
 class Reporter:
@@ -151,6 +154,45 @@ class Reporter:
             cpu=kv.export_pool("cpu", index_of, full_scan, pins),
             eviction_order=kv.gpu.eviction_order(EVICTION_ORDER_LEN), metrics=metrics,
             events=events, events_on=self.config.max_pending_events > 0)
+
+    def block_facts(self, pool: str, block_id: int) -> dict:
+        """What the snapshot does not carry about one block, for a viewer hovering it:
+        seconds since its last holder let it go (`idle_s`, None while held), its place
+        in the eviction order among the free cached blocks (`eviction`: {place, of}, None
+        if it is not one), and per request holding it (group 0's tables, as the snapshot
+        shows them) the tokens it covers and their text (`holders`: request_id, job_id,
+        tenant, tokens [start, end), text). The service decides who may read the text
+        (kvops/dashboard/visibility.py)."""
+        if pool not in ("gpu", "cpu"):
+            raise InvalidRequestError("`pool` must be gpu or cpu")
+        blocks = self.kv.gpu if pool == "gpu" else self.kv.cpu
+        if isinstance(block_id, bool) or not isinstance(block_id, int) \
+                or not 0 <= block_id < blocks.num_blocks:
+            raise InvalidRequestError(f"`block_id` must be an integer in [0, {blocks.num_blocks})")
+        place = blocks.eviction_place(block_id)
+        return {"pool": pool, "block_id": block_id, "idle_s": blocks.idle_s(block_id),
+                "eviction": None if place is None else {"place": place[0], "of": place[1]},
+                "holders": self._holders(pool, block_id)}
+
+    def _holders(self, pool: str, block_id: int) -> list[dict]:
+        tables = self.kv.req_to_blocks if pool == "gpu" else self.kv.req_to_cpu_blocks
+        size = self.config.block_size
+        out = []
+        for request_id, table in tables.items():
+            request = self.scheduler.requests.get(request_id)
+            position = next((k for k, b in enumerate(table) if b.block_id == block_id), None)
+            if request is None or position is None:
+                continue
+            start = (position + self.kv.window_freed(request_id)) * size
+            end = min(start + size, request.num_tokens)
+            out.append({"request_id": request_id, "job_id": request.job_id,
+                        "tenant": request.tenant, "tokens": [start, end],
+                        "text": self._text(request.all_token_ids[start:end])})
+        return out
+
+    def _text(self, token_ids: list[int]) -> str:
+        text = self.runner.tokenizer.decode(token_ids) if token_ids else ""
+        return text if len(text) <= PREVIEW_CHARS else text[:PREVIEW_CHARS] + "…"
 
     def snapshot(self, export: KVExport, compact: bool, seq: int) -> dict:
         """The snapshot document of one full export (engine/observe/view.py's KVMirror

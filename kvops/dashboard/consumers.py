@@ -80,6 +80,7 @@ ENGINE_MESSAGES = {
     "resync": {},
     "history": {"what": ("events", "metrics"), "count": range(1, 1001)},
     "ping": {},
+    "block": {"pool": ("gpu", "cpu"), "id": range(1 << 24)},
 }
 JOB_MESSAGES = {"blocks": {}, "ping": {}}
 EXAMPLE = "a message is a JSON object such as {\"type\": \"ping\"}"
@@ -331,12 +332,15 @@ def _stored_snapshot_frame(name: str) -> bytes | None:
 class EngineConsumer(_Consumer):
     """`subscribe` full (deltas; a snapshot follows) or summary (metrics); `resync` asks
     for a full snapshot again (after a gap in sequence numbers); `history` sends the
-    recent KV events or metrics kept in Redis."""
+    recent KV events or metrics kept in Redis; `block` asks the engine what the snapshot
+    does not say of one block (a hovered one)."""
     schema = ENGINE_MESSAGES
 
     async def connect(self) -> None:
         self.level: str | None = None
         self._snapshot: asyncio.Task | None = None  # a snapshot on its way to the client
+        self._block: asyncio.Task | None = None  # a block question waiting for its turn
+        self._block_wanted: tuple[str, int] | None = None  # the block asked for last
         if await self.refuse_anonymous():
             return
         # a plain user's frames carry no hashes (kvops/dashboard/visibility.py)
@@ -381,6 +385,23 @@ class EngineConsumer(_Consumer):
         if self.sealed and message["what"] == "events":
             items = visibility.seal_events(items)
         await self.send_json({"type": "history", "what": message["what"], "items": items})
+
+    async def on_block(self, message: dict) -> None:
+        """Ask about the block hovered last: a question waiting for its turn (queries are
+        MIN_QUERY_INTERVAL_S apart) asks about the latest block when it goes."""
+        self._block_wanted = (message["pool"], message["id"])
+        if self._block is None or self._block.done():
+            self._block = self.start(self._ask_block())
+
+    async def _ask_block(self) -> None:
+        await asyncio.sleep(self.query_delay())
+        pool, block_id = self._block_wanted
+        try:
+            await self.post_query(self.name, {"kind": "block", "reply_to": self.channel_name,
+                                              "pool": pool, "block_id": block_id})
+        except REDIS_DOWN as e:
+            _raise_if_cancelled()
+            await self.send_json({"type": "error", "message": _redis_down_message(e)})
 
     def _ask_snapshot(self) -> None:
         """One snapshot on its way at a time: asking again meanwhile changes nothing."""
@@ -427,6 +448,12 @@ class EngineConsumer(_Consumer):
         self._cancel_snapshot()
         if self.level == "full":
             await self.send_frame(event["data"])
+
+    async def engine_block(self, event: dict) -> None:
+        await self.send_json({
+            "type": "block", "pool": event["pool"], "id": event["block_id"],
+            "facts": visibility.block_facts_for(event["facts"], self.scope["user"]),
+            "error": event["error"]})
 
     async def engine_summary(self, event: dict) -> None:
         if self.level == "summary":

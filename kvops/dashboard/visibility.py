@@ -6,7 +6,8 @@ tenant label, which says nothing of who), every request's counts and status, and
 events, but no block hash of anyone's: with a hash and a guess of a prompt's first
 blocks, anyone who can compute the chain can test the guess (docs/security.md). Their
 own requests' hashes are on their own job (the job websocket's `blocks`); token ids
-never reach the engine's views. The sealing applies to every way the state leaves the
+never reach the engine's views, and the text of a hovered block's tokens (the engine's
+answer to `block`) only for their own requests (block_facts_for). The sealing applies to every way the state leaves the
 service: the snapshot (REST and websocket), the live deltas, the event history (REST and
 websocket) and the timeline.
 
@@ -22,6 +23,7 @@ import threading
 from collections import OrderedDict
 
 from engine.observe.feed import decode, encode
+from kvops.routing import tenancy
 
 # Per-block arrays and event fields that carry prefix-cache hashes
 HASH_ARRAYS = ("hash32",)
@@ -60,6 +62,18 @@ def plain_config(config: dict | None) -> dict:
 def config_for(config: dict | None, viewer) -> dict:
     """An engine's config as `viewer` may read it."""
     return (config or {}) if sees_everything(viewer) else plain_config(config)
+
+
+def block_facts_for(facts: dict | None, viewer) -> dict | None:
+    """An engine's answer about one block (LLMEngine.block_facts) as `viewer` may read
+    it: the text of a holder's tokens for staff and for the holder's own tenant; every
+    other holder's text None (its token range, like the snapshot's tables, stays)."""
+    if facts is None or sees_everything(viewer):
+        return facts
+    mine = tenancy.tenant(viewer)
+    holders = [h if mine is not None and h.get("tenant") == mine else {**h, "text": None}
+               for h in facts.get("holders", ())]
+    return {**facts, "holders": holders}
 
 
 def seal_event(record: dict) -> dict:

@@ -138,6 +138,12 @@ class PromptInspector:
             self._tokenizers[key] = load_tokenizer(config)
         return self._tokenizers[key]
 
+    def has_chat_template(self, config: dict) -> bool | None:
+        """Whether the engine's tokenizer has a chat template (an instruct model's: the
+        pages' forms default to chat for it); None if its tokenizer is not readable here."""
+        tokenizer = self.tokenizer(config)
+        return None if tokenizer is None else bool(getattr(tokenizer, "chat_template", None))
+
     def token_ids(self, config: dict, prompt: str, messages: list[dict] | None,
                   tools: list[dict] | None = None,
                   add_generation_prompt: bool = True) -> list[int] | None:

@@ -7,7 +7,7 @@ point, the prefix-cache changes. `EnginePublisher` queues them (`on_item`, never
 blocking) and its own thread does the I/O, in sequence-number order: deltas to the
 group and to the timeline (kvops/dashboard/timeline.py), events and metrics to their Redis
 histories, a summary to `engine-summary.<name>`, prefix changes to the routing index. It
-answers the consumers' snapshot and block-table queries by asking the feed, and keeps the
+answers the consumers' snapshot, block-table and block queries by asking the feed, and keeps the
 latest full snapshot in Redis for the REST API (now and then a timeline keyframe too).
 
 On the wire a delta or snapshot is zlib-compressed JSON (`engine.kv_feed.encode`), sent as a binary
@@ -24,6 +24,7 @@ from typing import Any, Protocol
 from channels.exceptions import ChannelFull
 from django.conf import settings
 
+from engine.errors import EngineError
 from kvops import live
 from kvops.routing.prefix_index import PrefixIndex
 from kvops.dashboard.timeline import TimelineWriter, limits_from_settings
@@ -169,9 +170,21 @@ class EnginePublisher:
                     live.channel_send_wait(reply_to, {
                         "type": "engine.request", "engine": self.name, "seq": answer["seq"],
                         "request_id": query.get("request_id"), "request": answer["entry"]})
+                elif query.get("kind") == "block":
+                    live.channel_send_wait(reply_to, self._block(query))
             except ChannelFull:  # that client is not reading; the others still get answers
                 self.errors += 1
                 log.warning("%s: no answer to %s: its channel is full", self.name, reply_to)
+
+    def _block(self, query: dict) -> dict:
+        """The engine's answer about one block (LLMEngine.block_facts), or why none came."""
+        asked = {"pool": query.get("pool"), "block_id": query.get("block_id")}
+        try:
+            facts, error = self.source.ask_kv("block", asked, ASK_TIMEOUT_S), None
+        except (LookupError, TimeoutError, EngineError) as e:
+            facts, error = None, str(e)
+        return {"type": "engine.block", "engine": self.name, **asked, "facts": facts,
+                "error": error}
 
     def _store_snapshot(self) -> None:
         """The latest full snapshot for GET /api/engines/<name>/: once a second, or less

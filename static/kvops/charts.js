@@ -30,6 +30,17 @@ export function sparkline(canvas, values, color = "#2f5bd3") {
   g.fill();
 }
 
+// What a sparkline plots, for the line under it: its quantity and unit, the time it
+// spans and its top (the largest value: the sparkline's scale runs from 0 to it).
+// points: [[ts (Unix seconds), value], ...], oldest first.
+export function sparkCaption(what, points) {
+  if (points.length < 2) return what;
+  const span = points[points.length - 1][0] - points[0][0];
+  const window = span < 90 ? `${Math.max(1, Math.round(span))} s` : `${Math.round(span / 60)} min`;
+  const top = Math.max(...points.map(([, v]) => v));
+  return `${what}, last ${window} · max ${top.toFixed(top >= 100 || Number.isInteger(top) ? 0 : 1)}`;
+}
+
 // The y axis: ticks from 0 at a 1-2-5 step (1, 2, 5, 10, 20, ...), at most `count`
 // steps, the last at or above `top` (it becomes the top of the scale). integer: counts
 // and rates of events, never a step under 1. Every tick is distinct, and so are their

@@ -9,6 +9,7 @@
 // KV story links here). window.kvopsPerf keeps timings for tests.
 import { api, errorText, newIdempotencyKey } from "./api.js";
 import { BlockMap } from "./blockmap.js";
+import { blockTipHtml, sharedMark } from "./block_tip.js";
 import { timeChart } from "./charts.js";
 import { Palette, ownerCss } from "./colors.js";
 import { diskTierCaption, diskTierFigures, diskTierNote, hasDiskTier } from "./disk_tier.js";
@@ -92,6 +93,7 @@ function handle(message, meta) {
       if (message.what === "events") events.load(message.items);
       else { history.load(message.items); drawCharts(); }
       break;
+    case "block": blockAnswer(message); break;
     case "error": toast(message.message, true); break;
     default: break;
   }
@@ -427,7 +429,7 @@ function splitCaption(config) {
 
 function chips(ids, poolName) {
   const p = state[poolName];
-  return ids.map((id, k) => `<span class="chip" style="--c:${ownerCss(p.owner[id])}" title="logical block ${k}, ref ${p.ref_cnt[id]}">${id}${p.ref_cnt[id] > 1 ? "²" : ""}</span>`).join("");
+  return ids.map((id, k) => `<span class="chip" style="--c:${ownerCss(p.owner[id])}" title="logical block ${k}, ref ${p.ref_cnt[id]}">${id}${p.ref_cnt[id] > 1 ? `<span class="chip-shared">${sharedMark(p.ref_cnt[id])}</span>` : ""}</span>`).join("");
 }
 
 // The panel's head and details are drawn again with every change; the Migrate control
@@ -449,7 +451,7 @@ function renderSelected() {
     ${page.operator && r.job_id ? `<button class="small secondary" id="pin-job" title="pin the prompt this job ran (as the engine saw it, under its cache salt)">Pin this job's prefix</button>` : ""}`;
   $("#selected-detail").innerHTML = `<p class="muted">${num(r.num_computed_tokens)} tokens computed, ${num(r.num_cached_tokens)} from the prefix cache;
     ${r.block_table.length} GPU blocks (${shared} shared), ${r.cpu_block_table.length} CPU blocks.</p>
-    <div class="muted" style="font-size:12px">GPU block table, in order (² = shared)</div>
+    <div class="muted" style="font-size:12px">GPU block table, in order (×2, ×3: shared by that many)</div>
     <div class="chips">${chips(r.block_table, "gpu") || '<span class="muted">none</span>'}</div>
     ${r.cpu_block_table.length ? `<div class="muted" style="font-size:12px;margin-top:6px">CPU block table</div><div class="chips">${chips(r.cpu_block_table, "cpu")}</div>` : ""}
     <div id="selected-story">${storyOf(r)}</div>`;
@@ -485,30 +487,45 @@ async function loadStory(job, status) {
 }
 
 // --- hover and click on the maps --------------------------------------------------------
+// The tooltip shows what the state on screen says of the block at once; resting on a
+// live block asks the engine the rest (`block`: its holders' text, idle time and place
+// in the eviction order; block_tip.js), redrawn when the answer comes if still hovered.
 const tooltip = $("#tooltip");
+const ASK_AFTER_MS = 150;  // of rest on one block
+const hovered = { pool: null, id: -1, facts: null, timer: null, at: null };
 
-function describe(poolName, id) {
-  const p = state[poolName];
-  const kind = state.blockStates[p.state[id]];
-  const bs = state.config.block_size;
-  const owner = state.requests.get(p.owner[id]);
-  const holders = state.holders(poolName, id);
-  const lines = [`<b>${poolName.toUpperCase()} block ${id}</b> · ${esc(kind)}`,
-                 `ref count ${p.ref_cnt[id]}${p.ref_cnt[id] > 1 ? " (shared)" : ""}`];
-  if (owner) lines.push(`owner <b>${esc(owner.request_id)}</b>${othersOf(owner) ? " (another user's)" : owner.job_id ? ` (job ${esc(owner.job_id)})` : ""}`);
-  for (const h of holders.slice(0, 6)) {
-    lines.push(`<span class="muted">held by</span> ${esc(h.request.request_id)}: logical block ${h.position}, tokens ${h.position * bs}–${(h.position + 1) * bs - 1}`);
+function showTip() {
+  if (hovered.id < 0 || !state) return;
+  tooltip.innerHTML = blockTipHtml(state, hovered.pool, hovered.id, hovered.facts, othersOf);
+  tooltip.style.display = "block";
+  const { x: cx, y: cy } = hovered.at;
+  const right = cx < window.innerWidth / 2;  // open toward the wider side
+  const x = right ? Math.min(cx + 14, window.innerWidth - tooltip.offsetWidth - 8)
+                  : Math.max(8, cx - 14 - tooltip.offsetWidth);
+  const y = Math.min(cy + 14, window.innerHeight - tooltip.offsetHeight - 8);
+  tooltip.style.left = `${x}px`;
+  tooltip.style.top = `${y}px`;
+}
+
+function hover(poolName, id, event) {
+  hovered.at = { x: event.clientX, y: event.clientY };
+  if (poolName !== hovered.pool || id !== hovered.id) {
+    clearTimeout(hovered.timer);
+    Object.assign(hovered, { pool: poolName, id, facts: null, timer: null });
+    // (a past moment of the timeline: the engine can only say what is now)
+    if (id >= 0 && !timeline.scrubbing) {
+      hovered.timer = setTimeout(() => socket.send({ type: "block", pool: poolName, id }), ASK_AFTER_MS);
+    }
   }
-  if (holders.length > 6) lines.push(`<span class="muted">and ${holders.length - 6} more</span>`);
-  if (state.sealed) {
-    lines.push(`<span class="muted">hash: shown to operators (your own requests' on their job pages)</span>`);
-  } else {
-    lines.push(p.hash32[id] ? `hash <span class="mono">${p.hash32[id].toString(16).padStart(8, "0")}…</span>` : `<span class="muted">no hash (not in the prefix cache)</span>`);
-  }
-  if (poolName === "gpu" && state.evictRank[id] >= 0) {
-    lines.push(`next from the free queue: #${state.evictRank[id] + 1}${kind === "cached" ? " (its data will be evicted)" : ""}`);
-  }
-  return lines.join("<br>");
+  if (id < 0) { tooltip.style.display = "none"; return; }
+  showTip();
+}
+
+function blockAnswer(message) {
+  if (message.pool !== hovered.pool || message.id !== hovered.id || timeline.scrubbing) return;
+  if (message.error) { toast(`block ${message.id}: ${message.error}`, true); return; }
+  hovered.facts = message.facts;
+  showTip();
 }
 
 for (const [map, poolName] of [[gpuMap, "gpu"], [cpuMap, "cpu"]]) {
@@ -516,17 +533,9 @@ for (const [map, poolName] of [[gpuMap, "gpu"], [cpuMap, "cpu"]]) {
     if (!state) return;
     const id = map.blockAt(event);
     map.setHover(id);
-    if (id < 0) { tooltip.style.display = "none"; return; }
-    tooltip.innerHTML = describe(poolName, id);
-    tooltip.style.display = "block";
-    const right = event.clientX < window.innerWidth / 2;  // open toward the wider side
-    const x = right ? Math.min(event.clientX + 14, window.innerWidth - tooltip.offsetWidth - 8)
-                    : Math.max(8, event.clientX - 14 - tooltip.offsetWidth);
-    const y = Math.min(event.clientY + 14, window.innerHeight - tooltip.offsetHeight - 8);
-    tooltip.style.left = `${x}px`;
-    tooltip.style.top = `${y}px`;
+    hover(poolName, id, event);
   });
-  map.canvas.addEventListener("mouseleave", () => { map.setHover(-1); tooltip.style.display = "none"; });
+  map.canvas.addEventListener("mouseleave", (event) => { map.setHover(-1); hover(poolName, -1, event); });
   map.canvas.addEventListener("click", (event) => {
     if (!state) return;
     const id = map.blockAt(event);

@@ -6,11 +6,13 @@
 // moved between engines while it ran says which, and when (migration.js ranOnText). The
 // connection's pill shows while the job is live: its socket closes once the job's end
 // has come (the job stream's last message). Operators may pin the prompt it ran on its
-// engine.
+// engine. A completion an instruct model ended at once gets a hint and a button to run
+// it again as a chat.
 import { api, errorText } from "./api.js";
 import { ownerCss } from "./colors.js";
 import { $, esc, num, plural, seconds, toast, when } from "./format.js";
 import { SOURCE_WORDS, TERMINAL, storyHtml } from "./kv_story.js";
+import { asChatBody, endedAtOnce, submitJob } from "./jobs_common.js";
 import { ranOnText } from "./migration.js";
 import { LiveSocket } from "./socket.js";
 
@@ -53,11 +55,28 @@ function renderFacts() {
     ["tokens/s", gen ? num(job.num_output_tokens / gen, 1) : "–"],
   ].map(([k, v]) => `<dt>${k}</dt><dd>${v}</dd>`).join("");
   $("#cancel").hidden = TERMINAL.has(job.status);
+  renderChatHint();
   const pin = $("#pin-job");
   if (pin) {  // (operators): once the job has an engine, whose prefix cache holds its prompt
     pin.hidden = !job.engine;
     pin.title = job.engine ? `pin the prompt this job ran on engine ${job.engine}, as the engine saw it (its chat rendered, under its cache salt)` : "";
   }
+}
+
+// A completion on an instruct model (its engine's has a chat template) that ended at
+// once: say why, and offer it again as a chat.
+function renderChatHint() {
+  const box = $("#chat-hint");
+  const show = page.chat_template && endedAtOnce(job);
+  box.hidden = !show;
+  if (!show || box.childElementCount) return;
+  box.innerHTML = `The model ended at once: an instruct model usually needs chat mode (its chat
+    template wraps the prompt as a user's turn). <button class="small" id="as-chat">Resubmit as chat</button>`;
+  $("#as-chat").onclick = async () => {
+    const out = await submitJob(asChatBody(job));
+    if (out.ok) location.href = `/jobs/${out.job.id}/`;
+    else toast(out.error, true);
+  };
 }
 
 // n > 1: every sample's text and finish reason, once the job has ended.

@@ -1,7 +1,8 @@
-// Jobs: the list (filters, pages, refreshed every few seconds) and the submit form.
+// Jobs: the list (filters, pages, refreshed every few seconds) and the submit form (chat
+// or completion: chat by default for an instruct model).
 import { api, errorText } from "./api.js";
 import { $, esc } from "./format.js";
-import { jobRow, submitJob } from "./jobs_common.js";
+import { followChatMode, jobRow, submitJob } from "./jobs_common.js";
 
 const PAGE = 50;
 let offset = 0;
@@ -45,13 +46,11 @@ addMessage("system", "You are a helpful assistant.");
 addMessage("user", "");
 $("#add-message").onclick = () => addMessage();
 
-for (const radio of form.querySelectorAll("input[name=mode]")) {
-  radio.addEventListener("change", () => {
-    const chat = form.mode.value === "chat";
-    $("#prompt-box").hidden = chat;
-    $("#chat-box").hidden = !chat;
-  });
-}
+// chat by default where the engine's model has a chat template (jobs_common.js)
+followChatMode(form, JSON.parse($("#chat-engines").textContent), (mode) => {
+  $("#prompt-box").hidden = mode === "chat";
+  $("#chat-box").hidden = mode !== "chat";
+});
 
 function body() {
   const out = { max_tokens: Number(form.max_tokens.value), temperature: Number(form.temperature.value),

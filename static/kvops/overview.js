@@ -1,20 +1,21 @@
 // Overview: a card per engine (metrics over its summary websocket), recent jobs, submit,
 // and which engine holds a prefix (prefix_lookup.js).
 import { api, errorText } from "./api.js";
-import { sparkline } from "./charts.js";
+import { sparkCaption, sparkline } from "./charts.js";
 import { $, esc, num, pct } from "./format.js";
-import { jobRow, submitJob } from "./jobs_common.js";
+import { followChatMode, jobRow, submitJob } from "./jobs_common.js";
 import { cumulativeHitRate } from "./metrics.js";
 import { LOOKUP_MODES, TIERS, lookupRequest, lookupTable } from "./prefix_lookup.js";
 import { LiveSocket } from "./socket.js";
 
-const SPARK_POINTS = 120;
+const SPARK_POINTS = 120;  // metrics points asked for after a load (one a second)
+const SPARK_SECONDS = 120;  // what the sparkline spans
 const summaries = window.kvopsSummaries = {};  // engine name -> summaries received (tests)
 
 for (const card of document.querySelectorAll(".card[data-engine]")) {
   const name = card.dataset.engine;
   const field = (f) => card.querySelector(`[data-f="${f}"]`);
-  const rates = [];
+  const points = [];  // [ts, generated tokens/s], the last SPARK_SECONDS
   let lastSeen = 0;
   const show = (m) => {
     field("kv").textContent = pct(m.kv_usage);
@@ -24,6 +25,14 @@ for (const card of document.querySelectorAll(".card[data-engine]")) {
     field("swapped").textContent = num(m.swapped);
     field("hit").textContent = pct(cumulativeHitRate(m));
     field("tps").textContent = num(m.generation_tokens_per_s);
+  };
+  const drawSpark = () => {
+    const newest = points.length ? points[points.length - 1][0] : 0;
+    const kept = points.findIndex(([ts]) => ts >= newest - SPARK_SECONDS);
+    if (kept > 0) points.splice(0, kept);
+    const values = points.map(([, v]) => v);
+    sparkline(field("spark"), values);
+    field("spark-label").textContent = sparkCaption("generated tokens/s", points);
   };
   const status = (text, kind) => { field("status").textContent = text; field("status").className = `pill ${kind}`; };
   const socket = new LiveSocket(`/ws/engines/${encodeURIComponent(name)}/`, {
@@ -37,18 +46,17 @@ for (const card of document.querySelectorAll(".card[data-engine]")) {
         status(state, state);
         if (message.metrics && Object.keys(message.metrics).length) show(message.metrics);
       } else if (message.type === "history") {
-        rates.splice(0, rates.length, ...message.items.map((p) => p.generation_tokens_per_s || 0));
+        points.splice(0, points.length, ...message.items.map((p) => [p.ts, p.generation_tokens_per_s || 0]));
         if (message.items.length) show(message.items[message.items.length - 1]);
-        sparkline(field("spark"), rates);
+        drawSpark();
       } else if (message.type === "summary") {
         lastSeen = performance.now();
         summaries[name] = (summaries[name] || 0) + 1;
         const state = message.metrics?.state || "ready";
         status(state, state);
         show(message.metrics);
-        rates.push(message.metrics.generation_tokens_per_s || 0);
-        if (rates.length > SPARK_POINTS * 2) rates.splice(0, rates.length - SPARK_POINTS * 2);
-        sparkline(field("spark"), rates);
+        points.push([message.metrics.ts, message.metrics.generation_tokens_per_s || 0]);
+        drawSpark();
       }
     },
     onStatus: (s) => { if (s !== "live") status(s, "offline"); },
@@ -67,10 +75,17 @@ async function loadJobs() {
 loadJobs();
 setInterval(loadJobs, 3000);
 
+// chat by default where the engine's model has a chat template (jobs_common.js)
+followChatMode($("#quick-submit"), JSON.parse($("#chat-engines").textContent), (mode) => {
+  $("#quick-submit").prompt.placeholder = mode === "chat" ? "A message to the model…" : "A prompt for the model to continue…";
+});
+
 $("#quick-submit").addEventListener("submit", async (event) => {
   event.preventDefault();
   const form = event.target;
-  const body = { prompt: form.prompt.value, max_tokens: Number(form.max_tokens.value) };
+  const body = { max_tokens: Number(form.max_tokens.value) };
+  if (form.mode.value === "chat") body.messages = [{ role: "user", content: form.prompt.value }];
+  else body.prompt = form.prompt.value;
   if (form.engine.value) body.engine = form.engine.value;
   const out = await submitJob(body);
   $("#quick-result").innerHTML = out.ok

@@ -12,6 +12,7 @@ from kvops import live
 from kvops.dashboard.consumers import CLOSE_NOT_FOUND, CLOSE_NOT_LOGGED_IN
 from kvops.stream.job_stream import StreamProducer
 from kvops.models import Engine, Job
+from kvops.routing import tenancy
 from tests.dashboard.churn import churn_engine
 from tests.dashboard.live_client import ARRAYS, LiveState, SequenceGap
 from tests.dashboard.wsclient import connect, receive, receive_type, settle
@@ -182,6 +183,48 @@ async def test_job_stream_and_block_table(users, engine_setup, monkeypatch):
     await comm.send_json_to({"type": "blocks"})  # too soon after the last
     assert "too many" in (await receive(comm))["message"]
     await comm.disconnect()
+
+
+async def block_answer(comm, publisher, engine, pool: str, block_id: int) -> dict:
+    """Ask about a block and wait for the answer, calling the engine's hook meanwhile (the
+    engine answers between two steps, when its loop calls the feed)."""
+    async def loop_hook() -> None:
+        while True:
+            publisher(engine)
+            await asyncio.sleep(0.01)
+
+    hook = asyncio.ensure_future(loop_hook())
+    try:
+        await comm.send_json_to({"type": "block", "pool": pool, "id": block_id})
+        return await receive_type(comm, "block")
+    finally:
+        hook.cancel()
+
+
+async def test_a_block_question_gives_the_text_of_a_holders_tokens_to_its_owner_and_staff(
+        users, engine_setup):
+    name, engine, publisher, churn = engine_setup
+    op, alice, bob = users
+    prompt = list(range(500, 540))
+    for rid, owner in (("mine", alice), ("theirs", bob)):
+        engine.add_request(rid, prompt, SamplingParams(max_tokens=50), job_id=rid,
+                           tenant=tenancy.tenant(owner))
+    engine.step()
+    await settle(publisher, engine)
+    shared = engine.kv.block_ids("mine")[2]
+    assert engine.kv.block_ids("theirs")[2] == shared
+    texts = {}
+    for user in (alice, op):
+        comm, ok, _ = await connect(f"/ws/engines/{name}/", user)
+        assert ok
+        answer = await block_answer(comm, publisher, engine, "gpu", shared)
+        assert answer["id"] == shared and answer["error"] is None
+        holders = {h["request_id"]: h for h in answer["facts"]["holders"]}
+        assert holders["mine"]["tokens"] == holders["theirs"]["tokens"] == [8, 12]
+        texts[user.username] = {rid: h["text"] for rid, h in holders.items()}
+        await comm.disconnect()
+    assert texts["alice"]["mine"] and texts["alice"]["theirs"] is None  # not hers
+    assert texts["op"]["mine"] == texts["op"]["theirs"] == texts["alice"]["mine"]
 
 
 # --- Redis trouble: the channel layer's group memberships are lost, or Redis is away -----

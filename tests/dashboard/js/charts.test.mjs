@@ -2,7 +2,7 @@
 import assert from "node:assert/strict";
 import test from "node:test";
 
-import { niceTicks, tickLabel } from "../../../static/kvops/charts.js";
+import { niceTicks, sparkCaption, tickLabel } from "../../../static/kvops/charts.js";
 
 const labels = (ticks) => ticks.map((t) => tickLabel(t, ticks));
 
@@ -59,4 +59,13 @@ test("the preemption chart's axis reads 0 and 1 when one preemption a second is 
   timeChart(percent.canvas, [{ color: "#00c", values: [0.2, 0.4] }],
             { max: 1, format: (v) => `${Math.round(v * 100)}%` });
   assert.deepEqual(percent.texts.filter((t) => t.endsWith("%")), ["0%", "50%", "100%"]);
+});
+
+test("a sparkline's caption says what it plots, over how long, and its top", () => {
+  assert.equal(sparkCaption("generated tokens/s", []), "generated tokens/s");
+  assert.equal(sparkCaption("generated tokens/s", [[1000, 3]]), "generated tokens/s");
+  assert.equal(sparkCaption("generated tokens/s", [[1000, 0], [1030, 12.34], [1045, 7]]),
+               "generated tokens/s, last 45 s · max 12.3");
+  assert.equal(sparkCaption("generated tokens/s", [[1000, 120.4], [1120, 340.6]]),
+               "generated tokens/s, last 2 min · max 341");
 });
