@@ -1,5 +1,6 @@
-"""The README's screenshot of the engine page: `python -m tests.dashboard.screenshot
-[--out docs/engine-page.png]`.
+"""The docs' screenshots of the pages: `python -m tests.dashboard.screenshot [--out
+docs/engine-page.png]` (the README's, with a shared block's tooltip open) and beside it
+overview.png, jobs-page.png, job-page.png and actions-page.png.
 
 A real stack (uvicorn, one simulated engine worker) is driven through the REST API into a
 state that shows every colour: finished jobs leave cached blocks, a pinned system prompt,
@@ -25,8 +26,9 @@ def job(stack: Stack, prompt: str, max_tokens: int) -> dict:
     return r.json()
 
 
-def drive(stack: Stack) -> str:
-    """Put the engine in a state that shows every colour; the request to hover over."""
+def drive(stack: Stack) -> int:
+    """Put the engine in a state that shows every colour; a finished job that hit the
+    pinned prefix (for the job page)."""
     short = [job(stack, f"Document {i}: " + "the quick brown fox jumps over the lazy dog " * 6, 12)
              for i in range(36)]
     first = job(stack, SYSTEM + "Say hello.", 4)
@@ -41,10 +43,12 @@ def drive(stack: Stack) -> str:
     stack.api("POST", f"/api/engines/gpu0/requests/{swapped}/swap-out/").raise_for_status()
     preempted = stack.wait_running(long[7]["id"], 60)
     stack.api("POST", f"/api/engines/gpu0/requests/{preempted}/preempt/").raise_for_status()
-    return stack.wait_running(long[2]["id"], 60)
+    hit = job(stack, SYSTEM + "Which blocks did you share?", 24)
+    stack.wait_job(hit["id"], timeout_s=120)
+    return hit["id"]
 
 
-def capture(stack: Stack, out: Path) -> None:
+def capture(stack: Stack, out: Path, job_id: int) -> None:
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
@@ -59,9 +63,15 @@ def capture(stack: Stack, out: Path) -> None:
             const [cx, cy] = m.center(id);
             return [box.left + cx, box.top + cy]; }""")
         page.mouse.move(x, y)
-        time.sleep(0.5)
+        time.sleep(1.0)  # the block's answer (its text, last use, eviction place)
         out.parent.mkdir(parents=True, exist_ok=True)
         page.screenshot(path=str(out), full_page=True)
+        for path, name in (("/", "overview"), ("/jobs/", "jobs-page"),
+                           (f"/jobs/{job_id}/", "job-page"), ("/actions/", "actions-page")):
+            page.goto(f"{stack.url}{path}")
+            page.wait_for_load_state("load")
+            time.sleep(3)  # live data and charts arrive
+            page.screenshot(path=str(out.parent / f"{name}.png"), full_page=True)
         browser.close()
 
 
@@ -75,8 +85,7 @@ def main(argv: list[str] | None = None) -> None:
         stack.start_engine("gpu0", simulate=1, vocab_size=32000, num_gpu_blocks=1536,
                            num_cpu_blocks=384, block_size=16, max_num_seqs=32,
                            simulate_step_ms=30)
-        drive(stack)
-        capture(stack, args.out)
+        capture(stack, args.out, drive(stack))
     finally:
         stack.stop()
     print(f"wrote {args.out}")
