@@ -44,7 +44,7 @@ import time
 import zlib
 from pathlib import Path
 
-from engine.sim.capacity import StepCost
+from engine.observe.step_cost import StepCost
 from engine.config import EngineConfig
 from engine.sim.replay_stats import replay_stats
 from engine.sim.trace import TraceRequest

@@ -29,6 +29,7 @@ from engine.kv.pins import Pins
 from engine.model.build import build_disk_tier, build_runner
 from engine.model.runner import Flight, Runner, StepResult
 from engine.observe.reporter import Reporter
+from engine.observe.step_cost import StepCostModel, StepShape
 from engine.observe.story import STORY_QUEUE_MAX, StoryBook
 from engine.output_processor import OutputProcessor
 from engine.outputs import CoreOutput, RequestOutput, core_output
@@ -85,6 +86,8 @@ class LLMEngine:
         self.scheduler.make_sample = self._make_sample
         self.step_count = 0
         self.step_seconds = 0.0  # wall time inside the steps that ran (schedule to outputs)
+        self.step_costs = StepCostModel()  # what a step of each shape costs (the what-if's)
+        self.last_step_shape: StepShape | None = None
         self._changes = 0  # this object's share of version (the Migrator counts its own)
         self._snapshot_seq = itertools.count(1)
         self._pending: list[Request] = []  # ended by abort or finish_request, not reported yet
@@ -172,12 +175,13 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if not out.has_work:
             return outputs
+        self.step_costs.step_started(started)
         self.step_count += 1
         self._changes += 1
         self._inflight = out
         self._apply(out, self.runner.execute(out), outputs, advance=True)
         self._inflight = None
-        self._step_done(started)
+        self._step_done(started, out)
         return outputs
 
     def _step_ahead(self, outputs: list[CoreOutput]) -> list[CoreOutput]:
@@ -196,6 +200,8 @@ class LLMEngine:
         self.events.step = self.step_count + 1
         out = self.scheduler.schedule()
         flight = None
+        if out.has_work or before is not None:
+            self.step_costs.step_started(started)
         if out.has_work:
             self.step_count += 1
             self._changes += 1
@@ -213,7 +219,7 @@ class LLMEngine:
             self._apply(out, StepResult(), outputs, advance=True)
         self._inflight = None
         if out.has_work or before is not None:
-            self._step_done(started)
+            self._step_done(started, out)
         else:
             self.step_seconds += time.perf_counter() - started
         return outputs
@@ -230,12 +236,17 @@ class LLMEngine:
         progressed = self.scheduler.apply_tokens(out, result.tokens)
         self.output_processor.add_progress(outputs, progressed, result)
 
-    def _step_done(self, started: float) -> None:
-        """After a step that ran: its time, the reporter's rate, the KV events out."""
+    def _step_done(self, started: float, out: SchedulerOutput) -> None:
+        """After a step that ran: its time (and its shape's, for the step-cost fit), the
+        reporter's rate, the KV events out."""
         self.reporter.record_step(time.time())
         if self._kv_events_out is not None:
             self._kv_events_out.publish()
-        self.step_seconds += time.perf_counter() - started
+        ended = time.perf_counter()
+        self.step_seconds += ended - started
+        self.last_step_shape = StepShape.of(out)
+        self.step_costs.step_ended(self.last_step_shape, started, ended,
+                                   busy=self.has_work_to_run())
 
     def settle(self) -> None:
         """Read back and apply the step in flight (async scheduling), so that what
@@ -493,7 +504,8 @@ class LLMEngine:
         return self.reporter.describe_config()
 
     def metrics(self) -> dict:
-        return self.reporter.metrics(self.step_count, self.step_seconds, self.state)
+        return self.reporter.metrics(self.step_count, self.step_seconds, self.state,
+                                     self.step_costs.fit())
 
     def close(self) -> None:
         """Release what the runner started (a split model's rank processes) and the KV

@@ -11,6 +11,7 @@ from kvops.intake.prompts import inspector
 from kvops.operators import log_rows
 from kvops.routing import tenancy
 from kvops.models import Engine, Job
+from kvops.what_if.what_if import engine_step_cost
 
 ACTIONS_SHOWN = 200
 
@@ -55,7 +56,8 @@ def engine_page(request: HttpRequest, name: str) -> HttpResponse:
             "tenant": tenancy.tenant(request.user), "miss_reasons": FIRST_MISS_REASONS}
     return render(request, "kvops/engine.html",
                   {"engine": engine, "page": page, "operator": request.user.is_staff,
-                   "kv_label": kv_blocks_label(engine.config)})
+                   "kv_label": kv_blocks_label(engine.config),
+                   "step_cost": engine_step_cost(engine)[0]})
 
 
 @login_required

@@ -18,6 +18,7 @@ from engine.kv.tiers.base import TIER_POOLS
 from engine.model.runner import Runner
 from engine.observe.rate_meter import RateMeter
 from engine.observe.snapshot import EVICTION_ORDER_LEN
+from engine.observe.step_cost import StepCostFit
 from engine.sched.scheduler import Scheduler
 
 if TYPE_CHECKING:
@@ -99,8 +100,10 @@ class Reporter:
         return {"num_prompt_tokens": len(token_ids), "block_size": bs, "tiers": levels,
                 "cached_tokens": sum(blocks.values()) * bs}
 
-    def metrics(self, step_count: int, step_seconds: float, state: str) -> dict:
-        """state: the operator's (LLMEngine.state)."""
+    def metrics(self, step_count: int, step_seconds: float, state: str,
+                step_cost: StepCostFit | None = None) -> dict:
+        """state: the operator's (LLMEngine.state); step_cost: the fit of its steps'
+        time to their shapes (engine/observe/step_cost.py), once there are enough."""
         now = time.time()
         kv, sched = self.kv, self.scheduler
         c = sched.counters
@@ -132,6 +135,8 @@ class Reporter:
             "generation_tokens_per_s": self._gen_rate.rate(now, paused),
             "num_steps": step_count,
             "step_seconds": step_seconds,
+            # ms a step costs, by its shape, and how well that fits (None: too few steps)
+            "step_cost": step_cost.as_dict() if step_cost is not None else None,
             "state": state,  # (an operator's pause or drain)
             # Load, for routing: tokens the engine still has to hold or compute.
             "running_tokens": sum(r.num_tokens for r in sched.running),

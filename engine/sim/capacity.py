@@ -9,18 +9,9 @@ from typing import Protocol
 from engine.config import EngineConfig
 from engine.errors import EngineError
 from engine.llm_engine import LLMEngine
+from engine.observe.step_cost import DEFAULT_COST, StepCost, StepShape
 from engine.sampling_params import SamplingParams
 from engine.sim.trace import TraceRequest, prompt_tokens
-
-
-@dataclass(slots=True, frozen=True)
-class StepCost:
-    """Simulated time of one step: fixed overhead plus a cost per batched token."""
-    base_ms: float = 10.0
-    per_token_ms: float = 0.05
-
-    def seconds(self, num_tokens: int) -> float:
-        return (self.base_ms + self.per_token_ms * num_tokens) / 1000.0
 
 
 @dataclass(slots=True)
@@ -71,7 +62,7 @@ class ReplayObserver(Protocol):
 
 
 def replay_paged(trace: list[TraceRequest], config: EngineConfig,
-                 cost: StepCost = StepCost(), name: str = "paged",
+                 cost: StepCost = DEFAULT_COST, name: str = "paged",
                  prompts: list[list[int]] | None = None,
                  observer: ReplayObserver | None = None,
                  pins: list[list[int]] | None = None) -> ReplayResult:
@@ -105,7 +96,7 @@ def replay_paged(trace: list[TraceRequest], config: EngineConfig,
         steps += 1
         batched = engine.scheduler.counters.num_prompt_tokens \
             + engine.scheduler.counters.num_generation_tokens - tokens_before
-        now += cost.seconds(batched)
+        now += cost.seconds(engine.last_step_shape or StepShape(prefill_tokens=batched))
         if observer is not None:
             observer.after_step(engine, now)
         used, allocated = slot_usage(engine)
@@ -154,7 +145,7 @@ def _pin(engine: LLMEngine, pins: list[list[int]]) -> tuple[int, int]:
 
 def replay_contiguous(trace: list[TraceRequest], total_slots: int, max_model_len: int,
                       max_num_seqs: int, max_num_batched_tokens: int,
-                      cost: StepCost = StepCost(), window: int | None = None) -> ReplayResult:
+                      cost: StepCost = DEFAULT_COST, window: int | None = None) -> ReplayResult:
     """Each admitted request reserves max_model_len contiguous slots until it ends, as a
     server without paging must (it cannot know the output length in advance). With a
     sliding window on every layer, a ring buffer of the window's length instead."""
@@ -191,7 +182,7 @@ def replay_contiguous(trace: list[TraceRequest], total_slots: int, max_model_len
             batched += n
         running = [r for r in running if r[1] > 0]
         steps += 1
-        now += cost.seconds(batched)
+        now += cost.seconds(StepShape(prefill_tokens=batched))  # (a token's cost each)
         used_sum += sum(min(r[2], reserve) for r in running)
         alloc_sum += len(running) * reserve
         conc_sum += len(running)

@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engine.sim.capacity import StepCost, replay_paged
+from engine.observe.step_cost import DEFAULT_COST, StepCost
+from engine.sim.capacity import replay_paged
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.request import Request
@@ -116,7 +117,7 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 def replay_stats(trace: list[TraceRequest], config: EngineConfig,
-                 cost: StepCost = StepCost(), prompts: list[list[int]] | None = None,
+                 cost: StepCost = DEFAULT_COST, prompts: list[list[int]] | None = None,
                  on_progress: Callable[[float], None] | None = None,
                  pins: list[list[int]] | None = None) -> dict:
     """Replay the trace (capacity.replay_paged) and describe the run as plain JSON:

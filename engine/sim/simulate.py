@@ -18,8 +18,8 @@ import argparse
 import dataclasses
 import sys
 
-from engine.sim.capacity import (HEADER, StepCost, format_table, replay_contiguous,
-                             replay_paged)
+from engine.observe.step_cost import StepCost
+from engine.sim.capacity import HEADER, format_table, replay_contiguous, replay_paged
 from engine.config import EngineConfig
 from engine.sim.trace import load_trace, synthetic_trace
 

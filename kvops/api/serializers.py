@@ -9,7 +9,7 @@ from django.utils import timezone
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
-from engine.sim.capacity import StepCost
+from engine.observe.step_cost import DEFAULT_COST, StepCost
 from engine.config import EVICTION_POLICIES, KV_CACHE_DTYPES, PREEMPTION_MODES
 from kvops.intake import limits
 from kvops.jobs import job_store
@@ -286,9 +286,11 @@ class WhatIfSerializer(StrictMixin, serializers.Serializer):
                                        max_value=MAX_MINUTES)
     max_jobs = serializers.IntegerField(required=False, default=2000, min_value=1,
                                         max_value=MAX_JOBS)
-    step_base_ms = FiniteFloatField(required=False, default=StepCost().base_ms,
+    # The simulated step cost: left out (or null), the engine's own, fitted to its steps
+    # (its metrics' step_cost); given, a step of this many ms plus this many per token
+    step_base_ms = FiniteFloatField(required=False, allow_null=True, default=None,
                                     min_value=0.1, max_value=10_000)
-    step_token_ms = FiniteFloatField(required=False, default=StepCost().per_token_ms,
+    step_token_ms = FiniteFloatField(required=False, allow_null=True, default=None,
                                      min_value=0.0, max_value=1_000)
     num_gpu_blocks = serializers.IntegerField(required=False, allow_null=True, default=None,
                                               min_value=1, max_value=MAX_POOL_TOKENS)
@@ -328,8 +330,14 @@ class WhatIfSerializer(StrictMixin, serializers.Serializer):
         """The settings the operator changed."""
         return {k: v for k, v in self.validated_data.items() if k in SETTINGS and v is not None}
 
-    def step_cost(self) -> StepCost:
-        return StepCost(self.validated_data["step_base_ms"], self.validated_data["step_token_ms"])
+    def step_cost(self) -> StepCost | None:
+        """The operator's step cost, or None for the engine's (either number left out
+        keeps the default's for it)."""
+        base, token = self.validated_data["step_base_ms"], self.validated_data["step_token_ms"]
+        if base is None and token is None:
+            return None
+        return StepCost(DEFAULT_COST.base_ms if base is None else base,
+                        DEFAULT_COST.per_token_ms if token is None else token)
 
 
 class WhatIfRunSerializer(serializers.ModelSerializer):

@@ -21,7 +21,7 @@ from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from engine.sim.capacity import StepCost
+from engine.observe.step_cost import DEFAULT_COST, StepCost
 from engine.config import ConfigError, EngineConfig
 from engine.errors import EngineError
 from engine.sim.replay_stats import replay_stats
@@ -185,9 +185,20 @@ def check_fits(config: EngineConfig, lengths: list[tuple[int, int]], which: str)
 
 
 # --- starting a run ------------------------------------------------------------------
+def engine_step_cost(engine: Engine) -> tuple[StepCost, str]:
+    """The step cost a replay of this engine uses unless told another: the fit of its
+    own steps (engine/observe/step_cost.py, in its metrics), or the default before it
+    has one; and which it is ("engine" or "default")."""
+    fitted = (engine.metrics or {}).get("step_cost")
+    if fitted:
+        return StepCost.from_dict(fitted), "engine"
+    return DEFAULT_COST, "default"
+
+
 def start(user, engine: Engine, minutes: int, max_jobs: int, changes: dict,
-          step_cost: StepCost, idempotency_key: str = "") -> WhatIfRun:
+          step_cost: StepCost | None, idempotency_key: str = "") -> WhatIfRun:
     """Check the request, store the run and its audit row, and queue the task.
+    step_cost: None for the engine's (engine_step_cost).
     Refused (the request cannot run), Busy, Unavailable. With an idempotency key (kept
     on the audit row), a retry of the same request gets the first call's run, marked
     `replayed`, and nothing is queued twice; KeyReused if the key belongs to another
@@ -201,8 +212,10 @@ def start(user, engine: Engine, minutes: int, max_jobs: int, changes: dict,
                       f"minutes: there is nothing to replay; choose more minutes")
     check_fits(base, lengths, "engine's")
     check_fits(alternative, lengths, "alternative")
+    # (the operator's step cost as asked, None: the engine's, resolved below; a retry
+    # under the same key is the same request even if the engine's fit moved since)
     params = {"minutes": minutes, "max_jobs": max_jobs, "alternative": changes,
-              "step_base_ms": step_cost.base_ms, "step_token_ms": step_cost.per_token_ms}
+              "step_cost": step_cost.as_dict() if step_cost is not None else None}
     if idempotency_key:
         prior = _earlier_call(user, engine, params, idempotency_key)
         if prior is not None:
@@ -213,7 +226,10 @@ def start(user, engine: Engine, minutes: int, max_jobs: int, changes: dict,
             if busy >= MAX_UNFINISHED:
                 raise Busy(f"{busy} what-if runs of engine {engine.name} are queued or "
                            f"running; wait for one to end")
-            run = WhatIfRun.objects.create(engine=engine.name, user=user, params=params)
+            cost, source = (step_cost, "operator") if step_cost is not None \
+                else engine_step_cost(engine)
+            run = WhatIfRun.objects.create(engine=engine.name, user=user, params={
+                **params, "step_cost": cost.as_dict(), "step_cost_source": source})
             # stored now (its idempotency key taken), sealed once its answer is known
             audit = OperatorAction.objects.create(
                 user=user, engine=engine.name, action="what-if", target=str(run.pk),
@@ -293,7 +309,7 @@ def run(run_id: int) -> str:
         changes = params.get("alternative") or {}
         alternative = alternative_config(base, changes, engine.config or {})
         trace = build_trace(engine, params["minutes"], params["max_jobs"], until=row.created_at)
-        cost = StepCost(params["step_base_ms"], params["step_token_ms"])
+        cost = StepCost.from_dict(params["step_cost"])
         results = []
         block_bytes = int((engine.config or {}).get("kv_bytes_per_block") or 0)
         kv = kv_dtypes(engine.config or {}, changes.get("kv_cache_dtype"))
@@ -319,7 +335,9 @@ def run(run_id: int) -> str:
         return "failed"
     WhatIfRun.objects.filter(pk=run_id).update(
         status=WhatIfRun.Status.FINISHED, finished_at=timezone.now(), progress=1.0,
-        trace=trace.summary, baseline=results[0], alternative=results[1])
+        trace={**trace.summary, "step_cost": {**params["step_cost"],
+                                              "source": params.get("step_cost_source")}},
+        baseline=results[0], alternative=results[1])
     return "finished"
 
 

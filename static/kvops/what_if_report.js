@@ -123,8 +123,23 @@ export function traceSummary(trace) {
     `${trace.prefix_groups} prefix group${trace.prefix_groups === 1 ? "" : "s"} (from the prompts' ${trace.prefixes_from})`,
   ];
   if (trace.still_running) parts.push(`${trace.still_running} still running (their output so far)`);
+  const cost = trace.step_cost;
+  if (cost) parts.push(stepCostText(cost));
   const rec = trace.recorded || {};
   parts.push(`recorded on the engine: prefix hit rate ${percent(rec.prefix_hit_rate)}, `
              + `${rec.preemptions ?? "–"} preemptions`);
   return parts.join(" · ");
+}
+
+// The step cost a replay used, and where it came from: the engine's fit to its own
+// steps, the operator's numbers, or the default (an engine with too few steps to fit).
+export function stepCostText(cost) {
+  const ms = (v) => Number(v).toPrecision(3).replace(/\.?0+$/, "");
+  const terms = [`${ms(cost.step_base_ms)} ms`, `${ms(cost.step_token_ms)} ms a prompt token`];
+  if (cost.step_decode_seq_ms != null) terms.push(`${ms(cost.step_decode_seq_ms)} ms a decode sequence`);
+  if (cost.step_context_token_ms) terms.push(`${ms(cost.step_context_token_ms)} ms a context token`);
+  if (cost.step_block_ms) terms.push(`${ms(cost.step_block_ms)} ms a block moved`);
+  const from = { engine: "fitted to the engine's steps", operator: "as asked",
+                 default: "the default: the engine had too few steps to fit" }[cost.source] || "";
+  return `a step: ${terms.join(" + ")}${from ? ` (${from})` : ""}`;
 }

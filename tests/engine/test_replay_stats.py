@@ -3,7 +3,8 @@ unchanged, a queue wait for every request, occupancy over time, and replays give
 prompts (capacity.replay_paged(prompts=...))."""
 import random
 
-from engine.sim.capacity import StepCost, replay_paged
+from engine.observe.step_cost import StepCost
+from engine.sim.capacity import replay_paged
 from engine.config import EngineConfig
 from engine.sim.replay_stats import ReplayRecorder, percentile, replay_stats
 from engine.sim.trace import TraceRequest, synthetic_trace

@@ -9,7 +9,8 @@ import pytest
 from django.contrib.auth.models import User
 from django.utils import timezone
 
-from engine.sim.capacity import StepCost, replay_paged
+from engine.observe.step_cost import StepCost
+from engine.sim.capacity import replay_paged
 from engine.kv.tiers.disk_seal import file_bytes
 from kvops import tasks
 from kvops.what_if import what_if
@@ -243,3 +244,33 @@ def test_the_engines_pins_are_pinned_before_the_replay_within_the_pin_budget(bus
     assert run.alternative["pinned_blocks"] == 0 and run.alternative["pins_refused"] == 1
     # the pins' own prefill is not the trace's
     assert run.baseline["requests"] == run.alternative["requests"] == 40
+
+
+def test_a_run_without_a_step_cost_uses_the_engines_fit(busy_engine):
+    """The step cost left out: the one the engine fitted to its own steps (its metrics'
+    step_cost), which the replay then uses as it would an operator's; before the engine
+    has a fit, the default, said so. A retry under the same key is the same request
+    even if the fit moved since."""
+    operator, engine = busy_engine
+    fitted = StepCost(4.0, 0.3, decode_seq_ms=0.5, context_token_ms=0.001)
+    run = what_if.start(operator, engine, 10, 100, {}, None, idempotency_key="k1")
+    assert run.params["step_cost_source"] == "default"
+    assert StepCost.from_dict(run.params["step_cost"]) == StepCost()
+    engine.metrics = {"step_cost": {**fitted.as_dict(), "rms_ms": 0.5, "mean_ms": 9.0,
+                                    "steps": 400}}
+    engine.save(update_fields=["metrics"])
+    again = what_if.start(operator, engine, 10, 100, {}, None, idempotency_key="k1")
+    assert again.pk == run.pk and again.replayed
+    run = what_if.start(operator, engine, 10, 100, {}, None)
+    assert run.params["step_cost_source"] == "engine"
+    assert StepCost.from_dict(run.params["step_cost"]) == fitted
+    assert tasks.what_if.apply(args=[run.pk]).get() == "finished"
+    run.refresh_from_db()
+    assert run.trace["step_cost"]["source"] == "engine"
+    trace = build_trace(engine, 10, 100, until=run.created_at)
+    direct = replay_paged(trace.requests, what_if.baseline_config(engine.config), fitted,
+                          prompts=trace.prompts)
+    assert (run.baseline["steps"], run.baseline["sim_seconds"]) == \
+        (direct.steps, direct.sim_seconds)
+    mine = what_if.start(operator, engine, 10, 100, {}, StepCost(2.0, 0.01))
+    assert mine.params["step_cost_source"] == "operator"
