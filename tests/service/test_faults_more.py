@@ -164,3 +164,55 @@ def test_a_full_disk_stops_the_tier_storing_says_so_and_serving_goes_on(disk_sta
     assert metrics(s, "full")["disk_cache_write_error"] is None
     assert "disk tier: writing blocks again" in s.log("engine-full")
     assert_no_leak(s, "full", "fresh")
+
+
+# --- the ops worker -------------------------------------------------------------------
+def test_the_ops_worker_killed_mid_what_if_fails_the_run_and_a_new_one_finishes(tmp_path):
+    """SIGKILL the ops worker while it replays (held mid-replay: tests/support/faults):
+    the run's beat stops, and it reads as failed with the reason within
+    KVOPS_ENGINE_DEAD_AFTER_S, not 'running' until the time limit; a run started once
+    an ops worker runs again finishes. (Fails with the rule of the time limit alone: the
+    run stays running for its 12 minutes.)"""
+    s = Stack(tmp_path, env={"KVOPS_ENGINE_DEAD_AFTER_S": "3"}, faults=True)
+    try:
+        s.start_web()
+        s.start_engine("wi", **SIM)
+        texts(run(s, "wi", [prompt(300 + i) for i in range(6)]))
+        (tmp_path / "stall-what-if").touch()
+        s.start_ops_worker(KVOPS_TEST_STALL_WHAT_IF="1")
+        r = s.api("POST", "/api/engines/wi/what-if/", json={"minutes": 10,
+                                                             "num_gpu_blocks": 32})
+        assert r.status_code == 202, r.text
+        lost = r.json()["id"]
+        s.wait(lambda: (tmp_path / "what-if-replaying").exists() and s.api(
+            "GET", f"/api/engines/wi/what-if/{lost}/").json()["status"] == "running",
+            "the replay under way", 60)
+        s.kill("ops", signal.SIGKILL)
+        failed = {}
+
+        def ended() -> bool:
+            failed.update(s.api("GET", f"/api/engines/wi/what-if/{lost}/").json())
+            return failed["status"] != "running"
+
+        s.wait(ended, f"what-if run {lost} to end", 30)
+        assert failed["status"] == "failed" and "ops worker stopped" in failed["error"], failed
+        listed = {r["id"]: r for r in s.api("GET", "/api/engines/wi/what-if/").json()}
+        assert listed[lost]["status"] == "failed"
+
+        (tmp_path / "stall-what-if").unlink()
+        s.start_ops_worker()
+        r = s.api("POST", "/api/engines/wi/what-if/", json={"minutes": 10,
+                                                             "num_gpu_blocks": 32})
+        assert r.status_code == 202, r.text
+        again = {}
+
+        def done() -> bool:
+            again.update(s.api("GET", f"/api/engines/wi/what-if/{r.json()['id']}/").json())
+            return again["status"] in ("finished", "failed")
+
+        s.wait(done, "the new what-if run", 120)
+        assert again["status"] == "finished", again["error"]
+        assert again["trace"]["jobs"] == 6
+        assert_no_leak(s, "wi")
+    finally:
+        s.stop()
