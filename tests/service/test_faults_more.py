@@ -8,7 +8,11 @@ tests/support/faults (a stack started with faults=True)."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import signal
+import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -216,3 +220,147 @@ def test_the_ops_worker_killed_mid_what_if_fails_the_run_and_a_new_one_finishes(
         assert_no_leak(s, "wi")
     finally:
         s.stop()
+
+
+# --- the web process ------------------------------------------------------------------
+def test_the_web_killed_with_streams_open_ends_them_at_once_and_their_jobs_end(tmp_path):
+    """SIGKILL the web process while four /v1 streams are open: each client sees its
+    connection closed (an error, not its 60 s read timeout), the jobs, which nobody is
+    left to cancel, run to their end on the engine, and a web server started again
+    serves them and new calls. (Fails if a stream hangs until the client's timeout, or
+    a job is left running.)"""
+    s = Stack(tmp_path)
+    try:
+        s.start_web()
+        s.start_engine("web", **dict(SIM, simulate_step_ms=20, num_gpu_blocks=64))
+        ended: dict[int, BaseException | None] = {}
+        job_ids: dict[int, int] = {}
+        started = threading.Barrier(5)
+
+        def client(k: int) -> None:
+            try:
+                with requests.post(f"{s.url}/v1/completions", stream=True, timeout=(5, 60),
+                                   headers={"Authorization": f"Bearer {s.tokens['alice']}"},
+                                   json={"model": "simulated-v1", "prompt": prompt(400 + k),
+                                         "max_tokens": 300, "stream": True}) as r:
+                    for line in r.iter_lines():
+                        if line.startswith(b"data: {") and k not in job_ids:
+                            job_ids[k] = int(json.loads(line[6:])["id"].split("-")[1])
+                            started.wait()
+                ended[k] = None  # (ended cleanly: not expected)
+            except BaseException as e:  # noqa: BLE001  (what the client saw)
+                ended[k] = e
+
+        clients = [threading.Thread(target=client, args=(k,), daemon=True) for k in range(4)]
+        for t in clients:
+            t.start()
+        started.wait(timeout=60)  # every stream has its first chunk
+        s.kill("web", signal.SIGKILL)
+        for t in clients:
+            t.join(timeout=30)  # (half the clients' read timeout)
+        assert not any(t.is_alive() for t in clients), "a stream hung after the kill"
+        assert all(isinstance(e, requests.exceptions.ConnectionError) or
+                   isinstance(e, requests.exceptions.ChunkedEncodingError)
+                   for e in ended.values()), ended
+        assert not any(isinstance(e, requests.exceptions.Timeout) for e in ended.values())
+
+        s.restart_web()
+        jobs = [s.wait_job(job_ids[k], timeout_s=60, user="alice") for k in range(4)]
+        assert all(j["status"] in ("finished", "cancelled") for j in jobs), jobs
+        assert all(j["status"] != "finished" or j["num_output_tokens"] == 300 for j in jobs)
+        assert texts(run(s, "web", [prompt(450)]))  # the new web server serves
+        assert_no_leak(s, "web")
+    finally:
+        s.stop()
+
+
+# --- PostgreSQL, and Redis with it ----------------------------------------------------
+@pytest.fixture()
+def pg_stack(tmp_path):
+    """A stack on a private PostgreSQL cluster (tests/session_postgres.start_private:
+    its own, so that it can be stopped and started again on its port) and a private
+    Redis, one engine."""
+    from tests.session_postgres import create_database, start_private, stop_private
+    from tests.session_redis import free_port, start_redis
+
+    pg_dir = tempfile.mkdtemp(prefix="kvops-pg-")  # (as root, PostgreSQL runs as postgres,
+    # who cannot reach into pytest's folders)
+    server, pg = start_private(pg_dir)
+    redis_port = free_port()
+    redis_proc = start_redis(redis_port, str(tmp_path))
+    s = Stack(tmp_path, env={"DATABASE_URL": create_database(server, "kvops_faults"),
+                             "REDIS_URL": f"redis://127.0.0.1:{redis_port}/0"})
+    s.pg_dir, s.pg, s.pg_port = pg_dir, pg, int(server.rsplit(":", 1)[1].split("/")[0])
+    s.redis_port, s.redis_proc = redis_port, redis_proc
+    try:
+        s.start_web()
+        s.start_engine("pg", **dict(SIM, simulate_step_ms=20, num_gpu_blocks=128,
+                                    max_num_seqs=8))
+        yield s
+    finally:
+        s.stop()
+        s.redis_proc.kill()
+        stop_private(pg_dir, s.pg)
+        shutil.rmtree(pg_dir, ignore_errors=True)
+
+
+def submit(stack: Stack, prompts: list[str], max_tokens: int) -> list[int]:
+    ids = []
+    for text in prompts:
+        r = stack.api("POST", "/api/jobs/", json={"prompt": text, "max_tokens": max_tokens})
+        assert r.status_code == 201, r.text
+        ids.append(r.json()["id"])
+    return ids
+
+
+def test_postgres_restarted_under_running_jobs_loses_nothing_and_writes_nothing_twice(
+        pg_stack):
+    """A fast shutdown of PostgreSQL (every session ended) and a start on the same data
+    and port while eight jobs run: each finishes once, with all its tokens and the text
+    a rerun gives, on its first attempt (the writes retry on a fresh connection:
+    kvops/jobs/reconnect.py). (Fails if a job's progress or end is written twice or
+    lost: its text then differs from the rerun's, or it never ends.)"""
+    from tests.session_postgres import start_private, stop_private
+
+    s = pg_stack
+    prompts = [prompt(500 + i) for i in range(8)]
+    ids = submit(s, prompts, max_tokens=150)  # ~3 s each at 20 ms a step
+    s.wait(lambda: all(s.api("GET", f"/api/jobs/{i}/").json()["num_output_tokens"] > 0
+                       for i in ids), "every job producing", 60)
+    stop_private(s.pg_dir, s.pg)
+    _, s.pg = start_private(s.pg_dir, port=s.pg_port)
+    jobs = [s.wait_job(i, timeout_s=90) for i in ids]
+    assert [(j["status"], j["num_output_tokens"], j["attempts"]) for j in jobs] == \
+        [("finished", 150, 1)] * len(ids), [(j["id"], j["status"], j["error"]) for j in jobs]
+    rerun = [s.wait_job(i, timeout_s=90) for i in submit(s, prompts, max_tokens=150)]
+    assert texts(jobs) == texts(rerun)
+    assert_no_leak(s, "pg")
+
+
+def test_redis_and_postgres_away_together_every_accepted_job_ends(pg_stack):
+    """Redis killed and PostgreSQL stopped under eight running jobs, both away for 10 s
+    (shorter than the 30 s the code is meant to ride out, to keep the test short; the
+    same paths run either way), then started again (Redis empty, as a private one
+    comes back): every job accepted before ends, finished with all its tokens or failed
+    with a reason, none stays queued or running, and new jobs run. (Fails if a job is
+    left running or queued: the wait for its end times out.)"""
+    from tests.session_postgres import start_private, stop_private
+    from tests.session_redis import start_redis
+
+    s = pg_stack
+    ids = submit(s, [prompt(600 + i) for i in range(8)], max_tokens=150)
+    s.wait(lambda: all(s.api("GET", f"/api/jobs/{i}/").json()["status"] == "running"
+                       for i in ids), "every job running", 60)
+    s.redis_proc.kill()
+    s.redis_proc.wait()
+    stop_private(s.pg_dir, s.pg)
+    time.sleep(10)  # the outage itself: both stay away this long
+    _, s.pg = start_private(s.pg_dir, port=s.pg_port)
+    s.redis_proc = start_redis(s.redis_port, str(s.workdir))
+    jobs = [s.wait_job(i, timeout_s=120) for i in ids]
+    for j in jobs:
+        assert j["status"] in ("finished", "failed"), j
+        assert j["status"] == "failed" and j["error"] or j["num_output_tokens"] == 150, j
+    (later,) = submit(s, [prompt(650)], max_tokens=5)
+    assert s.wait_job(later, timeout_s=60)["status"] == "finished"
+    assert_no_leak(s, "pg")

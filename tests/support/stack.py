@@ -93,6 +93,10 @@ class Stack:
                     "User.objects.create_user('alice', password='alice-pass-123')")
         for user in ("admin", "alice"):
             self.tokens[user] = self.manage("drf_create_token", user).split()[2]
+        self.restart_web()
+
+    def restart_web(self) -> None:
+        """The web server (again, after a kill: on its port, the database as it is)."""
         self._spawn("web", web_server_argv("127.0.0.1", self.port))
         self.wait(lambda: requests.get(f"{self.url}/healthz", timeout=2).status_code == 200,
                   "web server", 30)
