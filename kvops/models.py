@@ -188,6 +188,9 @@ class WhatIfRun(models.Model):
     params = StoredJSONField(default=dict, help_text="minutes, max_jobs, step cost and the "
                                                       "alternative's settings, as asked")
     progress = models.FloatField(default=0.0, help_text="0-1, both replays together")
+    # written every KVOPS_HEARTBEAT_S by the ops worker while it runs the replay: a run
+    # whose beat stopped lost its worker (what_if.settle)
+    beat_at = models.DateTimeField(null=True, blank=True)
     error = StoredTextField(blank=True)
     trace = StoredJSONField(default=dict, blank=True, help_text="what was replayed")
     baseline = StoredJSONField(default=dict, blank=True,

@@ -13,7 +13,7 @@ STACK_FIXTURES = {"stack", "fuzz_stack", "tiny_stack", "default_stack", "hermes_
                   "process_stack", "capped", "two_engines", "gpu_paced", "login"}
 STACK_MODULES = {"test_faults", "test_load", "test_make_run", "test_bench_serve",
                  "test_redis_restart", "test_browser", "test_what_if_browser",
-                 "test_two_stacks", "test_soak"}
+                 "test_two_stacks", "test_soak", "test_faults_more"}
 
 
 # Run a second time on PostgreSQL (`make test`: KVOPS_TEST_DATABASE=postgres pytest -m

@@ -70,21 +70,22 @@ def _binary(name: str) -> str:
     return found
 
 
-def start_private(workdir: str) -> tuple[str, subprocess.Popen]:
+def start_private(workdir: str, port: int | None = None) -> tuple[str, subprocess.Popen]:
     """A throwaway PostgreSQL cluster under workdir, on a free port of 127.0.0.1 (trust
-    auth, no fsync). PostgreSQL refuses to run as root: as root it runs as `postgres`."""
+    auth, no fsync). PostgreSQL refuses to run as root: as root it runs as `postgres`.
+    With the port of a cluster stopped there (stop_private), that cluster starts again."""
     from tests.session_redis import free_port
-    data, port = os.path.join(workdir, "pgdata"), free_port()
-    as_user: list[str] = []
-    if os.geteuid() == 0:
-        user = pwd.getpwnam("postgres")
-        os.makedirs(data, exist_ok=True)
-        for path in (workdir, data):
-            os.chown(path, user.pw_uid, user.pw_gid)
-        as_user = ["runuser", "-u", "postgres", "--"]
-    subprocess.run([*as_user, _binary("initdb"), "-D", data, "-U", "postgres",
-                    "--auth=trust", "--no-sync", "-E", "UTF8"],
-                   check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    data, port = os.path.join(workdir, "pgdata"), port or free_port()
+    as_user = _as_postgres()
+    if not os.path.exists(os.path.join(data, "PG_VERSION")):
+        if as_user:
+            user = pwd.getpwnam("postgres")
+            os.makedirs(data, exist_ok=True)
+            for path in (workdir, data):
+                os.chown(path, user.pw_uid, user.pw_gid)
+        subprocess.run([*as_user, _binary("initdb"), "-D", data, "-U", "postgres",
+                        "--auth=trust", "--no-sync", "-E", "UTF8"],
+                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     proc = subprocess.Popen(
         [*as_user, _binary("postgres"), "-D", data, "-p", str(port), "-k", workdir,
          "-c", "listen_addresses=127.0.0.1", "-c", "fsync=off",
@@ -94,6 +95,20 @@ def start_private(workdir: str) -> tuple[str, subprocess.Popen]:
     url = f"postgres://postgres@127.0.0.1:{port}/postgres"
     wait_until(lambda: answers(url), f"a private PostgreSQL on port {port}", 60, poll_s=0.2)
     return url, proc
+
+
+def stop_private(workdir: str, proc: subprocess.Popen) -> None:
+    """Stop a cluster start_private started (a fast shutdown: its sessions are ended)."""
+    if proc.poll() is not None:
+        return
+    subprocess.run([*_as_postgres(), _binary("pg_ctl"), "-D", os.path.join(workdir, "pgdata"),
+                    "stop", "-m", "fast", "-w"],
+                   check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc.wait(30)
+
+
+def _as_postgres() -> list[str]:
+    return ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
 
 
 def server_url() -> str:

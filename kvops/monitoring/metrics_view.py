@@ -44,6 +44,9 @@ ENGINE_METRICS = [
      "Disk tier blocks that failed their checks: not opened by the disk key (altered, "
      "forged, another model's) or not a regular file (misses, deleted).",
      "counter"),
+    ("kvops:disk_cache_write_failures", "disk_cache_write_failures",
+     "Disk tier blocks whose write failed (a full disk, an I/O error): not kept.",
+     "counter"),
     ("kvops:num_swaps_out", "num_swaps_out", "Requests swapped out to CPU memory.", "counter"),
     ("kvops:num_swaps_in", "num_swaps_in", "Requests swapped back in.", "counter"),
     ("kvops:engine_steps", "num_steps", "Engine steps run.", "counter"),

@@ -10,15 +10,18 @@ between them comes from the configuration alone.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import tempfile
+import threading
 import time
 from datetime import timedelta
 
 from celery.exceptions import SoftTimeLimitExceeded
 from django.conf import settings
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, connection, transaction
+from django.db.models import Q
 from django.utils import timezone
 
 from engine.observe.step_cost import DEFAULT_COST, StepCost
@@ -275,7 +278,15 @@ def _unfinished(engine_name: str):
     # Runs older than twice the time limit are not counted: their worker died with them.
     recent = timezone.now() - timedelta(seconds=2 * settings.KVOPS_WHAT_IF_TIME_LIMIT_S)
     return WhatIfRun.objects.filter(engine=engine_name, created_at__gt=recent, status__in=(
-        WhatIfRun.Status.QUEUED, WhatIfRun.Status.RUNNING))
+        WhatIfRun.Status.QUEUED, WhatIfRun.Status.RUNNING)).exclude(_lost())
+
+
+def _lost() -> Q:
+    """Running runs whose ops worker gave no sign of life (the beat) for
+    KVOPS_ENGINE_DEAD_AFTER_S: it was killed, or its machine went away."""
+    cutoff = timezone.now() - timedelta(seconds=settings.KVOPS_ENGINE_DEAD_AFTER_S)
+    return Q(status=WhatIfRun.Status.RUNNING) & (
+        Q(beat_at__lt=cutoff) | Q(beat_at__isnull=True, started_at__lt=cutoff))
 
 
 def _prune(engine_name: str) -> None:
@@ -285,10 +296,17 @@ def _prune(engine_name: str) -> None:
 
 
 def settle(run: WhatIfRun) -> WhatIfRun:
-    """A run still marked running long past the time limit lost its worker: say so."""
+    """A run still marked running whose ops worker stopped beating, or long past the
+    time limit, lost its worker: say so."""
+    if run.status != WhatIfRun.Status.RUNNING:
+        return run
     limit = timedelta(seconds=settings.KVOPS_WHAT_IF_TIME_LIMIT_S + 120)
-    if run.status == WhatIfRun.Status.RUNNING and run.started_at \
-            and timezone.now() - run.started_at > limit:
+    if WhatIfRun.objects.filter(_lost(), pk=run.pk).exists():
+        _fail(run.pk, f"the ops worker stopped while running it (no sign of it for "
+                      f"{settings.KVOPS_ENGINE_DEAD_AFTER_S:g} s): start the run again, once "
+                      f"an ops worker runs (manage.py ops_worker)")
+        run.refresh_from_db()
+    elif run.started_at and timezone.now() - run.started_at > limit:
         _fail(run.pk, "the ops worker stopped while running it; start it again")
         run.refresh_from_db()
     return run
@@ -302,6 +320,12 @@ def run(run_id: int) -> str:
     if not claimed:  # deleted, or a second delivery of a run that already ran
         return "skipped"
     row = WhatIfRun.objects.get(pk=run_id)
+    with _beating(run_id):
+        return _run(row)
+
+
+def _run(row: WhatIfRun) -> str:
+    run_id = row.pk
     try:
         engine = Engine.objects.get(name=row.engine)
         params = row.params
@@ -339,6 +363,34 @@ def run(run_id: int) -> str:
                                               "source": params.get("step_cost_source")}},
         baseline=results[0], alternative=results[1])
     return "finished"
+
+
+@contextlib.contextmanager
+def _beating(run_id: int):
+    """While the body runs, a thread writes the run's beat every KVOPS_HEARTBEAT_S (a
+    replay writes its progress only now and then): a run whose beat stops lost its
+    worker (settle)."""
+    done = threading.Event()
+
+    def beat() -> None:
+        try:
+            while True:
+                WhatIfRun.objects.filter(pk=run_id, status=WhatIfRun.Status.RUNNING) \
+                    .update(beat_at=timezone.now())
+                if done.wait(settings.KVOPS_HEARTBEAT_S):
+                    return
+        except Exception:  # noqa: BLE001  (the database away: the run goes on unbeaten)
+            log.exception("what-if run %s: its beat stopped", run_id)
+        finally:
+            connection.close()  # (this thread's own)
+
+    thread = threading.Thread(target=beat, name=f"what-if-beat-{run_id}", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 def _progress_writer(run_id: int, replay: int):

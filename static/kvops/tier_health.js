@@ -53,7 +53,7 @@ function lastWindow(samples, windowS) {
 }
 
 // The warnings for `samples` ({ts: Unix seconds, ...metrics}, oldest first), each
-// {tier: "cpu" | "disk", kind: "never-served" | "checksum", text}.
+// {tier: "cpu" | "disk", kind: "never-served" | "checksum" | "write-failed", text}.
 export function tierWarnings(samples, { windowS = WINDOW_S, minSpanS = MIN_SPAN_S } = {}) {
   const warnings = [];
   for (const t of TIERS) {
@@ -71,6 +71,14 @@ export function tierWarnings(samples, { windowS = WINDOW_S, minSpanS = MIN_SPAN_
     const blocks = failures === 1 ? "1 block failed its checksum" : `${num(failures)} blocks failed their checksum`;
     warnings.push({ tier: "disk", kind: "checksum",
                     text: `disk tier: ${blocks} (misses, deleted): the disk or its files may be going bad` });
+  }
+  // writes failing now (a full disk): the newest sample's error, gone once one succeeds
+  const writeError = samples.length ? samples[samples.length - 1].disk_cache_write_error : null;
+  if (writeError) {
+    warnings.push({ tier: "disk", kind: "write-failed",
+                    text: `disk tier: its writes fail (${writeError}): it stores no new blocks and serves those `
+                      + "it holds, and the engine serves on; free space under its folder or lower "
+                      + "KVOPS_ENGINE_DISK_CACHE_BYTES" });
   }
   return warnings;
 }

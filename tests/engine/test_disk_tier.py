@@ -104,6 +104,41 @@ def test_a_write_cut_short_leaves_no_block(store, tmp_path):
     assert oct(os.stat(again.root).st_mode & 0o777) == "0o700"
 
 
+def test_a_full_disk_stops_the_writes_says_so_once_and_they_resume(store, monkeypatch,
+                                                                    caplog):
+    """Writes failing with ENOSPC (a full disk): the blocks are not kept, counted, and
+    the tier says so once with what to do (write_error, while it lasts); what it holds
+    still serves, and writing goes on once there is room. (Fails if a failed write is
+    counted as stored, stays queued, or is logged per block.)"""
+    import errno
+    from engine.kv.tiers import disk
+
+    s = store()
+    s.put(h(1), payload(1))
+    s.flush()
+    real = disk.write_new
+
+    def no_space(folder, name, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(disk, "write_new", no_space)
+    caplog.set_level("WARNING", logger="engine.kv.tiers.disk")
+    for i in range(2, 6):
+        assert s.put(h(i), payload(i))
+    s.flush()
+    assert s.stats.write_failures == 4 and s.stats.stored_blocks == 1
+    assert s.write_error == os.strerror(errno.ENOSPC)
+    assert [s.contains(h(i)) for i in range(1, 6)] == [True] + [False] * 4
+    assert s.get(h(1)) == payload(1)  # what it holds still serves
+    said = [r.getMessage() for r in caplog.records if "cannot write" in r.getMessage()]
+    assert len(said) == 1 and "KVOPS_ENGINE_DISK_CACHE_BYTES" in said[0], said
+    monkeypatch.setattr(disk, "write_new", real)  # room again
+    assert s.put(h(2), payload(2))
+    s.flush()
+    assert s.write_error is None and s.contains(h(2)) and s.stats.stored_blocks == 2
+    assert any("writing blocks again" in r.getMessage() for r in caplog.records)
+
+
 # --- the disk tier in an engine (the simulated model: tokens depend on every K/V slot
 # read, so a block read back wrong changes the output) ---------------------------------
 

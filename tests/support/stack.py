@@ -60,9 +60,10 @@ class Stack:
             self.database = f"kvops_stack_{os.getpid()}_{next(_stack_count)}"
             self.env["DATABASE_URL"] = create_database(self._postgres_server(), self.database)
         self.env.update(env or {})
-        if faults:
+        if faults:  # (this checkout first: the hooks import engine before sys.path[0] is
+            # set, and an installed kvops may be another checkout's)
             self.env["PYTHONPATH"] = os.pathsep.join(
-                [str(FAULTS), *filter(None, [self.env.get("PYTHONPATH")])])
+                [str(FAULTS), str(REPO), *filter(None, [self.env.get("PYTHONPATH")])])
             self.env["KVOPS_TEST_FAULT_DIR"] = str(workdir)
         if "REDIS_URL" not in (env or {}):
             self.env["REDIS_URL"] = _own_database(os.environ.get("REDIS_URL",
@@ -92,6 +93,10 @@ class Stack:
                     "User.objects.create_user('alice', password='alice-pass-123')")
         for user in ("admin", "alice"):
             self.tokens[user] = self.manage("drf_create_token", user).split()[2]
+        self.restart_web()
+
+    def restart_web(self) -> None:
+        """The web server (again, after a kill: on its port, the database as it is)."""
         self._spawn("web", web_server_argv("127.0.0.1", self.port))
         self.wait(lambda: requests.get(f"{self.url}/healthz", timeout=2).status_code == 200,
                   "web server", 30)
@@ -102,9 +107,17 @@ class Stack:
         if config.get("simulate"):
             config.setdefault("simulate_tokenizer", "bytes")
         env = {f"KVOPS_ENGINE_{k.upper()}": str(v) for k, v in config.items()}
+        before = self._engine_row(name).get("started_at") if self.tokens else None
         self._spawn(f"engine-{name}", [sys.executable, "manage.py", "engine_worker", "--name",
                                        name, "--threads", str(threads)], env)
-        self.wait(lambda: self.engine_alive(name), f"engine {name}", 120)
+        # (started again: the row the killed worker left looks alive for a while)
+        self.wait(lambda: self.engine_alive(name) and
+                  self._engine_row(name).get("started_at") != before, f"engine {name}", 120)
+
+    def _engine_row(self, name: str) -> dict:
+        r = requests.get(f"{self.url}/api/engines/", timeout=5,
+                         headers={"Authorization": f"Token {self.tokens['admin']}"})
+        return next((e for e in r.json() if e["name"] == name), {})
 
     def arm_fault(self, engine: str) -> None:
         """The engine's next simulated step raises (a stack started with faults=True)."""

@@ -82,6 +82,9 @@ class DiskStats:
     not_admitted: int = 0  # evicted blocks not written: asked for by one prompt (min_hits)
     dropped: int = 0  # evicted blocks not written: PENDING_MAX_BYTES were waiting already
     evicted_blocks: int = 0  # files deleted for room (LRU)
+    # blocks whose write failed (a full disk, an I/O error): not kept; the files written
+    # before stay and serve
+    write_failures: int = 0
     read_ahead_blocks: int = 0  # of the blocks read back, those read ahead of their need
 
 
@@ -118,6 +121,8 @@ class DiskStore:
         self._ready: collections.OrderedDict[BlockHash, bytes] = collections.OrderedDict()
         self._ready_bytes = 0  # under _lock
         self._reads: queue.Queue = queue.Queue()
+        # the last write's error while writes fail (None once one succeeds); the writer's
+        self.write_error: str | None = None
         self._scan()
         self._writer = threading.Thread(target=self._write_loop, name="kvops-disk-tier",
                                         daemon=True)
@@ -348,15 +353,40 @@ class DiskStore:
                     _delete_folder(item)
                 else:
                     self._write(*item)
-            except Exception:  # noqa: BLE001  (a full disk: that block is not kept)
+                    self._wrote()
+            except OSError as e:  # (a full disk, an I/O error: that block is not kept)
+                self._write_failed(item, e)
+            except Exception:  # noqa: BLE001  (the writer must go on)
                 log.exception("disk tier: a write failed")
-                if not isinstance(item, Path):
-                    with self._lock:
-                        if item[0] == self.epoch and \
-                                self._pending.pop(item[1], None) is not None:
-                            self._pending_bytes -= len(item[2])
+                self._write_failed(item, None)
             finally:
                 self._queue.task_done()
+
+    def _write_failed(self, item: object, error: OSError | None) -> None:
+        """A block's write failed: counted, its place in the queue given back; the first
+        failure of a run is logged with what to do (not every block's: a full disk fails
+        them all)."""
+        if isinstance(item, Path):
+            return
+        _, block_hash, payload = item
+        with self._lock:
+            if item[0] == self.epoch and self._pending.pop(block_hash, None) is not None:
+                self._pending_bytes -= len(payload)
+            self.stats.write_failures += 1
+        reason = "an error" if error is None else (error.strerror or str(error))
+        if self.write_error is None:
+            log.warning("disk tier: cannot write blocks under %s (%s): it stores no new "
+                        "blocks until a write succeeds, and serves those it holds; the "
+                        "engine serves on, computing what it would have read back. Free "
+                        "space there, or set KVOPS_ENGINE_DISK_CACHE_BYTES below the space "
+                        "the disk has", self.root, reason)
+        self.write_error = reason
+
+    def _wrote(self) -> None:
+        if self.write_error is not None:
+            log.warning("disk tier: writing blocks again under %s (%d writes failed since "
+                        "the engine started)", self.root, self.stats.write_failures)
+            self.write_error = None
 
     def _write(self, epoch: int, block_hash: BlockHash, payload: bytes) -> None:
         size = file_bytes(len(payload), len(block_hash))
@@ -608,7 +638,10 @@ class DiskTier(PrefixTier):
                 "disk_cache_checksum_failures": st.checksum_failures,
                 "disk_cache_not_admitted": st.not_admitted,
                 "disk_cache_dropped": st.dropped,
-                "disk_cache_evicted_blocks": st.evicted_blocks}
+                "disk_cache_evicted_blocks": st.evicted_blocks,
+                "disk_cache_write_failures": st.write_failures,
+                # why writes fail now (None while they succeed): the engine page warns
+                "disk_cache_write_error": self.store.write_error}
 
     def write_cached(self) -> int:
         """Queue the pool above's cached blocks that admission would take (the engine is

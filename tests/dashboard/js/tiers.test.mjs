@@ -138,6 +138,16 @@ test("failed checksums are told with their count, however short the window", () 
                "disk tier: 3 blocks failed their checksum (misses, deleted): the disk or its files may be going bad");
 });
 
+test("failing writes (a full disk) are told while they last, with the error", () => {
+  const writing = (error) => [{ ts: 1, ...storing(1), disk_cache_write_failures: 4,
+                                disk_cache_write_error: error }];
+  const [full] = tierWarnings(writing("No space left on device"));
+  assert.deepEqual([full.tier, full.kind], ["disk", "write-failed"]);
+  assert.match(full.text, /^disk tier: its writes fail \(No space left on device\): it stores no new blocks/);
+  assert.match(full.text, /KVOPS_ENGINE_DISK_CACHE_BYTES/);
+  assert.deepEqual(tierWarnings(writing(null)), []);  // writing again: past failures are no warning
+});
+
 test("a disk straight below the GPU: its hits are not the CPU tier's, and the panel says GPU blocks", () => {
   // no CPU tier (nothing copied out, no CPU hits), the disk serving
   const direct = (t) => ({ cpu_cache_copy_out_bytes: 0, cpu_prefix_cache_hits: 0, disk_tier_below: "gpu",
