@@ -8,7 +8,6 @@ tests/support/faults (a stack started with faults=True)."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import tempfile
@@ -66,7 +65,7 @@ def held_blocks(stack: Stack, engine: str) -> tuple[int, int, int]:
 def assert_no_leak(stack: Stack, *engines: str) -> None:
     """Once idle, no block is held on any of these engines."""
     for engine in engines:
-        stack.wait(lambda: held_blocks(stack, engine) == (0, 0, 0),
+        stack.wait(lambda engine=engine: held_blocks(stack, engine) == (0, 0, 0),
                    f"engine {engine} idle with no used or pinned block", 30)
 
 
