@@ -345,7 +345,11 @@ def _run(row: WhatIfRun) -> str:
                 stats = replay_stats(trace.requests, with_disk(config, folder, weight),
                                      cost, trace.prompts,
                                      on_progress=_progress_writer(run_id, i), pins=trace.pins)
-            results.append({"config": describe(config, kv[i]), **stats})
+            results.append(as_seen(
+                {"config": describe(config, kv[i]), **stats},
+                trace.summary["recorded"]["service_delay_s"]))
+        results[0]["fidelity"] = fidelity(trace.summary["recorded"], results[0],
+                                          bool((engine.config or {}).get("simulate")))
     except SoftTimeLimitExceeded:
         _fail(run_id, f"the replay ran past {settings.KVOPS_WHAT_IF_TIME_LIMIT_S:g} s: "
                       f"choose fewer minutes or jobs")
@@ -363,6 +367,52 @@ def _run(row: WhatIfRun) -> str:
                                               "source": params.get("step_cost_source")}},
         baseline=results[0], alternative=results[1])
     return "finished"
+
+
+# How far the replay of the engine's own configuration may be from what the engine
+# recorded for the same jobs before its report says it misses: points of prefix hit
+# rate, a fraction of TTFT p50, of preemptions (or a count, whichever is larger). A
+# simulated engine is held closer (its steps are paced, its model a stand-in of itself).
+TOLERANCE = {"simulated": {"prefix_hit_rate": 0.02, "ttft_p50": 0.15, "preemptions": 0.25},
+             "model": {"prefix_hit_rate": 0.05, "ttft_p50": 0.25, "preemptions": 0.25}}
+PREEMPTIONS_SLACK = 2
+
+
+def as_seen(result: dict, service_delay_s: float) -> dict:
+    """A replay's times as a user sees them: the service's own delay (the jobs' median
+    wait to be claimed by a worker, which the replay does not run) added to its queue
+    waits and TTFTs."""
+    for key in ("queue_wait_p50", "queue_wait_p99", "queue_wait_mean", "ttft_p50", "ttft_p99"):
+        if result.get(key) is not None:
+            result[key] += service_delay_s
+    result["service_delay_s"] = service_delay_s
+    return result
+
+
+def fidelity(recorded: dict, baseline: dict, simulated: bool) -> dict:
+    """The replay of the engine's own configuration against what it recorded for the
+    same jobs: each figure's both values and difference, and those that miss by more
+    than the tolerance (the report says so first)."""
+    tolerance = TOLERANCE["simulated" if simulated else "model"]
+    figures, misses = {}, []
+    for key in ("prefix_hit_rate", "prompt_tokens_computed", "preemptions", "ttft_p50",
+                "ttft_p99", "queue_wait_p50", "queue_wait_p99"):
+        was, now = recorded.get(key), baseline.get(key)
+        if was is None or now is None:
+            continue
+        figures[key] = {"recorded": was, "replayed": now, "difference": now - was}
+    hit = figures.get("prefix_hit_rate")
+    if hit and abs(hit["difference"]) > tolerance["prefix_hit_rate"]:
+        misses.append("prefix_hit_rate")
+    ttft = figures.get("ttft_p50")
+    if ttft and ttft["recorded"] > 0 and \
+            abs(ttft["difference"]) > tolerance["ttft_p50"] * ttft["recorded"]:
+        misses.append("ttft_p50")
+    pre = figures.get("preemptions")
+    if pre and abs(pre["difference"]) > max(PREEMPTIONS_SLACK,
+                                            tolerance["preemptions"] * pre["recorded"]):
+        misses.append("preemptions")
+    return {"figures": figures, "misses": misses, "tolerance": tolerance}
 
 
 @contextlib.contextmanager

@@ -36,6 +36,7 @@ from datetime import datetime, timedelta
 
 from django.utils import timezone
 
+from engine.sim.replay_stats import percentile
 from engine.sim.trace import TraceRequest
 from kvops.models import Engine, Job, OperatorAction
 from kvops.intake.prompts import inspector, render_chat
@@ -108,10 +109,30 @@ def build_trace(engine: Engine, minutes: int, max_jobs: int,
         "pins": len(pins),
         # the engine's own counts for these jobs, to hold the replay of its own
         # configuration against
-        "recorded": {"prefix_hit_rate": sum(j.num_cached_tokens for j in jobs) / prompt_tokens,
-                     "preemptions": sum(j.num_preemptions for j in jobs)},
+        "recorded": recorded(jobs),
     }
     return JobTrace(requests, prompts, [job.pk for job in jobs], summary, pins)
+
+
+def recorded(jobs: list[Job]) -> dict:
+    """What the engine and the service did for these jobs, in the replay's terms: the
+    prefix hit rate, prompt tokens computed, preemptions, and the times a user saw (TTFT
+    from the job's arrival, queued, to its first token; the queue wait to its claim by
+    an engine worker), p50 and p99 in seconds. The claim wait is the service's own delay
+    (Celery, the claim), which the replay does not run: service_delay_s, its median, is
+    added to the replay's times."""
+    prompt = sum(j.num_prompt_tokens for j in jobs)
+    cached = sum(j.num_cached_tokens for j in jobs)
+    ttfts = [(j.first_token_at - j.queued_at).total_seconds() for j in jobs
+             if j.first_token_at is not None and j.queued_at is not None]
+    claims = [(j.started_at - j.queued_at).total_seconds() for j in jobs
+              if j.started_at is not None and j.queued_at is not None]
+    return {"prefix_hit_rate": cached / prompt if prompt else 0.0,
+            "prompt_tokens_computed": prompt - cached,
+            "preemptions": sum(j.num_preemptions for j in jobs),
+            "ttft_p50": percentile(ttfts, 50), "ttft_p99": percentile(ttfts, 99),
+            "queue_wait_p50": percentile(claims, 50), "queue_wait_p99": percentile(claims, 99),
+            "service_delay_s": percentile(claims, 50) or 0.0}
 
 
 def active_pins(engine_name: str, until: datetime) -> list[dict]:

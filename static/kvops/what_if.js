@@ -5,7 +5,7 @@
 import { api, errorText } from "./api.js";
 import { timeChart } from "./charts.js";
 import { esc } from "./format.js";
-import { commonTimeline, comparisonRows, requestBody, traceSummary } from "./what_if_report.js";
+import { commonTimeline, comparisonRows, fidelityText, requestBody, traceSummary } from "./what_if_report.js";
 
 const panel = document.getElementById("what-if");
 const form = document.getElementById("wi-form");
@@ -64,6 +64,11 @@ function show(run) {
   } else setStatus(`Run ${run.id}, asked by ${run.user ?? "?"} at ${new Date(run.created_at).toLocaleTimeString()}`);
   document.getElementById("wi-trace").textContent = traceSummary(run.trace);
   const finished = run.status === "finished";
+  const fidelity = finished ? fidelityText(run.baseline) : { missed: false, text: "" };
+  const line = document.getElementById("wi-fidelity");
+  line.textContent = fidelity.text;
+  line.className = fidelity.missed ? "error" : "muted";
+  line.hidden = !fidelity.text;
   document.getElementById("wi-results").hidden = !finished;
   if (finished) drawResults(run);
 }

@@ -143,3 +143,27 @@ export function stepCostText(cost) {
                  default: "the default: the engine had too few steps to fit" }[cost.source] || "";
   return `a step: ${terms.join(" + ")}${from ? ` (${from})` : ""}`;
 }
+
+const FIDELITY_LABELS = { prefix_hit_rate: ["prefix hit rate", percent],
+  prompt_tokens_computed: ["prompt tokens computed", integer], preemptions: ["preemptions", integer],
+  ttft_p50: ["TTFT p50", secs], ttft_p99: ["TTFT p99", secs],
+  queue_wait_p50: ["queue wait p50", secs], queue_wait_p99: ["queue wait p99", secs] };
+
+// How the replay of the engine's own configuration compares with what the engine
+// recorded for the same jobs: {missed, text}. A report whose baseline misses says so
+// first, and names the figures that miss.
+export function fidelityText(baseline) {
+  const f = baseline && baseline.fidelity;
+  if (!f || !f.figures) return { missed: false, text: "" };
+  const shown = Object.entries(f.figures).map(([key, v]) => {
+    const [label, fmt] = FIDELITY_LABELS[key] || [key, String];
+    return `${label} ${fmt(v.recorded)} recorded, ${fmt(v.replayed)} replayed`;
+  });
+  if (f.misses.length) {
+    const names = f.misses.map((k) => (FIDELITY_LABELS[k] || [k])[0]).join(", ");
+    return { missed: true, text: `The replay of the engine's own configuration misses what it `
+      + `recorded (${names}): read the alternative's ${names} with care. ${shown.join(" · ")}` };
+  }
+  return { missed: false, text: `The replay of the engine's own configuration holds to what it `
+    + `recorded: ${shown.join(" · ")}` };
+}

@@ -274,3 +274,22 @@ def test_a_run_without_a_step_cost_uses_the_engines_fit(busy_engine):
         (direct.steps, direct.sim_seconds)
     mine = what_if.start(operator, engine, 10, 100, {}, StepCost(2.0, 0.01))
     assert mine.params["step_cost_source"] == "operator"
+
+
+def test_the_baseline_is_held_against_what_the_engine_recorded():
+    recorded = {"prefix_hit_rate": 0.358, "preemptions": 2, "ttft_p50": 0.0683,
+                "ttft_p99": 0.2, "queue_wait_p50": 0.016, "service_delay_s": 0.016}
+    close = {"prefix_hit_rate": 0.36, "preemptions": 3, "ttft_p50": 0.07, "ttft_p99": 0.25,
+             "queue_wait_p50": 0.02}
+    held = what_if.fidelity(recorded, close, simulated=True)
+    assert held["misses"] == []
+    assert held["figures"]["ttft_p50"] == {"recorded": 0.0683, "replayed": 0.07,
+                                           "difference": pytest.approx(0.0017)}
+    far = {**close, "prefix_hit_rate": 0.40, "ttft_p50": 0.0237, "preemptions": 9}
+    assert what_if.fidelity(recorded, far, simulated=True)["misses"] == \
+        ["prefix_hit_rate", "ttft_p50", "preemptions"]
+    # a real model's engine is held to 5 points and 25%
+    near = {**close, "prefix_hit_rate": 0.40, "ttft_p50": 0.08}
+    assert what_if.fidelity(recorded, near, simulated=False)["misses"] == []
+    assert what_if.as_seen({"ttft_p50": 0.05, "queue_wait_p50": None}, 0.016) == \
+        {"ttft_p50": pytest.approx(0.066), "queue_wait_p50": None, "service_delay_s": 0.016}

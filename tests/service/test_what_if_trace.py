@@ -90,7 +90,10 @@ def test_the_trace_has_the_jobs_lengths_offsets_and_shared_prefixes(people):
     assert (s["jobs"], s["prefix_groups"], s["still_running"], s["truncated"]) == (5, 1, 1, False)
     assert s["prefixes_from"] == "tokens" and s["span_s"] == 5.0
     assert s["prompt_tokens"] == sum(r.prompt_len for r in trace.requests)
-    assert s["recorded"] == {"prefix_hit_rate": 4 / s["prompt_tokens"], "preemptions": 1}
+    recorded = s["recorded"]
+    assert (recorded["prefix_hit_rate"], recorded["preemptions"]) == (4 / s["prompt_tokens"], 1)
+    assert recorded["prompt_tokens_computed"] == s["prompt_tokens"] - 4
+    assert recorded["ttft_p50"] is None and recorded["service_delay_s"] == 0.0  # no times
 
     newest = build_trace(engine, minutes=10, max_jobs=2)
     assert newest.job_ids == [jobs[3].pk, jobs[4].pk] and newest.summary["truncated"]
@@ -122,3 +125,21 @@ def test_bounds_and_an_empty_window_are_refused(people):
     for minutes, max_jobs in ((0, 10), (24 * 60 + 1, 10), (5, 0), (5, 5001)):
         with pytest.raises(ValueError, match="minutes must be in"):
             build_trace(engine, minutes=minutes, max_jobs=max_jobs)
+
+
+def test_what_a_user_saw_is_recorded_beside_the_trace(people):
+    """TTFT from arrival to first token and the wait to be claimed, per job; the median
+    claim wait is the service's own delay, which the replay adds to its times."""
+    staff, _ = people
+    engine = Engine.objects.create(name="wt", worker="engine-wt@test", config=SIM_CONFIG)
+    t0 = timezone.now() - timedelta(minutes=2)
+    for i, (claim_s, first_s) in enumerate([(0.01, 0.05), (0.02, 0.30), (0.04, 0.10)]):
+        job = add_job(staff, "wt", f"prompt {i} " * 4, t0 + timedelta(seconds=i))
+        Job.objects.filter(pk=job.pk).update(
+            started_at=t0 + timedelta(seconds=i + claim_s),
+            first_token_at=t0 + timedelta(seconds=i + first_s))
+    recorded = build_trace(engine, minutes=10, max_jobs=100).summary["recorded"]
+    assert recorded["ttft_p50"] == pytest.approx(0.10)
+    assert recorded["ttft_p99"] == pytest.approx(0.30)
+    assert recorded["queue_wait_p50"] == pytest.approx(0.02)
+    assert recorded["service_delay_s"] == pytest.approx(0.02)

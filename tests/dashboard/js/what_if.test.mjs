@@ -2,7 +2,7 @@
 import assert from "node:assert/strict";
 import test from "node:test";
 
-import { commonTimeline, comparisonRows, requestBody, traceSummary } from "../../../static/kvops/what_if_report.js";
+import { commonTimeline, comparisonRows, fidelityText, requestBody, stepCostText, traceSummary } from "../../../static/kvops/what_if_report.js";
 
 test("the request body leaves empty fields out and types the rest", () => {
   const body = requestBody({ minutes: "15", max_jobs: "", num_gpu_blocks: " 256 ", block_size: "32",
@@ -87,4 +87,24 @@ test("the pin budget travels as a share; the rows say what the engine's pins hel
   const row = (label) => rows.find((r) => r.label === label);
   assert.deepEqual([row("pin budget").baseline, row("pin budget").alternative], ["50.0%", "0.0%"]);
   assert.deepEqual([row("blocks pinned (the engine's pins)").baseline, row("pins refused (past the budget)").alternative], ["4", "1"]);
+});
+
+test("a baseline that misses what the engine recorded says so first, and names the figure", () => {
+  const figures = { prefix_hit_rate: { recorded: 0.358, replayed: 0.36, difference: 0.002 },
+                    ttft_p50: { recorded: 0.0683, replayed: 0.0237, difference: -0.0446 } };
+  const missed = fidelityText({ fidelity: { figures, misses: ["ttft_p50"], tolerance: {} } });
+  assert.equal(missed.missed, true);
+  assert.match(missed.text, /^The replay of the engine's own configuration misses what it recorded \(TTFT p50\)/);
+  assert.match(missed.text, /TTFT p50 68 ms recorded, 24 ms replayed/);
+  const held = fidelityText({ fidelity: { figures, misses: [], tolerance: {} } });
+  assert.equal(held.missed, false);
+  assert.match(held.text, /holds to what it recorded: prefix hit rate 35.8% recorded, 36.0% replayed/);
+  assert.deepEqual(fidelityText({}), { missed: false, text: "" });
+});
+
+test("the step cost says where it came from", () => {
+  const text = stepCostText({ step_base_ms: 10.04, step_token_ms: 0.2, step_decode_seq_ms: 0.21,
+                              step_context_token_ms: 0, step_block_ms: 0, source: "engine" });
+  assert.equal(text, "a step: 10 ms + 0.2 ms a prompt token + 0.21 ms a decode sequence "
+    + "(fitted to the engine's steps)");
 });
