@@ -255,6 +255,7 @@ class Story:
     # the blocks its last release gave back (BlockRemoved), since its last preemption or
     # swap: at its end, its final blocks
     released: dict = field(default_factory=dict)
+    arrived_at: float | None = None  # when it reached the engine (its arrival_time)
 
     def document(self, engine: str) -> dict:
         gpu, cpu = self.gpu_blocks, self.cpu_blocks
@@ -269,7 +270,8 @@ class Story:
             "copy_on_write": self.copy_on_write, "window_freed": self.window_freed,
             "final_blocks": {k: list(v) for k, v in self.final_blocks.items()}
             if self.final_blocks is not None else None,
-            "moments": {"admitted": self.admitted_at, "first_token": self.first_token_at,
+            "moments": {"arrived": self.arrived_at, "admitted": self.admitted_at,
+                        "first_token": self.first_token_at,
                         "preemptions": [p["at"] for p in self.preemptions],
                         "ended": self.ended_at},
             "finish_reason": self.finish_reason,
@@ -458,7 +460,8 @@ class StoryBook:
         story = Story(request.request_id, request.job_id, bs, request.num_prompt_tokens, keys,
                       gpu_blocks, cpu_blocks - disk_blocks,
                       {"gpu": gpu_tokens, "cpu": num_cached - gpu_tokens - disk_tokens,
-                       "disk": disk_tokens}, None, at, disk_blocks=disk_blocks)
+                       "disk": disk_tokens}, None, at, disk_blocks=disk_blocks,
+                      arrived_at=request.arrival_time)
         story.first_miss = self._first_miss(request, prompt_hashes, gpu_blocks + cpu_blocks,
                                             where, at, off, windowed)
         return story
@@ -578,7 +581,8 @@ class StoryBook:
             document["window_freed"], document["moments"]["first_token"],
             disk_blocks=document["sources"].get("disk", 0),
             swaps=[dict(s) for s in document.get("swaps", [])],
-            moves=[dict(m) for m in document.get("moves", [])])
+            moves=[dict(m) for m in document.get("moves", [])],
+            arrived_at=document["moments"].get("arrived"))
         story.moves.append({"at": time.time(), "from": source, "blocks_sent": blocks_sent})
         self._stories[story.request_id] = story
         if story.first_token_at is None:

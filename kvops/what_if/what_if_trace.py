@@ -118,9 +118,8 @@ def recorded(jobs: list[Job]) -> dict:
     """What the engine and the service did for these jobs, in the replay's terms: the
     prefix hit rate, prompt tokens computed, preemptions, and the times a user saw (TTFT
     from the job's arrival, queued, to its first token; the queue wait to its claim by
-    an engine worker), p50 and p99 in seconds. The claim wait is the service's own delay
-    (Celery, the claim), which the replay does not run: service_delay_s, its median, is
-    added to the replay's times."""
+    an engine worker), p50 and p99 in seconds; and the service's own delay, which the
+    replay does not run and adds to its times (service_delay)."""
     prompt = sum(j.num_prompt_tokens for j in jobs)
     cached = sum(j.num_cached_tokens for j in jobs)
     ttfts = [(j.first_token_at - j.queued_at).total_seconds() for j in jobs
@@ -132,7 +131,24 @@ def recorded(jobs: list[Job]) -> dict:
             "preemptions": sum(j.num_preemptions for j in jobs),
             "ttft_p50": percentile(ttfts, 50), "ttft_p99": percentile(ttfts, 99),
             "queue_wait_p50": percentile(claims, 50), "queue_wait_p99": percentile(claims, 99),
-            "service_delay_s": percentile(claims, 50) or 0.0}
+            "service_delay_s": service_delay(jobs, claims)}
+
+
+def service_delay(jobs: list[Job], claims: list[float]) -> float:
+    """The service's part of a job's TTFT, which the replay does not run: its TTFT less
+    the engine's own (from the request's arrival at the engine to its first token, its
+    KV story's moments: the engine's wait and compute, which the replay does run), the
+    median over the jobs that have both. That is the wait to be claimed, the hand-off
+    to the engine core and the first token's way back. Without stories, the median wait
+    to be claimed."""
+    parts = []
+    for j in jobs:
+        moments = (j.kv_story or {}).get("moments") or {}
+        arrived, first = moments.get("arrived"), moments.get("first_token")
+        if None in (arrived, first, j.first_token_at, j.queued_at):
+            continue
+        parts.append((j.first_token_at - j.queued_at).total_seconds() - (first - arrived))
+    return max(0.0, percentile(parts, 50) if parts else (percentile(claims, 50) or 0.0))
 
 
 def active_pins(engine_name: str, until: datetime) -> list[dict]:

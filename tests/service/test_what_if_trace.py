@@ -143,3 +143,21 @@ def test_what_a_user_saw_is_recorded_beside_the_trace(people):
     assert recorded["ttft_p99"] == pytest.approx(0.30)
     assert recorded["queue_wait_p50"] == pytest.approx(0.02)
     assert recorded["service_delay_s"] == pytest.approx(0.02)
+
+
+def test_the_service_delay_is_a_jobs_ttft_less_the_engines_own(people):
+    """With KV stories, the service's part of TTFT is what the engine's moments (arrival
+    there to first token) leave of the user's TTFT: claim, hand-off, the way back."""
+    staff, _ = people
+    engine = Engine.objects.create(name="ws", worker="engine-ws@test", config=SIM_CONFIG)
+    t0 = timezone.now() - timedelta(minutes=2)
+    for i, (ttft, engine_s) in enumerate([(0.10, 0.07), (0.30, 0.28), (0.12, 0.07)]):
+        job = add_job(staff, "ws", f"prompt {i} " * 4, t0 + timedelta(seconds=i))
+        arrived = (t0 + timedelta(seconds=i)).timestamp() + 0.01
+        Job.objects.filter(pk=job.pk).update(
+            started_at=t0 + timedelta(seconds=i + 0.005),
+            first_token_at=t0 + timedelta(seconds=i + ttft),
+            kv_story={"moments": {"arrived": arrived, "first_token": arrived + engine_s}})
+    recorded = build_trace(engine, minutes=10, max_jobs=100).summary["recorded"]
+    assert recorded["service_delay_s"] == pytest.approx(0.03, abs=1e-5)  # of .03, .02, .05
+    assert recorded["queue_wait_p50"] == pytest.approx(0.005)
