@@ -21,6 +21,7 @@ import uuid
 import zlib
 from collections.abc import Callable
 from concurrent.futures import Future
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -135,7 +136,8 @@ class KVFeed:
         self._last_capture, self._last_version = now, capture.version
         with self._lock:
             if self._pending is not None:  # the thread is behind: newest state, every event
-                capture.events = self._pending.events + capture.events
+                capture = dataclasses.replace(capture,
+                                              events=self._pending.events + capture.events)
             self._pending = capture
         self._wake.set()
         self.stats.captures += 1

@@ -131,3 +131,24 @@ def test_a_forks_copy_on_write_is_mirrored():
         mirror.apply(capture)
         same_state(mirror.snapshot(), engine.snapshot(compact=True))
     assert copied
+
+
+def test_a_feed_whose_thread_is_behind_keeps_every_event_of_the_captures_it_merges():
+    """The loop thread captures while the feed thread has not taken the last capture
+    yet (a busy machine): the newest state goes on, carrying both captures' events (a
+    capture is frozen: the merge is a new one, not an assignment that killed the core)."""
+    from engine.observe.feed import KVFeed
+    engine = churn_engine()
+    feed = KVFeed("behind", emit=lambda item: None, interval_s=0.0)
+    feed._thread = object()  # (its thread never takes a capture: it is behind)
+    engine.add_request("a", list(range(1, 40)), SamplingParams(max_tokens=3, ignore_eos=True))
+    engine.step()
+    feed(engine)
+    first = feed._pending
+    engine.add_request("b", list(range(50, 90)), SamplingParams(max_tokens=3, ignore_eos=True))
+    engine.step()
+    feed(engine)
+    merged = feed._pending
+    assert merged is not first and merged.version > first.version
+    assert merged.events[:len(first.events)] == first.events
+    assert len(merged.events) > len(first.events)
