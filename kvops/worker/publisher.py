@@ -35,8 +35,20 @@ log = logging.getLogger(__name__)
 EVENT_HISTORY = 10_000  # KV events per engine
 METRICS_HISTORY = 3_600  # metrics points per engine (one a second: an hour)
 STORE_SHARE = 0.02  # of wall time, for the REST snapshot (2 MB of JSON at 65,536 blocks)
+MAX_STORE_GAP_S = 5.0  # the next REST snapshot is stored at most this long after the last ended
 QUERY_POLL_S = 0.1  # how often the thread looks for consumers' queries when idle
 ASK_TIMEOUT_S = 10.0
+
+
+def next_store_due(started: float, took: float, interval_s: float) -> float:
+    """When the REST snapshot may be stored again after a store that began at `started`
+    (monotonic seconds) and took `took`: `interval_s` later, or later still while storing
+    is slow, so that storing takes at most STORE_SHARE of the publisher's time, but never
+    more than MAX_STORE_GAP_S after that store ended. A store can be slow once while the
+    engine core is busy (a large move): paced by that one alone, a store of 0.48 s put the
+    next 24 s off, and the stored snapshot kept listing a request that had ended as
+    running all that while."""
+    return started + max(interval_s, min(took / STORE_SHARE, took + MAX_STORE_GAP_S))
 
 
 def _setting(name: str, default: int) -> int:
@@ -188,8 +200,8 @@ class EnginePublisher:
 
     def _store_snapshot(self) -> None:
         """The latest full snapshot for GET /api/engines/<name>/: once a second, or less
-        often when building it takes long (at most STORE_SHARE of this thread's time); now
-        and then the same snapshot is the timeline's next keyframe."""
+        often when building it takes long (next_store_due); now and then the same
+        snapshot is the timeline's next keyframe."""
         now = time.monotonic()
         if now < self._due["store"] or self.last_seq == self._stored_seq:
             return
@@ -198,5 +210,4 @@ class EnginePublisher:
         live.store_snapshot(self.name, snapshot)
         if self.timeline.keyframe_due():
             self.timeline.add_keyframe(snapshot)
-        took = time.monotonic() - now
-        self._due["store"] = now + max(self.store_interval_s, took / STORE_SHARE)
+        self._due["store"] = next_store_due(now, time.monotonic() - now, self.store_interval_s)

@@ -2,7 +2,11 @@
 in every process of a stack started with faults=True (tests/support/stack.py puts this
 folder first on their PYTHONPATH). In an engine's processes, the simulated model's next
 step raises once the file `fault-<engine name>` appears in KVOPS_TEST_FAULT_DIR
-(Stack.arm_fault makes it); the file is consumed, so one step fails.
+(Stack.arm_fault makes it); the file is consumed, so one step fails. With
+KVOPS_TEST_STAGE_BLOCKS in the stack's env, an engine core stages that many
+blocks of its moves between two steps instead of STAGE_BLOCKS, so that a move of a few
+hundred blocks takes seconds: long enough for a test to kill an engine while the blocks
+are being copied (tests/engine/test_migration_link.py lowers it in-process the same way).
 
 The disk tier's writes (engine/kv/tiers/disk_files.write_new, as the tier calls it), in
 an engine's processes too: while `disk-full-<engine>` exists, each fails as on a full
@@ -20,6 +24,7 @@ import threading
 
 _DIR = os.environ.get("KVOPS_TEST_FAULT_DIR")
 _ENGINE = os.environ.get("KVOPS_ENGINE_NAME")
+_STAGE_BLOCKS = os.environ.get("KVOPS_TEST_STAGE_BLOCKS")
 
 
 def _arm() -> None:
@@ -36,6 +41,12 @@ def _arm() -> None:
         raise RuntimeError("injected fault (tests/support/faults)")
 
     SimulatedRunner.forward = failing
+
+
+def _slow_copies() -> None:
+    from engine.transfer import link
+
+    link.STAGE_BLOCKS = int(_STAGE_BLOCKS)
 
 
 def _disk_faults() -> None:
@@ -102,5 +113,7 @@ def _stall_what_if() -> None:
 if _DIR and _ENGINE:
     _arm()
     _disk_faults()
+    if _STAGE_BLOCKS:
+        _slow_copies()
 if _DIR and os.environ.get("KVOPS_TEST_STALL_WHAT_IF"):
     _stall_what_if()
