@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from engine.config import EngineConfig
-from engine.errors import EngineError
+from engine.errors import EngineError, InvalidRequestError
 from engine.llm_engine import LLMEngine
 from engine.observe.step_cost import DEFAULT_COST, StepCost, StepShape
 from engine.sampling_params import SamplingParams
@@ -98,7 +98,7 @@ def replay_paged(trace: list[TraceRequest], config: EngineConfig,
     refusals: list[dict] = []
     if warmup is not None:
         warm = _Run(engine, warmup.requests, warmup.prompts, warmup.actions, cost, "w",
-                    report_offset_s=-warmup.lead_s)
+                    report_offset_s=-warmup.lead_s, skip_refused=True)
         warm.run(every_action=True)
         for request_id in list(engine.scheduler.requests):  # (only the warm-up's)
             engine.abort(request_id)
@@ -133,14 +133,16 @@ class _Run:
     arrivals and actions in time order (an arrival first at the same time), a step
     whenever there is work and the engine is not paused, else a wait for the next
     arrival or action. `prefix` names its requests ("t3": the trace's fourth);
-    report_offset_s is added to a refused action's time where it is reported."""
+    report_offset_s is added to a refused action's time where it is reported;
+    skip_refused: a request the configuration cannot take (longer than its pool) is left
+    out, not an error (the warm-up's, which no check of the window covers)."""
 
     def __init__(self, engine: LLMEngine, trace: list[TraceRequest],
                  prompts: list[list[int]] | None, actions: list[ReplayAction],
                  cost: StepCost, prefix: str, observer: ReplayObserver | None = None,
-                 report_offset_s: float = 0.0) -> None:
+                 report_offset_s: float = 0.0, skip_refused: bool = False) -> None:
         self.engine, self.cost, self.prefix, self.observer = engine, cost, prefix, observer
-        self.report_offset_s = report_offset_s
+        self.report_offset_s, self.skip_refused = report_offset_s, skip_refused
         self.trace, self.prompts = trace, prompts
         self.pending = deque(enumerate(trace))
         self.actions = deque(sorted(actions, key=lambda a: a.at_s))  # (stable: log order)
@@ -181,9 +183,14 @@ class _Run:
                 i, req = self.pending.popleft()
                 tokens = self.prompts[i] if self.prompts is not None \
                     else prompt_tokens(req, i, vocab)
-                self.engine.add_request(f"{self.prefix}{i}", tokens,
-                                        SamplingParams(max_tokens=req.output_len, ignore_eos=True),
-                                        arrival_time=req.arrival_s)
+                try:
+                    self.engine.add_request(f"{self.prefix}{i}", tokens,
+                                            SamplingParams(max_tokens=req.output_len,
+                                                           ignore_eos=True),
+                                            arrival_time=req.arrival_s)
+                except InvalidRequestError:
+                    if not self.skip_refused:
+                        raise
             elif act is not None and act <= self.now:
                 self._act(self.actions.popleft())
             else:

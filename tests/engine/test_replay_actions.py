@@ -7,6 +7,7 @@ import random
 import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.errors import InvalidRequestError
 from engine.observe.step_cost import StepCost
 from engine.sim.capacity import WarmUp, replay_paged
 from engine.sim.replay_actions import ReplayAction
@@ -70,6 +71,16 @@ def test_a_warm_window_reproduces_its_first_hits_and_counts_no_warm_up():
     assert warmed["steps"] == cold["steps"] and warmed["requests"] == 1
     assert warmed["prompt_tokens_computed"] == 116 - 96
     assert warmed["sim_seconds"] == cold["sim_seconds"]
+
+
+def test_a_warm_up_job_the_configuration_cannot_take_is_left_out():
+    small = EngineConfig(**{**CFG, "num_gpu_blocks": 10})  # 160 tokens: not 40 + 200
+    warm = WarmUp([TraceRequest(0.0, 200, 4), TraceRequest(0.1, 116, 4)],
+                  [[7] * 200, prompt(10)], lead_s=1.0)
+    stats = replay_stats(jobs(0.0), small, COST, [prompt(0)], warmup=warm)
+    assert stats["prefix_hit_rate"] == 96 / 116  # the second warm-up job ran
+    with pytest.raises(InvalidRequestError):  # (the window's own: an error)
+        replay_stats([TraceRequest(0.0, 200, 4)], small, COST, [[7] * 200])
 
 
 def test_a_reset_at_the_end_of_the_warm_up_leaves_the_window_cold():
