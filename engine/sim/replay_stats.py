@@ -12,10 +12,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.observe.step_cost import DEFAULT_COST, StepCost
-from engine.sim.capacity import replay_paged
+from engine.sim.capacity import WarmUp, replay_paged
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.request import Request
+from engine.sim.replay_actions import ReplayAction
 from engine.sim.trace import TraceRequest
 
 TIMELINE_POINTS = 200  # most points of a timeline (peaks are kept: a bucket's maximum)
@@ -53,6 +54,7 @@ class ReplayRecorder:
                 if not request.output_token_ids:
                     self._tokenless.setdefault(request.request_id, request)
             self._seen += live - self._live
+            self._live = live  # (a step may not follow: nothing could run)
         self._now = now
 
     def after_step(self, engine: LLMEngine, now: float) -> None:
@@ -60,8 +62,13 @@ class ReplayRecorder:
         # keeps it even if the request finished within this step). Requests of equal
         # priority, as a replay's all are, are first admitted in arrival order: the
         # look stops at the first one still waiting.
+        # A request that ended before it was admitted (an operator's abort, a move to
+        # another engine) is never counted.
         admitted = []
-        for rid, request in self._unadmitted.items():
+        for rid, request in list(self._unadmitted.items()):
+            if request.num_cached_tokens is None and request.status.is_finished:
+                del self._unadmitted[rid]
+                continue
             if request.num_cached_tokens is None:
                 break
             admitted.append(rid)
@@ -72,6 +79,8 @@ class ReplayRecorder:
             self.cached_tokens += request.num_cached_tokens
         for rid in [rid for rid, r in self._tokenless.items() if r.output_token_ids]:
             self.ttfts.append(max(0.0, now - self._tokenless.pop(rid).arrival_time))
+        for rid in [rid for rid, r in self._tokenless.items() if r.status.is_finished]:
+            del self._tokenless[rid]  # (ended with no token: no TTFT)
         self.step_start.append(self._now)
         self.step_end.append(now)
         self.gpu_usage.append(engine.kv.gpu.usage)
@@ -119,13 +128,17 @@ def percentile(values: list[float], q: float) -> float | None:
 def replay_stats(trace: list[TraceRequest], config: EngineConfig,
                  cost: StepCost = DEFAULT_COST, prompts: list[list[int]] | None = None,
                  on_progress: Callable[[float], None] | None = None,
-                 pins: list[list[int]] | None = None) -> dict:
-    """Replay the trace (capacity.replay_paged) and describe the run as plain JSON:
-    the replay's own figures and, from a ReplayRecorder, occupancy over time, queue
-    waits (arrival to first scheduled, simulated seconds) and the prefix hit rate at
-    first admission (prompt tokens served from the cache / prompt tokens)."""
+                 pins: list[list[int]] | None = None,
+                 actions: list[ReplayAction] | None = None,
+                 warmup: WarmUp | None = None) -> dict:
+    """Replay the trace (capacity.replay_paged, with its pins, operator actions and
+    warm-up) and describe the run as plain JSON: the replay's own figures and, from a
+    ReplayRecorder, occupancy over time, queue waits (arrival to first scheduled,
+    simulated seconds) and the prefix hit rate at first admission (prompt tokens served
+    from the cache / prompt tokens)."""
     recorder = ReplayRecorder(len(trace), on_progress)
-    result = replay_paged(trace, config, cost, prompts=prompts, observer=recorder, pins=pins)
+    result = replay_paged(trace, config, cost, prompts=prompts, observer=recorder, pins=pins,
+                          actions=actions, warmup=warmup)
     output_tokens = sum(r.output_len for r in trace)
     waits = recorder.queue_waits
     return {
@@ -150,6 +163,11 @@ def replay_stats(trace: list[TraceRequest], config: EngineConfig,
         # pinned before the trace (as the engine's operators pinned), within the budget
         "pinned_blocks": result.extra.get("pinned_blocks", 0),
         "pins_refused": result.extra.get("pins_refused", 0),
+        # the operator actions applied at their times, and those the replay's engine
+        # refused ({action, at, why}: its state then was not the engine's)
+        "actions_applied": result.extra.get("actions_applied", 0),
+        "actions_refused": result.extra.get("actions_refused", []),
+        "warmup_requests": result.extra.get("warmup_requests", 0),
         "queue_wait_p50": percentile(waits, 50),
         "queue_wait_p99": percentile(waits, 99),
         "queue_wait_mean": sum(waits) / len(waits) if waits else None,

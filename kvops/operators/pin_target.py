@@ -16,7 +16,7 @@ An operator names a prefix one of four ways (kvops/api/serializers.py PrefixSeri
 
 The arguments keep what the operator named (`job`, `messages`) beside the token ids: the
 operator log records them as the action's parameters, and the what-if replay reads the
-ids and the salt there (kvops/what_if/what_if_trace.py active_pins). The engine reads
+ids and the salt there (kvops/what_if/what_if_log.py). The engine reads
 only `prompt`, `token_ids`, `cache_salt` and the soft-pin fields.
 """
 from __future__ import annotations

@@ -27,6 +27,8 @@ from django.utils import timezone
 from engine.observe.step_cost import DEFAULT_COST, StepCost
 from engine.config import ConfigError, EngineConfig
 from engine.errors import EngineError
+from engine.sim.capacity import WarmUp
+from engine.sim.replay_actions import ReplayAction
 from engine.sim.replay_stats import replay_stats
 from kvops.operators import audit_chain
 from kvops.jobs.idempotency import HEADER, KeyReused
@@ -52,8 +54,8 @@ SETTINGS = ("num_gpu_blocks", "block_size", "num_cpu_blocks", "preemption_mode",
 # kv_cache_dtype: how a real model's engine stores K/V; the same memory holds as many
 # more blocks as a value takes fewer bytes, on every tier)
 # pin_budget: the most of the GPU pool the engine's pinned prefixes (the operator log's,
-# kvops/what_if_trace.active_pins) may hold; they are pinned before the replay, those past
-# the budget refused)
+# kvops/what_if/what_if_log.active_pins, and those pinned in the replayed period at their
+# times) may hold; those past the budget refused)
 # bytes of one K/V value, by the engine's dtype or kv_cache_dtype
 KV_VALUE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1}
 
@@ -342,9 +344,14 @@ def _run(row: WhatIfRun) -> str:
             weight = (block_bytes * KV_VALUE_BYTES[kv[i]] // KV_VALUE_BYTES[kv[0]]
                       if kv[0] else block_bytes)
             with tempfile.TemporaryDirectory(prefix="kvops-what-if-disk-") as folder:
+                # the alternative keeps the settings it changes through the engine's
+                # own retention and limits changes
+                kept = changes if i else {}
                 stats = replay_stats(trace.requests, with_disk(config, folder, weight),
                                      cost, trace.prompts,
-                                     on_progress=_progress_writer(run_id, i), pins=trace.pins)
+                                     on_progress=_progress_writer(run_id, i), pins=trace.pins,
+                                     actions=actions_for(trace.actions, kept),
+                                     warmup=warmup_for(trace.warmup, kept))
             results.append(as_seen(
                 {"config": describe(config, kv[i]), **stats},
                 trace.summary["recorded"]["service_delay_s"]))
@@ -367,6 +374,26 @@ def _run(row: WhatIfRun) -> str:
                                               "source": params.get("step_cost_source")}},
         baseline=results[0], alternative=results[1])
     return "finished"
+
+
+def actions_for(actions: list[ReplayAction], changes: dict) -> list[ReplayAction]:
+    """The operator actions a replay applies: an alternative that changes a setting keeps
+    it, so the engine's own changes of it (retention, limits) are not applied there."""
+    out = []
+    for action in actions:
+        if action.kind in ("retention", "set-limits"):
+            arguments = {k: v for k, v in action.arguments.items() if changes.get(k) is None}
+            if not arguments:
+                continue
+            action = dataclasses.replace(action, arguments=arguments)
+        out.append(action)
+    return out
+
+
+def warmup_for(warmup: WarmUp | None, changes: dict) -> WarmUp | None:
+    if warmup is None:
+        return None
+    return dataclasses.replace(warmup, actions=actions_for(warmup.actions, changes))
 
 
 # How far the replay of the engine's own configuration may be from what the engine

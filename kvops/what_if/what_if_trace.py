@@ -21,11 +21,24 @@ the window; the newest `max_jobs` of them):
   other job; those describe the trace (and its CSV form) while the replay uses the
   built prompts, which also keep the branches a flat group cannot (conversations that
   share a system prompt and then each their own turns).
-The replay starts with an empty cache: prefixes cached before the window are misses.
-Except the engine's pinned prefixes (`active_pins`: the operator log's hard pins since
-the last reset, unpinned ones left out): built into the same token space as the jobs'
-prompts (each shares with them what its text or tokens did), they are computed and
-pinned before the replay, within its pin budget.
+What the engine saw beside its jobs (kvops/what_if/what_if_log.py):
+* a warm cache: the engine's jobs from as many minutes before the window's first job
+  (the newest WARMUP_MAX_JOBS at most) are replayed first, counted in no figure, so
+  that the prefixes cached before the window are cached at its start. The engine's
+  timeline keyframe at that moment cannot serve: its blocks hold the engine's token
+  ids, and the replay's are synthesized; the warm-up is the approximation. Its
+  prompts are built with the window's, so they share what the jobs shared.
+* the hard pins the engine held when the warm-up starts (`active_pins`: the operator
+  log's since the last reset, unpinned ones left out), built into the same token space
+  (each shares with the jobs what its text or tokens did), computed and pinned before
+  the replay, within its pin budget;
+* the operator actions in the warm-up and the window, at their times (replay actions:
+  a reset, an eviction, a pin or unpin, a request's preemption, swap or abort, a pause,
+  a retention or limits change); those that cannot be replayed are listed in the
+  summary's `not_replayed`;
+* moves: a job whose request moved away leaves the replay when it did; one that moved
+  in arrives when it did, with its prompt (the replay computes it again there: the K/V
+  it brought is not modelled) and its whole output.
 """
 from __future__ import annotations
 
@@ -36,9 +49,14 @@ from datetime import datetime, timedelta
 
 from django.utils import timezone
 
+from engine.sim.capacity import WarmUp
+from engine.sim.replay_actions import ReplayAction
 from engine.sim.replay_stats import percentile
 from engine.sim.trace import TraceRequest
-from kvops.models import Engine, Job, OperatorAction
+from kvops.jobs.job_store import engines_of
+from kvops.models import Engine, Job
+from kvops.what_if import what_if_log
+from kvops.what_if.what_if_log import active_pins
 from kvops.intake.prompts import inspector, render_chat
 from kvops.routing.tenancy import cache_salt
 
@@ -46,6 +64,7 @@ log = logging.getLogger(__name__)
 
 MAX_MINUTES = 24 * 60
 MAX_JOBS = 5000
+WARMUP_MAX_JOBS = 1000  # jobs replayed before the window at most (and max_jobs)
 
 
 @dataclass(slots=True)
@@ -55,6 +74,16 @@ class JobTrace:
     job_ids: list[int]  # the job each request comes from
     summary: dict  # what was replayed, and what the engine recorded for the same jobs
     pins: list[list[int]] = field(default_factory=list)  # pinned before the replay
+    actions: list[ReplayAction] = field(default_factory=list)  # in the window, its times
+    warmup: WarmUp | None = None  # replayed before the window, in no figure
+
+
+@dataclass(slots=True)
+class _Stay:
+    """A job's stay on this engine."""
+    job: Job
+    arrived: datetime  # queued, or moved in
+    left: datetime | None  # moved away; None: it ended here
 
 
 def window(engine_name: str, minutes: int, until: datetime | None = None):
@@ -71,47 +100,148 @@ def build_trace(engine: Engine, minutes: int, max_jobs: int,
     if not 1 <= minutes <= MAX_MINUTES or not 1 <= max_jobs <= MAX_JOBS:
         raise ValueError(f"minutes must be in [1, {MAX_MINUTES}] and max_jobs in [1, {MAX_JOBS}]")
     until = until or timezone.now()
-    jobs = list(reversed(window(engine.name, minutes, until).select_related("owner")[:max_jobs]))
-    if not jobs:
+    newest = list(window(engine.name, minutes, until).select_related("owner")[:max_jobs])
+    if not newest:
         raise ValueError(f"engine {engine.name} ran no jobs queued in the last {minutes} "
                          f"minutes: there is nothing to replay")
-    units, source = _prompt_units(engine.config, jobs)
-    lengths = [job.num_prompt_tokens for job in jobs]
-    # the pinned prefixes after the jobs: their prompts are built beside the jobs'
-    pin_units = _pin_units(engine.config, active_pins(engine.name, until), source)
-    units += [u for u, _ in pin_units]
-    lengths += [n for _, n in pin_units]
+    first = min(job.queued_at for job in newest)
+    warm_from = first - timedelta(minutes=minutes)
+    moved_away = what_if_log.moves_out(engine.name, warm_from, until)
+    stays = _stays(engine.name, newest + _moved_away_jobs(moved_away, first, until, newest),
+                   moved_away)
+    warm_jobs = list(Job.objects.filter(
+        engine=engine.name, num_prompt_tokens__gt=0, queued_at__gt=warm_from,
+        queued_at__lte=first).exclude(pk__in=[s.job.pk for s in stays])
+        .select_related("owner").order_by("-queued_at", "-id")[:min(max_jobs, WARMUP_MAX_JOBS)])
+    warm = _stays(engine.name, warm_jobs + _moved_away_jobs(
+        moved_away, warm_from, first, warm_jobs + [s.job for s in stays]), moved_away)
+    jobs = [s.job for s in stays]
+    everyone = jobs + [s.job for s in warm]
+    units, source = _prompt_units(engine.config, everyone)
+    lengths = [job.num_prompt_tokens for job in everyone]
+    # the pins after the jobs: held before the warm-up, then those pinned or unpinned
+    # in it and in the window; their prompts are built beside the jobs'
+    logged = what_if_log.actions_between(engine.name, warm_from, until)
+    pin_rows = [row for row in logged if row.action in ("pin", "unpin")]
+    pin_units = _pin_units(engine.config, active_pins(engine.name, warm_from)
+                           + [row.params or {} for row in pin_rows], source)
+    built = [u for u in pin_units if u is not None]
+    units += [u for u, _ in built]
+    lengths += [n for _, n in built]
     order = sorted(range(len(units)), key=lambda i: units[i])
     shared = _shared_with_predecessor(order, units, lengths, source == "characters")
     vocab = int(engine.config.get("vocab_size") or 32000)
     prompts = _build_prompts(order, shared, lengths, vocab)
     groups, prefix_lens = _groups(order, shared, int(engine.config.get("block_size") or 16))
-    n = len(jobs)
-    prompts, pins = prompts[:n], prompts[n:]
-    groups, prefix_lens, lengths = groups[:n], prefix_lens[:n], lengths[:n]
-    start = jobs[0].queued_at
-    requests = [TraceRequest(arrival_s=(job.queued_at - start).total_seconds(),
-                             prompt_len=job.num_prompt_tokens,
-                             output_len=max(job.num_output_tokens, 1),
+    n, n_warm = len(jobs), len(warm)
+    pin_prompts = iter(prompts[n + n_warm:])
+    pin_tokens = [next(pin_prompts) if u is not None else None for u in pin_units]
+    n_held = len(pin_units) - len(pin_rows)
+    pins = [t for t in pin_tokens[:n_held] if t is not None]
+    tokens_of = dict(zip((row.pk for row in pin_rows), pin_tokens[n_held:]))
+    t0 = stays[0].arrived
+    requests = [TraceRequest(arrival_s=(s.arrived - t0).total_seconds(),
+                             prompt_len=s.job.num_prompt_tokens,
+                             output_len=max(s.job.num_output_tokens, 1),
                              prefix_group=groups[i], prefix_len=prefix_lens[i])
-                for i, job in enumerate(jobs)]
-    prompt_tokens = sum(lengths)
+                for i, s in enumerate(stays)]
+    not_replayed = [{"action": "pin", "at": None, "why": "held when the replay starts; its "
+                     "prefix cannot be rebuilt among the replayed prompts"}
+                    for t in pin_tokens[:n_held] if t is None]
+    segments = [_segment("window", stays), *([_segment("warm-up", warm)] if warm else [])]
+    actions, warm_actions = _actions(logged, segments, t0, tokens_of, not_replayed)
+    actions += _departures(stays, segments[0])
+    warmup = None
+    if warm:
+        warm_actions += _departures(warm, segments[1])
+        warmup = WarmUp(
+            [TraceRequest(arrival_s=(s.arrived - segments[1].origin).total_seconds(),
+                          prompt_len=s.job.num_prompt_tokens,
+                          output_len=max(s.job.num_output_tokens, 1)) for s in warm],
+            prompts[n:n + n_warm], warm_actions, (t0 - segments[1].origin).total_seconds())
     summary = {
         "jobs": len(jobs), "minutes": minutes, "max_jobs": max_jobs,
         "truncated": window(engine.name, minutes, until)[max_jobs:max_jobs + 1].exists(),
-        "from": start.isoformat(), "until": until.isoformat(),
+        "from": t0.isoformat(), "until": until.isoformat(),
         "span_s": requests[-1].arrival_s,
         "still_running": sum(job.status == Job.Status.RUNNING for job in jobs),
-        "prompt_tokens": prompt_tokens,
+        "prompt_tokens": sum(lengths[:n]),
         "output_tokens": sum(r.output_len for r in requests),
-        "prefix_groups": len({g for g in groups if g is not None}),
+        "prefix_groups": len({g for g in groups[:n] if g is not None}),
         "prefixes_from": source,
         "pins": len(pins),
+        # the warm-up: jobs replayed before the window, in no figure
+        "warmup_jobs": n_warm, "warmup_minutes": minutes,
+        "actions": len(actions) + len(warm_actions or []),
+        "moved_in": sum(s.arrived != s.job.queued_at for s in stays),
+        "moved_out": sum(s.left is not None for s in stays),
+        "not_replayed": not_replayed,
         # the engine's own counts for these jobs, to hold the replay of its own
         # configuration against
         "recorded": recorded(jobs),
     }
-    return JobTrace(requests, prompts, [job.pk for job in jobs], summary, pins)
+    return JobTrace(requests, prompts[:n], [job.pk for job in jobs], summary, pins,
+                    actions, warmup)
+
+
+def _moved_away_jobs(moved: dict[int, datetime], since: datetime, until: datetime,
+                     known: list[Job]) -> list[Job]:
+    """The jobs queued in (since, until] that moved away from the engine (they are
+    another engine's now), but those in `known`."""
+    ids = set(moved) - {job.pk for job in known}
+    return list(Job.objects.filter(pk__in=ids, num_prompt_tokens__gt=0, queued_at__gt=since,
+                                   queued_at__lte=until).select_related("owner"))
+
+
+def _stays(engine_name: str, jobs: list[Job], moved: dict[int, datetime]) -> list[_Stay]:
+    """Each job's stay on this engine, in the order they arrived here: from its queueing
+    or its move here (its `engines`), to its move away (its next engine's start, or the
+    operator log's move) if it moved on."""
+    out = []
+    for job in jobs:
+        arrived, left = job.queued_at, moved.get(job.pk)
+        visits = engines_of(job)
+        here = [k for k, v in enumerate(visits) if v.get("engine") == engine_name]
+        if here:
+            k = here[-1]
+            if visits[k].get("reason") == "migration" and visits[k].get("at"):
+                arrived = max(arrived, datetime.fromisoformat(visits[k]["at"]))
+            if k + 1 < len(visits) and visits[k + 1].get("at"):
+                left = datetime.fromisoformat(visits[k + 1]["at"])
+        out.append(_Stay(job, arrived, left))
+    return sorted(out, key=lambda s: (s.arrived, s.job.pk))
+
+
+def _segment(name: str, stays: list[_Stay]) -> what_if_log.Segment:
+    return what_if_log.Segment(name, stays[0].arrived,
+                               {s.job.request_id: i for i, s in enumerate(stays) if s.job.request_id},
+                               {s.job.pk for s in stays})
+
+
+def _actions(logged: list, segments: list, t0: datetime, tokens_of: dict,
+             not_replayed: list[dict]) -> tuple[list[ReplayAction], list[ReplayAction]]:
+    """The logged actions as replay actions of the window and of the warm-up (an action
+    before the window's first job is the warm-up's, if there is one); those that cannot
+    be replayed appended to not_replayed."""
+    window_actions: list[ReplayAction] = []
+    warm_actions: list[ReplayAction] = []
+    replayed_jobs = set().union(*(segment.jobs for segment in segments))
+    for row in logged:
+        warm = len(segments) > 1 and row.created_at < t0
+        made = what_if_log.replay_action(row, segments[1 if warm else 0], t0,
+                                         tokens_of.get(row.pk), replayed_jobs)
+        if isinstance(made, ReplayAction):
+            (warm_actions if warm else window_actions).append(made)
+        elif made is not None:
+            not_replayed.append(made)
+    return window_actions, warm_actions
+
+
+def _departures(stays: list[_Stay], segment: what_if_log.Segment) -> list[ReplayAction]:
+    """A move-out for each job that moved away, at its time in the segment."""
+    return [ReplayAction((s.left - segment.origin).total_seconds(), "move-out", request=i,
+                         label=f"migrate {s.job.request_id}".strip())
+            for i, s in enumerate(stays) if s.left is not None]
 
 
 def recorded(jobs: list[Job]) -> dict:
@@ -151,42 +281,21 @@ def service_delay(jobs: list[Job], claims: list[float]) -> float:
     return max(0.0, percentile(parts, 50) if parts else (percentile(claims, 50) or 0.0))
 
 
-def active_pins(engine_name: str, until: datetime) -> list[dict]:
-    """The hard pins the engine holds at `until`, as the operator log says: each
-    successful pin's parameters (prompt or token_ids, cache_salt), less those unpinned
-    since, none from before the last reset (which unpins every block)."""
-    pins: dict[tuple, dict] = {}
-    actions = OperatorAction.objects.filter(engine=engine_name, ok=True, created_at__lte=until,
-                                            action__in=("pin", "unpin", "reset")).order_by("id")
-    for action in actions:
-        params = action.params or {}
-        if action.action == "reset":
-            pins.clear()
-            continue
-        if params.get("soft"):  # (a soft pin takes nothing from the budget)
-            continue
-        key = (params.get("prompt"), tuple(params.get("token_ids") or ()),
-               params.get("cache_salt") or "")
-        if action.action == "pin":
-            pins[key] = params
-        else:
-            pins.pop(key, None)
-    return list(pins.values())
-
-
-def _pin_units(config: dict, pins: list[dict], source: str) -> list[tuple[tuple, int]]:
+def _pin_units(config: dict, pins: list[dict], source: str) -> list[tuple[tuple, int] | None]:
     """Each pin's sort key, of the jobs' kind (tokens or characters), and its length in
-    tokens; a pin that cannot be put in the jobs' terms (token ids where the jobs were
-    compared as characters) is left out."""
-    out = []
+    tokens; None for a pin that cannot be put in the jobs' terms (token ids where the
+    jobs were compared as characters)."""
+    out: list[tuple[tuple, int] | None] = []
     for pin in pins:
         salt = pin.get("cache_salt") or ""
+        unit = None
         if source == "tokens":
             ids = pin.get("token_ids") or inspector.token_ids(config, pin.get("prompt") or "", None)
             if ids:
-                out.append(((salt, list(ids)), len(ids)))
+                unit = ((salt, list(ids)), len(ids))
         elif pin.get("prompt"):
-            out.append(((salt, pin["prompt"]), len(pin["prompt"])))
+            unit = ((salt, pin["prompt"]), len(pin["prompt"]))
+        out.append(unit)
     return out
 
 

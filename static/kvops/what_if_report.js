@@ -60,6 +60,9 @@ const RESULT_ROWS = [
   ["prompt tokens computed", (r) => r.prompt_tokens_computed, integer, "number"],
   ["blocks pinned (the engine's pins)", (r) => r.pinned_blocks, integer, "number"],
   ["pins refused (past the budget)", (r) => r.pins_refused, integer, "number"],
+  ["operator actions applied", (r) => r.actions_applied, integer, "number"],
+  // (refused by the replay's engine: its state then was not the engine's)
+  ["operator actions refused", (r) => (r.actions_refused ? r.actions_refused.length : undefined), integer, "number"],
   ["TTFT p50", (r) => r.ttft_p50, secs, "number"],
   ["TTFT p99", (r) => r.ttft_p99, secs, "number"],
   ["queue wait p50", (r) => r.queue_wait_p50, secs, "number"],
@@ -123,6 +126,17 @@ export function traceSummary(trace) {
     `${trace.prefix_groups} prefix group${trace.prefix_groups === 1 ? "" : "s"} (from the prompts' ${trace.prefixes_from})`,
   ];
   if (trace.still_running) parts.push(`${trace.still_running} still running (their output so far)`);
+  if (trace.warmup_jobs != null) {
+    parts.push(trace.warmup_jobs
+      ? `a warm start: ${trace.warmup_jobs} earlier job${trace.warmup_jobs === 1 ? "" : "s"} replayed first (in no figure)`
+      : "an empty cache at the start (no jobs before the window)");
+  }
+  if (trace.actions) parts.push(`${trace.actions} operator action${trace.actions === 1 ? "" : "s"} replayed at their times`);
+  if (trace.moved_in || trace.moved_out) parts.push(`${trace.moved_in || 0} moved in, ${trace.moved_out || 0} moved away`);
+  const skipped = trace.not_replayed || [];
+  if (skipped.length) {
+    parts.push(`not replayed: ${skipped.map((a) => `${a.action}${a.at == null ? "" : ` at ${Number(a.at).toFixed(1)} s`} (${a.why})`).join("; ")}`);
+  }
   const cost = trace.step_cost;
   if (cost) parts.push(stepCostText(cost));
   const rec = trace.recorded || {};

@@ -9,8 +9,10 @@ import pytest
 from django.contrib.auth.models import User
 from django.utils import timezone
 
+from engine import LLMEngine, SamplingParams
 from engine.observe.step_cost import StepCost
 from engine.sim.capacity import replay_paged
+from engine.sim.replay_actions import ReplayAction
 from engine.kv.tiers.disk_seal import file_bytes
 from kvops import tasks
 from kvops.what_if import what_if
@@ -219,10 +221,10 @@ def test_an_fp8_kv_cache_is_replayed_as_more_blocks_in_the_same_memory(busy_engi
 
 
 def test_the_engines_pins_are_pinned_before_the_replay_within_the_pin_budget(busy_engine):
-    """The operator log's hard pin of the jobs' shared system prompt (an earlier pin
-    unpinned, another before a reset, and a soft one are not the engine's any more) is
-    pinned before each replay: under the engine's budget it holds the prompt's blocks,
-    under a budget of 0 it is refused."""
+    """The operator log's hard pin of the jobs' shared system prompt, held since before
+    the replayed period (an earlier pin unpinned, another before a reset, and a soft one
+    are not the engine's any more), is pinned before each replay: under the engine's
+    budget it holds the prompt's blocks, under a budget of 0 it is refused."""
     operator, engine = busy_engine
     for action, params in [("pin", {"prompt": "an old prefix that was reset " * 3}),
                            ("reset", {}),
@@ -232,7 +234,9 @@ def test_the_engines_pins_are_pinned_before_the_replay_within_the_pin_budget(bus
                            ("pin", {"prompt": SYSTEM})]:
         OperatorAction.objects.create(user=operator, engine="busy", action=action,
                                       params=params, ok=True, status_code=200)
-    from kvops.what_if.what_if_trace import active_pins
+    # (an hour ago: before the window and its warm-up)
+    OperatorAction.objects.update(created_at=timezone.now() - timedelta(hours=1))
+    from kvops.what_if.what_if_log import active_pins
     assert active_pins("busy", timezone.now()) == [{"prompt": SYSTEM}]
     run = what_if.start(operator, engine, 10, 100, {"pin_budget": 0.0}, StepCost())
     assert tasks.what_if.apply(args=[run.pk]).get() == "finished"
@@ -293,3 +297,102 @@ def test_the_baseline_is_held_against_what_the_engine_recorded():
     assert what_if.fidelity(recorded, near, simulated=False)["misses"] == []
     assert what_if.as_seen({"ttft_p50": 0.05, "queue_wait_p50": None}, 0.016) == \
         {"ttft_p50": pytest.approx(0.066), "queue_wait_p50": None, "service_delay_s": 0.016}
+
+
+def three_jobs_sharing_a_prompt(operator, at, cached=(0, 0, 0)):
+    """Three jobs of engine busy sharing the system prompt, one a second from `at`."""
+    jobs = []
+    for i in range(3):
+        prompt = SYSTEM + f"question {i}: " + "y" * (30 + 7 * i)
+        job = Job.objects.create(owner=operator, prompt=prompt, params={}, engine="busy",
+                                 status=Job.Status.FINISHED, request_id=f"r{i}",
+                                 num_prompt_tokens=len(prompt.encode()), num_output_tokens=4,
+                                 num_cached_tokens=cached[i])
+        Job.objects.filter(pk=job.pk).update(queued_at=at + timedelta(seconds=i))
+        jobs.append(job)
+    return jobs
+
+
+def live_cached(prompts, reset_after):
+    """The prompt tokens a live simulated engine of CONFIG serves from its cache to each
+    prompt run one after another, an operator resetting its cache after `reset_after`."""
+    live = LLMEngine(what_if.baseline_config(CONFIG))
+    cached = []
+    for k, tokens in enumerate(prompts):
+        live.add_request(f"j{k}", tokens, SamplingParams(max_tokens=4, ignore_eos=True))
+        while live.has_unfinished_requests():
+            cached += [o.num_cached_tokens for o in live.step() if o.finished]
+        if k == reset_after:
+            live.reset_prefix_cache()
+    return cached
+
+
+@pytest.fixture
+def quiet_engine():
+    operator = User.objects.create_user("op", is_staff=True)
+    return operator, Engine.objects.create(name="busy", worker="engine-busy@test", config=CONFIG)
+
+
+def test_a_replay_with_a_reset_in_its_window_reproduces_the_miss_that_followed_it(quiet_engine):
+    operator, engine = quiet_engine
+    at = timezone.now() - timedelta(seconds=30)
+    jobs = three_jobs_sharing_a_prompt(operator, at)
+    reset = OperatorAction.objects.create(user=operator, engine="busy", action="reset",
+                                          ok=True, status_code=200)
+    OperatorAction.objects.filter(pk=reset.pk).update(created_at=at + timedelta(seconds=0.5))
+    trace = build_trace(engine, 10, 100)
+    live = live_cached(trace.prompts, reset_after=0)
+    assert live[0] == live[1] == 0 < live[2]  # the job after the reset missed
+    for job, cached in zip(jobs, live):  # as the engine recorded them
+        Job.objects.filter(pk=job.pk).update(num_cached_tokens=cached)
+
+    run = what_if.start(operator, engine, 10, 100, {}, StepCost())
+    assert tasks.what_if.apply(args=[run.pk]).get() == "finished"
+    run.refresh_from_db()
+    assert run.trace["actions"] == 1 and run.trace["not_replayed"] == []
+    assert run.baseline["actions_applied"] == 1 and run.baseline["actions_refused"] == []
+    figure = run.baseline["fidelity"]["figures"]["prefix_hit_rate"]
+    assert figure["replayed"] == figure["recorded"] == sum(live) / run.trace["prompt_tokens"]
+    assert "prefix_hit_rate" not in run.baseline["fidelity"]["misses"]
+    # a replay blind to the reset would have hit where the engine missed
+    blind = replay_paged(trace.requests, what_if.baseline_config(CONFIG), StepCost(),
+                         prompts=trace.prompts)
+    assert blind.prefix_hit_rate > run.baseline["prefix_lookup_hit_rate"]
+
+
+def test_a_window_starting_from_a_warm_cache_reproduces_its_first_hits(quiet_engine):
+    """Jobs queued before the window cached the system prompt: the first job in the
+    window hits it in the replay as it did on the engine; the warm-up is in no figure."""
+    operator, engine = quiet_engine
+    now = timezone.now()
+    before = three_jobs_sharing_a_prompt(operator, now - timedelta(seconds=68))
+    Job.objects.filter(pk__in=[j.pk for j in before]).update(request_id="")
+    first = Job.objects.create(owner=operator, prompt=SYSTEM + "and in the window?", params={},
+                               engine="busy", status=Job.Status.FINISHED,
+                               num_prompt_tokens=len(SYSTEM) + 18, num_output_tokens=4,
+                               num_cached_tokens=len(SYSTEM) // 16 * 16)
+    Job.objects.filter(pk=first.pk).update(queued_at=now - timedelta(seconds=10))
+
+    run = what_if.start(operator, engine, 1, 100, {}, StepCost())
+    assert tasks.what_if.apply(args=[run.pk]).get() == "finished"
+    run.refresh_from_db()
+    assert (run.trace["jobs"], run.trace["warmup_jobs"]) == (1, 3)
+    assert run.baseline["requests"] == 1 and run.baseline["warmup_requests"] == 3
+    assert run.baseline["prefix_hit_rate"] == run.trace["recorded"]["prefix_hit_rate"] > 0
+    assert run.baseline["prompt_tokens_computed"] == first.num_prompt_tokens - first.num_cached_tokens
+    # the same window from an empty cache misses it
+    trace = build_trace(engine, 1, 100, until=run.created_at)
+    cold = replay_paged(trace.requests, what_if.baseline_config(CONFIG), StepCost(),
+                        prompts=trace.prompts)
+    assert cold.prefix_hit_rate == 0.0
+
+
+def test_the_alternative_keeps_the_settings_it_changes():
+    """The engine's own retention change is applied to the baseline; an alternative that
+    sets the eviction policy keeps its own (the pin budget still follows the engine)."""
+    change = ReplayAction(1.0, "retention",
+                          arguments={"eviction_policy": "lfu", "pin_budget": 0.2})
+    assert what_if.actions_for([change], {}) == [change]
+    [kept] = what_if.actions_for([change], {"eviction_policy": "slru", "pin_budget": None})
+    assert kept.arguments == {"pin_budget": 0.2}
+    assert what_if.actions_for([change], {"eviction_policy": "slru", "pin_budget": 0.1}) == []

@@ -8,7 +8,7 @@ import pytest
 from django.contrib.auth.models import User
 from django.utils import timezone
 
-from kvops.models import Engine, Job
+from kvops.models import Engine, Job, OperatorAction
 from kvops.what_if.what_if_trace import build_trace
 
 pytestmark = pytest.mark.django_db
@@ -161,3 +161,106 @@ def test_the_service_delay_is_a_jobs_ttft_less_the_engines_own(people):
     recorded = build_trace(engine, minutes=10, max_jobs=100).summary["recorded"]
     assert recorded["service_delay_s"] == pytest.approx(0.03, abs=1e-5)  # of .03, .02, .05
     assert recorded["queue_wait_p50"] == pytest.approx(0.005)
+
+
+def log(user, engine, action, at, target="", ok=True, **params):
+    row = OperatorAction.objects.create(user=user, engine=engine, action=action, target=target,
+                                        params=params, ok=ok, status_code=200 if ok else 409)
+    OperatorAction.objects.filter(pk=row.pk).update(created_at=at)
+    return row
+
+
+def test_operator_actions_are_in_the_trace_at_their_times_and_the_rest_is_listed(people):
+    staff, _ = people
+    engine = Engine.objects.create(name="op", worker="engine-op@test", config=SIM_CONFIG)
+    t0 = timezone.now() - timedelta(minutes=2)
+
+    def at(seconds: float):
+        return t0 + timedelta(seconds=seconds)
+
+    jobs = [add_job(staff, "op", SYSTEM + f"question {i}", at(i)) for i in range(3)]
+    Job.objects.filter(pk=jobs[1].pk).update(request_id=f"job-{jobs[1].pk}-2", attempts=2)
+    log(staff, "op", "reset", at(0.5))
+    log(staff, "op", "evict", at(0.6), num_blocks=3)
+    log(staff, "op", "pin", at(0.7), token_ids=list(SYSTEM.encode()))
+    log(staff, "op", "preempt", at(1.2), target=f"job-{jobs[1].pk}-2")
+    log(staff, "op", "retention", at(1.3), eviction_policy="lfu")
+    log(staff, "op", "pause", at(1.4))
+    log(staff, "op", "resume", at(1.6))
+    # not replayed: an earlier attempt, a request of no replayed job, a pin whose prefix
+    # cannot be rebuilt (a job's, with no token ids); nothing for a refused action, a
+    # drain or another engine's reset
+    log(staff, "op", "abort", at(1.7), target=f"job-{jobs[1].pk}-1")
+    log(staff, "op", "swap-out", at(1.8), target="job-99999-1")
+    log(staff, "op", "pin", at(1.9), job=12345)
+    log(staff, "op", "preempt", at(1.95), target=f"job-{jobs[2].pk}-1", ok=False)
+    log(staff, "op", "drain", at(1.96))
+    log(staff, "other", "reset", at(1.97))
+
+    trace = build_trace(engine, minutes=10, max_jobs=100)
+
+    kinds = [(a.kind, a.at_s, a.request) for a in trace.actions]
+    assert kinds == [("reset", 0.5, None), ("evict", 0.6, None), ("pin", 0.7, None),
+                     ("preempt", 1.2, 1), ("retention", 1.3, None), ("pause", 1.4, None),
+                     ("resume", 1.6, None)]
+    evict, pin, _, retention = trace.actions[1:5]
+    assert evict.arguments == {"num_blocks": 3} and retention.arguments == {"eviction_policy": "lfu"}
+    # the pin's prefix is the jobs' shared system prompt, in their token space
+    assert list(pin.tokens) == trace.prompts[0][:len(SYSTEM)]
+    assert common(pin.tokens, trace.prompts[2]) == len(SYSTEM)
+    listed = trace.summary["not_replayed"]
+    assert [(r["action"], r["at"]) for r in listed] == [
+        (f"abort job-{jobs[1].pk}-1", 1.7), ("swap-out job-99999-1", 1.8), ("pin", 1.9)]
+    assert "earlier attempt" in listed[0]["why"] and "not one of the replayed" in listed[1]["why"]
+    assert "cannot be rebuilt" in listed[2]["why"]
+    assert trace.summary["actions"] == 7
+
+
+def test_jobs_that_moved_arrive_and_leave_when_they_did(people):
+    staff, _ = people
+    engine = Engine.objects.create(name="here", worker="engine-here@test", config=SIM_CONFIG)
+    t0 = timezone.now() - timedelta(minutes=2)
+
+    def at(seconds: float):
+        return t0 + timedelta(seconds=seconds)
+
+    stayed = add_job(staff, "here", "a job that stayed here all along", at(0))
+    away = add_job(staff, "there", "a job that moved away from here", at(1))
+    Job.objects.filter(pk=away.pk).update(request_id=f"job-{away.pk}-1", engines=[
+        {"engine": "here", "at": at(1.1).isoformat(), "reason": "start"},
+        {"engine": "there", "at": at(3).isoformat(), "reason": "migration"}])
+    log(staff, "here", "migrate", at(2.9), target=f"job-{away.pk}-1", to="there")
+    came = add_job(staff, "here", "a job that moved in from elsewhere", at(1.5))
+    Job.objects.filter(pk=came.pk).update(engines=[
+        {"engine": "there", "at": at(1.6).isoformat(), "reason": "start"},
+        {"engine": "here", "at": at(4).isoformat(), "reason": "migration"}])
+
+    trace = build_trace(engine, minutes=10, max_jobs=100)
+
+    assert trace.job_ids == [stayed.pk, away.pk, came.pk]
+    assert [r.arrival_s for r in trace.requests] == [0.0, 1.0, 4.0]
+    [leave] = trace.actions
+    assert (leave.kind, leave.at_s, leave.request) == ("move-out", 3.0, 1)
+    assert (trace.summary["moved_in"], trace.summary["moved_out"]) == (1, 1)
+    assert trace.summary["not_replayed"] == []
+
+
+def test_the_jobs_before_the_window_warm_it_up(people):
+    """Jobs queued in as many minutes before the window's first job are the warm-up,
+    built in the same token space; actions before the window are the warm-up's."""
+    staff, _ = people
+    engine = Engine.objects.create(name="warm", worker="engine-warm@test", config=SIM_CONFIG)
+    now = timezone.now()
+    early = add_job(staff, "warm", SYSTEM + "asked before the window", now - timedelta(seconds=85))
+    add_job(staff, "warm", SYSTEM + "too early to matter", now - timedelta(seconds=200))
+    log(staff, "warm", "evict", now - timedelta(seconds=80))
+    first = add_job(staff, "warm", SYSTEM + "asked in the window", now - timedelta(seconds=30))
+
+    trace = build_trace(engine, minutes=1, max_jobs=100)
+
+    assert trace.job_ids == [first.pk] and trace.summary["warmup_jobs"] == 1
+    warm = trace.warmup
+    assert [r.arrival_s for r in warm.requests] == [0.0] and warm.lead_s == 55.0
+    assert common(warm.prompts[0], trace.prompts[0]) == len(SYSTEM + "asked ")
+    assert [(a.kind, a.at_s) for a in warm.actions] == [("evict", 5.0)]
+    assert trace.actions == [] and early.pk not in trace.job_ids

@@ -56,6 +56,29 @@ test("the trace line says what was replayed and what the engine recorded", () =>
   assert.equal(traceSummary({}), "");
 });
 
+test("the trace line says how the replay started, what it applied and what it could not", () => {
+  const text = traceSummary({ jobs: 3, minutes: 10, max_jobs: 100, truncated: false, span_s: 2,
+    still_running: 0, prompt_tokens: 300, output_tokens: 12, prefix_groups: 1, prefixes_from: "tokens",
+    warmup_jobs: 4, actions: 2, moved_in: 1, moved_out: 0, recorded: {},
+    not_replayed: [{ action: "swap-out job-9-1", at: 1.25, why: "its request is not one of the replayed jobs'" },
+                   { action: "pin", at: null, why: "held when the replay starts" }] });
+  assert.match(text, /a warm start: 4 earlier jobs replayed first \(in no figure\)/);
+  assert.match(text, /2 operator actions replayed at their times/);
+  assert.match(text, /1 moved in, 0 moved away/);
+  assert.match(text, /not replayed: swap-out job-9-1 at 1\.3 s \(its request is not one of the replayed jobs'\); pin \(held when the replay starts\)/);
+  const cold = traceSummary({ jobs: 1, minutes: 1, span_s: 0, prompt_tokens: 10, output_tokens: 1,
+    prefix_groups: 0, prefixes_from: "tokens", warmup_jobs: 0, actions: 0, not_replayed: [], recorded: {} });
+  assert.match(cold, /an empty cache at the start/);
+  assert.doesNotMatch(cold, /not replayed|operator action|moved/);
+  const rows = comparisonRows({
+    baseline: { ...result(48, 3, 0.2, 1), actions_applied: 2, actions_refused: [] },
+    alternative: { ...result(96, 3, 0.2, 1), actions_applied: 1, actions_refused: [{ action: "preempt job-3-1", at: 2, why: "ended" }] } });
+  const row = (label) => rows.find((r) => r.label === label);
+  assert.deepEqual([row("operator actions applied").baseline, row("operator actions refused").alternative], ["2", "1"]);
+  assert.equal(comparisonRows({ baseline: result(1, 1, 0, 0), alternative: result(1, 1, 0, 0) })
+    .find((r) => r.label === "operator actions refused"), undefined);
+});
+
 test("the tier, policy and K/V dtype levers: a disk size in GiB travels as bytes", () => {
   const body = requestBody({ disk_cache_gib: "1.5", eviction_policy: "slru", kv_cache_dtype: "fp8_e4m3",
                              cpu_prefix_cache: "true" });
