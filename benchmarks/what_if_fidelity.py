@@ -103,7 +103,8 @@ def run_trace(stack: Stack, engine: str, trace: list[tuple[float, str, int]]) ->
 def what_if(stack: Stack, engine: str, minutes: int, alternative: dict) -> dict:
     r = stack.api("POST", f"/api/engines/{engine}/what-if/",
                   json={"minutes": minutes, "max_jobs": 5000, **alternative})
-    r.raise_for_status()
+    if r.status_code != 202:
+        raise RuntimeError(f"what-if refused ({r.status_code}): {r.text[:300]}")
     run = {}
 
     def ended() -> bool:
@@ -152,7 +153,12 @@ def main(argv: list[str] | None = None) -> int:
             step = base_run["trace"].get("step_cost") or {}
             for i, lever in enumerate(name.strip() for name in args.levers.split(",")):
                 alternative, settings = LEVERS[lever]
-                predicted = what_if(stack, "recorded", minutes, alternative)["alternative"]
+                try:
+                    predicted = what_if(stack, "recorded", minutes, alternative)["alternative"]
+                except RuntimeError as e:
+                    rows.append([lever, str(e)[:60], "", "", "", "", "", ""])
+                    print(lever, e, flush=True)
+                    continue
                 live_settings = {k: (str(Path(tmp) / f"disk-{i}") if v == "{disk}" else v)
                                  for k, v in settings.items()}
                 name = f"live-{i}"
