@@ -134,7 +134,6 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated, of: " + ", ".join(LEVERS))
     args = p.parse_args(argv)
     trace = workload(args.requests, args.seconds)
-    minutes = int(args.seconds // 60) + 3
     rows = []
     with tempfile.TemporaryDirectory(prefix="kvops-fidelity-") as tmp:
         stack = Stack(Path(tmp))
@@ -142,8 +141,13 @@ def main(argv: list[str] | None = None) -> int:
             stack.start_web()
             stack.start_ops_worker()
             stack.start_engine("recorded", **SIM)
+            started = time.monotonic()
             recorded = run_trace(stack, "recorded", trace)
-            base_run = what_if(stack, "recorded", minutes, {})
+
+            def minutes() -> int:  # the window back from now that holds the recorded jobs
+                return int((time.monotonic() - started) // 60) + 2
+
+            base_run = what_if(stack, "recorded", minutes(), {})
             base = base_run["baseline"]
             f = base.get("fidelity") or {}
             rows.append(["baseline (its own configuration)", _pct(base["prefix_hit_rate"]),
@@ -154,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
             for i, lever in enumerate(name.strip() for name in args.levers.split(",")):
                 alternative, settings = LEVERS[lever]
                 try:
-                    predicted = what_if(stack, "recorded", minutes, alternative)["alternative"]
+                    predicted = what_if(stack, "recorded", minutes(), alternative)["alternative"]
                 except RuntimeError as e:
                     rows.append([lever, str(e)[:60], "", "", "", "", "", ""])
                     print(lever, e, flush=True)
