@@ -28,6 +28,7 @@ import numpy as np
 
 from engine.block_hash import BlockHash, hash_blocks, short
 from engine.kv.block_pool import BlockPool, KVBlock
+from engine.kv.block_seconds import BlockSeconds
 from engine.config import ConfigError
 from engine.kv.events import EventLog
 from engine.kv.export import PoolExport
@@ -83,8 +84,12 @@ class KVCacheCoordinator:
         # forward pass writes. A same-step hit may read them (each layer writes all K/V
         # before attending) but not copy them: copies run before the forward pass.
         self.uncomputed: set[int] = set()
+        # each request's KV block-seconds by pool, told by the groups as tables change
+        # (the event log's clock, the stories' time, read when it is asked)
+        self.block_seconds = BlockSeconds(lambda: events.clock())
         self.groups: list[KVGroup] = [
-            make_group(g, w, block_size, self.gpu, self.cpu, events, self.uncomputed)
+            make_group(g, w, block_size, self.gpu, self.cpu, events, self.uncomputed,
+                       self.block_seconds)
             for g, w in enumerate(windows)]
         self.main = self.groups[0]
         self.num_groups = len(self.groups)
@@ -426,6 +431,11 @@ class KVCacheCoordinator:
         finish reason, a preemption's, or "forked")."""
         for g in self.groups:
             g.free(request, reason)
+
+    def end(self, request_id: str) -> dict[str, float]:
+        """The request is gone from this engine (ended, forked, moved away or given back;
+        its blocks freed): its KV block-seconds by pool here, which are forgotten."""
+        return self.block_seconds.end(request_id)
 
     # --- the step's copies -----------------------------------------------------------
     def flush_offloads(self) -> list[tuple[int, int]]:
