@@ -60,6 +60,11 @@ class BlockSeconds:
         self._held.pop(request_id, None)
         return spent
 
+    def held(self) -> dict[str, tuple[int, int]]:
+        """The (GPU, CPU) blocks each request is counted as holding now (the coordinator's
+        invariants check them against its tables)."""
+        return {rid: (h.gpu, h.cpu) for rid, h in self._held.items()}
+
     def __len__(self) -> int:
         return len(self._held)
 

@@ -666,6 +666,14 @@ class KVCacheCoordinator:
                     raise AssertionError(
                         f"invariant: group {g.group}'s table of {rid} covers {held} blocks, "
                         f"group 0's {len(self.main.req_to_blocks[rid])}")
+        metered = self.block_seconds.held()
+        for rid in {rid for _, rid in gpu_tables} | {rid for _, rid in cpu_tables} | set(metered):
+            tables = (sum(len(gpu_tables.get((g.group, rid), ())) for g in self.groups),
+                      sum(len(cpu_tables.get((g.group, rid), ())) for g in self.groups))
+            if metered.get(rid, (0, 0)) != tables:
+                raise AssertionError(f"invariant: the block-seconds of {rid} count "
+                                     f"{metered.get(rid, (0, 0))} (GPU, CPU) blocks held, "
+                                     f"its tables {tables}")
 
 
 def _export_table(memo: tuple | None, table: list[KVBlock]) -> tuple:
