@@ -70,7 +70,8 @@ class LLMEngine:
         # requests' KV stories (engine/observe/story.py), read from the event stream
         self.stories = StoryBook(config.name, config.kv_history_blocks,
                                  self.events.subscribe(STORY_QUEUE_MAX),
-                                 sample=config.kv_metrics_sample) \
+                                 sample=config.kv_metrics_sample,
+                                 held=self.kv.block_seconds.spent) \
             if config.kv_history_blocks else None
         self.kv.stories = self.stories
         self.pins = Pins(self.kv, self.runner.model_id, config.pin_budget)

@@ -25,7 +25,7 @@ POSTGRES_MODULES = {f"tests.service.{name}" for name in (
     "test_stored_text", "test_store_jobs", "test_group_commit", "test_claims", "test_caps",
     "test_outbox", "test_job_stream", "test_run_job", "test_jobs_api", "test_operator_api",
     "test_audit_chain", "test_what_if_runs", "test_migration", "test_kv_story", "test_faults",
-    "test_move_faults")}
+    "test_move_faults", "test_usage_api")}
 
 
 def pytest_collection_modifyitems(items) -> None:

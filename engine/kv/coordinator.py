@@ -28,6 +28,7 @@ import numpy as np
 
 from engine.block_hash import BlockHash, hash_blocks, short
 from engine.kv.block_pool import BlockPool, KVBlock
+from engine.kv.block_seconds import BlockSeconds
 from engine.config import ConfigError
 from engine.kv.events import EventLog
 from engine.kv.export import PoolExport
@@ -83,8 +84,12 @@ class KVCacheCoordinator:
         # forward pass writes. A same-step hit may read them (each layer writes all K/V
         # before attending) but not copy them: copies run before the forward pass.
         self.uncomputed: set[int] = set()
+        # each request's KV block-seconds by pool, told by the groups as tables change
+        # (the event log's clock, the stories' time, read when it is asked)
+        self.block_seconds = BlockSeconds(lambda: events.clock())
         self.groups: list[KVGroup] = [
-            make_group(g, w, block_size, self.gpu, self.cpu, events, self.uncomputed)
+            make_group(g, w, block_size, self.gpu, self.cpu, events, self.uncomputed,
+                       self.block_seconds)
             for g, w in enumerate(windows)]
         self.main = self.groups[0]
         self.num_groups = len(self.groups)
@@ -427,6 +432,11 @@ class KVCacheCoordinator:
         for g in self.groups:
             g.free(request, reason)
 
+    def end(self, request_id: str) -> dict[str, float]:
+        """The request is gone from this engine (ended, forked, moved away or given back;
+        its blocks freed): its KV block-seconds by pool here, which are forgotten."""
+        return self.block_seconds.end(request_id)
+
     # --- the step's copies -----------------------------------------------------------
     def flush_offloads(self) -> list[tuple[int, int]]:
         """End of a schedule (or of an operator's command that took GPU blocks): the
@@ -656,6 +666,14 @@ class KVCacheCoordinator:
                     raise AssertionError(
                         f"invariant: group {g.group}'s table of {rid} covers {held} blocks, "
                         f"group 0's {len(self.main.req_to_blocks[rid])}")
+        metered = self.block_seconds.held()
+        for rid in {rid for _, rid in gpu_tables} | {rid for _, rid in cpu_tables} | set(metered):
+            tables = (sum(len(gpu_tables.get((g.group, rid), ())) for g in self.groups),
+                      sum(len(cpu_tables.get((g.group, rid), ())) for g in self.groups))
+            if metered.get(rid, (0, 0)) != tables:
+                raise AssertionError(f"invariant: the block-seconds of {rid} count "
+                                     f"{metered.get(rid, (0, 0))} (GPU, CPU) blocks held, "
+                                     f"its tables {tables}")
 
 
 def _export_table(memo: tuple | None, table: list[KVBlock]) -> tuple:

@@ -76,6 +76,9 @@ class KVEvent:
     needed_blocks: int | None = None
     free_blocks: int | None = None
     dropped_tokens: int | None = None
+    # Finished, Forked: the request's KV block-seconds here by pool ({"gpu", "cpu"};
+    # engine/kv/block_seconds.py)
+    block_seconds: dict[str, float] | None = None
     # For readers that rebuild the prefix cache elsewhere (EventLog.full): the full
     # hashes of block_ids' blocks, and for BlockStored on the GPU each one's parent hash
     # (None: the chain's first) and their token ids, block_size per block

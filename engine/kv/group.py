@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 from engine.block_hash import BlockHash, short
 from engine.kv.block_pool import BlockPool, KVBlock
+from engine.kv.block_seconds import BlockSeconds
 from engine.kv.events import EventLog
 from engine.kv.layout import cdiv, group_hash
 from engine.request import Request
@@ -64,7 +65,7 @@ class KVGroup:
     window: int | None = None  # the group's sliding window (None: full attention)
 
     def __init__(self, group: int, block_size: int, gpu: BlockPool, cpu: BlockPool,
-                 events: EventLog, uncomputed: set[int]) -> None:
+                 events: EventLog, uncomputed: set[int], held: BlockSeconds) -> None:
         self.group = group
         self.block_size = block_size
         self.enable_caching = gpu.enable_caching
@@ -73,6 +74,9 @@ class KVGroup:
         # GPU blocks registered in the cache during this schedule, whose K/V the coming
         # forward pass writes (owned by the coordinator, shared by its groups)
         self._uncomputed = uncomputed
+        # requests' block-seconds (owned by the coordinator): told each change of a
+        # table's length, in every group
+        self._held = held
         self.req_to_blocks: dict[str, list[KVBlock]] = {}  # GPU block table
         self.req_to_cpu_blocks: dict[str, list[KVBlock]] = {}  # CPU table while swapped
         self._num_offered: dict[str, int] = {}  # leading blocks already offered to the cache
@@ -162,6 +166,7 @@ class KVGroup:
         table = self.req_to_blocks.setdefault(rid, table)
         table.extend(reuse)
         table.extend(new_blocks)
+        self._held.change(rid, gpu=len(reuse) + len(new_blocks))
         if rid not in self._num_offered:
             self._num_offered[rid] = freed + len(reuse)
         result = Allocation(new_blocks=new_blocks)
@@ -181,6 +186,7 @@ class KVGroup:
         self.gpu.touch(cached)
         fresh = self.gpu.take_new(num_new, request_id)
         self.req_to_blocks[request_id] = [*cached, *fresh]
+        self._held.change(request_id, gpu=len(cached) + len(fresh))
         self._num_offered[request_id] = len(cached)
         return fresh
 
@@ -191,6 +197,7 @@ class KVGroup:
         (its next allocate), their data in by then."""
         fresh = self.gpu.take_new(num_blocks, request_id)
         self.req_to_blocks[request_id] = fresh
+        self._held.change(request_id, gpu=len(fresh))
         if freed:
             self._window_freed[request_id] = freed
         self._num_offered[request_id] = freed
@@ -214,6 +221,7 @@ class KVGroup:
         table = self.req_to_blocks.get(parent.request_id, [])
         self.gpu.touch(table)
         self.req_to_blocks[child.request_id] = list(table)
+        self._held.change(child.request_id, gpu=len(table))
         if parent.request_id in self._window_freed:
             self._window_freed[child.request_id] = self._window_freed[parent.request_id]
         self._num_offered[child.request_id] = self._num_offered.get(parent.request_id, 0)
@@ -239,6 +247,7 @@ class KVGroup:
         self.gpu.free([shared])  # this request's reference (a sibling still holds it)
         # a new list: a table replaced, not one that only grew (step_block_ids' cache)
         self.req_to_blocks[rid] = table = table[:-1] + [copy] + grown
+        self._held.change(rid, gpu=len(grown))
         self._step_ids.pop(rid, None)
         self._shared_tail.discard(rid)
         self._emit("CopiedOnWrite", request_id=rid,
@@ -295,12 +304,14 @@ class KVGroup:
         self._shared_tail.discard(rid)
         table = self.req_to_blocks.pop(rid, [])
         self._step_ids.pop(rid, None)
+        cpu_table = self.req_to_cpu_blocks.pop(rid, [])
+        if table or cpu_table:
+            self._held.change(rid, gpu=-len(table), cpu=-len(cpu_table))
         if table:
             self.gpu.free(reversed(table))
             self._emit("BlockRemoved", request_id=rid, reason=reason,
                        block_ids=[b.block_id for b in table],
                        ref_cnts=[b.ref_cnt for b in table])
-        cpu_table = self.req_to_cpu_blocks.pop(rid, [])
         if cpu_table:
             self.cpu.free(reversed(cpu_table))
             self._emit("BlockRemoved", request_id=rid, pool="cpu", reason=reason,
@@ -323,6 +334,7 @@ class KVGroup:
         self._shared_tail.discard(rid)
         del self.req_to_blocks[rid]
         self._step_ids.pop(rid, None)
+        self._held.change(rid, gpu=-len(table), cpu=len(cpu_blocks))
         self.gpu.free(reversed(table))  # cached ones stay findable until reused
         return SwapResult(mapping)
 
@@ -351,6 +363,7 @@ class KVGroup:
         self.req_to_blocks[rid] = hits + new_blocks
         mapping = [(c.block_id, g.block_id) for c, g in zip(cpu_table[len(hits):], new_blocks)]
         del self.req_to_cpu_blocks[rid]
+        self._held.change(rid, gpu=len(hits) + len(new_blocks), cpu=-len(cpu_table))
         self._num_offered[rid] = len(hits) + self._window_freed.get(rid, 0)
         self._offer_to_cache(request, request.num_computed_tokens)
         return SwapResult(mapping, num_hit_blocks=len(hits)), list(reversed(cpu_table))
@@ -397,8 +410,9 @@ class SlidingWindowGroup(KVGroup):
     """Every layer of the group attends to the last `window` tokens."""
 
     def __init__(self, group: int, block_size: int, gpu: BlockPool, cpu: BlockPool,
-                 events: EventLog, uncomputed: set[int], window: int) -> None:
-        super().__init__(group, block_size, gpu, cpu, events, uncomputed)
+                 events: EventLog, uncomputed: set[int], held: BlockSeconds,
+                 window: int) -> None:
+        super().__init__(group, block_size, gpu, cpu, events, uncomputed, held)
         self.window = window
 
     def window_start(self, num_computed: int, length: int) -> int:
@@ -420,6 +434,7 @@ class SlidingWindowGroup(KVGroup):
         gone, self.req_to_blocks[rid] = table[:n], table[n:]  # a new list: the table's
         self._window_freed[rid] = freed + n  # ids are rebuilt (step_block_ids)
         self._step_ids.pop(rid, None)
+        self._held.change(rid, gpu=-n)
         self.gpu.free(reversed(gone))
         self._emit("WindowFreed", request_id=rid, block_ids=[b.block_id for b in gone],
                    block_hashes=[short(b.block_hash) for b in gone],
@@ -429,8 +444,9 @@ class SlidingWindowGroup(KVGroup):
 
 
 def make_group(group: int, window: int | None, block_size: int, gpu: BlockPool,
-               cpu: BlockPool, events: EventLog, uncomputed: set[int]) -> KVGroup:
+               cpu: BlockPool, events: EventLog, uncomputed: set[int],
+               held: BlockSeconds) -> KVGroup:
     """The manager for a group of this attention kind (window None: full attention)."""
     if window is None:
-        return FullAttentionGroup(group, block_size, gpu, cpu, events, uncomputed)
-    return SlidingWindowGroup(group, block_size, gpu, cpu, events, uncomputed, window)
+        return FullAttentionGroup(group, block_size, gpu, cpu, events, uncomputed, held)
+    return SlidingWindowGroup(group, block_size, gpu, cpu, events, uncomputed, held, window)

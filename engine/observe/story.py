@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
@@ -256,8 +257,12 @@ class Story:
     # swap: at its end, its final blocks
     released: dict = field(default_factory=dict)
     arrived_at: float | None = None  # when it reached the engine (its arrival_time)
+    # KV block-seconds by pool ({"gpu", "cpu"}) told so far: another engine's before it
+    # moved here, a forked parent's (its first sample's), its own here once it ended
+    block_seconds: dict = field(default_factory=dict)
 
-    def document(self, engine: str) -> dict:
+    def document(self, engine: str, held: dict | None = None) -> dict:
+        """held: the block-seconds of a live request here so far (BlockSeconds.spent)."""
         gpu, cpu = self.gpu_blocks, self.cpu_blocks
         return {
             "engine": engine, "request_id": self.request_id, "job_id": self.job_id,
@@ -275,7 +280,14 @@ class Story:
                         "preemptions": [p["at"] for p in self.preemptions],
                         "ended": self.ended_at},
             "finish_reason": self.finish_reason,
+            "block_seconds": add_block_seconds(self.block_seconds, held),
         }
+
+
+def add_block_seconds(a: dict | None, b: dict | None) -> dict[str, float]:
+    """Two block-seconds maps added, pool by pool ({"gpu": 0.0, "cpu": 0.0} for none)."""
+    a, b = a or {}, b or {}
+    return {pool: a.get(pool, 0.0) + b.get(pool, 0.0) for pool in ("gpu", "cpu")}
 
 
 def check_document(document: object) -> None:
@@ -310,7 +322,10 @@ def check_document(document: object) -> None:
                                                    for x in d.get(k, []))
             for k in ("preemptions", "swaps", "moves")) and \
         isinstance(d.get("preemptions"), list) and \
-        count(d.get("copy_on_write")) and count(d.get("window_freed"))
+        count(d.get("copy_on_write")) and count(d.get("window_freed")) and \
+        (d.get("block_seconds") is None or
+         (plain_map(d["block_seconds"]) and
+          all(moment(v) and (v or 0) >= 0 for v in d["block_seconds"].values())))
     if not ok:
         raise ValueError("not a KV story document")
 
@@ -319,8 +334,12 @@ class StoryBook:
     """The stories of live requests (and of the last ended ones, until handed out)."""
 
     def __init__(self, engine_name: str, max_blocks: int, queue: EventQueue,
-                 keep_ended: int = 1024, sample: float = 0.01) -> None:
+                 keep_ended: int = 1024, sample: float = 0.01,
+                 held: Callable[[str], dict] | None = None) -> None:
+        """held: a live request's block-seconds here so far (the KV coordinator's
+        BlockSeconds.spent); None: stories tell only what the events carried."""
         self.engine_name = engine_name
+        self._held = held
         self.history = KVHistory(max_blocks, sample)
         # prompt tokens computed at first admissions, by the first miss's reason (a full
         # hit's: its last, partly filled block, "partial_block")
@@ -372,6 +391,7 @@ class StoryBook:
             story.window_freed += len(event.block_ids)
         elif kind == "Forked":  # its samples carry the story on; the parent's ends
             n = int((event.detail or "0").split()[0])
+            story.block_seconds = add_block_seconds(story.block_seconds, event.block_seconds)
             self.forked(story.request_id, [f"{story.request_id}/{i}" for i in range(n)])
             self._stories.pop(story.request_id, None)
             self.awaiting_first_token.discard(story.request_id)
@@ -379,6 +399,7 @@ class StoryBook:
             return
         elif kind == "Finished":
             story.ended_at, story.finish_reason = event.ts, event.detail
+            story.block_seconds = add_block_seconds(story.block_seconds, event.block_seconds)
             story.final_blocks = {"gpu": story.released.get("gpu", []),
                                   "cpu": story.released.get("cpu", [])}
             story.released = {}
@@ -431,11 +452,14 @@ class StoryBook:
         story = self._stories.get(parent_id)
         if story is None:
             return
-        for child in child_ids:
+        for i, child in enumerate(child_ids):
+            # the parent's block-seconds go on in its first sample's story only, so that
+            # the samples' add up to what was held
             self._stories[child] = dataclasses.replace(
                 story, request_id=child, cached=dict(story.cached),
                 preemptions=list(story.preemptions), swaps=list(story.swaps),
-                moves=list(story.moves), released={})
+                moves=list(story.moves), released={},
+                block_seconds=dict(story.block_seconds) if i == 0 else {})
             self.changed.add(child)
             if story.first_token_at is None:
                 self.awaiting_first_token.add(child)
@@ -554,7 +578,11 @@ class StoryBook:
 
     # --- reading ---------------------------------------------------------------------
     def story(self, request_id: str) -> dict | None:
-        story = self._stories.get(request_id) or self._ended.get(request_id)
+        story = self._stories.get(request_id)
+        if story is not None:  # (live: its block-seconds here so far too)
+            held = self._held(request_id) if self._held is not None else None
+            return story.document(self.engine_name, held)
+        story = self._ended.get(request_id)
         return None if story is None else story.document(self.engine_name)
 
     def current(self, request_id: str) -> dict | None:
@@ -582,7 +610,8 @@ class StoryBook:
             disk_blocks=document["sources"].get("disk", 0),
             swaps=[dict(s) for s in document.get("swaps", [])],
             moves=[dict(m) for m in document.get("moves", [])],
-            arrived_at=document["moments"].get("arrived"))
+            arrived_at=document["moments"].get("arrived"),
+            block_seconds=add_block_seconds(document.get("block_seconds"), None))
         story.moves.append({"at": time.time(), "from": source, "blocks_sent": blocks_sent})
         self._stories[story.request_id] = story
         if story.first_token_at is None:

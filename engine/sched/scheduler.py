@@ -380,6 +380,7 @@ class Scheduler:
         self.running[at:at + 1] = samples
         table = self.kv.block_ids(parent.request_id)
         self.kv.free(parent, "forked")
+        spent = self.kv.end(parent.request_id)  # (its samples' stories carry it on)
         del self.requests[parent.request_id]
         self.unforked.remove(parent)
         parent.status = RequestStatus.FINISHED
@@ -388,7 +389,8 @@ class Scheduler:
         self.events.emit("Forked", request_id=parent.request_id, block_ids=table,
                          ref_cnts=[b.ref_cnt for b in self.kv.req_to_blocks.get(
                              samples[0].request_id, [])],
-                         num_tokens=parent.num_computed_tokens, detail=f"{n} samples")
+                         num_tokens=parent.num_computed_tokens, detail=f"{n} samples",
+                         block_seconds=spent)
 
     def finish(self, request: Request, status: RequestStatus, reason: str) -> None:
         """End a live request (finished or aborted) and release all its blocks."""
@@ -403,6 +405,7 @@ class Scheduler:
         elif request.status == RequestStatus.SWAPPED:
             self.swapped.remove(request)
         self.kv.free(request, reason)
+        spent = self.kv.end(request.request_id)
         request.status = status
         request.finish_reason = reason
         request.num_computed_tokens = 0
@@ -415,7 +418,7 @@ class Scheduler:
                 self.forks.pop(request.parent_id, None)
         self.recently_finished.append(request)
         self.events.emit("Finished", request_id=request.request_id, detail=reason,
-                         num_tokens=request.num_tokens)
+                         num_tokens=request.num_tokens, block_seconds=spent)
 
     # --- preemption and swap -------------------------------------------------------------
     def _preempt(self, victim: Request, out: SchedulerOutput, needy: Request,
@@ -595,6 +598,7 @@ class Scheduler:
         self.running.remove(request)
         del self.requests[request_id]
         self.kv.free(request, reason)
+        self.kv.end(request_id)  # (it leaves no trace)
         return request
 
     def swap_out(self, request_id: str, by: str = "operator") -> list[tuple[int, int]]:

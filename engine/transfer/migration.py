@@ -401,6 +401,7 @@ class Migrator:
         self.settle()
         request, _ = self.incoming.pop(request_id)
         self.kv.free(request, "migration")
+        self.kv.end(request_id)
 
     def commit(self, state: dict, data: Any, skip: int = 0) -> dict:
         """The request with its blocks (cached here, or new ones given `data`, the K/V of
@@ -430,6 +431,7 @@ class Migrator:
             self.incoming.pop(request.request_id, None)
             if request.request_id not in self.scheduler.requests:
                 self.kv.free(request, "migration")
+                self.kv.end(request.request_id)
             raise
 
     def _commit_fresh(self, state: dict, data: Any, skip: int) -> dict:

@@ -2,7 +2,7 @@ from django.urls import path, re_path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 from rest_framework.routers import DefaultRouter
 
-from kvops.api import errors, timeline, views
+from kvops.api import errors, timeline, usage, views
 
 router = DefaultRouter()
 router.register("jobs", views.JobViewSet, basename="job")
@@ -13,6 +13,7 @@ urlpatterns = [
     path("schema/", SpectacularAPIView.as_view(), name="schema"),
     path("docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),
     path("prefix-lookup/", views.PrefixLookupView.as_view(), name="prefix-lookup"),
+    path("usage/", usage.UsageView.as_view(), name="usage"),
     path("engines/<str:name>/requests/<str:request_id>/<str:action>/",
          views.RequestActionView.as_view(), name="request-action"),
     path("engines/<str:name>/prefix-cache/<str:action>/",

@@ -1,12 +1,12 @@
 """OpenAI's usage object: a job's tokens, a batch's total."""
 from __future__ import annotations
 
+from kvops.jobs.usage import output_tokens
+
 
 def usage(state: dict) -> dict:
     """OpenAI's usage object from a job's state (every sample's tokens, with n > 1)."""
-    samples = state.get("samples") or ()
-    output = sum(len(s["token_ids"]) for s in samples) if samples \
-        else state.get("num_output_tokens", 0)
+    output = output_tokens(state.get("samples"), state.get("num_output_tokens", 0))
     return usage_of(state.get("num_prompt_tokens", 0), output,
                     state.get("num_cached_tokens", 0), state.get("cached_tokens_by_tier"))
 
