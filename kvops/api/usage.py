@@ -93,8 +93,9 @@ class UsageView(APIView):
         return response
 
     def finalize_response(self, request, response, *args, **kwargs):
-        # an error answers in the /api error shape, as JSON, whatever format was asked
-        if response.status_code >= 400:
+        # an error answers in the /api error shape, as JSON, whatever format was asked,
+        # and so does anything but the report itself (OPTIONS: the view's description)
+        if response.status_code >= 400 or request.method not in ("GET", "HEAD"):
             request.accepted_renderer = renderers.JSONRenderer()
             request.accepted_media_type = "application/json"
         return super().finalize_response(request, response, *args, **kwargs)

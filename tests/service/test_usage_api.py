@@ -159,6 +159,12 @@ def test_bad_input_is_a_400_naming_the_field(users, params, field):
     assert answer.status_code == 400 and answer.json()["error"]["field"] == field
 
 
+def test_options_describes_the_view_as_json_even_when_csv_is_asked(users):
+    answer = client(users["alice"]).options("/api/usage/?by=tenant&format=csv")
+    assert answer.status_code == 200 and answer["Content-Type"].startswith("application/json")
+    assert answer.json()["name"]
+
+
 def test_csv_has_the_same_rows_and_numbers(users, jobs):
     root = client(users["root"])
     as_json = root.get("/api/usage/", {"by": "user", **PERIOD}).json()["rows"]
