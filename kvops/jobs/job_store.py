@@ -3,6 +3,7 @@ claim, progress and end, failures, and a re-run from the prompt when its worker 
 What a job's listeners receive (job_payload) is published from here."""
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -16,7 +17,6 @@ from kvops.monitoring import metrics_store
 from kvops.models import Engine, Job
 from kvops.jobs.outbox import dispatch_job
 from kvops.jobs.reconnect import retried_on_reconnect
-from kvops.text_fields import escape_text
 from kvops.engines.registry import live_instances
 
 log = logging.getLogger(__name__)
@@ -310,9 +310,10 @@ def _progress_row():
     """A delta's parameters for _progress_sql, up to the status."""
     when = connection.ops.adapt_datetimefield_value
     story = _story_prep()
-    return lambda d: (escape_text(d.text, connection), d.num_output_tokens, d.num_prompt_tokens, d.num_cached_tokens,
-                      d.num_preemptions, when(d.first_token_at), story(d.kv_story), d.job_id,
-                      d.request_id)
+    text = Job._meta.get_field("output_text")
+    return lambda d: (text.get_db_prep_value(d.text, connection), d.num_output_tokens,
+                      d.num_prompt_tokens, d.num_cached_tokens, d.num_preemptions,
+                      when(d.first_token_at), story(d.kv_story), d.job_id, d.request_id)
 
 
 def record_progress(deltas: list[ProgressDelta]) -> tuple[set[str], set[str]]:
@@ -349,16 +350,28 @@ _REFUSED_ROW = (DataError, IntegrityError, UnicodeError, ValueError)
 
 def _rows_one_by_one(sql: str, rows: list[tuple], keys: list) -> set:
     """Run sql for each row in a savepoint of its own; the keys of the rows refused."""
-    refused = set()
+    refused: list = []
     with transaction.atomic(), connection.cursor() as cursor:
         for key, params in zip(keys, rows, strict=True):
-            try:
-                with transaction.atomic():
-                    cursor.execute(sql, params)
-            except _REFUSED_ROW as e:
-                log.warning("the database refused the row of %s: %s", key, e)
-                refused.add(key)
-    return refused
+            with _alone(key, refused, f"the progress of {key}"):
+                cursor.execute(sql, params)
+    return set(refused)
+
+
+@contextlib.contextmanager
+def _alone(key, refused: list | None, what: str):
+    """One row's write (`what`, for the log). With `refused` (a list), in a savepoint
+    of its own: a row the database refuses is logged and its key added to `refused`
+    instead of raising (the rest of the block skipped). Without, as it is."""
+    if refused is None:
+        yield
+        return
+    try:
+        with transaction.atomic():
+            yield
+    except _REFUSED_ROW as e:
+        log.warning("the database refused %s: %s", what, e)
+        refused.append(key)
 
 
 @retried_on_reconnect
@@ -423,9 +436,7 @@ def finish_jobs(finals: list[FinalState]) -> list[Job]:
     abort needs the row to word its reason, and takes the ORM. A job whose row the
     database refuses (a value it cannot hold) fails alone, "its result could not be
     stored", and is returned so; the others' ends are written."""
-    finished: list[int] = []
-    aborted: list[Job] = []  # (and those failed because their end could not be stored)
-    refused: list[FinalState] = []
+    refused: list[FinalState] = []  # (failed: their end could not be stored)
     table = connection.ops.quote_name(Job._meta.db_table)
     sql = (f"UPDATE {table} SET output_text = %s, output_token_ids = %s, "
            "num_output_tokens = %s, num_prompt_tokens = %s, num_cached_tokens = %s, "
@@ -433,6 +444,7 @@ def finish_jobs(finals: list[FinalState]) -> list[Job]:
            "finish_reason = %s, samples = %s, output_logprobs = %s, prompt_logprobs = %s, "
            "kv_story = COALESCE(%s, kv_story), status = %s, error = '', finished_at = %s "
            "WHERE id = %s AND request_id = %s AND status IN (%s, %s)")
+    text = Job._meta.get_field("output_text")
     token_ids = Job._meta.get_field("output_token_ids")
     samples = Job._meta.get_field("samples")
     logprobs = Job._meta.get_field("output_logprobs")
@@ -446,7 +458,7 @@ def finish_jobs(finals: list[FinalState]) -> list[Job]:
             continue
         try:
             rows.append((
-                escape_text(f.text, connection),
+                text.get_db_prep_value(f.text, connection),
                 token_ids.get_db_prep_value(f.token_ids, connection),
                 len(f.token_ids), f.num_prompt_tokens, f.num_cached_tokens, f.num_preemptions,
                 when(f.first_token_at), f.finish_reason,
@@ -459,38 +471,28 @@ def finish_jobs(finals: list[FinalState]) -> list[Job]:
         except _REFUSED_ROW as e:  # (a value that cannot even be put in SQL)
             log.warning("the end of job %s cannot be stored: %s", f.job_id, e)
             refused.append(f)
-    try:
-        with transaction.atomic(), connection.cursor() as cursor:
-            for f, params in zip(keys, rows, strict=True):
-                cursor.execute(sql, params)
-                if cursor.rowcount:
-                    finished.append(f.job_id)
-            for f in aborts:
-                job = _finish_aborted(f)
-                if job is not None:
-                    aborted.append(job)
-    except _REFUSED_ROW:  # each on its own: one job's row the database refuses fails it alone
+
+    def write(alone: list | None) -> tuple[list[int], list[Job]]:
+        """The ends, in one transaction; with `alone`, each row in a savepoint of its
+        own, those the database refuses added to it."""
         finished, aborted = [], []
         with transaction.atomic(), connection.cursor() as cursor:
             for f, params in zip(keys, rows, strict=True):
-                try:
-                    with transaction.atomic():
-                        cursor.execute(sql, params)
-                        if cursor.rowcount:
-                            finished.append(f.job_id)
-                except _REFUSED_ROW as e:
-                    log.warning("the end of job %s cannot be stored: %s", f.job_id, e)
-                    refused.append(f)
+                with _alone(f, alone, f"the end of job {f.job_id}"):
+                    cursor.execute(sql, params)
+                    if cursor.rowcount:
+                        finished.append(f.job_id)
             for f in aborts:
-                try:
-                    with transaction.atomic():
-                        job = _finish_aborted(f)
-                except _REFUSED_ROW as e:
-                    log.warning("the end of job %s cannot be stored: %s", f.job_id, e)
-                    refused.append(f)
-                    continue
-                if job is not None:
-                    aborted.append(job)
+                with _alone(f, alone, f"the end of job {f.job_id}"):
+                    job = _finish_aborted(f)
+                    if job is not None:
+                        aborted.append(job)
+        return finished, aborted
+
+    try:
+        finished, aborted = write(None)
+    except _REFUSED_ROW:  # each on its own: one job's row the database refuses fails it alone
+        finished, aborted = write(refused)
     for f in refused:  # failed, with the reason, while the attempt still owns it
         fail_job(f.job_id, "the job's result could not be stored", f.request_id,
                  publish=False)
