@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from django.conf import settings
+from django.contrib.auth import get_user_model
 from django.utils import timezone
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
@@ -167,10 +168,65 @@ class RetentionSerializer(StrictMixin, serializers.Serializer):
         help_text="what the GPU pool's prefix cache evicts first: lru, slru (blocks never "
                   "hit before those hit), lfu (the least hit), priority (the prefixes of "
                   "the least important requests)")
+    tenant_cache_quota = FiniteFloatField(
+        min_value=0.0, max_value=1.0, required=False,
+        help_text="each tenant's share of the GPU pool's cached blocks (0-1, 1: no quota): "
+                  "a tenant over it has its cached blocks evicted first")
+
+    def validate_tenant_cache_quota(self, value):
+        if value <= 0:
+            raise serializers.ValidationError("must be more than 0 (1: no quota)")
+        return value
 
     def validate(self, data):
         if not data:
-            raise serializers.ValidationError("give pin_budget or eviction_policy")
+            raise serializers.ValidationError(
+                "give pin_budget, eviction_policy or tenant_cache_quota")
+        return data
+
+
+class TenantLimitsSerializer(StrictMixin, serializers.Serializer):
+    """One tenant's limits on one engine: the user is named; the engine knows the user's
+    tenant label only (kvops/routing/tenancy.py)."""
+    LIMITS = ("cache_quota", "weight")
+    user = serializers.CharField(max_length=150, help_text="the tenant's user (username)")
+    cache_quota = FiniteFloatField(
+        min_value=0.0, max_value=1.0, required=False, allow_null=True, default=None,
+        help_text="this tenant's own share of the GPU pool's cached blocks (0-1]")
+    weight = FiniteFloatField(
+        min_value=0.0, max_value=1000.0, required=False, allow_null=True, default=None,
+        help_text="this tenant's weight under fairness vtc (its served tokens count "
+                  "1/weight)")
+    clear = serializers.ListField(
+        child=serializers.ChoiceField(choices=list(LIMITS)), required=False, default=list,
+        max_length=len(LIMITS), help_text="limits going back to everyone's")
+
+    def validate_cache_quota(self, value):
+        if value is not None and value <= 0:
+            raise serializers.ValidationError("must be more than 0 (1: no quota)")
+        return value
+
+    def validate_weight(self, value):
+        if value is not None and value <= 0:
+            raise serializers.ValidationError("must be more than 0")
+        return value
+
+    def validate_user(self, value):
+        user = get_user_model().objects.filter(username=value).first()
+        if user is None:
+            raise serializers.ValidationError(f"no user named {value!r}")
+        if user.is_staff:
+            raise serializers.ValidationError(
+                f"{value!r} is staff: staff have no tenant (no quota, no weight)")
+        return user
+
+    def validate(self, data):
+        if data.get("cache_quota") is None and data.get("weight") is None \
+                and not data.get("clear"):
+            raise serializers.ValidationError("give cache_quota, weight or clear")
+        both = [k for k in self.LIMITS if data.get(k) is not None and k in data.get("clear")]
+        if both:
+            raise serializers.ValidationError(f"{both[0]} is both set and cleared")
         return data
 
 

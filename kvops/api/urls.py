@@ -21,6 +21,7 @@ urlpatterns = [
     path("engines/<str:name>/limits/", views.EngineLimitsView.as_view(), name="engine-limits"),
     path("engines/<str:name>/retention/", views.EngineRetentionView.as_view(),
          name="engine-retention"),
+    path("engines/<str:name>/tenants/", views.EngineTenantView.as_view(), name="engine-tenants"),
     path("engines/<str:name>/timeline/", timeline.EngineTimelineView.as_view(),
          name="engine-timeline"),
     path("engines/<str:name>/timeline/state/", timeline.EngineTimelineStateView.as_view(),

@@ -26,9 +26,10 @@ from kvops.api.serializers import (DrainSerializer, EmptySerializer, EngineSeria
                                    EvictSerializer, MigrateSerializer, RetentionSerializer,
                                    JobSerializer, LimitsSerializer,
                                    OperatorActionSerializer, PrefixLookupSerializer,
-                                   PrefixSerializer,
+                                   PrefixSerializer, TenantLimitsSerializer,
                                    WhatIfRunSerializer, WhatIfSerializer)
 from kvops.models import Engine, Job
+from kvops.routing import tenancy
 from kvops.jobs.throttles import JobSubmitThrottle
 
 
@@ -369,6 +370,24 @@ class EngineRetentionView(APIView):
                    parameters=[IDEMPOTENCY_KEY])
     def post(self, request, name: str):
         return _checked_action(request, RetentionSerializer, name, "retention", name)
+
+
+class EngineTenantView(APIView):
+    """POST /api/engines/<name>/tenants/ {user, cache_quota, weight, clear}: one
+    tenant's own quota of the GPU pool's cached blocks and its weight under fairness
+    vtc, live (audited as every operator action); answers the tenant's limits."""
+    permission_classes = [permissions.IsAuthenticated, IsOperator]
+
+    @extend_schema(request=TenantLimitsSerializer, responses=OPERATOR_RESPONSES,
+                   parameters=[IDEMPOTENCY_KEY])
+    def post(self, request, name: str):
+        serializer = TenantLimitsSerializer(data=request.data or {})
+        serializer.is_valid(raise_exception=True)
+        data = serializer.validated_data
+        user = data.pop("user")
+        arguments = {"tenant": tenancy.tenant(user), "user": user.username,
+                     **{k: v for k, v in data.items() if v not in (None, [])}}
+        return _action_answer(request, engine_or_404(name), "tenant", user.username, arguments)
 
 
 class PrefixCacheActionView(APIView):

@@ -121,7 +121,8 @@ def replay_action(row: OperatorAction, segment: Segment, t0: datetime,
                            "this process cannot read)")
         return ReplayAction(at, row.action, tokens=tuple(tokens), label=label, arguments={
             k: params[k] for k in ("soft", "priority", "ttl_s") if params.get(k) is not None})
-    fields = {"evict": ("num_blocks",), "retention": ("pin_budget", "eviction_policy"),
+    fields = {"evict": ("num_blocks",),
+              "retention": ("pin_budget", "eviction_policy", "tenant_cache_quota"),
               "set-limits": ("max_num_seqs", "max_num_batched_tokens")}.get(row.action, ())
     return ReplayAction(at, row.action, label=label,
                         arguments={k: params[k] for k in fields if params.get(k) is not None})

@@ -235,6 +235,14 @@ def test_a_response_id_of_non_ascii_digits_is_a_400_naming_it(stack):
     ("what-if/", {"pin_budget": False}, "pin_budget"),
     ("requests/job-1-0/migrate/", {"to": 5}, "to"),  # an engine's name is a string
     ("drain/", {"mode": "migrate", "to": 5}, "to"),
+    ("retention/", {"tenant_cache_quota": 0}, "tenant_cache_quota"),  # (0, 1]
+    ("retention/", {"tenant_cache_quota": 1.5}, "tenant_cache_quota"),
+    ("tenants/", {"user": "alice", "cache_quota": 0}, "cache_quota"),
+    ("tenants/", {"user": "alice", "cache_quota": "half"}, "cache_quota"),
+    ("tenants/", {"user": "alice", "weight": -1}, "weight"),
+    ("tenants/", {"user": "nobody-by-that-name", "cache_quota": 0.5}, "user"),  # unknown
+    ("tenants/", {"user": "admin", "cache_quota": 0.5}, "user"),  # staff: no tenant
+    ("tenants/", {"user": "alice", "clear": ["everything"]}, "clear"),
 ])
 def test_operator_bodies_take_numbers_and_names_of_their_own_type(stack, path, body, field):
     answer = stack.api("POST", f"/api/engines/nowhere/{path}", json=body)

@@ -199,3 +199,31 @@ def test_the_pin_budget_is_set_live_and_refuses_a_pin_over_it(stack):
         r = stack.api("POST", "/api/engines/sim/retention/",
                       json={"pin_budget": 0.5, "eviction_policy": "lru"})
         assert r.status_code == 200
+
+
+def test_a_tenants_quota_is_set_live_by_user_and_audited(stack):
+    """POST /api/engines/<name>/tenants/ names a user; the engine gets the user's tenant
+    label, answers the tenant's limits (its cached blocks counted from alice's own job),
+    and the operator log keeps the action under the user's name."""
+    job = stack.api("POST", "/api/jobs/", user="alice",
+                    json={"prompt": "Alice's prefix, long enough for two blocks. " * 2,
+                          "max_tokens": 1}).json()
+    stack.wait_job(job["id"], user="alice")
+    try:
+        r = stack.api("POST", "/api/engines/sim/tenants/",
+                      json={"user": "alice", "cache_quota": 0.25})
+        assert r.status_code == 200, r.text
+        limits = r.json()["result"]
+        assert limits["cache_quota"] == 0.25 and limits["own_cache_quota"], limits
+        assert limits["cached_blocks"] >= 2 and len(limits["tenant"]) == 16, limits
+        assert stack.api("POST", "/api/engines/sim/tenants/", user="alice",
+                         json={"user": "alice", "cache_quota": 1.0}).status_code == 403
+        r = stack.api("POST", "/api/engines/sim/tenants/", json={"user": "alice", "weight": 2})
+        assert r.status_code == 400 and "vtc" in r.json()["error"]["message"], r.text
+        log = stack.api("GET", "/api/actions/").json()["results"]
+        assert any(a["action"] == "tenant" and a["target"] == "alice"
+                   and a["params"].get("cache_quota") == 0.25 for a in log)
+    finally:
+        r = stack.api("POST", "/api/engines/sim/tenants/",
+                      json={"user": "alice", "clear": ["cache_quota"]})
+        assert r.status_code == 200 and not r.json()["result"]["own_cache_quota"], r.text
