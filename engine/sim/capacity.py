@@ -187,7 +187,7 @@ class _Run:
                     self.engine.add_request(f"{self.prefix}{i}", tokens,
                                             SamplingParams(max_tokens=req.output_len,
                                                            ignore_eos=True),
-                                            arrival_time=req.arrival_s)
+                                            arrival_time=req.arrival_s, tenant=req.tenant)
                 except InvalidRequestError:
                     if not self.skip_refused:
                         raise

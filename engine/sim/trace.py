@@ -15,6 +15,7 @@ class TraceRequest:
     output_len: int  # tokens the request generates
     prefix_group: int | None = None  # requests of one group share their first prefix_len tokens
     prefix_len: int = 0
+    tenant: str | None = None  # who asked (Request.tenant: quotas, fairness)
 
     def __post_init__(self) -> None:
         if self.prompt_len < 1 or self.output_len < 1 or self.arrival_s < 0:
@@ -25,7 +26,7 @@ class TraceRequest:
 
 def load_trace(path: str | Path) -> list[TraceRequest]:
     """CSV with a header, or JSON lines; columns: arrival_s, prompt_len, output_len,
-    and optionally prefix_group, prefix_len."""
+    and optionally prefix_group, prefix_len, tenant."""
     path = Path(path)
     text = path.read_text()
     if path.suffix in (".jsonl", ".json"):
@@ -39,7 +40,7 @@ def load_trace(path: str | Path) -> list[TraceRequest]:
             arrival_s=float(row["arrival_s"]), prompt_len=int(row["prompt_len"]),
             output_len=int(row["output_len"]),
             prefix_group=None if group in (None, "") else int(group),
-            prefix_len=int(row.get("prefix_len") or 0)))
+            prefix_len=int(row.get("prefix_len") or 0), tenant=row.get("tenant") or None))
     return sorted(out, key=lambda r: r.arrival_s)
 
 

@@ -1,0 +1,202 @@
+"""Two tenants on one engine: `python -m benchmarks.tenants`.
+
+    python -m benchmarks.tenants [--seed 0] [--num-gpu-blocks 1024] [--burst 160]
+
+Tenant A runs a steady multi-turn chat: conversations that share one long system prompt,
+each turn's prompt the whole history so far, the turns seconds apart. Tenant B, a few
+seconds in, sends a burst of unique long prompts (nothing to share). The trace goes
+through the real scheduler and KV core (capacity.replay_paged: the simulated model,
+simulated time; a step costs --step-base-ms plus --step-token-ms per computed token),
+once per configuration:
+
+* A alone (the reference);
+* A and B with today's defaults: no quota, no share cap;
+* a cache quota (EngineConfig.tenant_cache_quota, --quota): B's cached blocks over it go
+  first, A's system prompt and histories stay;
+* the share cap (max_batch_share 0.5) against token-weighted fairness (fairness "vtc");
+* the quota and VTC together.
+
+Printed per run: A's prefix hit rate (prompt tokens served from the cache at first
+admission / A's prompt tokens), A's time to first token (p50, p99, simulated), B's
+throughput (B's prompt and output tokens over the time from its first arrival to its last
+token) and B's TTFT p50. Then the issue's targets: with the quota, A's hit rate within 5
+points of A alone; with VTC, A's TTFT p99 within 2x of A alone, and B's throughput at
+least 80% of the share cap's.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import random
+import statistics
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.observe.step_cost import StepCost
+from engine.sim.capacity import replay_paged
+from engine.sim.trace import TraceRequest
+
+VOCAB = 32000
+
+
+@dataclasses.dataclass
+class Workload:
+    trace: list[TraceRequest]
+    prompts: list[list[int]]
+
+
+def workload(seed: int, conversations: int, turns: int, system_len: int, burst: int,
+             burst_len: int, burst_at_s: float) -> Workload:
+    """A's conversations (one system prompt, histories growing by a message and a reply
+    a turn) and B's burst, in arrival order."""
+    rng = random.Random(seed)
+    system = [rng.randrange(VOCAB) for _ in range(system_len)]
+    rows: list[tuple[float, list[int], int, str]] = []
+    for c in range(conversations):
+        t = rng.uniform(0.0, 20.0)  # conversations start over the first 20 s
+        history = list(system)
+        for _ in range(turns):
+            history += [rng.randrange(VOCAB) for _ in range(rng.randint(48, 160))]
+            output_len = rng.randint(32, 96)
+            rows.append((t, list(history), output_len, "A"))
+            history += [rng.randrange(VOCAB) for _ in range(output_len)]  # the reply
+            t += rng.uniform(4.0, 10.0)  # the user reads and types
+    for i in range(burst):
+        t = burst_at_s + rng.uniform(0.0, 2.0)
+        rows.append((t, [rng.randrange(VOCAB) for _ in range(burst_len)], 128, "B"))
+    rows.sort(key=lambda r: r[0])
+    trace = [TraceRequest(t, len(p), out, tenant=tenant) for t, p, out, tenant in rows]
+    return Workload(trace, [p for _, p, _, _ in rows])
+
+
+@dataclasses.dataclass
+class TenantRecorder:
+    """A replay observer: per request, its tenant, arrival, first admission (tokens
+    found cached), first token and end, in simulated seconds."""
+    rows: dict[str, dict] = dataclasses.field(default_factory=dict)
+    _open: dict = dataclasses.field(default_factory=dict)  # not ended yet: id -> Request
+
+    def before_step(self, engine: LLMEngine, now: float) -> None:
+        for rid, request in engine.scheduler.requests.items():
+            if rid not in self.rows:
+                self.rows[rid] = {"tenant": request.tenant, "arrival": request.arrival_time,
+                                  "prompt": request.num_prompt_tokens, "cached": None,
+                                  "first_token": None, "end": None, "output": 0}
+                self._open[rid] = request
+
+    def after_step(self, engine: LLMEngine, now: float) -> None:
+        for rid, request in list(self._open.items()):
+            row = self.rows[rid]
+            if row["cached"] is None and request.num_cached_tokens is not None:
+                row["cached"] = request.num_cached_tokens
+            if row["first_token"] is None and request.output_token_ids:
+                row["first_token"] = now
+            if request.status.is_finished:
+                row["end"], row["output"] = now, len(request.output_token_ids)
+                del self._open[rid]
+
+
+def _p(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def summarise(rows: dict[str, dict]) -> dict:
+    out = {}
+    for tenant in ("A", "B"):
+        mine = [r for r in rows.values() if r["tenant"] == tenant]
+        if not mine:
+            continue
+        admitted = [r for r in mine if r["cached"] is not None]
+        ttfts = [r["first_token"] - r["arrival"] for r in mine if r["first_token"] is not None]
+        ended = [r["end"] for r in mine if r["end"] is not None]
+        span = max(ended) - min(r["arrival"] for r in mine) if ended else 0.0
+        tokens = sum(r["prompt"] + r["output"] for r in mine)
+        out[tenant] = {
+            "requests": len(mine),
+            "hit_rate": sum(r["cached"] for r in admitted)
+            / max(1, sum(r["prompt"] for r in admitted)),
+            "ttft_p50": statistics.median(ttfts) if ttfts else float("nan"),
+            "ttft_p99": _p(ttfts, 0.99),
+            "tokens_per_s": tokens / span if span else 0.0,
+        }
+    return out
+
+
+def run(load: Workload, config: EngineConfig, cost: StepCost, tenants: tuple[str, ...]
+        ) -> dict:
+    keep = [i for i, r in enumerate(load.trace) if r.tenant in tenants]
+    recorder = TenantRecorder()
+    replay_paged([load.trace[i] for i in keep], config, cost,
+                 prompts=[load.prompts[i] for i in keep], observer=recorder)
+    return summarise(recorder.rows)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--conversations", type=int, default=48)
+    ap.add_argument("--turns", type=int, default=6)
+    ap.add_argument("--system-len", type=int, default=1024)
+    ap.add_argument("--burst", type=int, default=160)
+    ap.add_argument("--burst-len", type=int, default=2048)
+    ap.add_argument("--burst-at-s", type=float, default=15.0)
+    ap.add_argument("--num-gpu-blocks", type=int, default=1024)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--quota", type=float, default=0.5)
+    ap.add_argument("--step-base-ms", type=float, default=10.0)
+    ap.add_argument("--step-token-ms", type=float, default=0.05)
+    args = ap.parse_args(argv)
+    load = workload(args.seed, args.conversations, args.turns, args.system_len, args.burst,
+                    args.burst_len, args.burst_at_s)
+    cost = StepCost(args.step_base_ms, args.step_token_ms)
+    base = EngineConfig(simulate=True, simulate_tokenizer="bytes", vocab_size=VOCAB,
+                        block_size=16, num_gpu_blocks=args.num_gpu_blocks, num_cpu_blocks=0,
+                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=4096,
+                        kv_history_blocks=0, name="tenants")
+    runs = [
+        ("A alone", {}, ("A",)),
+        ("A + B, no quota", {}, ("A", "B")),
+        (f"A + B, quota {args.quota:g}", {"tenant_cache_quota": args.quota}, ("A", "B")),
+        ("A + B, share cap 0.5", {"max_batch_share": 0.5}, ("A", "B")),
+        ("A + B, vtc", {"fairness": "vtc"}, ("A", "B")),
+        (f"A + B, quota {args.quota:g} + vtc",
+         {"tenant_cache_quota": args.quota, "fairness": "vtc"}, ("A", "B")),
+    ]
+    print(f"A: {args.conversations} conversations x {args.turns} turns, a "
+          f"{args.system_len}-token system prompt; B: {args.burst} prompts of "
+          f"{args.burst_len} tokens at {args.burst_at_s:g} s; {args.num_gpu_blocks} GPU "
+          f"blocks of 16; a step {args.step_base_ms:g} ms + {args.step_token_ms:g} ms/token "
+          "(simulated time)\n")
+    header = ("run", "A hit", "A TTFT p50", "A TTFT p99", "B tok/s", "B TTFT p50")
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    results = {}
+    for name, overrides, tenants in runs:
+        summary = run(load, dataclasses.replace(base, **overrides), cost, tenants)
+        results[name] = summary
+        a, b = summary["A"], summary.get("B")
+        cells = [name, f"{100 * a['hit_rate']:.1f}%", f"{1000 * a['ttft_p50']:.0f} ms",
+                 f"{1000 * a['ttft_p99']:.0f} ms",
+                 f"{b['tokens_per_s']:,.0f}" if b else "-",
+                 f"{1000 * b['ttft_p50']:.0f} ms" if b else "-"]
+        print("| " + " | ".join(cells) + " |")
+    alone = results["A alone"]["A"]
+    quota = results[f"A + B, quota {args.quota:g}"]
+    vtc, share = results["A + B, vtc"], results["A + B, share cap 0.5"]
+    print("\ntargets:")
+    gap = 100 * (alone["hit_rate"] - quota["A"]["hit_rate"])
+    print(f"  quota: A's hit rate {gap:+.1f} points under A alone (target: within 5) -> "
+          f"{'met' if gap <= 5 else 'missed'}")
+    ratio = vtc["A"]["ttft_p99"] / alone["ttft_p99"]
+    print(f"  vtc: A's TTFT p99 {ratio:.2f}x A alone's (target: within 2x) -> "
+          f"{'met' if ratio <= 2 else 'missed'}")
+    share_ratio = vtc["B"]["tokens_per_s"] / share["B"]["tokens_per_s"]
+    print(f"  vtc: B's throughput {100 * share_ratio:.0f}% of the share cap's (target: at "
+          f"least 80%) -> {'met' if share_ratio >= 0.8 else 'missed'}")
+
+
+if __name__ == "__main__":
+    main()
