@@ -154,6 +154,7 @@ class JobViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.Retrieve
         "routing": serializers.DictField(),
         "copy_on_write": serializers.IntegerField(),
         "window_freed": serializers.IntegerField(),
+        "block_seconds": serializers.DictField(child=serializers.FloatField(), allow_null=True),
         "moments": serializers.DictField()})})
     @action(detail=True, methods=["get"])
     def kv(self, request, pk=None):
