@@ -7,6 +7,7 @@ from engine.errors import EngineError
 
 PREEMPTION_MODES = ("recompute", "swap")
 SCHEDULING_POLICIES = ("fcfs", "priority")
+FAIRNESS_POLICIES = ("share", "vtc")  # (engine/sched/fairness.py)
 LARGE_MATMULS = ("auto", "mkl", "packed", "measure")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -70,6 +71,15 @@ class EngineConfig:
     # while others wait: their requests are admitted first, and under fcfs its requests
     # are preempted first. 1.0: no limit. Requests without a tenant (staff) are exempt.
     max_batch_share: float = 1.0
+    # Each tenant's share of the GPU pool's cached blocks (engine/kv/tenant_cache.py):
+    # a tenant holding more has its least recently used cached blocks evicted first, so
+    # one tenant's flood does not evict another's prefix. 1.0: no quota. An operator sets
+    # a tenant's own live (LLMEngine.set_tenant)
+    tenant_cache_quota: float = 1.0
+    # Who of the waiting goes first among requests of equal priority: "share" (arrival
+    # order, with max_batch_share), or "vtc": the tenant served the fewest weighted
+    # tokens so far (the virtual token counter, engine/sched/fairness.py)
+    fairness: str = "share"
     device: str = "auto"
     dtype: str = "auto"
     # How K/V is stored: "auto" (the model's dtype) or fp8 ("fp8_e4m3", "fp8_e5m2": one
@@ -164,6 +174,9 @@ class EngineConfig:
         _check(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
         _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1")
         _check(0.0 < self.max_batch_share <= 1.0, "max_batch_share must be in (0, 1]")
+        _check(0.0 < self.tenant_cache_quota <= 1.0, "tenant_cache_quota must be in (0, 1]")
+        _check(self.fairness in FAIRNESS_POLICIES,
+               f"fairness must be one of {FAIRNESS_POLICIES}, got {self.fairness!r}")
         _check(self.max_model_len is None or self.max_model_len >= 2,
                "max_model_len must be >= 2 or None")
         _check(self.preemption_mode in PREEMPTION_MODES,

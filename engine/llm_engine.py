@@ -26,6 +26,7 @@ from engine.kv.coordinator import KVCacheCoordinator
 from engine.kv.events import EventLog, KVEvent
 from engine.kv.export import KVExport
 from engine.kv.pins import Pins
+from engine.kv.tenant_cache import check_share
 from engine.model.build import build_disk_tier, build_runner
 from engine.model.runner import Flight, Runner, StepResult
 from engine.observe.reporter import Reporter
@@ -35,6 +36,7 @@ from engine.output_processor import OutputProcessor
 from engine.outputs import CoreOutput, RequestOutput, core_output
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
+from engine.sched.fairness import check_weight
 from engine.sched.output import SchedulerOutput
 from engine.sched.scheduler import Scheduler
 from engine.transfer.migration import Migrator
@@ -63,6 +65,7 @@ class LLMEngine:
                                      self.events, windows,
                                      cpu_prefix_cache=config.cpu_prefix_cache,
                                      eviction_policy=config.eviction_policy,
+                                     tenant_cache_quota=config.tenant_cache_quota,
                                      disk_tier=functools.partial(build_disk_tier, config,
                                                                  self.runner, self.events)
                                      if config.disk_cache_dir else None)
@@ -459,12 +462,50 @@ class LLMEngine:
     unpin = unpin_prefix
 
     def set_retention(self, pin_budget: float | None = None,
-                      eviction_policy: str | None = None) -> dict:
+                      eviction_policy: str | None = None,
+                      tenant_cache_quota: float | None = None) -> dict:
         """Change what the prefix cache keeps, live (Pins.set_retention)."""
         self.settle()
-        result = self.pins.set_retention(pin_budget, eviction_policy)
+        result = self.pins.set_retention(pin_budget, eviction_policy, tenant_cache_quota)
         self._changes += 1
         return result
+
+    def set_tenant(self, tenant: str, cache_quota: float | None = None,
+                   weight: float | None = None, clear: tuple[str, ...] = ()) -> dict:
+        """An operator's limits for one tenant, live: its own quota of the GPU pool's
+        cached blocks (engine/kv/tenant_cache.py) and its weight under fairness "vtc"
+        (engine/sched/fairness.py); `clear` names those going back to everyone's.
+        Returns the tenant's limits as they now are."""
+        if not isinstance(tenant, str) or not tenant or len(tenant) > 64:
+            raise InvalidRequestError("tenant must be a non-empty string of at most 64 characters")
+        unknown = set(clear) - {"cache_quota", "weight"}
+        if unknown:
+            raise InvalidRequestError(f"clear names unknown limits: {', '.join(sorted(unknown))}")
+        tenants, vtc = self.kv.gpu.tenants, self.scheduler.vtc
+        if cache_quota is not None:
+            check_share(cache_quota, "cache_quota")
+        if weight is not None:
+            check_weight(weight)
+            if vtc is None:
+                raise InvalidRequestError("a tenant's weight needs fairness \"vtc\" "
+                                          "(KVOPS_ENGINE_FAIRNESS=vtc)")
+        self.settle()
+        if cache_quota is not None or "cache_quota" in clear:
+            tenants.set_override(tenant, cache_quota)
+        if vtc is not None and (weight is not None or "weight" in clear):
+            vtc.set_weight(tenant, weight)
+        self._changes += 1
+        return self.tenant_limits(tenant)
+
+    def tenant_limits(self, tenant: str) -> dict:
+        """One tenant's quota (its share and in blocks), cached blocks and weight."""
+        tenants, vtc = self.kv.gpu.tenants, self.scheduler.vtc
+        return {"tenant": tenant, "cache_quota": tenants.overrides.get(tenant, tenants.share),
+                "cache_quota_blocks": tenants.limit(tenant),
+                "own_cache_quota": tenant in tenants.overrides,
+                "cached_blocks": tenants.counts.get(tenant, 0),
+                "weight": None if vtc is None else vtc.weights.get(tenant, 1.0),
+                "served_tokens": None if vtc is None else round(vtc.served.get(tenant, 0.0), 1)}
 
     # --- observation (engine/observe/reporter.py) -----------------------------------------
     def kv_story(self, request_id: str) -> dict | None:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from engine.block_hash import BlockHash, short
 from engine.kv.events import EventLog
+from engine.kv.tenant_cache import TenantCache
 
 
 @dataclass(slots=True, eq=False)
@@ -45,6 +46,8 @@ class KVBlock:
     # The pool's clock when its last holder let it go (None: held now, or never held):
     # how long a cached block has waited for a request to take it back
     freed_at: float | None = None
+    # The tenant whose request cached it (engine/kv/tenant_cache.py), while it is cached
+    tenant: str | None = None
 
 
 class FreeBlockQueue:
@@ -70,6 +73,10 @@ class FreeBlockQueue:
 
     def contains(self, block: KVBlock) -> bool:
         return block.prev_free is not None
+
+    def peek(self) -> KVBlock | None:
+        """The block popleft would take (None: the queue is empty)."""
+        return self._head.next_free if self._len else None
 
     def popleft(self) -> KVBlock:
         if self._len == 0:
@@ -129,6 +136,12 @@ class RankedFreeQueue:
 
     def contains(self, block: KVBlock) -> bool:
         return block.prev_free is not None
+
+    def peek(self) -> KVBlock | None:
+        for queue in self._lists:
+            if len(queue):
+                return queue.peek()
+        return None
 
     def popleft(self) -> KVBlock:
         for queue in self._lists:
@@ -195,7 +208,11 @@ def free_queue_for(policy: str, blocks: Iterable[KVBlock],
 class BlockPool:
     def __init__(self, num_blocks: int, enable_caching: bool, events: EventLog,
                  pool: str = "gpu", eviction_policy: str = "lru",
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 tenant_cache_quota: float | None = None) -> None:
+        """tenant_cache_quota: each tenant's share of this pool's cached blocks
+        (engine/kv/tenant_cache.py; 1.0: no quota, None: no tenants' ledger at all, as
+        the CPU pool)."""
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.pool = pool  # "gpu" or "cpu", for events
@@ -212,6 +229,8 @@ class BlockPool:
         # their data is overwritten (the CPU tier of the prefix cache: engine/kv/tiers/cpu.py)
         self.on_evict: Callable[[list[tuple[int, BlockHash]]], None] | None = None
         self._events = events
+        self.tenants = None if tenant_cache_quota is None else \
+            TenantCache(num_blocks, tenant_cache_quota)
 
     # --- queries -------------------------------------------------------------------
     @property
@@ -225,6 +244,11 @@ class BlockPool:
 
     def get_cached(self, block_hash: BlockHash) -> KVBlock | None:
         return self.cached.get(block_hash)
+
+    def cached_by_tenant(self) -> dict[str, int]:
+        """Cached blocks (held or free) per tenant that cached them; staff's and
+        unlabelled requests' blocks are nobody's."""
+        return dict(self.tenants.counts) if self.tenants is not None else {}
 
     def set_eviction_policy(self, policy: str) -> None:
         """Another eviction policy from now on: the free blocks, in their order, ranked
@@ -332,8 +356,9 @@ class BlockPool:
         if self.soft_pinned:
             self.expire_soft_pins()
         taken, evicted = [], []
+        quota = self.tenants if self.tenants is not None and self.tenants.active else None
         for _ in range(n):
-            block = self.free_queue.popleft()
+            block = self._next_free(quota)
             if block.block_hash is not None:
                 evicted.append((block, block.block_hash))
                 self._drop_hash(block)
@@ -347,14 +372,31 @@ class BlockPool:
             self._evicted(evicted, "reuse", "evicted", for_request)
         return taken
 
+    def _next_free(self, quota: TenantCache | None) -> KVBlock:
+        """The free block take_new takes next: the free queue's head, unless that would
+        evict cached data while a tenant over its quota has a free cached block (then
+        that tenant's least recently freed one)."""
+        if quota is not None:
+            head = self.free_queue.peek()
+            if head.block_hash is not None:
+                victim = quota.victim(self.clock())
+                if victim is not None:
+                    self.free_queue.remove(victim)
+                    quota.num_taken += 1
+                    return victim
+        return self.free_queue.popleft()
+
     def touch(self, blocks: Iterable[KVBlock], keep: int | None = None,
               hit: bool = True) -> None:
         """Add a reference to each block (a prefix hit), reviving ref-0 cached blocks
         (keep: the priority of the request taking them, for the priority policy; hit:
         False to hold them a moment without counting a hit)."""
+        tenants = self.tenants
         for block in blocks:
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
+                if tenants is not None and block.tenant is not None:
+                    tenants.taken(block)
             block.ref_cnt += 1
             block.freed_at = None
             if hit and block.block_hash is not None:  # (cached data taken again)
@@ -376,15 +418,21 @@ class BlockPool:
                     self.free_queue.appendleft(block)
                 else:
                     self.free_queue.append(block)
+                    if block.tenant is not None:
+                        self.tenants.freed(block)
 
     # --- prefix cache ----------------------------------------------------------------
-    def cache(self, block: KVBlock, block_hash: BlockHash) -> bool:
-        """Register a full block under its hash. False if the hash is already cached
-        (the block then stays uncached: one block per hash) or caching is off."""
+    def cache(self, block: KVBlock, block_hash: BlockHash, tenant: str | None = None) -> bool:
+        """Register a full block under its hash (tenant: whose request computed it).
+        False if the hash is already cached (the block then stays uncached: one block
+        per hash) or caching is off."""
         if not self.enable_caching or block_hash in self.cached or block.block_hash is not None:
             return False
         block.block_hash = block_hash
         self.cached[block_hash] = block
+        if tenant is not None and self.tenants is not None:
+            block.tenant = tenant
+            self.tenants.cached(block)
         return True
 
     def refresh(self, block: KVBlock) -> None:
@@ -392,6 +440,8 @@ class BlockPool:
         if block.ref_cnt == 0:
             self.free_queue.remove(block)
             self.free_queue.append(block)
+            if block.tenant is not None:
+                self.tenants.refreshed(block)
 
     def evict(self, n: int | None = None, by: str | None = None) -> list[tuple[KVBlock, BlockHash]]:
         """An operator's evict: drop the data of up to n ref-0 cached blocks (all if
@@ -459,6 +509,9 @@ class BlockPool:
         del self.cached[block.block_hash]
         block.block_hash = None
         block.hits = 0
+        if block.tenant is not None:
+            self.tenants.uncached(block)
+            block.tenant = None
         if block.soft_until:  # (its data is gone: so is its soft pin)
             block.soft_until = block.soft_ttl = 0.0
             block.soft_priority = 0

@@ -64,13 +64,14 @@ class KVCacheCoordinator:
                  enable_caching: bool, events: EventLog,
                  windows: tuple[int | None, ...] = (None,),
                  cpu_prefix_cache: bool = False, eviction_policy: str = "lru",
-                 disk_tier: Callable[[BlockPool, AbstractSet[int]], PrefixTier] | None = None
-                 ) -> None:
+                 disk_tier: Callable[[BlockPool, AbstractSet[int]], PrefixTier] | None = None,
+                 tenant_cache_quota: float = 1.0) -> None:
         """windows: per layer group, its sliding window (None: full attention); one
         entry for a model with one table. A hybrid model's group 0 is a global group.
         disk_tier: builds the disk tier (engine/kv/tiers/disk.py) below a pool (the CPU
         tier's, or the GPU pool of an engine without one), given that pool's blocks whose
-        data the coming step writes; None: no disk tier."""
+        data the coming step writes; None: no disk tier. tenant_cache_quota: each
+        tenant's share of the GPU pool's cached blocks (engine/kv/tenant_cache.py)."""
         if len(windows) > 1 and windows[0] is not None:
             raise ValueError("a hybrid layout's group 0 is a global group")
         self.block_size = block_size
@@ -78,7 +79,8 @@ class KVCacheCoordinator:
         self._events = events
         self.stories = None  # the engine's StoryBook (engine/observe/story.py), if it keeps one
         tier_on = cpu_prefix_cache and enable_caching and num_cpu_blocks > 0 and len(windows) == 1
-        self.gpu = BlockPool(num_gpu_blocks, enable_caching, events, "gpu", eviction_policy)
+        self.gpu = BlockPool(num_gpu_blocks, enable_caching, events, "gpu", eviction_policy,
+                             tenant_cache_quota=tenant_cache_quota)
         self.cpu = BlockPool(num_cpu_blocks, tier_on, events, "cpu")
         # Blocks registered in the cache during this schedule, whose K/V the coming
         # forward pass writes. A same-step hit may read them (each layer writes all K/V
@@ -656,6 +658,8 @@ class KVCacheCoordinator:
                 if block.block_hash != block_hash:
                     raise AssertionError(f"invariant: hash map points at block {block.block_id} "
                                          "holding another hash")
+            if pool.tenants is not None:
+                pool.tenants.check(pool.blocks)
         for g in self.groups[1:]:
             for rid, table in g.req_to_blocks.items():
                 if rid not in self.main.req_to_blocks:

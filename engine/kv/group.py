@@ -273,7 +273,7 @@ class KVGroup:
         group, uncomputed = self.group, self._uncomputed
         for i in range(start, end):
             block = table[i - freed]
-            if self.gpu.cache(block, hashes[i - start]):
+            if self.gpu.cache(block, hashes[i - start], request.tenant):
                 block.group = group
                 stored.append(block)
                 indices.append(i)

@@ -16,6 +16,7 @@ from engine.config import EVICTION_POLICIES
 from engine.errors import InvalidRequestError, NotEnoughBlocksError, PrefixNotCachedError
 from engine.kv.block_pool import KVBlock
 from engine.kv.coordinator import KVCacheCoordinator
+from engine.kv.tenant_cache import check_share
 
 
 class Pins:
@@ -104,10 +105,12 @@ class Pins:
                     "it could never run. Pin later, or a shorter prefix")
 
     def set_retention(self, pin_budget: float | None = None,
-                      eviction_policy: str | None = None) -> dict:
+                      eviction_policy: str | None = None,
+                      tenant_cache_quota: float | None = None) -> dict:
         """Change what the prefix cache keeps, live: the pin budget (a share of the GPU
-        pool, 0-1; pins above a lowered budget stay, new ones are refused) and the GPU
-        pool's eviction policy (its free blocks ranked anew, in their order)."""
+        pool, 0-1; pins above a lowered budget stay, new ones are refused), the GPU
+        pool's eviction policy (its free blocks ranked anew, in their order) and each
+        tenant's quota of its cached blocks (engine/kv/tenant_cache.py; 1: none)."""
         if pin_budget is not None and (
                 isinstance(pin_budget, bool) or not isinstance(pin_budget, (int, float))
                 or not 0.0 <= pin_budget <= 1.0):
@@ -115,8 +118,12 @@ class Pins:
         if eviction_policy is not None and eviction_policy not in EVICTION_POLICIES:
             raise InvalidRequestError(f"eviction_policy must be one of "
                                       f"{', '.join(EVICTION_POLICIES)}")
+        if tenant_cache_quota is not None:
+            check_share(tenant_cache_quota, "tenant_cache_quota")
         if pin_budget is not None:
             self.budget = float(pin_budget)
+        if tenant_cache_quota is not None:
+            self.kv.gpu.tenants.set_share(tenant_cache_quota)
         if eviction_policy is not None:
             self.kv.gpu.set_eviction_policy(eviction_policy)
         return self.retention()
@@ -125,4 +132,5 @@ class Pins:
         gpu = self.kv.gpu
         return {"pin_budget": self.budget,
                 "pin_budget_blocks": int(self.budget * gpu.num_blocks),
-                "num_pinned_blocks": gpu.num_pinned, "eviction_policy": gpu.eviction_policy}
+                "num_pinned_blocks": gpu.num_pinned, "eviction_policy": gpu.eviction_policy,
+                "tenant_cache_quota": gpu.tenants.share}

@@ -11,7 +11,9 @@ fought over in the same step.
 Fair share (EngineConfig.max_batch_share): a tenant holding its share of max_num_seqs is
 passed over at admission while requests of others wait, and under fcfs its requests are
 the first preempted; requests without a tenant are exempt, and with nobody else waiting
-a tenant may use the whole batch.
+a tenant may use the whole batch. Token-weighted fairness (EngineConfig.fairness = "vtc",
+engine/sched/fairness.py): among the waiting of equal priority, the tenant served the
+fewest weighted tokens goes first; the share cap still applies beside it.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from engine.kv.events import EventLog
 from engine.kv.coordinator import KVCacheCoordinator
 from engine.kv.export import request_row
 from engine.request import Request, RequestStatus
+from engine.sched.fairness import VirtualTokenCounter
 from engine.sched.output import ScheduledRequest, SchedulerOutput
 from engine.sched.queue import WaitingQueue, priority_key
 
@@ -64,6 +67,8 @@ class Scheduler:
         self.swapped: collections.deque[Request] = collections.deque()
         self.recently_finished: collections.deque[Request] = collections.deque(maxlen=64)
         self.counters = SchedulerCounters()
+        # the tenants' served tokens, with fairness "vtc" (None: arrival order)
+        self.vtc = VirtualTokenCounter() if config.fairness == "vtc" else None
         # Parallel sampling: the engine makes a fork's samples (it numbers requests and
         # gives each its own detokenizer and grammar); live forks' sample ids by parent.
         self.make_sample: Callable[[Request, int], Request] | None = None
@@ -83,6 +88,8 @@ class Scheduler:
     # --- queue management ----------------------------------------------------------
     def add(self, request: Request, compiling: bool = False) -> None:
         """A new request: queued, or (compiling) live but held until release()."""
+        if self.vtc is not None:
+            self.vtc.arrive(request.tenant, (r.tenant for r in self.requests.values()))
         self.requests[request.request_id] = request
         if request.fork_pending:
             self.unforked.append(request)
@@ -212,7 +219,8 @@ class Scheduler:
         held = self._seqs_by_tenant() if self.share_cap is not None else None
         while self.waiting and budget > 0 and \
                 len(self.running) + reserved < self.config.max_num_seqs:
-            request = self.waiting.peek()
+            request = self.waiting.peek() if self.vtc is None else \
+                self.vtc.pick(self.waiting, self.config.scheduling_policy)
             if held and not self._within_share(request, held):
                 request = self._next_within_share(held)
             extra = request.num_seqs - 1
@@ -226,7 +234,7 @@ class Scheduler:
             if alloc is None:
                 request.num_computed_tokens = 0
                 break  # head-of-line: later requests wait their turn
-            if held is None or request is self.waiting.peek():
+            if request is self.waiting.peek():
                 self.waiting.pop()
             else:
                 self.waiting.remove(request)
@@ -323,6 +331,8 @@ class Scheduler:
             is_decode = s.samples and s.num_new_tokens == 1 and request.output_token_ids
             if not is_decode:
                 counters.num_prompt_tokens += s.num_new_tokens
+                if self.vtc is not None:
+                    self.vtc.charge(request.tenant, prompt_tokens=s.num_new_tokens)
             request.num_computed_tokens += s.num_new_tokens
             if s.samples:
                 request.num_pending += 1
@@ -349,6 +359,8 @@ class Scheduler:
             token = sampled[request.request_id]
             request.append_output_token(token)
             counters.num_generation_tokens += 1
+            if self.vtc is not None:
+                self.vtc.charge(request.tenant, output_tokens=1)
             progressed.append(request)
             params = request.sampling_params  # a stop token, EOS, or the length limit
             if len(request.output_token_ids) > params.min_tokens and (

@@ -60,6 +60,14 @@ def _soft(arguments: dict) -> dict:
 SOFT_PIN_TTL_S = 3600.0  # a soft pin's time to live when none is given
 
 
+def _clear(arguments: dict) -> tuple[str, ...]:
+    """A tenant command's limits going back to everyone's."""
+    clear = arguments.get("clear") or ()
+    if not isinstance(clear, (list, tuple)) or not all(isinstance(c, str) for c in clear):
+        raise InvalidRequestError("`clear` must be a list of limit names")
+    return tuple(clear)
+
+
 def _by(arguments: dict) -> str:
     """Who sent the command (the service passes the operator's name), for KV stories."""
     by = arguments.get("by")
@@ -90,7 +98,10 @@ OPERATOR_COMMANDS: dict[str, Callable[[LLMEngine, dict], Any]] = {
     "undrain": lambda e, a: e.undrain(),
     "set-limits": lambda e, a: e.set_limits(a.get("max_num_seqs"), a.get("max_num_batched_tokens")),
     # what the prefix cache keeps (the pin budget), changed live
-    "retention": lambda e, a: e.set_retention(a.get("pin_budget"), a.get("eviction_policy")),
+    "retention": lambda e, a: e.set_retention(a.get("pin_budget"), a.get("eviction_policy"),
+                                              a.get("tenant_cache_quota")),
+    "tenant": lambda e, a: e.set_tenant(a.get("tenant"), a.get("cache_quota"), a.get("weight"),
+                                        _clear(a)),
     # the live requests' ids by where they are (a drain by migration moves the running)
     "live-requests": lambda e, a: {
         "running": [r.request_id for r in e.scheduler.running],

@@ -249,7 +249,7 @@ def test_pins_stay_within_the_pin_budget_which_an_operator_changes_live():
     assert engine.pin_prefix(first)["num_newly_pinned"] == 0  # (again: nothing new)
     assert engine.set_retention(pin_budget=0.5) == {
         "pin_budget": 0.5, "pin_budget_blocks": 8, "num_pinned_blocks": 4,
-        "eviction_policy": "lru"}
+        "eviction_policy": "lru", "tenant_cache_quota": 1.0}
     assert engine.pin_prefix(second)["num_newly_pinned"] == 2
     engine.set_retention(pin_budget=0.0)
     assert engine.kv.gpu.num_pinned == 6 and engine.metrics()["pin_budget"] == 0.0

@@ -1,0 +1,137 @@
+"""Tenants' share of the GPU prefix cache: whose cached blocks these are, and a quota
+that keeps one tenant's flood from evicting another's prefix.
+
+A cached block belongs to the tenant whose request computed it (KVBlock.tenant, set
+when the block enters the hash map; a request without a tenant, staff's, caches blocks
+of nobody's). A tenant's count is its blocks in the hash map, held by running requests or
+free; its quota (a share of the GPU pool, EngineConfig.tenant_cache_quota, or a per-tenant
+override) bounds that count. When the pool must take a cached block, it takes the least
+recently freed free block of the tenant furthest over its quota before the eviction
+policy's choice: blocks of a tenant under its quota are taken only when no tenant over
+its quota has a free cached block left. Blocks a running request holds are never taken
+(the quota governs what stays cached), and neither are soft-pinned ones.
+
+BlockPool calls the hooks below at each change of a block's hash or of its freedom; this
+module owns the counts and the limits and never moves a block itself.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING
+
+from engine.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from engine.kv.block_pool import KVBlock
+
+
+def check_share(value, name: str) -> float:
+    """A quota's share of the pool, in (0, 1] (1: no quota); InvalidRequestError else."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
+        raise InvalidRequestError(f"{name} must be a number in (0, 1], got {value!r}")
+    return float(value)
+
+
+class TenantCache:
+    def __init__(self, num_blocks: int, share: float = 1.0) -> None:
+        self.num_blocks = num_blocks
+        self.share = share  # every tenant's quota, of num_blocks (1.0: none)
+        self.overrides: dict[str, float] = {}  # a tenant's own quota, set by an operator
+        self.counts: Counter[str] = Counter()  # blocks in the hash map, per tenant
+        # Free cached blocks per tenant, least recently freed first (dicts keep order)
+        self.free: dict[str, dict[KVBlock, None]] = {}
+        self.num_taken = 0  # cached blocks the quota chose to evict (over the policy's)
+
+    # --- limits ----------------------------------------------------------------------------
+    @property
+    def active(self) -> bool:
+        return self.share < 1.0 or any(s < 1.0 for s in self.overrides.values())
+
+    def limit(self, tenant: str) -> int:
+        """The most blocks this tenant's cache may hold before its blocks go first."""
+        return int(self.overrides.get(tenant, self.share) * self.num_blocks)
+
+    def set_share(self, share: float) -> None:
+        self.share = check_share(share, "tenant_cache_quota")
+
+    def set_override(self, tenant: str, share: float | None) -> None:
+        """A tenant's own quota (None: back to everyone's)."""
+        if share is None:
+            self.overrides.pop(tenant, None)
+        else:
+            self.overrides[tenant] = check_share(share, "cache_quota")
+
+    # --- hooks (BlockPool) ---------------------------------------------------------------
+    def cached(self, block: KVBlock) -> None:
+        """The block entered the hash map as its tenant's."""
+        self.counts[block.tenant] += 1
+        if block.ref_cnt == 0:
+            self.free.setdefault(block.tenant, {})[block] = None
+
+    def uncached(self, block: KVBlock) -> None:
+        """The block's hash left the map (evicted, forgotten, reset)."""
+        tenant = block.tenant
+        self.counts[tenant] -= 1
+        if not self.counts[tenant]:
+            del self.counts[tenant]
+        free = self.free.get(tenant)
+        if free is not None and block in free:
+            del free[block]
+            if not free:
+                del self.free[tenant]
+
+    def freed(self, block: KVBlock) -> None:
+        """Its last holder let the cached block go: the newest of its tenant's free ones."""
+        self.free.setdefault(block.tenant, {})[block] = None
+
+    def taken(self, block: KVBlock) -> None:
+        """A free cached block is held again (a prefix hit)."""
+        free = self.free[block.tenant]
+        del free[block]
+        if not free:
+            del self.free[block.tenant]
+
+    def refreshed(self, block: KVBlock) -> None:
+        """A free cached block became its tenant's most recently used."""
+        free = self.free[block.tenant]
+        del free[block]
+        free[block] = None
+
+    # --- eviction --------------------------------------------------------------------------
+    def victim(self, now: float) -> KVBlock | None:
+        """The free cached block the quota takes next: the least recently freed one, not
+        soft-pinned, of the tenant furthest over its quota; None if no tenant over its
+        quota has one."""
+        best, best_over = None, 0
+        for tenant, free in self.free.items():
+            over = self.counts[tenant] - self.limit(tenant)
+            if over <= best_over:
+                continue
+            for block in free:
+                if not block.soft_until or block.soft_until <= now:
+                    best, best_over = block, over
+                    break
+        return best
+
+    def over_quota(self) -> dict[str, int]:
+        """Each tenant over its quota and by how many blocks."""
+        return {t: n - self.limit(t) for t, n in self.counts.items() if n > self.limit(t)}
+
+    def check(self, blocks: list[KVBlock]) -> None:
+        """Invariant: the counts and free lists are the pool's blocks recounted."""
+        counts: Counter[str] = Counter()
+        free: Counter[str] = Counter()
+        for block in blocks:
+            if block.block_hash is not None and block.tenant is not None:
+                counts[block.tenant] += 1
+                if block.ref_cnt == 0:
+                    free[block.tenant] += 1
+            elif block.tenant is not None:
+                raise AssertionError(f"invariant: uncached block {block.block_id} has a tenant")
+        if counts != self.counts:
+            raise AssertionError(f"invariant: tenants' cached blocks {dict(self.counts)}, "
+                               f"recounted {dict(counts)}")
+        listed = Counter({t: len(f) for t, f in self.free.items()})
+        if listed != free:
+            raise AssertionError(f"invariant: tenants' free cached blocks {dict(listed)}, "
+                               f"recounted {dict(free)}")
