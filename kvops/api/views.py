@@ -186,7 +186,7 @@ class EngineViewSet(viewsets.ReadOnlyModelViewSet):
         engine = self.get_object()
         snapshot = selectors.engine_snapshot(engine.name)
         if snapshot is not None and not visibility.sees_everything(request.user):
-            snapshot = visibility.seal_document(snapshot)
+            snapshot = visibility.seal_document(snapshot, visibility.viewer_tenant(request.user))
         return Response({"engine": self.get_serializer(engine).data, "snapshot": snapshot})
 
     @extend_schema(
