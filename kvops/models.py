@@ -119,7 +119,7 @@ class Job(models.Model):
     queued_at = models.DateTimeField(auto_now_add=True, db_index=True)
     started_at = models.DateTimeField(null=True, blank=True)
     first_token_at = models.DateTimeField(null=True, blank=True)
-    finished_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True, db_index=True)  # (the bill filters on it)
 
     class Meta:
         ordering = ["-id"]

@@ -38,7 +38,8 @@ def overview(request: HttpRequest) -> HttpResponse:
     chat = chat_engines(engines)
     cards = [{"name": e.name, "status": e.status, "alive": selectors.engine_alive(e),
               "state": selectors.engine_state(e),
-              "config": visibility.config_for(e.config, request.user), "metrics": e.metrics,
+              "config": visibility.config_for(e.config, request.user),
+              "metrics": visibility.metrics_for(e.metrics, request.user),
               "kv_label": kv_blocks_label(e.config), "chat": chat[e.name]}
              for e in engines]
     return render(request, "kvops/overview.html", {"engines": engines, "cards": cards,
@@ -54,6 +55,9 @@ def engine_page(request: HttpRequest, name: str) -> HttpResponse:
     page = {"name": engine.name, "operator": request.user.is_staff,
             "config": visibility.config_for(engine.config, request.user),
             "tenant": tenancy.tenant(request.user), "miss_reasons": FIRST_MISS_REASONS}
+    if request.user.is_staff:  # the user names of the tenants the engine names now
+        rows = ((engine.metrics or {}).get("kv_by_tenant") or {}).get("tenants") or ()
+        page["tenant_names"] = tenancy.usernames(r["tenant"] for r in rows)
     return render(request, "kvops/engine.html",
                   {"engine": engine, "page": page, "operator": request.user.is_staff,
                    "kv_label": kv_blocks_label(engine.config),

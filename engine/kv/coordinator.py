@@ -380,13 +380,13 @@ class KVCacheCoordinator:
         return Allocation(new_blocks=[b for a in allocations for b in a.new_blocks],
                           copies=[c for a in allocations for c in a.copies])
 
-    def hold(self, request_id: str, hashes: list[BlockHash], num_blocks: int) -> int | None:
+    def hold(self, request: Request, hashes: list[BlockHash], num_blocks: int) -> int | None:
         """A table of num_blocks for a request being copied here (engine/transfer/migration.py):
         the leading blocks of `hashes` cached here, held, and fresh ones for the rest (not
         findable by hash until the request runs). Returns how many were cached, or None
         when the pool is short. One layer group only."""
         cached = self.cached_chain(hashes[:num_blocks])
-        fresh = self.main.hold(request_id, cached, num_blocks - len(cached))
+        fresh = self.main.hold(request, cached, num_blocks - len(cached))
         return None if fresh is None else len(cached)
 
     def tables_of(self, request_id: str) -> list[tuple[int, list[int]]]:
@@ -394,7 +394,7 @@ class KVCacheCoordinator:
         request holds after them."""
         return [(g.window_freed(request_id), g.block_ids(request_id)) for g in self.groups]
 
-    def adopt_tables(self, request_id: str,
+    def adopt_tables(self, request: Request,
                      layout: list[tuple[int, int]]) -> list[list[int]] | None:
         """Fresh tables, per layer group (freed, num_blocks) as tables_of gave them at
         another engine, for a request copied here (engine/transfer/migration.py); their block
@@ -403,7 +403,7 @@ class KVCacheCoordinator:
             raise ValueError(f"{len(layout)} layer groups sent; this engine has {self.num_groups}")
         if sum(n for _, n in layout) > self.gpu.num_free:
             return None
-        return [[b.block_id for b in g.adopt_table(request_id, freed, n)]
+        return [[b.block_id for b in g.adopt_table(request, freed, n)]
                 for g, (freed, n) in zip(self.groups, layout)]
 
     def blocks_needed(self, request: Request, num_new_tokens: int) -> int:

@@ -166,7 +166,7 @@ class KVGroup:
         table = self.req_to_blocks.setdefault(rid, table)
         table.extend(reuse)
         table.extend(new_blocks)
-        self._held.change(rid, gpu=len(reuse) + len(new_blocks))
+        self._held.change(rid, gpu=len(reuse) + len(new_blocks), tenant=request.tenant)
         if rid not in self._num_offered:
             self._num_offered[rid] = freed + len(reuse)
         result = Allocation(new_blocks=new_blocks)
@@ -175,7 +175,7 @@ class KVGroup:
         self._offer_to_cache(request, total_tokens)
         return result
 
-    def hold(self, request_id: str, cached: list[KVBlock], num_new: int) -> list[KVBlock] | None:
+    def hold(self, request: Request, cached: list[KVBlock], num_new: int) -> list[KVBlock] | None:
         """A table for a request being copied here from another engine: its leading
         `cached` blocks (a reference each) and num_new fresh ones, which are offered to
         the prefix cache only once their data is in and the request runs (its next
@@ -183,21 +183,23 @@ class KVGroup:
         revived = sum(1 for b in cached if b.ref_cnt == 0)
         if num_new + revived > self.gpu.num_free:
             return None
+        request_id = request.request_id
         self.gpu.touch(cached)
         fresh = self.gpu.take_new(num_new, request_id)
         self.req_to_blocks[request_id] = [*cached, *fresh]
-        self._held.change(request_id, gpu=len(cached) + len(fresh))
+        self._held.change(request_id, gpu=len(cached) + len(fresh), tenant=request.tenant)
         self._num_offered[request_id] = len(cached)
         return fresh
 
-    def adopt_table(self, request_id: str, freed: int, num_blocks: int) -> list[KVBlock]:
+    def adopt_table(self, request: Request, freed: int, num_blocks: int) -> list[KVBlock]:
         """A table of num_blocks fresh blocks for a request copied here from another
         engine whose first `freed` blocks a window gave back there (the coordinator has
         checked the room). Its full blocks are offered to the prefix cache once it runs
         (its next allocate), their data in by then."""
+        request_id = request.request_id
         fresh = self.gpu.take_new(num_blocks, request_id)
         self.req_to_blocks[request_id] = fresh
-        self._held.change(request_id, gpu=len(fresh))
+        self._held.change(request_id, gpu=len(fresh), tenant=request.tenant)
         if freed:
             self._window_freed[request_id] = freed
         self._num_offered[request_id] = freed
@@ -221,7 +223,7 @@ class KVGroup:
         table = self.req_to_blocks.get(parent.request_id, [])
         self.gpu.touch(table)
         self.req_to_blocks[child.request_id] = list(table)
-        self._held.change(child.request_id, gpu=len(table))
+        self._held.change(child.request_id, gpu=len(table), tenant=child.tenant)
         if parent.request_id in self._window_freed:
             self._window_freed[child.request_id] = self._window_freed[parent.request_id]
         self._num_offered[child.request_id] = self._num_offered.get(parent.request_id, 0)

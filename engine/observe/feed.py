@@ -219,8 +219,11 @@ class KVFeed:
         delta = self.mirror.apply(capture)
         kept, counts = select_events(capture.events)
         records = [event_record(e) for e in kept]
+        # the metrics history's point: the figures over time; the KV held by tenant (a
+        # table) rides the deltas and snapshots only
+        point = {k: v for k, v in capture.metrics.items() if k != "kv_by_tenant"}
         item = {"seq": delta["seq"], "epoch": self.epoch, "records": records,
-                "point": {"ts": capture.ts, "step": capture.step, **capture.metrics},
+                "point": {"ts": capture.ts, "step": capture.step, **point},
                 "prefix": prefix_changes(capture.events), "delta": None}
         if delta["seq"] > 1:  # the first one has no base: clients start from a snapshot
             delta["events"] = records

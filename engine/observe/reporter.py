@@ -19,6 +19,7 @@ from engine.model.runner import Runner
 from engine.observe.rate_meter import RateMeter
 from engine.observe.snapshot import EVICTION_ORDER_LEN
 from engine.observe.step_cost import StepCostFit
+from engine.observe.tenants import kv_by_tenant
 from engine.sched.scheduler import Scheduler
 
 if TYPE_CHECKING:
@@ -141,6 +142,8 @@ class Reporter:
             # Load, for routing: tokens the engine still has to hold or compute.
             "running_tokens": sum(r.num_tokens for r in sched.running),
             "waiting_tokens": sum(r.num_tokens for r in sched.waiting),
+            # per tenant: blocks held by tier, cached, block-seconds (the top ones named)
+            "kv_by_tenant": kv_by_tenant(kv.block_seconds.by_tenant(), kv.gpu.cached_by_tenant()),
             # the KV history's: tokens missed by reason, block residency histograms
             **(self.stories.metrics() if self.stories is not None else {}),
         }

@@ -345,7 +345,7 @@ class Migrator:
             raise InvalidRequestError(f"request {rid!r} is already being copied here")
         request = self._request(offer)
         num_full = offer["num_computed_tokens"] // self.config.block_size
-        cached = self.kv.hold(rid, request.block_hashes, num_full)
+        cached = self.kv.hold(request, request.block_hashes, num_full)
         if cached is None:
             raise NotEnoughBlocksError(f"request {rid!r} needs {num_full} blocks here, "
                                        f"{self.kv.gpu.num_free} are free")
@@ -475,7 +475,7 @@ class Migrator:
                                       "with sliding windows or layer groups; this one has none")
         request = self._request(state)
         layout = [tuple(g) for g in state["groups"]]
-        tables = self.kv.adopt_tables(request.request_id, layout)
+        tables = self.kv.adopt_tables(request, layout)
         if tables is None:
             raise MigrationFailed(f"request {request.request_id!r} needs more free blocks "
                                   f"than this engine has now ({self.kv.gpu.num_free})")

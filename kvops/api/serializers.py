@@ -90,10 +90,11 @@ class EngineSerializer(serializers.ModelSerializer):
         read_only_fields = fields
 
     def to_representation(self, instance):
-        from kvops.dashboard.visibility import config_for
+        from kvops.dashboard.visibility import config_for, metrics_for
         data = super().to_representation(instance)
         request = self.context.get("request")
         data["config"] = config_for(instance.config, getattr(request, "user", None))
+        data["metrics"] = metrics_for(instance.metrics, getattr(request, "user", None))
         return data
 
     def get_state(self, engine: Engine) -> str:

@@ -135,6 +135,7 @@ class EngineTimelineStateView(APIView):
             raise NotFound(f"engine {engine.name!r} has no stored state at {_iso(at)}: its "
                            f"timeline holds {_iso(windows[0]['start'])} to {_iso(newest)}")
         if not visibility.sees_everything(request.user):
-            answer = {**answer, "keyframe": visibility.seal_document(answer["keyframe"]),
-                      "deltas": [visibility.seal_document(d) for d in answer["deltas"]]}
+            mine = visibility.viewer_tenant(request.user)
+            answer = {**answer, "keyframe": visibility.seal_document(answer["keyframe"], mine),
+                      "deltas": [visibility.seal_document(d, mine) for d in answer["deltas"]]}
         return Response({"engine": engine.name, "at": at, **answer})

@@ -155,6 +155,7 @@ class JobViewSet(mixins.CreateModelMixin, mixins.ListModelMixin, mixins.Retrieve
         "routing": serializers.DictField(),
         "copy_on_write": serializers.IntegerField(),
         "window_freed": serializers.IntegerField(),
+        "block_seconds": serializers.DictField(child=serializers.FloatField(), allow_null=True),
         "moments": serializers.DictField()})})
     @action(detail=True, methods=["get"])
     def kv(self, request, pk=None):
@@ -186,7 +187,7 @@ class EngineViewSet(viewsets.ReadOnlyModelViewSet):
         engine = self.get_object()
         snapshot = selectors.engine_snapshot(engine.name)
         if snapshot is not None and not visibility.sees_everything(request.user):
-            snapshot = visibility.seal_document(snapshot)
+            snapshot = visibility.seal_document(snapshot, visibility.viewer_tenant(request.user))
         return Response({"engine": self.get_serializer(engine).data, "snapshot": snapshot})
 
     @extend_schema(

@@ -345,6 +345,7 @@ class EngineConsumer(_Consumer):
             return
         # a plain user's frames carry no hashes (kvops/dashboard/visibility.py)
         self.sealed = not visibility.sees_everything(self.scope["user"])
+        self.tenant = visibility.viewer_tenant(self.scope["user"])  # (its label in them)
         self.name = self.scope["url_route"]["kwargs"]["name"]
         found = await _engine(self.name)
         if found is None:
@@ -355,7 +356,7 @@ class EngineConsumer(_Consumer):
         await self.send_json({
             "type": "hello", "engine": self.name, "status": engine.status, "alive": alive,
             "config": visibility.config_for(engine.config, self.scope["user"]),
-            "metrics": engine.metrics,
+            "metrics": visibility.metrics_for(engine.metrics, self.scope["user"]),
             "operator": self.scope["user"].is_staff})
 
     async def on_subscribe(self, message: dict) -> None:
@@ -436,7 +437,8 @@ class EngineConsumer(_Consumer):
     async def send_frame(self, data: bytes) -> None:
         """A delta or snapshot as this viewer may see it (sealed once per process)."""
         if self.sealed:
-            data = await sync_to_async(visibility.frames.seal, thread_sensitive=False)(data)
+            data = await sync_to_async(visibility.frames.seal, thread_sensitive=False)(
+                data, self.tenant)
         await self.send(bytes_data=data)
 
     # --- from the channel layer ---------------------------------------------------------

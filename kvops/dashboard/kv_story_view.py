@@ -34,6 +34,9 @@ def document(job: Job, viewer) -> dict:
         "routing": routing, "final_blocks": story.get("final_blocks"),
         "copy_on_write": story.get("copy_on_write", 0),
         "window_freed": story.get("window_freed", 0),
+        # KV blocks held x seconds by pool, so far or to its end (None: a story told
+        # before the engine counted them)
+        "block_seconds": story.get("block_seconds"),
         "moments": story.get("moments") or {"admitted": None, "first_token": None,
                                              "preemptions": [], "ended": None},
     }

@@ -1,9 +1,11 @@
 """What a viewer may see of an engine's KV state: the one place that decides it.
 
 Staff see everything. A plain user sees every block's state, reference count and owner
-(a request index: the page marks another tenant's requests "another user's" by their
-tenant label, which says nothing of who), every request's counts and status, and the
-events, but no block hash of anyone's: with a hash and a guess of a prompt's first
+(a request index), every request's counts and status, and the events, but no other
+tenant's label and no block hash of anyone's. Tenant labels: their own requests carry
+theirs, every other request (another user's, or staff's) `others` (OTHERS), which the
+page shows as "another user's"; the KV held by tenant (metrics' `kv_by_tenant`) names
+their own tenant and adds up everyone else's as `other`. Hashes: with a hash and a guess of a prompt's first
 blocks, anyone who can compute the chain can test the guess (docs/security.md). Their
 own requests' hashes are on their own job (the job websocket's `blocks`); token ids
 never reach the engine's views, and the text of a hovered block's tokens (the engine's
@@ -15,7 +17,7 @@ An engine's configuration (its registered config, and the snapshot's) reaches a 
 user without addresses and filesystem paths (plain_config).
 
 Deltas and snapshots travel as zlib JSON encoded once for everyone; a plain viewer's
-copy is sealed once per process and frame (an LRU shared by all of them).
+copy is sealed once per process, frame and tenant (an LRU shared by all of them).
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import threading
 from collections import OrderedDict
 
 from engine.observe.feed import decode, encode
+from engine.observe.tenants import added_up
 from kvops.routing import tenancy
 
 # Per-block arrays and event fields that carry prefix-cache hashes
@@ -42,11 +45,17 @@ PLAIN_CONFIG_FIELDS = (
     "simulate", "sliding_window", "kv_group_windows", "tensor_parallel_size", "role",
     "rank_memory")
 _FRAMES_KEPT = 64
+OTHERS = "others"  # every tenant label but a plain viewer's own, as that viewer sees it
 
 
 def sees_everything(user) -> bool:
     """Staff see every hash; a plain user none but their own requests'."""
     return bool(getattr(user, "is_staff", False))
+
+
+def viewer_tenant(user) -> str | None:
+    """The tenant label of `user`'s requests (None: staff, or nobody)."""
+    return tenancy.tenant(user) if user is not None else None
 
 
 def plain_config(config: dict | None) -> dict:
@@ -70,10 +79,41 @@ def block_facts_for(facts: dict | None, viewer) -> dict | None:
     other holder's text None (its token range, like the snapshot's tables, stays)."""
     if facts is None or sees_everything(viewer):
         return facts
-    mine = tenancy.tenant(viewer)
-    holders = [h if mine is not None and h.get("tenant") == mine else {**h, "text": None}
+    mine = viewer_tenant(viewer)
+    holders = [h if _is_mine(h.get("tenant"), mine) else {**h, "text": None, "tenant": OTHERS}
                for h in facts.get("holders", ())]
     return {**facts, "holders": holders}
+
+
+def _is_mine(label: str | None, mine: str | None) -> bool:
+    return mine is not None and label == mine
+
+
+def _sealed_request(row: dict, mine: str | None) -> dict:
+    return row if _is_mine(row.get("tenant"), mine) else {**row, "tenant": OTHERS}
+
+
+def metrics_for(metrics: dict | None, viewer) -> dict | None:
+    """An engine's metrics as `viewer` may read them."""
+    if metrics is None or sees_everything(viewer):
+        return metrics
+    return seal_metrics(metrics, viewer_tenant(viewer))
+
+
+def seal_metrics(metrics: dict, mine: str | None) -> dict:
+    """Metrics whose KV held by tenant (`kv_by_tenant`, engine/observe/tenants.py) names
+    the viewer's tenant alone (a tenant outside the engine's top ones is in `other`);
+    everyone else's added up as `other`, without saying how many they are."""
+    by_tenant = metrics.get("kv_by_tenant")
+    if not isinstance(by_tenant, dict):
+        return metrics
+    rows = by_tenant.get("tenants") or []
+    own = [r for r in rows if _is_mine(r.get("tenant"), mine)]
+    rest = [r for r in rows if not _is_mine(r.get("tenant"), mine)]
+    if by_tenant.get("other"):
+        rest.append(by_tenant["other"])
+    other = {**added_up(rest), "tenants": None} if rest else None
+    return {**metrics, "kv_by_tenant": {"tenants": own, "other": other}}
 
 
 def seal_event(record: dict) -> dict:
@@ -87,11 +127,20 @@ def seal_events(records: list[dict]) -> list[dict]:
     return [seal_event(r) for r in records]
 
 
-def seal_document(doc: dict) -> dict:
-    """A snapshot or a delta (decoded) as a plain viewer may have it: no hash arrays,
-    events without hashes, the config without addresses and paths, and `sealed: true`
+def seal_document(doc: dict, mine: str | None) -> dict:
+    """A snapshot or a delta (decoded) as a plain viewer whose tenant label is `mine` may
+    have it: no hash arrays, events without hashes, the config without addresses and
+    paths, no other tenant's label (in the requests and the metrics), and `sealed: true`
     so that the page says why."""
     out = dict(doc)
+    requests = out.get("requests")
+    if isinstance(requests, list):  # a snapshot's rows
+        out["requests"] = [_sealed_request(r, mine) for r in requests]
+    elif isinstance(requests, dict) and requests.get("upsert"):  # a delta's
+        out["requests"] = {**requests,
+                           "upsert": [_sealed_request(r, mine) for r in requests["upsert"]]}
+    if isinstance(out.get("metrics"), dict):
+        out["metrics"] = seal_metrics(out["metrics"], mine)
     if isinstance(out.get("config"), dict):
         out["config"] = plain_config(out["config"])
     for pool in POOLS:
@@ -104,25 +153,27 @@ def seal_document(doc: dict) -> dict:
 
 
 class FrameSealer:
-    """Sealed copies of encoded frames, each made once per process: every plain viewer
-    of an engine receives the same deltas."""
+    """Sealed copies of encoded frames, each made once per process and tenant: every
+    plain viewer of an engine with the same tenant label receives the same deltas."""
 
     def __init__(self, kept: int = _FRAMES_KEPT) -> None:
         self.kept = kept
-        self._frames: OrderedDict[bytes, bytes] = OrderedDict()  # by the frame's bytes
+        # by the frame's bytes and the viewer's tenant label
+        self._frames: OrderedDict[tuple[bytes, str | None], bytes] = OrderedDict()
         self._lock = threading.Lock()
         self.num_sealed = 0  # frames decoded and encoded again (not from the cache)
 
-    def seal(self, data: bytes) -> bytes:
+    def seal(self, data: bytes, mine: str | None) -> bytes:
+        key = (data, mine)
         with self._lock:
-            sealed = self._frames.get(data)
+            sealed = self._frames.get(key)
             if sealed is not None:
-                self._frames.move_to_end(data)
+                self._frames.move_to_end(key)
                 return sealed
-        sealed = encode(seal_document(decode(data)), level=1)
+        sealed = encode(seal_document(decode(data), mine), level=1)
         with self._lock:
             self.num_sealed += 1
-            self._frames[data] = sealed
+            self._frames[key] = sealed
             while len(self._frames) > self.kept:
                 self._frames.popitem(last=False)
         return sealed

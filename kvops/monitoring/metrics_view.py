@@ -77,6 +77,7 @@ class _Collector:
             jobs.add_metric([status], Job.objects.filter(status=status).count())
         yield jobs
         yield from _kv_story_families(engines)
+        yield from _tenant_families(engines)
         yield from vllm_series.families(engines)
 
 
@@ -120,6 +121,38 @@ def _from_outside(m: dict) -> float:
 SOURCES = [("local_compute", lambda m: m["prefix_cache_queries"] - m["prefix_cache_hits"]),
            ("local_cache_hit", lambda m: m["prefix_cache_hits"] - _from_outside(m)),
            ("external_kv_transfer", _from_outside)]
+
+
+# the `tenant` label of requests without a tenant label (staff's: as GET /api/usage/ says)
+# and of the tenants the engine added up (beyond its top ones); a label is 16 hex digits
+STAFF_TENANT, OTHER_TENANTS = "staff", "other"
+
+
+def _tenant_families(engines):
+    """The KV held by tenant (engine/observe/tenants.py), as the engine bounded it: its top
+    tenants by blocks and `other`, so at most top + 1 `tenant` labels an engine."""
+    held = GaugeMetricFamily(
+        "kvops:tenant_kv_blocks", "KV blocks a tenant's live requests hold now, by pool "
+        "(a block shared by several requests counts for each), and the GPU pool's cached "
+        "blocks its requests cached (pool=\"cached\").", labels=["engine", "tenant", "pool"])
+    seconds = GaugeMetricFamily(
+        "kvops:tenant_kv_block_seconds", "KV blocks held x seconds by a tenant's requests "
+        "since the engine started, by pool. A gauge: a tenant that leaves the top ones moves "
+        "into tenant=\"other\"; take increase() per tenant over spans where it stayed.",
+        labels=["engine", "tenant", "pool"])
+    for engine in engines:
+        by_tenant = (engine.metrics or {}).get("kv_by_tenant") or {}
+        rows = [(row["tenant"] or STAFF_TENANT, row) for row in by_tenant.get("tenants") or ()]
+        if by_tenant.get("other"):
+            rows.append((OTHER_TENANTS, by_tenant["other"]))
+        for tenant, row in rows:
+            for pool, key in (("gpu", "gpu_blocks"), ("cpu", "cpu_blocks"),
+                              ("cached", "cached_blocks")):
+                held.add_metric([engine.name, tenant, pool], float(row[key]))
+            for pool in ("gpu", "cpu"):
+                seconds.add_metric([engine.name, tenant, pool], float(row["block_seconds"][pool]))
+    yield held
+    yield seconds
 
 
 def _refusal(request: HttpRequest) -> JsonResponse | None:

@@ -40,9 +40,28 @@ def cache_salt(owner) -> str | None:
     return _keyed("cache-salt", owner.pk)
 
 
+# tenant label -> user name, for staff's pages: filled from the users on a label it lacks
+# (labels never change while the secret key stays; this process's own)
+_names: dict[str, str] = {}
+
+
+def usernames(labels) -> dict[str, str]:
+    """The user names of those tenant labels that are a user's (staff's pages)."""
+    wanted = {label for label in labels if label}
+    if not wanted <= _names.keys():
+        from django.contrib.auth import get_user_model
+        users = get_user_model().objects.filter(is_staff=False).values_list("pk", "username")
+        _names.update({_label(pk): username for pk, username in users})
+    return {label: _names[label] for label in wanted if label in _names}
+
+
 def tenant(owner) -> str | None:
     """The label of this user's requests inside an engine (None: staff, who are exempt
     from the batch share and see every request as theirs to operate)."""
     if owner is None or owner.is_staff:
         return None
-    return _keyed("tenant", owner.pk)[:16]
+    return _label(owner.pk)
+
+
+def _label(owner_pk: int) -> str:
+    return _keyed("tenant", owner_pk)[:16]

@@ -17,6 +17,9 @@ export class BlockMap {
     this.pool = null;  // {n, state, ref_cnt, owner, hash32}
     this.evictRank = null;  // Int32Array: place in the eviction order, -1 if not in it
     this.mask = null;  // Uint8Array: 1 for the selected request's blocks
+    // a used cell's colour key from its owner's request index (null: the index itself,
+    // a colour per request; the "by tenant" mode gives one per tenant: tenant_kv.js)
+    this.keyOf = null;
     this.path = [];  // the selected request's table, in order
     this.base = 0;  // colors()'s answer: the cell's colour and its dot's
     this.dot = 0;
@@ -70,7 +73,7 @@ export class BlockMap {
     const dimmed = this.mask !== null && this.mask[i] === 0;
     const s = p.state[i];
     if (s === STATE.used) {
-      this.base = pal.ownerColor(p.owner[i], dimmed);
+      this.base = pal.ownerColor(this.keyOf === null ? p.owner[i] : this.keyOf(p.owner[i]), dimmed);
       this.dot = !dimmed && p.ref_cnt[i] > 1 ? pal.sharedDot : 0;
     } else if (s === STATE.cached) {
       const evict = !dimmed && this.evictRank !== null && this.evictRank[i] >= 0;
@@ -124,6 +127,12 @@ export class BlockMap {
     this.ctx.putImageData(this.image, 0, 0, 0, y, this.width, h);
     this.dirtyLo = Infinity;
     this.dirtyHi = -1;
+  }
+
+  // Colour used cells by owner request (null) or by the key keyOf(owner index) gives.
+  colourBy(keyOf) {
+    this.keyOf = keyOf;
+    if (this.pool) this.paintAll();
   }
 
   // Highlight one request's blocks (its table, in order), or none (null).

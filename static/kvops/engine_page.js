@@ -23,6 +23,7 @@ import { LiveSync } from "./live_sync.js";
 import { drainText, migrationTargets, migrationText } from "./migration.js";
 import { PIN_MODES, pinRequest } from "./pin_form.js";
 import { RequestTable } from "./request_table.js";
+import { tenantKey, tenantPanelHtml, tenantRows } from "./tenant_kv.js";
 import { EVICTION_POLICIES, currentRetention, followedForm, pinnedText, retentionForm,
          retentionRequest, retentionText } from "./retention.js";
 import { LiveSocket } from "./socket.js";
@@ -117,6 +118,7 @@ function loadSnapshot(snapshot) {
 
 // Paint the state on screen from scratch (a snapshot, the first moment of a scrub, back to live).
 function showWhole() {
+  gpuMap.keyOf = cpuMap.keyOf = colourKeys();
   gpuMap.attach(state.gpu, state.evictRank, $("#gpu-wrap").clientWidth);
   cpuMap.attach(state.cpu, null, $("#cpu-wrap").clientWidth);
   $("#gpu-caption").textContent = `${num(state.gpu.n)} blocks of ${state.config.block_size} tokens${kvCaption(state.config)}${groupsCaption(state.config)}${splitCaption(state.config)}`;
@@ -308,7 +310,26 @@ function renderHead() {
   });
   $("#req-count").textContent = `${num(table.count)} shown of ${num(state.requests.size)}`;
   if (hasDiskTier(state.config)) renderDiskTier(m);
+  renderTenants(m);
 }
+
+// KV by tenant: the panel, redrawn when its figures changed; the block maps' "by tenant"
+// mode colours a used block by its owner request's tenant (a plain viewer's: theirs or
+// others'). page.tenant_names: staff's, the user names of the labels the service knows.
+let tenantsShown = "";
+function renderTenants(m) {
+  const html = tenantPanelHtml(tenantRows(m.kv_by_tenant, { mine: page.tenant, names: page.tenant_names ?? {} }));
+  if (html !== tenantsShown) $("#tenant-kv").innerHTML = tenantsShown = html;
+}
+
+function colourKeys() {
+  return $("#colour-by").value === "tenant" ? (index) => tenantKey(state?.requests.get(index)) : null;
+}
+$("#colour-by").addEventListener("change", () => {
+  if (!state) return;
+  gpuMap.colourBy(colourKeys());
+  cpuMap.colourBy(colourKeys());
+});
 
 // The disk tier: counts and a hit share (there may be millions of blocks: no map), as
 // of the state on screen. Its figures' boxes are made once; their texts change.

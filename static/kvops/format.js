@@ -20,6 +20,11 @@ export function plural(n, noun, many = `${noun}s`) {
   return `${num(n)} ${n === 1 ? noun : many}`;
 }
 
+// KV block-seconds (blocks held x seconds: engine/kv/block_seconds.py), a tenth under 10.
+export function blockSeconds(value) {
+  return num(value, value !== null && value !== undefined && Math.abs(value) < 10 ? 1 : 0);
+}
+
 export function pct(fraction, digits = 1) {
   if (fraction === null || fraction === undefined || Number.isNaN(fraction)) return "–";
   return `${(100 * fraction).toFixed(digits)}%`;

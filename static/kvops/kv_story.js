@@ -9,7 +9,7 @@
 // `reasons` is engine/observe/story.py FIRST_MISS_REASONS (reason -> sentence), which the
 // page views hand to the pages: the sentences are kept there only.
 import { SOURCE_CSS } from "./colors.js";
-import { clock, esc, num, plural } from "./format.js";
+import { blockSeconds, clock, esc, num, plural } from "./format.js";
 
 export const SOURCE_WORDS = { gpu: "GPU hit", cpu: "CPU-tier hit", computed: "computed" };
 // Why a request was preempted (recompute) or swapped (engine/observe/story.py
@@ -159,6 +159,12 @@ function routingRows(doc) {
           ["best engine", best]];
 }
 
+// The KV blocks it held x the seconds it held them, by pool (what GET /api/usage/ bills).
+function heldText(held) {
+  if (!held) return "not counted (its story was told before the engine counted them)";
+  return `${blockSeconds(held.gpu ?? 0)} block-seconds on the GPU pool · ${blockSeconds(held.cpu ?? 0)} on the CPU pool (swapped out)`;
+}
+
 // The job page's panel: everything the story says.
 export function storyHtml(doc, reasons) {
   if (!doc.told) return `<p class="muted kv-untold">No KV story yet: ${esc(doc.detail)}.</p>`;
@@ -168,6 +174,7 @@ export function storyHtml(doc, reasons) {
     ...routingRows(doc),
     ["copy on write", `${plural(doc.copy_on_write, "block")} copied before a write (shared with another request)`],
     ["window", `${plural(doc.window_freed, "block")} given back by a sliding window`],
+    ["KV held", heldText(doc.block_seconds)],
     ["moments", `admitted ${at(m.admitted)} · first token ${at(m.first_token)} · ended ${at(m.ended)}`],
   ];
   return `<p class="kv-summary">${plural(doc.prompt_tokens, "prompt token")} in ${plural(doc.blocks.length, "block")}

@@ -9,6 +9,7 @@ from django.contrib.auth.models import AnonymousUser
 
 from engine import SamplingParams
 from kvops import live
+from kvops.dashboard import visibility
 from kvops.dashboard.consumers import CLOSE_NOT_FOUND, CLOSE_NOT_LOGGED_IN
 from kvops.stream.job_stream import StreamProducer
 from kvops.models import Engine, Job
@@ -22,7 +23,8 @@ pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.asyncio]
 
 
 def assert_matches_engine(client: LiveState, engine) -> None:
-    """The client's state is the engine's; a plain user's (sealed) without the hashes."""
+    """The client's state is the engine's; a plain user's (sealed) without the hashes, and
+    its requests (none of them the viewer's) without their tenant labels."""
     truth = LiveState(engine.snapshot(compact=True) | {"seq": client.seq, "epoch": client.epoch})
     for pool in ("gpu", "cpu"):
         for k in ARRAYS:
@@ -31,6 +33,8 @@ def assert_matches_engine(client: LiveState, engine) -> None:
                     or pool == "cpu", (pool, k)
                 continue
             assert (client.arrays(pool)[k] == truth.arrays(pool)[k]).all(), (pool, k)
+    if client.sealed:
+        truth.requests = {i: {**r, "tenant": visibility.OTHERS} for i, r in truth.requests.items()}
     assert client.request_list() == truth.request_list()
 
 
@@ -213,7 +217,7 @@ async def test_a_block_question_gives_the_text_of_a_holders_tokens_to_its_owner_
     await settle(publisher, engine)
     shared = engine.kv.block_ids("mine")[2]
     assert engine.kv.block_ids("theirs")[2] == shared
-    texts = {}
+    texts, tenants = {}, {}
     for user in (alice, op):
         comm, ok, _ = await connect(f"/ws/engines/{name}/", user)
         assert ok
@@ -222,8 +226,11 @@ async def test_a_block_question_gives_the_text_of_a_holders_tokens_to_its_owner_
         holders = {h["request_id"]: h for h in answer["facts"]["holders"]}
         assert holders["mine"]["tokens"] == holders["theirs"]["tokens"] == [8, 12]
         texts[user.username] = {rid: h["text"] for rid, h in holders.items()}
+        tenants[user.username] = {rid: h["tenant"] for rid, h in holders.items()}
         await comm.disconnect()
     assert texts["alice"]["mine"] and texts["alice"]["theirs"] is None  # not hers
+    assert tenants["alice"] == {"mine": tenancy.tenant(alice), "theirs": visibility.OTHERS}
+    assert tenants["op"]["theirs"] == tenancy.tenant(bob)
     assert texts["op"]["mine"] == texts["op"]["theirs"] == texts["alice"]["mine"]
 
 
@@ -369,3 +376,37 @@ async def test_an_idle_consumer_stays_connected(users, engine_setup):
         {"job": job.pk, "attempt": 0, "offset": 0, "text": "late", "n": 1}])
     assert (await receive(comm))["text"] == "late"
     await comm.disconnect()
+
+
+async def test_a_plain_user_sees_their_own_tenant_and_no_other_tenants_label(users, engine_setup):
+    name, engine, publisher, churn = engine_setup
+    op, alice, bob = users
+    for rid, owner in (("hers", alice), ("his", bob)):
+        engine.add_request(rid, list(range(700, 740)), SamplingParams(max_tokens=50), job_id=rid,
+                           tenant=tenancy.tenant(owner))
+    engine.step()
+    await settle(publisher, engine)
+    metrics = engine.metrics()  # (as a heartbeat writes them: the hello carries them)
+    await asyncio.to_thread(lambda: Engine.objects.filter(name=name).update(metrics=metrics))
+    frames = {}
+    for user in (alice, op):
+        comm, ok, _ = await connect(f"/ws/engines/{name}/", user)
+        assert ok
+        hello = await receive_type(comm, "hello")
+        await comm.send_json_to({"type": "subscribe", "level": "full"})
+        snapshot = await receive_type(comm, "snapshot")
+        churn()
+        await settle(publisher, engine)
+        delta = await receive_type(comm, "delta", timeout=5)
+        frames[user.username] = (hello, snapshot, delta)
+        await comm.disconnect()
+    his, hers = tenancy.tenant(bob), tenancy.tenant(alice)
+    for frame in frames["alice"]:  # the hello, the snapshot, a delta
+        assert his not in repr(frame)  # nowhere: rows, metrics, anything
+        by_tenant = frame["metrics"]["kv_by_tenant"]
+        assert [r["tenant"] for r in by_tenant["tenants"]] == [hers]
+        assert by_tenant["other"]["gpu_blocks"] > 0 and by_tenant["other"]["tenants"] is None
+    rows = {r["request_id"]: r["tenant"] for r in frames["alice"][1]["requests"]}
+    assert rows["hers"] == hers and rows["his"] == visibility.OTHERS
+    for frame in frames["op"]:  # staff see every label (so the checks above can fail)
+        assert {hers, his} <= {r["tenant"] for r in frame["metrics"]["kv_by_tenant"]["tenants"]}

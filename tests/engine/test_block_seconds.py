@@ -62,3 +62,26 @@ def test_the_story_tells_each_requests_block_seconds_as_it_held_blocks():
     assert engine.kv_story("a")["block_seconds"] == {"gpu": 8.0, "cpu": 0.0}
     assert engine.kv_story("b")["block_seconds"] == {"gpu": 2.0, "cpu": 0.0}
     assert len(engine.kv.block_seconds) == 0  # ended requests are forgotten
+
+
+def test_a_tenants_block_seconds_keep_its_ended_requests_and_add_its_live_ones():
+    clock = Clock(0.0)
+    meter = BlockSeconds(clock)
+    meter.change("a1", gpu=2, tenant="A")
+    meter.change("b1", gpu=1, tenant="B")
+    meter.change("s", gpu=1)  # no tenant (staff's)
+    clock.now = 3.0
+    meter.end("a1")  # A: 2 blocks for 3 s, ended
+    meter.change("a2", gpu=4, tenant="A")
+    meter.change("b1", gpu=-1, cpu=1)  # B's swapped out
+    clock.now = 5.0
+    by_tenant = meter.by_tenant()
+    assert (by_tenant["A"].gpu, by_tenant["A"].gpu_s) == (4, 6.0 + 8.0)  # ended + live
+    assert (by_tenant["B"].cpu, by_tenant["B"].gpu_s, by_tenant["B"].cpu_s) == (1, 3.0, 2.0)
+    assert (by_tenant[None].gpu, by_tenant[None].gpu_s) == (1, 5.0)
+    meter.end("a2")
+    meter.end("b1")
+    clock.now = 9.0  # ended requests' totals stay; they hold nothing more
+    by_tenant = meter.by_tenant()
+    assert (by_tenant["A"].gpu, by_tenant["A"].gpu_s) == (0, 14.0)
+    assert (by_tenant["B"].cpu, by_tenant["B"].cpu_s) == (0, 2.0)

@@ -71,3 +71,10 @@ def test_a_story_kept_before_swaps_were_told_apart_is_sorted_out():
         [("out", "operator", 3)]
     assert [(m["from"], m["blocks_sent"]) for m in doc["moves"]] == [("east", 6)]
     assert doc["final_blocks"] is None
+
+
+def test_the_kv_block_seconds_the_engine_counted_are_in_the_document():
+    held = {"gpu": 12.5, "cpu": 2.0}
+    assert document(job(Job.Status.FINISHED, story(block_seconds=held)), STAFF)["block_seconds"] == held
+    # a story told before the engine counted them says nothing, not zero
+    assert document(job(Job.Status.FINISHED, story()), STAFF)["block_seconds"] is None

@@ -240,3 +240,25 @@ def test_cache_config_info_names_each_engines_kv_dtype_and_block_bytes(rf, setti
     assert 'kv_format="float8_e4m3fn/tensor:0a1b2c3d"' in lines["fp8"]
     assert 'cache_dtype="bfloat16"' in lines["plain"] and 'num_gpu_blocks="4500"' in lines["plain"]
     assert lines["plain"].endswith(" 1.0")
+
+
+def test_the_kv_by_tenant_gauges_name_the_top_tenants_and_other_only(rf, settings):
+    """More tenants than the engine names: /metrics has its top ones and `other`, N + 1
+    `tenant` labels, and staff's requests (no tenant label) under `staff`."""
+    from engine.kv.block_seconds import TenantKV
+    from engine.observe.tenants import kv_by_tenant
+
+    meter = {f"{t:016x}": TenantKV(gpu=t, gpu_s=10.0 * t) for t in range(1, 7)}
+    meter[None] = TenantKV(gpu=20, cpu=2, gpu_s=5.0)
+    engine_with("tenants", {"kv_by_tenant": kv_by_tenant(meter, {f"{6:016x}": 4}, top=3)})
+    text = scrape(rf, settings)
+    line = re.compile(r'^kvops:tenant_kv_blocks\{engine="tenants",pool="(\w+)",tenant="(\w+)"\} (\S+)$',
+                      re.M)
+    blocks = {(tenant, pool): float(v) for pool, tenant, v in line.findall(text)}
+    assert {tenant for tenant, _ in blocks} == {"staff", f"{6:016x}", f"{5:016x}", "other"}
+    assert blocks["staff", "gpu"] == 20 and blocks["staff", "cpu"] == 2
+    assert blocks[f"{6:016x}", "cached"] == 4
+    assert blocks["other", "gpu"] == 1 + 2 + 3 + 4  # the four tenants beyond the top 3
+    seconds = re.findall(r'^kvops:tenant_kv_block_seconds\{engine="tenants",pool="gpu",'
+                         r'tenant="other"\} (\S+)$', text, re.M)
+    assert [float(s) for s in seconds] == [100.0]

@@ -234,5 +234,45 @@ def test_a_plain_user_reads_no_address_or_path_of_an_engine(client):
     listed, _, _ = seen(staff)
     assert json.loads(listed) == config
     # the snapshot (REST, websocket, timeline) carries the config too
-    sealed = visibility.seal_document({"type": "snapshot", "config": config, "gpu": {}})
+    sealed = visibility.seal_document({"type": "snapshot", "config": config, "gpu": {}}, None)
     assert sealed["config"] == told
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_plain_user_reads_their_own_tenants_kv_and_others_added_up(client):
+    """The engine's KV by tenant (its metrics: the REST API, the engine page, the
+    overview): a plain user reads their own tenant's row and everyone else's added up,
+    and no other tenant's label; staff read every label, and the engine page their users'
+    names."""
+    from django.contrib.auth.models import User
+
+    from engine.kv.block_seconds import TenantKV
+    from engine.observe.tenants import kv_by_tenant
+    from kvops.engines.registry import heartbeat, register_engine
+    from kvops.routing import tenancy
+
+    carol = User.objects.create_user("carol", password="mauve-tractor-41-lake")
+    dave = User.objects.create_user("dave", password="mauve-tractor-41-lake")
+    staff = User.objects.create_user("opal", password="mauve-tractor-41-lake", is_staff=True)
+    hers, his = tenancy.tenant(carol), tenancy.tenant(dave)
+    meter = {hers: TenantKV(gpu=2, gpu_s=4.0), his: TenantKV(gpu=5, gpu_s=9.0),
+             None: TenantKV(gpu=1, gpu_s=1.0)}
+    register_engine("kvt", "w@h", "h", "i1", {"block_size": 16, "num_gpu_blocks": 64,
+                                            "num_cpu_blocks": 0}, "s1")
+    heartbeat("kvt", "i1", {"kv_by_tenant": kv_by_tenant(meter, {his: 3})})
+
+    def seen(user) -> tuple[dict, str]:
+        client.force_login(user)
+        [listed] = client.get("/api/engines/").json()
+        assert client.get("/api/engines/kvt/").json()["engine"]["metrics"] == listed["metrics"]
+        pages = client.get("/engines/kvt/").content.decode() + client.get("/").content.decode()
+        return listed["metrics"]["kv_by_tenant"], pages
+
+    by_tenant, pages = seen(carol)
+    assert his not in json.dumps(by_tenant) and his not in pages
+    assert [r["tenant"] for r in by_tenant["tenants"]] == [hers]
+    assert by_tenant["other"]["gpu_blocks"] == 6 and by_tenant["other"]["cached_blocks"] == 3
+    assert by_tenant["other"]["tenants"] is None  # (not even how many)
+    by_tenant, pages = seen(staff)
+    assert [r["tenant"] for r in by_tenant["tenants"]] == [his, hers, None]
+    assert '"tenant_names"' in pages and '"dave"' in pages

@@ -206,3 +206,9 @@ test("firstFrom: the first state stored at or after a moment, across windows", (
   assert.equal(replay.firstFrom(FINISH.ts + 0.05), FINISH.ts + 0.05);  // nothing stored after it
   assert.equal(replay.seek(replay.firstFrom(1001.05)).state.requestById("r2").status, "running");
 });
+
+test("the job page's story says the KV block-seconds it held by pool, or that they were not counted", () => {
+  const html = storyHtml(story({ block_seconds: { gpu: 1234.5, cpu: 2.25 } }), REASONS);
+  assert.match(html, /<dt>KV held<\/dt><dd>1,235 block-seconds on the GPU pool · 2\.3 on the CPU pool/);
+  assert.match(storyHtml(story(), REASONS), /<dt>KV held<\/dt><dd>not counted/);
+});

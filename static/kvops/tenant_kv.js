@@ -1,0 +1,52 @@
+// The KV held by tenant (the engine's metrics `kv_by_tenant`, engine/observe/tenants.py):
+// the engine page's "KV by tenant" panel, and the tenant each block map cell is coloured
+// by in its "by tenant" mode. A plain user's copy names their own tenant only (the rest
+// are `other`, and every other request's tenant is "others": kvops/dashboard/visibility.py);
+// staff see every label, with the user's name where the service knows it (`names`).
+// No DOM here: tests/dashboard/js/tenant_kv.test.mjs runs it in node.
+import { blockSeconds, esc, num } from "./format.js";
+
+export const OTHERS = "others";  // visibility.OTHERS: any tenant but a plain viewer's own
+
+// The panel's rows: {key, label, gpu, cpu, cached, seconds, mine}; `mine` is the viewer's
+// tenant label (null for staff).
+export function tenantRows(byTenant, { mine = null, names = {} } = {}) {
+  if (!byTenant) return [];
+  const row = (r, key, label) => ({ key, label, gpu: r.gpu_blocks, cpu: r.cpu_blocks, cached: r.cached_blocks,
+                                    seconds: r.block_seconds.gpu + r.block_seconds.cpu, mine: key === mine && mine !== null });
+  const rows = byTenant.tenants.map((r) => row(r, r.tenant, tenantLabel(r.tenant, { mine, names })));
+  const other = byTenant.other;
+  if (other) {
+    const label = other.tenants == null ? "others" : `other (${num(other.tenants)} tenant${other.tenants === 1 ? "" : "s"})`;
+    rows.push(row(other, "other", label));
+  }
+  return rows;
+}
+
+// A tenant label as the viewer reads it: "you", the user's name (staff), "staff" for
+// requests without a label, "others" for another's in a plain viewer's copy.
+export function tenantLabel(tenant, { mine = null, names = {} } = {}) {
+  if (mine !== null && tenant === mine) return "you";
+  if (tenant === null || tenant === undefined) return "staff";
+  if (tenant === OTHERS) return "others";
+  return names[tenant] ?? tenant;
+}
+
+export function tenantPanelHtml(rows) {
+  if (!rows.length) return `<p class="muted">No tenant holds or has held KV blocks yet.</p>`;
+  const cells = (r) => `<td>${esc(r.label)}</td><td class="num">${num(r.gpu)}</td><td class="num">${num(r.cpu)}</td>
+    <td class="num">${num(r.cached)}</td><td class="num">${blockSeconds(r.seconds)}</td>`;
+  return `<table class="list tenant-kv"><thead><tr><th>tenant</th><th class="num">GPU held</th><th class="num">CPU held</th>
+    <th class="num">cached</th><th class="num">block-seconds</th></tr></thead>
+    <tbody>${rows.map((r) => `<tr data-tenant="${esc(r.key ?? "staff")}"${r.mine ? " class=\"mine\"" : ""}>${cells(r)}</tr>`).join("")}</tbody></table>`;
+}
+
+// The colour key of a block owned by request `r` in the "by tenant" mode: a number the
+// palette turns into a hue, the same for every request of one tenant (0: no owner).
+export function tenantKey(r) {
+  if (!r) return 0;
+  const tenant = r.tenant ?? "staff";
+  let h = 7;
+  for (let k = 0; k < tenant.length; k++) h = (h * 31 + tenant.charCodeAt(k)) >>> 0;
+  return 1 + (h % 9973);
+}

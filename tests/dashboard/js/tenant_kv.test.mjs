@@ -1,0 +1,36 @@
+// node --test: the engine page's KV by tenant (static/kvops/tenant_kv.js): the panel's
+// rows as staff and a plain user read them, and the "by tenant" colour keys.
+import assert from "node:assert/strict";
+import test from "node:test";
+
+import { OTHERS, tenantKey, tenantPanelHtml, tenantRows } from "../../../static/kvops/tenant_kv.js";
+
+const row = (tenant, gpu, cached = 0, seconds = 0) => ({
+  tenant, gpu_blocks: gpu, cpu_blocks: 1, cached_blocks: cached, block_seconds: { gpu: seconds, cpu: 0.5 } });
+
+test("staff read every tenant by user name where known, staff's own requests as staff, and the rest with their count", () => {
+  const byTenant = { tenants: [row("aa11", 9, 4, 120), row(null, 3), row("bb22", 2)],
+                     other: { ...row(undefined, 5), tenants: 3 } };
+  const rows = tenantRows(byTenant, { names: { aa11: "alice" } });
+  assert.deepEqual(rows.map((r) => r.label), ["alice", "staff", "bb22", "other (3 tenants)"]);
+  assert.deepEqual([rows[0].gpu, rows[0].cpu, rows[0].cached, rows[0].seconds], [9, 1, 4, 120.5]);
+  const html = tenantPanelHtml(rows);
+  assert.match(html, /<tr data-tenant="aa11"><td>alice<\/td><td class="num">9<\/td><td class="num">1<\/td>\s*<td class="num">4<\/td><td class="num">121<\/td>/);
+  assert.match(html, /data-tenant="staff"><td>staff</);
+});
+
+test("a plain user reads their own tenant as you and the rest as others", () => {
+  const sealed = { tenants: [row("cc33", 4)], other: { ...row(undefined, 7), tenants: null } };
+  const rows = tenantRows(sealed, { mine: "cc33" });
+  assert.deepEqual(rows.map((r) => [r.label, r.mine]), [["you", true], ["others", false]]);
+  assert.match(tenantPanelHtml(rows), /<tr data-tenant="cc33" class="mine"><td>you</);
+  assert.equal(tenantPanelHtml(tenantRows({ tenants: [], other: null })).includes("No tenant"), true);
+});
+
+test("a tenant's requests share one colour key; another tenant's, others' and staff's differ", () => {
+  const a1 = tenantKey({ tenant: "aa11" }), a2 = tenantKey({ tenant: "aa11" });
+  assert.equal(a1, a2);
+  const keys = new Set([a1, tenantKey({ tenant: "bb22" }), tenantKey({ tenant: OTHERS }), tenantKey({ tenant: null })]);
+  assert.equal(keys.size, 4);
+  assert.equal(tenantKey(undefined), 0);
+});

@@ -1,0 +1,49 @@
+"""KV held by tenant (engine/observe/tenants.py): blocks held by pool, cached blocks and
+block-seconds per tenant, the top tenants named and the rest added up, in the metrics."""
+from engine import SamplingParams
+from engine.kv.block_seconds import TenantKV
+from engine.observe.tenants import kv_by_tenant
+from tests.engine.sim import run_all, sim_engine
+from tests.support.clock import Clock
+
+
+def test_the_top_tenants_by_blocks_are_named_and_the_rest_added_up():
+    meter = {"a": TenantKV(gpu=1, gpu_s=50.0), "b": TenantKV(gpu=4, cpu=2, gpu_s=8.0, cpu_s=1.0),
+             "c": TenantKV(gpu_s=3.0), None: TenantKV(gpu=2), "idle": TenantKV()}
+    out = kv_by_tenant(meter, {"a": 5, "d": 1}, top=2)
+    # a: 1 + 5 cached, b: 6; a's block-seconds break the tie; nothing at all: left out
+    assert [r["tenant"] for r in out["tenants"]] == ["a", "b"]
+    assert out["tenants"][0] == {"tenant": "a", "gpu_blocks": 1, "cpu_blocks": 0,
+                                 "cached_blocks": 5, "block_seconds": {"gpu": 50.0, "cpu": 0.0}}
+    # the rest: None (2 blocks), d (1 cached), c (block-seconds only)
+    assert out["other"] == {"tenants": 3, "gpu_blocks": 2, "cpu_blocks": 0, "cached_blocks": 1,
+                            "block_seconds": {"gpu": 3.0, "cpu": 0.0}}
+    assert kv_by_tenant(meter, {}, top=10)["other"] is None
+
+
+def test_the_metrics_tell_each_tenants_blocks_and_block_seconds_as_it_held_them():
+    engine = sim_engine(num_gpu_blocks=64)  # blocks of 4 tokens
+    clock = engine.events.clock = Clock(100.0)
+    engine.add_request("a", list(range(10, 42)), SamplingParams(max_tokens=20), tenant="A")
+    engine.add_request("b", list(range(50, 58)), SamplingParams(max_tokens=2), tenant="B")
+    engine.step()  # both admitted at 100 s
+    clock.now = 110.0
+    held_a, held_b = engine.kv.num_blocks_held("a"), engine.kv.num_blocks_held("b")
+    by_tenant = {r["tenant"]: r for r in engine.metrics()["kv_by_tenant"]["tenants"]}
+    assert list(by_tenant) == ["A", "B"] and held_a > held_b  # A holds more: first
+    assert by_tenant["A"]["gpu_blocks"] == held_a and by_tenant["B"]["gpu_blocks"] == held_b
+    assert by_tenant["A"]["block_seconds"] == {"gpu": held_a * 10.0, "cpu": 0.0}
+    assert by_tenant["B"]["block_seconds"] == {"gpu": held_b * 10.0, "cpu": 0.0}
+    engine.step()  # B's last token: it ends at 110 s; A grows
+    held_a_now = engine.kv.num_blocks_held("a")
+    clock.now = 130.0
+    by_tenant = {r["tenant"]: r for r in engine.metrics()["kv_by_tenant"]["tenants"]}
+    assert by_tenant["B"]["gpu_blocks"] == 0  # ended: its block-seconds stay
+    assert by_tenant["B"]["block_seconds"]["gpu"] == held_b * 10.0
+    assert by_tenant["A"]["block_seconds"]["gpu"] == held_a * 10.0 + held_a_now * 20.0
+    run_all(engine)
+    ended = {r["tenant"]: r for r in engine.metrics()["kv_by_tenant"]["tenants"]}
+    assert ended["A"]["gpu_blocks"] == 0
+    assert ended["A"]["block_seconds"] == engine.kv_story("a")["block_seconds"]
+    # its full blocks stay cached, under its tenant (BlockPool.cached_by_tenant)
+    assert ended["A"]["cached_blocks"] == engine.kv.gpu.cached_by_tenant()["A"] > 0
