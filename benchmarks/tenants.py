@@ -52,7 +52,7 @@ def workload(seed: int, conversations: int, turns: int, system_len: int, burst: 
     rng = random.Random(seed)
     system = [rng.randrange(VOCAB) for _ in range(system_len)]
     rows: list[tuple[float, list[int], int, str]] = []
-    for c in range(conversations):
+    for _ in range(conversations):
         t = rng.uniform(0.0, 20.0)  # conversations start over the first 20 s
         history = list(system)
         for _ in range(turns):
@@ -61,7 +61,7 @@ def workload(seed: int, conversations: int, turns: int, system_len: int, burst: 
             rows.append((t, list(history), output_len, "A"))
             history += [rng.randrange(VOCAB) for _ in range(output_len)]  # the reply
             t += rng.uniform(4.0, 10.0)  # the user reads and types
-    for i in range(burst):
+    for _ in range(burst):
         t = burst_at_s + rng.uniform(0.0, 2.0)
         rows.append((t, [rng.randrange(VOCAB) for _ in range(burst_len)], 128, "B"))
     rows.sort(key=lambda r: r[0])

@@ -80,6 +80,9 @@ class EngineConfig:
     # order, with max_batch_share), or "vtc": the tenant served the fewest weighted
     # tokens so far (the virtual token counter, engine/sched/fairness.py)
     fairness: str = "share"
+    # Tenants named in the metrics' kv_by_tenant (engine/observe/tenants.py) and in
+    # /metrics' tenant label; the rest are added up as "other"
+    metrics_top_tenants: int = 10
     device: str = "auto"
     dtype: str = "auto"
     # How K/V is stored: "auto" (the model's dtype) or fp8 ("fp8_e4m3", "fp8_e5m2": one
@@ -175,6 +178,7 @@ class EngineConfig:
         _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1")
         _check(0.0 < self.max_batch_share <= 1.0, "max_batch_share must be in (0, 1]")
         _check(0.0 < self.tenant_cache_quota <= 1.0, "tenant_cache_quota must be in (0, 1]")
+        _check(1 <= self.metrics_top_tenants <= 100, "metrics_top_tenants must be in [1, 100]")
         _check(self.fairness in FAIRNESS_POLICIES,
                f"fairness must be one of {FAIRNESS_POLICIES}, got {self.fairness!r}")
         _check(self.max_model_len is None or self.max_model_len >= 2,

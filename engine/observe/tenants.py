@@ -12,11 +12,8 @@ from __future__ import annotations
 
 from engine.kv.block_seconds import TenantKV
 
-TOP_TENANTS = 10  # tenants named in kv_by_tenant; the rest are `other`
-
-
 def kv_by_tenant(meter: dict[str | None, TenantKV], cached: dict[str | None, int],
-                 top: int = TOP_TENANTS) -> dict:
+                 top: int) -> dict:
     """{"tenants": [row, ...], "other": row with "tenants" (how many) or None}; a row is
     {tenant, gpu_blocks, cpu_blocks, cached_blocks, block_seconds: {gpu, cpu}}, the
     tenants ordered by blocks held and cached, then block-seconds."""

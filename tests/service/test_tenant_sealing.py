@@ -259,7 +259,7 @@ def test_a_plain_user_reads_their_own_tenants_kv_and_others_added_up(client):
              None: TenantKV(gpu=1, gpu_s=1.0)}
     register_engine("kvt", "w@h", "h", "i1", {"block_size": 16, "num_gpu_blocks": 64,
                                             "num_cpu_blocks": 0}, "s1")
-    heartbeat("kvt", "i1", {"kv_by_tenant": kv_by_tenant(meter, {his: 3})})
+    heartbeat("kvt", "i1", {"kv_by_tenant": kv_by_tenant(meter, {his: 3}, top=10)})
 
     def seen(user) -> tuple[dict, str]:
         client.force_login(user)
