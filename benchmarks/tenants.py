@@ -137,7 +137,7 @@ def run(load: Workload, config: EngineConfig, cost: StepCost, tenants: tuple[str
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--conversations", type=int, default=48)
+    ap.add_argument("--conversations", type=int, default=16)
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--system-len", type=int, default=1024)
     ap.add_argument("--burst", type=int, default=160)
