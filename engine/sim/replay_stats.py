@@ -60,17 +60,22 @@ class ReplayRecorder:
     def after_step(self, engine: LLMEngine, now: float) -> None:
         # num_cached_tokens is set when a request is first admitted (the Request object
         # keeps it even if the request finished within this step). Requests of equal
-        # priority, as a replay's all are, are first admitted in arrival order: the
+        # priority, as a replay's all are, are first admitted in arrival order unless a
+        # tenants' policy reorders them (a batch share, fairness "vtc"): in order, the
         # look stops at the first one still waiting.
         # A request that ended before it was admitted (an operator's abort, a move to
         # another engine) is never counted.
+        scheduler = engine.scheduler
+        in_order = scheduler.vtc is None and scheduler.share_cap is None
         admitted = []
         for rid, request in list(self._unadmitted.items()):
             if request.num_cached_tokens is None and request.status.is_finished:
                 del self._unadmitted[rid]
                 continue
             if request.num_cached_tokens is None:
-                break
+                if in_order:
+                    break
+                continue
             admitted.append(rid)
         for rid in admitted:
             request = self._unadmitted.pop(rid)

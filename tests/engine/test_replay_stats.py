@@ -79,3 +79,18 @@ def test_percentile_is_nearest_rank():
     values = [5.0, 1.0, 3.0, 2.0, 4.0]
     assert percentile(values, 50) == 3.0 and percentile(values, 99) == 5.0
     assert percentile(values, 20) == 1.0 and percentile([], 50) is None
+
+
+def test_queue_waits_follow_admission_when_a_tenants_policy_reorders_it():
+    """Under fairness "vtc" B's short prompts are admitted before A's later long ones:
+    each request's wait is taken when it is admitted, not when those before it in
+    arrival order are (one sequence at a time, every step 10 ms, 5 steps a request)."""
+    trace = [TraceRequest(0.0, 100, 5, tenant="A") for _ in range(3)] + \
+        [TraceRequest(0.0, 5, 5, tenant="B") for _ in range(3)]
+    recorder = ReplayRecorder(len(trace))
+    replay_paged(trace, EngineConfig(**CFG, num_gpu_blocks=512, max_num_seqs=1,
+                                     fairness="vtc"), StepCost(10.0, 0.0),
+                 observer=recorder)
+    # admitted a0, b0, b1, b2, a1, a2: 50 ms apart, in that order
+    assert [round(w, 6) for w in recorder.queue_waits] == [0.0, 0.05, 0.1, 0.15, 0.2, 0.25]
+    assert recorder.prompt_tokens == 3 * 100 + 3 * 5
