@@ -14,6 +14,7 @@ from .sim import expected, sim_engine
 
 PREFIXES = [list(range(10, 18)), list(range(40, 53)), [7] * 6]
 BLOCK = 4
+TENANTS = [None, "A", "B"]
 
 
 class EngineMachine(RuleBasedStateMachine):
@@ -21,6 +22,9 @@ class EngineMachine(RuleBasedStateMachine):
     cpu_tier = False  # the CPU pool is a second-level prefix cache too
     # global layers and sliding ones (window 6) with a block table each (engine/kv/group.py)
     hybrid = False
+    # tenants' quota on the cached blocks (engine/kv/tenant_cache.py) and fairness
+    tenant_quota = 1.0
+    fairness = "share"
 
     def __init__(self):
         super().__init__()
@@ -28,6 +32,7 @@ class EngineMachine(RuleBasedStateMachine):
         self.engine = sim_engine(block_size=BLOCK, num_gpu_blocks=28 if self.hybrid else 20,
                                  num_cpu_blocks=10, max_num_batched_tokens=24, max_num_seqs=6,
                                  preemption_mode=self.mode, cpu_prefix_cache=self.cpu_tier,
+                                 tenant_cache_quota=self.tenant_quota, fairness=self.fairness,
                                  **hybrid)
         self.n = 0
         self.prompts = {}
@@ -36,23 +41,25 @@ class EngineMachine(RuleBasedStateMachine):
 
     # --- rules ------------------------------------------------------------------------
     @rule(prefix=st.sampled_from(PREFIXES), suffix=st.lists(st.integers(0, 999), max_size=6),
-          max_tokens=st.integers(1, 12))
-    def add(self, prefix, suffix, max_tokens):
+          max_tokens=st.integers(1, 12), tenant=st.sampled_from(TENANTS))
+    def add(self, prefix, suffix, max_tokens, tenant):
         prompt = prefix + suffix
         rid = f"r{self.n}"
         self.n += 1
-        self.engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens))
+        self.engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens),
+                                tenant=tenant)
         self.prompts[rid] = (prompt, max_tokens)
         self.requests.append(self.engine.scheduler.requests[rid])
 
     @rule(prefix=st.sampled_from(PREFIXES), suffix=st.lists(st.integers(0, 999), max_size=6),
-          max_tokens=st.integers(1, 12), n=st.integers(2, 3))
-    def fork(self, prefix, suffix, max_tokens, n):
+          max_tokens=st.integers(1, 12), n=st.integers(2, 3), tenant=st.sampled_from(TENANTS))
+    def fork(self, prefix, suffix, max_tokens, n, tenant):
         """n samples of one prompt: shared blocks, copy-on-write of the partial one."""
         prompt = prefix + suffix
         rid = f"r{self.n}"
         self.n += 1
-        self.engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, n=n))
+        self.engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, n=n),
+                                tenant=tenant)
         self.prompts[rid] = (prompt, max_tokens)
         self.requests.append(self.engine.scheduler.requests[rid])
 
@@ -112,6 +119,14 @@ class EngineMachine(RuleBasedStateMachine):
             (self.engine.pin_prefix if pin else self.engine.unpin_prefix)(prefix)
         except EngineError:
             pass
+
+    @rule(tenant=st.sampled_from(TENANTS[1:]),
+          share=st.one_of(st.none(), st.sampled_from([0.1, 0.3, 1.0])))
+    def tenant_quota_live(self, tenant, share):
+        if share is None:
+            self.engine.set_tenant(tenant, clear=("cache_quota",))
+        else:
+            self.engine.set_tenant(tenant, cache_quota=share)
 
     @precondition(lambda self: self.n % 7 == 3)
     @rule()
@@ -183,6 +198,17 @@ class HybridSwapMachine(EngineMachine):
     hybrid = True
 
 
+class TenantsMachine(EngineMachine):
+    """A quota of a fifth of the pool per tenant, and fairness "vtc"."""
+    tenant_quota = 0.2
+    fairness = "vtc"
+
+
+class TenantsSwapCpuTierMachine(TenantsMachine):
+    mode = "swap"
+    cpu_tier = True
+
+
 _settings = settings(max_examples=200, stateful_step_count=50, deadline=None,
                      suppress_health_check=[HealthCheck.too_slow])
 TestRecompute = EngineMachine.TestCase
@@ -197,3 +223,7 @@ TestHybrid = HybridMachine.TestCase
 TestHybrid.settings = _settings
 TestHybridSwap = HybridSwapMachine.TestCase
 TestHybridSwap.settings = _settings
+TestTenants = TenantsMachine.TestCase
+TestTenants.settings = _settings
+TestTenantsSwapCpuTier = TenantsSwapCpuTierMachine.TestCase
+TestTenantsSwapCpuTier.settings = _settings
