@@ -103,7 +103,7 @@ def _p(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-def summarise(rows: dict[str, dict]) -> dict:
+def summarise(rows: dict[str, dict], system_len: int) -> dict:
     out = {}
     for tenant in ("A", "B"):
         mine = [r for r in rows.values() if r["tenant"] == tenant]
@@ -118,6 +118,9 @@ def summarise(rows: dict[str, dict]) -> dict:
             "requests": len(mine),
             "hit_rate": sum(r["cached"] for r in admitted)
             / max(1, sum(r["prompt"] for r in admitted)),
+            # admissions that found the whole system prompt cached (A's hot prefix)
+            "kept_prefix": sum(r["cached"] >= system_len - 16 for r in admitted)
+            / max(1, len(admitted)),
             "ttft_p50": statistics.median(ttfts) if ttfts else float("nan"),
             "ttft_p99": _p(ttfts, 0.99),
             "tokens_per_s": tokens / span if span else 0.0,
@@ -125,13 +128,13 @@ def summarise(rows: dict[str, dict]) -> dict:
     return out
 
 
-def run(load: Workload, config: EngineConfig, cost: StepCost, tenants: tuple[str, ...]
-        ) -> dict:
+def run(load: Workload, config: EngineConfig, cost: StepCost, tenants: tuple[str, ...],
+        system_len: int) -> dict:
     keep = [i for i, r in enumerate(load.trace) if r.tenant in tenants]
     recorder = TenantRecorder()
     replay_paged([load.trace[i] for i in keep], config, cost,
                  prompts=[load.prompts[i] for i in keep], observer=recorder)
-    return summarise(recorder.rows)
+    return summarise(recorder.rows, system_len)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -170,15 +173,18 @@ def main(argv: list[str] | None = None) -> None:
           f"{args.burst_len} tokens at {args.burst_at_s:g} s; {args.num_gpu_blocks} GPU "
           f"blocks of 16; a step {args.step_base_ms:g} ms + {args.step_token_ms:g} ms/token "
           "(simulated time)\n")
-    header = ("run", "A hit", "A TTFT p50", "A TTFT p99", "B tok/s", "B TTFT p50")
+    header = ("run", "A hit", "A prefix kept", "A TTFT p50", "A TTFT p99", "B tok/s",
+              "B TTFT p50")
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     results = {}
     for name, overrides, tenants in runs:
-        summary = run(load, dataclasses.replace(base, **overrides), cost, tenants)
+        summary = run(load, dataclasses.replace(base, **overrides), cost, tenants,
+                      args.system_len)
         results[name] = summary
         a, b = summary["A"], summary.get("B")
-        cells = [name, f"{100 * a['hit_rate']:.1f}%", f"{1000 * a['ttft_p50']:.0f} ms",
+        cells = [name, f"{100 * a['hit_rate']:.1f}%", f"{100 * a['kept_prefix']:.0f}%",
+                 f"{1000 * a['ttft_p50']:.0f} ms",
                  f"{1000 * a['ttft_p99']:.0f} ms",
                  f"{b['tokens_per_s']:,.0f}" if b else "-",
                  f"{1000 * b['ttft_p50']:.0f} ms" if b else "-"]

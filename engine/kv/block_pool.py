@@ -245,6 +245,15 @@ class BlockPool:
     def get_cached(self, block_hash: BlockHash) -> KVBlock | None:
         return self.cached.get(block_hash)
 
+    def room_for(self, tenant: str | None) -> int:
+        """The free blocks an admission of `tenant` may take: num_free, less, while the
+        tenant is over its cache quota, the free cached blocks of tenants under theirs
+        (engine/kv/tenant_cache.py)."""
+        quota = self.tenants
+        if quota is None or tenant is None or not quota.active:
+            return self.num_free
+        return self.num_free - quota.protected_from(tenant)
+
     def cached_by_tenant(self) -> dict[str, int]:
         """Cached blocks (held or free) per tenant that cached them; staff's and
         unlabelled requests' blocks are nobody's."""
@@ -344,10 +353,11 @@ class BlockPool:
 
     # --- allocation ------------------------------------------------------------------
     def take_new(self, n: int, for_request: str | None = None,
-                 keep: int | None = None) -> list[KVBlock]:
+                 keep: int | None = None, admitting: str | None = None) -> list[KVBlock]:
         """Take n blocks from the head of the free queue, evicting cached data lazily
         (for_request: whose new blocks they become, named in the eviction's event; keep:
-        its priority, for the priority eviction policy).
+        its priority, for the priority eviction policy; admitting: the tenant of a
+        request being admitted, which passes over the blocks room_for counted out).
 
         The caller checks num_free first; asking for too many is a broken invariant.
         """
@@ -357,8 +367,10 @@ class BlockPool:
             self.expire_soft_pins()
         taken, evicted = [], []
         quota = self.tenants if self.tenants is not None and self.tenants.active else None
+        guard = admitting if quota is not None and admitting is not None and \
+            quota.protected_from(admitting) else None
         for _ in range(n):
-            block = self._next_free(quota)
+            block = self._next_free(quota, guard)
             if block.block_hash is not None:
                 evicted.append((block, block.block_hash))
                 self._drop_hash(block)
@@ -372,14 +384,18 @@ class BlockPool:
             self._evicted(evicted, "reuse", "evicted", for_request)
         return taken
 
-    def _next_free(self, quota: TenantCache | None) -> KVBlock:
+    def _next_free(self, quota: TenantCache | None, guard: str | None) -> KVBlock:
         """The free block take_new takes next: the free queue's head, unless that would
         evict cached data while a tenant over its quota has a free cached block (then
-        that tenant's least recently freed one)."""
+        that tenant's least recently freed one), or, admitting for an over-quota tenant
+        (guard), the first in eviction order that is not another tenant's under quota."""
         if quota is not None:
             head = self.free_queue.peek()
             if head.block_hash is not None:
                 victim = quota.victim(self.clock())
+                if victim is None and guard is not None:
+                    victim = next((b for b in self.free_queue
+                                   if quota.takeable_by(b, guard)), None)
                 if victim is not None:
                     self.free_queue.remove(victim)
                     quota.num_taken += 1

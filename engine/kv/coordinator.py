@@ -364,7 +364,7 @@ class KVCacheCoordinator:
             return alloc
         hits = match.groups if match is not None else [None] * self.num_groups
         need = sum(g.blocks_needed(request, num_new_tokens, h) for g, h in zip(self.groups, hits))
-        if need > self.gpu.num_free:
+        if need > (self.gpu.num_free if match is None else self.gpu.room_for(request.tenant)):
             return None
         # Every group's reused blocks are held before any group takes new ones (which
         # could otherwise reuse a free cached block another group is about to revive).

@@ -13,6 +13,14 @@ its quota has a free cached block left. Blocks a running request holds are never
 
 BlockPool calls the hooks below at each change of a block's hash or of its freedom; this
 module owns the counts and the limits and never moves a block itself.
+
+The admission of a request whose tenant is over its quota takes no free cached block of
+a tenant under its own (BlockPool.room_for counts them out, take_new passes over them):
+it waits for room instead, so that a flood of one tenant's prompts, once its running
+requests hold the pool, does not reach into another tenant's prefix. A running
+request's next blocks are never refused for it (that would make it preempt others for
+blocks it may not take); and within one allocation, a tenant that falls back under its
+quota as its blocks are taken is passed over only from then on.
 """
 from __future__ import annotations
 
@@ -112,6 +120,19 @@ class TenantCache:
                     best, best_over = block, over
                     break
         return best
+
+    def protected_from(self, tenant: str | None) -> int:
+        """Free cached blocks an admission of `tenant` may not take: while it is over
+        its quota, those of every other tenant under theirs."""
+        if tenant is None or self.counts.get(tenant, 0) <= self.limit(tenant):
+            return 0
+        return sum(len(free) for t, free in self.free.items()
+                   if t != tenant and self.counts[t] <= self.limit(t))
+
+    def takeable_by(self, block: KVBlock, tenant: str) -> bool:
+        """Whether an admission of an over-quota `tenant` may take this free block."""
+        owner = block.tenant
+        return owner is None or owner == tenant or self.counts[owner] > self.limit(owner)
 
     def over_quota(self) -> dict[str, int]:
         """Each tenant over its quota and by how many blocks."""

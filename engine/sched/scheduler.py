@@ -217,12 +217,19 @@ class Scheduler:
             return
         reserved = self._reserved()
         held = self._seqs_by_tenant() if self.share_cap is not None else None
+        # tenants over their cache quota whose next request found no room it may take
+        # (engine/kv/tenant_cache.py): their requests wait, the others' go on
+        shut: set[str] = set()
         while self.waiting and budget > 0 and \
                 len(self.running) + reserved < self.config.max_num_seqs:
-            request = self.waiting.peek() if self.vtc is None else \
-                self.vtc.pick(self.waiting, self.config.scheduling_policy)
+            waiting = self.waiting if not shut else \
+                [r for r in self.waiting if r.tenant not in shut]
+            if not waiting:
+                break
+            request = next(iter(waiting)) if self.vtc is None else \
+                self.vtc.pick(waiting, self.config.scheduling_policy)
             if held and not self._within_share(request, held):
-                request = self._next_within_share(held)
+                request = self._next_within_share(held, waiting)
             extra = request.num_seqs - 1
             if len(self.running) + reserved + 1 + extra > self.config.max_num_seqs:
                 break  # its samples will all run: wait until there is room for them
@@ -233,6 +240,10 @@ class Scheduler:
             alloc = self.kv.allocate_slots(request, num_new, match)
             if alloc is None:
                 request.num_computed_tokens = 0
+                if request.tenant is not None and \
+                        self.kv.gpu.room_for(request.tenant) < self.kv.gpu.num_free:
+                    shut.add(request.tenant)  # (its quota, not the pool, stops it)
+                    continue
                 break  # head-of-line: later requests wait their turn
             if request is self.waiting.peek():
                 self.waiting.pop()
@@ -272,14 +283,14 @@ class Scheduler:
                 held[request.tenant] = held.get(request.tenant, 0) + request.num_seqs
         return held
 
-    def _next_within_share(self, held: dict[str, int]) -> Request:
+    def _next_within_share(self, held: dict[str, int], waiting) -> Request:
         """The first waiting request whose tenant stays within its share by running, or,
         if every waiting one would take its tenant past it, the first (nobody else is
         waiting for the room)."""
-        for request in self.waiting:
+        for request in waiting:
             if self._within_share(request, held):
                 return request
-        return self.waiting.peek()
+        return next(iter(waiting))
 
     def _within_share(self, request: Request, held: dict[str, int]) -> bool:
         """A tenant holding nothing may start one request, whatever its n (a fork wider

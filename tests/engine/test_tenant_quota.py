@@ -3,7 +3,10 @@ its quota keeps its prefix through another tenant's flood, and without the quota
 evicted; the counts stay the pool's blocks recounted (check_invariants)."""
 import pytest
 
+from engine.block_hash import hash_block, root_hash
 from engine.errors import InvalidRequestError
+from engine.kv.block_pool import BlockPool
+from engine.kv.events import EventLog
 from tests.engine.sim import expected, greedy, run_all, sim_engine
 
 A_PROMPT = [7] * 32 + [8]  # 8 full blocks of 4 tokens
@@ -91,3 +94,58 @@ def test_bad_tenant_arguments_are_refused():
         engine.set_tenant("B", clear=("everything",))
     with pytest.raises(InvalidRequestError, match="vtc"):
         engine.set_tenant("B", weight=2.0)  # fairness "share": there is no weight
+
+
+def pool_with(quota: float):
+    """Ten blocks; A caches 2 and B 4, all freed (B over a 0.3 quota: 3 blocks)."""
+    pool = BlockPool(10, enable_caching=True, events=EventLog(100), tenant_cache_quota=quota)
+    blocks = pool.take_new(6)
+    for i, block in enumerate(blocks):
+        pool.cache(block, hash_block(root_hash("m", None), (i,)), "A" if i < 2 else "B")
+    pool.free(blocks)
+    return pool, blocks[:2], blocks[2:]
+
+
+def test_an_over_quota_tenants_admission_passes_over_the_others_cached_blocks():
+    pool, a_blocks, b_blocks = pool_with(0.3)
+    assert pool.cached_by_tenant() == {"A": 2, "B": 4}
+    assert pool.room_for("B") == 8 and pool.room_for("A") == 10 and pool.room_for(None) == 10
+    taken = pool.take_new(8, admitting="B")  # 4 never-cached, then B's own 4
+    assert not set(taken) & set(a_blocks) and set(b_blocks) <= set(taken)
+    assert pool.cached_by_tenant() == {"A": 2}
+
+
+def test_a_running_requests_blocks_are_not_refused_for_the_quota():
+    """Not admitting (a running request's next blocks): the quota's victims first (B's),
+    then the policy's order, A's blocks included."""
+    pool, a_blocks, _ = pool_with(0.3)
+    taken = pool.take_new(10)
+    assert set(a_blocks) <= set(taken) and pool.cached_by_tenant() == {}
+
+
+def test_without_a_quota_an_admission_takes_in_the_policys_order():
+    pool, a_blocks, _ = pool_with(1.0)
+    assert pool.room_for("B") == 10
+    taken = pool.take_new(6, admitting="B")  # 4 never-cached, then A's (freed first)
+    assert set(a_blocks) <= set(taken)
+
+
+def test_a_tenant_stopped_by_its_quota_waits_while_another_is_admitted():
+    """B over its quota, its next request finds no room but A's cached blocks: it
+    waits, and A's request queued behind it runs meanwhile (not head-of-line)."""
+    engine = sim_engine(num_gpu_blocks=40, max_num_seqs=4, num_cpu_blocks=0,
+                        tenant_cache_quota=0.25, max_num_batched_tokens=256)
+    engine.add_request("a0", A_PROMPT, greedy(2), tenant="A")
+    run_all(engine)
+    for i in range(3):  # B: 3 x 9 blocks running (27 > its 10), 4 left besides A's 8
+        engine.add_request(f"b{i}", [100 + i] * 32 + [9], greedy(30), tenant="B")
+    engine.step()
+    engine.add_request("b3", [103] * 32 + [9], greedy(2), tenant="B")
+    engine.add_request("a1", A_PROMPT, greedy(2), tenant="A")
+    engine.step()
+    running = [r.request_id for r in engine.scheduler.running]
+    assert "a1" in running and "b3" not in running, running
+    assert engine.kv.gpu.cached_by_tenant()["A"] >= 8
+    final = run_all(engine)
+    assert final["a1"].num_cached_tokens == 32
+    assert final["b3"].output_token_ids == expected([103] * 32 + [9], 2)
