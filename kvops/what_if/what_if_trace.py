@@ -58,7 +58,7 @@ from kvops.models import Engine, Job
 from kvops.what_if import what_if_log
 from kvops.what_if.what_if_log import active_pins
 from kvops.intake.prompts import inspector, render_chat
-from kvops.routing.tenancy import cache_salt
+from kvops.routing.tenancy import cache_salt, tenant
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +143,8 @@ def build_trace(engine: Engine, minutes: int, max_jobs: int,
     requests = [TraceRequest(arrival_s=(s.arrived - t0).total_seconds(),
                              prompt_len=s.job.num_prompt_tokens,
                              output_len=max(s.job.num_output_tokens, 1),
-                             prefix_group=groups[i], prefix_len=prefix_lens[i])
+                             prefix_group=groups[i], prefix_len=prefix_lens[i],
+                             tenant=tenant(s.job.owner))
                 for i, s in enumerate(stays)]
     not_replayed = [{"action": "pin", "at": None, "why": "held when the replay starts; its "
                      "prefix cannot be rebuilt among the replayed prompts"}
@@ -157,7 +158,8 @@ def build_trace(engine: Engine, minutes: int, max_jobs: int,
         warmup = WarmUp(
             [TraceRequest(arrival_s=(s.arrived - segments[1].origin).total_seconds(),
                           prompt_len=s.job.num_prompt_tokens,
-                          output_len=max(s.job.num_output_tokens, 1)) for s in warm],
+                          output_len=max(s.job.num_output_tokens, 1),
+                          tenant=tenant(s.job.owner)) for s in warm],
             prompts[n:n + n_warm], warm_actions, (t0 - segments[1].origin).total_seconds())
     summary = {
         "jobs": len(jobs), "minutes": minutes, "max_jobs": max_jobs,

@@ -9,6 +9,7 @@ from django.contrib.auth.models import User
 from django.utils import timezone
 
 from kvops.models import Engine, Job, OperatorAction
+from kvops.routing.tenancy import tenant
 from kvops.what_if.what_if_trace import build_trace
 
 pytestmark = pytest.mark.django_db
@@ -81,6 +82,9 @@ def test_the_trace_has_the_jobs_lengths_offsets_and_shared_prefixes(people):
         expected = 0 if (prompts[i][0] is carol) != (prompts[j][0] is carol) else common(real[i], real[j])
         assert common(trace.prompts[i], trace.prompts[j]) == expected, (i, j)
     assert all(0 <= t < 32000 for p in trace.prompts for t in p)
+    # each request is its owner's tenant (quotas and fairness replay by it; staff: none)
+    assert [r.tenant for r in trace.requests] == [None] * 4 + [tenant(carol)]
+    assert tenant(carol) is not None
     # Groups: the three system-prompt jobs (sharing >= one block); prefix_len is the most
     # a job shares with any other.
     groups = [r.prefix_group for r in trace.requests]
