@@ -44,16 +44,27 @@ HEADER = ["allocator", "requests", "sim s", "steps", "KV util", "peak conc", "me
 
 
 def slot_usage(engine: LLMEngine) -> tuple[int, int]:
-    """(token slots holding K/V, slots in blocks held by requests); a shared block once."""
-    bs, kv = engine.config.block_size, engine.kv
-    fill: dict[int, int] = {}
-    for manager in kv.groups:  # (a hybrid model's every layer group)
+    """(token slots holding K/V, slots in blocks held by requests); a shared block once,
+    as full as its fullest holder has it. (Every step of a replay: the loop touches each
+    held block once, with no arithmetic per block.)"""
+    bs, requests = engine.config.block_size, engine.scheduler.requests
+    held: set[int] = set()  # blocks in a request's table
+    full: set[int] = set()  # of which a holder has filled
+    partial: dict[int, int] = {}  # a holder's last block, partly filled: its tokens
+    for manager in engine.kv.groups:  # (a hybrid model's every layer group)
         for rid, table in manager.req_to_blocks.items():
-            computed = engine.scheduler.requests[rid].num_computed_tokens
-            for i, block in enumerate(table, start=manager.window_freed(rid)):
-                fill[block.block_id] = max(fill.get(block.block_id, 0),
-                                           min(bs, max(computed - i * bs, 0)))
-    return sum(fill.values()), len(fill) * bs
+            ids = [block.block_id for block in table]
+            held.update(ids)
+            # table place i holds the request's block window_freed + i: those before
+            # its computed tokens' last block are full, that one holds the rest
+            computed = requests[rid].num_computed_tokens
+            last = computed // bs - manager.window_freed(rid)
+            if last > 0:
+                full.update(ids[:last])
+            if 0 <= last < len(ids) and computed % bs:
+                partial[ids[last]] = max(partial.get(ids[last], 0), computed % bs)
+    used = len(full) * bs + sum(n for block, n in partial.items() if block not in full)
+    return used, len(held) * bs
 
 
 class ReplayObserver(Protocol):
@@ -93,7 +104,7 @@ def replay_paged(trace: list[TraceRequest], config: EngineConfig,
     warmup: replayed after the pins and before the trace, to its end (requests it
     leaves that cannot run, a pause never resumed, are aborted there); none of its
     steps or counts are the replay's, its cached blocks are."""
-    engine = LLMEngine(config)
+    engine = LLMEngine(config, detokenize=False)  # (no text: step_core)
     pinned, refused = _pin(engine, pins or [])
     refusals: list[dict] = []
     if warmup is not None:
@@ -215,7 +226,7 @@ class _Run:
         steps_before = engine.step_count
         if self.observer is not None:
             self.observer.before_step(engine, self.now)
-        engine.step()
+        engine.step_core()  # (token ids only: the replay reads no output)
         if engine.step_count == steps_before:
             return False
         self.steps += 1
