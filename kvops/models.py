@@ -197,6 +197,8 @@ class WhatIfRun(models.Model):
                                 help_text="the replay under the engine's configuration")
     alternative = StoredJSONField(default=dict, blank=True,
                                    help_text="the replay under the operator's configuration")
+    sweep = StoredJSONField(default=dict, blank=True,
+                             help_text="a sweep's replays: {lever, results: [{value, ...}]}")
 
     class Meta:
         ordering = ["-id"]

@@ -2,6 +2,7 @@
 fields are parsed by kvops/intake/intake.py, the one parser per job schema.)"""
 from __future__ import annotations
 
+import json
 import math
 
 from django.conf import settings
@@ -15,7 +16,7 @@ from engine.config import EVICTION_POLICIES, KV_CACHE_DTYPES, PREEMPTION_MODES
 from kvops.intake import limits
 from kvops.jobs import job_store
 from kvops.models import Engine, Job, OperatorAction, WhatIfRun
-from kvops.what_if.what_if import MAX_POOL_TOKENS, SETTINGS
+from kvops.what_if.what_if import MAX_POOL_TOKENS, MAX_SWEEP_VALUES, SETTINGS
 from kvops.what_if.what_if_trace import MAX_JOBS, MAX_MINUTES
 
 QUEUED_HINT_S = 30  # a what-if run queued this long gets a note: is an ops worker up?
@@ -334,6 +335,23 @@ class PrefixLookupSerializer(PrefixNameSerializer):
         return attrs
 
 
+def _shown(value) -> str:
+    """A JSON value as an error message quotes it, cut short."""
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+class SweepSerializer(StrictMixin, serializers.Serializer):
+    """One setting over several values, each replayed beside the engine's configuration
+    (with the alternative's other settings); each value is read as the setting's own
+    field of WhatIfSerializer reads it."""
+    lever = serializers.ChoiceField(choices=list(SETTINGS),
+                                    help_text="the setting swept, one of the alternative's")
+    values = serializers.ListField(child=serializers.JSONField(), min_length=2,
+                                   max_length=MAX_SWEEP_VALUES,
+                                   help_text="its values, in the order to show them")
+
+
 class WhatIfSerializer(StrictMixin, serializers.Serializer):
     """A what-if replay of the engine's recent jobs: which jobs, the simulated step
     cost (the same for both replays), and the settings that differ from the engine's
@@ -382,6 +400,33 @@ class WhatIfSerializer(StrictMixin, serializers.Serializer):
         choices=list(KV_CACHE_DTYPES), required=False, allow_null=True, default=None,
         help_text="how K/V would be stored (a real model's engine): fp8 holds twice "
                   "bf16's blocks in the same memory")
+    sweep = SweepSerializer(required=False, allow_null=True, default=None,
+                            help_text="instead of one alternative, one setting over several "
+                                      "values (the other settings given apply to each)")
+
+    def validate(self, attrs):
+        sweep = attrs.get("sweep")
+        if not sweep:
+            return attrs
+        lever = sweep["lever"]
+        if attrs.get(lever) is not None:
+            raise serializers.ValidationError({"sweep": {"lever": [
+                f"{lever} is swept: leave it out of the alternative's settings"]}})
+        values = []
+        for value in sweep["values"]:
+            try:
+                if value is None:
+                    raise serializers.ValidationError("a value, not null")
+                values.append(self.fields[lever].run_validation(value))
+            except serializers.ValidationError as e:
+                raise serializers.ValidationError({"sweep": {"values": [
+                    f"{_shown(value)}: {'; '.join(map(str, e.detail))}"]}}) from None
+        repeated = sorted({_shown(v) for v in values if values.count(v) > 1})
+        if repeated:
+            raise serializers.ValidationError({"sweep": {"values": [
+                f"{', '.join(repeated)} given more than once"]}})
+        attrs["sweep"] = {"lever": lever, "values": values}
+        return attrs
 
     def changes(self) -> dict:
         """The settings the operator changed."""
@@ -404,7 +449,8 @@ class WhatIfRunSerializer(serializers.ModelSerializer):
     class Meta:
         model = WhatIfRun
         fields = ["id", "engine", "user", "status", "progress", "error", "note", "params",
-                  "created_at", "started_at", "finished_at", "trace", "baseline", "alternative"]
+                  "created_at", "started_at", "finished_at", "trace", "baseline", "alternative",
+                  "sweep"]
 
     def get_note(self, run: WhatIfRun) -> str | None:
         """A hint while a run waits for a worker longer than it should."""

@@ -469,7 +469,8 @@ WHAT_IF_RESPONSES = {202: WhatIfRunSerializer, 400: ERROR, 403: ERROR, 404: ERRO
 class WhatIfView(APIView):
     """POST /api/engines/<name>/what-if/: replay the engine's jobs of the last `minutes`
     through the capacity simulator under its own configuration and under the settings
-    given, on the ops worker; answers 202 with the run (poll its `id`). Audited.
+    given (or, with `sweep`, under each value of one setting), on the ops worker;
+    answers 202 with the run (poll its `id`). Audited.
     GET: the engine's recent runs, newest first."""
     permission_classes = [permissions.IsAuthenticated, IsOperator]
 
@@ -483,7 +484,7 @@ class WhatIfView(APIView):
         try:
             run = what_if.start(request.user, engine, data["minutes"], data["max_jobs"],
                                 serializer.changes(), serializer.step_cost(),
-                                _idempotency_key(request))
+                                _idempotency_key(request), data["sweep"])
         except idempotency.KeyReused as e:
             raise _refused(e) from None
         except what_if.Refused as e:

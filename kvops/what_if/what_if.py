@@ -1,12 +1,13 @@
 """What if: replay an engine's recent jobs (kvops/what_if/what_if_trace.py) through the capacity
 simulator (engine/sim/replay_stats.py: the real scheduler and KV manager, a stand-in model)
-under the engine's own configuration and under an operator's alternative, and keep
-both results side by side (WhatIfRun).
+under the engine's own configuration and under an operator's alternative, or under
+each value of one setting (a sweep), and keep the results side by side (WhatIfRun).
 
 The replays run as a Celery task on the `ops` queue, which only the ops worker
 (`manage.py ops_worker`) consumes: never an engine worker, whose process serves jobs.
-Both replays use the same trace and the same simulated step cost, so what differs
-between them comes from the configuration alone.
+Every replay uses the same trace and the same simulated step cost, so what differs
+between them comes from the configuration alone; each is replay_one, one after the
+other.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import logging
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 from celery.exceptions import SoftTimeLimitExceeded
@@ -33,7 +35,7 @@ from engine.sim.replay_stats import replay_stats
 from kvops.operators import audit_chain
 from kvops.jobs.idempotency import HEADER, KeyReused
 from kvops.models import Engine, OperatorAction, WhatIfRun
-from kvops.what_if.what_if_trace import build_trace, window
+from kvops.what_if.what_if_trace import JobTrace, build_trace, window
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +45,7 @@ MAX_UNFINISHED = 2  # queued or running at once per engine
 # Slots per simulated pool: the stand-in model keeps one value per token slot.
 MAX_POOL_TOKENS = 1 << 23
 PROGRESS_EVERY_S = 0.5
+MAX_SWEEP_VALUES = 8  # configurations a sweep replays beside the engine's, at most
 # The settings an operator may change (cpu_prefix_cache: the CPU pool as a second
 # prefix-cache tier, num_cpu_blocks its size).
 SETTINGS = ("num_gpu_blocks", "block_size", "num_cpu_blocks", "preemption_mode",
@@ -167,6 +170,28 @@ def with_disk(config: EngineConfig, folder: str, block_bytes: int) -> EngineConf
                                disk_cache_bytes=blocks * file_bytes(config.block_size * 8))
 
 
+def alternatives(base: EngineConfig, changes: dict, sweep: dict | None,
+                 engine_config: dict | None = None) -> list[tuple[dict, EngineConfig]]:
+    """The configurations a run replays beside the engine's, each with the settings it
+    changes: the operator's alternative, or with a sweep ({lever, values}: one setting
+    over several values), one for each value, the alternative's other changes in all.
+    Refused, naming the value, for one that cannot run."""
+    if not sweep:
+        return [(changes, alternative_config(base, changes, engine_config))]
+    lever, values, out = sweep["lever"], list(sweep["values"]), []
+    if not 2 <= len(values) <= MAX_SWEEP_VALUES:
+        raise Refused(f"sweep: give 2 to {MAX_SWEEP_VALUES} values of {lever}, not {len(values)}")
+    if lever in changes:
+        raise Refused(f"sweep: {lever} is swept; leave it out of the alternative's settings")
+    for value in values:
+        swept = {**changes, lever: value}
+        try:
+            out.append((swept, alternative_config(base, swept, engine_config)))
+        except Refused as e:
+            raise Refused(f"sweep: {lever} = {value!r}: {e}") from None
+    return out
+
+
 def describe(config: EngineConfig, kv_cache_dtype: str | None = None) -> dict:
     """The settings a what-if compares, as shown next to its results (kv_cache_dtype:
     how the engine would store K/V, None when the engine does not say)."""
@@ -201,26 +226,32 @@ def engine_step_cost(engine: Engine) -> tuple[StepCost, str]:
 
 
 def start(user, engine: Engine, minutes: int, max_jobs: int, changes: dict,
-          step_cost: StepCost | None, idempotency_key: str = "") -> WhatIfRun:
+          step_cost: StepCost | None, idempotency_key: str = "",
+          sweep: dict | None = None) -> WhatIfRun:
     """Check the request, store the run and its audit row, and queue the task.
-    step_cost: None for the engine's (engine_step_cost).
+    step_cost: None for the engine's (engine_step_cost); sweep: {lever, values}, one
+    setting over several values, each replayed beside the engine's (alternatives).
     Refused (the request cannot run), Busy, Unavailable. With an idempotency key (kept
     on the audit row), a retry of the same request gets the first call's run, marked
     `replayed`, and nothing is queued twice; KeyReused if the key belongs to another
     request."""
     base = baseline_config(engine.config or {})
-    alternative = alternative_config(base, changes, engine.config or {})
+    others = alternatives(base, changes, sweep, engine.config or {})
     lengths = list(window(engine.name, minutes).values_list(
         "num_prompt_tokens", "num_output_tokens")[:max_jobs])
     if not lengths:
         raise Refused(f"engine {engine.name} ran no jobs queued in the last {minutes} "
                       f"minutes: there is nothing to replay; choose more minutes")
     check_fits(base, lengths, "engine's")
-    check_fits(alternative, lengths, "alternative")
+    for swept, config in others:
+        check_fits(config, lengths, f"sweep's {sweep['lever']} = {swept[sweep['lever']]!r}"
+                   if sweep else "alternative")
     # (the operator's step cost as asked, None: the engine's, resolved below; a retry
     # under the same key is the same request even if the engine's fit moved since)
     params = {"minutes": minutes, "max_jobs": max_jobs, "alternative": changes,
               "step_cost": step_cost.as_dict() if step_cost is not None else None}
+    if sweep:
+        params["sweep"] = {"lever": sweep["lever"], "values": list(sweep["values"])}
     if idempotency_key:
         prior = _earlier_call(user, engine, params, idempotency_key)
         if prior is not None:
@@ -333,33 +364,19 @@ def _run(row: WhatIfRun) -> str:
         params = row.params
         base = baseline_config(engine.config or {})
         changes = params.get("alternative") or {}
-        alternative = alternative_config(base, changes, engine.config or {})
+        sweep = params.get("sweep")
+        configurations = [({}, base), *alternatives(base, changes, sweep, engine.config or {})]
         trace = build_trace(engine, params["minutes"], params["max_jobs"], until=row.created_at)
         cost = StepCost.from_dict(params["step_cost"])
-        results = []
-        block_bytes = int((engine.config or {}).get("kv_bytes_per_block") or 0)
-        kv = kv_dtypes(engine.config or {}, changes.get("kv_cache_dtype"))
-        for i, config in enumerate((base, alternative)):
-            # a block of the alternative's dtype weighs as much less on disk
-            weight = (block_bytes * KV_VALUE_BYTES[kv[i]] // KV_VALUE_BYTES[kv[0]]
-                      if kv[0] else block_bytes)
-            with tempfile.TemporaryDirectory(prefix="kvops-what-if-disk-") as folder:
-                # the alternative keeps the settings it changes through the engine's
-                # own retention and limits changes
-                kept = changes if i else {}
-                stats = replay_stats(trace.requests, with_disk(config, folder, weight),
-                                     cost, trace.prompts,
-                                     on_progress=_progress_writer(run_id, i), pins=trace.pins,
-                                     actions=actions_for(trace.actions, kept),
-                                     warmup=warmup_for(trace.warmup, kept))
-            results.append(as_seen(
-                {"config": describe(config, kv[i]), **stats},
-                trace.summary["recorded"]["service_delay_s"]))
+        results = [replay_one(trace, config, kept, engine.config or {}, cost,
+                              _progress_writer(run_id, i, len(configurations)))
+                   for i, (kept, config) in enumerate(configurations)]
         results[0]["fidelity"] = fidelity(trace.summary["recorded"], results[0],
                                           bool((engine.config or {}).get("simulate")))
     except SoftTimeLimitExceeded:
         _fail(run_id, f"the replay ran past {settings.KVOPS_WHAT_IF_TIME_LIMIT_S:g} s: "
-                      f"choose fewer minutes or jobs")
+                      f"choose fewer minutes or jobs" + (", or fewer values to sweep"
+                                                         if row.params.get("sweep") else ""))
         return "failed"
     except (Refused, ValueError, EngineError, Engine.DoesNotExist) as e:
         _fail(run_id, str(e))
@@ -368,12 +385,35 @@ def _run(row: WhatIfRun) -> str:
         log.exception("what-if run %s failed", run_id)
         _fail(run_id, f"{type(e).__name__}: {e}")
         return "failed"
+    outcome = {"alternative": results[1]} if not sweep else {
+        "alternative": {}, "sweep": {"lever": sweep["lever"], "results": [
+            {"value": kept[sweep["lever"]], **result}
+            for (kept, _), result in zip(configurations[1:], results[1:])]}}
     WhatIfRun.objects.filter(pk=run_id).update(
         status=WhatIfRun.Status.FINISHED, finished_at=timezone.now(), progress=1.0,
         trace={**trace.summary, "step_cost": {**params["step_cost"],
                                               "source": params.get("step_cost_source")}},
-        baseline=results[0], alternative=results[1])
+        baseline=results[0], **outcome)
     return "finished"
+
+
+def replay_one(trace: JobTrace, config: EngineConfig, changes: dict, engine_config: dict,
+               cost: StepCost, on_progress: Callable[[float], None] | None = None) -> dict:
+    """One configuration's replay of the trace, as a report shows it: `changes`, the
+    settings it changes from the engine's ({} for the engine's own), keeps them through
+    the engine's own retention and limits changes; its times as a user sees them."""
+    # a block of another K/V dtype weighs as much less on disk
+    current, own = kv_dtypes(engine_config, changes.get("kv_cache_dtype"))
+    block_bytes = int(engine_config.get("kv_bytes_per_block") or 0)
+    weight = block_bytes * KV_VALUE_BYTES[own] // KV_VALUE_BYTES[current] if current \
+        else block_bytes
+    with tempfile.TemporaryDirectory(prefix="kvops-what-if-disk-") as folder:
+        stats = replay_stats(trace.requests, with_disk(config, folder, weight), cost,
+                             trace.prompts, on_progress=on_progress, pins=trace.pins,
+                             actions=actions_for(trace.actions, changes),
+                             warmup=warmup_for(trace.warmup, changes))
+    return as_seen({"config": describe(config, own), **stats},
+                   trace.summary["recorded"]["service_delay_s"])
 
 
 def actions_for(actions: list[ReplayAction], changes: dict) -> list[ReplayAction]:
@@ -470,16 +510,16 @@ def _beating(run_id: int):
         thread.join()
 
 
-def _progress_writer(run_id: int, replay: int):
-    """on_progress for replay 0 (the engine's configuration) or 1: the run's progress,
-    written at most every PROGRESS_EVERY_S."""
+def _progress_writer(run_id: int, replay: int, replays: int):
+    """on_progress for replay `replay` of `replays` (0: the engine's configuration): the
+    run's progress, written at most every PROGRESS_EVERY_S."""
     last = [0.0]
 
     def write(fraction: float) -> None:
         now = time.monotonic()
         if now - last[0] >= PROGRESS_EVERY_S:
             last[0] = now
-            WhatIfRun.objects.filter(pk=run_id).update(progress=(replay + fraction) / 2)
+            WhatIfRun.objects.filter(pk=run_id).update(progress=(replay + fraction) / replays)
 
     return write
 

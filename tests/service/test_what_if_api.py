@@ -93,6 +93,30 @@ def test_a_what_if_runs_on_the_ops_worker_and_returns_both_replays(stack):
     assert listed[0]["id"] == run_id
 
 
+def test_a_sweep_runs_each_value_and_returns_their_replays(stack):
+    if not stack.api("GET", "/api/jobs/?engine=wi").json()["count"]:
+        run_jobs(stack, 6)  # (run alone)
+    r = what_if(stack, {"minutes": 10, "max_num_seqs": 4,
+                        "sweep": {"lever": "eviction_policy", "values": ["slru", "lfu"]}})
+    assert r.status_code == 202, r.text
+    run_id = r.json()["id"]
+    assert r.json()["params"]["sweep"] == {"lever": "eviction_policy", "values": ["slru", "lfu"]}
+    run = {}
+
+    def ended() -> bool:
+        run.update(stack.api("GET", f"/api/engines/wi/what-if/{run_id}/").json())
+        return run["status"] in ("finished", "failed")
+
+    stack.wait(ended, f"what-if run {run_id}", 120)
+    assert run["status"] == "finished", run["error"]
+    assert run["alternative"] == {} and run["sweep"]["lever"] == "eviction_policy"
+    assert [(r["value"], r["config"]["eviction_policy"], r["config"]["max_num_seqs"])
+            for r in run["sweep"]["results"]] == [("slru", "slru", 4), ("lfu", "lfu", 4)]
+    assert run["baseline"]["config"]["eviction_policy"] == "lru"
+    for result in run["sweep"]["results"]:
+        assert result["prefix_hit_rate"] > 0 and result["ttft_p50"] is not None
+
+
 def test_a_retry_with_the_same_idempotency_key_gets_the_first_run(stack):
     """(After the test above has run jobs.) The same key and body: the first call's run,
     marked replayed, one run and one audit row; the key with another body: 409."""
@@ -138,6 +162,22 @@ def test_a_retry_with_the_same_idempotency_key_gets_the_first_run(stack):
     ({"eviction_policy": "mru"}, 400, "eviction_policy"),
     ({"disk_cache_bytes": -1}, 400, "disk_cache_bytes"),
     ([1, 2], 400, "JSON object"),
+    ({"sweep": {"lever": "model", "values": [1, 2]}}, 400, "lever"),
+    ({"sweep": {"lever": "num_gpu_blocks", "values": [64]}}, 400, "values"),
+    ({"sweep": {"lever": "num_gpu_blocks", "values": list(range(64, 73))}}, 400, "no more than 8"),
+    ({"sweep": {"lever": "num_gpu_blocks", "values": [64, "lots"]}}, 400, "valid integer"),
+    ({"sweep": {"lever": "num_gpu_blocks", "values": [64, None]}}, 400, "null"),
+    ({"sweep": {"lever": "num_gpu_blocks", "values": [64, 0]}}, 400, "values"),
+    ({"sweep": {"lever": "num_gpu_blocks", "values": [64, 64]}}, 400, "more than once"),
+    ({"sweep": {"lever": "eviction_policy", "values": ["lru", "mru"]}}, 400, "mru"),
+    ({"sweep": {"lever": "pin_budget", "values": [0.5, "half"]}}, 400, "values"),
+    ({"sweep": {"lever": "num_gpu_blocks", "values": [64, 128]}, "num_gpu_blocks": 32}, 400,
+     "num_gpu_blocks is swept"),
+    ({"sweep": {"lever": "num_gpu_blocks", "values": [64, 2]}}, 400,
+     "the sweep's num_gpu_blocks = 2 pool"),
+    ({"sweep": {"lever": "kv_cache_dtype", "values": ["fp8_e4m3", "auto"]}}, 400, "real model"),
+    ({"sweep": {"lever": "num_gpu_blocks", "values": [64, 128], "step": 2}}, 400, "unknown field"),
+    ({"sweep": [64, 128]}, 400, "JSON object"),
 ])
 def test_bad_requests_are_400_with_a_message(stack, body, status, words):
     r = what_if(stack, body)

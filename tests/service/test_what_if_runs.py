@@ -396,3 +396,87 @@ def test_the_alternative_keeps_the_settings_it_changes():
     [kept] = what_if.actions_for([change], {"eviction_policy": "slru", "pin_budget": None})
     assert kept.arguments == {"pin_budget": 0.2}
     assert what_if.actions_for([change], {"eviction_policy": "slru", "pin_budget": 0.1}) == []
+
+
+def _without(result: dict, *keys: str) -> dict:
+    return {k: v for k, v in result.items() if k not in ("wall_seconds", *keys)}
+
+
+@pytest.fixture
+def cycling_engine():
+    """An engine whose jobs cycle through six documents (about 20 blocks each), one
+    question at a time, five rounds: its 48-block pool has evicted a document before
+    its next question (the pool's LRU order cycles), a pool of all six keeps them."""
+    operator = User.objects.create_user("op", is_staff=True)
+    engine = Engine.objects.create(name="cycling", worker="engine-cycling@test", config=CONFIG)
+    rng = random.Random(3)
+    documents = [f"Document {d}: " + "".join(rng.choice("abcdefgh ") for _ in range(300))
+                 for d in range(6)]
+    start = timezone.now() - timedelta(seconds=60)
+    for i in range(30):
+        prompt = documents[i % 6] + f" Question {i}: what does it say?"
+        job = Job.objects.create(owner=operator, prompt=prompt, params={}, engine="cycling",
+                                 status=Job.Status.FINISHED,
+                                 num_prompt_tokens=len(prompt.encode()), num_output_tokens=20)
+        Job.objects.filter(pk=job.pk).update(queued_at=start + timedelta(seconds=i * 0.5))
+    return operator, engine
+
+
+def test_a_sweep_replays_each_value_as_a_run_of_that_alternative_would(cycling_engine):
+    """A sweep of the GPU pool: one replay a value, in the order asked; the engine's own
+    value replays as the baseline does, another as a run asking for it alone; a bigger
+    pool keeps more of the documents between their questions: the hit rate never falls
+    as the pool grows, and rises from the engine's pool to one that holds them all."""
+    operator, engine = cycling_engine
+    cost = StepCost(8.0, 0.02)
+    values = [48, 96, 192, 480]
+    run = what_if.start(operator, engine, 10, 100, {}, cost,
+                        sweep={"lever": "num_gpu_blocks", "values": values})
+    assert run.params["sweep"] == {"lever": "num_gpu_blocks", "values": values}
+    assert tasks.what_if.apply(args=[run.pk]).get() == "finished"
+    run.refresh_from_db()
+    assert run.status == "finished" and run.progress == 1.0 and run.alternative == {}
+    results = run.sweep["results"]
+    assert run.sweep["lever"] == "num_gpu_blocks"
+    assert [r["value"] for r in results] == [r["config"]["num_gpu_blocks"] for r in results] \
+        == values
+    assert _without(results[0], "value") == _without(run.baseline, "fidelity")
+
+    single = what_if.start(operator, engine, 10, 100, {"num_gpu_blocks": 192}, cost)
+    assert tasks.what_if.apply(args=[single.pk]).get() == "finished"
+    single.refresh_from_db()
+    assert single.sweep == {}
+    assert _without(results[2], "value") == _without(single.alternative)
+
+    hits = [r["prefix_hit_rate"] for r in results]
+    assert hits == sorted(hits) and hits[-1] > hits[0] + 0.3, hits
+
+
+def test_a_sweep_over_eviction_policies_keeps_the_other_changes(busy_engine):
+    operator, engine = busy_engine
+    policies = ["lru", "slru", "lfu", "priority"]
+    run = what_if.start(operator, engine, 10, 100, {"num_gpu_blocks": 64}, StepCost(),
+                        sweep={"lever": "eviction_policy", "values": policies})
+    assert tasks.what_if.apply(args=[run.pk]).get() == "finished"
+    run.refresh_from_db()
+    assert [(r["value"], r["config"]["eviction_policy"], r["config"]["num_gpu_blocks"])
+            for r in run.sweep["results"]] == [(p, p, 64) for p in policies]
+    assert run.baseline["config"]["num_gpu_blocks"] == 48
+
+
+def test_a_sweep_that_cannot_run_is_refused_naming_its_value(busy_engine):
+    operator, engine = busy_engine
+    refusals = [
+        ({"lever": "num_gpu_blocks", "values": [64, 8]}, "num_gpu_blocks = 8 pool"),
+        ({"lever": "block_size", "values": [16, 3]}, "block_size = 3: .*power of two"),
+        ({"lever": "num_gpu_blocks", "values": [64]}, "give 2 to 8 values"),
+        ({"lever": "num_gpu_blocks", "values": list(range(64, 73))}, "give 2 to 8 values"),
+        ({"lever": "model", "values": ["a", "b"]}, "cannot change model"),
+    ]
+    for sweep, message in refusals:
+        with pytest.raises(what_if.Refused, match=message):
+            what_if.start(operator, engine, 10, 100, {}, StepCost(), sweep=sweep)
+    with pytest.raises(what_if.Refused, match="num_gpu_blocks is swept"):
+        what_if.start(operator, engine, 10, 100, {"num_gpu_blocks": 64}, StepCost(),
+                      sweep={"lever": "num_gpu_blocks", "values": [96, 128]})
+    assert not WhatIfRun.objects.exists() and not OperatorAction.objects.exists()
