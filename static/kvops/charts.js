@@ -71,6 +71,38 @@ export function timeChart(canvas, series, { max = null, format = null, integer =
   const [g, w, h] = fit(canvas);
   const pad = { l: 34, r: 6, t: 6, b: 14 };
   const n = Math.max(...series.map((s) => s.values.length), 0);
+  const y = yAxis(g, w, h, pad, series, { max, format, integer });
+  g.fillText(xLabel ?? (n > 1 ? `last ${n} s` : ""), pad.l, h - 2);
+  if (n < 2) return;
+  const x = (i) => pad.l + (i / (n - 1)) * (w - pad.l - pad.r);
+  for (const s of series) {
+    g.fillStyle = s.color;
+    g.strokeStyle = s.color;
+    if (s.bars) {
+      const bw = Math.max(1, (w - pad.l - pad.r) / n - 1);
+      s.values.forEach((v, i) => { if (v) g.fillRect(x(i) - bw / 2, y(v), bw, h - pad.b - y(v)); });
+      continue;
+    }
+    polyline(g, s.values, x, y);
+  }
+}
+
+// A line through the values at (x(i), y(v)), broken where a value is null.
+function polyline(g, values, x, y) {
+  g.beginPath();
+  let started = false;
+  values.forEach((v, i) => {
+    if (v == null) { started = false; return; }
+    started ? g.lineTo(x(i), y(v)) : g.moveTo(x(i), y(v));
+    started = true;
+  });
+  g.lineWidth = 1.6;
+  g.stroke();
+}
+
+// The y axis of a chart of `series` inside `pad`: gridlines at niceTicks, their labels;
+// the scale's top is `max`, or the data's rounded up to a tick. Returns y(value).
+function yAxis(g, w, h, pad, series, { max = null, format = null, integer = false }) {
   const ticks = niceTicks(max ?? Math.max(0, ...series.flatMap((s) => s.values.filter((v) => v != null))),
                           { integer });
   const top = max ?? ticks[ticks.length - 1];
@@ -84,26 +116,33 @@ export function timeChart(canvas, series, { max = null, format = null, integer =
     g.beginPath(); g.moveTo(pad.l, y + 0.5); g.lineTo(w - pad.r, y + 0.5); g.stroke();
     g.fillText(format ? format(tick) : tickLabel(tick, ticks), 2, y + 3);
   }
-  g.fillText(xLabel ?? (n > 1 ? `last ${n} s` : ""), pad.l, h - 2);
-  if (n < 2) return;
-  const x = (i) => pad.l + (i / (n - 1)) * (w - pad.l - pad.r);
-  const y = (v) => pad.t + (1 - Math.min(v, top) / top) * (h - pad.t - pad.b);
+  return (v) => pad.t + (1 - Math.min(v, top) / top) * (h - pad.t - pad.b);
+}
+
+// A figure against the values of one setting (a what-if sweep): `labels` spread evenly
+// along the x axis, under it; series: [{label, color, values: [number|null], dashed?}],
+// one value a label (dashed: a reference, drawn as a line without dots). max, format,
+// integer: as timeChart's.
+export function leverChart(canvas, series, labels, { max = null, format = null,
+                                                    integer = false } = {}) {
+  const [g, w, h] = fit(canvas);
+  const pad = { l: 34, r: 14, t: 6, b: 16 };
+  const y = yAxis(g, w, h, pad, series, { max, format, integer });
+  const n = labels.length;
+  const x = (i) => pad.l + 8 + (n > 1 ? (i / (n - 1)) * (w - pad.l - pad.r - 16) : 0);
+  g.textAlign = "center";
+  labels.forEach((label, i) => g.fillText(label, x(i), h - 3));
+  g.textAlign = "start";
   for (const s of series) {
-    g.fillStyle = s.color;
     g.strokeStyle = s.color;
-    if (s.bars) {
-      const bw = Math.max(1, (w - pad.l - pad.r) / n - 1);
-      s.values.forEach((v, i) => { if (v) g.fillRect(x(i) - bw / 2, y(v), bw, h - pad.b - y(v)); });
-      continue;
-    }
-    g.beginPath();
-    let started = false;
+    g.fillStyle = s.color;
+    g.setLineDash(s.dashed ? [4, 3] : []);
+    polyline(g, s.values, x, y);
+    g.setLineDash([]);
+    if (s.dashed) continue;
     s.values.forEach((v, i) => {
-      if (v == null) { started = false; return; }
-      started ? g.lineTo(x(i), y(v)) : g.moveTo(x(i), y(v));
-      started = true;
+      if (v == null) return;
+      g.beginPath(); g.arc(x(i), y(v), 2.5, 0, 2 * Math.PI); g.fill();
     });
-    g.lineWidth = 1.6;
-    g.stroke();
   }
 }

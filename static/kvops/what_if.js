@@ -3,9 +3,12 @@
 // progress, and show both replays side by side. A run is followed by polling its
 // resource once a second until it has ended.
 import { api, errorText } from "./api.js";
-import { timeChart } from "./charts.js";
+import { leverChart, timeChart } from "./charts.js";
 import { esc } from "./format.js";
-import { commonTimeline, comparisonRows, fidelityText, requestBody, traceSummary } from "./what_if_report.js";
+import {
+  commonTimeline, comparisonRows, fidelityText, requestBody, sweepSeries, sweepSuggestion, sweepTable,
+  traceSummary,
+} from "./what_if_report.js";
 
 const panel = document.getElementById("what-if");
 const form = document.getElementById("wi-form");
@@ -18,6 +21,15 @@ const COLORS = { baseline: "#2f5bd3", alternative: "#e07b00" };
 let followed = null;  // id of the run on screen
 let shown = null;  // that run, as last read (tests, console)
 window.kvopsWhatIf = { run: () => shown };
+
+// A lever chosen to sweep with no values yet: suggest some, from the engine's value
+// (its field's placeholder).
+document.getElementById("wi-sweep-lever").addEventListener("change", (event) => {
+  const values = document.getElementById("wi-sweep-values");
+  const lever = event.target.value;
+  if (!lever || values.value.trim()) return;
+  values.value = sweepSuggestion(lever, form.elements[lever]?.placeholder);
+});
 
 form.addEventListener("submit", async (event) => {
   event.preventDefault();
@@ -69,8 +81,34 @@ function show(run) {
   line.textContent = fidelity.text;
   line.className = fidelity.missed ? "error" : "muted";
   line.hidden = !fidelity.text;
-  document.getElementById("wi-results").hidden = !finished;
-  if (finished) drawResults(run);
+  const swept = finished ? sweepSeries(run) : null;
+  document.getElementById("wi-results").hidden = !finished || swept !== null;
+  document.getElementById("wi-sweep").hidden = swept === null;
+  if (swept) drawSweep(run, swept);
+  else if (finished) drawResults(run);
+}
+
+function drawSweep(run, series) {
+  const table = sweepTable(run);
+  document.querySelector("#wi-sweep-table thead").innerHTML = `<tr><th></th>${
+    table.columns.map((c) => `<th class="num">${esc(c)}</th>`).join("")}</tr>`;
+  document.querySelector("#wi-sweep-table tbody").innerHTML = table.rows.map((row) =>
+    `<tr data-row="${esc(row.label)}"><td>${esc(row.label)}</td>${
+      row.cells.map((c) => `<td class="num">${esc(c)}</td>`).join("")}</tr>`).join("");
+  for (const span of panel.querySelectorAll(".wi-lever")) span.textContent = series.label;
+  const flat = (v) => series.values.map(() => v);
+  const reference = "#5d6678";
+  leverChart(document.getElementById("wi-chart-sweep-hit"), [
+    { label: "engine's configuration", color: reference, values: flat(series.baseline.hitRate), dashed: true },
+    { label: "replayed", color: COLORS.baseline, values: series.hitRate },
+  ], series.values, { max: 1, format: (v) => `${Math.round(100 * v)}%` });
+  const ms = (v) => (v >= 1 ? `${v.toFixed(1)} s` : `${Math.round(1000 * v)} ms`);
+  leverChart(document.getElementById("wi-chart-sweep-ttft"), [
+    { label: "engine's p50", color: COLORS.baseline, values: flat(series.baseline.ttftP50), dashed: true },
+    { label: "engine's p99", color: COLORS.alternative, values: flat(series.baseline.ttftP99), dashed: true },
+    { label: "p50", color: COLORS.baseline, values: series.ttftP50 },
+    { label: "p99", color: COLORS.alternative, values: series.ttftP99 },
+  ], series.values, { format: ms });
 }
 
 function drawResults(run) {

@@ -7,19 +7,53 @@ const NUMBERS = ["minutes", "max_jobs", "num_gpu_blocks", "block_size", "num_cpu
 const FLAGS = ["enable_prefix_caching", "cpu_prefix_cache"];
 
 // values: {field name: the form's string}. Empty fields are left out (the engine's
-// value); numbers and on/off flags travel as JSON numbers and booleans.
+// value); numbers and on/off flags travel as JSON numbers and booleans. A sweep
+// (sweep_lever: a field's name, sweep_values: its values, separated by commas or
+// spaces) travels as {sweep: {lever, values}}, each value read as that field's.
 export function requestBody(values) {
   const body = {};
   for (const [name, raw] of Object.entries(values)) {
     const text = String(raw ?? "").trim();
-    if (text === "") continue;
-    if (name === "disk_cache_gib") body.disk_cache_bytes = Math.round(Number(text) * 2 ** 30);
-    else if (name === "pin_budget_percent") body.pin_budget = Number(text) / 100;
-    else if (NUMBERS.includes(name)) body[name] = Number(text);
-    else if (FLAGS.includes(name)) body[name] = text === "true";
-    else body[name] = text;
+    if (text === "" || name === "sweep_lever" || name === "sweep_values") continue;
+    const [key, value] = fieldValue(name, text);
+    body[key] = value;
+  }
+  const lever = String(values.sweep_lever ?? "");
+  const listed = String(values.sweep_values ?? "").split(/[\s,]+/).filter((v) => v !== "");
+  if (lever) {
+    body.sweep = { lever: RENAMED[lever] ?? lever,
+                   values: listed.map((text) => fieldValue(lever, text)[1]) };
   }
   return body;
+}
+
+const RENAMED = { disk_cache_gib: "disk_cache_bytes", pin_budget_percent: "pin_budget" };
+
+// One form field's value as the API takes it: [API field, value]. Text that is not a
+// number stays text, for the API to name (NaN would travel as null: the engine's value).
+function fieldValue(name, text) {
+  const number = (scale) => (Number.isNaN(Number(text)) ? text : scale(Number(text)));
+  let value = text;
+  if (name === "disk_cache_gib") value = number((n) => Math.round(n * 2 ** 30));
+  else if (name === "pin_budget_percent") value = number((n) => n / 100);
+  else if (NUMBERS.includes(name)) value = number((n) => n);
+  else if (FLAGS.includes(name)) value = text === "true" || text === "on";
+  return [RENAMED[name] ?? name, value];
+}
+
+// What a sweep's form offers to fill in for a lever when its values are empty: every
+// choice for a setting with a few, else the engine's value (`current`, a number) halved,
+// kept, doubled and quadrupled, each once; "" when there is nothing to suggest.
+export function sweepSuggestion(lever, current) {
+  const choices = { eviction_policy: "lru, slru, lfu, priority",
+                    preemption_mode: "recompute, swap", cpu_prefix_cache: "off, on",
+                    enable_prefix_caching: "off, on", pin_budget_percent: "0, 25, 50, 100" };
+  if (choices[lever]) return choices[lever];
+  const n = Number(current);
+  if (!Number.isFinite(n) || n <= 0) return "";
+  const integer = lever !== "disk_cache_gib";
+  const values = [0.5, 1, 2, 4].map((k) => (integer ? Math.max(1, Math.round(n * k)) : n * k));
+  return [...new Set(values)].join(", ");  // (the API refuses a value twice)
 }
 
 const fixed = (digits) => (v) => (v == null ? "–" : Number(v).toFixed(digits));
@@ -180,4 +214,52 @@ export function fidelityText(baseline) {
   }
   return { missed: false, text: `The replay of the engine's own configuration holds to what it `
     + `recorded: ${shown.join(" · ")}` };
+}
+
+const SWEEP_LABELS = { num_gpu_blocks: "GPU blocks", block_size: "block size",
+  num_cpu_blocks: "CPU blocks", preemption_mode: "preemption", max_num_seqs: "max_num_seqs",
+  max_num_batched_tokens: "max_num_batched_tokens", enable_prefix_caching: "prefix caching",
+  cpu_prefix_cache: "CPU prefix tier", disk_cache_bytes: "disk tier",
+  eviction_policy: "eviction policy", kv_cache_dtype: "K/V dtype", pin_budget: "pin budget" };
+
+// A swept value as its axis and table show it.
+export function sweepValueText(lever, value) {
+  if (lever === "disk_cache_bytes") return bytesOrOff(value);
+  if (lever === "pin_budget") return percent(value);
+  if (typeof value === "boolean") return onOff(value);
+  return String(value);
+}
+
+// A sweep run's figures against its lever, for the charts: {lever, label, values (the
+// axis's labels), hitRate, ttftP50, ttftP99 (one a value), baseline: {hitRate, ttftP50,
+// ttftP99} (the engine's configuration, a reference)}; null for a run without a sweep.
+export function sweepSeries(run) {
+  const sweep = run && run.sweep;
+  if (!sweep || !sweep.results || !sweep.results.length) return null;
+  const pick = (key) => sweep.results.map((r) => r[key] ?? null);
+  const base = run.baseline || {};
+  return {
+    lever: sweep.lever, label: SWEEP_LABELS[sweep.lever] || sweep.lever,
+    values: sweep.results.map((r) => sweepValueText(sweep.lever, r.value)),
+    hitRate: pick("prefix_hit_rate"), ttftP50: pick("ttft_p50"), ttftP99: pick("ttft_p99"),
+    baseline: { hitRate: base.prefix_hit_rate ?? null, ttftP50: base.ttft_p50 ?? null,
+                ttftP99: base.ttft_p99 ?? null },
+  };
+}
+
+// A sweep run's table: {columns: the engine's configuration, then each value, rows:
+// [{label, cells: [text, ...]}]}, the results' rows of the comparison (those no replay
+// has left out); null for a run without a sweep.
+export function sweepTable(run) {
+  const series = sweepSeries(run);
+  if (!series) return null;
+  const results = [run.baseline, ...run.sweep.results];
+  const rows = [];
+  for (const [label, read, format] of RESULT_ROWS) {
+    const got = results.map((r) => read(r));
+    if (got.every((v) => v === undefined)) continue;
+    rows.push({ label, cells: got.map((v) => format(v)) });
+  }
+  return { columns: ["engine's configuration", ...series.values.map((v) => `${series.label} ${v}`)],
+           rows };
 }

@@ -65,10 +65,7 @@ def test_an_operator_runs_a_what_if_and_sees_both_runs(login, stack):
     assert "Replayed 8 jobs" in page.inner_text("#wi-trace")
     # Both charts have something drawn on them.
     for canvas in ("#wi-chart-kv", "#wi-chart-waiting"):
-        inked = page.evaluate("""(sel) => { const c = document.querySelector(sel);
-            const d = c.getContext("2d").getImageData(0, 0, c.width, c.height).data;
-            let n = 0; for (let i = 3; i < d.length; i += 4) if (d[i]) n++; return n; }""", canvas)
-        assert inked > 100, canvas
+        assert inked(page, canvas) > 100, canvas
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     page.locator("#what-if").screenshot(path=str(ARTIFACTS / "what-if.png"))
 
@@ -108,6 +105,40 @@ def test_the_tier_and_policy_levers_and_ttft(login, stack):
     assert (base["pin budget"], alt["pin budget"]) == ("50.0%", "10.0%")
     for row in ("TTFT p50", "TTFT p99", "prompt tokens computed", "  of which from disk"):
         assert base[row] not in ("", "–") and alt[row] not in ("", "–"), row
+    assert not errors, errors
+
+
+def inked(page, selector: str) -> int:
+    """Pixels drawn on a canvas."""
+    return page.evaluate("""(sel) => { const c = document.querySelector(sel);
+        const d = c.getContext("2d").getImageData(0, 0, c.width, c.height).data;
+        let n = 0; for (let i = 3; i < d.length; i += 4) if (d[i]) n++; return n; }""", selector)
+
+
+def test_a_sweep_of_the_gpu_pool_draws_hit_rate_and_ttft_against_it(login, stack):
+    """The lever chosen, its values suggested from the engine's (64 blocks: halved to
+    quadrupled); the run's table has a column a value and both charts are drawn."""
+    page, errors = login(stack, "admin", "admin-pass-123")
+    page.goto(f"{stack.url}/engines/sim/")
+    page.wait_for_selector("#what-if")
+    page.fill("#wi-minutes", "10")
+    page.select_option("#wi-sweep-lever", "num_gpu_blocks")
+    assert page.input_value("#wi-sweep-values") == "32, 64, 128, 256"
+    page.fill("#wi-sweep-values", "16, 32, 64, 128")
+    page.click("#wi-run")
+    page.wait_for_function("document.querySelector('#what-if').dataset.status === 'finished' && "
+                           "!document.querySelector('#wi-sweep').hidden", timeout=120_000)
+    assert page.locator("#wi-results").is_hidden()
+    head = page.inner_text("#wi-sweep-table thead")
+    for column in ("engine's configuration", "GPU blocks 16", "GPU blocks 128"):
+        assert column in head, head
+    hit_row = page.locator("#wi-sweep-table tr[data-row='prefix hit rate'] td").all_inner_texts()
+    assert len(hit_row) == 6 and all(c.endswith("%") for c in hit_row[1:]), hit_row
+    assert page.locator("#wi-sweep .wi-lever").first.text_content() == "GPU blocks"
+    for canvas in ("#wi-chart-sweep-hit", "#wi-chart-sweep-ttft"):
+        assert inked(page, canvas) > 100, canvas
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.locator("#what-if").screenshot(path=str(ARTIFACTS / "what-if-sweep.png"))
     assert not errors, errors
 
 

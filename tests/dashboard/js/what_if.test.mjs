@@ -2,7 +2,10 @@
 import assert from "node:assert/strict";
 import test from "node:test";
 
-import { commonTimeline, comparisonRows, fidelityText, requestBody, stepCostText, traceSummary } from "../../../static/kvops/what_if_report.js";
+import {
+  commonTimeline, comparisonRows, fidelityText, requestBody, stepCostText, sweepSeries, sweepSuggestion,
+  sweepTable, traceSummary,
+} from "../../../static/kvops/what_if_report.js";
 
 test("the request body leaves empty fields out and types the rest", () => {
   const body = requestBody({ minutes: "15", max_jobs: "", num_gpu_blocks: " 256 ", block_size: "32",
@@ -130,4 +133,65 @@ test("the step cost says where it came from", () => {
                               step_context_token_ms: 0, step_block_ms: 0, source: "engine" });
   assert.equal(text, "a step: 10 ms + 0.2 ms a prompt token + 0.21 ms a decode sequence "
     + "(fitted to the engine's steps)");
+});
+
+test("a sweep travels as its lever and values, each typed as the lever's own field", () => {
+  assert.deepEqual(requestBody({ minutes: "10", sweep_lever: "num_gpu_blocks", sweep_values: "64, 128 256,512" }),
+                   { minutes: 10, sweep: { lever: "num_gpu_blocks", values: [64, 128, 256, 512] } });
+  assert.deepEqual(requestBody({ sweep_lever: "eviction_policy", sweep_values: "lru,slru" }).sweep,
+                   { lever: "eviction_policy", values: ["lru", "slru"] });
+  assert.deepEqual(requestBody({ sweep_lever: "pin_budget_percent", sweep_values: "0, 50" }).sweep,
+                   { lever: "pin_budget", values: [0, 0.5] });
+  assert.deepEqual(requestBody({ sweep_lever: "disk_cache_gib", sweep_values: "0 2" }).sweep,
+                   { lever: "disk_cache_bytes", values: [0, 2 * 2 ** 30] });
+  assert.deepEqual(requestBody({ sweep_lever: "cpu_prefix_cache", sweep_values: "off, on" }).sweep,
+                   { lever: "cpu_prefix_cache", values: [false, true] });
+  // not a number: sent as typed, for the API to name (NaN would travel as null)
+  assert.deepEqual(requestBody({ sweep_lever: "max_num_seqs", sweep_values: "4, lots" }).sweep,
+                   { lever: "max_num_seqs", values: [4, "lots"] });
+  // no lever: no sweep, whatever the values field holds
+  assert.deepEqual(requestBody({ sweep_lever: "", sweep_values: "1, 2" }), {});
+});
+
+test("a sweep's suggestion is every choice, or the engine's value halved to quadrupled", () => {
+  assert.equal(sweepSuggestion("eviction_policy", undefined), "lru, slru, lfu, priority");
+  assert.equal(sweepSuggestion("num_gpu_blocks", "256"), "128, 256, 512, 1024");
+  assert.equal(sweepSuggestion("max_num_seqs", "1"), "1, 2, 4");  // (each once)
+  assert.equal(sweepSuggestion("num_cpu_blocks", "0"), "");
+  assert.equal(sweepSuggestion("disk_cache_gib", "none"), "");
+});
+
+const sweepRun = () => ({
+  baseline: { ...result(256, 3, 0.58, 0.05), ttft_p50: 0.09, ttft_p99: 0.4 },
+  alternative: {},
+  sweep: { lever: "num_gpu_blocks", results: [
+    { value: 128, ...result(128, 37, 0.46, 0.5), ttft_p50: 0.79, ttft_p99: 2.5 },
+    { value: 512, ...result(512, 0, 0.69, 0.01), ttft_p50: 0.085, ttft_p99: null },
+  ] },
+});
+
+test("a sweep's series are each value's figures, the engine's configuration beside them", () => {
+  const series = sweepSeries(sweepRun());
+  assert.equal(series.label, "GPU blocks");
+  assert.deepEqual(series.values, ["128", "512"]);
+  assert.deepEqual(series.hitRate, [0.46, 0.69]);
+  assert.deepEqual(series.ttftP50, [0.79, 0.085]);
+  assert.deepEqual(series.ttftP99, [2.5, null]);  // (a gap, not a zero)
+  assert.deepEqual(series.baseline, { hitRate: 0.58, ttftP50: 0.09, ttftP99: 0.4 });
+  const budgets = sweepSeries({ baseline: {}, sweep: { lever: "pin_budget", results: [
+    { value: 0 }, { value: 0.25 }] } });
+  assert.deepEqual(budgets.values, ["0.0%", "25.0%"]);
+  assert.equal(sweepSeries({ baseline: {}, alternative: {}, sweep: {} }), null);
+  assert.equal(sweepSeries({ baseline: {}, alternative: {} }), null);
+});
+
+test("a sweep's table has a column a value, after the engine's configuration", () => {
+  const table = sweepTable(sweepRun());
+  assert.deepEqual(table.columns, ["engine's configuration", "GPU blocks 128", "GPU blocks 512"]);
+  const row = (label) => table.rows.find((r) => r.label === label);
+  assert.deepEqual(row("prefix hit rate").cells, ["58.0%", "46.0%", "69.0%"]);
+  assert.deepEqual(row("preemptions (recompute)").cells, ["3", "37", "0"]);
+  assert.deepEqual(row("TTFT p99").cells, ["400 ms", "2.50 s", "–"]);
+  assert.equal(row("operator actions refused"), undefined);  // no replay has it
+  assert.equal(sweepTable({ baseline: {}, alternative: {} }), null);
 });
