@@ -17,9 +17,11 @@ from __future__ import annotations
 import argparse
 import cProfile
 import dataclasses
+import os
 import platform
 import pstats
 import random
+import resource
 import sys
 import time
 
@@ -77,11 +79,12 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"comma-separated, of: {', '.join(LEVERS)}")
     p.add_argument("--profile", type=int, default=0, metavar="N")
     args = p.parse_args(argv)
+    before = _rss_mib()
     trace, prompts = hour_of_chat(args.minutes, args.rate, args.seed)
     print(f"trace: {len(trace)} jobs over {trace[-1].arrival_s / 60:.1f} min, "
           f"{sum(r.prompt_len for r in trace)} prompt and "
-          f"{sum(r.output_len for r in trace)} output tokens; {platform.processor() or platform.machine()}, "
-          f"Python {platform.python_version()}")
+          f"{sum(r.output_len for r in trace)} output tokens, {_rss_mib() - before:.0f} MiB; "
+          f"{platform.processor() or platform.machine()}, Python {platform.python_version()}")
     if args.profile:
         profiler = cProfile.Profile()
         profiler.runcall(replay_stats, trace, CONFIG, COST, prompts)
@@ -101,7 +104,14 @@ def main(argv: list[str] | None = None) -> int:
         print(format_table(HEADER, rows[-1:]), flush=True)
     print()
     print(format_table(HEADER, rows))
+    print(f"the process's peak memory: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")
     return 0
+
+
+def _rss_mib() -> float:
+    """This process's resident memory now."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2 ** 20
 
 
 HEADER = ["configuration", "GPU blocks", "replay s", "sim s", "steps", "steps/s",

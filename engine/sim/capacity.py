@@ -2,6 +2,7 @@
 through a contiguous max-length reservation allocator for comparison."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -104,7 +105,8 @@ def replay_paged(trace: list[TraceRequest], config: EngineConfig,
     warmup: replayed after the pins and before the trace, to its end (requests it
     leaves that cannot run, a pause never resumed, are aborted there); none of its
     steps or counts are the replay's, its cached blocks are."""
-    engine = LLMEngine(config, detokenize=False)  # (no text: step_core)
+    # (no text, stepped by step_core, and no KV history: the replay reads neither)
+    engine = LLMEngine(dataclasses.replace(config, kv_history_blocks=0), detokenize=False)
     pinned, refused = _pin(engine, pins or [])
     refusals: list[dict] = []
     if warmup is not None:
