@@ -63,7 +63,7 @@ from kvops.routing.tenancy import cache_salt, tenant
 log = logging.getLogger(__name__)
 
 MAX_MINUTES = 24 * 60
-MAX_JOBS = 5000
+MAX_JOBS = 20000  # an hour of one engine at up to 5 jobs a second
 WARMUP_MAX_JOBS = 1000  # jobs replayed before the window at most (and max_jobs)
 
 

@@ -147,7 +147,7 @@ def test_a_retry_with_the_same_idempotency_key_gets_the_first_run(stack):
     ({"block_size": 3}, 400, "block_size"),
     ({"minutes": 0}, 400, "minutes"),
     ({"minutes": 100000}, 400, "minutes"),
-    ({"max_jobs": 6000}, 400, "max_jobs"),
+    ({"max_jobs": 20001}, 400, "max_jobs"),
     ({"num_gpu_blocks": 0}, 400, "num_gpu_blocks"),
     ({"preemption_mode": "teleport"}, 400, "preemption_mode"),
     ({"preemption_mode": "swap", "num_cpu_blocks": 0}, 400, "num_cpu_blocks > 0"),

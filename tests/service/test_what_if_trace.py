@@ -10,7 +10,7 @@ from django.utils import timezone
 
 from kvops.models import Engine, Job, OperatorAction
 from kvops.routing.tenancy import tenant
-from kvops.what_if.what_if_trace import build_trace
+from kvops.what_if.what_if_trace import MAX_JOBS, build_trace
 
 pytestmark = pytest.mark.django_db
 
@@ -126,7 +126,7 @@ def test_bounds_and_an_empty_window_are_refused(people):
     engine = Engine.objects.create(name="idle", worker="engine-idle@test", config=SIM_CONFIG)
     with pytest.raises(ValueError, match="nothing to replay"):
         build_trace(engine, minutes=5, max_jobs=10)
-    for minutes, max_jobs in ((0, 10), (24 * 60 + 1, 10), (5, 0), (5, 5001)):
+    for minutes, max_jobs in ((0, 10), (24 * 60 + 1, 10), (5, 0), (5, MAX_JOBS + 1)):
         with pytest.raises(ValueError, match="minutes must be in"):
             build_trace(engine, minutes=minutes, max_jobs=max_jobs)
 
