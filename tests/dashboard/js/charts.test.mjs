@@ -69,3 +69,31 @@ test("a sparkline's caption says what it plots, over how long, and its top", () 
   assert.equal(sparkCaption("generated tokens/s", [[1000, 120.4], [1120, 340.6]]),
                "generated tokens/s, last 2 min · max 341");
 });
+
+test("a lever chart puts each value's label under its point, breaks at a gap, dots no reference", async () => {
+  globalThis.window = { devicePixelRatio: 1 };
+  const { leverChart } = await import("../../../static/kvops/charts.js");
+  const calls = [];
+  const record = (name) => (...args) => calls.push([name, ...args]);
+  const g = new Proxy({}, {
+    get: (target, name) => (["fillText", "moveTo", "lineTo", "arc", "setLineDash"].includes(name)
+      ? record(name) : () => {}),
+    set: () => true,
+  });
+  const canvas = { clientWidth: 300, clientHeight: 120, width: 300, height: 120, getContext: () => g };
+  leverChart(canvas, [{ color: "#888", values: [0.5, 0.5, 0.5], dashed: true },
+                      { color: "#00c", values: [0.2, null, 0.6] }], ["16", "32", "64"],
+             { max: 1, format: (v) => `${Math.round(100 * v)}%` });
+  const labelled = calls.filter(([name, text]) => name === "fillText" && ["16", "32", "64"].includes(text));
+  assert.deepEqual(labelled.map(([, text]) => text), ["16", "32", "64"]);
+  const xs = labelled.map(([, , x]) => x);
+  assert.ok(xs[0] < xs[1] && xs[1] < xs[2] && xs[2] <= 300, `${xs}`);
+  // the dots: the replayed series' two values, at their labels' x; none for the reference
+  const dots = calls.filter(([name]) => name === "arc");
+  assert.deepEqual(dots.map(([, x]) => x), [xs[0], xs[2]]);
+  // the reference is one line of three points; the replayed series starts again after its
+  // gap (the moves left of the first point are the y axis's gridlines)
+  const starts = calls.filter(([name, x]) => name === "moveTo" && x >= xs[0]).map(([, x]) => x);
+  assert.deepEqual(starts, [xs[0], xs[0], xs[2]]);
+  assert.ok(calls.some(([name, dash]) => name === "setLineDash" && dash.length === 2));
+});
