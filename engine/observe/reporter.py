@@ -60,6 +60,11 @@ class Reporter:
                 "cpu_prefix_cache": kv.cpu_tier,
                 "eviction_policy": kv.gpu.eviction_policy,
                 "pin_budget": self.pins.budget,
+                # tenants: the batch share, everyone's cache quota (its live value),
+                # who of the waiting goes first
+                "max_batch_share": config.max_batch_share,
+                "tenant_cache_quota": kv.gpu.tenants.share,
+                "fairness": config.fairness,
                 # the disk tier below it (disk_cache_dir): where, and how many bytes
                 "disk_cache_dir": config.disk_cache_dir or None,
                 "disk_cache_bytes": config.disk_cache_bytes if config.disk_cache_dir else 0,

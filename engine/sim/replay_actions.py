@@ -34,6 +34,10 @@ _APPLY: dict[str, Callable[[LLMEngine, "ReplayAction", str | None], Any]] = {
     "retention": lambda e, a, rid: e.set_retention(a.arguments.get("pin_budget"),
                                                    a.arguments.get("eviction_policy"),
                                                    a.arguments.get("tenant_cache_quota")),
+    "tenant": lambda e, a, rid: e.set_tenant(a.arguments.get("tenant"),
+                                             a.arguments.get("cache_quota"),
+                                             a.arguments.get("weight"),
+                                             tuple(a.arguments.get("clear") or ())),
     "set-limits": lambda e, a, rid: e.set_limits(a.arguments.get("max_num_seqs"),
                                                  a.arguments.get("max_num_batched_tokens")),
 }
@@ -51,7 +55,8 @@ class ReplayAction:
     request: int | None = None  # REQUEST_KINDS: the index of the trace request acted on
     tokens: tuple[int, ...] = ()  # pin, unpin: the prefix, in the trace's token space
     # evict: num_blocks (None: all); pin: soft, priority, ttl_s; unpin: soft;
-    # retention: pin_budget, eviction_policy, tenant_cache_quota; set-limits: max_num_seqs, max_num_batched_tokens
+    # retention: pin_budget, eviction_policy, tenant_cache_quota; tenant: tenant,
+    # cache_quota, weight, clear; set-limits: max_num_seqs, max_num_batched_tokens
     arguments: dict = field(default_factory=dict)
     label: str = ""  # what the engine's operator log called it, for a report
 

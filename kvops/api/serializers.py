@@ -12,7 +12,8 @@ from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from engine.observe.step_cost import DEFAULT_COST, StepCost
-from engine.config import EVICTION_POLICIES, KV_CACHE_DTYPES, PREEMPTION_MODES
+from engine.config import (EVICTION_POLICIES, FAIRNESS_POLICIES, KV_CACHE_DTYPES,
+                           PREEMPTION_MODES)
 from kvops.intake import limits
 from kvops.jobs import job_store
 from kvops.models import Engine, Job, OperatorAction, WhatIfRun
@@ -56,6 +57,12 @@ class FiniteFloatField(serializers.FloatField):
         if not math.isfinite(value):
             raise serializers.ValidationError("must be a finite number")
         return value
+
+
+def more_than_zero(value) -> None:
+    """A share that must leave something: (0, 1] (a quota of 1: none)."""
+    if value is not None and value <= 0:
+        raise serializers.ValidationError("must be more than 0 (1: no quota)")
 
 
 class JobSerializer(serializers.ModelSerializer):
@@ -171,14 +178,9 @@ class RetentionSerializer(StrictMixin, serializers.Serializer):
                   "hit before those hit), lfu (the least hit), priority (the prefixes of "
                   "the least important requests)")
     tenant_cache_quota = FiniteFloatField(
-        min_value=0.0, max_value=1.0, required=False,
+        min_value=0.0, max_value=1.0, required=False, validators=[more_than_zero],
         help_text="each tenant's share of the GPU pool's cached blocks (0-1, 1: no quota): "
                   "a tenant over it has its cached blocks evicted first")
-
-    def validate_tenant_cache_quota(self, value):
-        if value <= 0:
-            raise serializers.ValidationError("must be more than 0 (1: no quota)")
-        return value
 
     def validate(self, data):
         if not data:
@@ -194,6 +196,7 @@ class TenantLimitsSerializer(StrictMixin, serializers.Serializer):
     user = serializers.CharField(max_length=150, help_text="the tenant's user (username)")
     cache_quota = FiniteFloatField(
         min_value=0.0, max_value=1.0, required=False, allow_null=True, default=None,
+        validators=[more_than_zero],
         help_text="this tenant's own share of the GPU pool's cached blocks (0-1]")
     weight = FiniteFloatField(
         min_value=0.0, max_value=1000.0, required=False, allow_null=True, default=None,
@@ -202,11 +205,6 @@ class TenantLimitsSerializer(StrictMixin, serializers.Serializer):
     clear = serializers.ListField(
         child=serializers.ChoiceField(choices=list(LIMITS)), required=False, default=list,
         max_length=len(LIMITS), help_text="limits going back to everyone's")
-
-    def validate_cache_quota(self, value):
-        if value is not None and value <= 0:
-            raise serializers.ValidationError("must be more than 0 (1: no quota)")
-        return value
 
     def validate_weight(self, value):
         if value is not None and value <= 0:
@@ -400,6 +398,15 @@ class WhatIfSerializer(StrictMixin, serializers.Serializer):
         choices=list(KV_CACHE_DTYPES), required=False, allow_null=True, default=None,
         help_text="how K/V would be stored (a real model's engine): fp8 holds twice "
                   "bf16's blocks in the same memory")
+    tenant_cache_quota = FiniteFloatField(
+        required=False, allow_null=True, default=None, min_value=0.0, max_value=1.0,
+        validators=[more_than_zero],
+        help_text="each tenant's share of the GPU pool's cached blocks (0-1, 1: no quota); "
+                  "the replayed jobs' owners are the tenants")
+    fairness = serializers.ChoiceField(
+        choices=list(FAIRNESS_POLICIES), required=False, allow_null=True, default=None,
+        help_text="who of the waiting goes first: share (arrival order) or vtc (the tenant "
+                  "served the fewest weighted tokens)")
     sweep = SweepSerializer(required=False, allow_null=True, default=None,
                             help_text="instead of one alternative, one setting over several "
                                       "values (the other settings given apply to each)")

@@ -51,7 +51,7 @@ MAX_SWEEP_VALUES = 8  # configurations a sweep replays beside the engine's, at m
 SETTINGS = ("num_gpu_blocks", "block_size", "num_cpu_blocks", "preemption_mode",
             "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
             "cpu_prefix_cache", "disk_cache_bytes", "eviction_policy", "kv_cache_dtype",
-            "pin_budget")
+            "pin_budget", "tenant_cache_quota", "fairness")
 # (disk_cache_bytes: a disk tier of that many bytes of the engine's blocks, below the CPU
 # tier or the GPU pool without one, 0 for none; the replay keeps it in a folder of its own, empty at its start.
 # kv_cache_dtype: how a real model's engine stores K/V; the same memory holds as many
@@ -91,6 +91,10 @@ def baseline_config(engine_config: dict) -> EngineConfig:
                   disk_cache_bytes=int(engine_config.get("disk_cache_bytes") or 0),
                   eviction_policy=engine_config.get("eviction_policy") or "lru",
                   pin_budget=float(engine_config.get("pin_budget", 0.5)),
+                  # (the trace's requests carry their tenants: these act as they did)
+                  max_batch_share=float(engine_config.get("max_batch_share", 1.0)),
+                  tenant_cache_quota=float(engine_config.get("tenant_cache_quota", 1.0)),
+                  fairness=engine_config.get("fairness") or "share",
                   simulate_sliding_window=engine_config.get("sliding_window"))
     groups = engine_config.get("kv_group_windows")
     if groups:  # a table per layer group: the stand-in's global and sliding groups

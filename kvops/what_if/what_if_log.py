@@ -19,7 +19,7 @@ from kvops.models import OperatorAction
 
 # the log's actions the replay applies (the log's names are the replay's kinds)
 REPLAYED = ("reset", "evict", "pin", "unpin", "preempt", "swap-out", "swap-in", "abort",
-            "pause", "resume", "retention", "set-limits")
+            "pause", "resume", "retention", "set-limits", "tenant")
 ON_REQUESTS = ("preempt", "swap-out", "swap-in", "abort", "migrate")
 UNCHANGED = ("drain", "undrain", "what-if")  # change nothing a replay runs
 REQUEST_ID = re.compile(r"^job-(\d+)-(\d+)$")  # kvops/jobs/job_store.py's request ids
@@ -123,6 +123,7 @@ def replay_action(row: OperatorAction, segment: Segment, t0: datetime,
             k: params[k] for k in ("soft", "priority", "ttl_s") if params.get(k) is not None})
     fields = {"evict": ("num_blocks",),
               "retention": ("pin_budget", "eviction_policy", "tenant_cache_quota"),
-              "set-limits": ("max_num_seqs", "max_num_batched_tokens")}.get(row.action, ())
+              "set-limits": ("max_num_seqs", "max_num_batched_tokens"),
+              "tenant": ("tenant", "cache_quota", "weight", "clear")}.get(row.action, ())
     return ReplayAction(at, row.action, label=label,
                         arguments={k: params[k] for k in fields if params.get(k) is not None})

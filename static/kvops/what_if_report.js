@@ -27,7 +27,9 @@ export function requestBody(values) {
   return body;
 }
 
-const RENAMED = { disk_cache_gib: "disk_cache_bytes", pin_budget_percent: "pin_budget" };
+const RENAMED = { disk_cache_gib: "disk_cache_bytes", pin_budget_percent: "pin_budget",
+                  tenant_cache_quota_percent: "tenant_cache_quota" };
+const PERCENTS = ["pin_budget_percent", "tenant_cache_quota_percent"];  // (shares as %)
 
 // One form field's value as the API takes it: [API field, value]. Text that is not a
 // number stays text, for the API to name (NaN would travel as null: the engine's value).
@@ -35,7 +37,7 @@ function fieldValue(name, text) {
   const number = (scale) => (Number.isNaN(Number(text)) ? text : scale(Number(text)));
   let value = text;
   if (name === "disk_cache_gib") value = number((n) => Math.round(n * 2 ** 30));
-  else if (name === "pin_budget_percent") value = number((n) => n / 100);
+  else if (PERCENTS.includes(name)) value = number((n) => n / 100);
   else if (NUMBERS.includes(name)) value = number((n) => n);
   else if (FLAGS.includes(name)) value = text === "true" || text === "on";
   return [RENAMED[name] ?? name, value];
@@ -47,7 +49,8 @@ function fieldValue(name, text) {
 export function sweepSuggestion(lever, current) {
   const choices = { eviction_policy: "lru, slru, lfu, priority",
                     preemption_mode: "recompute, swap", cpu_prefix_cache: "off, on",
-                    enable_prefix_caching: "off, on", pin_budget_percent: "0, 25, 50, 100" };
+                    enable_prefix_caching: "off, on", pin_budget_percent: "0, 25, 50, 100",
+                    tenant_cache_quota_percent: "25, 50, 100", fairness: "share, vtc" };
   if (choices[lever]) return choices[lever];
   const n = Number(current);
   if (!Number.isFinite(n) || n <= 0) return "";
@@ -77,6 +80,8 @@ const CONFIG_ROWS = [
   ["disk tier", (r) => r.config.disk_cache_bytes, bytesOrOff, null],
   ["eviction policy", (r) => r.config.eviction_policy, String, null],
   ["pin budget", (r) => r.config.pin_budget, percent, null],
+  ["tenant cache quota", (r) => r.config.tenant_cache_quota, percent, null],
+  ["fairness", (r) => r.config.fairness, String, null],
   ["K/V dtype", (r) => r.config.kv_cache_dtype ?? undefined, String, null],
 ];
 const RESULT_ROWS = [
@@ -220,12 +225,13 @@ const SWEEP_LABELS = { num_gpu_blocks: "GPU blocks", block_size: "block size",
   num_cpu_blocks: "CPU blocks", preemption_mode: "preemption", max_num_seqs: "max_num_seqs",
   max_num_batched_tokens: "max_num_batched_tokens", enable_prefix_caching: "prefix caching",
   cpu_prefix_cache: "CPU prefix tier", disk_cache_bytes: "disk tier",
-  eviction_policy: "eviction policy", kv_cache_dtype: "K/V dtype", pin_budget: "pin budget" };
+  eviction_policy: "eviction policy", kv_cache_dtype: "K/V dtype", pin_budget: "pin budget",
+  tenant_cache_quota: "tenant cache quota", fairness: "fairness" };
 
 // A swept value as its axis and table show it.
 export function sweepValueText(lever, value) {
   if (lever === "disk_cache_bytes") return bytesOrOff(value);
-  if (lever === "pin_budget") return percent(value);
+  if (lever === "pin_budget" || lever === "tenant_cache_quota") return percent(value);
   if (typeof value === "boolean") return onOff(value);
   return String(value);
 }

@@ -480,3 +480,43 @@ def test_a_sweep_that_cannot_run_is_refused_naming_its_value(busy_engine):
         what_if.start(operator, engine, 10, 100, {"num_gpu_blocks": 64}, StepCost(),
                       sweep={"lever": "num_gpu_blocks", "values": [96, 128]})
     assert not WhatIfRun.objects.exists() and not OperatorAction.objects.exists()
+
+
+@pytest.fixture
+def two_tenants():
+    """carol asks about one document every half second; dave, from the fifth second,
+    sends one-off long prompts that flood the 48-block pool between her questions."""
+    operator = User.objects.create_user("op", is_staff=True)
+    carol, dave = User.objects.create_user("carol"), User.objects.create_user("dave")
+    engine = Engine.objects.create(name="shared", worker="engine-shared@test", config=CONFIG)
+    rng = random.Random(5)
+    document = "Document: " + "".join(rng.choice("abcdefgh ") for _ in range(300))
+    start = timezone.now() - timedelta(seconds=60)
+    rows = [(carol, document + f" Question {i}?", i * 0.5) for i in range(20)]
+    rows += [(dave, "".join(rng.choice("ijklmnop ") for _ in range(400)), 5 + i * 0.2)
+             for i in range(20)]
+    for owner, prompt, at in rows:
+        job = Job.objects.create(owner=owner, prompt=prompt, params={}, engine="shared",
+                                 status=Job.Status.FINISHED,
+                                 num_prompt_tokens=len(prompt.encode()), num_output_tokens=8)
+        Job.objects.filter(pk=job.pk).update(queued_at=start + timedelta(seconds=at))
+    return operator, engine
+
+
+def test_a_tenant_cache_quota_is_replayed_with_the_jobs_owners_as_tenants(two_tenants):
+    operator, engine = two_tenants
+    cost = StepCost(8.0, 0.02)
+    run = what_if.start(operator, engine, 10, 100, {"tenant_cache_quota": 0.5}, cost)
+    assert tasks.what_if.apply(args=[run.pk]).get() == "finished"
+    run.refresh_from_db()
+    assert (run.baseline["config"]["tenant_cache_quota"],
+            run.alternative["config"]["tenant_cache_quota"]) == (1.0, 0.5)
+    trace = build_trace(engine, 10, 100, until=run.created_at)
+    assert len({r.tenant for r in trace.requests}) == 2
+    config = what_if.alternative_config(what_if.baseline_config(engine.config),
+                                        {"tenant_cache_quota": 0.5})
+    direct = replay_paged(trace.requests, config, cost, prompts=trace.prompts)
+    assert run.alternative["prefix_lookup_hit_rate"] == direct.prefix_hit_rate
+    # dave's flood no longer evicts carol's document between her questions
+    assert run.alternative["prefix_hit_rate"] > run.baseline["prefix_hit_rate"] + 0.05, \
+        (run.alternative["prefix_hit_rate"], run.baseline["prefix_hit_rate"])

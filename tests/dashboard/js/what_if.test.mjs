@@ -4,6 +4,7 @@ import test from "node:test";
 
 import {
   commonTimeline, comparisonRows, fidelityText, requestBody, stepCostText, sweepSeries, sweepSuggestion,
+  sweepValueText,
   sweepTable, traceSummary,
 } from "../../../static/kvops/what_if_report.js";
 
@@ -151,6 +152,15 @@ test("a sweep travels as its lever and values, each typed as the lever's own fie
                    { lever: "max_num_seqs", values: [4, "lots"] });
   // no lever: no sweep, whatever the values field holds
   assert.deepEqual(requestBody({ sweep_lever: "", sweep_values: "1, 2" }), {});
+});
+
+test("the tenants' levers: the quota travels as a share, fairness as its name", () => {
+  assert.deepEqual(requestBody({ tenant_cache_quota_percent: "50", fairness: "vtc" }),
+                   { tenant_cache_quota: 0.5, fairness: "vtc" });
+  assert.deepEqual(requestBody({ sweep_lever: "tenant_cache_quota_percent", sweep_values: "25, 100" }).sweep,
+                   { lever: "tenant_cache_quota", values: [0.25, 1] });
+  assert.equal(sweepSuggestion("fairness", undefined), "share, vtc");
+  assert.equal(sweepValueText("tenant_cache_quota", 0.25), "25.0%");
 });
 
 test("a sweep's suggestion is every choice, or the engine's value halved to quadrupled", () => {
