@@ -40,6 +40,18 @@ def run_jobs(stack, n: int) -> list[dict]:
     return [stack.wait_job(job_id, timeout_s=120) for job_id in ids]
 
 
+
+def wait_run(stack, run_id: int) -> dict:
+    """The run once it has finished or failed."""
+    run = {}
+
+    def ended() -> bool:
+        run.update(stack.api("GET", f"/api/engines/wi/what-if/{run_id}/").json())
+        return run["status"] in ("finished", "failed")
+
+    stack.wait(ended, f"what-if run {run_id}", 120)
+    return run
+
 def test_nothing_to_replay_before_any_job(stack):
     r = what_if(stack, {"minutes": 5})
     assert r.status_code == 400 and "nothing to replay" in r.json()["error"]["message"]
@@ -54,13 +66,7 @@ def test_a_what_if_runs_on_the_ops_worker_and_returns_both_replays(stack):
     run_id = r.json()["id"]
     assert r.json()["status"] == "queued" and r.json()["engine"] == "wi"
 
-    run = {}
-
-    def ended() -> bool:
-        run.update(stack.api("GET", f"/api/engines/wi/what-if/{run_id}/").json())
-        return run["status"] in ("finished", "failed")
-
-    stack.wait(ended, f"what-if run {run_id}", 120)
+    run = wait_run(stack, run_id)
     assert run["status"] == "finished", run["error"]
     assert run["progress"] == 1.0 and run["user"] == "admin"
     assert run["trace"]["jobs"] == 12 and run["trace"]["prefix_groups"] == 1
@@ -101,13 +107,7 @@ def test_a_sweep_runs_each_value_and_returns_their_replays(stack):
     assert r.status_code == 202, r.text
     run_id = r.json()["id"]
     assert r.json()["params"]["sweep"] == {"lever": "eviction_policy", "values": ["slru", "lfu"]}
-    run = {}
-
-    def ended() -> bool:
-        run.update(stack.api("GET", f"/api/engines/wi/what-if/{run_id}/").json())
-        return run["status"] in ("finished", "failed")
-
-    stack.wait(ended, f"what-if run {run_id}", 120)
+    run = wait_run(stack, run_id)
     assert run["status"] == "finished", run["error"]
     assert run["alternative"] == {} and run["sweep"]["lever"] == "eviction_policy"
     assert [(r["value"], r["config"]["eviction_policy"], r["config"]["max_num_seqs"])
