@@ -355,6 +355,14 @@ class KVCacheCoordinator:
         in every group, or none (None: the GPU pool has too few free blocks; nothing
         changed). On admission, `match` (from find_prefix) holds the cached blocks to
         reuse and request.num_computed_tokens must already count them."""
+        if match is not None and request.tenant is not None:
+            # a tenant over its cache quota is admitted only into the room it may take
+            # (engine/kv/tenant_cache.py), counted once for every group
+            room = self.gpu.room_for(request.tenant)
+            if room < self.gpu.num_free and room < sum(
+                    g.blocks_needed(request, num_new_tokens, h)
+                    for g, h in zip(self.groups, match.groups)):
+                return None
         if self.num_groups == 1:
             alloc = self.main.allocate(request, num_new_tokens,
                                        match.groups[0] if match is not None else None)
@@ -364,7 +372,7 @@ class KVCacheCoordinator:
             return alloc
         hits = match.groups if match is not None else [None] * self.num_groups
         need = sum(g.blocks_needed(request, num_new_tokens, h) for g, h in zip(self.groups, hits))
-        if need > (self.gpu.num_free if match is None else self.gpu.room_for(request.tenant)):
+        if need > self.gpu.num_free:
             return None
         # Every group's reused blocks are held before any group takes new ones (which
         # could otherwise reuse a free cached block another group is about to revive).

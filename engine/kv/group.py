@@ -158,11 +158,11 @@ class KVGroup:
                 cow_src = reuse.pop()
         num_new_blocks = cdiv(total_tokens, self.block_size) - len(table) - freed - len(reuse)
         num_revived = sum(1 for b in reuse if b.ref_cnt == 0)
-        # (an admission: a tenant over its cache quota takes no other's under theirs)
-        admitting = request.tenant if hit is not None else None
-        room = self.gpu.num_free if admitting is None else self.gpu.room_for(admitting)
-        if num_new_blocks + num_revived > room:
+        if num_new_blocks + num_revived > self.gpu.num_free:
             return None
+        # (an admission: a tenant over its cache quota passes over the free cached blocks
+        # of the others under theirs; the coordinator counted its room without them)
+        admitting = request.tenant if hit is not None else None
 
         self.gpu.touch(reuse, request.priority)
         new_blocks = self.gpu.take_new(max(num_new_blocks, 0), rid, request.priority, admitting)
