@@ -11,6 +11,12 @@ output lengths and arrival times) live on a fresh engine configured that way, an
 prints what the what-if predicted against what the live engine measured: prefix hit
 rate, TTFT p50 (from the job's arrival to its first token, as a user sees it) and
 preemptions. (fp8 K/V is a real model's lever: a simulated engine refuses it.)
+
+`--model default` records and reruns on the default model instead (on this machine's
+device, float32 on a CPU), with its levers: the GPU pool halved and doubled, the CPU
+tier on, slru, and fp8 K/V (`kv_cache_dtype` fp8_e4m3: the live engine gets the pool
+the what-if predicted, the same memory in one-byte values). A real model's steps are its
+own, so the what-if's step cost is the engine's fit to them.
 """
 from __future__ import annotations
 
@@ -45,6 +51,26 @@ LEVERS = {
     "max_num_seqs halved": ({"max_num_seqs": 16}, {"max_num_seqs": 16}),
     "pin budget 0": ({"pin_budget": 0.0}, {"pin_budget": 0.0}),
 }
+
+
+# The default model's engine, and its levers (the live pool sizes: the what-if's own
+# alternative's, read from its answer, where a value is None)
+MODEL = dict(num_gpu_blocks=256, num_cpu_blocks=256, max_num_seqs=32,
+             max_num_batched_tokens=512)
+MODEL_LEVERS = {
+    "GPU blocks halved": ({"num_gpu_blocks": 128}, {"num_gpu_blocks": 128}),
+    "GPU blocks doubled": ({"num_gpu_blocks": 512}, {"num_gpu_blocks": 512}),
+    "CPU tier on": ({"cpu_prefix_cache": True}, {"cpu_prefix_cache": 1}),
+    "eviction slru": ({"eviction_policy": "slru"}, {"eviction_policy": "slru"}),
+    "fp8 K/V": ({"kv_cache_dtype": "fp8_e4m3"},
+                {"kv_cache_dtype": "fp8_e4m3", "num_gpu_blocks": None, "num_cpu_blocks": None}),
+}
+
+
+def model_engine(device: str, dtype: str) -> dict:
+    """The default model, named by its folder (a stack has a data folder of its own)."""
+    from engine.model.model_runner import resolve_model_path
+    return dict(model=str(resolve_model_path(None)), device=device, dtype=dtype, **MODEL)
 
 
 def workload(n: int, seconds: float, seed: int = 0) -> list[tuple[float, str, int]]:
@@ -130,9 +156,17 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--requests", type=int, default=240)
     p.add_argument("--seconds", type=float, default=90.0, help="arrivals over this long")
-    p.add_argument("--levers", default=",".join(LEVERS),
-                   help="comma-separated, of: " + ", ".join(LEVERS))
+    p.add_argument("--levers", default=None,
+                   help="comma-separated, of: " + ", ".join(LEVERS) + "; with --model: "
+                        + ", ".join(MODEL_LEVERS))
+    p.add_argument("--model", choices=("default",), default=None,
+                   help="the default model instead of the paced simulator")
+    p.add_argument("--device", default="auto", help="with --model: its device")
+    p.add_argument("--dtype", default="float32", help="with --model: its dtype")
     args = p.parse_args(argv)
+    engine = model_engine(args.device, args.dtype) if args.model else SIM
+    levers = MODEL_LEVERS if args.model else LEVERS
+    chosen = [name.strip() for name in (args.levers or ",".join(levers)).split(",")]
     trace = workload(args.requests, args.seconds)
     rows = []
     with tempfile.TemporaryDirectory(prefix="kvops-fidelity-") as tmp:
@@ -140,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             stack.start_web()
             stack.start_ops_worker()
-            stack.start_engine("recorded", **SIM)
+            stack.start_engine("recorded", **engine)
             started = time.monotonic()
             recorded = run_trace(stack, "recorded", trace)
 
@@ -155,18 +189,19 @@ def main(argv: list[str] | None = None) -> int:
                          _ms(recorded["ttft_p50"]), str(base["preemptions"]),
                          str(recorded["preemptions"]), ", ".join(f.get("misses") or []) or "-"])
             step = base_run["trace"].get("step_cost") or {}
-            for i, lever in enumerate(name.strip() for name in args.levers.split(",")):
-                alternative, settings = LEVERS[lever]
+            for i, lever in enumerate(chosen):
+                alternative, settings = levers[lever]
                 try:
                     predicted = what_if(stack, "recorded", minutes(), alternative)["alternative"]
                 except RuntimeError as e:
                     rows.append([lever, str(e)[:60], "", "", "", "", "", ""])
                     print(lever, e, flush=True)
                     continue
-                live_settings = {k: (str(Path(tmp) / f"disk-{i}") if v == "{disk}" else v)
+                live_settings = {k: (str(Path(tmp) / f"disk-{i}") if v == "{disk}" else
+                                     predicted["config"][k] if v is None else v)
                                  for k, v in settings.items()}
                 name = f"live-{i}"
-                stack.start_engine(name, **{**SIM, **live_settings})
+                stack.start_engine(name, **{**engine, **live_settings})
                 measured = run_trace(stack, name, trace)
                 stack.kill(f"engine-{name}")
                 rows.append([lever, _pct(predicted["prefix_hit_rate"]),
@@ -176,9 +211,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(" | ".join(rows[-1]), flush=True)
         finally:
             stack.stop()
+    engines = (f"the default model ({args.device}, {args.dtype})" if args.model else
+               f"simulated engines at {SIM['simulate_step_ms']} ms a step + "
+               f"{SIM['simulate_token_us']} us a token")
     print(f"\n{args.requests} requests (multi-turn chats under {len(SYSTEMS)} system prompts) "
-          f"over {args.seconds:.0f} s; simulated engines at {SIM['simulate_step_ms']} ms a step "
-          f"+ {SIM['simulate_token_us']} us a token, {SIM['num_gpu_blocks']} GPU blocks; the "
+          f"over {args.seconds:.0f} s; {engines}, {engine['num_gpu_blocks']} GPU blocks; the "
           f"what-if's step cost: {step}")
     print(format_table(["lever", "hit rate predicted", "measured", "TTFT p50 predicted",
                         "measured", "preemptions predicted", "measured", "baseline misses"],
