@@ -499,13 +499,10 @@ class LLMEngine:
 
     def tenant_limits(self, tenant: str) -> dict:
         """One tenant's quota (its share and in blocks), cached blocks and weight."""
-        tenants, vtc = self.kv.gpu.tenants, self.scheduler.vtc
-        return {"tenant": tenant, "cache_quota": tenants.overrides.get(tenant, tenants.share),
-                "cache_quota_blocks": tenants.limit(tenant),
-                "own_cache_quota": tenant in tenants.overrides,
-                "cached_blocks": tenants.counts.get(tenant, 0),
-                "weight": None if vtc is None else vtc.weights.get(tenant, 1.0),
-                "served_tokens": None if vtc is None else round(vtc.served.get(tenant, 0.0), 1)}
+        vtc = self.scheduler.vtc
+        return {"tenant": tenant, **self.kv.gpu.tenants.limits_of(tenant),
+                **(vtc.of(tenant) if vtc is not None else
+                   {"weight": None, "served_tokens": None})}
 
     # --- observation (engine/observe/reporter.py) -----------------------------------------
     def kv_story(self, request_id: str) -> dict | None:

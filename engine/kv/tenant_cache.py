@@ -59,6 +59,14 @@ class TenantCache:
         """The most blocks this tenant's cache may hold before its blocks go first."""
         return int(self.overrides.get(tenant, self.share) * self.num_blocks)
 
+    def limits_of(self, tenant: str) -> dict:
+        """One tenant's quota (its share and in blocks, whether its own) and its cached
+        blocks now."""
+        return {"cache_quota": self.overrides.get(tenant, self.share),
+                "cache_quota_blocks": self.limit(tenant),
+                "own_cache_quota": tenant in self.overrides,
+                "cached_blocks": self.counts.get(tenant, 0)}
+
     def set_share(self, share: float) -> None:
         self.share = check_share(share, "tenant_cache_quota")
 
@@ -133,10 +141,6 @@ class TenantCache:
         """Whether an admission of an over-quota `tenant` may take this free block."""
         owner = block.tenant
         return owner is None or owner == tenant or self.counts[owner] > self.limit(owner)
-
-    def over_quota(self) -> dict[str, int]:
-        """Each tenant over its quota and by how many blocks."""
-        return {t: n - self.limit(t) for t, n in self.counts.items() if n > self.limit(t)}
 
     def check(self, blocks: list[KVBlock]) -> None:
         """Invariant: the counts and free lists are the pool's blocks recounted."""

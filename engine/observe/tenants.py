@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from engine.kv.block_seconds import TenantKV
 
+
 def kv_by_tenant(meter: dict[str | None, TenantKV], cached: dict[str | None, int],
                  top: int) -> dict:
     """{"tenants": [row, ...], "other": row with "tenants" (how many) or None}; a row is

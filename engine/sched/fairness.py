@@ -80,5 +80,7 @@ class VirtualTokenCounter:
         else:
             self.weights[tenant] = check_weight(weight)
 
-    def state(self) -> dict:
-        return {"served": dict(self.served), "weights": dict(self.weights)}
+    def of(self, tenant: str) -> dict:
+        """One tenant's weight and its counter (weighted tokens served / weight)."""
+        return {"weight": self.weights.get(tenant, 1.0),
+                "served_tokens": round(self.served.get(tenant, 0.0), 1)}
