@@ -245,6 +245,11 @@ class BlockPool:
     def get_cached(self, block_hash: BlockHash) -> KVBlock | None:
         return self.cached.get(block_hash)
 
+    @property
+    def quota_active(self) -> bool:
+        """Whether a tenant cache quota (everyone's or one tenant's) is in force."""
+        return self.tenants is not None and self.tenants.active
+
     def room_for(self, tenant: str | None) -> int:
         """The free blocks an admission of `tenant` may take: num_free, less, while the
         tenant is over its cache quota, the free cached blocks of tenants under theirs

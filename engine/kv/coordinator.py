@@ -359,9 +359,8 @@ class KVCacheCoordinator:
             # a tenant over its cache quota is admitted only into the room it may take
             # (engine/kv/tenant_cache.py), counted once for every group
             room = self.gpu.room_for(request.tenant)
-            if room < self.gpu.num_free and room < sum(
-                    g.blocks_needed(request, num_new_tokens, h)
-                    for g, h in zip(self.groups, match.groups)):
+            if room < self.gpu.num_free and room < self.blocks_to_admit(request, num_new_tokens,
+                                                                         match):
                 return None
         if self.num_groups == 1:
             alloc = self.main.allocate(request, num_new_tokens,
@@ -371,8 +370,7 @@ class KVCacheCoordinator:
                 alloc.copies_in = self.tiers[0].load(match.tier_blocks, alloc.new_blocks)
             return alloc
         hits = match.groups if match is not None else [None] * self.num_groups
-        need = sum(g.blocks_needed(request, num_new_tokens, h) for g, h in zip(self.groups, hits))
-        if need > self.gpu.num_free:
+        if self.blocks_to_admit(request, num_new_tokens, match) > self.gpu.num_free:
             return None
         # Every group's reused blocks are held before any group takes new ones (which
         # could otherwise reuse a free cached block another group is about to revive).
@@ -417,6 +415,13 @@ class KVCacheCoordinator:
     def blocks_needed(self, request: Request, num_new_tokens: int) -> int:
         """The free GPU blocks allocate_slots(request, num_new_tokens) would take now."""
         return sum(g.blocks_needed(request, num_new_tokens) for g in self.groups)
+
+    def blocks_to_admit(self, request: Request, num_new_tokens: int,
+                        match: PrefixMatch | None) -> int:
+        """The free GPU blocks allocate_slots(request, num_new_tokens, match) would take
+        now: new ones, and the free cached ones of `match` it revives (every group's)."""
+        hits = match.groups if match is not None else [None] * self.num_groups
+        return sum(g.blocks_needed(request, num_new_tokens, h) for g, h in zip(self.groups, hits))
 
     def cached_where(self, block_hash: BlockHash) -> str | None:
         """Where group 0's prefix cache holds this hash now: "gpu", the first tier that

@@ -47,6 +47,7 @@ REASONS = {
     "window": "no layer's sliding window reaches them any more",
     "kv_full": "the GPU pool had no free block for a running request",
     "priority": "a request of higher priority needed the blocks",
+    "fairness": "a tenant served fewer tokens (fairness vtc) needed the seat or the blocks",
     "operator": "an operator's command",
     "migration": "the request moved to another engine",
     "corrupt": "a disk tier block failed its checks (its file not opened by the disk key, "

@@ -10,6 +10,14 @@ sending short ones, not behind its request count. A tenant that had nothing wait
 running joins at the smallest counter of those that do (the paper's lift): time spent
 idle is not credit to spend later in a burst.
 
+When the request VTC admits next cannot get a seat in the batch or its blocks, the
+scheduler preempts running requests of tenants served more than its own and holding
+more of the batch than its own would with it (so two tenants never preempt each other
+back and forth), the newest of the most served tenant first (engine/sched/scheduler.py `_room_for_lighter`): a light
+tenant then waits for one step, not for a heavy tenant's requests to end. The paper's
+VTC admits in counter order only; without this, a tenant whose requests hold the pool
+delays every other tenant's next request by its requests' whole length.
+
 Requests without a tenant (staff's) count as one tenant of their own, "". The scheduler
 charges (after each forward pass) and asks `pick`; this module owns the counters and the
 weights.
@@ -68,10 +76,14 @@ class VirtualTokenCounter:
             if key in seen:
                 continue
             seen.add(key)
-            served = self.served.get(key, 0.0)
+            served = self.served_of(key)
             if best is None or served < best_served:
                 best, best_served = request, served
         return best
+
+    def served_of(self, tenant: str | None) -> float:
+        """A tenant's counter: the weighted tokens served it, over its weight."""
+        return self.served.get(tenant or "", 0.0)
 
     def set_weight(self, tenant: str, weight: float | None) -> None:
         """A tenant's weight (None: back to 1): its counter grows 1/weight as fast."""

@@ -5,15 +5,17 @@ vLLM-v1 style: a request simply has tokens whose K/V is not yet computed, and th
 scheduler gives it as many as the budget allows. Running requests go first; when one
 cannot get blocks, the least important running request not yet scheduled this step is
 preempted (recompute: free and requeue; swap: copy to the CPU pool). New requests are
-admitted only in steps that preempted nobody, so a block freed by preemption is never
-fought over in the same step.
+admitted only in steps that preempted nobody for a running request, so a block freed by
+preemption is never fought over in the same step.
 
 Fair share (EngineConfig.max_batch_share): a tenant holding its share of max_num_seqs is
 passed over at admission while requests of others wait, and under fcfs its requests are
 the first preempted; requests without a tenant are exempt, and with nobody else waiting
 a tenant may use the whole batch. Token-weighted fairness (EngineConfig.fairness = "vtc",
 engine/sched/fairness.py): among the waiting of equal priority, the tenant served the
-fewest weighted tokens goes first; the share cap still applies beside it.
+fewest weighted tokens goes first, and when it cannot get a seat or its blocks, running
+requests of tenants served more are preempted for it at the start of the step (which
+then admits it before resuming the swapped); the share cap still applies beside it.
 """
 from __future__ import annotations
 
@@ -126,10 +128,18 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         if self.config.scheduling_policy == "priority":
             self.running.sort(key=priority_key)
+        # (with a cache quota in force the quota decides whose blocks go: a preempted
+        # request's blocks would be its tenant's first evicted, its work lost)
+        fair = self._room_for_lighter(out) if self.vtc is not None and self.waiting \
+            and not self.kv.gpu.quota_active else 0
         budget = self._schedule_running(out, budget)
-        if not out.preempted:
-            budget = self._resume_swapped(out, budget)
-            self._admit_waiting(out, budget)
+        if len(out.preempted) == fair:  # nobody was preempted for a running request
+            if fair:  # the room was made for a waiting request: it goes before the swapped
+                budget = self._admit_waiting(out, budget)
+                self._resume_swapped(out, budget)
+            else:
+                budget = self._resume_swapped(out, budget)
+                self._admit_waiting(out, budget)
         # The CPU tier's copies of reused blocks (none without it); releases the CPU
         # blocks this step's swap-ins read.
         out.swap_out.extend(self.kv.flush_offloads())
@@ -212,9 +222,11 @@ class Scheduler:
         running = RequestStatus.RUNNING
         return sum(r.sampling_params.n - 1 for r in self.unforked if r.status is running)
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        """Admit waiting requests while seats, blocks and the token budget last; returns
+        the budget left."""
         if not self.waiting:
-            return
+            return budget
         reserved = self._reserved()
         held = self._seqs_by_tenant() if self.share_cap is not None else None
         # tenants over their cache quota whose next request found no room it may take
@@ -265,6 +277,61 @@ class Scheduler:
             reserved += extra
             self._add_scheduled(out, request, num_new)
             budget -= num_new
+        return budget
+
+    def _room_for_lighter(self, out: SchedulerOutput) -> int:
+        """Token-weighted fairness, before the step's running requests are scheduled: when
+        the waiting request VTC admits next cannot get a seat or its blocks, preempt
+        running requests of tenants served more than its own that also hold more of the
+        batch than its own would with it (more blocks for blocks, more seats for a seat;
+        so two tenants never preempt each other back and forth), never one more
+        important, the newest of the most served tenant first, until it fits. Nobody is
+        preempted where those could not make the room. Returns how many were."""
+        vtc, kv = self.vtc, self.kv
+        request = vtc.pick(self.waiting, self.config.scheduling_policy)
+        tenant = request.tenant or ""
+        served = vtc.served_of(tenant)
+        by_priority = self.config.scheduling_policy == "priority"
+        victims = [r for r in self.running if vtc.served_of(r.tenant) > served
+                   and not (by_priority and r.priority < request.priority)]
+        if not victims:
+            return 0
+        seats = len(self.running) + self._reserved() + request.num_seqs \
+            - self.config.max_num_seqs
+        match = kv.find_prefix(request)
+        request.num_computed_tokens = match.num_computed_tokens
+        num_new = min(request.num_tokens - request.num_held_back - match.num_computed_tokens,
+                      self.config.max_num_batched_tokens)
+        need = kv.blocks_to_admit(request, num_new, match)
+        request.num_computed_tokens = 0
+        short = need - kv.gpu.num_free
+        if seats <= 0 and short <= 0:
+            return 0
+        blocks: dict[str, int] = collections.Counter()
+        held: dict[str, int] = collections.Counter()
+        for r in self.running:
+            blocks[r.tenant or ""] += kv.num_blocks_held(r.request_id)
+            held[r.tenant or ""] += 1
+        blocks[tenant] += need
+        held[tenant] += request.num_seqs
+        victims.sort(key=lambda r: (vtc.served_of(r.tenant), r.arrival_time, r.index),
+                     reverse=True)
+        plan, freed, taken = [], 0, 0
+        for victim in victims:
+            if freed >= short and taken >= seats:
+                break
+            key, n = victim.tenant or "", kv.num_blocks_held(victim.request_id)
+            if (short > freed and blocks[key] > blocks[tenant]) or \
+                    (seats > taken and held[key] > held[tenant]):
+                plan.append(victim)
+                freed, taken = freed + n, taken + 1
+                blocks[key] -= n
+                held[key] -= 1
+        if freed < short or taken < seats:
+            return 0
+        for victim in plan:
+            self._preempt(victim, out, request, num_new, reason="fairness")
+        return len(plan)
 
     # --- fair share ----------------------------------------------------------------------
     @property
@@ -445,7 +512,7 @@ class Scheduler:
 
     # --- preemption and swap -------------------------------------------------------------
     def _preempt(self, victim: Request, out: SchedulerOutput, needy: Request,
-                 num_new: int) -> None:
+                 num_new: int, reason: str | None = None) -> None:
         """Make room for `needy`'s num_new tokens (it may be the victim itself, giving
         way)."""
         room = (self.kv.blocks_needed(needy, num_new), self.kv.gpu.num_free) \
@@ -453,8 +520,9 @@ class Scheduler:
         self.running.remove(victim)
         out.preempted.append(victim.request_id)
         # the reason: a request that ranks higher took the room, or the pool was full
-        reason = "priority" if self.config.scheduling_policy == "priority" and \
-            victim.priority > needy.priority else "kv_full"
+        if reason is None:
+            reason = "priority" if self.config.scheduling_policy == "priority" and \
+                victim.priority > needy.priority else "kv_full"
         by = needy.request_id if needy is not victim else None
         if self.config.preemption_mode == "swap":
             result = self.kv.swap_out(victim)

@@ -184,7 +184,8 @@ def _kv_story_families(engines):
     residency, and the router's regret."""
     by_reason = CounterMetricFamily(
         "kvops:num_preemptions_by_reason", "Preemptions (recompute; swaps are "
-        "kvops:num_swaps_out) by cause: kv_full, priority, operator.", labels=["engine", "reason"])
+        "kvops:num_swaps_out) by cause: kv_full, priority, fairness, operator.",
+        labels=["engine", "reason"])
     missed = CounterMetricFamily(
         "kvops:missed_prompt_tokens_by_reason", "Prompt tokens computed at admission, by why "
         "the first block that missed was not cached (a full hit's: partial_block).",

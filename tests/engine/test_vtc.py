@@ -5,7 +5,7 @@ import pytest
 
 from engine.errors import InvalidRequestError
 from engine.sched.fairness import OUTPUT_WEIGHT, PROMPT_WEIGHT
-from tests.engine.sim import expected, greedy, sim_engine
+from tests.engine.sim import expected, greedy, run_all, sim_engine
 
 
 def admission_order(engine) -> list[str]:
@@ -107,3 +107,96 @@ def test_a_bad_weight_is_refused(bad):
     engine = sim_engine(fairness="vtc")
     with pytest.raises(InvalidRequestError, match="weight"):
         engine.set_tenant("A", weight=bad)
+
+
+def pool_held_by_b(fairness: str, a1_priority: int = 0, **config):
+    """A's a0 runs throughout (A stays active, its counter small); B's two 64-token
+    prompts hold most of the 48-block pool; then A's a1 (60 tokens: 15 blocks) arrives,
+    more than the free blocks. Returns the engine, a1's first running step and B's
+    requests still running then."""
+    engine = sim_engine(max_num_seqs=8, num_gpu_blocks=48, num_cpu_blocks=0,
+                        fairness=fairness, **config)
+    engine.add_request("a0", [9] * 4, greedy(40), tenant="A")
+    engine.add_request("b0", [50] * 64, greedy(8), tenant="B")
+    engine.add_request("b1", [51] * 64, greedy(8), tenant="B", priority=0)
+    for _ in range(4):
+        engine.step()
+    assert engine.kv.gpu.num_free < 15  # a1 does not fit beside B's requests
+    engine.add_request("a1", [10] * 60, greedy(5), tenant="A", priority=a1_priority)
+    step, first, b_running = 0, None, None
+    final = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                final[o.request_id] = o
+        engine.kv.check_invariants()
+        step += 1
+        running = {r.request_id for r in engine.scheduler.running}
+        if first is None and "a1" in running:
+            first, b_running = step, running & {"b0", "b1"}
+    prompts = {"a0": ([9] * 4, 40), "b0": ([50] * 64, 8), "b1": ([51] * 64, 8),
+               "a1": ([10] * 60, 5)}
+    assert {rid: o.output_token_ids for rid, o in final.items()} == \
+        {rid: expected(p, n) for rid, (p, n) in prompts.items()}
+    return engine, first, b_running
+
+
+def test_vtc_preempts_the_heavier_tenants_newest_request_for_the_lighters_blocks():
+    engine, first, b_running = pool_held_by_b("vtc")
+    # a1 ran in the first step after it arrived, beside B's older request; B's newest
+    # gave way (and was recomputed: the outputs are the reference's)
+    assert first == 1 and b_running == {"b0"}
+    assert engine.scheduler.counters.preemptions_by_reason == {"fairness": 1}
+    preempted = [e for e in engine.take_events() if e.type == "Preempted"]
+    assert [(e.request_id, e.reason, e.by) for e in preempted] == [("b1", "fairness", "a1")]
+
+
+def test_the_share_policy_waits_for_the_heavier_tenants_requests_to_end():
+    engine, first, b_running = pool_held_by_b("share")
+    assert first > 1 and len(b_running) < 2
+    assert not engine.scheduler.counters.preemptions_by_reason
+
+
+def test_fairness_never_preempts_a_more_important_request():
+    engine, first, b_running = pool_held_by_b("vtc", a1_priority=1,
+                                              scheduling_policy="priority")
+    assert "fairness" not in engine.scheduler.counters.preemptions_by_reason
+    assert first > 1
+
+
+def test_a_lighter_tenant_holding_as_much_of_the_batch_preempts_nobody():
+    """A is served less than B, but B holds one seat of two and A would hold two: taking
+    B's would only turn the tables (B's request would then preempt A's back)."""
+    engine = sim_engine(max_num_seqs=2, num_gpu_blocks=256, fairness="vtc")
+    engine.add_request("a0", [10] * 8, greedy(30), tenant="A")
+    engine.add_request("b0", [20] * 20, greedy(30), tenant="B")
+    engine.step()
+    engine.step()
+    engine.add_request("a1", [11] * 8, greedy(30), tenant="A")  # no seat: b0 has it
+    vtc = engine.scheduler.vtc
+    assert vtc.served_of("A") < vtc.served_of("B")
+    run_all(engine)
+    assert not engine.scheduler.counters.preemptions_by_reason
+
+
+def test_a_lighter_tenant_takes_a_seat_from_one_holding_more():
+    """B holds three seats of four, A one: A's next request takes B's newest seat (two
+    each; B's request would not take it back, two against two)."""
+    engine = sim_engine(max_num_seqs=4, num_gpu_blocks=256, fairness="vtc")
+    engine.add_request("a0", [10] * 8, greedy(30), tenant="A")
+    for i in range(3):
+        engine.add_request(f"b{i}", [20 + i] * 20, greedy(30), tenant="B")
+    engine.step()
+    engine.step()
+    engine.add_request("a1", [11] * 8, greedy(30), tenant="A")  # no seat
+    engine.step()
+    assert {r.request_id for r in engine.scheduler.running} == {"a0", "a1", "b0", "b1"}
+    final = run_all(engine)
+    assert engine.scheduler.counters.preemptions_by_reason == {"fairness": 1}
+    assert final["b2"].output_token_ids == expected([22] * 20, 30)
+
+
+def test_with_a_cache_quota_the_quota_decides_and_fairness_preempts_nobody():
+    engine, first, _ = pool_held_by_b("vtc", tenant_cache_quota=0.9)
+    assert "fairness" not in engine.scheduler.counters.preemptions_by_reason
+    assert first > 1
