@@ -102,8 +102,9 @@ def metrics_for(metrics: dict | None, viewer) -> dict | None:
 
 def seal_metrics(metrics: dict, mine: str | None) -> dict:
     """Metrics whose KV held by tenant (`kv_by_tenant`, engine/observe/tenants.py) names
-    the viewer's tenant alone (a tenant outside the engine's top ones is in `other`);
-    everyone else's added up as `other`, without saying how many they are."""
+    the viewer's tenant alone; everyone else's added up as `other`, without saying how
+    many they are. A viewer's tenant outside the engine's top ones is in the engine's
+    `other` (which holds no names): `mine_in_other` says so, and the page says it."""
     by_tenant = metrics.get("kv_by_tenant")
     if not isinstance(by_tenant, dict):
         return metrics
@@ -113,7 +114,9 @@ def seal_metrics(metrics: dict, mine: str | None) -> dict:
     if by_tenant.get("other"):
         rest.append(by_tenant["other"])
     other = {**added_up(rest), "tenants": None} if rest else None
-    return {**metrics, "kv_by_tenant": {"tenants": own, "other": other}}
+    mine_in_other = mine is not None and not own and bool(by_tenant.get("other"))
+    return {**metrics, "kv_by_tenant": {"tenants": own, "other": other,
+                                         "mine_in_other": mine_in_other}}
 
 
 def seal_event(record: dict) -> dict:

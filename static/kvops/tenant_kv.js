@@ -17,7 +17,10 @@ export function tenantRows(byTenant, { mine = null, names = {} } = {}) {
   const rows = byTenant.tenants.map((r) => row(r, r.tenant, tenantLabel(r.tenant, { mine, names })));
   const other = byTenant.other;
   if (other) {
-    const label = other.tenants == null ? "others" : `other (${num(other.tenants)} tenant${other.tenants === 1 ? "" : "s"})`;
+    // (mine_in_other: the viewer's tenant is not among the engine's top tenants, so
+    // whatever it holds is counted in this row: kvops/dashboard/visibility.py)
+    const label = byTenant.mine_in_other ? "others, and you: not among the engine's top tenants"
+      : other.tenants == null ? "others" : `other (${num(other.tenants)} tenant${other.tenants === 1 ? "" : "s"})`;
     rows.push(row(other, "other", label));
   }
   return rows;

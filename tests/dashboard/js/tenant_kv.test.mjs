@@ -27,6 +27,13 @@ test("a plain user reads their own tenant as you and the rest as others", () => 
   assert.equal(tenantPanelHtml(tenantRows({ tenants: [], other: null })).includes("No tenant"), true);
 });
 
+test("a plain user whose tenant is not among the engine's top ones reads that it is in others", () => {
+  const sealed = { tenants: [], other: { ...row(undefined, 7), tenants: null }, mine_in_other: true };
+  const rows = tenantRows(sealed, { mine: "cc33" });
+  assert.deepEqual(rows.map((r) => [r.label, r.mine]), [["others, and you: not among the engine's top tenants", false]]);
+  assert.equal(tenantRows({ ...sealed, mine_in_other: false }, { mine: "cc33" })[0].label, "others");
+});
+
 test("a tenant's requests share one colour key; another tenant's, others' and staff's differ", () => {
   const a1 = tenantKey({ tenant: "aa11" }), a2 = tenantKey({ tenant: "aa11" });
   assert.equal(a1, a2);
