@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import time
 
 from django.conf import settings
 
@@ -40,9 +41,13 @@ def cache_salt(owner) -> str | None:
     return _keyed("cache-salt", owner.pk)
 
 
-# tenant label -> user name, for staff's pages: filled from the users on a label it lacks
-# (labels never change while the secret key stays; this process's own)
+# tenant label -> user name, for staff's pages (labels never change while the secret key
+# stays; this process's own). A label it lacks reads only the users added since the last
+# read (a deleted user's label, never found, costs one indexed query, not every user);
+# the whole list is read again at most every NAMES_RELOAD_S (a user no longer staff).
 _names: dict[str, str] = {}
+_names_state = {"max_pk": 0, "loaded_at": float("-inf")}
+NAMES_RELOAD_S = 300.0
 
 
 def usernames(labels) -> dict[str, str]:
@@ -50,8 +55,15 @@ def usernames(labels) -> dict[str, str]:
     wanted = {label for label in labels if label}
     if not wanted <= _names.keys():
         from django.contrib.auth import get_user_model
-        users = get_user_model().objects.filter(is_staff=False).values_list("pk", "username")
-        _names.update({_label(pk): username for pk, username in users})
+        users = get_user_model().objects.filter(is_staff=False)
+        now = time.monotonic()
+        if now - _names_state["loaded_at"] >= NAMES_RELOAD_S:
+            _names_state["loaded_at"] = now
+        else:
+            users = users.filter(pk__gt=_names_state["max_pk"])
+        for pk, username in users.values_list("pk", "username"):
+            _names[_label(pk)] = username
+            _names_state["max_pk"] = max(_names_state["max_pk"], pk)
     return {label: _names[label] for label in wanted if label in _names}
 
 
