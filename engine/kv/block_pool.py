@@ -225,9 +225,9 @@ class BlockPool:
         self._ranks_soft = False  # the free queue ranks soft pins (since the first one)
         self.cached: dict[BlockHash, KVBlock] = {}  # hash -> the one block holding it
         self.num_pinned = 0  # blocks held by a pin: no request can ever have them
-        # Told (block id, hash) of the cached blocks take_new is about to reuse, before
-        # their data is overwritten (the CPU tier of the prefix cache: engine/kv/tiers/cpu.py)
-        self.on_evict: Callable[[list[tuple[int, BlockHash]]], None] | None = None
+        # Told (block id, hash, tenant) of the cached blocks take_new is about to reuse,
+        # before their data is overwritten (the tiers below: engine/kv/tiers/)
+        self.on_evict: Callable[[list[tuple[int, BlockHash, str | None]]], None] | None = None
         self._events = events
         self.tenants = None if tenant_cache_quota is None else \
             TenantCache(num_blocks, tenant_cache_quota)
@@ -370,7 +370,7 @@ class BlockPool:
             raise RuntimeError(f"invariant: asked {self.pool} pool for {n} blocks, {self.num_free} free")
         if self.soft_pinned:
             self.expire_soft_pins()
-        taken, evicted = [], []
+        taken, evicted, tenants = [], [], []
         quota = self.tenants if self.tenants is not None and self.tenants.active else None
         guard = admitting if quota is not None and admitting is not None and \
             quota.protected_from(admitting) else None
@@ -378,6 +378,7 @@ class BlockPool:
             block = self._next_free(quota, guard)
             if block.block_hash is not None:
                 evicted.append((block, block.block_hash))
+                tenants.append(block.tenant)
                 self._drop_hash(block)
             block.ref_cnt = 1
             block.keep = keep
@@ -385,7 +386,7 @@ class BlockPool:
             taken.append(block)
         if evicted:
             if self.on_evict is not None:
-                self.on_evict([(b.block_id, h) for b, h in evicted])
+                self.on_evict([(b.block_id, h, t) for (b, h), t in zip(evicted, tenants)])
             self._evicted(evicted, "reuse", "evicted", for_request)
         return taken
 

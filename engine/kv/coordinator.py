@@ -81,7 +81,9 @@ class KVCacheCoordinator:
         tier_on = cpu_prefix_cache and enable_caching and num_cpu_blocks > 0 and len(windows) == 1
         self.gpu = BlockPool(num_gpu_blocks, enable_caching, events, "gpu", eviction_policy,
                              tenant_cache_quota=tenant_cache_quota)
-        self.cpu = BlockPool(num_cpu_blocks, tier_on, events, "cpu")
+        # (as a tier, the CPU pool counts its cached blocks per tenant: no quota there)
+        self.cpu = BlockPool(num_cpu_blocks, tier_on, events, "cpu",
+                             tenant_cache_quota=1.0 if tier_on else None)
         # Blocks registered in the cache during this schedule, whose K/V the coming
         # forward pass writes. A same-step hit may read them (each layer writes all K/V
         # before attending) but not copy them: copies run before the forward pass.

@@ -149,7 +149,8 @@ class Reporter:
             "waiting_tokens": sum(r.num_tokens for r in sched.waiting),
             # per tenant: blocks held by tier, cached, block-seconds (the top ones named)
             "kv_by_tenant": kv_by_tenant(kv.block_seconds.by_tenant(), kv.gpu.cached_by_tenant(),
-                                         self.config.metrics_top_tenants),
+                                         self.config.metrics_top_tenants,
+                                         {t.pool: t.cached_by_tenant() for t in kv.tiers}),
             # the KV history's: tokens missed by reason, block residency histograms
             **(self.stories.metrics() if self.stories is not None else {}),
         }

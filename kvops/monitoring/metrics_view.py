@@ -133,8 +133,10 @@ def _tenant_families(engines):
     tenants by blocks and `other`, so at most top + 1 `tenant` labels an engine."""
     held = GaugeMetricFamily(
         "kvops:tenant_kv_blocks", "KV blocks a tenant's live requests hold now, by pool "
-        "(a block shared by several requests counts for each), and the GPU pool's cached "
-        "blocks its requests cached (pool=\"cached\").", labels=["engine", "tenant", "pool"])
+        "(a block shared by several requests counts for each), and the cached blocks its "
+        "requests computed: the GPU pool's (pool=\"cached\"), the CPU tier's "
+        "(pool=\"cpu_cached\") and the disk's (pool=\"disk_cached\", those written since "
+        "the engine started).", labels=["engine", "tenant", "pool"])
     seconds = GaugeMetricFamily(
         "kvops:tenant_kv_block_seconds", "KV blocks held x seconds by a tenant's requests "
         "since the engine started, by pool. A gauge: a tenant that leaves the top ones moves "
@@ -147,8 +149,9 @@ def _tenant_families(engines):
             rows.append((OTHER_TENANTS, by_tenant["other"]))
         for tenant, row in rows:
             for pool, key in (("gpu", "gpu_blocks"), ("cpu", "cpu_blocks"),
-                              ("cached", "cached_blocks")):
-                held.add_metric([engine.name, tenant, pool], float(row[key]))
+                              ("cached", "cached_blocks"), ("cpu_cached", "cpu_cached_blocks"),
+                              ("disk_cached", "disk_cached_blocks")):
+                held.add_metric([engine.name, tenant, pool], float(row.get(key, 0)))
             for pool in ("gpu", "cpu"):
                 seconds.add_metric([engine.name, tenant, pool], float(row["block_seconds"][pool]))
     yield held

@@ -8,11 +8,12 @@ import { blockSeconds, esc, num } from "./format.js";
 
 export const OTHERS = "others";  // visibility.OTHERS: any tenant but a plain viewer's own
 
-// The panel's rows: {key, label, gpu, cpu, cached, seconds, mine}; `mine` is the viewer's
-// tenant label (null for staff).
+// The panel's rows: {key, label, gpu, cpu, cached, cpuCached, diskCached, seconds, mine};
+// `mine` is the viewer's tenant label (null for staff).
 export function tenantRows(byTenant, { mine = null, names = {} } = {}) {
   if (!byTenant) return [];
   const row = (r, key, label) => ({ key, label, gpu: r.gpu_blocks, cpu: r.cpu_blocks, cached: r.cached_blocks,
+                                    cpuCached: r.cpu_cached_blocks ?? 0, diskCached: r.disk_cached_blocks ?? 0,
                                     seconds: r.block_seconds.gpu + r.block_seconds.cpu, mine: key === mine && mine !== null });
   const rows = byTenant.tenants.map((r) => row(r, r.tenant, tenantLabel(r.tenant, { mine, names })));
   const other = byTenant.other;
@@ -35,12 +36,14 @@ export function tenantLabel(tenant, { mine = null, names = {} } = {}) {
   return names[tenant] ?? tenant;
 }
 
+// The tiers' columns show only where some tenant has blocks on that tier.
 export function tenantPanelHtml(rows) {
   if (!rows.length) return `<p class="muted">No tenant holds or has held KV blocks yet.</p>`;
+  const tiers = [["cpuCached", "CPU tier"], ["diskCached", "disk tier"]].filter(([k]) => rows.some((r) => r[k]));
   const cells = (r) => `<td>${esc(r.label)}</td><td class="num">${num(r.gpu)}</td><td class="num">${num(r.cpu)}</td>
-    <td class="num">${num(r.cached)}</td><td class="num">${blockSeconds(r.seconds)}</td>`;
+    <td class="num">${num(r.cached)}</td>${tiers.map(([k]) => `<td class="num">${num(r[k])}</td>`).join("")}<td class="num">${blockSeconds(r.seconds)}</td>`;
   return `<table class="list tenant-kv"><thead><tr><th>tenant</th><th class="num">GPU held</th><th class="num">CPU held</th>
-    <th class="num">cached</th><th class="num">block-seconds</th></tr></thead>
+    <th class="num">cached</th>${tiers.map(([, h]) => `<th class="num">cached, ${h}</th>`).join("")}<th class="num">block-seconds</th></tr></thead>
     <tbody>${rows.map((r) => `<tr data-tenant="${esc(r.key ?? "staff")}"${r.mine ? " class=\"mine\"" : ""}>${cells(r)}</tr>`).join("")}</tbody></table>`;
 }
 

@@ -92,6 +92,23 @@ def test_the_least_recently_used_blocks_go_for_room(store):
     assert not s._path(h(1)).exists()
 
 
+def test_each_tenants_blocks_are_counted_until_they_leave(store):
+    size = file_bytes(64)
+    s = store(capacity=3 * size)
+    s.put(h(0), payload(0), "A")
+    s.put(h(1), payload(1), "A")
+    s.put(h(2), payload(2), "B")
+    assert s.cached_by_tenant() == {"A": 2, "B": 1}  # (queued counts: it is held)
+    s.flush()
+    assert s.tenant(h(0)) == "A" and s.tenant(h(2)) == "B"
+    s.put(h(3), payload(3))  # nobody's (a staff request's): not counted
+    s.flush()  # room for it: h(0), the oldest, goes
+    assert not s.contains(h(0)) and s.tenant(h(0)) is None
+    assert s.cached_by_tenant() == {"A": 1, "B": 1}
+    s.reset()
+    assert s.cached_by_tenant() == {} and s.tenant(h(1)) is None
+
+
 def test_a_write_cut_short_leaves_no_block(store, tmp_path):
     s = store()
     s.put(h(1), payload(1))

@@ -68,9 +68,13 @@ class PrefixTier(ABC):
 
     # --- what the pool above gives it ------------------------------------------------
     @abstractmethod
-    def offer(self, evicted: list[tuple[int, BlockHash]]) -> None:
-        """The pool above is reusing these cached (block id, hash), their data still in
-        place: keep a copy of those the tier takes."""
+    def offer(self, evicted: list[tuple[int, BlockHash, str | None]]) -> None:
+        """The pool above is reusing these cached (block id, hash, tenant), their data
+        still in place: keep a copy of those the tier takes (and whose they are)."""
+
+    def cached_by_tenant(self) -> dict[str, int]:
+        """Blocks it holds per tenant whose request computed them (their tenant known)."""
+        return {}
 
     def count_prompt(self, hashes: list[BlockHash]) -> None:  # noqa: B027 (a no-op unless a tier needs it)
         """A prompt was looked up for these hashes, hit or not (a tier that admits

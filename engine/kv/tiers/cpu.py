@@ -36,7 +36,8 @@ class CPUTier(PrefixTier):
         self.cpu = cpu  # shared with swapped-out requests
         self._events = events
         self._gpu_uncomputed = uncomputed  # GPU blocks the coming step writes (no copy yet)
-        self._to_store: list[tuple[int, BlockHash]] = []  # GPU blocks reused this schedule
+        # GPU blocks reused this schedule: (block id, hash, tenant)
+        self._to_store: list[tuple[int, BlockHash, str | None]] = []
         self._held: list[KVBlock] = []  # CPU blocks this step's copies read
         self.uncomputed: list[KVBlock] = []  # CPU blocks this step's copies fill
         self.num_blocks_stored = 0  # copies GPU -> CPU
@@ -69,7 +70,10 @@ class CPUTier(PrefixTier):
     def promote(self, run: list[KVBlock], hashes: list[BlockHash]) -> int:
         return 0  # (its blocks are copied into the request's GPU blocks: load)
 
-    def offer(self, evicted: list[tuple[int, BlockHash]]) -> None:
+    def cached_by_tenant(self) -> dict[str, int]:
+        return self.cpu.cached_by_tenant()
+
+    def offer(self, evicted: list[tuple[int, BlockHash, str | None]]) -> None:
         uncomputed = self._gpu_uncomputed  # (their data is not written: nothing to keep)
         self._to_store.extend(e for e in evicted if e[0] not in uncomputed)
 
@@ -78,14 +82,14 @@ class CPUTier(PrefixTier):
         if self._to_store:
             stored: list[KVBlock] = []
             cpu = self.cpu
-            for gpu_id, block_hash in self._to_store:
+            for gpu_id, block_hash, tenant in self._to_store:
                 held = cpu.get_cached(block_hash)
                 if held is not None:  # the tier has it already: it was used again
                     cpu.refresh(held)
                     continue
                 if not cpu.num_free:  # every CPU block holds a swapped request
                     continue
-                block = self._block_for(block_hash)
+                block = self._block_for(block_hash, tenant)
                 stored.append(block)
                 mapping.append((gpu_id, block.block_id))
             self._to_store.clear()
@@ -113,17 +117,17 @@ class CPUTier(PrefixTier):
                 continue
             if not cpu.num_free:
                 break
-            target = self._block_for(block_hash)
+            target = self._block_for(block_hash, block.tenant)
             stored.append(target)
             mapping.append((block.block_id, target.block_id))
         self._stored(stored, "copied ahead from GPU blocks next in line for reuse")
         return mapping
 
-    def _block_for(self, block_hash: BlockHash) -> KVBlock:
-        """A CPU block registered under the hash, free and the tier's most recently used
-        (the caller checked that one is free)."""
+    def _block_for(self, block_hash: BlockHash, tenant: str | None) -> KVBlock:
+        """A CPU block registered under the hash (and its tenant), free and the tier's
+        most recently used (the caller checked that one is free)."""
         block = self.cpu.take_new(1)[0]
-        self.cpu.cache(block, block_hash)
+        self.cpu.cache(block, block_hash, tenant)
         self.cpu.free([block])
         return block
 

@@ -112,6 +112,10 @@ class DiskStore:
         self._bytes = 0  # of the indexed files, under _lock
         self._pending: dict[BlockHash, bytes] = {}  # queued, not written yet; under _lock
         self._pending_bytes = 0  # under _lock
+        # whose request computed each block written this run (a block found on disk at
+        # start is nobody's: its tenant is not stored), and the count per tenant; under _lock
+        self._tenant_of: dict[BlockHash, str] = {}
+        self._per_tenant: collections.Counter = collections.Counter()
         self.pending_max_bytes = pending_max_bytes
         # (epoch, hash, payload) to write, a Path (an old epoch's folder) to delete, or None
         self._queue: queue.Queue = queue.Queue()
@@ -154,16 +158,37 @@ class DiskStore:
         with self._lock:
             return not self._refuses(block_hash, 0)
 
-    def put(self, block_hash: BlockHash, payload: bytes) -> bool:
-        """Queue a block to be written (its payload copied out already); False when it
-        is there already or the queue is full."""
+    def put(self, block_hash: BlockHash, payload: bytes, tenant: str | None = None) -> bool:
+        """Queue a block to be written (its payload copied out already; tenant: whose
+        request computed it); False when it is there already or the queue is full."""
         with self._lock:
             if self._refuses(block_hash, len(payload)):
                 return False
             self._pending[block_hash] = payload
             self._pending_bytes += len(payload)
             self._queue.put((self.epoch, block_hash, payload))
+            if tenant is not None:
+                self._tenant_of[block_hash] = tenant
+                self._per_tenant[tenant] += 1
         return True
+
+    def tenant(self, block_hash: BlockHash) -> str | None:
+        """The tenant whose request computed this block, if it was written this run."""
+        with self._lock:
+            return self._tenant_of.get(block_hash)
+
+    def cached_by_tenant(self) -> dict[str, int]:
+        """Blocks held or queued per tenant (those written this run)."""
+        with self._lock:
+            return dict(self._per_tenant)
+
+    def _disown(self, block_hash: BlockHash) -> None:
+        """(Under _lock.) A block left the disk or its queue: no tenant's any more."""
+        tenant = self._tenant_of.pop(block_hash, None)
+        if tenant is not None:
+            self._per_tenant[tenant] -= 1
+            if not self._per_tenant[tenant]:
+                del self._per_tenant[tenant]
 
     def _refuses(self, block_hash: BlockHash, size: int) -> bool:
         """(Under _lock.) The block is held or queued already, or `size` more bytes do
@@ -188,6 +213,8 @@ class DiskStore:
             self._bytes = 0
             self._pending.clear()
             self._pending_bytes = 0
+            self._tenant_of.clear()
+            self._per_tenant.clear()
             self._ready.clear()
             self._ready_bytes = 0
             self._queue.put(old)
@@ -372,6 +399,7 @@ class DiskStore:
         with self._lock:
             if item[0] == self.epoch and self._pending.pop(block_hash, None) is not None:
                 self._pending_bytes -= len(payload)
+                self._disown(block_hash)
             self.stats.write_failures += 1
         reason = "an error" if error is None else (error.strerror or str(error))
         if self.write_error is None:
@@ -413,6 +441,7 @@ class DiskStore:
         while self._index and self._bytes + size > self.capacity_bytes:
             block_hash, old = self._index.popitem(last=False)
             self._bytes -= old
+            self._disown(block_hash)
             self.stats.evicted_blocks += 1
             self._gone.append((block_hash, "evicted"))
             ready = self._ready.pop(block_hash, None)
@@ -429,6 +458,7 @@ class DiskStore:
             size = self._index.pop(block_hash, None)
             if size is not None:
                 self._bytes -= size
+                self._disown(block_hash)
             ready = self._ready.pop(block_hash, None)
             if ready is not None:
                 self._ready_bytes -= len(ready)
@@ -514,11 +544,11 @@ class DiskTier(PrefixTier):
         self._asked.clear()
         return self.store.reset()
 
-    def offer(self, evicted: list[tuple[int, BlockHash]]) -> None:
+    def offer(self, evicted: list[tuple[int, BlockHash, str | None]]) -> None:
         """The pool above is reusing these cached blocks (their bytes still in place): the
         ones asked for often enough are copied out and written behind."""
         stored = []
-        for block_id, block_hash in evicted:
+        for block_id, block_hash, tenant in evicted:
             self._read_back.pop(block_id, None)
             if block_id in self._unwritten:
                 continue
@@ -526,7 +556,7 @@ class DiskTier(PrefixTier):
                 self.store.stats.not_admitted += 1
                 continue
             if self.store.can_take(block_hash) and \
-                    self.store.put(block_hash, self._read_block(block_id)):
+                    self.store.put(block_hash, self._read_block(block_id), tenant):
                 stored.append(block_hash)
         if stored:
             self._events.emit("BlockStored", pool="disk", block_ids=[],
@@ -585,7 +615,7 @@ class DiskTier(PrefixTier):
                 except Exception:
                     above.free([block])
                     raise
-                above.cache(block, block_hash)
+                above.cache(block, block_hash, self.store.tenant(block_hash))
                 held.append(block)
                 promoted.append(block)
                 n += 1
@@ -643,6 +673,9 @@ class DiskTier(PrefixTier):
                 # why writes fail now (None while they succeed): the engine page warns
                 "disk_cache_write_error": self.store.write_error}
 
+    def cached_by_tenant(self) -> dict[str, int]:
+        return self.store.cached_by_tenant()
+
     def write_cached(self) -> int:
         """Queue the pool above's cached blocks that admission would take (the engine is
         closing: what that pool holds is otherwise lost with it); how many."""
@@ -650,7 +683,8 @@ class DiskTier(PrefixTier):
         for block_hash, block in list(self.above.cached.items()):
             if block.block_id not in self._unwritten and self.admits(block_hash) and \
                     self.store.can_take(block_hash) and \
-                    self.store.put(block_hash, self._read_block(block.block_id)):
+                    self.store.put(block_hash, self._read_block(block.block_id),
+                                   block.tenant):
                 n += 1
         return n
 

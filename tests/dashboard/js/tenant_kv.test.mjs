@@ -41,3 +41,13 @@ test("a tenant's requests share one colour key; another tenant's, others' and st
   assert.equal(keys.size, 4);
   assert.equal(tenantKey(undefined), 0);
 });
+
+test("the tiers' cached blocks get a column each where some tenant has blocks there", () => {
+  const byTenant = { tenants: [{ ...row("aa11", 2), cpu_cached_blocks: 6, disk_cached_blocks: 0 },
+                               { ...row("bb22", 1), cpu_cached_blocks: 0, disk_cached_blocks: 0 }], other: null };
+  const html = tenantPanelHtml(tenantRows(byTenant));
+  assert.match(html, /<th class="num">cached, CPU tier<\/th>/);
+  assert.doesNotMatch(html, /disk tier/);
+  assert.match(html, /data-tenant="aa11"><td>aa11<\/td><td class="num">2<\/td><td class="num">1<\/td>\s*<td class="num">0<\/td><td class="num">6<\/td>/);
+  assert.doesNotMatch(tenantPanelHtml(tenantRows({ tenants: [row("cc33", 1)], other: null })), /tier/);
+});
