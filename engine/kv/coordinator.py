@@ -636,8 +636,10 @@ class KVCacheCoordinator:
                 tables.append((key, entry[2]))
         self._exported[pool] = kept
         cached = {h: b.block_id for h, b in blocks.cached.items()} if full_scan else None
+        tenants = {b.block_id: b.tenant for b in blocks.cached.values() if b.tenant is not None} \
+            if full_scan and blocks.tenants is not None else None
         pinned = [b.block_id for b in blocks.blocks if b.pinned] if pins else None
-        return PoolExport(blocks.pool, blocks.num_blocks, tables, cached, pinned)
+        return PoolExport(blocks.pool, blocks.num_blocks, tables, cached, pinned, tenants)
 
     # --- invariants ------------------------------------------------------------------
     def check_invariants(self) -> None:

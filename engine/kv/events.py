@@ -80,6 +80,9 @@ class KVEvent:
     # Finished, Forked: the request's KV block-seconds here by pool ({"gpu", "cpu"};
     # engine/kv/block_seconds.py)
     block_seconds: dict[str, float] | None = None
+    # BlockStored: the tenant whose request computed the blocks (None: staff's, or
+    # untold); kept out of the page's event records (a viewer's map reads it sealed)
+    tenant: str | None = None
     # For readers that rebuild the prefix cache elsewhere (EventLog.full): the full
     # hashes of block_ids' blocks, and for BlockStored on the GPU each one's parent hash
     # (None: the chain's first) and their token ids, block_size per block

@@ -42,6 +42,8 @@ class PoolExport:
     tables: list[tuple[int | tuple[int, int], np.ndarray]]
     cached: dict | None  # a copy of the hash -> block map; None: follow the events instead
     pinned: list[int] | None  # ids of pinned blocks; None: not asked for
+    # with `cached`: block id -> the tenant whose request computed it (those with one)
+    tenants: dict[int, str] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -285,7 +285,7 @@ class KVGroup:
         if stored:
             # (the full chain only for a reader that asks, of group 0: routers' hashes)
             chain = self._chain(request, indices) if self._events.full and not group else {}
-            self._emit("BlockStored", request_id=rid,
+            self._emit("BlockStored", request_id=rid, tenant=request.tenant,
                        block_ids=[b.block_id for b in stored],
                        block_hashes=[short(b.block_hash) for b in stored],
                        ref_cnts=[b.ref_cnt for b in stored],

@@ -15,6 +15,24 @@ from __future__ import annotations
 from engine.kv.block_seconds import TenantKV
 
 
+# The label of requests without a tenant (staff's) wherever tenants are named (the
+# metrics' labels, the bill), and every label but a plain viewer's own as that viewer
+# reads it (kvops/dashboard/visibility.py)
+STAFF_TENANT = "staff"
+OTHERS_TENANT = "others"
+
+
+# A cached block's tenant in the per-block array `tenant32`: FNV-1a (32 bits) of the
+# tenant label's UTF-8; 0 for a block of no tenant (staff's requests'). The page
+# computes the same of a request's tenant (static/kvops/tenant_kv.js tenantHash), so a
+# tenant's cached blocks and its held ones share a colour.
+def tenant32(label: str | None) -> int:
+    h = 0x811C9DC5
+    for byte in (label if label is not None else STAFF_TENANT).encode():
+        h = ((h ^ byte) * 0x01000193) & 0xFFFFFFFF
+    return h or 1  # (0 means nobody)
+
+
 # The tiers a row counts cached blocks on, and their keys in it
 TIER_KEYS = {"cpu": "cpu_cached_blocks", "disk": "disk_cached_blocks"}
 BLOCK_KEYS = ("gpu_blocks", "cpu_blocks", "cached_blocks", *TIER_KEYS.values())

@@ -27,6 +27,7 @@ from engine.kv.events import KVEvent
 from engine.kv.export import REQUEST_FIELDS, KVExport, PoolExport
 from engine.observe.snapshot import BLOCK_STATES, CACHED, FREE, PINNED, USED, \
     encode_array
+from engine.observe.tenants import tenant32
 
 
 
@@ -48,7 +49,7 @@ EVENT_MAX_BLOCKS = 16  # block ids kept per event on the wire and in the history
 # What the page and the history keep of an event: not its group (said when not 0), nor
 # the full hashes and tokens (for the vLLM-format publisher only)
 _EVENT_FIELDS = tuple(f.name for f in fields(KVEvent)
-                      if f.name not in ("group", "hashes", "parents", "token_ids"))
+                      if f.name not in ("group", "hashes", "parents", "token_ids", "tenant"))
 log = logging.getLogger(__name__)
 
 
@@ -98,6 +99,9 @@ class PoolMirror:
         self.ref_cnt = np.zeros(num_blocks, dtype=np.int32)
         self.owner = np.zeros(num_blocks, dtype=np.int32)  # first holder's request index
         self.hash32 = np.zeros(num_blocks, dtype=np.uint32)
+        # a cached block's tenant (snapshot.tenant32 of the label of the request that
+        # computed it; 0 where not cached or not known), from BlockStored events
+        self.tenant32 = np.zeros(num_blocks, dtype=np.uint32)
         # request index ((index, group): a hybrid model's other layer groups) -> its block
         # ids (the export's read-only arrays), in export order
         self.tables: dict[int | tuple[int, int], np.ndarray] = {}
@@ -105,12 +109,13 @@ class PoolMirror:
         # The prefix-cache map as events and scans tell it (hash32 is 0 where not hashed).
         self._hashed = np.zeros(num_blocks, dtype=bool)
         self._hash32 = np.zeros(num_blocks, dtype=np.uint32)
+        self._tenant32 = np.zeros(num_blocks, dtype=np.uint32)
         self._scanned = False
         self.drift = 0  # full scans that found the event-kept map wrong
 
     def arrays(self) -> dict[str, np.ndarray]:
         return {"state": self.state, "ref_cnt": self.ref_cnt, "owner": self.owner,
-                "hash32": self.hash32}
+                "hash32": self.hash32, "tenant32": self.tenant32}
 
     def table_ids(self, index: int) -> list[int]:
         table = self.tables.get(index)
@@ -126,15 +131,21 @@ class PoolMirror:
         self._follow_events(events)
         if cap.cached is not None:
             self._scan_hashes(cap.cached, verify=events_on)
-        state, ref_cnt, owner, hash32 = self._arrays()
+            self._tenant32[:] = 0
+            if cap.tenants:
+                ids = np.fromiter(cap.tenants, np.int64, len(cap.tenants))
+                self._tenant32[ids] = [tenant32(t) for t in cap.tenants.values()]
+        state, ref_cnt, owner, hash32, tenant = self._arrays()
         changed = np.flatnonzero((state != self.state) | (ref_cnt != self.ref_cnt)
-                                 | (owner != self.owner) | (hash32 != self.hash32))
-        self.state, self.ref_cnt, self.owner, self.hash32 = state, ref_cnt, owner, hash32
+                                 | (owner != self.owner) | (hash32 != self.hash32)
+                                 | (tenant != self.tenant32))
+        self.state, self.ref_cnt, self.owner, self.hash32, self.tenant32 = \
+            state, ref_cnt, owner, hash32, tenant
         if changed.size == 0:
             return None, table_ops
         blocks = {"ids": _gaps(changed.tolist()), "state": state[changed].tolist(),
                   "ref_cnt": ref_cnt[changed].tolist(), "owner": owner[changed].tolist(),
-                  "hash32": hash32[changed].tolist()}
+                  "hash32": hash32[changed].tolist(), "tenant32": tenant[changed].tolist()}
         return blocks, table_ops
 
     def _apply_tables(self, exported: list[tuple]) -> dict | None:
@@ -164,15 +175,19 @@ class PoolMirror:
             if e.pool != self.name and e.type != "AllBlocksCleared":  # (a reset: every pool)
                 continue
             if e.type == "BlockStored":
+                who = tenant32(e.tenant) if e.tenant is not None else 0
                 for block_id, short_hash in zip(e.block_ids, e.block_hashes):
                     self._hashed[block_id] = True
                     self._hash32[block_id] = int(short_hash[:8], 16) if short_hash else 0
+                    self._tenant32[block_id] = who
             elif e.type == "BlockEvicted":
                 self._hashed[e.block_ids] = False
                 self._hash32[e.block_ids] = 0
+                self._tenant32[e.block_ids] = 0
             elif e.type == "AllBlocksCleared":
                 self._hashed[:] = False
                 self._hash32[:] = 0
+                self._tenant32[:] = 0
 
     def _scan_hashes(self, cached: dict, verify: bool) -> None:
         hashed = np.zeros(self.num_blocks, dtype=bool)
@@ -199,12 +214,13 @@ class PoolMirror:
         holders = np.bincount(all_ids, minlength=n).astype(np.int32)
         owner = self._owners(all_ids, parts, holders)
         hashed, hash32 = self._hashed, self._hash32.copy()
+        tenant = self._tenant32.copy()
         ref_cnt = holders
         ref_cnt[self.pinned] += 1  # a pin holds one reference
         state = np.where(ref_cnt > 0, USED, FREE).astype(np.uint8)
         state[hashed & (ref_cnt == 0)] = CACHED
         state[self.pinned] = PINNED
-        return state, ref_cnt, owner, hash32
+        return state, ref_cnt, owner, hash32, tenant
 
     def _owners(self, all_ids: np.ndarray, parts: list[np.ndarray],
                 holders: np.ndarray) -> np.ndarray:

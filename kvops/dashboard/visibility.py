@@ -24,8 +24,11 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
+import numpy as np
+
 from engine.observe.feed import decode, encode
-from engine.observe.tenants import added_up
+from engine.observe.snapshot import decode_array, encode_array
+from engine.observe.tenants import OTHERS_TENANT, added_up, tenant32
 from kvops.routing import tenancy
 
 # Per-block arrays and event fields that carry prefix-cache hashes
@@ -45,7 +48,7 @@ PLAIN_CONFIG_FIELDS = (
     "simulate", "sliding_window", "kv_group_windows", "tensor_parallel_size", "role",
     "rank_memory")
 _FRAMES_KEPT = 64
-OTHERS = "others"  # every tenant label but a plain viewer's own, as that viewer sees it
+OTHERS = OTHERS_TENANT  # every tenant label but a plain viewer's own, as that viewer sees it
 
 
 def sees_everything(user) -> bool:
@@ -119,6 +122,18 @@ def seal_metrics(metrics: dict, mine: str | None) -> dict:
                                          "mine_in_other": mine_in_other}}
 
 
+def seal_tenants(values, mine: str | None):
+    """A per-block `tenant32` array (a delta's list, or a snapshot's encoded array) as a
+    plain viewer reads it: their own tenant's key kept, every other tenant's the key of
+    OTHERS, 0 (nobody's) kept."""
+    own, others = (tenant32(mine) if mine is not None else -1), tenant32(OTHERS_TENANT)
+    if isinstance(values, list):
+        return [v if v == 0 or v == own else others for v in values]
+    array = decode_array(values)
+    sealed = np.where((array == 0) | (array == own), array, others).astype(array.dtype)
+    return encode_array(sealed, compact=True)
+
+
 def seal_event(record: dict) -> dict:
     """An event record without its hashes (a copy if it had any)."""
     if not any(record.get(name) for name in HASH_EVENT_FIELDS):
@@ -149,6 +164,8 @@ def seal_document(doc: dict, mine: str | None) -> dict:
     for pool in POOLS:
         if isinstance(out.get(pool), dict) and any(k in out[pool] for k in HASH_ARRAYS):
             out[pool] = {k: v for k, v in out[pool].items() if k not in HASH_ARRAYS}
+        if isinstance(out.get(pool), dict) and "tenant32" in out[pool]:
+            out[pool] = {**out[pool], "tenant32": seal_tenants(out[pool]["tenant32"], mine)}
     if isinstance(out.get("events"), list):
         out["events"] = seal_events(out["events"])
     out["sealed"] = True

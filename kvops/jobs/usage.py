@@ -12,12 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
+from engine.observe.tenants import STAFF_TENANT  # (staff's jobs' label: they have none)
 from kvops.models import Job
 from kvops.routing import tenancy
 
 GROUPINGS = ("user", "tenant")
 ENDED = (Job.Status.FINISHED, Job.Status.FAILED, Job.Status.CANCELLED)
-STAFF_TENANT = "staff"  # the tenant label of staff's jobs (tenancy.tenant gives them none)
 TIERS = ("gpu", "cpu", "disk")
 POOLS = ("gpu", "cpu")
 # A row's numbers, in the order the CSV writes them (after the key and `jobs`)

@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
                                     HistogramMetricFamily)
 
+from engine.observe.tenants import STAFF_TENANT
 from kvops import selectors
 from kvops.monitoring import metrics_store, vllm_series
 from kvops.monitoring.health import signed_in_user
@@ -125,7 +126,7 @@ SOURCES = [("local_compute", lambda m: m["prefix_cache_queries"] - m["prefix_cac
 
 # the `tenant` label of requests without a tenant label (staff's: as GET /api/usage/ says)
 # and of the tenants the engine added up (beyond its top ones); a label is 16 hex digits
-STAFF_TENANT, OTHER_TENANTS = "staff", "other"
+OTHER_TENANTS = "other"
 
 
 def _tenant_families(engines):

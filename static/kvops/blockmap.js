@@ -20,6 +20,7 @@ export class BlockMap {
     // a used cell's colour key from its owner's request index (null: the index itself,
     // a colour per request; the "by tenant" mode gives one per tenant: tenant_kv.js)
     this.keyOf = null;
+    this.cachedKey = null;  // in a colouring mode: a cached cell's key from its tenant32
     this.path = [];  // the selected request's table, in order
     this.base = 0;  // colors()'s answer: the cell's colour and its dot's
     this.dot = 0;
@@ -77,7 +78,8 @@ export class BlockMap {
       this.dot = !dimmed && p.ref_cnt[i] > 1 ? pal.sharedDot : 0;
     } else if (s === STATE.cached) {
       const evict = !dimmed && this.evictRank !== null && this.evictRank[i] >= 0;
-      this.base = dimmed ? pal.cachedDim : pal.cached;
+      const t = this.cachedKey !== null ? p.tenant32[i] : 0;
+      this.base = t ? pal.cachedTint(this.cachedKey(t), dimmed) : dimmed ? pal.cachedDim : pal.cached;
       this.dot = evict ? pal.evictDot : 0;
     } else if (s === STATE.pinned) {
       this.base = dimmed ? pal.pinnedDim : pal.pinned;
@@ -129,9 +131,11 @@ export class BlockMap {
     this.dirtyHi = -1;
   }
 
-  // Colour used cells by owner request (null) or by the key keyOf(owner index) gives.
-  colourBy(keyOf) {
+  // Colour used cells by owner request (null) or by the key keyOf(owner index) gives,
+  // and cached cells grey (null) or in a light tint of the key cachedKey(tenant32) gives.
+  colourBy(keyOf, cachedKey = null) {
     this.keyOf = keyOf;
+    this.cachedKey = cachedKey;
     if (this.pool) this.paintAll();
   }
 

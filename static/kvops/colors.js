@@ -45,10 +45,15 @@ export class Palette {
     this.hues = 720;  // owner hues, quantised
     this.owner = new Uint32Array(this.hues);
     this.ownerDim = new Uint32Array(this.hues);
+    this.tint = new Uint32Array(this.hues);  // cached blocks coloured by owner: lighter
+    this.tintDim = new Uint32Array(this.hues);
     for (let i = 0; i < this.hues; i++) {
       const rgb = hslToRgb(i / 2, 70, 48);
       this.owner[i] = pack(...rgb);
       this.ownerDim[i] = pack(...dim(rgb));
+      const light = hslToRgb(i / 2, 45, 78);
+      this.tint[i] = pack(...light);
+      this.tintDim[i] = pack(...dim(light));
     }
     const named = (hex) => [pack(...hexToRgb(hex)), pack(...dim(hexToRgb(hex)))];
     [this.free, this.freeDim] = named(CSS.free);
@@ -63,5 +68,11 @@ export class Palette {
   ownerColor(index, dimmed) {
     const i = Math.floor(ownerHue(index) * 2) % this.hues;
     return dimmed ? this.ownerDim[i] : this.owner[i];
+  }
+
+  // A cached cell in a colouring mode: its key's hue, lighter than a used cell's.
+  cachedTint(index, dimmed) {
+    const i = Math.floor(ownerHue(index) * 2) % this.hues;
+    return dimmed ? this.tintDim[i] : this.tint[i];
   }
 }

@@ -23,7 +23,7 @@ import { LiveSync } from "./live_sync.js";
 import { drainText, migrationTargets, migrationText } from "./migration.js";
 import { PIN_MODES, pinRequest } from "./pin_form.js";
 import { RequestTable } from "./request_table.js";
-import { tenantKey, tenantPanelHtml, tenantRows } from "./tenant_kv.js";
+import { cachedTenantKey, tenantKey, tenantPanelHtml, tenantRows } from "./tenant_kv.js";
 import { EVICTION_POLICIES, currentRetention, followedForm, pinnedText, retentionForm,
          retentionRequest, retentionText } from "./retention.js";
 import { LiveSocket } from "./socket.js";
@@ -118,7 +118,8 @@ function loadSnapshot(snapshot) {
 
 // Paint the state on screen from scratch (a snapshot, the first moment of a scrub, back to live).
 function showWhole() {
-  gpuMap.keyOf = cpuMap.keyOf = colourKeys();
+  const [keyOf, cachedKey] = colourKeys();
+  for (const map of [gpuMap, cpuMap]) [map.keyOf, map.cachedKey] = [keyOf, cachedKey];
   gpuMap.attach(state.gpu, state.evictRank, $("#gpu-wrap").clientWidth);
   cpuMap.attach(state.cpu, null, $("#cpu-wrap").clientWidth);
   $("#gpu-caption").textContent = `${num(state.gpu.n)} blocks of ${state.config.block_size} tokens${kvCaption(state.config)}${groupsCaption(state.config)}${splitCaption(state.config)}`;
@@ -322,13 +323,15 @@ function renderTenants(m) {
   if (html !== tenantsShown) $("#tenant-kv").innerHTML = tenantsShown = html;
 }
 
+// [used cells' key by owner index, cached cells' key by tenant32], or nulls: by request
 function colourKeys() {
-  return $("#colour-by").value === "tenant" ? (index) => tenantKey(state?.requests.get(index)) : null;
+  return $("#colour-by").value === "tenant"
+    ? [(index) => tenantKey(state?.requests.get(index)), cachedTenantKey] : [null, null];
 }
 $("#colour-by").addEventListener("change", () => {
   if (!state) return;
-  gpuMap.colourBy(colourKeys());
-  cpuMap.colourBy(colourKeys());
+  gpuMap.colourBy(...colourKeys());
+  cpuMap.colourBy(...colourKeys());
 });
 
 // The disk tier: counts and a hit share (there may be millions of blocks: no map), as

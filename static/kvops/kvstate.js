@@ -2,7 +2,7 @@
 // (docs/live-protocol.md). Per-block arrays are typed arrays; requests keep their block
 // tables as plain arrays in block-table order.
 
-export const ARRAYS = ["state", "ref_cnt", "owner", "hash32"];
+export const ARRAYS = ["state", "ref_cnt", "owner", "hash32", "tenant32"];
 const TYPED = { "|u1": Uint8Array, "<u1": Uint8Array, "|i1": Int8Array, "<i2": Int16Array,
                 "<u2": Uint16Array, "<i4": Int32Array, "<u4": Uint32Array };
 
@@ -37,12 +37,14 @@ function pool(arrays) {
   p.n = p.state.length;
   // A sealed state (a plain user's: kvops/dashboard/visibility.py) has no hashes: all 0, "none"
   p.hash32 = p.hash32 ? Uint32Array.from(p.hash32) : new Uint32Array(p.n);
+  // A cached block's tenant key (engine/observe/tenants.py tenant32; 0: none known)
+  p.tenant32 = p.tenant32 ? Uint32Array.from(p.tenant32) : new Uint32Array(p.n);
   return p;
 }
 
 function copyPool(p) {
   return { n: p.n, state: p.state.slice(), ref_cnt: p.ref_cnt.slice(), owner: p.owner.slice(),
-           hash32: p.hash32.slice() };
+           hash32: p.hash32.slice(), tenant32: p.tenant32.slice() };
 }
 
 
@@ -169,6 +171,7 @@ export class KVState {
         p.ref_cnt[id] = blocks.ref_cnt[i];
         p.owner[id] = blocks.owner[i];
         if (blocks.hash32) p.hash32[id] = blocks.hash32[i];
+        if (blocks.tenant32) p.tenant32[id] = blocks.tenant32[i];
       }
       changed[name] = ids;
     }

@@ -22,6 +22,7 @@ class ShownPool {
     this.ref_cnt = pool.ref_cnt.slice();
     this.owner = pool.owner.slice();
     this.hash32 = pool.hash32.slice();
+    this.tenant32 = pool.tenant32.slice();
     this.queued = rank ? Uint8Array.from(rank, (r) => (r >= 0 ? 1 : 0)) : null;
   }
 
@@ -30,16 +31,18 @@ class ShownPool {
   // arrays: cheaper than keeping lists of the blocks each delta touched, and exact.
   update(pool, rank) {
     const ids = [];
-    const { state, ref_cnt, owner, hash32, queued } = this;
+    const { state, ref_cnt, owner, hash32, tenant32, queued } = this;
     for (let i = 0; i < pool.n; i++) {
       const q = queued !== null && rank[i] >= 0 ? 1 : 0;
       if (state[i] !== pool.state[i] || ref_cnt[i] !== pool.ref_cnt[i] || owner[i] !== pool.owner[i]
-          || hash32[i] !== pool.hash32[i] || (queued !== null && queued[i] !== q)) {
+          || hash32[i] !== pool.hash32[i] || tenant32[i] !== pool.tenant32[i]
+          || (queued !== null && queued[i] !== q)) {
         ids.push(i);
         state[i] = pool.state[i];
         ref_cnt[i] = pool.ref_cnt[i];
         owner[i] = pool.owner[i];
         hash32[i] = pool.hash32[i];
+        tenant32[i] = pool.tenant32[i];
         if (queued !== null) queued[i] = q;
       }
     }

@@ -47,12 +47,21 @@ export function tenantPanelHtml(rows) {
     <tbody>${rows.map((r) => `<tr data-tenant="${esc(r.key ?? "staff")}"${r.mine ? " class=\"mine\"" : ""}>${cells(r)}</tr>`).join("")}</tbody></table>`;
 }
 
+// FNV-1a (32 bits) of a tenant label's UTF-8, "staff" for none: the key the engine
+// gives a cached block of that tenant (engine/observe/tenants.py tenant32).
+export function tenantHash(tenant) {
+  let h = 0x811c9dc5;
+  for (const byte of new TextEncoder().encode(tenant ?? "staff")) h = Math.imul(h ^ byte, 0x01000193) >>> 0;
+  return h || 1;
+}
+
 // The colour key of a block owned by request `r` in the "by tenant" mode: a number the
 // palette turns into a hue, the same for every request of one tenant (0: no owner).
 export function tenantKey(r) {
-  if (!r) return 0;
-  const tenant = r.tenant ?? "staff";
-  let h = 7;
-  for (let k = 0; k < tenant.length; k++) h = (h * 31 + tenant.charCodeAt(k)) >>> 0;
-  return 1 + (h % 9973);
+  return r ? cachedTenantKey(tenantHash(r.tenant)) : 0;
+}
+
+// The colour key of a cached block from its tenant32: its tenant's (0: none known).
+export function cachedTenantKey(t32) {
+  return t32 ? 1 + (t32 % 9973) : 0;
 }

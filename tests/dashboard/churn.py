@@ -15,10 +15,14 @@ def churn_engine(**overrides) -> LLMEngine:
     return LLMEngine(EngineConfig(**config))
 
 
+TENANTS = ("A", "B", None)
+
+
 class Churn:
     """One random operator action or new request, then a step, per call."""
 
     def __init__(self, engine: LLMEngine, seed: int = 0, vocab: int = 1000) -> None:
+        """Requests take turns among TENANTS (a cached block's tenant is mirrored too)."""
         self.engine = engine
         self.rng = random.Random(seed)
         self.vocab = vocab  # prompts' token ids are below it
@@ -34,7 +38,8 @@ class Churn:
             (0.25, "add", lambda: e.add_request(
                 f"r{self.count}", self.shared + [rng.randrange(self.vocab) for _ in
                                                  range(rng.randrange(1, 20))],
-                SamplingParams(max_tokens=rng.randrange(1, 40)), job_id=str(self.count))),
+                SamplingParams(max_tokens=rng.randrange(1, 40)), job_id=str(self.count),
+                tenant=TENANTS[self.count % len(TENANTS)])),
             (0.30, "preempt", lambda: e.preempt(rng.choice(sched.running).request_id)),
             (0.36, "swap_out", lambda: e.swap_out(rng.choice(sched.running).request_id)),
             (0.42, "swap_in", lambda: e.swap_in(sched.swapped[0].request_id)),

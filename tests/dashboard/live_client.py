@@ -8,7 +8,7 @@ import numpy as np
 
 from engine.observe.snapshot import decode_array
 
-ARRAYS = ("state", "ref_cnt", "owner", "hash32")
+ARRAYS = ("state", "ref_cnt", "owner", "hash32", "tenant32")
 
 
 class SequenceGap(Exception):

@@ -4,6 +4,7 @@ import pytest
 
 from engine import SamplingParams
 from engine.observe.snapshot import decode_array
+from engine.observe.tenants import tenant32
 from engine.observe.view import EVENT_MAX_BLOCKS, Capturer, KVMirror, event_record
 from tests.dashboard.churn import Churn, churn_engine
 from tests.dashboard.live_client import ARRAYS, LiveState
@@ -26,13 +27,16 @@ def test_mirror_snapshot_equals_engine_snapshot_through_churn(full_scan_s, cpu_t
     engine = churn_engine(cpu_prefix_cache=True, num_gpu_blocks=40) if cpu_tier else churn_engine()
     churn, capturer = Churn(engine, seed=1), Capturer(full_scan_s=full_scan_s)
     mirror = KVMirror("t", "epoch", engine.describe_config())
+    tenants = set()  # cached blocks' tenants the mirror told
     for i in range(400):
         churn()
         if i % 3 == 0:
             mirror.apply(capturer.capture(engine))
             same_state(mirror.snapshot(), engine.snapshot(compact=True))
+            tenants.update(np.unique(mirror.gpu.tenant32).tolist())
     # the walk went through everything the dashboard draws
     assert {"add", "preempt", "swap_out", "swap_in", "pin", "unpin", "evict", "reset"} <= churn.seen
+    assert {tenant32("A"), tenant32("B")} <= tenants
     assert mirror.gpu.drift == 0 and mirror.cpu.drift == 0
     if cpu_tier:  # the CPU pool held cached blocks, and prefixes came back from it
         assert engine.metrics()["cpu_prefix_cache_hits"] > 0

@@ -63,6 +63,18 @@ def test_staff_read_every_tenant_by_name_and_plain_users_their_own(login, stack)
     assert rows[labels["cara"]][1] == "cara" and rows[labels["dmitri"]][1] == "dmitri"
     cached = {user: int(rows[labels[user]][4].replace(",", "")) for user in USERS}
     assert cached["cara"] > cached["dmitri"] > 0
+    # the map by tenant: the cached blocks (all of them cara's or dmitri's) leave the
+    # cached grey for their tenants' two tints
+    colours = """() => { const c = document.querySelector('#gpu-map');
+        const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+        const seen = new Set(); for (let i = 0; i < d.length; i += 4) seen.add(d[i] << 16 | d[i + 1] << 8 | d[i + 2]);
+        return [...seen]; }"""
+    grey = 0x9AA6B8  # static/kvops/colors.js CSS.cached
+    page.wait_for_function(f"({colours})().includes({grey})")
+    before = set(page.evaluate(colours))
+    page.select_option("#colour-by", "tenant")
+    page.wait_for_function(f"!({colours})().includes({grey})")
+    assert len(set(page.evaluate(colours)) - before) >= 2
     assert not errors, errors
 
     for user, other in (("cara", "dmitri"), ("dmitri", "cara")):

@@ -30,8 +30,9 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from engine.block_hash import BlockHash
+from engine.block_hash import BlockHash, short
 from engine.kv.block_pool import BlockPool, KVBlock
+from engine.kv.events import EventLog
 
 # The tiers a chain may hold, top down, by their pool's name (reset_prefix_cache says how
 # many blocks each forgot, 0 for one the engine has not)
@@ -158,3 +159,15 @@ class PrefixTier(ABC):
 
     def close(self) -> None:  # noqa: B027 (a no-op unless a tier needs it)
         """The engine is closing: finish what is under way."""
+
+
+def emit_stored(events: EventLog, pool: str, blocks: list[KVBlock], detail: str) -> None:
+    """BlockStored for a tier's blocks registered in a pool (copies, read-backs): one
+    event per tenant among them (KVEvent.tenant: whose the blocks are), in their order."""
+    runs: dict[str | None, list[KVBlock]] = {}
+    for block in blocks:
+        runs.setdefault(block.tenant, []).append(block)
+    for tenant, run in runs.items():
+        events.emit("BlockStored", pool=pool, tenant=tenant, block_ids=[b.block_id for b in run],
+                    block_hashes=[short(b.block_hash) for b in run], ref_cnts=[0] * len(run),
+                    detail=detail, hashes=[b.block_hash for b in run] if events.full else None)

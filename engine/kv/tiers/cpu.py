@@ -17,7 +17,7 @@ from __future__ import annotations
 from engine.block_hash import BlockHash, short
 from engine.kv.block_pool import BlockPool, KVBlock
 from engine.kv.events import EventLog
-from engine.kv.tiers.base import PrefixTier
+from engine.kv.tiers.base import PrefixTier, emit_stored
 
 # What /metrics says of the CPU tier on an engine without one: its keys are always there
 # (CPUTier.metrics gives them their values)
@@ -138,10 +138,7 @@ class CPUTier(PrefixTier):
             return
         self.num_blocks_stored += len(stored)
         self.uncomputed.extend(stored)
-        self._events.emit("BlockStored", pool="cpu", block_ids=[b.block_id for b in stored],
-                          block_hashes=[short(b.block_hash) for b in stored],
-                          ref_cnts=[0] * len(stored), detail=f"CPU tier: {how}",
-                          hashes=[b.block_hash for b in stored] if self._events.full else None)
+        emit_stored(self._events, "cpu", stored, f"CPU tier: {how}")
 
     def mark_computed(self) -> None:
         self.uncomputed.clear()

@@ -48,7 +48,7 @@ from pathlib import Path
 
 from engine.block_hash import BlockHash, short
 from engine.kv.block_pool import BlockPool, KVBlock
-from engine.kv.tiers.base import PrefixTier
+from engine.kv.tiers.base import PrefixTier, emit_stored
 from engine.kv.tiers.disk_files import NotARegularFile, key_file_secret, make_private, \
     make_private_subfolder, own_regular_file, read_regular, write_new
 from engine.kv.tiers.disk_seal import BlockSeal, disk_key, file_bytes, key_id
@@ -624,13 +624,8 @@ class DiskTier(PrefixTier):
             above.free(reversed(held))
         if promoted:
             self._read_back.update((b.block_id, b.block_hash) for b in promoted)
-            self._events.emit("BlockStored", pool=above.pool,
-                              block_ids=[b.block_id for b in promoted],
-                              block_hashes=[short(b.block_hash) for b in promoted],
-                              ref_cnts=[0] * len(promoted),
-                              detail=f"{above.pool.upper()}: read back from the disk tier",
-                              hashes=[b.block_hash for b in promoted]
-                              if self._events.full else None)
+            emit_stored(self._events, above.pool, promoted,
+                        f"{above.pool.upper()}: read back from the disk tier")
         return n
 
     def record_hit(self, request_id: str, blocks: list[KVBlock], block_size: int,

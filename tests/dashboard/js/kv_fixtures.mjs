@@ -32,7 +32,8 @@ export const GROW = delta(11, {
 });
 // Request 1 finishes: its blocks go back (block 2 stays cached), it leaves the table.
 export const FINISH = delta(12, {
-  gpu: { ids: [2, 3, 1], state: [2, 0, 0], ref_cnt: [0, 0, 0], owner: [0, 0, 0], hash32: [7, 0, 0] },  // 2, 5, 6
+  gpu: { ids: [2, 3, 1], state: [2, 0, 0], ref_cnt: [0, 0, 0], owner: [0, 0, 0], hash32: [7, 0, 0],
+         tenant32: [3289118412, 0, 0] },  // 2, 5, 6 (2 cached, tenant "A"'s)
   tables: { gpu: { append: [], set: [[1]] } },
   requests: { removed: [1] },
 });

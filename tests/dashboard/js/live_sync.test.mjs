@@ -24,6 +24,8 @@ test("a snapshot and the deltas that follow it give the engine's state", () => {
   assert.deepEqual(used(sync.state.gpu), [3]);
   assert.equal(sync.state.gpu.state[2], 2);  // cached, hash kept
   assert.equal(sync.state.gpu.hash32[2], 7);
+  assert.equal(sync.state.gpu.tenant32[2], 3289118412);  // its tenant's key, for the map's colour
+  assert.equal(sync.state.gpu.tenant32[5], 0);
   assert.deepEqual([...sync.state.requests.keys()], [2]);
   assert.equal(sync.state.seq, 12);
   assert.equal(sync.state.metrics.seq, 12);

@@ -3,7 +3,7 @@
 import assert from "node:assert/strict";
 import test from "node:test";
 
-import { OTHERS, tenantKey, tenantPanelHtml, tenantRows } from "../../../static/kvops/tenant_kv.js";
+import { OTHERS, cachedTenantKey, tenantHash, tenantKey, tenantPanelHtml, tenantRows } from "../../../static/kvops/tenant_kv.js";
 
 const row = (tenant, gpu, cached = 0, seconds = 0) => ({
   tenant, gpu_blocks: gpu, cpu_blocks: 1, cached_blocks: cached, block_seconds: { gpu: seconds, cpu: 0.5 } });
@@ -50,4 +50,39 @@ test("the tiers' cached blocks get a column each where some tenant has blocks th
   assert.doesNotMatch(html, /disk tier/);
   assert.match(html, /data-tenant="aa11"><td>aa11<\/td><td class="num">2<\/td><td class="num">1<\/td>\s*<td class="num">0<\/td><td class="num">6<\/td>/);
   assert.doesNotMatch(tenantPanelHtml(tenantRows({ tenants: [row("cc33", 1)], other: null })), /tier/);
+});
+
+// engine/observe/tenants.py tenant32 of the same labels (tests/engine/test_tenant_kv.py
+// pins the same numbers): the engine's key of a cached block and the page's of a request
+export const TENANT32 = { A: 3289118412, staff: 1734124753, others: 598067698,
+                          "3f2a9c0d11e4b7a8": 3679306680, "é": 513665217 };
+
+test("a tenant's cached blocks and its requests' blocks share a colour key", () => {
+  for (const [label, t32] of Object.entries(TENANT32)) assert.equal(tenantHash(label), t32, label);
+  assert.equal(tenantHash(null), TENANT32.staff);
+  assert.equal(tenantKey({ tenant: "A" }), cachedTenantKey(TENANT32.A));
+  assert.equal(tenantKey({ tenant: null }), cachedTenantKey(TENANT32.staff));
+  assert.equal(cachedTenantKey(0), 0);
+});
+
+test("the map colours a cached block in its tenant's tint by tenant, grey by request or without one", async () => {
+  const { BlockMap } = await import("../../../static/kvops/blockmap.js");
+  const { Palette } = await import("../../../static/kvops/colors.js");
+  const canvas = { getContext: () => ({}) }, pal = new Palette();
+  const map = new BlockMap(canvas, canvas, pal);
+  map.pool = { n: 3, state: [2, 2, 1], ref_cnt: [0, 0, 1], owner: [0, 0, 1],
+               hash32: new Uint32Array(3), tenant32: Uint32Array.from([TENANT32.A, 0, 0]) };
+  map.colors(0);
+  assert.equal(map.base, pal.cached);  // (by request: cached blocks are grey)
+  const requests = new Map([[1, { tenant: "A" }]]);
+  map.keyOf = (index) => tenantKey(requests.get(index));
+  map.cachedKey = cachedTenantKey;
+  map.colors(0);
+  const key = cachedTenantKey(TENANT32.A);
+  assert.equal(map.base, pal.cachedTint(key, false));
+  assert.notEqual(map.base, pal.cached);
+  map.colors(1);
+  assert.equal(map.base, pal.cached);  // no tenant known
+  map.colors(2);
+  assert.equal(map.base, pal.ownerColor(key, false));  // A's held block: the same key
 });
