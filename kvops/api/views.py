@@ -376,8 +376,24 @@ class EngineRetentionView(APIView):
 class EngineTenantView(APIView):
     """POST /api/engines/<name>/tenants/ {user, cache_quota, weight, clear}: one
     tenant's own quota of the GPU pool's cached blocks and its weight under fairness
-    vtc, live (audited as every operator action); answers the tenant's limits."""
+    vtc, live (audited as every operator action); answers the tenant's limits.
+    GET: the tenants the engine names now (its KV by tenant, as of its last heartbeat),
+    each with its user's name (null: a label no user has, a deleted user's); the engine
+    page asks it for a label it meets without a name."""
     permission_classes = [permissions.IsAuthenticated, IsOperator]
+
+    @extend_schema(request=None, responses={200: inline_serializer("EngineTenants", {
+        "engine": serializers.CharField(),
+        "tenants": serializers.ListField(child=serializers.DictField()),
+        "other": serializers.DictField(allow_null=True)})})
+    def get(self, request, name: str):
+        engine = engine_or_404(name)
+        by_tenant = (engine.metrics or {}).get("kv_by_tenant") or {}
+        rows = by_tenant.get("tenants") or []
+        names = tenancy.usernames(r["tenant"] for r in rows)
+        return Response({"engine": engine.name,
+                         "tenants": [{**r, "user": names.get(r["tenant"])} for r in rows],
+                         "other": by_tenant.get("other")})
 
     @extend_schema(request=TenantLimitsSerializer, responses=OPERATOR_RESPONSES,
                    parameters=[IDEMPOTENCY_KEY])

@@ -23,7 +23,7 @@ import { LiveSync } from "./live_sync.js";
 import { drainText, migrationTargets, migrationText } from "./migration.js";
 import { PIN_MODES, pinRequest } from "./pin_form.js";
 import { RequestTable } from "./request_table.js";
-import { cachedTenantKey, tenantKey, tenantPanelHtml, tenantRows } from "./tenant_kv.js";
+import { cachedTenantKey, tenantKey, tenantPanelHtml, tenantRows, unnamedTenants } from "./tenant_kv.js";
 import { EVICTION_POLICIES, currentRetention, followedForm, pinnedText, retentionForm,
          retentionRequest, retentionText } from "./retention.js";
 import { LiveSocket } from "./socket.js";
@@ -317,10 +317,26 @@ function renderHead() {
 // KV by tenant: the panel, redrawn when its figures changed; the block maps' "by tenant"
 // mode colours a used block by its owner request's tenant (a plain viewer's: theirs or
 // others'). page.tenant_names: staff's, the user names of the labels the service knows.
-let tenantsShown = "";
+let tenantsShown = "", tenantsMetrics = null;
+const namesAsked = new Map();  // label -> when its name was last asked for (ms)
 function renderTenants(m) {
+  tenantsMetrics = m;
   const html = tenantPanelHtml(tenantRows(m.kv_by_tenant, { mine: page.tenant, names: page.tenant_names ?? {} }));
   if (html !== tenantsShown) $("#tenant-kv").innerHTML = tenantsShown = html;
+  if (page.operator) askTenantNames(unnamedTenants(m.kv_by_tenant, page.tenant_names ?? {}, namesAsked, Date.now()));
+}
+
+// Staff: the user names of tenants that came after the page loaded (a label the page
+// has no name for), asked again at most every NAMES_ASK_MS while the answer lacks it
+// (the service reads the engine's last heartbeat, which may be behind the live state).
+async function askTenantNames(labels) {
+  if (!labels.length) return;
+  for (const label of labels) namesAsked.set(label, Date.now());
+  const result = await api("GET", `/api/engines/${encodeURIComponent(page.name)}/tenants/`);
+  if (!result.ok) return;
+  page.tenant_names = { ...(page.tenant_names ?? {}) };
+  for (const row of result.data.tenants) if (row.user) page.tenant_names[row.tenant] = row.user;
+  if (tenantsMetrics) renderTenants(tenantsMetrics);
 }
 
 // [used cells' key by owner index, cached cells' key by tenant32], or nulls: by request

@@ -27,6 +27,16 @@ export function tenantRows(byTenant, { mine = null, names = {} } = {}) {
   return rows;
 }
 
+// Labels of the tenants named in `byTenant` that have no name in `names` and were not
+// asked for in the last NAMES_ASK_MS (`asked`: label -> when, ms; `now`, ms): staff's
+// page asks the service for their users' names.
+export const NAMES_ASK_MS = 5000;
+export function unnamedTenants(byTenant, names, asked, now) {
+  if (!byTenant) return [];
+  return byTenant.tenants.map((r) => r.tenant)
+    .filter((t) => t && t !== OTHERS && !(t in names) && !(now - (asked.get(t) ?? -Infinity) < NAMES_ASK_MS));
+}
+
 // A tenant label as the viewer reads it: "you", the user's name (staff), "staff" for
 // requests without a label, "others" for another's in a plain viewer's copy.
 export function tenantLabel(tenant, { mine = null, names = {} } = {}) {

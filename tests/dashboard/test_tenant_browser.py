@@ -19,23 +19,40 @@ def stack(tmp_path_factory):
     s = Stack(Path(tmp_path_factory.mktemp("tenant-browser")))
     try:
         s.start_web()
-        s.start_engine(ENGINE, simulate=1, block_size=4, num_gpu_blocks=256, num_cpu_blocks=0)
-        labels = {}
-        for user in USERS:
-            out = s.manage("shell", "-c", "from django.contrib.auth.models import User; "
-                           "from kvops.routing import tenancy; "
-                           f"u = User.objects.create_user('{user}', password='{PASSWORD}'); "
-                           "print(tenancy.tenant(u))")
-            labels[user] = out.split()[-1]
-            s.tokens[user] = s.manage("drf_create_token", user).split()[2]
+        s.start_engine(ENGINE, simulate=1, block_size=4, num_gpu_blocks=1024, num_cpu_blocks=0)
+        s.labels = {user: add_user(s, user) for user in USERS}
         for user, n in zip(USERS, (24, 8)):  # cara's prompt is the longer: more blocks
-            job = s.api("POST", "/api/jobs/", user=user, json={
-                "prompt": f"{user}'s own prompt, " * n, "max_tokens": 4, "engine": ENGINE}).json()
-            assert s.wait_job(job["id"], user=user)["status"] == "finished"
-        s.labels = labels
+            run_job(s, user, n)
         yield s
     finally:
         s.stop()
+
+
+def add_user(stack, user: str) -> str:
+    """A plain user with an API token; their tenant label."""
+    out = stack.manage("shell", "-c", "from django.contrib.auth.models import User; "
+                       "from kvops.routing import tenancy; "
+                       f"u = User.objects.create_user('{user}', password='{PASSWORD}'); "
+                       "print(tenancy.tenant(u))")
+    stack.tokens[user] = stack.manage("drf_create_token", user).split()[2]
+    return out.split()[-1]
+
+
+def run_job(stack, user: str, n: int) -> None:
+    job = stack.api("POST", "/api/jobs/", user=user, json={
+        "prompt": f"{user}'s own prompt, " * n, "max_tokens": 4, "engine": ENGINE}).json()
+    assert stack.wait_job(job["id"], user=user)["status"] == "finished"
+
+
+def test_staff_read_the_engines_tenants_with_their_users(stack):
+    stack.wait(lambda: set(stack.labels.values()) <= tenants_heartbeat(stack),
+               "both tenants' cached blocks in the engine's heartbeat", 30)
+    r = stack.api("GET", f"/api/engines/{ENGINE}/tenants/")
+    assert r.status_code == 200, r.text
+    users = {row["tenant"]: row["user"] for row in r.json()["tenants"]}
+    assert users[stack.labels["cara"]] == "cara" and users[stack.labels["dmitri"]] == "dmitri"
+    assert stack.api("GET", f"/api/engines/{ENGINE}/tenants/", user="cara").status_code == 403
+    assert stack.api("GET", "/api/engines/nope/tenants/").status_code == 404
 
 
 def tenants_heartbeat(stack) -> set:
@@ -75,6 +92,12 @@ def test_staff_read_every_tenant_by_name_and_plain_users_their_own(login, stack)
     page.select_option("#colour-by", "tenant")
     page.wait_for_function(f"!({colours})().includes({grey})")
     assert len(set(page.evaluate(colours)) - before) >= 2
+    # a tenant that comes after the page loaded is named too (the page asks for it)
+    label = add_user(stack, "ezra")
+    run_job(stack, "ezra", 30)
+    page.wait_for_function("document.querySelector('#tenant-kv').textContent.includes('ezra')",
+                           timeout=60_000)
+    assert label not in page.inner_text("#tenant-kv")
     assert not errors, errors
 
     for user, other in (("cara", "dmitri"), ("dmitri", "cara")):

@@ -3,7 +3,7 @@
 import assert from "node:assert/strict";
 import test from "node:test";
 
-import { OTHERS, cachedTenantKey, tenantHash, tenantKey, tenantPanelHtml, tenantRows } from "../../../static/kvops/tenant_kv.js";
+import { OTHERS, cachedTenantKey, tenantHash, tenantKey, tenantPanelHtml, tenantRows, unnamedTenants, NAMES_ASK_MS } from "../../../static/kvops/tenant_kv.js";
 
 const row = (tenant, gpu, cached = 0, seconds = 0) => ({
   tenant, gpu_blocks: gpu, cpu_blocks: 1, cached_blocks: cached, block_seconds: { gpu: seconds, cpu: 0.5 } });
@@ -85,4 +85,12 @@ test("the map colours a cached block in its tenant's tint by tenant, grey by req
   assert.equal(map.base, pal.cached);  // no tenant known
   map.colors(2);
   assert.equal(map.base, pal.ownerColor(key, false));  // A's held block: the same key
+});
+
+test("staff's page asks for the names of the labels it has none for, again only after a while", () => {
+  const byTenant = { tenants: [row("aa11", 1), row("bb22", 1), row(null, 1), row("cc33", 1)], other: null };
+  const asked = new Map([["cc33", 1000]]);
+  assert.deepEqual(unnamedTenants(byTenant, { aa11: "alice" }, asked, 2000), ["bb22"]);
+  assert.deepEqual(unnamedTenants(byTenant, { aa11: "alice" }, asked, 1000 + NAMES_ASK_MS), ["bb22", "cc33"]);
+  assert.deepEqual(unnamedTenants(null, {}, asked, 2000), []);
 });
