@@ -94,3 +94,13 @@ def test_the_cpu_tier_and_the_disk_count_each_tenants_blocks(tmp_path):
     read_back = [b for b in map(engine.kv.cpu.get_cached, hashes) if b is not None]
     assert read_back and all(b.tenant == "A" for b in read_back)
     assert run_all(engine)["back"].num_cached_tokens == 28
+
+
+def test_a_tenants_key_is_the_pages():
+    """tenant32 (a cached block's tenant in the live state) is FNV-1a of the label, the
+    same numbers static/kvops/tenant_kv.js tenantHash gives (tests/dashboard/js/
+    tenant_kv.test.mjs pins them too): a tenant's cached and held blocks share a colour."""
+    from engine.observe.tenants import tenant32
+    assert [tenant32(t) for t in ("A", None, "others", "3f2a9c0d11e4b7a8", "é")] == \
+        [3289118412, 1734124753, 598067698, 3679306680, 513665217]
+    assert tenant32(None) == tenant32("staff")
