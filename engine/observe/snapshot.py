@@ -26,4 +26,3 @@ def decode_array(obj: list[int] | dict) -> np.ndarray:
     if isinstance(obj, list):
         return np.asarray(obj, dtype=np.int64)
     return np.frombuffer(base64.b64decode(obj["data"]), dtype=np.dtype(obj["dtype"]))
-

@@ -99,8 +99,9 @@ class PoolMirror:
         self.ref_cnt = np.zeros(num_blocks, dtype=np.int32)
         self.owner = np.zeros(num_blocks, dtype=np.int32)  # first holder's request index
         self.hash32 = np.zeros(num_blocks, dtype=np.uint32)
-        # a cached block's tenant (snapshot.tenant32 of the label of the request that
-        # computed it; 0 where not cached or not known), from BlockStored events
+        # a cached block's tenant (engine/observe/tenants.py tenant32 of the label of the
+        # request that computed it; 0 where not cached or not known), from BlockStored
+        # events and the full scans
         self.tenant32 = np.zeros(num_blocks, dtype=np.uint32)
         # request index ((index, group): a hybrid model's other layer groups) -> its block
         # ids (the export's read-only arrays), in export order

@@ -13,8 +13,9 @@ idle is not credit to spend later in a burst.
 When the request VTC admits next cannot get a seat in the batch or its blocks, the
 scheduler preempts running requests of tenants served more than its own and holding
 more of the batch than its own would with it (so two tenants never preempt each other
-back and forth), the newest of the most served tenant first (engine/sched/scheduler.py `_room_for_lighter`): a light
-tenant then waits for one step, not for a heavy tenant's requests to end. The paper's
+back and forth), the newest of the most served tenant first (engine/sched/scheduler.py
+`_room_for_lighter`): a light tenant then waits for one step, not for a heavy tenant's
+requests to end. The paper's
 VTC admits in counter order only; without this, a tenant whose requests hold the pool
 delays every other tenant's next request by its requests' whole length.
 
@@ -95,4 +96,4 @@ class VirtualTokenCounter:
     def of(self, tenant: str) -> dict:
         """One tenant's weight and its counter (weighted tokens served / weight)."""
         return {"weight": self.weights.get(tenant, 1.0),
-                "served_tokens": round(self.served.get(tenant, 0.0), 1)}
+                "served_tokens": round(self.served_of(tenant), 1)}

@@ -309,8 +309,9 @@ class Scheduler:
             return 0
         blocks: dict[str, int] = collections.Counter()
         held: dict[str, int] = collections.Counter()
+        holds = {r.request_id: kv.num_blocks_held(r.request_id) for r in self.running}
         for r in self.running:
-            blocks[r.tenant or ""] += kv.num_blocks_held(r.request_id)
+            blocks[r.tenant or ""] += holds[r.request_id]
             held[r.tenant or ""] += 1
         blocks[tenant] += need
         held[tenant] += request.num_seqs
@@ -320,7 +321,7 @@ class Scheduler:
         for victim in victims:
             if freed >= short and taken >= seats:
                 break
-            key, n = victim.tenant or "", kv.num_blocks_held(victim.request_id)
+            key, n = victim.tenant or "", holds[victim.request_id]
             if (short > freed and blocks[key] > blocks[tenant]) or \
                     (seats > taken and held[key] > held[tenant]):
                 plan.append(victim)

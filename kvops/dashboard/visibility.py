@@ -162,10 +162,13 @@ def seal_document(doc: dict, mine: str | None) -> dict:
     if isinstance(out.get("config"), dict):
         out["config"] = plain_config(out["config"])
     for pool in POOLS:
-        if isinstance(out.get(pool), dict) and any(k in out[pool] for k in HASH_ARRAYS):
-            out[pool] = {k: v for k, v in out[pool].items() if k not in HASH_ARRAYS}
-        if isinstance(out.get(pool), dict) and "tenant32" in out[pool]:
-            out[pool] = {**out[pool], "tenant32": seal_tenants(out[pool]["tenant32"], mine)}
+        arrays = out.get(pool)
+        if not isinstance(arrays, dict):
+            continue
+        arrays = {k: v for k, v in arrays.items() if k not in HASH_ARRAYS}
+        if "tenant32" in arrays:
+            arrays["tenant32"] = seal_tenants(arrays["tenant32"], mine)
+        out[pool] = arrays
     if isinstance(out.get("events"), list):
         out["events"] = seal_events(out["events"])
     out["sealed"] = True
