@@ -251,9 +251,9 @@ class BlockPool:
         return self.tenants is not None and self.tenants.active
 
     def room_for(self, tenant: str | None) -> int:
-        """The free blocks an admission of `tenant` may take: num_free, less, while the
-        tenant is over its cache quota, the free cached blocks of tenants under theirs
-        (engine/kv/tenant_cache.py)."""
+        """The free blocks `tenant` may take without going past its cache quota at
+        another's expense: num_free, less the free cached blocks of tenants under their
+        quotas beyond the room `tenant` has left under its own (engine/kv/tenant_cache.py)."""
         quota = self.tenants
         if quota is None or tenant is None or not quota.active:
             return self.num_free

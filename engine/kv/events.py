@@ -48,6 +48,8 @@ REASONS = {
     "kv_full": "the GPU pool had no free block for a running request",
     "priority": "a request of higher priority needed the blocks",
     "fairness": "a tenant served fewer tokens (fairness vtc) needed the seat or the blocks",
+    "cache_quota": "its tenant's running requests needed blocks another tenant keeps "
+                   "under its cache quota, and it is the newest",
     "operator": "an operator's command",
     "migration": "the request moved to another engine",
     "corrupt": "a disk tier block failed its checks (its file not opened by the disk key, "

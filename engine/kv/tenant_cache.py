@@ -9,18 +9,20 @@ override) bounds that count. When the pool must take a cached block, it takes th
 recently freed free block of the tenant furthest over its quota before the eviction
 policy's choice: blocks of a tenant under its quota are taken only when no tenant over
 its quota has a free cached block left. Blocks a running request holds are never taken
-(the quota governs what stays cached), and neither are soft-pinned ones.
+by an eviction, and neither are soft-pinned ones.
 
 BlockPool calls the hooks below at each change of a block's hash or of its freedom; this
 module owns the counts and the limits and never moves a block itself.
 
-The admission of a request whose tenant is over its quota takes no free cached block of
-a tenant under its own (BlockPool.room_for counts them out, take_new passes over them):
-it waits for room instead, so that a flood of one tenant's prompts, once its running
-requests hold the pool, does not reach into another tenant's prefix. A running
-request's next blocks are never refused for it (that would make it preempt others for
-blocks it may not take); and within one allocation, a tenant that falls back under its
-quota as its blocks are taken is passed over only from then on.
+An admission takes no free cached block of a tenant under its quota beyond the room its
+own tenant has left under its quota (BlockPool.room_for counts them out, take_new passes
+over them): it waits for room instead, so that a flood of one tenant's prompts, once its
+running requests hold the pool, does not reach into another tenant's prefix. Nor does
+its running requests' growth: when a running request's next blocks would take them, its
+own tenant's newest running requests give way (the scheduler's _past_quota), except its
+oldest, which takes them (every tenant progresses; a request larger than its tenant's
+quota still ends). Within one allocation, a tenant that falls back under its quota as
+its blocks are taken is passed over only from then on.
 """
 from __future__ import annotations
 
@@ -130,12 +132,15 @@ class TenantCache:
         return best
 
     def protected_from(self, tenant: str | None) -> int:
-        """Free cached blocks an admission of `tenant` may not take: while it is over
-        its quota, those of every other tenant under theirs."""
-        if tenant is None or self.counts.get(tenant, 0) <= self.limit(tenant):
+        """Free cached blocks an admission of `tenant` may not take: those of every other
+        tenant under its quota, less the room `tenant` has left under its own (so that
+        an admission never takes it past its quota at another's expense)."""
+        if tenant is None:
             return 0
-        return sum(len(free) for t, free in self.free.items()
-                   if t != tenant and self.counts[t] <= self.limit(t))
+        headroom = self.limit(tenant) - self.counts.get(tenant, 0)
+        protected = sum(len(free) for t, free in self.free.items()
+                        if t != tenant and self.counts[t] <= self.limit(t))
+        return max(0, protected - max(0, headroom))
 
     def takeable_by(self, block: KVBlock, tenant: str) -> bool:
         """Whether an admission of an over-quota `tenant` may take this free block."""

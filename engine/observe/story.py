@@ -49,7 +49,7 @@ FIRST_MISS_REASONS = {
 # Why a request was preempted (recompute) or swapped out; a swap in is the operator's
 # ("operator") or the scheduler's once blocks came back (None). What each count means:
 # engine/sched/scheduler.py, above SchedulerCounters.
-PREEMPTION_REASONS = ("kv_full", "priority", "fairness", "operator")
+PREEMPTION_REASONS = ("kv_full", "priority", "fairness", "cache_quota", "operator")
 # Bounds (seconds) of the block residency histograms (vLLM's kv_block_* names)
 RESIDENCY_BUCKETS = (0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)
 _RESETS_KEPT = 64  # the newest resets the history remembers

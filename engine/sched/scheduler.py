@@ -16,6 +16,9 @@ engine/sched/fairness.py): among the waiting of equal priority, the tenant serve
 fewest weighted tokens goes first, and when it cannot get a seat or its blocks, running
 requests of tenants served more are preempted for it at the start of the step (which
 then admits it before resuming the swapped); the share cap still applies beside it.
+A cache quota (engine/kv/tenant_cache.py): a running request whose next blocks would
+take the cached blocks another tenant keeps under its quota makes the room from its own
+tenant's newest requests instead (_past_quota).
 """
 from __future__ import annotations
 
@@ -159,6 +162,7 @@ class Scheduler:
         running, allocate, step_ids = self.running, self.kv.allocate_more, \
             self.kv.step_block_ids
         scheduled = out.scheduled
+        quota = self.kv.gpu.quota_active
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
@@ -169,6 +173,9 @@ class Scheduler:
             num_tokens = len(request.all_token_ids) + request.num_pending \
                 - (1 if request.fork_pending else 0)
             num_new = min(num_tokens - start, budget)
+            if quota and request.tenant is not None and \
+                    self._past_quota(request, num_new, i, out):
+                continue  # it gave way itself; index i now holds the next
             alloc = allocate(request, num_new)
             while alloc is None:
                 # Preempt the least important request not yet scheduled (the last one);
@@ -189,6 +196,27 @@ class Scheduler:
             budget -= num_new
             i += 1
         return budget
+
+    def _past_quota(self, request: Request, num_new: int, at: int, out: SchedulerOutput) -> bool:
+        """With a cache quota in force: when running[at]'s next blocks would take free
+        cached blocks that another tenant keeps under its quota (BlockPool.room_for), its
+        own tenant makes the room instead. Its newest requests not yet scheduled this
+        step give way (reason "cache_quota", recompute or swap as configured), then, if
+        an older request of its tenant runs, it does itself. The tenant's oldest running
+        request is never stopped: it takes them (so every tenant progresses, and a
+        request larger than its tenant's quota still ends). Returns whether it gave way."""
+        kv, running, tenant = self.kv, self.running, request.tenant
+        while True:
+            need = kv.blocks_needed(request, num_new)
+            if need <= kv.gpu.room_for(tenant) or need > kv.gpu.num_free:
+                return False  # (more than is free: the pool, not the quota, is short)
+            newer = next((r for r in reversed(running[at + 1:]) if r.tenant == tenant), None)
+            if newer is None:
+                if not any(r.tenant == tenant for r in running[:at]):
+                    return False
+                self._preempt(request, out, request, num_new, reason="cache_quota")
+                return True
+            self._preempt(newer, out, request, num_new, reason="cache_quota")
 
     def _ends_with_pending(self, request: Request) -> bool:
         """Whether a request's pending tokens (async scheduling) bring it to its length
@@ -331,7 +359,7 @@ class Scheduler:
         if freed < short or taken < seats:
             return 0
         for victim in plan:
-            self._preempt(victim, out, request, num_new, reason="fairness")
+            self._preempt(victim, out, request, num_new, reason="fairness", needed=need)
         return len(plan)
 
     # --- fair share ----------------------------------------------------------------------
@@ -513,11 +541,12 @@ class Scheduler:
 
     # --- preemption and swap -------------------------------------------------------------
     def _preempt(self, victim: Request, out: SchedulerOutput, needy: Request,
-                 num_new: int, reason: str | None = None) -> None:
+                 num_new: int, reason: str | None = None, needed: int | None = None) -> None:
         """Make room for `needy`'s num_new tokens (it may be the victim itself, giving
-        way)."""
-        room = (self.kv.blocks_needed(needy, num_new), self.kv.gpu.num_free) \
-            if self.events.on else (None, None)
+        way); needed: the blocks it asks for where the caller counted them (a waiting
+        request's, less its cached prefix)."""
+        room = (self.kv.blocks_needed(needy, num_new) if needed is None else needed,
+                self.kv.gpu.num_free) if self.events.on else (None, None)
         self.running.remove(victim)
         out.preempted.append(victim.request_id)
         # the reason: a request that ranks higher took the room, or the pool was full

@@ -19,18 +19,20 @@ export const PREEMPTION_WORDS = {
   kv_full: "the GPU pool ran out of free blocks",
   priority: "a request of higher priority needed its blocks",
   fairness: "a tenant served fewer tokens needed the room (fairness vtc)",
+  cache_quota: "its tenant's newer request gave way: the room left was another tenant's cache, kept under its quota",
   operator: "an operator preempted it",
 };
 export const SWAP_WORDS = {
   out: { kv_full: "swapped out: the GPU pool ran out of free blocks",
          priority: "swapped out: a request of higher priority needed its blocks",
          fairness: "swapped out: a tenant served fewer tokens needed the room (fairness vtc)",
+         cache_quota: "swapped out: the room left was another tenant's cache, kept under its quota",
          operator: "an operator swapped it out" },
   // (the scheduler's swap in has no reason: it resumed once blocks were free)
   in: { operator: "an operator swapped it in", resumed: "swapped back in once blocks were free" },
 };
 // Reasons whose `by` is the request that took the blocks (the others' is an operator).
-const BY_A_REQUEST = new Set(["evicted", "kv_full", "priority", "fairness"]);
+const BY_A_REQUEST = new Set(["evicted", "kv_full", "priority", "fairness", "cache_quota"]);
 // What a plain user sees instead of another user's request id (kvops/dashboard/kv_story_view.py _seal).
 const SEALED = "another user's request";
 export const TERMINAL = new Set(["finished", "failed", "cancelled"]);

@@ -117,10 +117,67 @@ def test_an_over_quota_tenants_admission_passes_over_the_others_cached_blocks():
 
 def test_a_running_requests_blocks_are_not_refused_for_the_quota():
     """Not admitting (a running request's next blocks): the quota's victims first (B's),
-    then the policy's order, A's blocks included."""
+    then the policy's order, A's blocks included (the pool never refuses them; the
+    scheduler decides who gives way, below)."""
     pool, a_blocks, _ = pool_with(0.3)
     taken = pool.take_new(10)
     assert set(a_blocks) <= set(taken) and pool.cached_by_tenant() == {}
+
+
+def test_an_admission_takes_anothers_cached_blocks_only_up_to_its_own_quota():
+    """B under its quota (5 blocks) with 2 cached: it may take 3 of A's 4 protected blocks,
+    the room it has left, and no more."""
+    pool = BlockPool(10, enable_caching=True, events=EventLog(100), tenant_cache_quota=0.5)
+    blocks = pool.take_new(6)
+    for i, block in enumerate(blocks):
+        pool.cache(block, hash_block(root_hash("m", None), (i,)), "A" if i < 4 else "B")
+    pool.free(blocks)
+    assert pool.room_for("B") == 9 and pool.room_for("A") == 9  # (A: 1 left, B 2 kept)
+    taken = pool.take_new(9, admitting="B")
+    assert set(blocks[4:]) <= set(taken)  # B's own first
+    assert pool.cached_by_tenant() == {"A": 1}
+
+
+def growth(quota: float, output_len: int = 40, n: int = 2):
+    """A caches its prompt (8 blocks of 40); then n of B's requests run, each growing to
+    19 blocks: together more than the 32 blocks A's prefix leaves."""
+    engine = sim_engine(num_gpu_blocks=40, max_num_seqs=2, num_cpu_blocks=0,
+                        tenant_cache_quota=quota)
+    engine.add_request("a0", A_PROMPT, greedy(2), tenant="A")
+    run_all(engine)
+    for i in range(n):
+        engine.add_request(f"b{i}", [100 + i] * 32 + [9], greedy(output_len), tenant="B")
+    final = run_all(engine)
+    for i in range(n):
+        assert final[f"b{i}"].output_token_ids == expected([100 + i] * 32 + [9], output_len)
+    return engine
+
+
+def test_a_tenants_growth_past_its_quota_preempts_its_own_newest_request():
+    """B's running requests outgrow the room its quota leaves it: its newest request gives
+    way (reason cache_quota) instead of B taking A's cached prefix, and runs again after."""
+    engine = growth(0.5)
+    by_reason = engine.scheduler.counters.preemptions_by_reason
+    assert set(by_reason) == {"cache_quota"} and by_reason["cache_quota"] >= 1
+    preempted = [e for e in engine.take_events() if e.type == "Preempted"]
+    assert {(e.request_id, e.reason, e.by) for e in preempted} == {("b1", "cache_quota", "b0")}
+    assert engine.kv.gpu.cached_by_tenant()["A"] == 8
+    engine.add_request("a1", A_PROMPT, greedy(2), tenant="A")
+    assert run_all(engine)["a1"].num_cached_tokens == 32
+
+
+def test_without_a_quota_the_growth_takes_the_prefix():
+    engine = growth(1.0)
+    assert "cache_quota" not in engine.scheduler.counters.preemptions_by_reason
+    assert engine.kv.gpu.cached_by_tenant().get("A", 0) < 8
+
+
+def test_a_tenants_only_running_request_still_takes_anothers_cached_blocks():
+    """One B request larger than the room A's prefix leaves: it is B's oldest, so it takes
+    A's blocks and ends (every tenant progresses), preempting nobody."""
+    engine = growth(0.5, output_len=100, n=1)
+    assert engine.scheduler.counters.num_preemptions == 0
+    assert engine.kv.gpu.cached_by_tenant().get("A", 0) < 8
 
 
 def test_without_a_quota_an_admission_takes_in_the_policys_order():

@@ -151,6 +151,30 @@ def test_vtc_preempts_the_heavier_tenants_newest_request_for_the_lighters_blocks
     assert [(e.request_id, e.reason, e.by) for e in preempted] == [("b1", "fairness", "a1")]
 
 
+def test_a_fairness_preemption_names_the_blocks_the_admission_takes():
+    """a1 finds its first 8 blocks cached and free (a0's, ended): its admission takes
+    those and 15 new ones, 23 of the free blocks; B's newest gives way, and the event
+    says 23 needed (not the 15 its uncached tokens fill)."""
+    engine = sim_engine(max_num_seqs=8, num_gpu_blocks=48, num_cpu_blocks=0, fairness="vtc")
+    engine.add_request("a0", [10] * 32 + [9], greedy(2), tenant="A")
+    run_all(engine)
+    engine.add_request("a2", [9] * 4, greedy(40), tenant="A")  # A stays active
+    engine.add_request("b0", [50] * 64, greedy(8), tenant="B")
+    engine.add_request("b1", [51] * 64, greedy(8), tenant="B")
+    for _ in range(4):
+        engine.step()
+    free = engine.kv.gpu.num_free
+    assert free < 23
+    engine.take_events()
+    engine.add_request("a1", [10] * 32 + [11] * 60, greedy(2), tenant="A")
+    final = run_all(engine)
+    assert final["a1"].output_token_ids == expected([10] * 32 + [11] * 60, 2)
+    assert final["a1"].num_cached_tokens == 32
+    preempted = [e for e in engine.take_events() if e.type == "Preempted"]
+    assert [(e.request_id, e.reason, e.needed_blocks, e.free_blocks) for e in preempted] == \
+        [("b1", "fairness", 23, free)]
+
+
 def test_the_share_policy_waits_for_the_heavier_tenants_requests_to_end():
     engine, first, b_running = pool_held_by_b("share")
     assert first > 1 and len(b_running) < 2
