@@ -259,6 +259,14 @@ class BlockPool:
             return self.num_free
         return self.num_free - quota.protected_from(tenant)
 
+    def within_quota(self, tenant: str | None, n: int) -> bool:
+        """Whether `tenant` may take n more free blocks: n <= room_for(tenant), which is
+        counted only where the room it has left under its own quota is short of n."""
+        quota = self.tenants
+        if quota is None or tenant is None or not quota.active or n <= quota.headroom(tenant):
+            return True
+        return n <= self.num_free - quota.protected_from(tenant)
+
     def cached_by_tenant(self) -> dict[str, int]:
         """Cached blocks (held or free) per tenant that cached them; staff's and
         unlabelled requests' blocks are nobody's."""

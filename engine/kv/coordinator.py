@@ -32,7 +32,8 @@ from engine.kv.block_seconds import BlockSeconds
 from engine.config import ConfigError
 from engine.kv.events import EventLog
 from engine.kv.export import PoolExport
-from engine.kv.group import NOTHING_ALLOCATED, Allocation, GroupHit, KVGroup, SwapResult, make_group
+from engine.kv.group import (NOTHING_ALLOCATED, OVER_QUOTA, Allocation, GroupHit, KVGroup,
+                             SwapResult, make_group)
 from engine.kv.tiers.base import TIER_POOLS, PrefixTier
 from engine.kv.tiers.cpu import NO_CPU_TIER_METRICS, CPUTier
 from engine.request import Request
@@ -435,8 +436,13 @@ class KVCacheCoordinator:
                 return tier.pool
         return None
 
-    def _allocate_more(self, request: Request, num_new_tokens: int) -> Allocation | None:
-        """allocate_more over several groups."""
+    def _allocate_more(self, request: Request, num_new_tokens: int,
+                       quota: bool = False) -> Allocation | None:
+        """allocate_more over several groups (quota: as KVGroup.allocate's)."""
+        if quota and request.tenant is not None:
+            need = self.blocks_needed(request, num_new_tokens)
+            if need <= self.gpu.num_free and not self.gpu.within_quota(request.tenant, need):
+                return OVER_QUOTA
         return self.allocate_slots(request, num_new_tokens)
 
     def fork(self, parent: Request, child: Request) -> None:

@@ -52,6 +52,10 @@ class Allocation:
 
 # The decode fast path's answer: nothing allocated (never modified)
 NOTHING_ALLOCATED = Allocation()
+# allocate(..., quota=True)'s answer when a running request's next blocks would take free
+# cached blocks another tenant keeps under its cache quota (BlockPool.room_for): nothing
+# changed; the scheduler decides who gives way (never modified)
+OVER_QUOTA = Allocation()
 
 
 @dataclass(slots=True)
@@ -126,12 +130,14 @@ class KVGroup:
         return max(num_new - len(reuse), 0) + sum(1 for b in reuse if b.ref_cnt == 0)
 
     def allocate(self, request: Request, num_new_tokens: int,
-                 hit: GroupHit | None = None) -> Allocation | None:
+                 hit: GroupHit | None = None, quota: bool = False) -> Allocation | None:
         """Give the request room for num_new_tokens more tokens after its computed ones.
 
         On admission, `hit` holds this group's cached blocks to reuse and
         request.num_computed_tokens must already count them. Returns None, changing
-        nothing, when the GPU pool has too few free blocks.
+        nothing, when the GPU pool has too few free blocks; with `quota` (a running
+        request, a cache quota in force), OVER_QUOTA, changing nothing, when its new
+        blocks would take another tenant's kept under its quota.
         """
         rid = request.request_id
         if self.window is not None and hit is None and rid in self.req_to_blocks:
@@ -160,6 +166,8 @@ class KVGroup:
         num_revived = sum(1 for b in reuse if b.ref_cnt == 0)
         if num_new_blocks + num_revived > self.gpu.num_free:
             return None
+        if quota and not self.gpu.within_quota(request.tenant, num_new_blocks):
+            return OVER_QUOTA
         # (an admission: a tenant over its cache quota passes over the free cached blocks
         # of the others under theirs; the coordinator counted its room without them)
         admitting = request.tenant if hit is not None else None

@@ -19,9 +19,10 @@ own tenant has left under its quota (BlockPool.room_for counts them out, take_ne
 over them): it waits for room instead, so that a flood of one tenant's prompts, once its
 running requests hold the pool, does not reach into another tenant's prefix. Nor does
 its running requests' growth: when a running request's next blocks would take them, its
-own tenant's newest running requests give way (the scheduler's _past_quota), except its
+own tenant's newest running requests give way (the scheduler's _within_quota), except its
 oldest, which takes them (every tenant progresses; a request larger than its tenant's
-quota still ends). Within one allocation, a tenant that falls back under its quota as
+quota still ends); and a swapped request of a tenant with requests running is swapped
+back in only within its quota. Within one allocation, a tenant that falls back under its quota as
 its blocks are taken is passed over only from then on.
 """
 from __future__ import annotations
@@ -131,13 +132,17 @@ class TenantCache:
                     break
         return best
 
+    def headroom(self, tenant: str) -> int:
+        """The blocks this tenant may still cache before it is over its quota (< 0: over)."""
+        return self.limit(tenant) - self.counts.get(tenant, 0)
+
     def protected_from(self, tenant: str | None) -> int:
         """Free cached blocks an admission of `tenant` may not take: those of every other
         tenant under its quota, less the room `tenant` has left under its own (so that
         an admission never takes it past its quota at another's expense)."""
         if tenant is None:
             return 0
-        headroom = self.limit(tenant) - self.counts.get(tenant, 0)
+        headroom = self.headroom(tenant)
         protected = sum(len(free) for t, free in self.free.items()
                         if t != tenant and self.counts[t] <= self.limit(t))
         return max(0, protected - max(0, headroom))

@@ -18,7 +18,7 @@ requests of tenants served more are preempted for it at the start of the step (w
 then admits it before resuming the swapped); the share cap still applies beside it.
 A cache quota (engine/kv/tenant_cache.py): a running request whose next blocks would
 take the cached blocks another tenant keeps under its quota makes the room from its own
-tenant's newest requests instead (_past_quota).
+tenant's newest requests instead (_within_quota).
 """
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ from engine.errors import (InvalidRequestError, InvalidStateError, NotEnoughBloc
 from engine.kv.events import EventLog
 from engine.kv.coordinator import KVCacheCoordinator
 from engine.kv.export import request_row
+from engine.kv.group import OVER_QUOTA
 from engine.request import Request, RequestStatus
 from engine.sched.fairness import VirtualTokenCounter
 from engine.sched.output import ScheduledRequest, SchedulerOutput
@@ -173,10 +174,11 @@ class Scheduler:
             num_tokens = len(request.all_token_ids) + request.num_pending \
                 - (1 if request.fork_pending else 0)
             num_new = min(num_tokens - start, budget)
-            if quota and request.tenant is not None and \
-                    self._past_quota(request, num_new, i, out):
-                continue  # it gave way itself; index i now holds the next
-            alloc = allocate(request, num_new)
+            alloc = allocate(request, num_new, quota=quota)
+            if alloc is OVER_QUOTA:
+                if self._within_quota(request, num_new, i, out):
+                    continue  # it gave way itself; index i now holds the next
+                alloc = allocate(request, num_new)
             while alloc is None:
                 # Preempt the least important request not yet scheduled (the last one);
                 # if that is this request, it gives way itself.
@@ -197,19 +199,17 @@ class Scheduler:
             i += 1
         return budget
 
-    def _past_quota(self, request: Request, num_new: int, at: int, out: SchedulerOutput) -> bool:
-        """With a cache quota in force: when running[at]'s next blocks would take free
-        cached blocks that another tenant keeps under its quota (BlockPool.room_for), its
-        own tenant makes the room instead. Its newest requests not yet scheduled this
-        step give way (reason "cache_quota", recompute or swap as configured), then, if
-        an older request of its tenant runs, it does itself. The tenant's oldest running
-        request is never stopped: it takes them (so every tenant progresses, and a
-        request larger than its tenant's quota still ends). Returns whether it gave way."""
+    def _within_quota(self, request: Request, num_new: int, at: int,
+                      out: SchedulerOutput) -> bool:
+        """A cache quota in force, running[at]'s next blocks would take free cached blocks
+        that another tenant keeps under its quota (OVER_QUOTA): its own tenant makes the
+        room instead. Its newest requests not yet scheduled this step give way (reason
+        "cache_quota", recompute or swap as configured), then, if an older request of its
+        tenant runs, it does itself. The tenant's oldest running request is never stopped:
+        it takes them (so every tenant progresses, and a request larger than its tenant's
+        quota still ends). Returns whether it gave way (else: allocate it, quota aside)."""
         kv, running, tenant = self.kv, self.running, request.tenant
         while True:
-            need = kv.blocks_needed(request, num_new)
-            if need <= kv.gpu.room_for(tenant) or need > kv.gpu.num_free:
-                return False  # (more than is free: the pool, not the quota, is short)
             newer = next((r for r in reversed(running[at + 1:]) if r.tenant == tenant), None)
             if newer is None:
                 if not any(r.tenant == tenant for r in running[:at]):
@@ -217,6 +217,8 @@ class Scheduler:
                 self._preempt(request, out, request, num_new, reason="cache_quota")
                 return True
             self._preempt(newer, out, request, num_new, reason="cache_quota")
+            if kv.gpu.within_quota(tenant, kv.blocks_needed(request, num_new)):
+                return False
 
     def _ends_with_pending(self, request: Request) -> bool:
         """Whether a request's pending tokens (async scheduling) bring it to its length
@@ -227,15 +229,24 @@ class Scheduler:
 
     def _resume_swapped(self, out: SchedulerOutput, budget: int) -> int:
         reserved = self._reserved() if self.unforked else 0
+        # (a cache quota in force: a swapped request of a tenant with requests running
+        # comes back only within its quota, as its running requests grow, _within_quota)
+        running = {r.tenant for r in self.running} if self.kv.gpu.quota_active else None
         for request in list(self.swapped):
             if request.parked:
                 continue
             extra = request.num_seqs - 1
             if len(self.running) + reserved + 1 + extra > self.config.max_num_seqs:
                 break
+            if running is not None and request.tenant in running and \
+                    not self.kv.gpu.within_quota(
+                        request.tenant, self.kv.num_cpu_blocks_held(request.request_id)):
+                continue
             reserved += extra
             if not self._swap_in(request, out.swap_in):
                 break
+            if running is not None:
+                running.add(request.tenant)
             if budget > 0:
                 num_new = min(request.num_tokens - request.num_held_back
                               - request.num_computed_tokens, budget)

@@ -138,11 +138,11 @@ def test_an_admission_takes_anothers_cached_blocks_only_up_to_its_own_quota():
     assert pool.cached_by_tenant() == {"A": 1}
 
 
-def growth(quota: float, output_len: int = 40, n: int = 2):
+def growth(quota: float, output_len: int = 40, n: int = 2, **config):
     """A caches its prompt (8 blocks of 40); then n of B's requests run, each growing to
     19 blocks: together more than the 32 blocks A's prefix leaves."""
-    engine = sim_engine(num_gpu_blocks=40, max_num_seqs=2, num_cpu_blocks=0,
-                        tenant_cache_quota=quota)
+    config = {"num_cpu_blocks": 0, **config}
+    engine = sim_engine(num_gpu_blocks=40, max_num_seqs=2, tenant_cache_quota=quota, **config)
     engine.add_request("a0", A_PROMPT, greedy(2), tenant="A")
     run_all(engine)
     for i in range(n):
@@ -166,6 +166,19 @@ def test_a_tenants_growth_past_its_quota_preempts_its_own_newest_request():
     assert run_all(engine)["a1"].num_cached_tokens == 32
 
 
+def test_a_tenants_growth_past_its_quota_swaps_its_newest_out_and_back_within_it():
+    """Preemption by swap: B's newest is swapped out for the quota (reason cache_quota)
+    and swapped back in only as B's room under its quota allows, never into A's prefix."""
+    engine = growth(0.5, num_cpu_blocks=40, preemption_mode="swap")
+    counters = engine.scheduler.counters
+    assert counters.num_swaps_out >= 1 and counters.num_swaps_in == counters.num_swaps_out
+    swapped = [e for e in engine.take_events() if e.type == "SwappedOut"]
+    assert swapped and {(e.request_id, e.reason) for e in swapped} == {("b1", "cache_quota")}
+    assert engine.kv.gpu.cached_by_tenant()["A"] == 8
+    engine.add_request("a1", A_PROMPT, greedy(2), tenant="A")
+    assert run_all(engine)["a1"].num_cached_tokens == 32
+
+
 def test_without_a_quota_the_growth_takes_the_prefix():
     engine = growth(1.0)
     assert "cache_quota" not in engine.scheduler.counters.preemptions_by_reason
@@ -178,6 +191,31 @@ def test_a_tenants_only_running_request_still_takes_anothers_cached_blocks():
     engine = growth(0.5, output_len=100, n=1)
     assert engine.scheduler.counters.num_preemptions == 0
     assert engine.kv.gpu.cached_by_tenant().get("A", 0) < 8
+
+
+@pytest.mark.parametrize("quota", [0.5, 1.0])
+def test_the_quota_holds_a_tenants_growth_with_several_layer_groups(quota):
+    """A hybrid model (a sliding-window group beside a full one: each request's blocks
+    are counted over both): B's growth gives way under the quota, and takes A's prefix
+    without it."""
+    engine = sim_engine(num_gpu_blocks=64, max_num_seqs=2, num_cpu_blocks=0,
+                        tenant_cache_quota=quota, simulate_sliding_window=8,
+                        simulate_hybrid=True)
+    assert engine.kv.num_groups == 2
+    engine.add_request("a0", A_PROMPT, greedy(2), tenant="A")
+    run_all(engine)
+    for i in range(2):
+        engine.add_request(f"b{i}", [100 + i] * 32 + [9], greedy(60), tenant="B")
+    final = run_all(engine)
+    for i in range(2):
+        assert final[f"b{i}"].output_token_ids == expected([100 + i] * 32 + [9], 60)
+    engine.add_request("a1", A_PROMPT, greedy(2), tenant="A")
+    cached = run_all(engine)["a1"].num_cached_tokens
+    quota_preemptions = engine.scheduler.counters.preemptions_by_reason["cache_quota"]
+    if quota < 1.0:
+        assert quota_preemptions >= 1 and cached == 32
+    else:
+        assert quota_preemptions == 0 and cached == 0
 
 
 def test_without_a_quota_an_admission_takes_in_the_policys_order():
