@@ -212,3 +212,17 @@ test("the job page's story says the KV block-seconds it held by pool, or that th
   assert.match(html, /<dt>KV held<\/dt><dd>1,235 block-seconds on the GPU pool · 2\.3 on the CPU pool/);
   assert.match(storyHtml(story(), REASONS), /<dt>KV held<\/dt><dd>not counted/);
 });
+
+test("a preemption and a swap out for the cache quota say why, and link the request that needed the room", () => {
+  const html = storyHtml(story({
+    preemptions: [{ at: AT, reason: "cache_quota", by: "job-91-1", needed_blocks: 1, free_blocks: 30,
+                    recomputed_tokens: 12 }],
+    swaps: [{ at: AT_LATER, direction: "out", reason: "cache_quota", by: "job-91-1", needed_blocks: 1,
+              free_blocks: 30, blocks: 4 }],
+  }), REASONS);
+  assert.match(html, /<tr data-kind="preemption" data-reason="cache_quota">[\s\S]*another tenant&#39;s cache, kept under its quota[\s\S]*1 needed, 30 free/);
+  assert.match(html, /<tr data-kind="swap-out" data-reason="cache_quota">[\s\S]*swapped out: the room left was another tenant&#39;s cache/);
+  const links = [...html.matchAll(/<a class="moment" href="([^"]*)"/g)].map((m) => m[1].replaceAll("&amp;", "&"));
+  assert.deepEqual(links.slice(1, 3).map((l) => new URL(l, "http://x").searchParams.get("request")),
+                   ["job-91-1", "job-91-1"]);
+});
