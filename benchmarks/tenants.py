@@ -1,6 +1,7 @@
 """Two tenants on one engine: `python -m benchmarks.tenants`.
 
     python -m benchmarks.tenants [--seed 0] [--num-gpu-blocks 1024] [--burst 160]
+                                 [--conversations 16] [--a-weight 4] [--max-num-batched-tokens 4096]
 
 Tenant A runs a steady multi-turn chat: conversations that share one long system prompt,
 each turn's prompt the whole history so far, the turns seconds apart. Tenant B, a few
@@ -15,7 +16,8 @@ once per configuration:
 * a cache quota (EngineConfig.tenant_cache_quota, --quota): B's cached blocks over it go
   first, A's system prompt and histories stay;
 * the share cap (max_batch_share 0.5) against token-weighted fairness (fairness "vtc");
-* the quota and VTC together.
+* the quota and VTC together;
+* VTC with A's weight (--a-weight, an operator's lever: `POST /api/engines/<name>/tenants/`).
 
 Printed per run: A's prefix hit rate (prompt tokens served from the cache at first
 admission / A's prompt tokens), A's time to first token (p50, p90, p99, simulated; A
@@ -76,9 +78,13 @@ class TenantRecorder:
     """A replay observer: per request, its tenant, arrival, first admission (tokens
     found cached), first token and end, in simulated seconds."""
     rows: dict[str, dict] = dataclasses.field(default_factory=dict)
+    weights: dict[str, float] = dataclasses.field(default_factory=dict)  # set at the start
     _open: dict = dataclasses.field(default_factory=dict)  # not ended yet: id -> Request
 
     def before_step(self, engine: LLMEngine, now: float) -> None:
+        while self.weights:  # (as an operator sets them, before the first step)
+            tenant, weight = self.weights.popitem()
+            engine.set_tenant(tenant, weight=weight)
         for rid, request in engine.scheduler.requests.items():
             if rid not in self.rows:
                 self.rows[rid] = {"tenant": request.tenant, "arrival": request.arrival_time,
@@ -132,9 +138,9 @@ def summarise(rows: dict[str, dict], system_len: int) -> dict:
 
 
 def run(load: Workload, config: EngineConfig, cost: StepCost, tenants: tuple[str, ...],
-        system_len: int) -> dict:
+        system_len: int, weights: dict[str, float] | None = None) -> dict:
     keep = [i for i, r in enumerate(load.trace) if r.tenant in tenants]
-    recorder = TenantRecorder()
+    recorder = TenantRecorder(weights=dict(weights or {}))
     replay_paged([load.trace[i] for i in keep], config, cost,
                  prompts=[load.prompts[i] for i in keep], observer=recorder)
     return summarise(recorder.rows, system_len)
@@ -152,6 +158,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--num-gpu-blocks", type=int, default=1024)
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--quota", type=float, default=0.5)
+    ap.add_argument("--a-weight", type=float, default=4.0)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=4096)
     ap.add_argument("--step-base-ms", type=float, default=10.0)
     ap.add_argument("--step-token-ms", type=float, default=0.05)
     args = ap.parse_args(argv)
@@ -160,7 +168,8 @@ def main(argv: list[str] | None = None) -> None:
     cost = StepCost(args.step_base_ms, args.step_token_ms)
     base = EngineConfig(simulate=True, simulate_tokenizer="bytes", vocab_size=VOCAB,
                         block_size=16, num_gpu_blocks=args.num_gpu_blocks, num_cpu_blocks=0,
-                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=4096,
+                        max_num_seqs=args.max_num_seqs,
+                        max_num_batched_tokens=args.max_num_batched_tokens,
                         kv_history_blocks=0, name="tenants")
     in_share = f"A alone in {args.quota:g} of the pool"
     runs = [
@@ -173,20 +182,22 @@ def main(argv: list[str] | None = None) -> None:
         ("A + B, vtc", {"fairness": "vtc"}, ("A", "B")),
         (f"A + B, quota {args.quota:g} + vtc",
          {"tenant_cache_quota": args.quota, "fairness": "vtc"}, ("A", "B")),
+        (f"A + B, vtc, A's weight {args.a_weight:g}", {"fairness": "vtc"}, ("A", "B"),
+         {"A": args.a_weight}),
     ]
     print(f"A: {args.conversations} conversations x {args.turns} turns, a "
           f"{args.system_len}-token system prompt; B: {args.burst} prompts of "
           f"{args.burst_len} tokens at {args.burst_at_s:g} s; {args.num_gpu_blocks} GPU "
-          f"blocks of 16; a step {args.step_base_ms:g} ms + {args.step_token_ms:g} ms/token "
-          "(simulated time)\n")
+          f"blocks of 16; {args.max_num_batched_tokens} tokens a step, a step "
+          f"{args.step_base_ms:g} ms + {args.step_token_ms:g} ms/token (simulated time)\n")
     header = ("run", "A hit", "A prefix kept", "A TTFT p50", "A TTFT p90", "A TTFT p99", "B tok/s",
               "B TTFT p50")
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     results = {}
-    for name, overrides, tenants in runs:
+    for name, overrides, tenants, *weights in runs:
         summary = run(load, dataclasses.replace(base, **overrides), cost, tenants,
-                      args.system_len)
+                      args.system_len, *weights)
         results[name] = summary
         a, b = summary["A"], summary.get("B")
         cells = [name, f"{100 * a['hit_rate']:.1f}%", f"{100 * a['kept_prefix']:.0f}%",
@@ -207,6 +218,11 @@ def main(argv: list[str] | None = None) -> None:
     ratio = vtc["A"]["ttft_p99"] / alone["ttft_p99"]
     print(f"  vtc: A's TTFT p99 {ratio:.2f}x A alone's (target: within 2x) -> "
           f"{'met' if ratio <= 2 else 'missed'}")
+    weighted = results[f"A + B, vtc, A's weight {args.a_weight:g}"]
+    print(f"     with A's weight {args.a_weight:g}: "
+          f"{weighted['A']['ttft_p99'] / alone['ttft_p99']:.2f}x, B's throughput "
+          f"{100 * weighted['B']['tokens_per_s'] / share['B']['tokens_per_s']:.0f}% of the "
+          "share cap's")
     share_ratio = vtc["B"]["tokens_per_s"] / share["B"]["tokens_per_s"]
     print(f"  vtc: B's throughput {100 * share_ratio:.0f}% of the share cap's (target: at "
           f"least 80%) -> {'met' if share_ratio >= 0.8 else 'missed'}")
