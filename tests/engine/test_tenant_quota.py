@@ -161,6 +161,8 @@ def test_a_tenants_growth_past_its_quota_preempts_its_own_newest_request():
     assert set(by_reason) == {"cache_quota"} and by_reason["cache_quota"] >= 1
     preempted = [e for e in engine.take_events() if e.type == "Preempted"]
     assert {(e.request_id, e.reason, e.by) for e in preempted} == {("b1", "cache_quota", "b0")}
+    told = engine.kv_story("b1")["preemptions"]  # (what b1's job page and story say)
+    assert told and {(p["reason"], p["by"]) for p in told} == {("cache_quota", "b0")}
     assert engine.kv.gpu.cached_by_tenant()["A"] == 8
     engine.add_request("a1", A_PROMPT, greedy(2), tenant="A")
     assert run_all(engine)["a1"].num_cached_tokens == 32
