@@ -265,7 +265,7 @@ class BlockPool:
         quota = self.tenants
         if quota is None or tenant is None or not quota.active or n <= quota.headroom(tenant):
             return True
-        return n <= self.num_free - quota.protected_from(tenant)
+        return n <= self.room_for(tenant)
 
     def cached_by_tenant(self) -> dict[str, int]:
         """Cached blocks (held or free) per tenant that cached them; staff's and

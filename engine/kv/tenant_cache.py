@@ -22,8 +22,8 @@ its running requests' growth: when a running request's next blocks would take th
 own tenant's newest running requests give way (the scheduler's _within_quota), except its
 oldest, which takes them (every tenant progresses; a request larger than its tenant's
 quota still ends); and a swapped request of a tenant with requests running is swapped
-back in only within its quota. Within one allocation, a tenant that falls back under its quota as
-its blocks are taken is passed over only from then on.
+back in only within its quota. Within one allocation, a tenant that falls back under its
+quota as its blocks are taken is passed over only from then on.
 """
 from __future__ import annotations
 

@@ -32,7 +32,7 @@ from engine.errors import (InvalidRequestError, InvalidStateError, NotEnoughBloc
 from engine.kv.events import EventLog
 from engine.kv.coordinator import KVCacheCoordinator
 from engine.kv.export import request_row
-from engine.kv.group import OVER_QUOTA
+from engine.kv.group import OVER_QUOTA, Allocation
 from engine.request import Request, RequestStatus
 from engine.sched.fairness import VirtualTokenCounter
 from engine.sched.output import ScheduledRequest, SchedulerOutput
@@ -176,9 +176,9 @@ class Scheduler:
             num_new = min(num_tokens - start, budget)
             alloc = allocate(request, num_new, quota=quota)
             if alloc is OVER_QUOTA:
-                if self._within_quota(request, num_new, i, out):
+                alloc = self._within_quota(request, num_new, i, out)
+                if request.status is not RequestStatus.RUNNING:
                     continue  # it gave way itself; index i now holds the next
-                alloc = allocate(request, num_new)
             while alloc is None:
                 # Preempt the least important request not yet scheduled (the last one);
                 # if that is this request, it gives way itself.
@@ -200,25 +200,27 @@ class Scheduler:
         return budget
 
     def _within_quota(self, request: Request, num_new: int, at: int,
-                      out: SchedulerOutput) -> bool:
+                      out: SchedulerOutput) -> Allocation | None:
         """A cache quota in force, running[at]'s next blocks would take free cached blocks
         that another tenant keeps under its quota (OVER_QUOTA): its own tenant makes the
         room instead. Its newest requests not yet scheduled this step give way (reason
         "cache_quota", recompute or swap as configured), then, if an older request of its
         tenant runs, it does itself. The tenant's oldest running request is never stopped:
         it takes them (so every tenant progresses, and a request larger than its tenant's
-        quota still ends). Returns whether it gave way (else: allocate it, quota aside)."""
-        kv, running, tenant = self.kv, self.running, request.tenant
+        quota still ends). Returns its allocation (None: it gave way, or, the oldest, found
+        the pool short)."""
+        allocate, running, tenant = self.kv.allocate_more, self.running, request.tenant
         while True:
             newer = next((r for r in reversed(running[at + 1:]) if r.tenant == tenant), None)
             if newer is None:
                 if not any(r.tenant == tenant for r in running[:at]):
-                    return False
+                    return allocate(request, num_new)  # the oldest: quota aside
                 self._preempt(request, out, request, num_new, reason="cache_quota")
-                return True
+                return None
             self._preempt(newer, out, request, num_new, reason="cache_quota")
-            if kv.gpu.within_quota(tenant, kv.blocks_needed(request, num_new)):
-                return False
+            alloc = allocate(request, num_new, quota=True)
+            if alloc is not OVER_QUOTA:
+                return alloc
 
     def _ends_with_pending(self, request: Request) -> bool:
         """Whether a request's pending tokens (async scheduling) bring it to its length
@@ -554,8 +556,8 @@ class Scheduler:
     def _preempt(self, victim: Request, out: SchedulerOutput, needy: Request,
                  num_new: int, reason: str | None = None, needed: int | None = None) -> None:
         """Make room for `needy`'s num_new tokens (it may be the victim itself, giving
-        way); needed: the blocks it asks for where the caller counted them (a waiting
-        request's, less its cached prefix)."""
+        way); needed: the free blocks it takes where the caller counted them (a waiting
+        request's admission: new blocks and the free cached ones of its prefix it revives)."""
         room = (self.kv.blocks_needed(needy, num_new) if needed is None else needed,
                 self.kv.gpu.num_free) if self.events.on else (None, None)
         self.running.remove(victim)
