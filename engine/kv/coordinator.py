@@ -21,8 +21,9 @@ routers know) and what the other groups need for it.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Set as AbstractSet
+from collections.abc import Callable, Iterable, Set as AbstractSet
 from dataclasses import dataclass, field
+from itertools import chain
 
 import numpy as np
 
@@ -183,6 +184,20 @@ class KVCacheCoordinator:
 
     def num_cpu_blocks_held(self, request_id: str) -> int:
         return sum(g.num_cpu_blocks_held(request_id) for g in self.groups)
+
+    def num_blocks_held_by(self, request_ids: Iterable[str]) -> int:
+        """GPU blocks the requests hold together, in every group's table: a block shared
+        among them (a prefix hit, a fork's samples) counts once."""
+        request_ids = list(request_ids)
+        return sum(len(set(chain.from_iterable(g.req_to_blocks.get(rid, ())
+                                               for rid in request_ids)))
+                   for g in self.groups)
+
+    def num_blocks_freed_by(self, request_id: str) -> int:
+        """GPU blocks that would go back to the free queue if the request let go of its
+        blocks now: those no other holder (a request, a pin) keeps."""
+        return sum(1 for g in self.groups for b in g.req_to_blocks.get(request_id, ())
+                   if b.ref_cnt == 1)
 
     # --- admission -------------------------------------------------------------------
     def find_prefix(self, request: Request) -> PrefixMatch:
@@ -353,12 +368,14 @@ class KVCacheCoordinator:
 
     # --- allocation ------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       match: PrefixMatch | None = None) -> Allocation | None:
+                       match: PrefixMatch | None = None, quota: bool = True) -> Allocation | None:
         """Give the request room for num_new_tokens more tokens after its computed ones,
         in every group, or none (None: the GPU pool has too few free blocks; nothing
         changed). On admission, `match` (from find_prefix) holds the cached blocks to
-        reuse and request.num_computed_tokens must already count them."""
-        if match is not None and request.tenant is not None:
+        reuse and request.num_computed_tokens must already count them; quota: within
+        the room its tenant's cache quota leaves it (False: a tenant's first request,
+        which may take what it needs, as its oldest running request may)."""
+        if match is not None and quota and request.tenant is not None:
             # a tenant over its cache quota is admitted only into the room it may take
             # (engine/kv/tenant_cache.py), counted once for every group
             room = self.gpu.room_for(request.tenant)

@@ -7,17 +7,29 @@ w_q = 2) and divided by the tenant's weight. Among the waiting requests of the m
 important priority, the scheduler admits the one of the tenant with the smallest counter
 (in arrival order within a tenant), so a tenant sending long prompts waits behind one
 sending short ones, not behind its request count. A tenant that had nothing waiting or
-running joins at the smallest counter of those that do (the paper's lift): time spent
-idle is not credit to spend later in a burst.
+running joins at the smallest counter of those that do (the paper's lift), one token
+under it (LIFT_UNDER): time spent idle is not credit to spend later in a burst, and a
+tie does not put it behind the busy tenant.
 
-When the request VTC admits next cannot get a seat in the batch or its blocks, the
-scheduler preempts running requests of tenants served more than its own and holding
-more of the batch than its own would with it (so two tenants never preempt each other
-back and forth), the newest of the most served tenant first (engine/sched/scheduler.py
-`_room_for_lighter`): a light tenant then waits for one step, not for a heavy tenant's
-requests to end. The paper's
-VTC admits in counter order only; without this, a tenant whose requests hold the pool
-delays every other tenant's next request by its requests' whole length.
+The paper's VTC admits in counter order only. Without more, a tenant whose requests
+hold the pool delays every other tenant's next request by its requests' whole length,
+and a step full of a heavy tenant's prompt chunks delays a light one's prompt by that
+step. So the scheduler (engine/sched/scheduler.py) also:
+* when the request VTC admits next cannot get a seat in the batch or its blocks,
+  preempts running requests of tenants served more than its own and holding more of the
+  batch than its own would with it (so two tenants never preempt each other back and
+  forth), the newest of the most served tenant first (`_room_for_lighter`): a light
+  tenant then waits for one step;
+* schedules the prompt chunks of the tenants served more after that admission, in a
+  step that gives them no more prompt tokens than it gives the lighter tenants
+  (`_schedule_deferred`), so that the light tenant's prompt is neither split over
+  steps nor slowed by more than its own tokens;
+* while VTC's pick waits for blocks, admits the requests of tenants holding less of
+  the pool than its tenant, into what is free (never those holding as much: its own
+  tenant's ending requests make its room, and they could keep taking it);
+* when the pool runs out under a running request, preempts the newest request of the
+  tenant holding the most GPU blocks, not the last admitted (often the light tenant's).
+What a tenant holds counts a block its requests share (a chat's system prompt) once.
 
 Requests without a tenant (staff's) count as one tenant of their own, "". The scheduler
 charges (after each forward pass) and asks `pick`; this module owns the counters and the
@@ -33,6 +45,11 @@ from engine.request import Request
 PROMPT_WEIGHT = 1.0
 OUTPUT_WEIGHT = 2.0
 MAX_WEIGHT = 1000.0
+# A tenant back from idle joins this many weighted tokens under the least counter of
+# those waiting or running: without it the tie goes to the tenant whose request waited
+# longest, the busy one, and the returning tenant's first request waits a step behind it
+# (and behind its prompt chunks, which give way only to a tenant served less)
+LIFT_UNDER = 1.0
 
 
 def check_weight(value) -> float:
@@ -55,12 +72,13 @@ class VirtualTokenCounter:
 
     def arrive(self, tenant: str | None, active: Iterable[str | None]) -> None:
         """A request of `tenant` joins the queue; `active`: the tenants of the requests
-        already waiting or running. A tenant not among them is lifted to their least."""
+        already waiting or running. A tenant not among them is lifted to one token under
+        their least (LIFT_UNDER): level with them, and first among equals."""
         key = tenant or ""
         others = {t or "" for t in active}
         if key in others or not others:
             return
-        floor = min(self.served.get(t, 0.0) for t in others)
+        floor = min(self.served.get(t, 0.0) for t in others) - LIFT_UNDER
         if self.served.get(key, 0.0) < floor:
             self.served[key] = floor
 

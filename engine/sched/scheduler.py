@@ -15,10 +15,13 @@ a tenant may use the whole batch. Token-weighted fairness (EngineConfig.fairness
 engine/sched/fairness.py): among the waiting of equal priority, the tenant served the
 fewest weighted tokens goes first, and when it cannot get a seat or its blocks, running
 requests of tenants served more are preempted for it at the start of the step (which
-then admits it before resuming the swapped); the share cap still applies beside it.
+then admits it before resuming the swapped); the prompt chunks of tenants served more
+go after its admission, and while it waits for blocks the tenants holding less of the
+pool go on (fairness.py lists these and why); the share cap still applies beside it.
 A cache quota (engine/kv/tenant_cache.py): a running request whose next blocks would
 take the cached blocks another tenant keeps under its quota makes the room from its own
-tenant's newest requests instead (_within_quota).
+tenant's newest requests instead (_within_quota); a tenant with nothing running is
+admitted past it, as its oldest running request grows past it.
 """
 from __future__ import annotations
 
@@ -58,6 +61,19 @@ class SchedulerCounters:
     # every preemption (recompute) by its reason (events.REASONS): they add up to
     # num_preemptions
     preemptions_by_reason: collections.Counter = field(default_factory=collections.Counter)
+
+
+@dataclass(slots=True, frozen=True)
+class _Lighter:
+    """Token-weighted fairness: the waiting request VTC admits next (Scheduler._lighter)."""
+    request: Request
+    num_new: int  # tokens its admission computes this step
+    need: int  # free GPU blocks its admission takes
+    served: float  # its tenant's counter
+    heavier: frozenset  # the tenants of running requests served more
+    # the least important priority value a running request of those may have and still be
+    # asked to give way to it (under fcfs, any)
+    floor: float
 
 
 class Scheduler:
@@ -132,18 +148,32 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         if self.config.scheduling_policy == "priority":
             self.running.sort(key=priority_key)
+        lighter = self._lighter() if self.vtc is not None and self.waiting else None
         # (with a cache quota in force the quota decides whose blocks go: a preempted
         # request's blocks would be its tenant's first evicted, its work lost)
-        fair = self._room_for_lighter(out) if self.vtc is not None and self.waiting \
-            and not self.kv.gpu.quota_active else 0
-        budget = self._schedule_running(out, budget)
+        fair = self._room_for_lighter(out, lighter) \
+            if lighter is not None and not self.kv.gpu.quota_active else 0
+        # (its blocks free now: the heavier tenants' prompt chunks go after the admissions)
+        after = lighter if lighter is not None and lighter.need <= self.kv.gpu.num_free \
+            else None
+        deferred: list[tuple[Request, int]] = []  # (a request, its tokens so far)
+        budget = self._schedule_running(out, budget, after, deferred)
         if len(out.preempted) == fair:  # nobody was preempted for a running request
             if fair:  # the room was made for a waiting request: it goes before the swapped
-                budget = self._admit_waiting(out, budget)
-                self._resume_swapped(out, budget)
+                budget = self._admit_waiting(out, budget, after)
+                budget = self._resume_swapped(out, budget)
             else:
                 budget = self._resume_swapped(out, budget)
-                self._admit_waiting(out, budget)
+                budget = self._admit_waiting(out, budget, after)
+        if after is not None and after.request.status is RequestStatus.RUNNING:
+            # it was admitted: the heavier tenants' prompt chunks take no more of the
+            # step's tokens than the lighter tenants' prompts took (the step that computes
+            # its prompt carries at most as many of theirs)
+            light = sum(s.num_new_tokens for s in out.scheduled
+                        if s.num_new_tokens > 1 and s.request.tenant not in after.heavier)
+            budget = min(budget, light)
+        if deferred:
+            self._schedule_deferred(out, budget, deferred)
         # The CPU tier's copies of reused blocks (none without it); releases the CPU
         # blocks this step's swap-ins read.
         out.swap_out.extend(self.kv.flush_offloads())
@@ -157,7 +187,12 @@ class Scheduler:
                 + self.config.max_num_seqs, COPY_AHEAD_BLOCKS)
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _schedule_running(self, out: SchedulerOutput, budget: int,
+                          after: _Lighter | None = None, deferred: list | None = None) -> int:
+        """after: VTC's next admission, after which the prompt chunks of the running
+        requests of tenants served more go (they are put in `deferred`): so that a light
+        tenant's prompt is not split over the steps a heavy tenant's long prompts fill,
+        nor the blocks it needs taken by them."""
         # Every running request passes here every step: names are bound once, and the
         # ScheduledRequest is built inline (see _add_scheduled).
         running, allocate, step_ids = self.running, self.kv.allocate_more, \
@@ -174,6 +209,11 @@ class Scheduler:
             num_tokens = len(request.all_token_ids) + request.num_pending \
                 - (1 if request.fork_pending else 0)
             num_new = min(num_tokens - start, budget)
+            if after is not None and num_new > 1 and request.tenant in after.heavier \
+                    and request.priority >= after.floor:
+                deferred.append((request, num_tokens))
+                i += 1
+                continue
             alloc = allocate(request, num_new, quota=quota)
             if alloc is OVER_QUOTA:
                 alloc = self._within_quota(request, num_new, i, out)
@@ -182,7 +222,8 @@ class Scheduler:
             while alloc is None:
                 # Preempt the least important request not yet scheduled (the last one);
                 # if that is this request, it gives way itself.
-                victim = running[-1] if self.share_cap is None else self._victim(i)
+                victim = running[-1] if self.share_cap is None and self.vtc is None \
+                    else self._victim(i)
                 self._preempt(victim, out, request, num_new)
                 if victim is request:
                     break
@@ -263,16 +304,23 @@ class Scheduler:
         running = RequestStatus.RUNNING
         return sum(r.sampling_params.n - 1 for r in self.unforked if r.status is running)
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
+    def _admit_waiting(self, out: SchedulerOutput, budget: int,
+                       first: _Lighter | None = None) -> int:
         """Admit waiting requests while seats, blocks and the token budget last; returns
-        the budget left."""
+        the budget left. first: VTC's next admission, before which the requests of the
+        tenants served more wait this step (unless it cannot be admitted)."""
         if not self.waiting:
             return budget
         reserved = self._reserved()
         held = self._seqs_by_tenant() if self.share_cap is not None else None
-        # tenants over their cache quota whose next request found no room it may take
-        # (engine/kv/tenant_cache.py): their requests wait, the others' go on
-        shut: set[str] = set()
+        # tenants whose requests wait this step: those over their cache quota whose next
+        # request found no room it may take (engine/kv/tenant_cache.py), those holding as
+        # much as VTC's pick that waits for blocks, those served more than `first`
+        shut: set[str] = set(first.heavier) if first is not None else set()
+        # a cache quota in force: the tenants with requests running, whose admissions stay
+        # within it (a tenant's first request may take what it needs, as its oldest running
+        # request may: so that every tenant progresses, _within_quota)
+        active = {r.tenant for r in self.running} if self.kv.gpu.quota_active else None
         while self.waiting and budget > 0 and \
                 len(self.running) + reserved < self.config.max_num_seqs:
             waiting = self.waiting if not shut else \
@@ -290,12 +338,23 @@ class Scheduler:
             request.num_computed_tokens = match.num_computed_tokens
             num_new = min(request.num_tokens - request.num_held_back
                           - request.num_computed_tokens, budget)
-            alloc = self.kv.allocate_slots(request, num_new, match)
+            quota = active is not None and request.tenant in active
+            alloc = self.kv.allocate_slots(request, num_new, match, quota=quota)
             if alloc is None:
                 request.num_computed_tokens = 0
-                if request.tenant is not None and \
-                        self.kv.gpu.room_for(request.tenant) < self.kv.gpu.num_free:
+                if first is not None and request is first.request:
+                    shut -= first.heavier  # (it waits: they need not)
+                if quota and self.kv.gpu.room_for(request.tenant) < self.kv.gpu.num_free:
                     shut.add(request.tenant)  # (its quota, not the pool, stops it)
+                    continue
+                if self.vtc is not None:
+                    # VTC's pick cannot get its blocks: the tenants holding less of the
+                    # pool than its own go on meanwhile, in what is free now; the others
+                    # wait with it (so its own tenant's ending requests make its room)
+                    holding = self._blocks_by_tenant()
+                    floor = holding[request.tenant or ""]
+                    shut.add(request.tenant)
+                    shut.update(r.tenant for r in waiting if holding[r.tenant or ""] >= floor)
                     continue
                 break  # head-of-line: later requests wait their turn
             if request is self.waiting.peek():
@@ -309,6 +368,8 @@ class Scheduler:
                 request.num_cached_tokens = match.num_computed_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            if active is not None:
+                active.add(request.tenant)
             out.copies.extend(alloc.copies)
             if alloc.copies_in:
                 out.swap_in.extend(alloc.copies_in)
@@ -320,7 +381,49 @@ class Scheduler:
             budget -= num_new
         return budget
 
-    def _room_for_lighter(self, out: SchedulerOutput) -> int:
+    def _lighter(self) -> _Lighter | None:
+        """The waiting request VTC admits next, with the tokens its admission computes this
+        step and the free GPU blocks it takes (a cached prefix's it revives included);
+        None when no running request's tenant was served more than its own (nobody gives
+        way to it)."""
+        vtc, kv = self.vtc, self.kv
+        request = vtc.pick(self.waiting, self.config.scheduling_policy)
+        served = vtc.served_of(request.tenant)
+        heavier = frozenset(r.tenant for r in self.running if vtc.served_of(r.tenant) > served)
+        if not heavier:
+            return None
+        match = kv.find_prefix(request)
+        request.num_computed_tokens = match.num_computed_tokens
+        num_new = min(request.num_tokens - request.num_held_back - match.num_computed_tokens,
+                      self.config.max_num_batched_tokens)
+        need = kv.blocks_to_admit(request, num_new, match)
+        request.num_computed_tokens = 0
+        floor = request.priority if self.config.scheduling_policy == "priority" \
+            else float("-inf")
+        return _Lighter(request, num_new, need, served, heavier, floor)
+
+    def _schedule_deferred(self, out: SchedulerOutput, budget: int,
+                           deferred: list[tuple[Request, int]]) -> None:
+        """The prompt chunks _schedule_running deferred, in its order, with the tokens and
+        blocks the admissions left; one that finds no blocks waits for the next step
+        (nobody is preempted for it). None was preempted since: a victim is taken from
+        past the request that needs the room, and admissions preempt nobody."""
+        quota = self.kv.gpu.quota_active
+        for request, num_tokens in deferred:
+            if budget <= 0:
+                return
+            start = request.num_computed_tokens
+            num_new = min(num_tokens - start, budget)
+            alloc = self.kv.allocate_more(request, num_new, quota=quota)
+            if alloc is None or alloc is OVER_QUOTA:
+                continue
+            out.copies.extend(alloc.copies)
+            out.scheduled.append(ScheduledRequest(
+                request, num_new, start, self.kv.step_block_ids(request.request_id),
+                start + num_new == num_tokens and not request.fork_pending))
+            budget -= num_new
+
+    def _room_for_lighter(self, out: SchedulerOutput, lighter: _Lighter) -> int:
         """Token-weighted fairness, before the step's running requests are scheduled: when
         the waiting request VTC admits next cannot get a seat or its blocks, preempt
         running requests of tenants served more than its own that also hold more of the
@@ -329,31 +432,19 @@ class Scheduler:
         important, the newest of the most served tenant first, until it fits. Nobody is
         preempted where those could not make the room. Returns how many were."""
         vtc, kv = self.vtc, self.kv
-        request = vtc.pick(self.waiting, self.config.scheduling_policy)
+        request, num_new, need = lighter.request, lighter.num_new, lighter.need
         tenant = request.tenant or ""
-        served = vtc.served_of(tenant)
-        by_priority = self.config.scheduling_policy == "priority"
-        victims = [r for r in self.running if vtc.served_of(r.tenant) > served
-                   and not (by_priority and r.priority < request.priority)]
+        victims = [r for r in self.running
+                   if r.tenant in lighter.heavier and r.priority >= lighter.floor]
         if not victims:
             return 0
         seats = len(self.running) + self._reserved() + request.num_seqs \
             - self.config.max_num_seqs
-        match = kv.find_prefix(request)
-        request.num_computed_tokens = match.num_computed_tokens
-        num_new = min(request.num_tokens - request.num_held_back - match.num_computed_tokens,
-                      self.config.max_num_batched_tokens)
-        need = kv.blocks_to_admit(request, num_new, match)
-        request.num_computed_tokens = 0
         short = need - kv.gpu.num_free
         if seats <= 0 and short <= 0:
             return 0
-        blocks: dict[str, int] = collections.Counter()
-        held: dict[str, int] = collections.Counter()
-        holds = {r.request_id: kv.num_blocks_held(r.request_id) for r in self.running}
-        for r in self.running:
-            blocks[r.tenant or ""] += holds[r.request_id]
-            held[r.tenant or ""] += 1
+        blocks = self._blocks_by_tenant()
+        held = collections.Counter(r.tenant or "" for r in self.running)
         blocks[tenant] += need
         held[tenant] += request.num_seqs
         victims.sort(key=lambda r: (vtc.served_of(r.tenant), r.arrival_time, r.index),
@@ -362,7 +453,8 @@ class Scheduler:
         for victim in victims:
             if freed >= short and taken >= seats:
                 break
-            key, n = victim.tenant or "", holds[victim.request_id]
+            # (its blocks that another request also holds stay where they are)
+            key, n = victim.tenant or "", kv.num_blocks_freed_by(victim.request_id)
             if (short > freed and blocks[key] > blocks[tenant]) or \
                     (seats > taken and held[key] > held[tenant]):
                 plan.append(victim)
@@ -374,6 +466,15 @@ class Scheduler:
         for victim in plan:
             self._preempt(victim, out, request, num_new, reason="fairness", needed=need)
         return len(plan)
+
+    def _blocks_by_tenant(self) -> collections.Counter:
+        """The GPU blocks each tenant's running requests hold ("" for those without one),
+        a block they share (a tenant's chats' system prompt) counted once."""
+        ids: dict[str, list[str]] = collections.defaultdict(list)
+        for r in self.running:
+            ids[r.tenant or ""].append(r.request_id)
+        return collections.Counter({t: self.kv.num_blocks_held_by(rids)
+                                    for t, rids in ids.items()})
 
     # --- fair share ----------------------------------------------------------------------
     @property
@@ -412,13 +513,21 @@ class Scheduler:
     def _victim(self, at: int) -> Request:
         """Whom to preempt so that running[at] gets blocks: the last request not yet
         scheduled this step (running[at:]); under fcfs the last of those whose tenant
-        holds more than its share, if any."""
+        holds more than its share, if any, else, under vtc, the last of those of the
+        tenant holding the most GPU blocks (the pool ran out: who holds most of it gives
+        way, not the light tenant whose request came last)."""
         running, cap = self.running, self.share_cap
-        if self.config.scheduling_policy == "fcfs":
+        if self.config.scheduling_policy == "fcfs" and cap is not None:
             held = self._seqs_by_tenant()
             for j in range(len(running) - 1, at - 1, -1):
                 tenant = running[j].tenant
                 if tenant is not None and held.get(tenant, 0) > cap:
+                    return running[j]
+        if self.vtc is not None and self.config.scheduling_policy == "fcfs":
+            blocks = self._blocks_by_tenant()
+            most = max((r.tenant or "" for r in running[at:]), key=blocks.__getitem__)
+            for j in range(len(running) - 1, at - 1, -1):
+                if (running[j].tenant or "") == most:
                     return running[j]
         return running[-1]
 

@@ -246,3 +246,24 @@ def test_a_tenant_stopped_by_its_quota_waits_while_another_is_admitted():
     final = run_all(engine)
     assert final["a1"].num_cached_tokens == 32
     assert final["b3"].output_token_ids == expected([103] * 32 + [9], 2)
+
+
+def test_a_tenants_first_request_runs_though_its_quota_leaves_it_too_little_room():
+    """B's quota, a tenth of the pool (4 blocks), set live; A's cached prompts fill the
+    pool, kept under A's own (none). B's request needs 9 blocks, more than B may take of
+    A's: with nothing of B's running it takes them (as B's oldest running request would)
+    and ends, on an engine otherwise idle, instead of waiting there for ever."""
+    engine = sim_engine(num_gpu_blocks=40, max_num_seqs=4, num_cpu_blocks=0,
+                        max_num_batched_tokens=256)
+    engine.set_tenant("B", cache_quota=0.1)
+    for i in range(4):
+        engine.add_request(f"a{i}", [10 + i] * 36 + [8], greedy(2), tenant="A")
+    run_all(engine)
+    prompt = [100] * 32 + [9]
+    assert engine.kv.gpu.room_for("B") < 9 <= engine.kv.gpu.num_free
+    engine.add_request("b0", prompt, greedy(2), tenant="B")
+    final = {}
+    for _ in range(20):
+        final.update({o.request_id: o for o in engine.step() if o.finished})
+        engine.kv.check_invariants()
+    assert final["b0"].output_token_ids == expected(prompt, 2)

@@ -4,7 +4,7 @@ tenant back from idle joins at the least counter, and outputs stay the reference
 import pytest
 
 from engine.errors import InvalidRequestError
-from engine.sched.fairness import OUTPUT_WEIGHT, PROMPT_WEIGHT
+from engine.sched.fairness import LIFT_UNDER, OUTPUT_WEIGHT, PROMPT_WEIGHT
 from tests.engine.sim import expected, greedy, run_all, sim_engine
 
 
@@ -96,10 +96,27 @@ def test_a_tenant_back_from_idle_joins_at_the_least_counter():
     engine.add_request("b1", [21] * 10, greedy(50), tenant="B")
     engine.step()
     engine.add_request("c0", [30] * 10, greedy(5), tenant="C")  # new: lifted
-    assert vtc.served["C"] == min(vtc.served["A"], vtc.served["B"]) > 0
+    assert vtc.served["C"] == min(vtc.served["A"], vtc.served["B"]) - LIFT_UNDER > 0
     before = vtc.served["A"]
     engine.add_request("a2", [12] * 10, greedy(5), tenant="A")  # active: not lifted
     assert vtc.served["A"] == before
+
+
+def test_a_tenant_back_from_idle_goes_first_among_equals():
+    """A's a0 holds the only seat; B's b1 waits, B lifted under A's counter; then C, back
+    from idle, is lifted to just under B's, the least: when a0 ends C's request goes
+    before B's older one (level, a tie would go to the request that waited longest)."""
+    engine = sim_engine(max_num_seqs=1, num_gpu_blocks=256, fairness="vtc")
+    engine.add_request("b0", [20] * 10, greedy(2), tenant="B")
+    run_all(engine)
+    engine.add_request("a0", [10] * 30, greedy(20), tenant="A")
+    engine.step()
+    engine.add_request("b1", [21] * 10, greedy(5), tenant="B")
+    engine.add_request("c1", [31] * 10, greedy(5), tenant="C")
+    vtc = engine.scheduler.vtc
+    assert vtc.served_of("B") == vtc.served_of("A") - LIFT_UNDER
+    assert vtc.served_of("C") == vtc.served_of("B") - LIFT_UNDER
+    assert admission_order(engine) == ["a0", "c1", "b1"]
 
 
 @pytest.mark.parametrize("bad", [0, -1, "2", True, 1e9])
@@ -224,3 +241,118 @@ def test_with_a_cache_quota_the_quota_decides_and_fairness_preempts_nobody():
     engine, first, _ = pool_held_by_b("vtc", tenant_cache_quota=0.9)
     assert "fairness" not in engine.scheduler.counters.preemptions_by_reason
     assert first > 1
+
+
+def test_a_prefix_a_tenants_requests_share_counts_once_in_what_it_holds():
+    """A's three running chats share a 40-token system prompt (10 blocks); B's two 64-token
+    prompts hold more of the pool than A does. A's a3 (A served less) needs more blocks
+    than are free: B's newest gives way. Counted per request, A's shared blocks would make
+    A hold more than B, and nobody would (a3 would wait for B's requests to end)."""
+    engine = sim_engine(max_num_seqs=8, num_gpu_blocks=52, num_cpu_blocks=0, fairness="vtc")
+    system = [9] * 40
+    for i in range(3):
+        engine.add_request(f"a{i}", system + [i + 1], greedy(40), tenant="A")
+    engine.add_request("b0", [50] * 64, greedy(30), tenant="B")
+    engine.add_request("b1", [51] * 64, greedy(30), tenant="B")
+    for _ in range(4):
+        engine.step()
+    kv, vtc = engine.kv, engine.scheduler.vtc
+    assert vtc.served_of("A") < vtc.served_of("B")
+    a_ids = ["a0", "a1", "a2"]
+    distinct, per_request = kv.num_blocks_held_by(a_ids), sum(map(kv.num_blocks_held, a_ids))
+    b_held = kv.num_blocks_held_by(["b0", "b1"])
+    need = 6  # a3's 24 tokens past the shared prompt, in blocks of 4
+    assert kv.gpu.num_free < need
+    assert distinct + need < b_held <= per_request + need
+    engine.take_events()
+    engine.add_request("a3", system + [7] * 24, greedy(2), tenant="A")
+    engine.step()
+    assert "a3" in {r.request_id for r in engine.scheduler.running}
+    preempted = [e for e in engine.take_events() if e.type == "Preempted"]
+    assert [(e.request_id, e.reason, e.by) for e in preempted] == [("b1", "fairness", "a3")]
+    final = run_all(engine)
+    assert final["b1"].output_token_ids == expected([51] * 64, 30)
+
+
+def stuck_behind_b(a_running: int = 0) -> object:
+    """A was served a long prompt before (its counter above B's), B's b0 holds most of the
+    26-block pool, and B's next request b1 (16 blocks) does not fit: VTC's next pick,
+    stuck. a_running: tokens of an A request running beside b0 (A holding that much of
+    the pool). Then A's a1 (8 tokens, 2 blocks) arrives."""
+    engine = sim_engine(max_num_seqs=8, num_gpu_blocks=26, num_cpu_blocks=0,
+                        fairness="vtc", enable_prefix_caching=False)
+    engine.add_request("a0", [1] * 100, greedy(2), tenant="A")
+    run_all(engine)
+    engine.add_request("b0", [2] * 40, greedy(30), tenant="B")
+    if a_running:
+        engine.add_request("a2", [5] * a_running, greedy(30), tenant="A")
+    engine.step()
+    engine.step()
+    engine.add_request("b1", [3] * 64, greedy(2), tenant="B")
+    engine.add_request("a1", [4] * 8, greedy(2), tenant="A")
+    vtc = engine.scheduler.vtc
+    assert vtc.served_of("B") < vtc.served_of("A")  # b1 is VTC's pick
+    assert 2 <= engine.kv.gpu.num_free < 16  # a1 fits, b1 does not
+    return engine
+
+
+def test_while_vtcs_pick_waits_for_blocks_a_tenant_holding_less_goes_on():
+    engine = stuck_behind_b()
+    engine.step()
+    waiting = {r.request_id for r in engine.scheduler.waiting}
+    assert "a1" in {r.request_id for r in engine.scheduler.running} and waiting == {"b1"}
+    final = run_all(engine)
+    assert final["b1"].output_token_ids == expected([3] * 64, 2)
+    assert not engine.scheduler.counters.preemptions_by_reason
+
+
+def test_a_tenant_holding_as_much_as_the_stuck_one_waits_with_it():
+    """A's a2 holds more of the pool than B's b0: A's a1 may not take the blocks b1
+    waits for (B's own ending requests make b1's room, and A's could keep taking it)."""
+    engine = stuck_behind_b(a_running=44)
+    kv = engine.kv
+    assert kv.num_blocks_held("a2") >= kv.num_blocks_held("b0")
+    engine.step()
+    assert {r.request_id for r in engine.scheduler.waiting} == {"b1", "a1"}
+
+
+def test_a_heavier_tenants_prompt_chunks_go_after_the_lighter_tenants_admission():
+    """B's 400-token prompt is prefilled 64 tokens a step; A's 20-token prompt arrives (A
+    served less): the next step computes all of it, and B's chunk no more than that."""
+    engine = sim_engine(max_num_seqs=8, num_gpu_blocks=256, fairness="vtc")
+    engine.add_request("b0", [2] * 400, greedy(4), tenant="B")
+    engine.step()
+    engine.add_request("a0", [3] * 20, greedy(4), tenant="A")
+    out = engine.scheduler.schedule()
+    assert {s.request.request_id: s.num_new_tokens for s in out.scheduled} == \
+        {"a0": 20, "b0": 20}
+    assert [s.request.request_id for s in out.scheduled] == ["a0", "b0"]
+
+
+def test_a_more_important_heavier_prompt_chunk_does_not_give_way():
+    engine = sim_engine(max_num_seqs=8, num_gpu_blocks=256, fairness="vtc",
+                        scheduling_policy="priority")
+    engine.add_request("b0", [2] * 400, greedy(4), tenant="B", priority=0)
+    engine.step()
+    engine.add_request("a0", [3] * 20, greedy(4), tenant="A", priority=1)
+    out = engine.scheduler.schedule()
+    assert {s.request.request_id: s.num_new_tokens for s in out.scheduled} == {"b0": 64}
+
+
+def test_under_vtc_the_pool_running_out_preempts_the_tenant_holding_most():
+    """B's two long requests and A's short one, admitted last, fill the pool; when a
+    running request needs a block, B's newest gives way, not A's request (the last)."""
+    engine = sim_engine(max_num_seqs=8, num_gpu_blocks=40, num_cpu_blocks=0, fairness="vtc")
+    engine.add_request("b0", [50] * 60, greedy(40), tenant="B")
+    engine.add_request("b1", [51] * 60, greedy(40), tenant="B")
+    engine.step()
+    engine.add_request("a0", [9] * 8, greedy(40), tenant="A")
+    engine.step()
+    assert [r.request_id for r in engine.scheduler.running] == ["b0", "b1", "a0"]
+    engine.take_events()
+    while not engine.scheduler.counters.num_preemptions:
+        engine.step()
+    preempted = [e for e in engine.take_events() if e.type == "Preempted"]
+    assert [(e.request_id, e.reason) for e in preempted] == [("b1", "kv_full")]
+    final = run_all(engine)
+    assert final["b1"].output_token_ids == expected([51] * 60, 40)
