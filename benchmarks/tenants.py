@@ -1,14 +1,19 @@
 """Two tenants on one engine: `python -m benchmarks.tenants`.
 
-    python -m benchmarks.tenants [--seed 0] [--num-gpu-blocks 1024] [--burst 160]
+    python -m benchmarks.tenants [--seed 0] [--seeds 5] [--num-gpu-blocks 1024] [--burst 160]
                                  [--conversations 16] [--a-weight 4] [--max-num-batched-tokens 4096]
+                                 [--num-cpu-blocks 0]
 
 Tenant A runs a steady multi-turn chat: conversations that share one long system prompt,
 each turn's prompt the whole history so far, the turns seconds apart. Tenant B, a few
 seconds in, sends a burst of unique long prompts (nothing to share). The trace goes
 through the real scheduler and KV core (capacity.replay_paged: the simulated model,
-simulated time; a step costs --step-base-ms plus --step-token-ms per computed token),
-once per configuration:
+simulated time; a step costs --step-base-ms plus --step-token-ms per computed token and
+--step-block-ms per block copied), once per configuration and seed (--seeds traces, from
+--seed; A's times are pooled over them, so that its p99 is a percentile, not its slowest
+request). --num-cpu-blocks: a CPU tier of that many blocks below the GPU pool
+(EngineConfig.cpu_prefix_cache), which keeps the cached blocks the GPU pool lets go.
+The configurations:
 
 * A alone (the reference), and A alone in a pool of its quota's share (what the quota
   promises it);
@@ -20,10 +25,10 @@ once per configuration:
 * VTC with A's weight (--a-weight, an operator's lever: `POST /api/engines/<name>/tenants/`).
 
 Printed per run: A's prefix hit rate (prompt tokens served from the cache at first
-admission / A's prompt tokens), A's time to first token (p50, p90, p99, simulated; A
-sends 96 requests, so its p99 is its slowest), B's
-throughput (B's prompt and output tokens over the time from its first arrival to its last
-token) and B's TTFT p50. Then the issue's targets: with the quota, A's hit rate within 5
+admission, from any tier, / A's prompt tokens), A's time to first token (p50, p90, p99,
+simulated; A sends 96 requests a trace), B's throughput (B's prompt and output tokens
+over the time from its first arrival to its last token, summed over the traces) and B's
+TTFT p50. Then the issue's targets: with the quota, A's hit rate within 5
 points of A alone; with VTC, A's TTFT p99 within 2x of A alone, and B's throughput at
 least 80% of the share cap's.
 """
@@ -111,16 +116,21 @@ def _p(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-def summarise(rows: dict[str, dict], system_len: int) -> dict:
+def summarise(runs: list[dict[str, dict]], system_len: int) -> dict:
+    """Per tenant, over the runs' requests (one recorder's rows a run, a trace each): the
+    requests pooled, B's throughput as its tokens over its spans, summed over the runs."""
     out = {}
     for tenant in ("A", "B"):
-        mine = [r for r in rows.values() if r["tenant"] == tenant]
+        mine = [r for rows in runs for r in rows.values() if r["tenant"] == tenant]
         if not mine:
             continue
         admitted = [r for r in mine if r["cached"] is not None]
         ttfts = [r["first_token"] - r["arrival"] for r in mine if r["first_token"] is not None]
-        ended = [r["end"] for r in mine if r["end"] is not None]
-        span = max(ended) - min(r["arrival"] for r in mine) if ended else 0.0
+        span = 0.0
+        for rows in runs:
+            one = [r for r in rows.values() if r["tenant"] == tenant]
+            ended = [r["end"] for r in one if r["end"] is not None]
+            span += max(ended) - min(r["arrival"] for r in one) if ended else 0.0
         tokens = sum(r["prompt"] + r["output"] for r in mine)
         out[tenant] = {
             "requests": len(mine),
@@ -137,18 +147,24 @@ def summarise(rows: dict[str, dict], system_len: int) -> dict:
     return out
 
 
-def run(load: Workload, config: EngineConfig, cost: StepCost, tenants: tuple[str, ...],
-        system_len: int, weights: dict[str, float] | None = None) -> dict:
-    keep = [i for i, r in enumerate(load.trace) if r.tenant in tenants]
-    recorder = TenantRecorder(weights=dict(weights or {}))
-    replay_paged([load.trace[i] for i in keep], config, cost,
-                 prompts=[load.prompts[i] for i in keep], observer=recorder)
-    return summarise(recorder.rows, system_len)
+def run(loads: list[Workload], config: EngineConfig, cost: StepCost,
+        tenants: tuple[str, ...], system_len: int,
+        weights: dict[str, float] | None = None) -> dict:
+    """Each trace replayed through its own engine; the summary of them all."""
+    runs = []
+    for load in loads:
+        keep = [i for i, r in enumerate(load.trace) if r.tenant in tenants]
+        recorder = TenantRecorder(weights=dict(weights or {}))
+        replay_paged([load.trace[i] for i in keep], config, cost,
+                     prompts=[load.prompts[i] for i in keep], observer=recorder)
+        runs.append(recorder.rows)
+    return summarise(runs, system_len)
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--conversations", type=int, default=16)
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--system-len", type=int, default=1024)
@@ -156,18 +172,25 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--burst-len", type=int, default=2048)
     ap.add_argument("--burst-at-s", type=float, default=15.0)
     ap.add_argument("--num-gpu-blocks", type=int, default=1024)
+    ap.add_argument("--num-cpu-blocks", type=int, default=0)
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--quota", type=float, default=0.5)
     ap.add_argument("--a-weight", type=float, default=4.0)
     ap.add_argument("--max-num-batched-tokens", type=int, default=4096)
     ap.add_argument("--step-base-ms", type=float, default=10.0)
     ap.add_argument("--step-token-ms", type=float, default=0.05)
+    # a block copied between the pools (a tier's load or store, a swap): a 16-token block
+    # of a small model is a few hundred KB over PCIe, where computing it costs 0.8 ms
+    ap.add_argument("--step-block-ms", type=float, default=0.05)
     args = ap.parse_args(argv)
-    load = workload(args.seed, args.conversations, args.turns, args.system_len, args.burst,
-                    args.burst_len, args.burst_at_s)
-    cost = StepCost(args.step_base_ms, args.step_token_ms)
+    loads = [workload(seed, args.conversations, args.turns, args.system_len, args.burst,
+                      args.burst_len, args.burst_at_s)
+             for seed in range(args.seed, args.seed + args.seeds)]
+    cost = StepCost(args.step_base_ms, args.step_token_ms, block_moved_ms=args.step_block_ms)
     base = EngineConfig(simulate=True, simulate_tokenizer="bytes", vocab_size=VOCAB,
-                        block_size=16, num_gpu_blocks=args.num_gpu_blocks, num_cpu_blocks=0,
+                        block_size=16, num_gpu_blocks=args.num_gpu_blocks,
+                        num_cpu_blocks=args.num_cpu_blocks,
+                        cpu_prefix_cache=args.num_cpu_blocks > 0,
                         max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         kv_history_blocks=0, name="tenants")
@@ -185,18 +208,21 @@ def main(argv: list[str] | None = None) -> None:
         (f"A + B, vtc, A's weight {args.a_weight:g}", {"fairness": "vtc"}, ("A", "B"),
          {"A": args.a_weight}),
     ]
+    tier = f", a CPU tier of {args.num_cpu_blocks}" if args.num_cpu_blocks else ""
     print(f"A: {args.conversations} conversations x {args.turns} turns, a "
           f"{args.system_len}-token system prompt; B: {args.burst} prompts of "
           f"{args.burst_len} tokens at {args.burst_at_s:g} s; {args.num_gpu_blocks} GPU "
-          f"blocks of 16; {args.max_num_batched_tokens} tokens a step, a step "
-          f"{args.step_base_ms:g} ms + {args.step_token_ms:g} ms/token (simulated time)\n")
+          f"blocks of 16{tier}; {args.max_num_batched_tokens} tokens a step, a step "
+          f"{args.step_base_ms:g} ms + {args.step_token_ms:g} ms/token + "
+          f"{args.step_block_ms:g} ms/block copied (simulated time); {args.seeds} traces "
+          f"(seeds {args.seed}-{args.seed + args.seeds - 1})\n")
     header = ("run", "A hit", "A prefix kept", "A TTFT p50", "A TTFT p90", "A TTFT p99", "B tok/s",
               "B TTFT p50")
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     results = {}
     for name, overrides, tenants, *weights in runs:
-        summary = run(load, dataclasses.replace(base, **overrides), cost, tenants,
+        summary = run(loads, dataclasses.replace(base, **overrides), cost, tenants,
                       args.system_len, *weights)
         results[name] = summary
         a, b = summary["A"], summary.get("B")
