@@ -209,6 +209,18 @@ class TenantsSwapCpuTierMachine(TenantsMachine):
     cpu_tier = True
 
 
+class VtcMachine(EngineMachine):
+    """fairness "vtc" without a quota: its preemptions for a lighter tenant, the heavier
+    tenants' prompt chunks after its admission, admission past a pick that waits for
+    blocks, and who gives way when the pool runs out."""
+    fairness = "vtc"
+
+
+class VtcSwapCpuTierMachine(VtcMachine):
+    mode = "swap"
+    cpu_tier = True
+
+
 _settings = settings(max_examples=200, stateful_step_count=50, deadline=None,
                      suppress_health_check=[HealthCheck.too_slow])
 TestRecompute = EngineMachine.TestCase
@@ -227,3 +239,7 @@ TestTenants = TenantsMachine.TestCase
 TestTenants.settings = _settings
 TestTenantsSwapCpuTier = TenantsSwapCpuTierMachine.TestCase
 TestTenantsSwapCpuTier.settings = _settings
+TestVtc = VtcMachine.TestCase
+TestVtc.settings = _settings
+TestVtcSwapCpuTier = VtcSwapCpuTierMachine.TestCase
+TestVtcSwapCpuTier.settings = _settings
