@@ -28,7 +28,7 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 
 from kvops.intake import intake, limits, tool_calls
 from kvops.intake.limits import InvalidParam
-from kvops.jobs import idempotency
+from kvops.jobs import idempotency, job_store
 from kvops.jobs.job_listener import JobFailed, JobListener, cancel_abandoned
 from kvops.models import Job
 from kvops.openai import base, errors
@@ -406,10 +406,8 @@ async def response(request: HttpRequest, user, response_id: str) -> HttpResponse
         return errors.error(404, f"no stored response {response_id!r}", "response_id",
                             code="response_not_found")
     status = "in_progress" if job.status in (Job.Status.QUEUED, Job.Status.RUNNING) else None
-    state = {"status": job.status, "finish_reason": job.finish_reason, "error": job.error,
-             "num_prompt_tokens": job.num_prompt_tokens,
-             "num_cached_tokens": job.num_cached_tokens,
-             "num_output_tokens": job.num_output_tokens}
+    # (the state its answer had: the cached tokens by tier from the story in its row)
+    state = job_store.job_payload(job)
     return JsonResponse(response_object(job.pk, state, job.output_text,
                                         int(job.queued_at.timestamp()), job.model,
                                         job.params or {}, status, job.output_logprobs))

@@ -210,6 +210,8 @@ def test_openai_usage_splits_cached_tokens_by_tier(stack):
         assert r.status_code == 200, r.text
     details = r.json()["usage"]["input_tokens_details"]
     assert details["cached_tokens_by_tier"]["gpu"] == details["cached_tokens"] > 0
+    stored = stack.api("GET", f"/v1/responses/{r.json()['id']}", user=None, headers=bearer)
+    assert stored.json()["usage"] == r.json()["usage"]  # (read back from its row)
 
 
 @pytest.mark.django_db(transaction=True)
