@@ -20,10 +20,11 @@ step. So the scheduler (engine/sched/scheduler.py) also:
   batch than its own would with it (so two tenants never preempt each other back and
   forth), the newest of the most served tenant first (`_room_for_lighter`): a light
   tenant then waits for one step;
-* schedules the prompt chunks of the tenants served more after that admission, in a
-  step that gives them no more prompt tokens than it gives the lighter tenants
-  (`_schedule_deferred`), so that the light tenant's prompt is neither split over
-  steps nor slowed by more than its own tokens;
+* schedules the prompt chunks of the tenants served more after that admission
+  (`_schedule_deferred`), in a step that gives them no more prompt tokens than it gives
+  the lighter tenants, or DEFERRED_FLOOR of its budget (so that they progress beside
+  prompts of a few tokens): the light tenant's prompt is neither split over steps nor
+  slowed by much more than its own tokens;
 * while VTC's pick waits for blocks, admits the requests of tenants holding less of
   the pool than its tenant, into what is free (never those holding as much: its own
   tenant's ending requests make its room, and they could keep taking it);

@@ -44,6 +44,10 @@ from engine.sched.queue import WaitingQueue, priority_key
 
 # Most CPU-tier copies made ahead of need per step (KVCacheCoordinator.copy_ahead)
 COPY_AHEAD_BLOCKS = 32
+# Under vtc, in a step that admits a lighter tenant's request, the heavier tenants'
+# prompt chunks take as many tokens as the lighter tenants' prompts, or this share of
+# the step's budget if more (Scheduler.schedule)
+DEFERRED_FLOOR = 0.125
 
 
 # What the counts mean, everywhere they are shown (the engine's metrics, a request's row,
@@ -168,10 +172,13 @@ class Scheduler:
         if after is not None and after.request.status is RequestStatus.RUNNING:
             # it was admitted: the heavier tenants' prompt chunks take no more of the
             # step's tokens than the lighter tenants' prompts took (the step that computes
-            # its prompt carries at most as many of theirs)
+            # its prompt carries at most as many of theirs), or DEFERRED_FLOOR of the
+            # budget, so that they progress beside lighter prompts of a few tokens
             light = sum(s.num_new_tokens for s in out.scheduled
-                        if s.num_new_tokens > 1 and s.request.tenant not in after.heavier)
-            budget = min(budget, light)
+                        if s.request.tenant not in after.heavier and not (
+                            s.num_new_tokens == 1 and s.start >= s.request.num_prompt_tokens))
+            budget = min(budget, max(light, int(DEFERRED_FLOOR
+                                                * self.config.max_num_batched_tokens)))
         if deferred:
             self._schedule_deferred(out, budget, deferred)
         # The CPU tier's copies of reused blocks (none without it); releases the CPU
@@ -330,6 +337,10 @@ class Scheduler:
             request = next(iter(waiting)) if self.vtc is None else \
                 self.vtc.pick(waiting, self.config.scheduling_policy)
             if held and not self._within_share(request, held):
+                if first is not None and request is first.request:
+                    shut -= first.heavier  # it waits for its share: they need not
+                    first = None
+                    continue
                 request = self._next_within_share(held, waiting)
             extra = request.num_seqs - 1
             if len(self.running) + reserved + 1 + extra > self.config.max_num_seqs:
@@ -406,8 +417,10 @@ class Scheduler:
                            deferred: list[tuple[Request, int]]) -> None:
         """The prompt chunks _schedule_running deferred, in its order, with the tokens and
         blocks the admissions left; one that finds no blocks waits for the next step
-        (nobody is preempted for it). None was preempted since: a victim is taken from
-        past the request that needs the room, and admissions preempt nobody."""
+        (nobody is preempted for it), as does one past its tenant's cache quota, but for
+        its tenant's oldest running request, which takes them (as in _within_quota: every
+        tenant progresses). None was preempted since: a victim is taken from past the
+        request that needs the room, and admissions preempt nobody."""
         quota = self.kv.gpu.quota_active
         for request, num_tokens in deferred:
             if budget <= 0:
@@ -415,7 +428,10 @@ class Scheduler:
             start = request.num_computed_tokens
             num_new = min(num_tokens - start, budget)
             alloc = self.kv.allocate_more(request, num_new, quota=quota)
-            if alloc is None or alloc is OVER_QUOTA:
+            if alloc is OVER_QUOTA:
+                oldest = next(r for r in self.running if r.tenant == request.tenant)
+                alloc = self.kv.allocate_more(request, num_new) if oldest is request else None
+            if alloc is None:
                 continue
             out.copies.extend(alloc.copies)
             out.scheduled.append(ScheduledRequest(

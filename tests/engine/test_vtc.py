@@ -5,6 +5,7 @@ import pytest
 
 from engine.errors import InvalidRequestError
 from engine.sched.fairness import LIFT_UNDER, OUTPUT_WEIGHT, PROMPT_WEIGHT
+from engine.sched.scheduler import DEFERRED_FLOOR
 from tests.engine.sim import expected, greedy, run_all, sim_engine
 
 
@@ -356,3 +357,66 @@ def test_under_vtc_the_pool_running_out_preempts_the_tenant_holding_most():
     assert [(e.request_id, e.reason) for e in preempted] == [("b1", "kv_full")]
     final = run_all(engine)
     assert final["b1"].output_token_ids == expected([51] * 60, 40)
+
+
+def test_a_lighter_tenant_at_its_share_lets_the_heavier_tenants_request_in():
+    """L (weight 50: served least) holds its share of the batch (2 of 4 seats); L's l2 is
+    VTC's pick but over L's share, so H's h1, waiting beside it, takes the seat."""
+    engine = sim_engine(max_num_seqs=4, max_batch_share=0.5, num_gpu_blocks=256,
+                        fairness="vtc")
+    engine.set_tenant("L", weight=50.0)
+    engine.add_request("h0", [10] * 40, greedy(200), tenant="H")
+    for _ in range(5):
+        engine.step()
+    engine.add_request("l0", [20] * 5, greedy(200), tenant="L")
+    engine.add_request("l1", [21] * 5, greedy(200), tenant="L")
+    for _ in range(3):
+        engine.step()
+    engine.add_request("l2", [22] * 5, greedy(200), tenant="L")
+    engine.add_request("h1", [11] * 5, greedy(200), tenant="H")
+    vtc = engine.scheduler.vtc
+    assert vtc.served_of("L") < vtc.served_of("H")
+    engine.step()
+    assert {r.request_id for r in engine.scheduler.running} == {"h0", "l0", "l1", "h1"}
+
+
+def new_tenant_each_step(engine, prompt: list[int], steps: int, first: int = 2) -> list[int]:
+    """From step `first`, a tenant never seen before sends `prompt` each step (each one
+    lifted under every counter: VTC's next pick); h0's computed tokens after each step."""
+    h0, seen = engine.scheduler.requests["h0"], []
+    for step in range(steps):
+        if step >= first:
+            engine.add_request(f"x{step}", prompt, greedy(1), tenant=f"T{step}")
+        engine.step()
+        engine.kv.check_invariants()
+        seen.append(h0.num_computed_tokens)
+    return seen
+
+
+def test_a_heavier_prompt_progresses_beside_lighter_prompts_all_cached():
+    """The new tenants' 9-token prompts are cached but their last token: one prompt token
+    each. H's 600-token prompt still takes its floor of each step's 64 tokens."""
+    engine = sim_engine(num_gpu_blocks=256, max_num_seqs=8, fairness="vtc")
+    engine.add_request("w", [40] * 9, greedy(1), tenant="W")
+    run_all(engine)
+    engine.add_request("h0", [10] * 600, greedy(5), tenant="H")
+    seen = new_tenant_each_step(engine, [40] * 9, 8)
+    assert DEFERRED_FLOOR * 64 == 8  # (an eighth of the step's tokens, not the one)
+    assert all(b - a >= 8 for a, b in zip(seen[2:], seen[3:])), seen
+
+
+def test_a_deferred_prompt_of_its_tenants_oldest_request_grows_past_the_quota():
+    """H's only request, larger than H's quota leaves it beside C's cached prompt, has its
+    chunks deferred behind the new tenants' admissions: it still takes its blocks and ends."""
+    engine = sim_engine(num_gpu_blocks=64, max_num_seqs=8, fairness="vtc",
+                        tenant_cache_quota=0.25)
+    engine.add_request("c0", [30] * 60, greedy(1), tenant="C")
+    run_all(engine)
+    engine.add_request("h0", [10] * 200, greedy(5), tenant="H")
+    final = {}
+    for step in range(12):
+        if step >= 3:
+            engine.add_request(f"x{step}", [40 + step] * 5, greedy(1), tenant=f"T{step}")
+        final.update({o.request_id: o for o in engine.step() if o.finished})
+        engine.kv.check_invariants()
+    assert final["h0"].output_token_ids == expected([10] * 200, 5)
