@@ -35,7 +35,7 @@ class StepShape:
         prefill = decode = context = 0
         for s in out.scheduled:
             context += s.start + s.num_new_tokens
-            if s.num_new_tokens == 1 and s.start >= s.request.num_prompt_tokens:
+            if s.is_decode:
                 decode += 1
             else:
                 prefill += s.num_new_tokens

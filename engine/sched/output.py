@@ -16,6 +16,12 @@ class ScheduledRequest:
     block_ids: list[int]  # its GPU block table for this step
     samples: bool  # the chunk reaches its last known token, so a next token is sampled
 
+    @property
+    def is_decode(self) -> bool:
+        """One generated token computed; anything else is prompt tokens (a chunk, or a
+        recompute of a preempted request's outputs)."""
+        return self.num_new_tokens == 1 and self.start >= self.request.num_prompt_tokens
+
 
 @dataclass(slots=True)
 class SchedulerOutput:

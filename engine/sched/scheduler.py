@@ -175,8 +175,7 @@ class Scheduler:
             # its prompt carries at most as many of theirs), or DEFERRED_FLOOR of the
             # budget, so that they progress beside lighter prompts of a few tokens
             light = sum(s.num_new_tokens for s in out.scheduled
-                        if s.request.tenant not in after.heavier and not (
-                            s.num_new_tokens == 1 and s.start >= s.request.num_prompt_tokens))
+                        if not s.is_decode and s.request.tenant not in after.heavier)
             budget = min(budget, max(light, int(DEFERRED_FLOOR
                                                 * self.config.max_num_batched_tokens)))
         if deferred:
